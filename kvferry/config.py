@@ -1,0 +1,104 @@
+"""Model configuration read from a Hugging Face checkpoint directory."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What kvferry needs of a Llama-family checkpoint."""
+
+    path: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    has_qk_norm: bool  # Qwen3 normalizes each head of q and k before RoPE
+    attention_bias: bool
+    mlp_bias: bool
+    eos_token_ids: tuple[int, ...]
+    fingerprint: str
+
+    @property
+    def num_kv_groups(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+def _eos_ids(raw: dict, checkpoint: Path) -> tuple[int, ...]:
+    ids: list[int] = []
+    sources = [raw.get("eos_token_id")]
+    gen_path = checkpoint / "generation_config.json"
+    if gen_path.exists():
+        sources.append(json.loads(gen_path.read_text()).get("eos_token_id"))
+    for value in sources:
+        if isinstance(value, int):
+            ids.append(value)
+        elif isinstance(value, list):
+            ids.extend(int(v) for v in value)
+    return tuple(sorted(set(ids)))
+
+
+def checkpoint_fingerprint(checkpoint: Path) -> str:
+    """Hash of config.json and every weight file's header, size and edges.
+
+    Cheap even for multi-GB checkpoints, and different for different seeded weights.
+    """
+    digest = hashlib.sha256((checkpoint / "config.json").read_bytes())
+    for weights in sorted(checkpoint.glob("*.safetensors")):
+        size = weights.stat().st_size
+        digest.update(weights.name.encode() + size.to_bytes(8, "little"))
+        with weights.open("rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            digest.update(f.read(min(header_len, 1 << 24)))
+            digest.update(f.read(1 << 16))
+            f.seek(max(size - (1 << 16), 0))
+            digest.update(f.read(1 << 16))
+    return digest.hexdigest()[:16]
+
+
+def load_model_config(path: str | Path) -> ModelConfig:
+    """Read config.json (and generation_config.json) of a checkpoint directory."""
+    checkpoint = Path(path)
+    config_path = checkpoint / "config.json"
+    if not config_path.exists():
+        raise ValueError(f"model: no config.json in {checkpoint}")
+    raw = json.loads(config_path.read_text())
+    architecture = (raw.get("architectures") or [""])[0]
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"model: architecture {architecture!r} is not one of {SUPPORTED_ARCHITECTURES}"
+        )
+    num_heads = raw["num_attention_heads"]
+    head_dim = raw.get("head_dim") or raw["hidden_size"] // num_heads
+    return ModelConfig(
+        path=str(checkpoint),
+        architecture=architecture,
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"],
+        num_layers=raw["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+        head_dim=head_dim,
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+        max_position_embeddings=raw.get("max_position_embeddings", 2048),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        has_qk_norm=architecture == "Qwen3ForCausalLM",
+        attention_bias=bool(raw.get("attention_bias", False)),
+        mlp_bias=bool(raw.get("mlp_bias", False)),
+        eos_token_ids=_eos_ids(raw, checkpoint),
+        fingerprint=checkpoint_fingerprint(checkpoint),
+    )

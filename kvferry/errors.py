@@ -1,0 +1,35 @@
+"""Typed exceptions used inside kvferry; each server maps them to gRPC status codes."""
+
+from __future__ import annotations
+
+
+class KvferryError(Exception):
+    """Base class. `field` names the offending input field when there is one."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class InvalidArgument(KvferryError):
+    """Bad input from the caller (INVALID_ARGUMENT)."""
+
+
+class NotFound(KvferryError):
+    """Unknown request id (NOT_FOUND)."""
+
+
+class ResourceExhausted(KvferryError):
+    """Not enough K/V blocks or queue room (RESOURCE_EXHAUSTED)."""
+
+
+class Unavailable(KvferryError):
+    """A worker is down or draining (UNAVAILABLE)."""
+
+
+class Aborted(KvferryError):
+    """The request was aborted or its lease ran out while in flight (ABORTED/CANCELLED)."""
+
+
+class DeadlineExceeded(KvferryError):
+    """The request's deadline passed (DEADLINE_EXCEEDED)."""
