@@ -1,0 +1,1 @@
+"""Decode worker: holds reservations, receives K/V pages, runs continuous-batched decoding."""

@@ -1,0 +1,113 @@
+"""gRPC edge of the decode worker: DecodeService and KvTransferService."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+
+from decode_worker.engine import DecodeEngine, ErrorEvent, FinishedEvent
+from kvferry import convert, grpc_util, transport, wire
+from kvferry.errors import InvalidArgument, KvferryError
+from kvferry.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
+
+
+class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
+    def __init__(self, engine: DecodeEngine) -> None:
+        self.engine = engine
+        self.layout_msg = transport.layout_to_proto(engine.layout)
+
+    async def Reserve(self, request: worker_pb2.ReserveRequest,
+                      context: grpc.aio.ServicerContext) -> worker_pb2.ReserveResponse:
+        try:
+            num_blocks = self.engine.reserve(
+                request.request_id, request.num_prompt_tokens, request.max_tokens,
+                request.lease_s,
+            )
+        except Exception as exc:
+            await grpc_util.abort_with(context, exc, request.request_id)
+        return worker_pb2.ReserveResponse(num_blocks=num_blocks)
+
+    async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+                     ) -> AsyncIterator[worker_pb2.DecodeResponse]:
+        request_id = request.request_id
+        try:
+            params = convert.sampling_from_proto(request.sampling)
+            events = self.engine.attach(
+                request_id, request.first_token_id, params, request.max_new_tokens,
+                list(request.stop_token_ids),
+            )
+        except Exception as exc:
+            await grpc_util.abort_with(context, exc, request_id)
+            return
+        try:
+            while True:
+                event = await events.get()
+                if isinstance(event, ErrorEvent):
+                    await grpc_util.abort_with(context, event.error, request_id)
+                    return
+                if isinstance(event, FinishedEvent):
+                    yield worker_pb2.DecodeResponse(finished=worker_pb2.DecodeFinished(
+                        reason=event.reason.value, first_decode_step_s=event.first_step_s))
+                    return
+                yield worker_pb2.DecodeResponse(
+                    tokens=generation_pb2.TokenIds(ids=event.token_ids))
+        except asyncio.CancelledError:
+            # Client gone or deadline passed: drop the request at the next step boundary.
+            try:
+                self.engine.abort(request_id)
+            except KvferryError:
+                pass  # finished in the meantime: its blocks are already back
+            raise
+
+    async def Abort(self, request: generation_pb2.AbortRequest,
+                    context: grpc.aio.ServicerContext) -> generation_pb2.AbortResponse:
+        try:
+            self.engine.abort(request.request_id)
+        except Exception as exc:
+            await grpc_util.abort_with(context, exc, request.request_id)
+        return generation_pb2.AbortResponse()
+
+    async def GetStats(self, request: worker_pb2.GetStatsRequest,
+                       context: grpc.aio.ServicerContext) -> worker_pb2.WorkerStats:
+        return convert.stats_to_proto("decode", self.engine.stats(), self.layout_msg)
+
+
+class KvTransferServicer(worker_pb2_grpc.KvTransferServiceServicer):
+    def __init__(self, engine: DecodeEngine) -> None:
+        self.engine = engine
+
+    async def PushKv(self, request_iterator: AsyncIterator[worker_pb2.KvChunk],
+                     context: grpc.aio.ServicerContext) -> worker_pb2.PushKvResponse:
+        request_id = ""
+        written = 0
+        try:
+            async for chunk in request_iterator:
+                if request_id and chunk.request_id != request_id:
+                    raise InvalidArgument("one push carries one request_id", "request_id")
+                request_id = chunk.request_id
+                span = wire.ChunkSpan(chunk.layer_start, chunk.layer_end, chunk.block_start,
+                                      chunk.num_blocks)
+                written += self.engine.receive_chunk(
+                    request_id, transport.layout_from_proto(chunk.layout), chunk.num_tokens,
+                    span, chunk.data, chunk.crc32,
+                )
+            if not request_id:
+                raise InvalidArgument("empty push", "request_id")
+            self.engine.finish_push(request_id)
+        except asyncio.CancelledError:
+            self.engine.fail_push(request_id)
+            raise
+        except Exception as exc:
+            self.engine.fail_push(request_id)
+            await grpc_util.abort_with(context, exc, request_id)
+        return worker_pb2.PushKvResponse(bytes_written=written)
+
+
+SERVICE_NAMES = ["kvferry.v1.DecodeService", "kvferry.v1.KvTransferService"]
+
+
+def add_to_server(server: grpc.aio.Server, engine: DecodeEngine) -> None:
+    worker_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(engine), server)
+    worker_pb2_grpc.add_KvTransferServiceServicer_to_server(KvTransferServicer(engine), server)

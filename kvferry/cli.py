@@ -1,0 +1,211 @@
+"""The `kvferry` command line.
+
+  kvferry make-model [--out DIR] [--arch qwen3|llama]   seeded checkpoint (HF format)
+  kvferry serve [--model DIR] [--num-prefill P] ...      router + workers on localhost
+  kvferry generate --address HOST:PORT PROMPT            stream a completion
+  kvferry demo                                           serve + one Generate + shut down
+  kvferry prefill-worker | decode-worker | router        one process (Kubernetes, Ray)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from kvferry.settings import DEFAULT_MODEL_DIR, RouterSettings, WorkerSettings
+
+
+def _ensure_default_model() -> str:
+    if not (DEFAULT_MODEL_DIR / "config.json").exists():
+        from kvferry.checkpoint import make_model
+
+        print(f"creating the default model in {DEFAULT_MODEL_DIR}", file=sys.stderr)
+        make_model(DEFAULT_MODEL_DIR)
+    return str(DEFAULT_MODEL_DIR)
+
+
+def _worker_parser(sub: argparse._SubParsersAction, role: str) -> None:
+    p = sub.add_parser(f"{role}-worker", help=f"run one {role} worker process")
+    p.add_argument("--model", default=None, help="checkpoint directory (default: tiny Qwen3)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-pool-size", default="256MiB",
+                   help="bytes (256MiB, 2GB) or a fraction of device memory (0.5)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--torch-threads", type=int, default=0)
+    p.set_defaults(role=role)
+
+
+def _deployment_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="checkpoint directory (default: tiny Qwen3)")
+    p.add_argument("--num-prefill", type=int, default=1)
+    p.add_argument("--num-decode", type=int, default=1)
+    p.add_argument("--port", type=int, default=50051, help="router port (0: any free port)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-pool-size", default="256MiB")
+    p.add_argument("--torch-threads", type=int, default=1, help="per worker process")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[])
+    p.add_argument("--ignore-eos", action="store_true")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvferry", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("make-model", help="write a seeded checkpoint in Hugging Face format")
+    p.add_argument("--out", default=str(DEFAULT_MODEL_DIR))
+    p.add_argument("--arch", default="qwen3", choices=["qwen3", "llama"])
+
+    _worker_parser(sub, "prefill")
+    _worker_parser(sub, "decode")
+
+    p = sub.add_parser("router", help="run the router process")
+    p.add_argument("--model", default=None)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--prefill", action="append", default=[], help="prefill worker HOST:PORT")
+    p.add_argument("--decode", action="append", default=[], help="decode worker HOST:PORT")
+    p.add_argument("--lease-s", type=float, default=30.0)
+
+    p = sub.add_parser("serve", help="start router + workers on localhost until Ctrl-C")
+    _deployment_args(p)
+
+    p = sub.add_parser("generate", help="stream one completion from a running deployment")
+    p.add_argument("prompt")
+    p.add_argument("--address", default="127.0.0.1:50051")
+    _sampling_args(p)
+
+    p = sub.add_parser("demo", help="serve, send one Generate, print TTFT/ITL, shut down")
+    _deployment_args(p)
+    p.add_argument("--prompt", default="The quick brown fox")
+    _sampling_args(p)
+    p.set_defaults(port=0)
+    return parser
+
+
+def _sampling_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    kwargs: dict[str, object] = {"stop": args.stop, "ignore_eos": args.ignore_eos}
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
+        value = getattr(args, name)
+        if value is not None:
+            kwargs[name] = value
+    return kwargs
+
+
+async def _print_stream(address: str, prompt: str, sampling: dict[str, object]) -> int:
+    import grpc
+
+    from kvferry import client, grpc_util
+    from kvferry.v1 import generation_pb2, generation_pb2_grpc
+
+    request = client.make_request(prompt, **sampling)
+    async with grpc_util.channel(address) as chan:
+        stub = generation_pb2_grpc.GenerationServiceStub(chan)
+        completion = client.Completion()
+        try:
+            async for msg, completion in client.stream(stub, request):
+                if msg.HasField("chunk"):
+                    print(msg.chunk.text, end="", flush=True)
+        except grpc.aio.AioRpcError as exc:
+            print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    finished = completion.finished
+    reason = generation_pb2.FinishReason.Name(finished.reason) if finished else "none"
+    print(f"\n\n[{len(completion.token_ids)} tokens, finish {reason}] "
+          f"TTFT {completion.ttft_s * 1000:.1f} ms, "
+          f"mean ITL {completion.mean_itl_s * 1000:.2f} ms")
+    return 0
+
+
+def _deployment(args: argparse.Namespace):
+    from kvferry.launcher import Deployment
+
+    return Deployment(
+        model=args.model or _ensure_default_model(), num_prefill=args.num_prefill,
+        num_decode=args.num_decode, router_port=args.port, block_size=args.block_size,
+        kv_pool_size=args.kv_pool_size, torch_threads=args.torch_threads,
+        attention_backend=args.attention_backend,
+    )
+
+
+def _serve(args: argparse.Namespace) -> int:
+    deployment = _deployment(args).start()
+    print(f"kvferry serving on {deployment.router_address} (Ctrl-C to stop)", flush=True)
+    stop = {"flag": False}
+
+    def handler(signum: int, frame: object) -> None:
+        stop["flag"] = True
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    try:
+        while not stop["flag"]:
+            signal.pause()
+    finally:
+        deployment.stop()
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    with _deployment(args) as deployment:
+        print(f"deployment up: router {deployment.router_address}", file=sys.stderr)
+        return asyncio.run(_print_stream(deployment.router_address, args.prompt,
+                                         _sampling_kwargs(args)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from kvferry import processes
+
+    if args.command == "make-model":
+        from kvferry.checkpoint import SPECS, make_model
+
+        print(make_model(Path(args.out), SPECS[args.arch]))
+        return 0
+    if args.command in ("prefill-worker", "decode-worker"):
+        settings = WorkerSettings(
+            role=args.role, model=args.model or _ensure_default_model(), host=args.host,
+            port=args.port, block_size=args.block_size, kv_pool_size=args.kv_pool_size,
+            dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
+            torch_threads=args.torch_threads,
+        )
+        asyncio.run(processes.run_worker(settings))
+        return 0
+    if args.command == "router":
+        settings = RouterSettings(
+            model=args.model or _ensure_default_model(), prefill=tuple(args.prefill),
+            decode=tuple(args.decode), host=args.host, port=args.port, lease_s=args.lease_s,
+        )
+        asyncio.run(processes.run_router(settings))
+        return 0
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "generate":
+        return asyncio.run(_print_stream(args.address, args.prompt, _sampling_kwargs(args)))
+    if args.command == "demo":
+        return _demo(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

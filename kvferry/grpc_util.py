@@ -1,0 +1,75 @@
+"""gRPC plumbing shared by every server: options, health, error mapping, readiness line."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from kvferry import errors
+
+MAX_MESSAGE_BYTES = 64 << 20
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+READY_PREFIX = "KVFERRY_READY"
+
+log = logging.getLogger("kvferry")
+
+_STATUS = {
+    errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.NotFound: grpc.StatusCode.NOT_FOUND,
+    errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
+    errors.Aborted: grpc.StatusCode.ABORTED,
+    errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+
+
+def status_for(exc: errors.KvferryError) -> grpc.StatusCode:
+    for cls, code in _STATUS.items():
+        if isinstance(exc, cls):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException, request_id: str) -> None:
+    """Map an exception to a status and abort the RPC. Unexpected ones become INTERNAL."""
+    if isinstance(exc, errors.KvferryError):
+        await context.abort(status_for(exc), str(exc))
+    if isinstance(exc, grpc.aio.AioRpcError):
+        # A downstream call failed: pass its status through, naming where it came from.
+        await context.abort(exc.code(), f"downstream: {exc.details()}")
+    log.exception("request %s: internal error", request_id, exc_info=exc)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def make_server(max_concurrent_rpcs: int | None = None) -> grpc.aio.Server:
+    return grpc.aio.server(options=CHANNEL_OPTIONS, maximum_concurrent_rpcs=max_concurrent_rpcs)
+
+
+def add_health(server: grpc.aio.Server, service_names: list[str]) -> health.aio.HealthServicer:
+    servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    return servicer
+
+
+async def set_serving(servicer: health.aio.HealthServicer, service_names: list[str],
+                      serving: bool) -> None:
+    status = (health_pb2.HealthCheckResponse.SERVING if serving
+              else health_pb2.HealthCheckResponse.NOT_SERVING)
+    for name in ["", *service_names]:
+        await servicer.set(name, status)
+
+
+def announce_ready(port: int) -> None:
+    """Tell a parent launcher which port we bound (ports may be 0 = any free port)."""
+    print(f"{READY_PREFIX} port={port}", flush=True)
+    sys.stdout.flush()
+
+
+def channel(address: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)

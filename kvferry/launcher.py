@@ -1,0 +1,127 @@
+"""Start and stop a local deployment: router + P prefill + D decode worker processes.
+
+Each process binds the port it is given (0 = any free port) and prints one readiness line
+with the bound port; the launcher reads it, so no port is ever guessed. Workers start in
+parallel; the router starts once they are all serving.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvferry.grpc_util import READY_PREFIX
+
+
+@dataclass
+class Process:
+    name: str
+    popen: subprocess.Popen[str]
+    port: int = 0
+    _ready: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _watch(self) -> None:
+        assert self.popen.stdout is not None  # noqa: S101 - created with stdout=PIPE
+        for line in self.popen.stdout:
+            if line.startswith(READY_PREFIX):
+                self.port = int(line.split("port=")[1])
+                self._ready.set()
+        self._ready.set()  # exited: wake the waiter, who checks the return code
+
+    def wait_ready(self, timeout_s: float) -> None:
+        if not self._ready.wait(timeout_s) or self.port == 0:
+            code = self.popen.poll()
+            raise RuntimeError(f"{self.name} did not become ready (exit code {code})")
+
+
+def _spawn(name: str, args: list[str], log_dir: Path | None, env: dict[str, str]) -> Process:
+    stderr = open(log_dir / f"{name}.log", "w") if log_dir else None  # noqa: SIM115
+    popen = subprocess.Popen(
+        [sys.executable, "-m", "kvferry.cli", *args],
+        stdout=subprocess.PIPE, stderr=stderr, text=True, env={**os.environ, **env},
+        start_new_session=True,
+    )
+    proc = Process(name, popen)
+    threading.Thread(target=proc._watch, daemon=True).start()
+    return proc
+
+
+@dataclass
+class Deployment:
+    model: str
+    num_prefill: int = 1
+    num_decode: int = 1
+    router_port: int = 0
+    block_size: int = 16
+    kv_pool_size: str = "256MiB"
+    torch_threads: int = 1
+    attention_backend: str = "auto"
+    log_dir: Path | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    processes: list[Process] = field(default_factory=list)
+
+    def _worker_args(self, role: str) -> list[str]:
+        return [f"{role}-worker", "--model", self.model, "--port", "0",
+                "--block-size", str(self.block_size), "--kv-pool-size", self.kv_pool_size,
+                "--torch-threads", str(self.torch_threads),
+                "--attention-backend", self.attention_backend]
+
+    def start(self, timeout_s: float = 180.0) -> Deployment:
+        try:
+            workers = [_spawn(f"prefill-{i}", self._worker_args("prefill"), self.log_dir,
+                              self.env) for i in range(self.num_prefill)]
+            workers += [_spawn(f"decode-{i}", self._worker_args("decode"), self.log_dir,
+                               self.env) for i in range(self.num_decode)]
+            self.processes = list(workers)
+            for proc in workers:
+                proc.wait_ready(timeout_s)
+            args = ["router", "--model", self.model, "--port", str(self.router_port)]
+            for proc in workers:
+                args += ["--prefill" if proc.name.startswith("prefill") else "--decode",
+                         proc.address]
+            router = _spawn("router", args, self.log_dir, self.env)
+            self.processes.append(router)
+            router.wait_ready(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    @property
+    def router_address(self) -> str:
+        return self.processes[-1].address
+
+    def addresses(self, role: str) -> list[str]:
+        return [p.address for p in self.processes if p.name.startswith(role)]
+
+    def stop(self, grace_s: float = 10.0) -> list[int | None]:
+        """SIGTERM everything (router first), wait, SIGKILL stragglers. Returns exit codes."""
+        for proc in reversed(self.processes):
+            if proc.popen.poll() is None:
+                proc.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        codes = []
+        for proc in reversed(self.processes):
+            try:
+                codes.append(proc.popen.wait(max(deadline - time.monotonic(), 0.1)))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.popen.pid, signal.SIGKILL)
+                codes.append(proc.popen.wait())
+        self.processes = []
+        return codes
+
+    def __enter__(self) -> Deployment:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

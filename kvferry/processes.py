@@ -1,0 +1,132 @@
+"""Process bootstrap: build a worker or the router from its settings and serve until SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+
+import torch
+
+from kvferry import grpc_util, wire
+from kvferry.config import load_model_config
+from kvferry.kv_pool import DTYPES, KvPool
+from kvferry.settings import RouterSettings, WorkerSettings, parse_pool_size
+
+log = logging.getLogger("kvferry")
+
+
+def _device_and_dtype(settings: WorkerSettings) -> tuple[torch.device, torch.dtype, str]:
+    device = settings.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if settings.dtype != "auto":
+        dtype = DTYPES[settings.dtype]
+    else:
+        dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
+    backend = settings.attention_backend
+    if backend == "auto":
+        backend = "triton" if dev.type == "cuda" else "torch"
+    return dev, dtype, backend
+
+
+def _memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def build_pool(settings: WorkerSettings, config, device: torch.device,
+               dtype: torch.dtype) -> KvPool:
+    size = parse_pool_size(settings.kv_pool_size, _memory_bytes(device))
+    per_block = KvPool.bytes_per_block(config.num_layers, config.num_kv_heads, config.head_dim,
+                                       settings.block_size, dtype)
+    num_blocks = size // per_block
+    if num_blocks < 1:
+        raise ValueError(f"kv_pool_size: {size} bytes holds no {per_block}-byte block")
+    return KvPool(config.num_layers, config.num_kv_heads, config.head_dim, settings.block_size,
+                  num_blocks, dtype, device)
+
+
+async def _serve(server, health, service_names: list[str], port: int, on_stop) -> None:
+    await server.start()
+    await grpc_util.set_serving(health, service_names, True)
+    grpc_util.announce_ready(port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("draining")
+    await grpc_util.set_serving(health, service_names, False)
+    await server.stop(grace=5.0)
+    await on_stop()
+
+
+async def run_worker(settings: WorkerSettings) -> None:
+    from kernels.dispatch import get_attention_backend
+    from kvferry.model import Transformer
+    from kvferry.transport import GrpcKvSender
+
+    if settings.torch_threads > 0:
+        torch.set_num_threads(settings.torch_threads)
+    config = load_model_config(settings.model)
+    device, dtype, backend_name = _device_and_dtype(settings)
+    model = Transformer(config, get_attention_backend(backend_name), dtype, device)
+    pool = build_pool(settings, config, device, dtype)
+    layout = wire.KvLayout.of_pool(pool, config.fingerprint)
+    server = grpc_util.make_server()
+    health = grpc_util.add_health(server, [])
+    if settings.role == "decode":
+        from decode_worker import server as decode_server
+        from decode_worker.engine import DecodeEngine
+
+        engine = DecodeEngine(model, pool, layout)
+        decode_server.add_to_server(server, engine)
+        names = decode_server.SERVICE_NAMES
+        engine.start()
+    else:
+        from prefill_worker import server as prefill_server
+        from prefill_worker.engine import PrefillEngine
+
+        engine = PrefillEngine(model, pool, layout, GrpcKvSender())
+        prefill_server.add_to_server(server, engine)
+        names = prefill_server.SERVICE_NAMES
+    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    log.info("%s worker on %s:%d: %d blocks of %d tokens, %s, %s, backend %s", settings.role,
+             settings.host, port, pool.num_blocks, pool.block_size, dtype, device, backend_name)
+    await _serve(server, health, names, port, engine.stop)
+
+
+async def run_router(settings: RouterSettings) -> None:
+    from transformers import AutoTokenizer
+
+    from router import server as router_server
+    from router.engine import Router
+    from router.workers import WorkerSet
+
+    config = load_model_config(settings.model)
+    tokenizer = AutoTokenizer.from_pretrained(settings.model)
+    workers = WorkerSet.connect(list(settings.prefill), list(settings.decode),
+                                config.fingerprint)
+    await workers.refresh_all()
+    router = Router(config, tokenizer, workers, settings.lease_s)
+    refresher = asyncio.create_task(_refresh_loop(workers))
+    server = grpc_util.make_server()
+    health = grpc_util.add_health(server, [])
+    router_server.add_to_server(server, router)
+    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+
+    async def on_stop() -> None:
+        refresher.cancel()
+        await workers.close()
+
+    await _serve(server, health, router_server.SERVICE_NAMES, port, on_stop)
+
+
+async def _refresh_loop(workers, interval_s: float = 0.5) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        await workers.refresh_all()

@@ -1,0 +1,80 @@
+"""Per-process configuration: one frozen object per process, built from flags."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_MODEL_DIR = Path(
+    os.environ.get("KVFERRY_HOME", Path.home() / ".cache" / "kvferry")
+) / "models" / "qwen3-tiny"
+
+_SIZE = re.compile(r"^\s*([0-9.]+)\s*(B|KB|KiB|MB|MiB|GB|GiB)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "kib": 2**10, "mb": 10**6, "mib": 2**20, "gb": 10**9,
+          "gib": 2**30}
+
+
+def parse_pool_size(value: str, total_memory_bytes: int) -> int:
+    """"256MiB", "2GB", "1048576" (bytes) or a fraction "0.3" of device memory -> bytes."""
+    match = _SIZE.match(value)
+    if not match:
+        raise ValueError(f"kv_pool_size: cannot parse {value!r}")
+    number, unit = float(match.group(1)), match.group(2)
+    if unit is None and number <= 1.0:
+        if number <= 0:
+            raise ValueError(f"kv_pool_size: fraction must be > 0, got {value!r}")
+        return int(number * total_memory_bytes)
+    size = int(number * _UNITS[(unit or "b").lower()])
+    if size <= 0:
+        raise ValueError(f"kv_pool_size: must be > 0, got {value!r}")
+    return size
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """A prefill or decode worker process."""
+
+    role: str  # "prefill" or "decode"
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    block_size: int = 16
+    kv_pool_size: str = "256MiB"
+    dtype: str = "auto"  # auto: float32 on CPU, the checkpoint's dtype (or bfloat16) on CUDA
+    device: str = "auto"
+    attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
+    torch_threads: int = 0  # 0: torch's default
+
+    def __post_init__(self) -> None:
+        if self.role not in ("prefill", "decode"):
+            raise ValueError(f"role: expected prefill or decode, got {self.role!r}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size: must be a power of two, got {self.block_size}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port: out of range: {self.port}")
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError(f"dtype: unknown {self.dtype!r}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend: unknown {self.attention_backend!r}")
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    """The router process."""
+
+    model: str
+    prefill: tuple[str, ...]
+    decode: tuple[str, ...]
+    host: str = "127.0.0.1"
+    port: int = 0
+    lease_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not self.prefill:
+            raise ValueError("prefill: at least one prefill worker address is required")
+        if not self.decode:
+            raise ValueError("decode: at least one decode worker address is required")
+        if self.lease_s <= 0:
+            raise ValueError(f"lease_s: must be > 0, got {self.lease_s}")

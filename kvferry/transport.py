@@ -1,0 +1,89 @@
+"""K/V transports: how a prefill worker's pages reach a decode worker's pool.
+
+`GrpcKvSender` streams chunks (kvferry.wire) to the decode worker's KvTransferService.
+Receiving lives in decode_worker (it validates against reservations). A Ray transport will
+implement the same `push` contract.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import NamedTuple, Protocol
+
+import grpc
+
+from kvferry import grpc_util, wire
+from kvferry.kv_pool import KvPool
+from kvferry.v1 import worker_pb2, worker_pb2_grpc
+
+
+class PushResult(NamedTuple):
+    num_bytes: int
+    seconds: float
+
+
+class KvSender(Protocol):
+    async def push(
+        self, address: str, request_id: str, layout: wire.KvLayout, num_tokens: int,
+        pool: KvPool, block_table: list[int], timeout_s: float | None,
+    ) -> PushResult: ...
+
+    async def close(self) -> None: ...
+
+
+def layout_to_proto(layout: wire.KvLayout) -> worker_pb2.KvLayout:
+    return worker_pb2.KvLayout(
+        num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim, block_size=layout.block_size, dtype=layout.dtype,
+        model_fingerprint=layout.model_fingerprint,
+    )
+
+
+def layout_from_proto(msg: worker_pb2.KvLayout) -> wire.KvLayout:
+    return wire.KvLayout(
+        num_layers=msg.num_layers, num_kv_heads=msg.num_kv_heads, head_dim=msg.head_dim,
+        block_size=msg.block_size, dtype=msg.dtype, model_fingerprint=msg.model_fingerprint,
+    )
+
+
+class GrpcKvSender:
+    """Client-streaming push of ~1 MiB chunks, one channel per decode address."""
+
+    def __init__(self, chunk_bytes: int = wire.CHUNK_TARGET_BYTES) -> None:
+        self.chunk_bytes = chunk_bytes
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def _stub(self, address: str) -> worker_pb2_grpc.KvTransferServiceStub:
+        if address not in self._channels:
+            self._channels[address] = grpc_util.channel(address)
+        return worker_pb2_grpc.KvTransferServiceStub(self._channels[address])
+
+    async def push(
+        self, address: str, request_id: str, layout: wire.KvLayout, num_tokens: int,
+        pool: KvPool, block_table: list[int], timeout_s: float | None,
+    ) -> PushResult:
+        layout_msg = layout_to_proto(layout)
+        spans = wire.plan_chunks(layout, num_tokens, self.chunk_bytes)
+        sent = 0
+
+        async def chunks() -> AsyncIterator[worker_pb2.KvChunk]:
+            nonlocal sent
+            for span in spans:
+                data = wire.pack(pool, block_table, span)
+                sent += len(data)
+                yield worker_pb2.KvChunk(
+                    request_id=request_id, layout=layout_msg, num_tokens=num_tokens,
+                    layer_start=span.layer_start, layer_end=span.layer_end,
+                    block_start=span.block_start, num_blocks=span.num_blocks,
+                    data=data, crc32=wire.crc32(data),
+                )
+
+        start = time.perf_counter()
+        await self._stub(address).PushKv(chunks(), timeout=timeout_s)
+        return PushResult(sent, time.perf_counter() - start)
+
+    async def close(self) -> None:
+        for chan in self._channels.values():
+            await chan.close()
+        self._channels.clear()

@@ -1,0 +1,27 @@
+"""Small shared types: finish reasons and pool statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class FinishReason(Enum):
+    """Why a request ended (values match proto FinishReason)."""
+
+    STOP = 1
+    LENGTH = 2
+    ABORT = 3
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """A worker's pool and queue state (mirrors proto WorkerStats)."""
+
+    total_blocks: int
+    free_blocks: int
+    reserved_blocks: int
+    num_running: int
+    num_waiting: int
+    integrity_ok: bool
+    integrity_error: str

@@ -1,0 +1,59 @@
+"""gRPC edge of the prefill worker: PrefillService."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+import grpc
+
+from kvferry import convert, grpc_util, transport
+from kvferry.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
+from prefill_worker.engine import FirstTokenEvent, PrefillEngine
+
+
+class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
+    def __init__(self, engine: PrefillEngine) -> None:
+        self.engine = engine
+        self.layout_msg = transport.layout_to_proto(engine.layout)
+
+    async def Prefill(self, request: worker_pb2.PrefillRequest,
+                      context: grpc.aio.ServicerContext
+                      ) -> AsyncIterator[worker_pb2.PrefillResponse]:
+        try:
+            params = convert.sampling_from_proto(request.sampling)
+            events = self.engine.prefill(
+                request.request_id, list(request.prompt_token_ids), params,
+                request.decode_address, context.time_remaining(),
+            )
+            # aclosing: if we are cancelled while suspended at our own yield, the engine's
+            # generator still runs its cleanup (frees the blocks) right away.
+            async with aclosing(events):
+                async for event in events:
+                    if isinstance(event, FirstTokenEvent):
+                        yield worker_pb2.PrefillResponse(first_token=worker_pb2.FirstToken(
+                            token_id=event.token_id, prefill_s=event.prefill_s))
+                    else:
+                        yield worker_pb2.PrefillResponse(done=worker_pb2.PrefillDone(
+                            kv_transfer_s=event.kv_transfer_s, kv_bytes=event.kv_bytes))
+        except Exception as exc:
+            await grpc_util.abort_with(context, exc, request.request_id)
+
+    async def Abort(self, request: generation_pb2.AbortRequest,
+                    context: grpc.aio.ServicerContext) -> generation_pb2.AbortResponse:
+        try:
+            self.engine.abort(request.request_id)
+        except Exception as exc:
+            await grpc_util.abort_with(context, exc, request.request_id)
+        return generation_pb2.AbortResponse()
+
+    async def GetStats(self, request: worker_pb2.GetStatsRequest,
+                       context: grpc.aio.ServicerContext) -> worker_pb2.WorkerStats:
+        return convert.stats_to_proto("prefill", self.engine.stats(), self.layout_msg)
+
+
+SERVICE_NAMES = ["kvferry.v1.PrefillService"]
+
+
+def add_to_server(server: grpc.aio.Server, engine: PrefillEngine) -> None:
+    worker_pb2_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(engine), server)

@@ -1,0 +1,1 @@
+"""Router: the public GenerationService; picks workers and relays tokens."""

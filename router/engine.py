@@ -1,0 +1,321 @@
+"""Router engine: validate, reserve decode blocks, prefill, relay tokens, clean up.
+
+The token contract (docs/architecture.md): prefill computes K/V for the N prompt tokens and
+samples token N+1, which the router streams at once. Decode is told that token, feeds it at
+position N and streams tokens N+2 onwards. Every token is streamed exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import grpc
+
+from kvferry import convert
+from kvferry.config import ModelConfig
+from kvferry.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from kvferry.sampling import DEFAULT_MAX_TOKENS, SamplingParams
+from kvferry.types import FinishReason
+from kvferry.v1 import generation_pb2, worker_pb2
+from router.detok import IncrementalDetokenizer
+from router.workers import Worker, WorkerSet
+
+log = logging.getLogger("kvferry.router")
+
+
+@dataclass(frozen=True)
+class GenerateInput:
+    request_id: str
+    text: str | None
+    token_ids: list[int] | None
+    params: SamplingParams
+    is_max_tokens_set: bool
+
+
+class ChunkEvent(NamedTuple):
+    token_ids: list[int]
+    text: str
+
+
+class Timing(NamedTuple):
+    queue_s: float
+    prefill_s: float
+    kv_transfer_s: float
+    first_decode_step_s: float
+    time_to_first_token_s: float
+
+
+class DoneEvent(NamedTuple):
+    reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    timing: Timing
+
+
+@dataclass(slots=True)
+class RouterRequest:
+    request_id: str
+    is_aborted: bool = False
+    prefill_worker: Worker | None = None
+    prefill_call: grpc.aio.UnaryStreamCall | None = None
+    decode_worker: Worker | None = None
+    holds_decode: bool = False  # the decode worker still holds this request's blocks
+    is_decoding: bool = False  # the Decode stream is open
+
+
+def _remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else max(deadline - time.monotonic(), 0.001)
+
+
+def _cancelled_from_outside() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
+class Router:
+    def __init__(self, config: ModelConfig, tokenizer: object, workers: WorkerSet,
+                 lease_s: float = 30.0) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.workers = workers
+        self.lease_s = lease_s
+        self._running: dict[str, RouterRequest] = {}
+
+    # ---- validation ----------------------------------------------------------------------
+    def _prompt(self, inp: GenerateInput) -> list[int]:
+        if inp.token_ids is not None:
+            prompt = list(inp.token_ids)
+            vocab = self.config.vocab_size
+            bad = [t for t in prompt if not 0 <= t < vocab]
+            if bad:
+                raise InvalidArgument(
+                    f"input.token_ids: {bad[0]} is outside the vocabulary [0, {vocab})",
+                    "input.token_ids",
+                )
+        elif inp.text:
+            prompt = self.tokenizer.encode(inp.text)  # type: ignore[attr-defined]
+        else:
+            prompt = []
+        if not prompt:
+            raise InvalidArgument("input: the prompt is empty", "input")
+        return prompt
+
+    def _resolve(self, inp: GenerateInput, num_prompt: int) -> SamplingParams:
+        params = inp.params
+        room = self.config.max_position_embeddings - num_prompt
+        if room < 1:
+            raise InvalidArgument(
+                f"input: prompt of {num_prompt} tokens fills the model's context of "
+                f"{self.config.max_position_embeddings}", "input",
+            )
+        if not inp.is_max_tokens_set:
+            params = dataclasses.replace(params, max_tokens=min(DEFAULT_MAX_TOKENS, room))
+        params.validate(self.config.vocab_size)
+        if params.max_tokens > room:
+            raise InvalidArgument(
+                f"sampling.max_tokens: prompt {num_prompt} + max_tokens {params.max_tokens} "
+                f"exceeds the context of {self.config.max_position_embeddings}",
+                "sampling.max_tokens",
+            )
+        return params
+
+    def _stop_ids(self, params: SamplingParams) -> list[int]:
+        ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            ids.update(self.config.eos_token_ids)
+        return sorted(ids)
+
+    # ---- the request ---------------------------------------------------------------------
+    async def generate(self, inp: GenerateInput, timeout_s: float | None
+                       ) -> AsyncIterator[ChunkEvent | DoneEvent | str]:
+        """Yields the request id first, then chunks, then exactly one DoneEvent."""
+        received = time.perf_counter()
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        prompt = self._prompt(inp)
+        params = self._resolve(inp, len(prompt))
+        request_id = inp.request_id or uuid.uuid4().hex
+        if request_id in self._running:
+            raise InvalidArgument(f"request_id {request_id!r} is already running", "request_id")
+        state = RouterRequest(request_id)
+        self._running[request_id] = state
+        yield request_id
+        try:
+            async for event in self._run(state, prompt, params, received, deadline):
+                yield event
+        finally:
+            self._running.pop(request_id, None)
+            await self._release(state)
+
+    async def _run(self, state: RouterRequest, prompt: list[int], params: SamplingParams,
+                   received: float, deadline: float | None
+                   ) -> AsyncIterator[ChunkEvent | DoneEvent]:
+        detok = IncrementalDetokenizer(self.tokenizer, params.stop)
+        stop_ids = self._stop_ids(params)
+        if params.max_tokens > 1:
+            await self._reserve(state, len(prompt), params.max_tokens, deadline)
+        queue_s = time.perf_counter() - received
+        first_msg = await self._prefill_read(state, self._start_prefill(state, prompt, params,
+                                                                        deadline))
+        if first_msg is None:
+            yield DoneEvent(FinishReason.ABORT, len(prompt), 0,
+                            Timing(queue_s, 0.0, 0.0, 0.0, 0.0))
+            return
+        first = first_msg.first_token.token_id
+        prefill_s = first_msg.first_token.prefill_s
+        ttft = time.perf_counter() - received
+        step = detok.add([first])
+        reason: FinishReason | None = None
+        if step.is_stopped or first in stop_ids:
+            reason = FinishReason.STOP
+        elif params.max_tokens == 1:
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            yield ChunkEvent([first], step.text + ("" if step.is_stopped else detok.finish()))
+            yield DoneEvent(reason, len(prompt), 1, Timing(queue_s, prefill_s, 0.0, 0.0, ttft))
+            return
+        yield ChunkEvent([first], step.text)
+        done_msg = await self._prefill_read(state, None)
+        if done_msg is None:
+            yield ChunkEvent([], detok.finish())
+            yield DoneEvent(FinishReason.ABORT, len(prompt), 1,
+                            Timing(queue_s, prefill_s, 0.0, 0.0, ttft))
+            return
+        timing = Timing(queue_s, prefill_s, done_msg.done.kv_transfer_s, 0.0, ttft)
+        async for event in self._decode(state, first, params, stop_ids, detok, deadline,
+                                        len(prompt), timing):
+            yield event
+
+    async def _decode(self, state: RouterRequest, first: int, params: SamplingParams,
+                      stop_ids: list[int], detok: IncrementalDetokenizer,
+                      deadline: float | None, num_prompt: int, timing: Timing
+                      ) -> AsyncIterator[ChunkEvent | DoneEvent]:
+        worker = state.decode_worker
+        if worker is None:
+            raise Unavailable("decode reservation lost")
+        request = worker_pb2.DecodeRequest(
+            request_id=state.request_id, first_token_id=first,
+            sampling=convert.sampling_to_proto(params),
+            max_new_tokens=params.max_tokens - 1, stop_token_ids=stop_ids,
+        )
+        count = 1
+        reason = FinishReason.ABORT
+        first_step_s = 0.0
+        is_stopped = False
+        state.is_decoding = True
+        if state.is_aborted:  # aborted between prefill and decode
+            await self._abort_decode(state)
+        async for msg in worker.decode.Decode(request, timeout=_remaining(deadline)):
+            if msg.HasField("finished"):
+                state.holds_decode = False
+                reason = FinishReason(msg.finished.reason)
+                first_step_s = msg.finished.first_decode_step_s
+                break
+            ids = list(msg.tokens.ids)
+            count += len(ids)
+            step = detok.add(ids)
+            yield ChunkEvent(ids, step.text)
+            if step.is_stopped:
+                reason, is_stopped = FinishReason.STOP, True
+                break  # the decode worker still holds it: released in _release
+        state.is_decoding = False
+        tail = "" if is_stopped else detok.finish()
+        if tail:
+            yield ChunkEvent([], tail)
+        yield DoneEvent(reason, num_prompt, count, timing._replace(
+            first_decode_step_s=first_step_s))
+
+    # ---- downstream calls ----------------------------------------------------------------
+    async def _reserve(self, state: RouterRequest, num_prompt: int, max_tokens: int,
+                       deadline: float | None) -> None:
+        last_error = ""
+        for worker in self.workers.decode_candidates():
+            request = worker_pb2.ReserveRequest(
+                request_id=state.request_id, num_prompt_tokens=num_prompt,
+                max_tokens=max_tokens, lease_s=self.lease_s,
+            )
+            try:
+                reply = await worker.decode.Reserve(request, timeout=_remaining(deadline))
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE):
+                    last_error = f"{worker.address}: {exc.details()}"
+                    continue
+                raise
+            worker.in_flight_blocks += reply.num_blocks
+            worker.num_in_flight += 1
+            state.decode_worker = worker
+            state.holds_decode = True
+            return
+        raise ResourceExhausted(f"no decode worker can hold the request ({last_error})")
+
+    def _start_prefill(self, state: RouterRequest, prompt: list[int], params: SamplingParams,
+                       deadline: float | None) -> grpc.aio.UnaryStreamCall:
+        worker = self.workers.pick_prefill()
+        decode = state.decode_worker
+        request = worker_pb2.PrefillRequest(
+            request_id=state.request_id, prompt_token_ids=prompt,
+            sampling=convert.sampling_to_proto(params),
+            decode_address=decode.address if decode is not None else "",
+        )
+        worker.num_in_flight += 1
+        state.prefill_worker = worker
+        state.prefill_call = worker.prefill.Prefill(request, timeout=_remaining(deadline))
+        return state.prefill_call
+
+    async def _prefill_read(self, state: RouterRequest, call: grpc.aio.UnaryStreamCall | None
+                            ) -> worker_pb2.PrefillResponse | None:
+        """Next message of the Prefill stream; None when the request was aborted."""
+        call = call or state.prefill_call
+        if call is None or state.is_aborted:
+            return None
+        try:
+            msg = await call.read()
+        except asyncio.CancelledError:
+            if state.is_aborted and not _cancelled_from_outside():
+                return None
+            raise
+        if msg is grpc.aio.EOF:
+            raise Unavailable("prefill stream ended early")
+        return msg
+
+    async def _abort_decode(self, state: RouterRequest) -> None:
+        worker = state.decode_worker
+        if worker is None or not state.holds_decode:
+            return
+        try:
+            await worker.decode.Abort(generation_pb2.AbortRequest(request_id=state.request_id),
+                                      timeout=5.0)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.NOT_FOUND:
+                log.warning("request %s: decode abort failed: %s", state.request_id,
+                            exc.code().name)
+
+    async def _release(self, state: RouterRequest) -> None:
+        """However the request ended, leave nothing held downstream."""
+        call = state.prefill_call
+        if call is not None and not call.done():
+            call.cancel()
+        if state.prefill_worker is not None:
+            state.prefill_worker.num_in_flight -= 1
+        if state.decode_worker is not None:
+            state.decode_worker.num_in_flight -= 1
+            # Idempotent: NOT_FOUND (already released by the worker) is fine.
+            await self._abort_decode(state)
+
+    def abort(self, request_id: str) -> asyncio.Future[None] | None:
+        """Abort a running request; its stream ends with finish reason ABORT."""
+        state = self._running.get(request_id)
+        if state is None:
+            raise NotFound(f"no running request with request_id {request_id!r}", "request_id")
+        state.is_aborted = True
+        if state.is_decoding:
+            return asyncio.ensure_future(self._abort_decode(state))
+        if state.prefill_call is not None:
+            state.prefill_call.cancel()
+        return None
