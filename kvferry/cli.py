@@ -121,7 +121,8 @@ async def _print_stream(address: str, prompt: str, sampling: dict[str, object]) 
         stub = generation_pb2_grpc.GenerationServiceStub(chan)
         completion = client.Completion()
         try:
-            async for msg, completion in client.stream(stub, request):
+            async for msg, latest in client.stream(stub, request):
+                completion = latest
                 if msg.HasField("chunk"):
                     print(msg.chunk.text, end="", flush=True)
         except grpc.aio.AioRpcError as exc:

@@ -63,8 +63,8 @@ async def generate(address: str, request: generation_pb2.GenerateRequest,
     async with grpc_util.channel(address) as chan:
         stub = generation_pb2_grpc.GenerationServiceStub(chan)
         completion = Completion()
-        async for _, completion in stream(stub, request, timeout_s):
-            pass
+        async for _, latest in stream(stub, request, timeout_s):
+            completion = latest
         return completion
 
 

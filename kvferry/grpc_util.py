@@ -36,10 +36,14 @@ def status_for(exc: errors.KvferryError) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException, request_id: str) -> None:
+async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException,
+                     request_id: str) -> None:
     """Map an exception to a status and abort the RPC. Unexpected ones become INTERNAL."""
     if isinstance(exc, errors.KvferryError):
-        await context.abort(status_for(exc), str(exc))
+        message = str(exc)
+        if exc.field and not message.startswith(exc.field):
+            message = f"{exc.field}: {message}"
+        await context.abort(status_for(exc), message)
     if isinstance(exc, grpc.aio.AioRpcError):
         # A downstream call failed: pass its status through, naming where it came from.
         await context.abort(exc.code(), f"downstream: {exc.details()}")

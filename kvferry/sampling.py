@@ -50,7 +50,9 @@ class SamplingParams:
                 f"sampling.top_p must be in (0, 1], got {self.top_p}", "sampling.top_p"
             )
         if self.top_k < 0:
-            raise InvalidArgument(f"sampling.top_k must be >= 0, got {self.top_k}", "sampling.top_k")
+            raise InvalidArgument(
+                f"sampling.top_k must be >= 0, got {self.top_k}", "sampling.top_k"
+            )
         if self.max_tokens < 1:
             raise InvalidArgument(
                 f"sampling.max_tokens must be >= 1, got {self.max_tokens}", "sampling.max_tokens"

@@ -1,0 +1,48 @@
+"""Choose the attention backend by name.
+
+"torch" is the reference implementation (CPU or GPU, no extra dependency). "triton" imports
+the Triton kernels lazily, so importing this module never pulls in triton; on a machine
+without a GPU it needs `TRITON_INTERPRET=1` set before the first `get_attention_backend`
+call that names it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from kernels.paged_attention_ref import paged_decode_attention_ref, write_kv_ref
+
+# decode_attention(q, k_cache, v_cache, block_table, seq_lens, sm_scale) -> out [B, Hq, D]
+DecodeAttentionFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
+]
+# write_kv(k, v, k_cache, v_cache, slot_mapping) -> None, in place
+WriteKVFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+BACKEND_NAMES = ("torch", "triton")
+
+
+class AttentionBackend(NamedTuple):
+    """The two paged-KV operations a decode step needs, from one implementation."""
+
+    name: str
+    decode_attention: DecodeAttentionFn
+    write_kv: WriteKVFn
+
+
+def get_attention_backend(name: str) -> AttentionBackend:
+    """Return the backend called `name`; raise ValueError naming it when unknown."""
+    if name == "torch":
+        return AttentionBackend(name, paged_decode_attention_ref, write_kv_ref)
+    if name == "triton":
+        from kernels.triton_kv_append import write_kv_triton
+        from kernels.triton_paged_attention import paged_decode_attention_triton
+
+        return AttentionBackend(name, paged_decode_attention_triton, write_kv_triton)
+    raise ValueError(f"unknown attention backend {name!r}; expected one of {BACKEND_NAMES}")
+
+
+__all__ = ["BACKEND_NAMES", "AttentionBackend", "get_attention_backend"]

@@ -1,0 +1,87 @@
+"""Shared fixtures: seeded checkpoints made once per session, and real deployments."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+# Triton reads TRITON_INTERPRET when it is first imported: set it before anything can.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import time  # noqa: E402
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from kvferry.checkpoint import LLAMA_SPEC, ModelSpec, make_model
+from kvferry.grpc_util import CHANNEL_OPTIONS
+from kvferry.launcher import Deployment
+from kvferry.v1 import worker_pb2, worker_pb2_grpc
+
+
+@pytest.fixture(scope="session")
+def qwen3_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model(tmp_path_factory.mktemp("qwen3"), ModelSpec())
+
+
+@pytest.fixture(scope="session")
+def llama_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model(tmp_path_factory.mktemp("llama"), LLAMA_SPEC)
+
+
+def worker_stats(deployment: Deployment) -> list[worker_pb2.WorkerStats]:
+    stats = []
+    for role in ("prefill", "decode"):
+        for address in deployment.addresses(role):
+            with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as chan:
+                stub = (worker_pb2_grpc.PrefillServiceStub(chan) if role == "prefill"
+                        else worker_pb2_grpc.DecodeServiceStub(chan))
+                stats.append(stub.GetStats(worker_pb2.GetStatsRequest(), timeout=10))
+    return stats
+
+
+def assert_pools_clean(deployment: Deployment, timeout_s: float = 10.0) -> None:
+    """Every worker's pool is back to all free and its allocator's integrity check holds.
+
+    Releases after a cancel travel as RPCs, so allow them a moment to land."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = worker_stats(deployment)
+        clean = all(s.free_blocks == s.total_blocks and s.num_running == 0
+                    and s.num_waiting == 0 for s in stats)
+        if clean or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    for s in stats:
+        assert s.integrity_ok, f"{s.role}: {s.integrity_error}"
+        assert s.free_blocks == s.total_blocks, f"{s.role} leaked blocks: {s}"
+        assert s.num_running == 0 and s.num_waiting == 0, f"{s.role} still busy: {s}"
+
+
+def assert_alive(deployment: Deployment) -> None:
+    for proc in deployment.processes:
+        assert proc.popen.poll() is None, f"{proc.name} exited with {proc.popen.returncode}"
+
+
+def _start(model: Path, tmp: Path, **kwargs: object) -> Deployment:
+    return Deployment(model=str(model), log_dir=tmp, **kwargs).start()
+
+
+@pytest.fixture(scope="session")
+def qwen3_deployment(qwen3_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+                     ) -> Iterator[Deployment]:
+    deployment = _start(qwen3_checkpoint, tmp_path_factory.mktemp("qwen3-logs"))
+    yield deployment
+    deployment.stop()
+
+
+@pytest.fixture(scope="session")
+def llama_deployment(llama_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+                     ) -> Iterator[Deployment]:
+    deployment = _start(llama_checkpoint, tmp_path_factory.mktemp("llama-logs"))
+    yield deployment
+    deployment.stop()

@@ -1,0 +1,104 @@
+"""The decode worker validates every K/V chunk against its layout and the reservation before
+writing, and frees reservations whose K/V never arrives (lease)."""
+
+from __future__ import annotations
+
+import time
+import zlib
+
+import grpc
+import pytest
+
+from kvferry.grpc_util import CHANNEL_OPTIONS
+from kvferry.launcher import Deployment
+from kvferry.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
+from tests.conftest import assert_alive, assert_pools_clean
+
+pytestmark = pytest.mark.slow
+
+
+def _stubs(deployment: Deployment):
+    chan = grpc.insecure_channel(deployment.addresses("decode")[0], options=CHANNEL_OPTIONS)
+    return chan, worker_pb2_grpc.DecodeServiceStub(chan), worker_pb2_grpc.KvTransferServiceStub(
+        chan)
+
+
+def _chunk(stats: worker_pb2.WorkerStats, request_id: str, num_tokens: int,
+           **overrides: object) -> worker_pb2.KvChunk:
+    layout = worker_pb2.KvLayout()
+    layout.CopyFrom(stats.layout)
+    lay = stats.layout
+    element = 4  # float32 pool
+    size = lay.num_layers * 2 * 1 * lay.block_size * lay.num_kv_heads * lay.head_dim * element
+    data = bytes(range(256)) * (size // 256)
+    fields = dict(request_id=request_id, layout=layout, num_tokens=num_tokens, layer_start=0,
+                  layer_end=lay.num_layers, block_start=0, num_blocks=1, data=data,
+                  crc32=zlib.crc32(data))
+    fields.update(overrides)
+    return worker_pb2.KvChunk(**fields)
+
+
+def _bad_layout(stats: worker_pb2.WorkerStats, **changes: object) -> worker_pb2.KvLayout:
+    layout = worker_pb2.KvLayout()
+    layout.CopyFrom(stats.layout)
+    for name, value in changes.items():
+        setattr(layout, name, value)
+    return layout
+
+
+BAD_CHUNKS = {
+    "block_size": lambda s: {"layout": _bad_layout(s, block_size=32)},
+    "dtype": lambda s: {"layout": _bad_layout(s, dtype="bfloat16")},
+    "model_fingerprint": lambda s: {"layout": _bad_layout(s, model_fingerprint="other")},
+    "crc32": lambda s: {"crc32": 12345},
+    "num_tokens": lambda s: {"num_tokens": 9},
+    "block_start": lambda s: {"block_start": 1},
+    "layer_start": lambda s: {"layer_end": s.layout.num_layers + 1},
+    "data": lambda s: {"data": b"\0" * 10, "crc32": zlib.crc32(b"\0" * 10)},
+}
+
+
+@pytest.mark.parametrize("field", sorted(BAD_CHUNKS))
+def test_bad_chunk_is_refused_before_any_write(field: str, qwen3_deployment: Deployment) -> None:
+    chan, decode, kv = _stubs(qwen3_deployment)
+    with chan:
+        stats = decode.GetStats(worker_pb2.GetStatsRequest(), timeout=10)
+        request_id = f"bad-{field}"
+        decode.Reserve(worker_pb2.ReserveRequest(request_id=request_id, num_prompt_tokens=5,
+                                                 max_tokens=4, lease_s=30), timeout=10)
+        overrides = BAD_CHUNKS[field](stats)
+        chunk = _chunk(stats, request_id, overrides.pop("num_tokens", 5), **overrides)
+        with pytest.raises(grpc.RpcError) as exc:
+            kv.PushKv(iter([chunk]), timeout=10)
+        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert field in exc.value.details()
+        # A correct push still goes through after a refused one.
+        kv.PushKv(iter([_chunk(stats, request_id, 5)]), timeout=10)
+        decode.Abort(generation_pb2.AbortRequest(request_id=request_id), timeout=10)
+    assert_pools_clean(qwen3_deployment)
+    assert_alive(qwen3_deployment)
+
+
+def test_push_without_reservation_is_not_found(qwen3_deployment: Deployment) -> None:
+    chan, decode, kv = _stubs(qwen3_deployment)
+    with chan:
+        stats = decode.GetStats(worker_pb2.GetStatsRequest(), timeout=10)
+        with pytest.raises(grpc.RpcError) as exc:
+            kv.PushKv(iter([_chunk(stats, "nobody", 5)]), timeout=10)
+        assert exc.value.code() == grpc.StatusCode.NOT_FOUND
+        with pytest.raises(grpc.RpcError) as exc:
+            decode.Abort(generation_pb2.AbortRequest(request_id="nobody"), timeout=10)
+        assert exc.value.code() == grpc.StatusCode.NOT_FOUND
+    assert_pools_clean(qwen3_deployment)
+
+
+def test_reservation_without_kv_expires_with_its_lease(qwen3_deployment: Deployment) -> None:
+    chan, decode, _ = _stubs(qwen3_deployment)
+    with chan:
+        reply = decode.Reserve(worker_pb2.ReserveRequest(
+            request_id="orphan", num_prompt_tokens=40, max_tokens=40, lease_s=0.5), timeout=10)
+        assert reply.num_blocks == 5
+        stats = decode.GetStats(worker_pb2.GetStatsRequest(), timeout=10)
+        assert stats.reserved_blocks == 5 and stats.num_waiting == 1
+        time.sleep(1.5)
+    assert_pools_clean(qwen3_deployment, timeout_s=0.1)

@@ -1,0 +1,109 @@
+"""Acceptance 2 (seeded sampling is reproducible) and the release of blocks however a
+request ends: finished, aborted through the public Abort, or cancelled by the client."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from kvferry import client, grpc_util
+from kvferry.launcher import Deployment
+from kvferry.v1 import generation_pb2, generation_pb2_grpc
+from tests.conftest import assert_alive, assert_pools_clean, worker_stats
+
+pytestmark = pytest.mark.slow
+
+
+def test_seeded_sampling_is_reproducible(qwen3_deployment: Deployment) -> None:
+    def run(seed: int) -> list[int]:
+        request = client.make_request("Once upon a time", temperature=1.5, top_p=0.95,
+                                      top_k=50, seed=seed, max_tokens=32, ignore_eos=True)
+        return asyncio.run(client.generate(qwen3_deployment.router_address, request)).token_ids
+
+    first, second, other = run(7), run(7), run(8)
+    assert len(first) == 32
+    assert first == second
+    assert first != other
+    assert_pools_clean(qwen3_deployment)
+
+
+def test_stop_string_ends_generation(qwen3_deployment: Deployment) -> None:
+    base = asyncio.run(client.generate(
+        qwen3_deployment.router_address,
+        client.make_request("The quick brown", temperature=0.0, max_tokens=30, ignore_eos=True)))
+    stop = base.text[5:8]
+    assert len(stop) == 3
+    got = asyncio.run(client.generate(
+        qwen3_deployment.router_address,
+        client.make_request("The quick brown", temperature=0.0, max_tokens=30, ignore_eos=True,
+                            stop=[stop])))
+    assert got.finished.reason == generation_pb2.FINISH_REASON_STOP
+    assert got.text == base.text[: base.text.index(stop)]
+    assert got.token_ids == base.token_ids[: len(got.token_ids)]
+    assert_pools_clean(qwen3_deployment)
+
+
+async def _abort_mid_stream(address: str) -> client.Completion:
+    async with grpc_util.channel(address) as chan:
+        stub = generation_pb2_grpc.GenerationServiceStub(chan)
+        request = client.make_request("abort me", request_id="to-abort", max_tokens=2000,
+                                      ignore_eos=True, seed=3)
+        completion = client.Completion()
+        is_abort_sent = False
+        async for _, latest in client.stream(stub, request, timeout_s=120):
+            completion = latest
+            if len(completion.token_ids) >= 5 and not is_abort_sent:
+                await stub.Abort(generation_pb2.AbortRequest(request_id="to-abort"), timeout=10)
+                is_abort_sent = True
+        return completion
+
+
+def test_abort_ends_stream_and_frees_blocks(qwen3_deployment: Deployment) -> None:
+    got = asyncio.run(_abort_mid_stream(qwen3_deployment.router_address))
+    assert got.finished is not None
+    assert got.finished.reason == generation_pb2.FINISH_REASON_ABORT
+    assert 5 <= len(got.token_ids) < 2000
+    assert_pools_clean(qwen3_deployment)
+    assert_alive(qwen3_deployment)
+
+
+async def _cancel_mid_stream(address: str, after_tokens: int) -> int:
+    async with grpc_util.channel(address) as chan:
+        stub = generation_pb2_grpc.GenerationServiceStub(chan)
+        call = stub.Generate(client.make_request("cancel me", max_tokens=3000, ignore_eos=True),
+                             timeout=120)
+        seen = 0
+        async for msg in call:
+            seen += len(msg.chunk.token_ids)
+            if seen >= after_tokens:
+                call.cancel()
+                break
+        return seen
+
+
+@pytest.mark.parametrize("after_tokens", [1, 10])
+def test_client_cancel_frees_blocks(after_tokens: int, qwen3_deployment: Deployment) -> None:
+    seen = asyncio.run(_cancel_mid_stream(qwen3_deployment.router_address, after_tokens))
+    assert seen >= after_tokens
+    assert_pools_clean(qwen3_deployment)
+    assert_alive(qwen3_deployment)
+
+
+def test_deadline_exceeded_frees_blocks(qwen3_deployment: Deployment) -> None:
+    async def run() -> grpc.aio.AioRpcError:
+        async with grpc_util.channel(qwen3_deployment.router_address) as chan:
+            stub = generation_pb2_grpc.GenerationServiceStub(chan)
+            with pytest.raises(grpc.aio.AioRpcError) as exc:
+                async for _ in stub.Generate(
+                        client.make_request("slow", max_tokens=3000, ignore_eos=True),
+                        timeout=0.5):
+                    pass
+            return exc.value
+
+    error = asyncio.run(run())
+    assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert_pools_clean(qwen3_deployment)
+    stats = worker_stats(qwen3_deployment)
+    assert all(s.integrity_ok for s in stats)

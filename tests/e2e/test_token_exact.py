@@ -1,0 +1,93 @@
+"""Acceptance 1: greedy output through router + prefill + decode processes is
+token-identical to transformers generate (fp32), for Llama and Qwen3 checkpoints."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from kvferry import client
+from kvferry.launcher import Deployment
+from kvferry.v1 import generation_pb2
+from tests.conftest import assert_alive, assert_pools_clean
+
+pytestmark = pytest.mark.slow
+
+PROMPT_LENGTHS = [1, 2, 3, 7, 15, 16, 17, 31, 33, 48, 64, 65, 100, 127, 129, 160, 200, 255, 280,
+                  300]
+MAX_TOKENS = [64, 1, 2, 16, 33, 64, 7, 64, 17, 64]
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(42)
+    return [torch.randint(1, vocab, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+
+
+def _reference(checkpoint: Path, prompt: list[int], max_tokens: int) -> list[int]:
+    hf = _hf_model(checkpoint)
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_tokens)
+    return out[0, len(prompt):].tolist()
+
+
+_HF: dict[Path, torch.nn.Module] = {}
+
+
+def _hf_model(checkpoint: Path) -> torch.nn.Module:
+    if checkpoint not in _HF:
+        _HF[checkpoint] = AutoModelForCausalLM.from_pretrained(checkpoint,
+                                                               dtype=torch.float32).eval()
+    return _HF[checkpoint]
+
+
+async def _run_all(address: str, requests: list[generation_pb2.GenerateRequest]
+                   ) -> list[client.Completion]:
+    return await asyncio.gather(*(client.generate(address, r, timeout_s=300) for r in requests))
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_greedy_matches_transformers(arch: str, request: pytest.FixtureRequest) -> None:
+    checkpoint: Path = request.getfixturevalue(f"{arch}_checkpoint")
+    deployment: Deployment = request.getfixturevalue(f"{arch}_deployment")
+    vocab = _hf_model(checkpoint).config.vocab_size
+    prompts = _prompts(vocab)
+    max_tokens = [MAX_TOKENS[i % len(MAX_TOKENS)] for i in range(len(prompts))]
+    requests = [client.make_request(p, temperature=0.0, max_tokens=m)
+                for p, m in zip(prompts, max_tokens)]
+    results = asyncio.run(_run_all(deployment.router_address, requests))
+    for prompt, limit, got in zip(prompts, max_tokens, results):
+        expected = _reference(checkpoint, prompt, limit)
+        assert got.token_ids == expected, f"prompt of {len(prompt)} tokens"
+        assert got.finished is not None
+        assert got.finished.usage.prompt_tokens == len(prompt)
+        assert got.finished.usage.completion_tokens == len(expected)
+        eos = _hf_model(checkpoint).generation_config.eos_token_id
+        reason = (generation_pb2.FINISH_REASON_STOP if expected[-1] == eos
+                  else generation_pb2.FINISH_REASON_LENGTH)
+        assert got.finished.reason == reason
+    assert_pools_clean(deployment)
+    assert_alive(deployment)
+
+
+def test_text_prompt_streams_the_decoded_completion(qwen3_checkpoint: Path,
+                                                    qwen3_deployment: Deployment) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(qwen3_checkpoint)
+    text = "Café, naïve: 日本語 and the quick brown fox"
+    got = asyncio.run(client.generate(
+        qwen3_deployment.router_address,
+        client.make_request(text, temperature=0.0, max_tokens=40, ignore_eos=True)))
+    prompt = tokenizer.encode(text)
+    hf = _hf_model(qwen3_checkpoint)
+    with torch.no_grad():
+        expected = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=40,
+                               eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    assert got.token_ids == expected
+    assert got.text == tokenizer.decode(expected, skip_special_tokens=True)
+    assert got.finished.reason == generation_pb2.FINISH_REASON_LENGTH
+    assert got.finished.timing.time_to_first_token_s > 0
+    assert got.finished.timing.prefill_s > 0 and got.finished.timing.kv_transfer_s > 0
+    assert_pools_clean(qwen3_deployment)

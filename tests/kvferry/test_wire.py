@@ -1,0 +1,67 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvferry import wire
+from kvferry.errors import InvalidArgument
+from kvferry.kv_pool import KvPool
+
+
+def _pool(num_blocks: int = 32, dtype: torch.dtype = torch.float32) -> KvPool:
+    return KvPool(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4,
+                  num_blocks=num_blocks, dtype=dtype)
+
+
+@pytest.mark.parametrize("num_tokens,target", [(1, 1 << 20), (17, 1 << 20), (17, 700), (9, 300)])
+def test_plan_covers_every_page_once(num_tokens: int, target: int) -> None:
+    pool = _pool()
+    layout = wire.KvLayout.of_pool(pool, "fp")
+    seen = wire.coverage(layout, num_tokens).astype(int)
+    for span in wire.plan_chunks(layout, num_tokens, target):
+        seen[span.layer_start:span.layer_end,
+             span.block_start:span.block_start + span.num_blocks] += 1
+    assert (seen == 1).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pack_unpack_roundtrip_between_pools(dtype: torch.dtype) -> None:
+    src, dst = _pool(dtype=dtype), _pool(dtype=dtype)
+    src.cache.copy_(torch.randn(src.cache.shape).to(dtype))
+    layout = wire.KvLayout.of_pool(src, "fp")
+    src_table, dst_table = [3, 7, 1, 9, 4], [20, 2, 11, 5, 30]
+    num_tokens = 18
+    for span in wire.plan_chunks(layout, num_tokens, 600):
+        data = wire.pack(src, src_table, span)
+        wire.check_span(layout, num_tokens, span, len(data))
+        wire.unpack_into(dst, dst_table, span, data)
+    assert torch.equal(src.cache[:, :, src_table], dst.cache[:, :, dst_table])
+    untouched = [i for i in range(32) if i not in dst_table]
+    assert not dst.cache[:, :, untouched].any()
+
+
+def test_check_span_rejects_out_of_range_and_bad_sizes() -> None:
+    layout = wire.KvLayout.of_pool(_pool(), "fp")
+    ok = wire.ChunkSpan(0, 1, 0, 2)
+    size = layout.bytes_per_layer_block * 2
+    wire.check_span(layout, 8, ok, size)
+    with pytest.raises(InvalidArgument) as exc:
+        wire.check_span(layout, 8, wire.ChunkSpan(0, 4, 0, 2), size * 4)
+    assert exc.value.field == "layer_start"
+    with pytest.raises(InvalidArgument) as exc:
+        wire.check_span(layout, 8, wire.ChunkSpan(0, 1, 1, 2), size)  # past the prompt's blocks
+    assert exc.value.field == "block_start"
+    with pytest.raises(InvalidArgument) as exc:
+        wire.check_span(layout, 8, ok, size - 1)
+    assert exc.value.field == "data"
+
+
+def test_layout_mismatch_names_the_field() -> None:
+    a = wire.KvLayout(2, 2, 8, 16, "float32", "abc")
+    assert a.mismatch(a) is None
+    b = wire.KvLayout(2, 2, 8, 32, "float32", "abc")
+    assert "block_size" in (a.mismatch(b) or "")
+    c = wire.KvLayout(2, 2, 8, 16, "float32", "xyz")
+    assert "model_fingerprint" in (a.mismatch(c) or "")
+    assert isinstance(wire.coverage(a, 17), np.ndarray)
