@@ -70,35 +70,36 @@ def checkpoint_fingerprint(checkpoint: Path) -> str:
 
 
 def load_model_config(path: str | Path) -> ModelConfig:
-    """Read config.json (and generation_config.json) of a checkpoint directory."""
+    """Read a checkpoint directory's config through transformers' AutoConfig (local only)."""
+    from transformers import AutoConfig
+
     checkpoint = Path(path)
-    config_path = checkpoint / "config.json"
-    if not config_path.exists():
+    if not (checkpoint / "config.json").exists():
         raise ValueError(f"model: no config.json in {checkpoint}")
-    raw = json.loads(config_path.read_text())
-    architecture = (raw.get("architectures") or [""])[0]
+    hf = AutoConfig.from_pretrained(checkpoint, local_files_only=True)
+    architecture = (hf.architectures or [""])[0]
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"model: architecture {architecture!r} is not one of {SUPPORTED_ARCHITECTURES}"
         )
-    num_heads = raw["num_attention_heads"]
-    head_dim = raw.get("head_dim") or raw["hidden_size"] // num_heads
+    num_heads = hf.num_attention_heads
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
     return ModelConfig(
         path=str(checkpoint),
         architecture=architecture,
-        vocab_size=raw["vocab_size"],
-        hidden_size=raw["hidden_size"],
-        intermediate_size=raw["intermediate_size"],
-        num_layers=raw["num_hidden_layers"],
+        vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size,
+        intermediate_size=hf.intermediate_size,
+        num_layers=hf.num_hidden_layers,
         num_heads=num_heads,
-        num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+        num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
         head_dim=head_dim,
-        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-        max_position_embeddings=raw.get("max_position_embeddings", 2048),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        rms_norm_eps=hf.rms_norm_eps,
+        max_position_embeddings=hf.max_position_embeddings,
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
         has_qk_norm=architecture == "Qwen3ForCausalLM",
-        attention_bias=bool(raw.get("attention_bias", False)),
-        mlp_bias=bool(raw.get("mlp_bias", False)),
-        eos_token_ids=_eos_ids(raw, checkpoint),
+        attention_bias=bool(getattr(hf, "attention_bias", False)),
+        mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+        eos_token_ids=_eos_ids(hf.to_dict(), checkpoint),
         fingerprint=checkpoint_fingerprint(checkpoint),
     )
