@@ -107,3 +107,18 @@ def test_deadline_exceeded_frees_blocks(qwen3_deployment: Deployment) -> None:
     assert_pools_clean(qwen3_deployment)
     stats = worker_stats(qwen3_deployment)
     assert all(s.integrity_ok for s in stats)
+
+
+def test_get_model_info_describes_the_served_model(qwen3_deployment: Deployment) -> None:
+    async def run() -> generation_pb2.ModelInfo:
+        async with grpc_util.channel(qwen3_deployment.router_address) as chan:
+            stub = generation_pb2_grpc.GenerationServiceStub(chan)
+            return await stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=10)
+
+    info = asyncio.run(run())
+    stats = worker_stats(qwen3_deployment)
+    assert info.architecture == "Qwen3ForCausalLM"
+    assert info.vocab_size == 512 and info.max_context_tokens == 4096
+    assert list(info.eos_token_ids) == [0]
+    assert info.block_size == 16 and info.kv_dtype == "float32"
+    assert all(s.layout.model_fingerprint == info.model_fingerprint for s in stats)
