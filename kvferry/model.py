@@ -158,32 +158,58 @@ class Transformer:
     @torch.inference_mode()
     def prefill(
         self,
-        token_ids: torch.Tensor,  # [T] prompts packed back to back
-        seq_lens: list[int],  # tokens of each prompt; sum == T
+        token_ids: torch.Tensor,  # [T] prompt chunks packed back to back
+        seq_lens: list[int],  # tokens of each chunk; sum == T
         slot_mapping: torch.Tensor,  # [T] pool slot of each token
         pool: KvPool,
-    ) -> torch.Tensor:  # [num_prompts, vocab] logits of each prompt's last token
-        """Run whole prompts (varlen, no padding), write their K/V, return last logits."""
-        positions = torch.cat([torch.arange(n) for n in seq_lens]).to(self.device)
+        context_lens: list[int] | None = None,  # tokens of each prompt already in the pool
+        block_tables: list[list[int]] | None = None,  # needed where context_lens > 0
+    ) -> torch.Tensor:  # [num_chunks, vocab] logits of each chunk's last token
+        """Run prompt chunks (varlen, no padding), write their K/V, return last logits.
+
+        A chunk with context attends over its prompt's cached K/V too (chunked prefill)."""
+        contexts = context_lens or [0] * len(seq_lens)
+        positions = torch.cat(
+            [torch.arange(c, c + n) for c, n in zip(contexts, seq_lens)]
+        ).to(self.device)
         bounds = [0]
         for n in seq_lens:
             bounds.append(bounds[-1] + n)
+        gqa = self.config.num_kv_groups > 1
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             outs = []
-            for start, end in zip(bounds[:-1], bounds[1:]):
+            for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
                 qs = q[start:end].transpose(0, 1)[None]  # [1, Hq, n, D]
-                ks = k[start:end].transpose(0, 1)[None]  # [1, Hkv, n, D]
-                vs = v[start:end].transpose(0, 1)[None]
-                o = F.scaled_dot_product_attention(
-                    qs, ks, vs, is_causal=True, scale=self.sm_scale,
-                    enable_gqa=self.config.num_kv_groups > 1,
-                )
+                if contexts[i] == 0:
+                    ks = k[start:end].transpose(0, 1)[None]  # [1, Hkv, n, D]
+                    vs = v[start:end].transpose(0, 1)[None]
+                    o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True,
+                                                       scale=self.sm_scale, enable_gqa=gqa)
+                else:
+                    assert block_tables is not None  # noqa: S101 - caller contract
+                    total = contexts[i] + end - start
+                    ks, vs, mask = self._cached_kv(layer, pool, block_tables[i], contexts[i], total)
+                    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask,
+                                                       scale=self.sm_scale, enable_gqa=gqa)
                 outs.append(o[0].transpose(0, 1))  # [n, Hq, D]
             return torch.cat(outs, dim=0)
 
         last_rows = torch.tensor(bounds[1:], dtype=torch.int64) - 1
         return self._forward(token_ids, positions, slot_mapping, pool, attend, last_rows)
+
+    def _cached_kv(self, layer: int, pool: KvPool, table: list[int], context: int, total: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """K/V of positions [0, total) from the pool, and the causal mask of the last
+        total - context queries over them."""
+        num_blocks = (total + pool.block_size - 1) // pool.block_size
+        ids = torch.tensor(table[:num_blocks], device=self.device)
+        shape = (-1, pool.num_kv_heads, pool.head_dim)
+        ks = pool.k_cache(layer)[ids].reshape(shape)[:total].transpose(0, 1)[None]
+        vs = pool.v_cache(layer)[ids].reshape(shape)[:total].transpose(0, 1)[None]
+        q_pos = torch.arange(context, total, device=self.device)
+        mask = torch.arange(total, device=self.device)[None, :] <= q_pos[:, None]  # [n, total]
+        return ks, vs, mask
 
     @torch.inference_mode()
     def decode(

@@ -92,6 +92,7 @@ async def run_worker(settings: WorkerSettings) -> None:
         from prefill_worker.engine import PrefillEngine
 
         engine = PrefillEngine(model, pool, layout, GrpcKvSender())
+        engine.start()
         prefill_server.add_to_server(server, engine)
         names = prefill_server.SERVICE_NAMES
     port = server.add_insecure_port(f"{settings.host}:{settings.port}")

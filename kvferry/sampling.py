@@ -104,3 +104,14 @@ def sample_tokens(
         greedy[i] if p.is_greedy else _sample_row(logits[i], p, output_indices[i])
         for i, p in enumerate(params)
     ]
+
+
+def validate_prompt(prompt: list[int], vocab_size: int, context: int) -> None:
+    """Worker-side prompt checks (the router checks first, naming the public fields)."""
+    if not prompt:
+        raise InvalidArgument("prompt_token_ids must be non-empty", "prompt_token_ids")
+    if min(prompt) < 0 or max(prompt) >= vocab_size:
+        raise InvalidArgument(f"prompt_token_ids must be in [0, {vocab_size})",
+                              "prompt_token_ids")
+    if len(prompt) >= context:
+        raise InvalidArgument("prompt fills the model's context", "prompt_token_ids")

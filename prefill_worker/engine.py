@@ -1,4 +1,4 @@
-"""Prefill engine: one prompt -> K/V in the local pool -> first token -> pages shipped.
+"""Prefill engine: prompts -> batched K/V in the local pool -> first tokens -> pages shipped.
 
 The local blocks live only as long as the request: they are freed when the push is accepted,
 fails, or the caller goes away, and never while a forward pass may still write into them.
@@ -12,14 +12,17 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
-import torch
-
 from kvferry import wire
 from kvferry.errors import InvalidArgument, NotFound
-from kvferry.executor import run_to_completion
 from kvferry.kv_pool import KvPool, blocks_for_tokens
 from kvferry.model import Transformer
-from kvferry.sampling import SamplingParams, sample_tokens
+from kvferry.prefill_batch import (
+    DEFAULT_CHUNK_SIZE,
+    DEFAULT_TOKEN_BUDGET,
+    PrefillBatcher,
+    PrefillJob,
+)
+from kvferry.sampling import SamplingParams, validate_prompt
 from kvferry.transport import KvSender
 from kvferry.types import PoolStats
 
@@ -35,19 +38,30 @@ class PushedEvent(NamedTuple):
 
 
 class PrefillEngine:
+    """Validates prompts, queues them on the batcher, pushes each one's pages when done."""
+
     def __init__(self, model: Transformer, pool: KvPool, layout: wire.KvLayout,
-                 sender: KvSender) -> None:
+                 sender: KvSender, token_budget: int = DEFAULT_TOKEN_BUDGET,
+                 chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
         self.model = model
         self.pool = pool
         self.layout = layout
         self.sender = sender
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill")
+        self._wake = asyncio.Event()
+        self.batcher = PrefillBatcher(model, pool, self._executor, self._wake.set,
+                                      token_budget, chunk_size)
         self._active: dict[str, asyncio.Task[object]] = {}
-        self._pending_tokens = 0
+        self._loop_task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._loop_task = asyncio.create_task(self.batcher.loop(self._wake))
 
     async def stop(self) -> None:
         for task in list(self._active.values()):
             task.cancel()
+        if self._loop_task is not None:
+            self._loop_task.cancel()
         self._executor.shutdown(wait=True)
         await self.sender.close()
 
@@ -57,20 +71,9 @@ class PrefillEngine:
         if request_id in self._active:
             raise InvalidArgument(f"request_id {request_id!r} is already prefilling",
                                   "request_id")
-        if not prompt:
-            raise InvalidArgument("prompt_token_ids must be non-empty", "prompt_token_ids")
-        vocab = self.model.config.vocab_size
-        if min(prompt) < 0 or max(prompt) >= vocab:
-            raise InvalidArgument(f"prompt_token_ids must be in [0, {vocab})",
-                                  "prompt_token_ids")
-        if len(prompt) >= self.model.config.max_position_embeddings:
-            raise InvalidArgument("prompt fills the model's context", "prompt_token_ids")
-        params.validate(vocab)
-
-    def _forward(self, prompt: list[int], blocks: list[int]) -> torch.Tensor:
-        slots = self.pool.slots(blocks, 0, len(prompt)).to(self.model.device)
-        ids = torch.tensor(prompt, device=self.model.device)
-        return self.model.prefill(ids, [len(prompt)], slots, self.pool)  # [1, vocab]
+        validate_prompt(prompt, self.model.config.vocab_size,
+                        self.model.config.max_position_embeddings)
+        params.validate(self.model.config.vocab_size)
 
     async def prefill(
         self, request_id: str, prompt: list[int], params: SamplingParams,
@@ -79,16 +82,15 @@ class PrefillEngine:
         """Yield the first token as soon as it exists, then the push's completion."""
         self._validate(request_id, prompt, params)
         blocks = self.pool.allocator.alloc(blocks_for_tokens(len(prompt), self.pool.block_size))
+        job = PrefillJob(request_id, prompt, params, blocks,
+                         asyncio.get_running_loop().create_future())
         task = asyncio.current_task()
         if task is not None:
             self._active[request_id] = task
-        self._pending_tokens += len(prompt)
         try:
-            start = time.perf_counter()
-            logits = await run_to_completion(self._executor, self._forward, prompt, blocks)
-            token = sample_tokens(logits, [params], [0])[0]
-            self._pending_tokens -= len(prompt)
-            yield FirstTokenEvent(token, time.perf_counter() - start)
+            self.batcher.submit(job)
+            token = await job.first_token
+            yield FirstTokenEvent(token, time.perf_counter() - job.started_at)
             if decode_address:
                 pushed = await self.sender.push(
                     decode_address, request_id, self.layout, len(prompt), self.pool, blocks,
@@ -97,6 +99,7 @@ class PrefillEngine:
                 yield PushedEvent(pushed.seconds, pushed.num_bytes)
         finally:
             self._active.pop(request_id, None)
+            await self.batcher.release(job)
             self.pool.allocator.free(blocks)
 
     def abort(self, request_id: str) -> None:
@@ -109,6 +112,7 @@ class PrefillEngine:
         report = self.pool.allocator.check_integrity()
         return PoolStats(
             total_blocks=self.pool.num_blocks, free_blocks=self.pool.allocator.num_free,
-            reserved_blocks=0, num_running=len(self._active), num_waiting=0,
+            reserved_blocks=0, num_running=len(self._active) - self.batcher.num_pending,
+            num_waiting=self.batcher.num_pending,
             integrity_ok=report.ok, integrity_error=report.error,
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -34,7 +35,9 @@ def _processes_mentioning(text: str) -> list[int]:
     return pids
 
 
-def test_serve_generate_and_sigterm(qwen3_checkpoint: Path) -> None:
+def test_serve_generate_and_sigterm(qwen3_checkpoint: Path, tmp_path: Path) -> None:
+    # A private copy, so that only this deployment's processes name its path.
+    qwen3_checkpoint = Path(shutil.copytree(qwen3_checkpoint, tmp_path / "model"))
     serve = subprocess.Popen(
         [sys.executable, "-m", "kvferry.cli", "serve", "--model", str(qwen3_checkpoint),
          "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)

@@ -1,0 +1,352 @@
+"""Benchmark the Triton paged decode attention on one GPU and write the results as JSON.
+
+    python bench/bench_paged_attention.py --out results.json          # one H200, < 8 min
+    python bench/bench_paged_attention.py --out dry.json --dry-run    # CPU, TRITON_INTERPRET=1
+
+Needs only torch, triton and this repo's kernels/. For each (Hq, Hkv) x batch x context it
+reports the kernel time (triton.testing.do_bench, which flushes L2 before every run), the
+achieved bandwidth counting K/V bytes read, that bandwidth as a fraction of the device's
+copy bandwidth measured in the same run (copy bandwidth = bytes read + written / time), and
+the speedup over a torch baseline timed in the same run (gather pages into contiguous K/V,
+then F.scaled_dot_product_attention with enable_gqa). It also checks, on the GPU only:
+native bf16 against the fp32 reference, a cache past 2^31 elements (attention and append),
+and replay of a CUDA-graph-captured step with new lengths. The JSON file is rewritten after
+every measurement, so a run cut short still leaves its results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+# TRITON_INTERPRET must be set before triton is imported: parse flags first.
+_PARSER = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+_PARSER.add_argument("--out", required=True, type=Path, help="where to write the JSON results")
+_PARSER.add_argument("--dry-run", action="store_true", help="tiny CPU run under the interpreter")
+_PARSER.add_argument("--time-budget-s", type=float, default=420.0, help="skip configs past this")
+ARGS = _PARSER.parse_args()
+if ARGS.dry_run:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kernels import triton_paged_attention as tpa  # noqa: E402
+from kernels.paged_attention_ref import paged_decode_attention_ref  # noqa: E402
+from kernels.triton_kv_append import write_kv_triton  # noqa: E402
+
+DRY = ARGS.dry_run
+DEVICE = torch.device("cpu" if DRY else "cuda")
+DTYPE = torch.float32 if DRY else torch.bfloat16  # the interpreter cannot do bf16
+BLOCK_SIZE, HEAD_DIM = 16, 128
+HEAD_PAIRS = [(4, 2)] if DRY else [(32, 8), (64, 8), (32, 32)]
+BATCHES = [1, 2] if DRY else [1, 8, 32, 128]
+CONTEXTS = [32, 80] if DRY else [1024, 4096, 16384, 32768]
+START = time.perf_counter()
+REPORT: dict[str, Any] = {"results": [], "correctness": [], "config_sweep": []}
+
+
+def save() -> None:
+    REPORT["elapsed_s"] = round(time.perf_counter() - START, 2)
+    ARGS.out.parent.mkdir(parents=True, exist_ok=True)
+    ARGS.out.write_text(json.dumps(REPORT, indent=2))
+
+
+def bench_ms(fn: Callable[[], object]) -> float:
+    """Median ms; do_bench (L2 flushed per run) on GPU, a wall clock in the dry run."""
+    if DRY:
+        fn()
+        t0 = time.perf_counter()
+        for _ in range(2):
+            fn()
+        return (time.perf_counter() - t0) / 2 * 1e3
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def copy_bandwidth_gbps() -> float:
+    num_bytes = (16 << 20) if DRY else (4 << 30)
+    src = torch.empty(num_bytes, dtype=torch.uint8, device=DEVICE)
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src))
+    return 2 * num_bytes / (ms * 1e-3) / 1e9  # read + write
+
+
+def make_pool(batch: int, ctx: int, hkv: int, extra_blocks: int = 1) -> dict[str, torch.Tensor]:
+    """Random K/V for `batch` full sequences of `ctx` tokens, pages shuffled over the pool."""
+    blocks_per_seq = ctx // BLOCK_SIZE
+    num_blocks = batch * blocks_per_seq + extra_blocks
+    shape = (num_blocks, BLOCK_SIZE, hkv, HEAD_DIM)  # [N, P, Hkv, D]
+    k_cache = torch.empty(shape, dtype=DTYPE, device=DEVICE).normal_()
+    v_cache = torch.empty(shape, dtype=DTYPE, device=DEVICE).normal_()
+    perm = torch.randperm(num_blocks - extra_blocks, device=DEVICE) + extra_blocks
+    block_table = perm.view(batch, blocks_per_seq).to(torch.int32)  # [B, ctx / P]
+    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEVICE)
+    return {
+        "k_cache": k_cache,
+        "v_cache": v_cache,
+        "block_table": block_table,
+        "seq_lens": seq_lens,
+    }
+
+
+def torch_baseline(q: torch.Tensor, pool: dict[str, torch.Tensor], scale: float) -> torch.Tensor:
+    """Gather pages to contiguous K/V, then SDPA (all sequences full, so no mask needed)."""
+    batch, hq, d = q.shape
+    bt = pool["block_table"].long()
+    k = pool["k_cache"][bt].flatten(1, 2).transpose(1, 2)  # [B, Hkv, ctx, D]
+    v = pool["v_cache"][bt].flatten(1, 2).transpose(1, 2)
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, scale=scale, enable_gqa=True)
+    return out.view(batch, hq, d)  # [B, Hq, D]
+
+
+def free_bytes() -> int:
+    return torch.cuda.mem_get_info()[0] if not DRY else 1 << 34
+
+
+def run_config(hq: int, hkv: int, batch: int, ctx: int) -> dict[str, Any]:
+    row: dict[str, Any] = {
+        "num_q_heads": hq,
+        "num_kv_heads": hkv,
+        "batch": batch,
+        "context": ctx,
+        "dtype": str(DTYPE),
+        "block_size": BLOCK_SIZE,
+    }
+    kv_bytes = 2 * batch * ctx * hkv * HEAD_DIM * DTYPE.itemsize
+    row["kv_bytes"] = kv_bytes
+    if time.perf_counter() - START > ARGS.time_budget_s:
+        return row | {"skipped": "time budget"}
+    if kv_bytes > 0.85 * free_bytes():
+        return row | {"skipped": "memory"}
+    pool = make_pool(batch, ctx, hkv)
+    q = torch.randn(batch, hq, HEAD_DIM, dtype=DTYPE, device=DEVICE)  # [B, Hq, D]
+    scale = HEAD_DIM**-0.5
+    splits = tpa.choose_num_splits(
+        batch, hkv, ctx, tpa._pick_config(DTYPE, not DRY).block_n, DEVICE
+    )
+    ws = tpa.alloc_decode_workspace(batch, hq, HEAD_DIM, splits, DEVICE)
+    out = torch.empty_like(q)
+    args = (q, pool["k_cache"], pool["v_cache"], pool["block_table"], pool["seq_lens"], scale)
+    ms = bench_ms(lambda: tpa.paged_decode_attention_triton(*args, workspace=ws, out=out))
+    gbps = kv_bytes / (ms * 1e-3) / 1e9
+    row |= {
+        "num_splits": splits,
+        "triton_ms": ms,
+        "triton_gbps": gbps,
+        "frac_of_copy_bw": gbps / REPORT["copy_bandwidth_gbps"],
+    }
+    # The baseline materialises a contiguous copy of K and V (plus SDPA's own scratch).
+    if 2.2 * kv_bytes > free_bytes():
+        row["torch_skipped"] = "memory"
+    else:
+        try:
+            base = torch_baseline(q, pool, scale)
+            row["max_abs_diff_vs_torch"] = (base.float() - out.float()).abs().max().item()
+            base = None  # free before timing
+            torch_ms = bench_ms(lambda: torch_baseline(q, pool, scale))
+            row |= {"torch_ms": torch_ms, "speedup_vs_torch": torch_ms / ms}
+        except torch.cuda.OutOfMemoryError:
+            row["torch_skipped"] = "out of memory"
+    return row
+
+
+def check_native_dtype() -> None:
+    """Ragged batches in the bench dtype against the fp32 reference (GQA, MQA, D=80)."""
+    cases = [
+        ((32, 8, 128, 16), [1, 300, 1000, 4097]),
+        ((10, 2, 80, 64), [65, 197, 2000]),
+        ((16, 1, 128, 1), [130, 7]),
+        ((32, 8, 128, 16), [0, 17]),
+    ]
+    for (hq, hkv, d, p), lens in cases:
+        lens = [min(n, 150) for n in lens] if DRY else lens
+        pages = [math.ceil(n / p) for n in lens]
+        num_blocks = sum(pages) + 1
+        k = torch.randn(num_blocks, p, hkv, d, device=DEVICE).to(DTYPE)  # [N, P, Hkv, D]
+        v = torch.randn(num_blocks, p, hkv, d, device=DEVICE).to(DTYPE)
+        k[0], v[0] = float("nan"), float("nan")  # padding entries point at block 0
+        bt = torch.zeros(len(lens), max(pages) + 1, dtype=torch.int32, device=DEVICE)
+        ids = (torch.randperm(num_blocks - 1, device=DEVICE) + 1).to(torch.int32).tolist()
+        for b, n in enumerate(pages):
+            bt[b, :n] = torch.tensor(ids[:n], dtype=torch.int32)
+            ids = ids[n:]
+        sl = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+        q = torch.randn(len(lens), hq, d, device=DEVICE).to(DTYPE)
+        ref = paged_decode_attention_ref(q.float(), k, v, bt, sl, d**-0.5)
+        for splits in (None, 1, 4):
+            got = tpa.paged_decode_attention_triton(q, k, v, bt, sl, d**-0.5, num_splits=splits)
+            err = (got.float() - ref).abs().max().item()
+            ok = bool(torch.allclose(got.float(), ref, atol=1e-2, rtol=2e-2))
+            REPORT["correctness"].append(
+                {
+                    "check": "native dtype vs fp32 ref",
+                    "dtype": str(DTYPE),
+                    "heads": [hq, hkv],
+                    "head_dim": d,
+                    "block_size": p,
+                    "lens": lens,
+                    "num_splits": splits,
+                    "max_abs_err": err,
+                    "ok": ok,
+                }
+            )
+
+
+def check_large_cache() -> None:
+    """Pages past element 2^31 of the pool: any int32 offset overflow shows up here."""
+    hkv, p = 8, BLOCK_SIZE
+    per_block = p * hkv * HEAD_DIM
+    num_blocks = (1 << 31) // per_block + 64
+    k = torch.empty(num_blocks, p, hkv, HEAD_DIM, dtype=DTYPE, device=DEVICE)
+    v = torch.empty_like(k)
+    high = torch.arange(num_blocks - 64, num_blocks, device=DEVICE)  # offsets >= 2^31
+    k[high] = torch.randn(64, p, hkv, HEAD_DIM, device=DEVICE).to(DTYPE)
+    v[high] = torch.randn(64, p, hkv, HEAD_DIM, device=DEVICE).to(DTYPE)
+    bt = high.flip(0).view(2, 32).to(torch.int32)  # [2, 32]
+    sl = torch.tensor([512, 300], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(2, 32, HEAD_DIM, device=DEVICE).to(DTYPE)
+    ref = paged_decode_attention_ref(q.float(), k, v, bt, sl, HEAD_DIM**-0.5)
+    got = tpa.paged_decode_attention_triton(q, k, v, bt, sl, HEAD_DIM**-0.5, num_splits=4)
+    err = (got.float() - ref).abs().max().item()
+    slots = high[-3:] * p + torch.tensor([0, 5, 15], device=DEVICE)  # last pages
+    new_k = torch.randn(3, hkv, HEAD_DIM, device=DEVICE)
+    write_kv_triton(new_k, new_k, k, v, slots)
+    appended = k.view(-1, hkv, HEAD_DIM)[slots]
+    REPORT["correctness"].append(
+        {
+            "check": "cache > 2^31 elements",
+            "numel": k.numel(),
+            "max_abs_err": err,
+            "append_exact": bool(torch.equal(appended, new_k.to(DTYPE))),
+            "ok": bool(torch.allclose(got.float(), ref, atol=1e-2, rtol=2e-2))
+            and bool(torch.equal(appended, new_k.to(DTYPE))),
+        }
+    )
+    del k, v
+    torch.cuda.empty_cache()
+
+
+def check_cuda_graph() -> None:
+    """Capture one step with fixed buffers, then replay it with new lengths and queries."""
+    hq, hkv, batch, max_ctx = 32, 8, 8, 2048
+    pool = make_pool(batch, max_ctx, hkv)
+    q = torch.randn(batch, hq, HEAD_DIM, dtype=DTYPE, device=DEVICE)
+    splits = tpa.choose_num_splits(batch, hkv, max_ctx, 64, DEVICE)
+    ws = tpa.alloc_decode_workspace(batch, hq, HEAD_DIM, splits, DEVICE)
+    out = torch.empty_like(q)
+    args = (q, pool["k_cache"], pool["v_cache"], pool["block_table"], pool["seq_lens"])
+
+    def step() -> None:
+        tpa.paged_decode_attention_triton(*args, HEAD_DIM**-0.5, workspace=ws, out=out)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    worst = 0.0
+    for lens in ([2048] * 8, [1, 17, 500, 2047, 0, 1024, 3, 64]):
+        pool["seq_lens"].copy_(torch.tensor(lens, dtype=torch.int32))
+        q.copy_(torch.randn_like(q))
+        graph.replay()
+        ref = paged_decode_attention_ref(q.float(), *args[1:], HEAD_DIM**-0.5)
+        worst = max(worst, (out.float() - ref).abs().max().item())
+    REPORT["correctness"].append(
+        {
+            "check": "cuda graph replay",
+            "num_splits": splits,
+            "max_abs_err": worst,
+            "ok": worst < 2e-2,
+        }
+    )
+
+
+def sweep_shape(hq: int, hkv: int, batch: int, ctx: int) -> None:
+    pool = make_pool(batch, ctx, hkv)
+    q = torch.randn(batch, hq, HEAD_DIM, dtype=DTYPE, device=DEVICE)  # [B, Hq, D]
+    args = (q, pool["k_cache"], pool["v_cache"], pool["block_table"], pool["seq_lens"])
+    kv_bytes = 2 * batch * ctx * hkv * HEAD_DIM * DTYPE.itemsize
+    configs = [(64, 4, 3), (32, 4, 3), (64, 8, 3), (128, 8, 3), (64, 4, 2), (128, 4, 2)]
+    original = tpa._pick_config
+    try:
+        for block_n, warps, stages in configs[:2] if DRY else configs:
+            cfg = tpa._KernelConfig(block_n, warps, stages)
+            tpa._pick_config = lambda dtype, on_gpu, cfg=cfg: cfg  # noqa: E731
+            for splits in (None, 1, 4, 16, 64) if batch == 1 else (None, 1, 2):
+                ms = bench_ms(
+                    lambda s=splits: tpa.paged_decode_attention_triton(
+                        *args, HEAD_DIM**-0.5, num_splits=s
+                    )
+                )
+                row = {"heads": [hq, hkv], "batch": batch, "context": ctx,
+                       "config": cfg._asdict(), "num_splits": splits, "ms": ms,
+                       "gbps": kv_bytes / (ms * 1e-3) / 1e9}  # fmt: skip
+                REPORT["config_sweep"].append(row)
+    finally:
+        tpa._pick_config = original
+
+
+def sweep_configs() -> None:
+    """Kernel configs and split counts on a few shapes, to inform `_pick_config` later."""
+    shapes = [(32, 8, 8, 4096), (32, 8, 128, 4096), (32, 8, 1, 32768)]
+    for hq, hkv, batch, ctx in [(4, 2, 1, 64)] if DRY else shapes:
+        if time.perf_counter() - START > ARGS.time_budget_s:
+            REPORT["config_sweep"].append({"skipped": "time budget", "batch": batch})
+            continue
+        sweep_shape(hq, hkv, batch, ctx)
+        release_memory()
+        save()
+
+
+def release_memory() -> None:
+    if not DRY:
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    REPORT["meta"] = {
+        "device": "cpu (dry run, TRITON_INTERPRET=1)" if DRY else torch.cuda.get_device_name(),
+        "num_sms": None if DRY else torch.cuda.get_device_properties(0).multi_processor_count,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "dry_run": DRY,
+        "kernel_config": tpa._pick_config(DTYPE, not DRY)._asdict(),
+    }
+    REPORT["copy_bandwidth_gbps"] = copy_bandwidth_gbps()
+    save()
+    check_native_dtype()
+    if not DRY:
+        check_large_cache()
+        check_cuda_graph()
+    save()
+    for hq, hkv in HEAD_PAIRS:
+        for batch in BATCHES:
+            for ctx in CONTEXTS:
+                REPORT["results"].append(run_config(hq, hkv, batch, ctx))
+                release_memory()
+                save()
+    sweep_configs()
+    save()
+    failed = [c for c in REPORT["correctness"] if not c["ok"]]
+    print(
+        f"wrote {ARGS.out}: {len(REPORT['results'])} configs, copy bandwidth "
+        f"{REPORT['copy_bandwidth_gbps']:.0f} GB/s, correctness failures: {len(failed)}"
+    )
+    if failed:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,455 @@
+"""Triton paged decode attention: split-KV (flash-decoding) with GQA-grouped tiles.
+
+Same contract as `paged_attention_ref.paged_decode_attention_ref`: one query token per
+sequence attends over the `seq_lens[b]` cached positions named by `block_table[b]`.
+
+Design:
+- Stage 1 runs one program per (split, kv head, sequence). All query heads sharing that KV
+  head form one tile (padded to >= 16 rows for `tl.dot`), so every K/V byte is read once per
+  step. Each split keeps an fp32 online softmax and writes its partial (max, sum, acc).
+- Stage 2 merges the splits of each (sequence, query head) by log-sum-exp.
+- The grid is (num_splits, kv_heads, batch): it depends on shapes only, never on the values
+  in `seq_lens`, so a step can be captured in a CUDA graph. Each sequence divides its own
+  tiles over the splits; splits past its end are empty and write max = -inf, sum = 0,
+  acc = 0, which stage 2 ignores. With one split, stage 1 writes the output directly.
+- Loads of K/V and of the block table are masked by position, so padding entries of the
+  block table and stale slots of a partly filled page are never read.
+
+`TRITON_INTERPRET=1` must be set before this module is imported to run it on CPU tensors.
+The interpreter mishandles bf16 (raw integers), so bf16 inputs are upcast to fp32 there.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+# Read once: triton decides at decoration time whether a kernel is interpreted.
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_LOG2E = 1.4426950408889634
+_CPU_NUM_SPLITS = 2  # fixed split count off-GPU: the interpreter pays per program
+_MIN_TILES_PER_SPLIT = 4  # a split shorter than this costs more in overhead than it saves
+_MAX_SPLITS = 64
+_MIN_DOT_ROWS = 16  # tl.dot needs M >= 16
+
+
+class DecodeWorkspace(NamedTuple):
+    """Per-split partial results of stage 1 (fp32). Reusable across steps of equal shape."""
+
+    partial_out: torch.Tensor  # [B, Hq, num_splits, D], unnormalised acc
+    partial_max: torch.Tensor  # [B, Hq, num_splits], running max of scores * log2(e)
+    partial_sum: torch.Tensor  # [B, Hq, num_splits], softmax denominator at that max
+
+
+class _KernelConfig(NamedTuple):
+    block_n: int  # tokens per tile
+    num_warps: int
+    num_stages: int
+
+
+def alloc_decode_workspace(
+    batch: int, num_q_heads: int, head_dim: int, num_splits: int, device: torch.device | str
+) -> DecodeWorkspace:
+    """Allocate the split-KV workspace; contents need no initialisation."""
+    return DecodeWorkspace(
+        partial_out=torch.empty(
+            batch, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=device
+        ),  # [B, Hq, S, D]
+        partial_max=torch.empty(
+            batch, num_q_heads, num_splits, dtype=torch.float32, device=device
+        ),  # [B, Hq, S]
+        partial_sum=torch.empty(
+            batch, num_q_heads, num_splits, dtype=torch.float32, device=device
+        ),  # [B, Hq, S]
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _pick_config(dtype: torch.dtype, on_gpu: bool) -> _KernelConfig:
+    """Host-side config choice (autotune with several configs fails without a GPU)."""
+    if not on_gpu:
+        return _KernelConfig(block_n=64, num_warps=4, num_stages=1)
+    # Checked by compiling for sm_90 with triton 3.6 (D=128, no GPU needed): no spills
+    # (bf16: 158 registers), cp.async pipelining, 16-byte loads. Not yet timed on a GPU:
+    # bench/bench_paged_attention.py sweeps alternatives. fp32 gets a shorter tile because
+    # its exact ("ieee") dot runs on FMAs, not tensor cores.
+    if dtype == torch.float32:
+        return _KernelConfig(block_n=32, num_warps=4, num_stages=3)
+    return _KernelConfig(block_n=64, num_warps=4, num_stages=3)
+
+
+def choose_num_splits(
+    batch: int, num_kv_heads: int, max_seq_len: int, block_n: int, device: torch.device
+) -> int:
+    """Split count from shapes only (CUDA-graph safe): fill the SMs when batch x kv_heads is
+    small, but keep every split at least `_MIN_TILES_PER_SPLIT` tiles of the longest allowed
+    sequence. `max_seq_len` is the block-table capacity, not the live maximum."""
+    max_tiles = triton.cdiv(max(max_seq_len, 1), block_n)
+    if _INTERPRET or device.type != "cuda":
+        return max(1, min(_CPU_NUM_SPLITS, max_tiles))
+    parallel = batch * num_kv_heads
+    num_sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    if parallel >= num_sms:
+        return 1
+    wanted = triton.cdiv(2 * num_sms, parallel)  # about two resident programs per SM
+    return max(1, min(wanted, max_tiles // _MIN_TILES_PER_SPLIT, _MAX_SPLITS))
+
+
+@triton.jit
+def _decode_stage1_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    qk_scale,
+    num_splits,
+    stride_qb,
+    stride_qh,
+    stride_qd,
+    stride_kn,
+    stride_kp,
+    stride_kh,
+    stride_kd,
+    stride_vn,
+    stride_vp,
+    stride_vh,
+    stride_vd,
+    stride_btb,
+    stride_btp,
+    stride_ob,
+    stride_oh,
+    stride_od,
+    stride_pob,
+    stride_poh,
+    stride_pos,
+    stride_pod,
+    stride_pmb,
+    stride_pmh,
+    stride_pms,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    split = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    b = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + b)
+    num_tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
+    tiles_per_split = (num_tiles + num_splits - 1) // num_splits
+    tile_start = split * tiles_per_split
+    tile_end = tl.minimum(tile_start + tiles_per_split, num_tiles)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_g = offs_g < GROUP
+    mask_d = offs_d < HEAD_DIM
+    heads = kv_head * GROUP + offs_g  # [BLOCK_G] query heads of this KV head
+
+    q_ptrs = q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=mask_g[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    bt_row = block_table_ptr + b.to(tl.int64) * stride_btb
+    k_head = k_cache_ptr + kv_head * stride_kh
+    v_head = v_cache_ptr + kv_head * stride_vh
+
+    # Every tile below starts before seq_len, so each row sees a finite score and m_i
+    # becomes finite on the first iteration: no (-inf) - (-inf).
+    for tile in range(tile_start, tile_end):
+        pos = tile * BLOCK_N + offs_n  # [BLOCK_N] logical positions
+        mask_n = pos < seq_len
+        page = tl.load(bt_row + (pos // PAGE_SIZE) * stride_btp, mask=mask_n, other=0)
+        page = page.to(tl.int64)  # page * stride can pass 2^31 elements
+        in_page = pos % PAGE_SIZE
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k_off = page * stride_kn + in_page * stride_kp  # [BLOCK_N]
+        k = tl.load(
+            k_head + k_off[:, None] + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0
+        )  # [BLOCK_N, BLOCK_D]
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])  # [BLOCK_G, BLOCK_N]
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v_off = page * stride_vn + in_page * stride_vp
+        v = tl.load(
+            v_head + v_off[:, None] + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0
+        )  # [BLOCK_N, BLOCK_D]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    row_mask = mask_g[:, None] & mask_d[None, :]
+    if SINGLE_SPLIT:
+        denom = tl.where(l_i > 0.0, l_i, 1.0)  # empty sequence: acc is 0, output 0
+        o = acc / denom[:, None]
+        o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_mask)
+    else:
+        po_ptrs = (
+            part_out_ptr
+            + b * stride_pob
+            + heads[:, None] * stride_poh
+            + split * stride_pos
+            + offs_d[None, :] * stride_pod
+        )
+        tl.store(po_ptrs, acc, mask=row_mask)
+        pm_off = b * stride_pmb + heads * stride_pmh + split * stride_pms
+        tl.store(part_max_ptr + pm_off, m_i, mask=mask_g)
+        tl.store(part_sum_ptr + pm_off, l_i, mask=mask_g)
+
+
+@triton.jit
+def _decode_stage2_kernel(
+    out_ptr,
+    part_out_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    num_splits,
+    stride_ob,
+    stride_oh,
+    stride_od,
+    stride_pob,
+    stride_poh,
+    stride_pos,
+    stride_pod,
+    stride_pmb,
+    stride_pmh,
+    stride_pms,
+    BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    head = tl.program_id(0)
+    b = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_s = offs_s < num_splits
+    mask_d = offs_d < HEAD_DIM
+
+    pm_off = b * stride_pmb + head * stride_pmh + offs_s * stride_pms
+    m = tl.load(part_max_ptr + pm_off, mask=mask_s, other=float("-inf"))  # [BLOCK_S]
+    l = tl.load(part_sum_ptr + pm_off, mask=mask_s, other=0.0)  # noqa: E741
+    is_live = (m > float("-inf")) & (l > 0.0)
+    m_all = tl.max(tl.where(is_live, m, float("-inf")), axis=0)
+    m_ref = tl.where(m_all > float("-inf"), m_all, 0.0)  # all splits empty: seq_len 0
+    w = tl.where(is_live, tl.exp2(tl.where(is_live, m, m_ref) - m_ref), 0.0)  # [BLOCK_S]
+    total = tl.sum(w * l, axis=0)
+
+    po_ptrs = (
+        part_out_ptr
+        + b * stride_pob
+        + head * stride_poh
+        + offs_s[:, None] * stride_pos
+        + offs_d[None, :] * stride_pod
+    )
+    acc = tl.load(po_ptrs, mask=mask_s[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
+    num = tl.sum(tl.where(is_live[:, None], acc * w[:, None], 0.0), axis=0)  # [BLOCK_D]
+    o = num / tl.where(total > 0.0, total, 1.0)
+    o_ptrs = out_ptr + b * stride_ob + head * stride_oh + offs_d * stride_od
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=mask_d)
+
+
+def _check_inputs(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+) -> None:
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"q must be [B, Hq, D] and k_cache/v_cache equal [N, P, Hkv, D]; got "
+            f"q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, "
+            f"v_cache {tuple(v_cache.shape)}"
+        )
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim or num_q_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"head_dim/heads mismatch: q {tuple(q.shape)}, cache "
+            f"{tuple(k_cache.shape)} (Hq must be a multiple of Hkv)"
+        )
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise ValueError(
+            f"dtype mismatch: q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}"
+        )
+    if block_table.dim() != 2 or block_table.shape[0] != batch or seq_lens.shape != (batch,):
+        raise ValueError(
+            f"block_table must be [B, max_blocks] and seq_lens [B] with B={batch}; "
+            f"got {tuple(block_table.shape)} and {tuple(seq_lens.shape)}"
+        )
+    if block_table.dtype not in (torch.int32, torch.int64) or seq_lens.dtype not in (
+        torch.int32,
+        torch.int64,
+    ):
+        raise ValueError("block_table and seq_lens must be int32 or int64")
+    if not _INTERPRET and q.device.type != "cuda":
+        raise ValueError(
+            "triton attention needs CUDA tensors, or TRITON_INTERPRET=1 set "
+            "before importing kernels.triton_paged_attention"
+        )
+
+
+def _check_workspace(
+    ws: DecodeWorkspace, batch: int, num_q_heads: int, head_dim: int, num_splits: int
+) -> None:
+    lead = (batch, num_q_heads, num_splits)
+    if (
+        tuple(ws.partial_out.shape) != (*lead, head_dim)
+        or tuple(ws.partial_max.shape) != lead
+        or ws.partial_sum.shape != ws.partial_max.shape
+        or ws.partial_sum.stride() != ws.partial_max.stride()
+        or any(t.dtype != torch.float32 for t in ws)
+    ):
+        raise ValueError(
+            f"workspace must be fp32 with partial_out {(*lead, head_dim)} and "
+            f"partial_max/partial_sum {lead} of equal strides "
+            "(see alloc_decode_workspace)"
+        )
+
+
+def paged_decode_attention_triton(
+    q: torch.Tensor,  # [B, Hq, D], any strides
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    block_table: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    sm_scale: float,
+    num_splits: int | None = None,
+    workspace: DecodeWorkspace | None = None,
+    out: torch.Tensor | None = None,  # [B, Hq, D], q's dtype; written, not read
+) -> torch.Tensor:  # [B, Hq, D]
+    """Paged decode attention; same result as `paged_decode_attention_ref`.
+
+    `num_splits` defaults to the workspace's split count when one is given, else to
+    `choose_num_splits` on the block-table capacity. Passing a fixed `workspace` and `out`
+    makes the call allocation-free and its grid fixed (CUDA-graph capturable).
+    """
+    _check_inputs(q, k_cache, v_cache, block_table, seq_lens)
+    if _INTERPRET and q.dtype == torch.bfloat16:
+        result = paged_decode_attention_triton(
+            q.float(),
+            k_cache.float(),
+            v_cache.float(),
+            block_table,
+            seq_lens,
+            sm_scale,
+            num_splits=num_splits,
+            workspace=workspace,
+        )
+        if out is None:
+            return result.to(torch.bfloat16)
+        return out.copy_(result)
+
+    batch, num_q_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_cache.shape
+    group = num_q_heads // num_kv_heads
+    on_gpu = q.device.type == "cuda" and not _INTERPRET
+    cfg = _pick_config(q.dtype, on_gpu)
+    if num_splits is None:
+        num_splits = (
+            workspace.partial_max.shape[2]
+            if workspace is not None
+            else choose_num_splits(
+                batch, num_kv_heads, block_table.shape[1] * page_size, cfg.block_n, q.device
+            )
+        )
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    if out is None:
+        out = torch.empty(batch, num_q_heads, head_dim, dtype=q.dtype, device=q.device)
+    elif out.shape != q.shape or out.dtype != q.dtype:
+        raise ValueError(
+            f"out must be {tuple(q.shape)} {q.dtype}, got {tuple(out.shape)} {out.dtype}"
+        )
+    if batch == 0:
+        return out
+    if num_splits > 1:
+        if workspace is None:
+            workspace = alloc_decode_workspace(batch, num_q_heads, head_dim, num_splits, q.device)
+        _check_workspace(workspace, batch, num_q_heads, head_dim, num_splits)
+        ws = workspace
+        po_strides, pm_strides = ws.partial_out.stride(), ws.partial_max.stride()
+    else:  # one split writes `out` directly; the partial pointers are never dereferenced
+        ws = DecodeWorkspace(out, out, out)
+        po_strides, pm_strides = (0, 0, 0, 0), (0, 0, 0)
+
+    block_d = triton.next_power_of_2(head_dim)
+    _decode_stage1_kernel[(num_splits, num_kv_heads, batch)](
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        seq_lens,
+        out,
+        ws.partial_out,
+        ws.partial_max,
+        ws.partial_sum,
+        sm_scale * _LOG2E,
+        num_splits,
+        *q.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        *block_table.stride(),
+        *out.stride(),
+        *po_strides,
+        *pm_strides,
+        GROUP=group,
+        BLOCK_G=max(_MIN_DOT_ROWS, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        PAGE_SIZE=page_size,
+        BLOCK_N=cfg.block_n,
+        SINGLE_SPLIT=num_splits == 1,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if num_splits > 1:
+        _decode_stage2_kernel[(num_q_heads, batch)](
+            out,
+            ws.partial_out,
+            ws.partial_max,
+            ws.partial_sum,
+            num_splits,
+            *out.stride(),
+            *po_strides,
+            *pm_strides,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            num_warps=4 if on_gpu else 1,
+        )
+    return out
+
+
+__all__ = [
+    "DecodeWorkspace",
+    "alloc_decode_workspace",
+    "choose_num_splits",
+    "paged_decode_attention_triton",
+]
