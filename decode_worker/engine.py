@@ -1,92 +1,73 @@
-"""Decode engine: reservations, K/V reception and the batched step loop.
+"""Decode engine: reservations, K/V reception, the batched step loop, preemption.
 
-Lifecycle of a request here: Reserve (blocks allocated, lease starts) -> K/V chunks arrive and
-are validated -> push complete -> Decode attached (first token, sampling) -> joins the running
-batch at the next step boundary -> one token per step -> finished, aborted or lease expired:
-its blocks go back to the free list exactly once. Aborts of a running request take effect at
-the next step boundary, never while a step still writes into its blocks.
+Lifecycle of a request here: Reserve (blocks for the prompt and its first decode slot; waits in
+a bounded FIFO queue when the pool is full) -> K/V chunks arrive and are validated (or, in
+colocated mode, the prompt is prefilled here) -> Decode attached -> joins the running batch at
+the next step boundary -> one token per step, one block more whenever a block fills ->
+finished, aborted or lease expired: its blocks go back to the free list exactly once.
+
+Memory policy: blocks are allocated as sequences grow. When a running sequence needs a block
+and none is free, the newest running sequence is preempted: its K/V is copied to host memory
+and its blocks freed (swap-out). Swapped sequences resume, oldest first, before any new
+reservation is granted, with their K/V copied back bit for bit, so preemption never changes a
+token. A request that could not fit even alone is refused at Reserve.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from enum import Enum
-from typing import NamedTuple
 
-import numpy as np
 import torch
 
+from decode_worker.sequence import (
+    DecodeEvent,
+    DecodeSeq,
+    ErrorEvent,
+    FinishedEvent,
+    Phase,
+    TokensEvent,
+)
 from kvferry import wire
-from kvferry.errors import Aborted, InvalidArgument, NotFound
+from kvferry.block_queue import BlockQueue
+from kvferry.errors import Aborted, InvalidArgument, NotFound, ResourceExhausted
 from kvferry.executor import run_to_completion
 from kvferry.kv_pool import KvPool, blocks_for_tokens
 from kvferry.model import Transformer
+from kvferry.prefill_batch import PrefillBatcher, PrefillJob
 from kvferry.sampling import SamplingParams, sample_tokens
 from kvferry.types import FinishReason, PoolStats
 
 log = logging.getLogger("kvferry.decode")
 
-
-class Phase(Enum):
-    RESERVED = "reserved"  # blocks held, waiting for K/V and/or Decode
-    RUNNING = "running"  # in the step loop
-    DONE = "done"  # blocks released
-
-
-class TokensEvent(NamedTuple):
-    token_ids: list[int]
-
-
-class FinishedEvent(NamedTuple):
-    reason: FinishReason
-    first_step_s: float
-
-
-class ErrorEvent(NamedTuple):
-    error: Exception
-
-
-DecodeEvent = TokensEvent | FinishedEvent | ErrorEvent
-
-
-@dataclass(slots=True)
-class DecodeSeq:
-    request_id: str
-    num_prompt_tokens: int
-    block_table: list[int]
-    lease_deadline: float
-    received: np.ndarray  # [layers, prompt blocks] pages delivered so far
-    is_kv_complete: bool = False
-    params: SamplingParams | None = None
-    max_new_tokens: int = 0
-    stop_token_ids: frozenset[int] = frozenset()
-    tokens: list[int] = field(default_factory=list)  # first token (from prefill) + generated
-    events: asyncio.Queue[DecodeEvent] | None = None
-    phase: Phase = Phase.RESERVED
-    is_aborted: bool = False
-    first_step_s: float = 0.0
-
-    @property
-    def capacity(self) -> int:
-        return len(self.block_table)
+DEFAULT_MAX_WAITING = 256
 
 
 class DecodeEngine:
     """Owns the pool, the reservations and the step loop. Not thread-safe: call from the
-    event loop; only the forward pass runs on the executor thread."""
+    event loop; only forward passes run on the executor thread."""
 
-    def __init__(self, model: Transformer, pool: KvPool, layout: wire.KvLayout) -> None:
+    def __init__(self, model: Transformer, pool: KvPool, layout: wire.KvLayout,
+                 max_waiting: int = DEFAULT_MAX_WAITING, **prefill_options: int) -> None:
         self.model = model
         self.pool = pool
         self.layout = layout
+        self.max_waiting = max_waiting
+        self.num_preemptions = 0
         self._seqs: dict[str, DecodeSeq] = {}
         self._running: list[DecodeSeq] = []
+        self._swapped: list[DecodeSeq] = []
+        self.blocks = BlockQueue(pool.allocator, max_waiting, lambda: not self._swapped)
+        self._arrivals = itertools.count()
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="decode-step")
+        # Colocated mode: prompts prefilled here share the step loop and its executor.
+        self.batcher = PrefillBatcher(model, pool, self._executor, self._wake.set,
+                                      **prefill_options)
+        self._prefill_jobs: dict[str, PrefillJob] = {}
         self._tasks: list[asyncio.Task[None]] = []
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -101,9 +82,9 @@ class DecodeEngine:
             self._finish(seq, ErrorEvent(Aborted("decode worker stopped")))
         self._executor.shutdown(wait=True)
 
-    # ---- reservations and K/V ----------------------------------------------------------------
-    def reserve(self, request_id: str, num_prompt_tokens: int, max_tokens: int,
-                lease_s: float) -> int:
+    # ---- reservations ----------------------------------------------------------------------
+    def _check_reserve(self, request_id: str, num_prompt_tokens: int, max_tokens: int,
+                       lease_s: float) -> None:
         if not request_id:
             raise InvalidArgument("request_id must be non-empty", "request_id")
         if request_id in self._seqs:
@@ -120,13 +101,28 @@ class DecodeEngine:
             )
         if lease_s <= 0:
             raise InvalidArgument("lease_s must be > 0", "lease_s")
-        blocks = self.pool.allocator.alloc(
-            blocks_for_tokens(num_prompt_tokens + max_tokens, self.pool.block_size)
+        most = blocks_for_tokens(num_prompt_tokens + max_tokens, self.pool.block_size)
+        if most > self.pool.num_blocks:
+            raise ResourceExhausted(
+                f"request needs up to {most} K/V blocks; the pool has {self.pool.num_blocks}"
+            )
+
+    async def reserve(self, request_id: str, num_prompt_tokens: int, max_tokens: int,
+                      lease_s: float) -> int:
+        """Allocate the prompt's blocks (and the first decode slot), waiting in a bounded FIFO
+        queue while the pool is full. Returns the number of blocks allocated."""
+        self._check_reserve(request_id, num_prompt_tokens, max_tokens, lease_s)
+        blocks = await self.blocks.alloc(
+            blocks_for_tokens(num_prompt_tokens + 1, self.pool.block_size)
         )
+        if request_id in self._seqs:  # a twin arrived while we waited
+            self.pool.allocator.free(blocks)
+            raise InvalidArgument(f"request_id {request_id!r} already reserved", "request_id")
         self._seqs[request_id] = DecodeSeq(
-            request_id=request_id, num_prompt_tokens=num_prompt_tokens, block_table=blocks,
-            lease_deadline=time.monotonic() + lease_s,
+            request_id=request_id, num_prompt_tokens=num_prompt_tokens, max_tokens=max_tokens,
+            block_table=blocks, lease_deadline=time.monotonic() + lease_s,
             received=wire.coverage(self.layout, num_prompt_tokens),
+            arrival=next(self._arrivals),
         )
         return len(blocks)
 
@@ -136,6 +132,7 @@ class DecodeEngine:
             raise NotFound(f"no reservation for request_id {request_id!r}", "request_id")
         return seq
 
+    # ---- K/V arrival -------------------------------------------------------------------------
     def receive_chunk(self, request_id: str, layout: wire.KvLayout, num_tokens: int,
                       span: wire.ChunkSpan, data: bytes, crc32: int) -> int:
         """Validate one chunk against layout and reservation, then write it. Returns bytes."""
@@ -175,6 +172,34 @@ class DecodeEngine:
         if seq is not None and not seq.is_kv_complete:
             seq.received[:] = False
 
+    async def prefill_local(self, request_id: str, prompt: list[int], params: SamplingParams
+                            ) -> tuple[int, float]:
+        """Colocated mode: prefill a reserved request's prompt into its own blocks, in the
+        step loop. Returns the first token and the prefill time."""
+        seq = self._get(request_id)
+        if seq.is_kv_complete or request_id in self._prefill_jobs:
+            raise InvalidArgument(f"K/V for {request_id!r} is already complete", "request_id")
+        if len(prompt) != seq.num_prompt_tokens:
+            raise InvalidArgument("prompt length differs from the reservation",
+                                  "prompt_token_ids")
+        job = PrefillJob(request_id, prompt, params, seq.block_table,
+                         asyncio.get_running_loop().create_future())
+        self._prefill_jobs[request_id] = job
+        self.batcher.submit(job)
+        try:
+            token = await asyncio.shield(job.first_token)
+        except asyncio.CancelledError:
+            if job.first_token.cancelled() and seq.phase is Phase.DONE:
+                raise Aborted(f"request {request_id!r} ended during prefill") from None
+            raise
+        finally:
+            self._prefill_jobs.pop(request_id, None)
+            await self.batcher.release(job)
+        seq.received[:] = True
+        seq.is_kv_complete = True
+        self._wake.set()
+        return token, time.perf_counter() - job.started_at
+
     # ---- decoding ----------------------------------------------------------------------------
     def attach(self, request_id: str, first_token_id: int, params: SamplingParams,
                max_new_tokens: int, stop_token_ids: list[int]) -> asyncio.Queue[DecodeEvent]:
@@ -185,12 +210,12 @@ class DecodeEngine:
         vocab = self.model.config.vocab_size
         if not 0 <= first_token_id < vocab:
             raise InvalidArgument(f"first_token_id outside [0, {vocab})", "first_token_id")
-        if max_new_tokens < 1 or seq.num_prompt_tokens + max_new_tokens > seq.capacity * (
-            self.pool.block_size
-        ):
+        if not 1 <= max_new_tokens <= seq.max_tokens - 1:
             raise InvalidArgument(
-                f"max_new_tokens {max_new_tokens} does not fit the reservation", "max_new_tokens"
+                f"max_new_tokens must be in [1, {seq.max_tokens - 1}] for this reservation",
+                "max_new_tokens",
             )
+        params.validate(vocab)
         seq.params = params
         seq.max_new_tokens = max_new_tokens
         seq.stop_token_ids = frozenset(stop_token_ids)
@@ -205,64 +230,137 @@ class DecodeEngine:
             seq.is_aborted = True  # released at the next step boundary
             self._wake.set()
         else:
-            self._finish(seq, FinishedEvent(FinishReason.ABORT, 0.0))
+            self._finish(seq, FinishedEvent(FinishReason.ABORT, seq.first_step_s))
 
     def _finish(self, seq: DecodeSeq, event: DecodeEvent) -> None:
         """Release the request's blocks exactly once and tell its stream how it ended."""
         if seq.phase is Phase.DONE:
             return
+        job = self._prefill_jobs.get(seq.request_id)
+        if job is not None and job.is_in_batch:
+            # A local prefill still writes into these blocks: finish once it is out.
+            seq.is_aborted = True
+            asyncio.get_running_loop().create_task(self._finish_after(job, seq, event))
+            return
+        if job is not None:
+            asyncio.get_running_loop().create_task(self.batcher.release(job))
+        if seq.phase is Phase.RUNNING and seq in self._running:
+            self._running.remove(seq)
+        if seq in self._swapped:
+            self._swapped.remove(seq)
         seq.phase = Phase.DONE
         self.pool.allocator.free(seq.block_table)
+        seq.block_table = []
+        seq.swapped_kv = None
         self._seqs.pop(seq.request_id, None)
         if seq.events is not None:
             seq.events.put_nowait(event)
+        self.blocks.grant()
+
+    async def _finish_after(self, job: PrefillJob, seq: DecodeSeq, event: DecodeEvent) -> None:
+        await self.batcher.release(job)
+        self._prefill_jobs.pop(seq.request_id, None)
+        self._finish(seq, event)
 
     async def _leases(self) -> None:
         while True:
             await asyncio.sleep(0.25)
             now = time.monotonic()
             for seq in list(self._seqs.values()):
-                if seq.phase is Phase.RESERVED and now > seq.lease_deadline:
+                if seq.phase is Phase.RESERVED and not seq.is_aborted and (
+                        now > seq.lease_deadline):
                     log.warning("request %s: lease expired before decoding began", seq.request_id)
                     self._finish(seq, ErrorEvent(Aborted("lease expired before K/V arrived")))
 
+    # ---- the step loop -----------------------------------------------------------------------
     def _admit_and_reap(self) -> None:
-        for seq in self._running:
+        for seq in list(self._running):
             if seq.is_aborted:
                 self._finish(seq, FinishedEvent(FinishReason.ABORT, seq.first_step_s))
-        self._running = [s for s in self._running if s.phase is Phase.RUNNING]
         for seq in self._seqs.values():
-            if seq.phase is Phase.RESERVED and seq.is_kv_complete and seq.events is not None:
+            if (seq.phase is Phase.RESERVED and seq.is_kv_complete and seq.events is not None
+                    and not seq.is_aborted):
                 seq.phase = Phase.RUNNING
                 self._running.append(seq)
+
+    def _swap_out(self, seq: DecodeSeq) -> None:
+        ids = torch.tensor(seq.block_table, device=self.pool.cache.device)
+        # [layers, 2, blocks, block_size, kv_heads, head_dim] in host memory
+        seq.swapped_kv = self.pool.cache.index_select(2, ids).to("cpu")
+        self.pool.allocator.free(seq.block_table)
+        seq.block_table = []
+        seq.phase = Phase.SWAPPED
+        self._running.remove(seq)
+        self._swapped.append(seq)
+        self.num_preemptions += 1
+        log.info("request %s preempted (swapped out, %d preemptions so far)", seq.request_id,
+                 self.num_preemptions)
+
+    def _swap_in(self) -> None:
+        """Resume swapped sequences, oldest first, while their blocks fit."""
+        self._swapped.sort(key=lambda s: s.arrival)
+        while self._swapped:
+            seq = self._swapped[0]
+            assert seq.swapped_kv is not None  # noqa: S101 - set by _swap_out
+            n = seq.swapped_kv.shape[2]
+            if self.pool.allocator.num_free < n:
+                return
+            seq.block_table = self.pool.allocator.alloc(n)
+            ids = torch.tensor(seq.block_table, device=self.pool.cache.device)
+            self.pool.cache[:, :, ids] = seq.swapped_kv.to(self.pool.cache.device)
+            seq.swapped_kv = None
+            seq.phase = Phase.RUNNING
+            self._swapped.pop(0)
+            self._running.append(seq)
+
+    def _grow(self) -> None:
+        """Give every running sequence the slot its next step writes; preempt the newest
+        running sequence while the pool is short."""
+        block_size = self.pool.block_size
+        for seq in sorted(self._running, key=lambda s: s.arrival):
+            while (seq.phase is Phase.RUNNING
+                   and len(seq.block_table) * block_size <= seq.next_position):
+                if self.pool.allocator.num_free > 0:
+                    seq.block_table += self.pool.allocator.alloc(1)
+                else:
+                    self._swap_out(max(self._running, key=lambda s: s.arrival))
 
     async def _step_loop(self) -> None:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            self._admit_and_reap()
-            while self._running:
-                batch = list(self._running)
-                start = time.perf_counter()
-                tokens = await run_to_completion(self._executor, self._step, batch)
-                elapsed = time.perf_counter() - start
-                self._emit(batch, tokens, elapsed)
+            while True:
+                ran_prefill = await self.batcher.run_once()
                 self._admit_and_reap()
+                self._swap_in()
+                self.blocks.grant()
+                self._grow()
+                if self._running:
+                    await self._decode_step()
+                elif not ran_prefill:
+                    break
+
+    async def _decode_step(self) -> None:
+        batch = list(self._running)
+        start = time.perf_counter()
+        tokens = await run_to_completion(self._executor, self._step, batch)
+        self._emit(batch, tokens, time.perf_counter() - start)
 
     def _step(self, batch: list[DecodeSeq]) -> list[int]:
         """One forward for the whole ragged batch (executor thread)."""
         bs = self.pool.block_size
-        positions = [s.num_prompt_tokens + len(s.tokens) - 1 for s in batch]
-        max_blocks = max(s.capacity for s in batch)
-        table = torch.zeros(len(batch), max_blocks, dtype=torch.int32)
+        positions = [s.next_position for s in batch]
+        width = max(len(s.block_table) for s in batch)
+        table = torch.zeros(len(batch), width, dtype=torch.int32)
         for i, seq in enumerate(batch):
-            table[i, : seq.capacity] = torch.tensor(seq.block_table, dtype=torch.int32)
+            table[i, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
         slots = [seq.block_table[p // bs] * bs + p % bs for seq, p in zip(batch, positions)]
+        device = self.model.device
         logits = self.model.decode(
-            torch.tensor([s.tokens[-1] for s in batch]),
-            torch.tensor(positions),
-            torch.tensor(slots, dtype=torch.int64),
-            table.to(self.model.device),
+            torch.tensor([s.tokens[-1] for s in batch], device=device),
+            torch.tensor(positions, device=device),
+            torch.tensor(slots, dtype=torch.int64, device=device),
+            table.to(device),
             self.pool,
         )
         params = [s.params or SamplingParams() for s in batch]  # attached: never None
@@ -283,14 +381,16 @@ class DecodeEngine:
 
     # ---- stats -------------------------------------------------------------------------------
     def stats(self) -> PoolStats:
-        waiting = [s for s in self._seqs.values() if s.phase is Phase.RESERVED]
+        reserved = [s for s in self._seqs.values() if s.phase is Phase.RESERVED]
         report = self.pool.allocator.check_integrity()
         return PoolStats(
             total_blocks=self.pool.num_blocks,
             free_blocks=self.pool.allocator.num_free,
-            reserved_blocks=sum(s.capacity for s in waiting),
+            reserved_blocks=sum(len(s.block_table) for s in reserved),
             num_running=len(self._running),
-            num_waiting=len(waiting),
+            num_waiting=len(reserved) + len(self._swapped) + self.blocks.num_waiting,
+            num_pending_prefill_tokens=self.batcher.pending_tokens,
             integrity_ok=report.ok,
             integrity_error=report.error,
+            num_preemptions=self.num_preemptions,
         )

@@ -7,7 +7,8 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from decode_worker.engine import DecodeEngine, ErrorEvent, FinishedEvent
+from decode_worker.engine import DecodeEngine
+from decode_worker.sequence import ErrorEvent, FinishedEvent, TokensEvent
 from kvferry import convert, grpc_util, transport, wire
 from kvferry.errors import InvalidArgument, KvferryError
 from kvferry.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
@@ -21,7 +22,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
     async def Reserve(self, request: worker_pb2.ReserveRequest,
                       context: grpc.aio.ServicerContext) -> worker_pb2.ReserveResponse:
         try:
-            num_blocks = self.engine.reserve(
+            num_blocks = await self.engine.reserve(
                 request.request_id, request.num_prompt_tokens, request.max_tokens,
                 request.lease_s,
             )
@@ -44,6 +45,15 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         try:
             while True:
                 event = await events.get()
+                # Coalesce tokens that queued up while the stream was busy: one message each.
+                while isinstance(event, TokensEvent) and not events.empty():
+                    following = events.get_nowait()
+                    if not isinstance(following, TokensEvent):
+                        yield worker_pb2.DecodeResponse(
+                            tokens=generation_pb2.TokenIds(ids=event.token_ids))
+                        event = following
+                        break
+                    event = TokensEvent(event.token_ids + following.token_ids)
                 if isinstance(event, ErrorEvent):
                     await grpc_util.abort_with(context, event.error, request_id)
                     return
@@ -105,9 +115,52 @@ class KvTransferServicer(worker_pb2_grpc.KvTransferServiceServicer):
         return worker_pb2.PushKvResponse(bytes_written=written)
 
 
+class ColocatedPrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
+    """PrefillService of a colocated worker: prompts are prefilled into this worker's own
+    reservations, interleaved with decode steps in one loop; nothing is shipped."""
+
+    def __init__(self, engine: DecodeEngine) -> None:
+        self.engine = engine
+        self.layout_msg = transport.layout_to_proto(engine.layout)
+
+    async def Prefill(self, request: worker_pb2.PrefillRequest,
+                      context: grpc.aio.ServicerContext
+                      ) -> AsyncIterator[worker_pb2.PrefillResponse]:
+        try:
+            if not request.is_local_decode:
+                raise InvalidArgument("a colocated worker prefills only its own reservations",
+                                      "is_local_decode")
+            params = convert.sampling_from_proto(request.sampling)
+            token, prefill_s = await self.engine.prefill_local(
+                request.request_id, list(request.prompt_token_ids), params)
+        except Exception as exc:
+            await grpc_util.abort_with(context, exc, request.request_id)
+            return
+        yield worker_pb2.PrefillResponse(
+            first_token=worker_pb2.FirstToken(token_id=token, prefill_s=prefill_s))
+        yield worker_pb2.PrefillResponse(done=worker_pb2.PrefillDone())
+
+    async def Abort(self, request: generation_pb2.AbortRequest,
+                    context: grpc.aio.ServicerContext) -> generation_pb2.AbortResponse:
+        try:
+            self.engine.abort(request.request_id)
+        except Exception as exc:
+            await grpc_util.abort_with(context, exc, request.request_id)
+        return generation_pb2.AbortResponse()
+
+    async def GetStats(self, request: worker_pb2.GetStatsRequest,
+                       context: grpc.aio.ServicerContext) -> worker_pb2.WorkerStats:
+        return convert.stats_to_proto("colocated", self.engine.stats(), self.layout_msg)
+
+
 SERVICE_NAMES = ["kvferry.v1.DecodeService", "kvferry.v1.KvTransferService"]
+COLOCATED_SERVICE_NAMES = [*SERVICE_NAMES, "kvferry.v1.PrefillService"]
 
 
-def add_to_server(server: grpc.aio.Server, engine: DecodeEngine) -> None:
+def add_to_server(server: grpc.aio.Server, engine: DecodeEngine, is_colocated: bool = False
+                  ) -> None:
     worker_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(engine), server)
     worker_pb2_grpc.add_KvTransferServiceServicer_to_server(KvTransferServicer(engine), server)
+    if is_colocated:
+        worker_pb2_grpc.add_PrefillServiceServicer_to_server(ColocatedPrefillServicer(engine),
+                                                             server)

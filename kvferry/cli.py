@@ -4,7 +4,8 @@
   kvferry serve [--model DIR] [--num-prefill P] ...      router + workers on localhost
   kvferry generate --address HOST:PORT PROMPT            stream a completion
   kvferry demo                                           serve + one Generate + shut down
-  kvferry prefill-worker | decode-worker | router        one process (Kubernetes, Ray)
+  kvferry serve --colocated                              the non-disaggregated baseline
+  kvferry prefill-worker | decode-worker | colocated-worker | router   one process
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ def _worker_parser(sub: argparse._SubParsersAction, role: str) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     p.add_argument("--torch-threads", type=int, default=0)
+    p.add_argument("--max-waiting", type=int, default=256,
+                   help="reservations that may wait for K/V blocks before RESOURCE_EXHAUSTED")
+    p.add_argument("--prefill-token-budget", type=int, default=2048)
+    p.add_argument("--prefill-chunk-size", type=int, default=512)
     p.set_defaults(role=role)
 
 
@@ -52,6 +57,8 @@ def _deployment_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-pool-size", default="256MiB")
     p.add_argument("--torch-threads", type=int, default=1, help="per worker process")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--colocated", action="store_true",
+                   help="baseline: --num-decode workers each serving prefill and decode")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -76,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _worker_parser(sub, "prefill")
     _worker_parser(sub, "decode")
+    _worker_parser(sub, "colocated")
 
     p = sub.add_parser("router", help="run the router process")
     p.add_argument("--model", default=None)
@@ -83,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--prefill", action="append", default=[], help="prefill worker HOST:PORT")
     p.add_argument("--decode", action="append", default=[], help="decode worker HOST:PORT")
+    p.add_argument("--colocated", action="append", default=[],
+                   help="colocated (prefill + decode) worker HOST:PORT")
     p.add_argument("--lease-s", type=float, default=30.0)
 
     p = sub.add_parser("serve", help="start router + workers on localhost until Ctrl-C")
@@ -143,7 +153,7 @@ def _deployment(args: argparse.Namespace):
         model=args.model or _ensure_default_model(), num_prefill=args.num_prefill,
         num_decode=args.num_decode, router_port=args.port, block_size=args.block_size,
         kv_pool_size=args.kv_pool_size, torch_threads=args.torch_threads,
-        attention_backend=args.attention_backend,
+        attention_backend=args.attention_backend, is_colocated=args.colocated,
     )
 
 
@@ -183,19 +193,22 @@ def main(argv: list[str] | None = None) -> int:
 
         print(make_model(Path(args.out), SPECS[args.arch]))
         return 0
-    if args.command in ("prefill-worker", "decode-worker"):
+    if args.command in ("prefill-worker", "decode-worker", "colocated-worker"):
         settings = WorkerSettings(
             role=args.role, model=args.model or _ensure_default_model(), host=args.host,
             port=args.port, block_size=args.block_size, kv_pool_size=args.kv_pool_size,
             dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
-            torch_threads=args.torch_threads,
+            torch_threads=args.torch_threads, max_waiting=args.max_waiting,
+            prefill_token_budget=args.prefill_token_budget,
+            prefill_chunk_size=args.prefill_chunk_size,
         )
         asyncio.run(processes.run_worker(settings))
         return 0
     if args.command == "router":
         settings = RouterSettings(
             model=args.model or _ensure_default_model(), prefill=tuple(args.prefill),
-            decode=tuple(args.decode), host=args.host, port=args.port, lease_s=args.lease_s,
+            decode=tuple(args.decode), colocated=tuple(args.colocated), host=args.host,
+            port=args.port, lease_s=args.lease_s,
         )
         asyncio.run(processes.run_router(settings))
         return 0

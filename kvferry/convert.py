@@ -39,5 +39,6 @@ def stats_to_proto(role: str, stats: PoolStats, layout: worker_pb2.KvLayout
         role=role, total_blocks=stats.total_blocks, free_blocks=stats.free_blocks,
         reserved_blocks=stats.reserved_blocks, num_running=stats.num_running,
         num_waiting=stats.num_waiting, layout=layout, integrity_ok=stats.integrity_ok,
-        integrity_error=stats.integrity_error,
+        integrity_error=stats.integrity_error, num_preemptions=stats.num_preemptions,
+        num_pending_prefill_tokens=stats.num_pending_prefill_tokens,
     )

@@ -66,6 +66,8 @@ class Deployment:
     kv_pool_size: str = "256MiB"
     torch_threads: int = 1
     attention_backend: str = "auto"
+    is_colocated: bool = False  # num_decode workers each serving both roles; no prefill ones
+    worker_args: list[str] = field(default_factory=list)  # extra flags for every worker
     log_dir: Path | None = None
     env: dict[str, str] = field(default_factory=dict)
     processes: list[Process] = field(default_factory=list)
@@ -74,21 +76,22 @@ class Deployment:
         return [f"{role}-worker", "--model", self.model, "--port", "0",
                 "--block-size", str(self.block_size), "--kv-pool-size", self.kv_pool_size,
                 "--torch-threads", str(self.torch_threads),
-                "--attention-backend", self.attention_backend]
+                "--attention-backend", self.attention_backend, *self.worker_args]
 
     def start(self, timeout_s: float = 180.0) -> Deployment:
         try:
+            decode_role = "colocated" if self.is_colocated else "decode"
+            num_prefill = 0 if self.is_colocated else self.num_prefill
             workers = [_spawn(f"prefill-{i}", self._worker_args("prefill"), self.log_dir,
-                              self.env) for i in range(self.num_prefill)]
-            workers += [_spawn(f"decode-{i}", self._worker_args("decode"), self.log_dir,
-                               self.env) for i in range(self.num_decode)]
+                              self.env) for i in range(num_prefill)]
+            workers += [_spawn(f"{decode_role}-{i}", self._worker_args(decode_role),
+                               self.log_dir, self.env) for i in range(self.num_decode)]
             self.processes = list(workers)
             for proc in workers:
                 proc.wait_ready(timeout_s)
             args = ["router", "--model", self.model, "--port", str(self.router_port)]
             for proc in workers:
-                args += ["--prefill" if proc.name.startswith("prefill") else "--decode",
-                         proc.address]
+                args += [f"--{proc.name.rsplit('-', 1)[0]}", proc.address]
             router = _spawn("router", args, self.log_dir, self.env)
             self.processes.append(router)
             router.wait_ready(timeout_s)
@@ -102,7 +105,9 @@ class Deployment:
         return self.processes[-1].address
 
     def addresses(self, role: str) -> list[str]:
-        return [p.address for p in self.processes if p.name.startswith(role)]
+        """Workers serving `role`; colocated workers serve both prefill and decode."""
+        return [p.address for p in self.processes
+                if p.name.startswith(role) or (role == "decode" and p.name.startswith("colocated"))]
 
     def stop(self, grace_s: float = 10.0) -> list[int | None]:
         """SIGTERM everything (router first), wait, SIGKILL stragglers. Returns exit codes."""

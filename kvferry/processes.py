@@ -79,19 +79,25 @@ async def run_worker(settings: WorkerSettings) -> None:
     layout = wire.KvLayout.of_pool(pool, config.fingerprint)
     server = grpc_util.make_server()
     health = grpc_util.add_health(server, [])
-    if settings.role == "decode":
+    if settings.role in ("decode", "colocated"):
         from decode_worker import server as decode_server
         from decode_worker.engine import DecodeEngine
 
-        engine = DecodeEngine(model, pool, layout)
-        decode_server.add_to_server(server, engine)
-        names = decode_server.SERVICE_NAMES
+        is_colocated = settings.role == "colocated"
+        engine = DecodeEngine(model, pool, layout, settings.max_waiting,
+                              token_budget=settings.prefill_token_budget,
+                              chunk_size=settings.prefill_chunk_size)
+        decode_server.add_to_server(server, engine, is_colocated)
+        names = (decode_server.COLOCATED_SERVICE_NAMES if is_colocated
+                 else decode_server.SERVICE_NAMES)
         engine.start()
     else:
         from prefill_worker import server as prefill_server
         from prefill_worker.engine import PrefillEngine
 
-        engine = PrefillEngine(model, pool, layout, GrpcKvSender())
+        engine = PrefillEngine(model, pool, layout, GrpcKvSender(),
+                               settings.prefill_token_budget, settings.prefill_chunk_size,
+                               settings.max_waiting)
         engine.start()
         prefill_server.add_to_server(server, engine)
         names = prefill_server.SERVICE_NAMES
@@ -111,7 +117,7 @@ async def run_router(settings: RouterSettings) -> None:
     config = load_model_config(settings.model)
     tokenizer = AutoTokenizer.from_pretrained(settings.model)
     workers = WorkerSet.connect(list(settings.prefill), list(settings.decode),
-                                config.fingerprint)
+                                config.fingerprint, list(settings.colocated))
     await workers.refresh_all()
     router = Router(config, tokenizer, workers, settings.lease_s)
     refresher = asyncio.create_task(_refresh_loop(workers))

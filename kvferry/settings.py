@@ -36,7 +36,7 @@ def parse_pool_size(value: str, total_memory_bytes: int) -> int:
 class WorkerSettings:
     """A prefill or decode worker process."""
 
-    role: str  # "prefill" or "decode"
+    role: str  # "prefill", "decode" or "colocated" (both roles in one step loop)
     model: str
     host: str = "127.0.0.1"
     port: int = 0
@@ -46,10 +46,16 @@ class WorkerSettings:
     device: str = "auto"
     attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
     torch_threads: int = 0  # 0: torch's default
+    max_waiting: int = 256  # reservations that may wait for blocks before RESOURCE_EXHAUSTED
+    prefill_token_budget: int = 2048  # prompt tokens per prefill forward
+    prefill_chunk_size: int = 512  # longer prompts are prefilled in chunks of this many tokens
 
     def __post_init__(self) -> None:
-        if self.role not in ("prefill", "decode"):
-            raise ValueError(f"role: expected prefill or decode, got {self.role!r}")
+        if self.role not in ("prefill", "decode", "colocated"):
+            raise ValueError(f"role: expected prefill, decode or colocated, got {self.role!r}")
+        for name in ("max_waiting", "prefill_token_budget", "prefill_chunk_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size: must be a power of two, got {self.block_size}")
         if not 0 <= self.port < 65536:
@@ -65,16 +71,15 @@ class RouterSettings:
     """The router process."""
 
     model: str
-    prefill: tuple[str, ...]
-    decode: tuple[str, ...]
+    prefill: tuple[str, ...] = ()
+    decode: tuple[str, ...] = ()
+    colocated: tuple[str, ...] = ()  # workers serving both roles
     host: str = "127.0.0.1"
     port: int = 0
     lease_s: float = 30.0
 
     def __post_init__(self) -> None:
-        if not self.prefill:
-            raise ValueError("prefill: at least one prefill worker address is required")
-        if not self.decode:
-            raise ValueError("decode: at least one decode worker address is required")
+        if not self.colocated and not (self.prefill and self.decode):
+            raise ValueError("prefill/decode: give prefill and decode workers, or colocated ones")
         if self.lease_s <= 0:
             raise ValueError(f"lease_s: must be > 0, got {self.lease_s}")

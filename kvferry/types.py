@@ -25,3 +25,5 @@ class PoolStats:
     num_waiting: int
     integrity_ok: bool
     integrity_error: str
+    num_preemptions: int = 0
+    num_pending_prefill_tokens: int = 0

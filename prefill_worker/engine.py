@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 from kvferry import wire
+from kvferry.block_queue import BlockQueue
 from kvferry.errors import InvalidArgument, NotFound
 from kvferry.kv_pool import KvPool, blocks_for_tokens
 from kvferry.model import Transformer
@@ -42,7 +43,7 @@ class PrefillEngine:
 
     def __init__(self, model: Transformer, pool: KvPool, layout: wire.KvLayout,
                  sender: KvSender, token_budget: int = DEFAULT_TOKEN_BUDGET,
-                 chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
+                 chunk_size: int = DEFAULT_CHUNK_SIZE, max_waiting: int = 256) -> None:
         self.model = model
         self.pool = pool
         self.layout = layout
@@ -51,6 +52,7 @@ class PrefillEngine:
         self._wake = asyncio.Event()
         self.batcher = PrefillBatcher(model, pool, self._executor, self._wake.set,
                                       token_budget, chunk_size)
+        self.blocks = BlockQueue(pool.allocator, max_waiting)
         self._active: dict[str, asyncio.Task[object]] = {}
         self._loop_task: asyncio.Task[None] | None = None
 
@@ -81,12 +83,16 @@ class PrefillEngine:
     ) -> AsyncIterator[FirstTokenEvent | PushedEvent]:
         """Yield the first token as soon as it exists, then the push's completion."""
         self._validate(request_id, prompt, params)
-        blocks = self.pool.allocator.alloc(blocks_for_tokens(len(prompt), self.pool.block_size))
-        job = PrefillJob(request_id, prompt, params, blocks,
-                         asyncio.get_running_loop().create_future())
         task = asyncio.current_task()
         if task is not None:
             self._active[request_id] = task
+        try:
+            blocks = await self.blocks.alloc(blocks_for_tokens(len(prompt), self.pool.block_size))
+        except BaseException:
+            self._active.pop(request_id, None)
+            raise
+        job = PrefillJob(request_id, prompt, params, blocks,
+                         asyncio.get_running_loop().create_future())
         try:
             self.batcher.submit(job)
             token = await job.first_token
@@ -101,6 +107,7 @@ class PrefillEngine:
             self._active.pop(request_id, None)
             await self.batcher.release(job)
             self.pool.allocator.free(blocks)
+            self.blocks.grant()
 
     def abort(self, request_id: str) -> None:
         task = self._active.get(request_id)
@@ -112,7 +119,9 @@ class PrefillEngine:
         report = self.pool.allocator.check_integrity()
         return PoolStats(
             total_blocks=self.pool.num_blocks, free_blocks=self.pool.allocator.num_free,
-            reserved_blocks=0, num_running=len(self._active) - self.batcher.num_pending,
-            num_waiting=self.batcher.num_pending,
+            reserved_blocks=0,
+            num_running=len(self._active) - self.batcher.num_pending - self.blocks.num_waiting,
+            num_waiting=self.batcher.num_pending + self.blocks.num_waiting,
+            num_pending_prefill_tokens=self.batcher.pending_tokens,
             integrity_ok=report.ok, integrity_error=report.error,
         )

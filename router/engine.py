@@ -158,7 +158,7 @@ class Router:
                    ) -> AsyncIterator[ChunkEvent | DoneEvent]:
         detok = IncrementalDetokenizer(self.tokenizer, params.stop)
         stop_ids = self._stop_ids(params)
-        if params.max_tokens > 1:
+        if params.max_tokens > 1 or not self.workers.has_prefill_workers():
             await self._reserve(state, len(prompt), params.max_tokens, deadline)
         queue_s = time.perf_counter() - received
         first_msg = await self._prefill_read(state, self._start_prefill(state, prompt, params,
@@ -256,12 +256,14 @@ class Router:
 
     def _start_prefill(self, state: RouterRequest, prompt: list[int], params: SamplingParams,
                        deadline: float | None) -> grpc.aio.UnaryStreamCall:
-        worker = self.workers.pick_prefill()
         decode = state.decode_worker
+        is_local = decode is not None and decode.role == "colocated"
+        worker = decode if is_local and decode is not None else self.workers.pick_prefill()
         request = worker_pb2.PrefillRequest(
             request_id=state.request_id, prompt_token_ids=prompt,
             sampling=convert.sampling_to_proto(params),
-            decode_address=decode.address if decode is not None else "",
+            decode_address=decode.address if decode is not None and not is_local else "",
+            is_local_decode=is_local,
         )
         worker.num_in_flight += 1
         state.prefill_worker = worker

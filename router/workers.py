@@ -22,7 +22,7 @@ log = logging.getLogger("kvferry.router")
 @dataclass(slots=True)
 class Worker:
     address: str
-    role: str  # "prefill" or "decode"
+    role: str  # "prefill", "decode" or "colocated" (serves both)
     channel: grpc.aio.Channel
     layout: wire.KvLayout | None = None
     free_blocks: int = 0
@@ -52,9 +52,11 @@ class WorkerSet:
     workers: list[Worker] = field(default_factory=list)
 
     @staticmethod
-    def connect(prefill: list[str], decode: list[str], fingerprint: str) -> WorkerSet:
+    def connect(prefill: list[str], decode: list[str], fingerprint: str,
+                colocated: list[str] | None = None) -> WorkerSet:
         ws = WorkerSet(fingerprint)
-        for role, addresses in (("prefill", prefill), ("decode", decode)):
+        for role, addresses in (("prefill", prefill), ("decode", decode),
+                                ("colocated", colocated or [])):
             for address in addresses:
                 ws.workers.append(Worker(address, role, grpc_util.channel(address)))
         return ws
@@ -97,12 +99,15 @@ class WorkerSet:
         for worker in self.workers:
             await self.refresh(worker)
 
-    def _healthy(self, role: str) -> list[Worker]:
-        return [w for w in self.workers if w.role == role and w.is_healthy]
+    def _healthy(self, *roles: str) -> list[Worker]:
+        return [w for w in self.workers if w.role in roles and w.is_healthy]
+
+    def has_prefill_workers(self) -> bool:
+        return any(w.role == "prefill" for w in self.workers)
 
     def decode_candidates(self) -> list[Worker]:
         """Healthy decode workers, most headroom first, ties to the fewest in flight."""
-        workers = self._healthy("decode")
+        workers = self._healthy("decode", "colocated")
         if not workers:
             raise Unavailable("no healthy decode worker")
         return sorted(workers, key=lambda w: (-w.headroom, w.num_in_flight))

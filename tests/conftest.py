@@ -85,3 +85,12 @@ def llama_deployment(llama_checkpoint: Path, tmp_path_factory: pytest.TempPathFa
     deployment = _start(llama_checkpoint, tmp_path_factory.mktemp("llama-logs"))
     yield deployment
     deployment.stop()
+
+
+@pytest.fixture(scope="session")
+def colocated_deployment(qwen3_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+                         ) -> Iterator[Deployment]:
+    deployment = _start(qwen3_checkpoint, tmp_path_factory.mktemp("colocated-logs"),
+                        is_colocated=True)
+    yield deployment
+    deployment.stop()

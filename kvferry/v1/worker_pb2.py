@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvferry.v1 import generation_pb2 as kvferry_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvferry/v1/worker.proto\x12\nkvferry.v1\x1a\x1bkvferry/v1/generation.proto\"\x84\x01\n\x08KvLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\x05\x12\x10\n\x08head_dim\x18\x03 \x01(\x05\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x06 \x01(\t\"\x84\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.kvferry.v1.SamplingParams\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x04 \x01(\t\"1\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\"6\n\x0bPrefillDone\x12\x15\n\rkv_transfer_s\x18\x01 \x01(\x01\x12\x10\n\x08kv_bytes\x18\x02 \x01(\x03\"q\n\x0fPrefillResponse\x12-\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x16.kvferry.v1.FirstTokenH\x00\x12\'\n\x04\x64one\x18\x02 \x01(\x0b\x32\x17.kvferry.v1.PrefillDoneH\x00\x42\x06\n\x04kind\"d\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\x05\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12\x0f\n\x07lease_s\x18\x04 \x01(\x01\"%\n\x0fReserveResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\x05\"\x99\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.kvferry.v1.SamplingParams\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\"W\n\x0e\x44\x65\x63odeFinished\x12(\n\x06reason\x18\x01 \x01(\x0e\x32\x18.kvferry.v1.FinishReason\x12\x1b\n\x13\x66irst_decode_step_s\x18\x02 \x01(\x01\"p\n\x0e\x44\x65\x63odeResponse\x12&\n\x06tokens\x18\x01 \x01(\x0b\x32\x14.kvferry.v1.TokenIdsH\x00\x12.\n\x08\x66inished\x18\x02 \x01(\x0b\x32\x1a.kvferry.v1.DecodeFinishedH\x00\x42\x06\n\x04kind\"\xc5\x01\n\x07KvChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.kvferry.v1.KvLayout\x12\x12\n\nnum_tokens\x18\x03 \x01(\x05\x12\x13\n\x0blayer_start\x18\x04 \x01(\x05\x12\x11\n\tlayer_end\x18\x05 \x01(\x05\x12\x13\n\x0b\x62lock_start\x18\x06 \x01(\x05\x12\x12\n\nnum_blocks\x18\x07 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x08 \x01(\x0c\x12\r\n\x05\x63rc32\x18\t \x01(\r\"\'\n\x0ePushKvResponse\x12\x15\n\rbytes_written\x18\x01 \x01(\x03\"\x11\n\x0fGetStatsRequest\"\xde\x01\n\x0bWorkerStats\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x14\n\x0ctotal_blocks\x18\x02 \x01(\x03\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\x03\x12\x17\n\x0freserved_blocks\x18\x04 \x01(\x03\x12\x13\n\x0bnum_running\x18\x05 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\x05\x12$\n\x06layout\x18\x07 \x01(\x0b\x32\x14.kvferry.v1.KvLayout\x12\x14\n\x0cintegrity_ok\x18\x08 \x01(\x08\x12\x17\n\x0fintegrity_error\x18\t \x01(\t2\xd6\x01\n\x0ePrefillService\x12\x44\n\x07Prefill\x12\x1a.kvferry.v1.PrefillRequest\x1a\x1b.kvferry.v1.PrefillResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.kvferry.v1.AbortRequest\x1a\x19.kvferry.v1.AbortResponse\x12@\n\x08GetStats\x12\x1b.kvferry.v1.GetStatsRequest\x1a\x17.kvferry.v1.WorkerStats2\x96\x02\n\rDecodeService\x12\x42\n\x07Reserve\x12\x1a.kvferry.v1.ReserveRequest\x1a\x1b.kvferry.v1.ReserveResponse\x12\x41\n\x06\x44\x65\x63ode\x12\x19.kvferry.v1.DecodeRequest\x1a\x1a.kvferry.v1.DecodeResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.kvferry.v1.AbortRequest\x1a\x19.kvferry.v1.AbortResponse\x12@\n\x08GetStats\x12\x1b.kvferry.v1.GetStatsRequest\x1a\x17.kvferry.v1.WorkerStats2P\n\x11KvTransferService\x12;\n\x06PushKv\x12\x13.kvferry.v1.KvChunk\x1a\x1a.kvferry.v1.PushKvResponse(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvferry/v1/worker.proto\x12\nkvferry.v1\x1a\x1bkvferry/v1/generation.proto\"\x84\x01\n\x08KvLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\x05\x12\x10\n\x08head_dim\x18\x03 \x01(\x05\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x06 \x01(\t\"\x9d\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.kvferry.v1.SamplingParams\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x04 \x01(\t\x12\x17\n\x0fis_local_decode\x18\x05 \x01(\x08\"1\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\"6\n\x0bPrefillDone\x12\x15\n\rkv_transfer_s\x18\x01 \x01(\x01\x12\x10\n\x08kv_bytes\x18\x02 \x01(\x03\"q\n\x0fPrefillResponse\x12-\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x16.kvferry.v1.FirstTokenH\x00\x12\'\n\x04\x64one\x18\x02 \x01(\x0b\x32\x17.kvferry.v1.PrefillDoneH\x00\x42\x06\n\x04kind\"d\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\x05\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12\x0f\n\x07lease_s\x18\x04 \x01(\x01\"%\n\x0fReserveResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\x05\"\x99\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.kvferry.v1.SamplingParams\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\"W\n\x0e\x44\x65\x63odeFinished\x12(\n\x06reason\x18\x01 \x01(\x0e\x32\x18.kvferry.v1.FinishReason\x12\x1b\n\x13\x66irst_decode_step_s\x18\x02 \x01(\x01\"p\n\x0e\x44\x65\x63odeResponse\x12&\n\x06tokens\x18\x01 \x01(\x0b\x32\x14.kvferry.v1.TokenIdsH\x00\x12.\n\x08\x66inished\x18\x02 \x01(\x0b\x32\x1a.kvferry.v1.DecodeFinishedH\x00\x42\x06\n\x04kind\"\xc5\x01\n\x07KvChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.kvferry.v1.KvLayout\x12\x12\n\nnum_tokens\x18\x03 \x01(\x05\x12\x13\n\x0blayer_start\x18\x04 \x01(\x05\x12\x11\n\tlayer_end\x18\x05 \x01(\x05\x12\x13\n\x0b\x62lock_start\x18\x06 \x01(\x05\x12\x12\n\nnum_blocks\x18\x07 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x08 \x01(\x0c\x12\r\n\x05\x63rc32\x18\t \x01(\r\"\'\n\x0ePushKvResponse\x12\x15\n\rbytes_written\x18\x01 \x01(\x03\"\x11\n\x0fGetStatsRequest\"\x9b\x02\n\x0bWorkerStats\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x14\n\x0ctotal_blocks\x18\x02 \x01(\x03\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\x03\x12\x17\n\x0freserved_blocks\x18\x04 \x01(\x03\x12\x13\n\x0bnum_running\x18\x05 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\x05\x12$\n\x06layout\x18\x07 \x01(\x0b\x32\x14.kvferry.v1.KvLayout\x12\x14\n\x0cintegrity_ok\x18\x08 \x01(\x08\x12\x17\n\x0fintegrity_error\x18\t \x01(\t\x12\x17\n\x0fnum_preemptions\x18\n \x01(\x03\x12\"\n\x1anum_pending_prefill_tokens\x18\x0b \x01(\x03\x32\xd6\x01\n\x0ePrefillService\x12\x44\n\x07Prefill\x12\x1a.kvferry.v1.PrefillRequest\x1a\x1b.kvferry.v1.PrefillResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.kvferry.v1.AbortRequest\x1a\x19.kvferry.v1.AbortResponse\x12@\n\x08GetStats\x12\x1b.kvferry.v1.GetStatsRequest\x1a\x17.kvferry.v1.WorkerStats2\x96\x02\n\rDecodeService\x12\x42\n\x07Reserve\x12\x1a.kvferry.v1.ReserveRequest\x1a\x1b.kvferry.v1.ReserveResponse\x12\x41\n\x06\x44\x65\x63ode\x12\x19.kvferry.v1.DecodeRequest\x1a\x1a.kvferry.v1.DecodeResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.kvferry.v1.AbortRequest\x1a\x19.kvferry.v1.AbortResponse\x12@\n\x08GetStats\x12\x1b.kvferry.v1.GetStatsRequest\x1a\x17.kvferry.v1.WorkerStats2P\n\x11KvTransferService\x12;\n\x06PushKv\x12\x13.kvferry.v1.KvChunk\x1a\x1a.kvferry.v1.PushKvResponse(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,35 +35,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVLAYOUT']._serialized_start=69
   _globals['_KVLAYOUT']._serialized_end=201
   _globals['_PREFILLREQUEST']._serialized_start=204
-  _globals['_PREFILLREQUEST']._serialized_end=336
-  _globals['_FIRSTTOKEN']._serialized_start=338
-  _globals['_FIRSTTOKEN']._serialized_end=387
-  _globals['_PREFILLDONE']._serialized_start=389
-  _globals['_PREFILLDONE']._serialized_end=443
-  _globals['_PREFILLRESPONSE']._serialized_start=445
-  _globals['_PREFILLRESPONSE']._serialized_end=558
-  _globals['_RESERVEREQUEST']._serialized_start=560
-  _globals['_RESERVEREQUEST']._serialized_end=660
-  _globals['_RESERVERESPONSE']._serialized_start=662
-  _globals['_RESERVERESPONSE']._serialized_end=699
-  _globals['_DECODEREQUEST']._serialized_start=702
-  _globals['_DECODEREQUEST']._serialized_end=855
-  _globals['_DECODEFINISHED']._serialized_start=857
-  _globals['_DECODEFINISHED']._serialized_end=944
-  _globals['_DECODERESPONSE']._serialized_start=946
-  _globals['_DECODERESPONSE']._serialized_end=1058
-  _globals['_KVCHUNK']._serialized_start=1061
-  _globals['_KVCHUNK']._serialized_end=1258
-  _globals['_PUSHKVRESPONSE']._serialized_start=1260
-  _globals['_PUSHKVRESPONSE']._serialized_end=1299
-  _globals['_GETSTATSREQUEST']._serialized_start=1301
-  _globals['_GETSTATSREQUEST']._serialized_end=1318
-  _globals['_WORKERSTATS']._serialized_start=1321
-  _globals['_WORKERSTATS']._serialized_end=1543
-  _globals['_PREFILLSERVICE']._serialized_start=1546
-  _globals['_PREFILLSERVICE']._serialized_end=1760
-  _globals['_DECODESERVICE']._serialized_start=1763
-  _globals['_DECODESERVICE']._serialized_end=2041
-  _globals['_KVTRANSFERSERVICE']._serialized_start=2043
-  _globals['_KVTRANSFERSERVICE']._serialized_end=2123
+  _globals['_PREFILLREQUEST']._serialized_end=361
+  _globals['_FIRSTTOKEN']._serialized_start=363
+  _globals['_FIRSTTOKEN']._serialized_end=412
+  _globals['_PREFILLDONE']._serialized_start=414
+  _globals['_PREFILLDONE']._serialized_end=468
+  _globals['_PREFILLRESPONSE']._serialized_start=470
+  _globals['_PREFILLRESPONSE']._serialized_end=583
+  _globals['_RESERVEREQUEST']._serialized_start=585
+  _globals['_RESERVEREQUEST']._serialized_end=685
+  _globals['_RESERVERESPONSE']._serialized_start=687
+  _globals['_RESERVERESPONSE']._serialized_end=724
+  _globals['_DECODEREQUEST']._serialized_start=727
+  _globals['_DECODEREQUEST']._serialized_end=880
+  _globals['_DECODEFINISHED']._serialized_start=882
+  _globals['_DECODEFINISHED']._serialized_end=969
+  _globals['_DECODERESPONSE']._serialized_start=971
+  _globals['_DECODERESPONSE']._serialized_end=1083
+  _globals['_KVCHUNK']._serialized_start=1086
+  _globals['_KVCHUNK']._serialized_end=1283
+  _globals['_PUSHKVRESPONSE']._serialized_start=1285
+  _globals['_PUSHKVRESPONSE']._serialized_end=1324
+  _globals['_GETSTATSREQUEST']._serialized_start=1326
+  _globals['_GETSTATSREQUEST']._serialized_end=1343
+  _globals['_WORKERSTATS']._serialized_start=1346
+  _globals['_WORKERSTATS']._serialized_end=1629
+  _globals['_PREFILLSERVICE']._serialized_start=1632
+  _globals['_PREFILLSERVICE']._serialized_end=1846
+  _globals['_DECODESERVICE']._serialized_start=1849
+  _globals['_DECODESERVICE']._serialized_end=2127
+  _globals['_KVTRANSFERSERVICE']._serialized_start=2129
+  _globals['_KVTRANSFERSERVICE']._serialized_end=2209
 # @@protoc_insertion_point(module_scope)

@@ -49,3 +49,22 @@ def check_concurrent_equals_alone(deployment: Deployment) -> None:
 
 def test_concurrent_equals_alone_disaggregated(qwen3_deployment: Deployment) -> None:
     check_concurrent_equals_alone(qwen3_deployment)
+
+
+def test_concurrent_equals_alone_colocated(colocated_deployment: Deployment) -> None:
+    check_concurrent_equals_alone(colocated_deployment)
+
+
+def test_colocated_and_disaggregated_give_identical_tokens(
+        qwen3_deployment: Deployment, colocated_deployment: Deployment) -> None:
+    requests = _requests()
+
+    async def run(address: str) -> list[client.Completion]:
+        return await asyncio.gather(*(client.generate(address, r, 300) for r in requests))
+
+    disaggregated = asyncio.run(run(qwen3_deployment.router_address))
+    colocated = asyncio.run(run(colocated_deployment.router_address))
+    for i, (a, b) in enumerate(zip(disaggregated, colocated)):
+        assert a.token_ids == b.token_ids, f"request {i}"
+        assert b.finished.timing.kv_transfer_s == 0.0  # nothing shipped when colocated
+    assert_pools_clean(colocated_deployment)

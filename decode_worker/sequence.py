@@ -1,0 +1,63 @@
+"""Per-request state on a decode worker, and the events its Decode stream carries."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from kvferry.sampling import SamplingParams
+from kvferry.types import FinishReason
+
+
+class Phase(Enum):
+    RESERVED = "reserved"  # blocks held, waiting for K/V and/or the Decode call
+    RUNNING = "running"  # in the step loop
+    SWAPPED = "swapped"  # preempted: K/V copied to host memory, blocks given back
+    DONE = "done"  # blocks released
+
+
+class TokensEvent(NamedTuple):
+    token_ids: list[int]
+
+
+class FinishedEvent(NamedTuple):
+    reason: FinishReason
+    first_step_s: float
+
+
+class ErrorEvent(NamedTuple):
+    error: Exception
+
+
+DecodeEvent = TokensEvent | FinishedEvent | ErrorEvent
+
+
+@dataclass(slots=True)
+class DecodeSeq:
+    request_id: str
+    num_prompt_tokens: int
+    max_tokens: int  # first token included
+    block_table: list[int]
+    lease_deadline: float
+    received: np.ndarray  # [layers, prompt blocks] pages delivered so far
+    arrival: int  # admission order: preemption takes the newest first
+    is_kv_complete: bool = False
+    params: SamplingParams | None = None
+    max_new_tokens: int = 0
+    stop_token_ids: frozenset[int] = frozenset()
+    tokens: list[int] = field(default_factory=list)  # first token (from prefill) + generated
+    events: asyncio.Queue[DecodeEvent] | None = None
+    phase: Phase = Phase.RESERVED
+    is_aborted: bool = False
+    first_step_s: float = 0.0
+    swapped_kv: torch.Tensor | None = None  # [layers, 2, blocks, block_size, kv_heads, D]
+
+    @property
+    def next_position(self) -> int:
+        """Position of the token the next step feeds (its K/V slot)."""
+        return self.num_prompt_tokens + len(self.tokens) - 1

@@ -1,0 +1,93 @@
+"""Issue 4, acceptance 3: memory pressure waits instead of failing. A bounded queue gives
+RESOURCE_EXHAUSTED past its bound; preemption under a deliberately tiny pool still
+completes every request with the right tokens."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from kvferry import client, grpc_util
+from kvferry.launcher import Deployment
+from kvferry.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
+from tests.conftest import assert_alive, assert_pools_clean, worker_stats
+
+pytestmark = pytest.mark.slow
+
+# The seeded Qwen3 checkpoint: 4 layers x 2 x 16 tokens x 2 heads x 64 x 4 bytes = 64 KiB.
+BLOCK_BYTES = 64 << 10
+
+
+@pytest.fixture(scope="module")
+def tiny_deployment(qwen3_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+                    ) -> Iterator[Deployment]:
+    deployment = Deployment(model=str(qwen3_checkpoint), kv_pool_size=f"{12 * BLOCK_BYTES}B",
+                            log_dir=tmp_path_factory.mktemp("tiny-logs")).start()
+    yield deployment
+    deployment.stop()
+
+
+@pytest.fixture(scope="module")
+def short_queue_deployment(qwen3_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+                           ) -> Iterator[Deployment]:
+    deployment = Deployment(model=str(qwen3_checkpoint), kv_pool_size=f"{4 * BLOCK_BYTES}B",
+                            worker_args=["--max-waiting", "1"],
+                            log_dir=tmp_path_factory.mktemp("queue-logs")).start()
+    yield deployment
+    deployment.stop()
+
+
+def _requests() -> list[generation_pb2.GenerateRequest]:
+    return [client.make_request(list(range(10 + i, 30 + i)), temperature=0.0,
+                                max_tokens=40 + 5 * i, ignore_eos=True) for i in range(8)]
+
+
+def test_preemption_under_a_tiny_pool_keeps_tokens_exact(
+        tiny_deployment: Deployment, qwen3_deployment: Deployment) -> None:
+    requests = _requests()
+
+    async def run(address: str) -> list[client.Completion]:
+        return await asyncio.gather(*(client.generate(address, r, 300) for r in requests))
+
+    squeezed = asyncio.run(run(tiny_deployment.router_address))
+    roomy = asyncio.run(run(qwen3_deployment.router_address))
+    for i, (a, b) in enumerate(zip(squeezed, roomy)):
+        assert len(a.token_ids) == 40 + 5 * i
+        assert a.token_ids == b.token_ids, f"request {i}"
+    decode = [s for s in worker_stats(tiny_deployment) if s.role == "decode"][0]
+    assert decode.total_blocks == 12
+    assert decode.num_preemptions > 0
+    assert_pools_clean(tiny_deployment)
+    assert_alive(tiny_deployment)
+
+
+def test_queue_bound_gives_resource_exhausted(short_queue_deployment: Deployment) -> None:
+    address = short_queue_deployment.addresses("decode")[0]
+
+    def reserve(request_id: str) -> worker_pb2.ReserveRequest:
+        # 40 prompt tokens + the first slot: 3 of the pool's 4 blocks.
+        return worker_pb2.ReserveRequest(request_id=request_id, num_prompt_tokens=40,
+                                         max_tokens=8, lease_s=30)
+
+    async def scenario() -> tuple[grpc.StatusCode, int]:
+        async with grpc_util.channel(address) as chan:
+            stub = worker_pb2_grpc.DecodeServiceStub(chan)
+            await stub.Reserve(reserve("holder"), timeout=10)
+            waiting = asyncio.ensure_future(stub.Reserve(reserve("waiter"), timeout=30))
+            await asyncio.sleep(0.5)
+            assert not waiting.done()  # the pool is full: it waits, it does not fail
+            with pytest.raises(grpc.aio.AioRpcError) as exc:
+                await stub.Reserve(reserve("third"), timeout=10)
+            await stub.Abort(generation_pb2.AbortRequest(request_id="holder"), timeout=10)
+            granted = await waiting
+            await stub.Abort(generation_pb2.AbortRequest(request_id="waiter"), timeout=10)
+            return exc.value.code(), granted.num_blocks
+
+    code, granted_blocks = asyncio.run(scenario())
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert granted_blocks == 3
+    assert_pools_clean(short_queue_deployment)
