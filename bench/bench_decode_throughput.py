@@ -2,9 +2,10 @@
 
 Starts one deployment (router + 1 prefill + 1 decode worker, or one colocated worker with
 --colocated) on the default model, then for each concurrency C runs C clients in a closed
-loop, each sending `--requests-per-client` requests of `--prompt-tokens` prompt tokens and
-exactly `--max-tokens` output tokens (ignore_eos). Reports tokens/s and the ratio to
-concurrency 1. Usage:
+loop, each sending enough requests of `--prompt-tokens` prompt tokens and exactly
+`--max-tokens` output tokens (ignore_eos) for at least `--min-requests` requests in all (and
+2 per client). The levels run interleaved for `--rounds` rounds, and the median tokens/s per
+level is reported with its ratio to the first level: machines here are noisy. Usage:
 
     .venv/bin/python bench/bench_decode_throughput.py [--concurrency 1 8 32] [--out FILE]
 """
@@ -15,6 +16,7 @@ import argparse
 import asyncio
 import json
 import platform
+import statistics
 import time
 from pathlib import Path
 
@@ -56,26 +58,37 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--requests-per-client", type=int, default=2)
+    parser.add_argument("--min-requests", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--colocated", action="store_true")
+    parser.add_argument("--torch-threads", type=int, default=1, help="per worker process")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     model = args.model or _ensure_default_model()
     results = []
-    with Deployment(model=model, is_colocated=args.colocated) as deployment:
+    with Deployment(model=model, is_colocated=args.colocated,
+                    torch_threads=args.torch_threads) as deployment:
         # Warm-up: first-call costs (allocations, lazy imports) stay out of the figures.
         asyncio.run(measure(deployment.router_address, 2, args.prompt_tokens, 8, 1))
-        for concurrency in args.concurrency:
-            result = asyncio.run(measure(deployment.router_address, concurrency,
-                                         args.prompt_tokens, args.max_tokens,
-                                         args.requests_per_client))
-            results.append(result)
-    base = results[0]["tokens_per_s"]
-    print(f"{'concurrency':>11} {'tokens':>7} {'seconds':>8} {'tokens/s':>9} {'vs first':>8}")
+        runs: dict[int, list[dict[str, float]]] = {c: [] for c in args.concurrency}
+        for _ in range(args.rounds):
+            for concurrency in args.concurrency:
+                per_client = max(2, -(-args.min_requests // concurrency))
+                runs[concurrency].append(asyncio.run(measure(
+                    deployment.router_address, concurrency, args.prompt_tokens,
+                    args.max_tokens, per_client)))
+    for concurrency, measured in runs.items():
+        rates = sorted(r["tokens_per_s"] for r in measured)
+        results.append({"concurrency": concurrency, "runs": measured,
+                        "median_tokens_per_s": statistics.median(rates),
+                        "min_tokens_per_s": rates[0], "max_tokens_per_s": rates[-1]})
+    base = results[0]["median_tokens_per_s"]
+    print(f"{'concurrency':>11} {'median tok/s':>12} {'min':>8} {'max':>8} {'vs first':>8}")
     for r in results:
-        r["ratio_to_first"] = r["tokens_per_s"] / base
-        print(f"{r['concurrency']:>11} {r['generated_tokens']:>7} {r['seconds']:>8.2f} "
-              f"{r['tokens_per_s']:>9.1f} {r['ratio_to_first']:>7.2f}x")
+        r["ratio_to_first"] = r["median_tokens_per_s"] / base
+        print(f"{r['concurrency']:>11} {r['median_tokens_per_s']:>12.1f} "
+              f"{r['min_tokens_per_s']:>8.1f} {r['max_tokens_per_s']:>8.1f} "
+              f"{r['ratio_to_first']:>7.2f}x")
     report = {"machine": platform.machine(), "cpus": torch.get_num_threads(),
               "colocated": args.colocated, "prompt_tokens": args.prompt_tokens,
               "max_tokens": args.max_tokens, "results": results}

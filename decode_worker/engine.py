@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -57,21 +58,32 @@ class DecodeEngine:
         self.layout = layout
         self.max_waiting = max_waiting
         self.num_preemptions = 0
+        self.num_steps = 0  # incremented by the executor thread only
+        self.max_abort_delay_steps = 0
         self._seqs: dict[str, DecodeSeq] = {}
         self._running: list[DecodeSeq] = []
         self._swapped: list[DecodeSeq] = []
         self.blocks = BlockQueue(pool.allocator, max_waiting, lambda: not self._swapped)
         self._arrivals = itertools.count()
         self._wake = asyncio.Event()
+        # Set when the step loop must come back to the event loop (admissions, prefill work):
+        # read by the executor thread, which otherwise steps a stable batch back to back.
+        self._needs_loop = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="decode-step")
         # Colocated mode: prompts prefilled here share the step loop and its executor.
-        self.batcher = PrefillBatcher(model, pool, self._executor, self._wake.set,
+        self.batcher = PrefillBatcher(model, pool, self._executor, self._poke,
                                       **prefill_options)
         self._prefill_jobs: dict[str, PrefillJob] = {}
         self._tasks: list[asyncio.Task[None]] = []
 
     # ---- lifecycle -------------------------------------------------------------------------
+    def _poke(self) -> None:
+        self._needs_loop.set()
+        self._wake.set()
+
     def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         self._tasks = [asyncio.create_task(self._step_loop()), asyncio.create_task(self._leases())]
 
     async def stop(self) -> None:
@@ -79,7 +91,7 @@ class DecodeEngine:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for seq in list(self._seqs.values()):
-            self._finish(seq, ErrorEvent(Aborted("decode worker stopped")))
+            self._finish(seq, ErrorEvent(seq.request_id, Aborted("decode worker stopped")))
         self._executor.shutdown(wait=True)
 
     # ---- reservations ----------------------------------------------------------------------
@@ -164,7 +176,7 @@ class DecodeEngine:
         if missing:
             raise InvalidArgument(f"push ended with {missing} pages missing", "data")
         seq.is_kv_complete = True
-        self._wake.set()
+        self._poke()
 
     def fail_push(self, request_id: str) -> None:
         """A push broke off: forget partial pages so the prompt can be pushed again."""
@@ -197,13 +209,16 @@ class DecodeEngine:
             await self.batcher.release(job)
         seq.received[:] = True
         seq.is_kv_complete = True
-        self._wake.set()
+        self._poke()
         return token, time.perf_counter() - job.started_at
 
     # ---- decoding ----------------------------------------------------------------------------
     def attach(self, request_id: str, first_token_id: int, params: SamplingParams,
-               max_new_tokens: int, stop_token_ids: list[int]) -> asyncio.Queue[DecodeEvent]:
-        """Register the Decode stream of a reserved request; tokens flow once K/V is in."""
+               max_new_tokens: int, stop_token_ids: list[int],
+               events: asyncio.Queue[DecodeEvent] | None = None) -> asyncio.Queue[DecodeEvent]:
+        """Register the Decode stream of a reserved request; tokens flow once K/V is in.
+
+        Events go to `events` (shared by the requests of one DecodeStream) or a new queue."""
         seq = self._get(request_id)
         if seq.events is not None:
             raise InvalidArgument(f"request_id {request_id!r} is already decoding", "request_id")
@@ -220,17 +235,20 @@ class DecodeEngine:
         seq.max_new_tokens = max_new_tokens
         seq.stop_token_ids = frozenset(stop_token_ids)
         seq.tokens = [first_token_id]
-        seq.events = asyncio.Queue()
-        self._wake.set()
+        seq.events = events if events is not None else asyncio.Queue()
+        self._poke()
         return seq.events
 
     def abort(self, request_id: str) -> None:
         seq = self._get(request_id)
         if seq.phase is Phase.RUNNING:
+            if not seq.is_aborted:
+                seq.abort_step = self.num_steps
             seq.is_aborted = True  # released at the next step boundary
-            self._wake.set()
+            self._poke()
         else:
-            self._finish(seq, FinishedEvent(FinishReason.ABORT, seq.first_step_s))
+            self._finish(seq, FinishedEvent(seq.request_id, FinishReason.ABORT,
+                                            seq.first_step_s))
 
     def _finish(self, seq: DecodeSeq, event: DecodeEvent) -> None:
         """Release the request's blocks exactly once and tell its stream how it ended."""
@@ -270,13 +288,17 @@ class DecodeEngine:
                 if seq.phase is Phase.RESERVED and not seq.is_aborted and (
                         now > seq.lease_deadline):
                     log.warning("request %s: lease expired before decoding began", seq.request_id)
-                    self._finish(seq, ErrorEvent(Aborted("lease expired before K/V arrived")))
+                    self._finish(seq, ErrorEvent(seq.request_id,
+                                                 Aborted("lease expired before K/V arrived")))
 
     # ---- the step loop -----------------------------------------------------------------------
     def _admit_and_reap(self) -> None:
         for seq in list(self._running):
             if seq.is_aborted:
-                self._finish(seq, FinishedEvent(FinishReason.ABORT, seq.first_step_s))
+                self.max_abort_delay_steps = max(self.max_abort_delay_steps,
+                                                 self.num_steps - seq.abort_step)
+                self._finish(seq, FinishedEvent(seq.request_id, FinishReason.ABORT,
+                                            seq.first_step_s))
         for seq in self._seqs.values():
             if (seq.phase is Phase.RESERVED and seq.is_kv_complete and seq.events is not None
                     and not seq.is_aborted):
@@ -298,6 +320,8 @@ class DecodeEngine:
 
     def _swap_in(self) -> None:
         """Resume swapped sequences, oldest first, while their blocks fit."""
+        if not self._swapped:
+            return
         self._swapped.sort(key=lambda s: s.arrival)
         while self._swapped:
             seq = self._swapped[0]
@@ -317,6 +341,8 @@ class DecodeEngine:
         """Give every running sequence the slot its next step writes; preempt the newest
         running sequence while the pool is short."""
         block_size = self.pool.block_size
+        if all(len(s.block_table) * block_size > s.next_position for s in self._running):
+            return
         for seq in sorted(self._running, key=lambda s: s.arrival):
             while (seq.phase is Phase.RUNNING
                    and len(seq.block_table) * block_size <= seq.next_position):
@@ -341,19 +367,40 @@ class DecodeEngine:
                     break
 
     async def _decode_step(self) -> None:
-        batch = list(self._running)
-        start = time.perf_counter()
-        tokens = await run_to_completion(self._executor, self._step, batch)
-        self._emit(batch, tokens, time.perf_counter() - start)
+        self._needs_loop.clear()
+        await run_to_completion(self._executor, self._run_steps, list(self._running))
+
+    def _run_steps(self, batch: list[DecodeSeq]) -> None:
+        """Executor thread: step a stable batch back to back, handing each step's tokens to
+        the event loop, until something needs the loop: a sequence finished, was aborted or
+        needs a block, or new work arrived. The loop never sits between two steps."""
+        assert self._loop is not None  # noqa: S101 - set by start()
+        block_size = self.pool.block_size
+        while True:
+            start = time.perf_counter()
+            tokens = self._step(batch)
+            self.num_steps += 1
+            elapsed = time.perf_counter() - start
+            finished: list[DecodeSeq] = []
+            for seq, token in zip(batch, tokens):
+                if len(seq.tokens) == 1:
+                    seq.first_step_s = elapsed
+                seq.tokens.append(token)
+                if token in seq.stop_token_ids or len(seq.tokens) - 1 >= seq.max_new_tokens:
+                    finished.append(seq)
+            self._loop.call_soon_threadsafe(self._deliver, batch, tokens, finished)
+            if (finished or self._needs_loop.is_set() or any(s.is_aborted for s in batch)
+                    or any(len(s.block_table) * block_size <= s.next_position for s in batch)):
+                return
 
     def _step(self, batch: list[DecodeSeq]) -> list[int]:
         """One forward for the whole ragged batch (executor thread)."""
         bs = self.pool.block_size
         positions = [s.next_position for s in batch]
         width = max(len(s.block_table) for s in batch)
-        table = torch.zeros(len(batch), width, dtype=torch.int32)
-        for i, seq in enumerate(batch):
-            table[i, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+        # [B, width], padded with block 0: attention never reads past a sequence's length.
+        table = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in batch],
+                             dtype=torch.int32)
         slots = [seq.block_table[p // bs] * bs + p % bs for seq, p in zip(batch, positions)]
         device = self.model.device
         logits = self.model.decode(
@@ -366,18 +413,19 @@ class DecodeEngine:
         params = [s.params or SamplingParams() for s in batch]  # attached: never None
         return sample_tokens(logits, params, [len(s.tokens) for s in batch])
 
-    def _emit(self, batch: list[DecodeSeq], tokens: list[int], elapsed: float) -> None:
+    def _deliver(self, batch: list[DecodeSeq], tokens: list[int],
+                 finished: list[DecodeSeq]) -> None:
+        """Event loop: stream one step's tokens; release the sequences it finished."""
         for seq, token in zip(batch, tokens):
             if seq.phase is not Phase.RUNNING or seq.is_aborted or seq.events is None:
                 continue
-            if len(seq.tokens) == 1:
-                seq.first_step_s = elapsed
-            seq.tokens.append(token)
-            seq.events.put_nowait(TokensEvent([token]))
-            if token in seq.stop_token_ids:
-                self._finish(seq, FinishedEvent(FinishReason.STOP, seq.first_step_s))
-            elif len(seq.tokens) - 1 >= seq.max_new_tokens:
-                self._finish(seq, FinishedEvent(FinishReason.LENGTH, seq.first_step_s))
+            seq.events.put_nowait(TokensEvent(seq.request_id, [token]))
+        for seq in finished:
+            if seq.phase is not Phase.RUNNING or seq.is_aborted:
+                continue
+            reason = (FinishReason.STOP if seq.tokens[-1] in seq.stop_token_ids
+                      else FinishReason.LENGTH)
+            self._finish(seq, FinishedEvent(seq.request_id, reason, seq.first_step_s))
 
     # ---- stats -------------------------------------------------------------------------------
     def stats(self) -> PoolStats:
@@ -393,4 +441,6 @@ class DecodeEngine:
             integrity_ok=report.ok,
             integrity_error=report.error,
             num_preemptions=self.num_preemptions,
+            num_decode_steps=self.num_steps,
+            max_abort_delay_steps=self.max_abort_delay_steps,
         )

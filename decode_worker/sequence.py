@@ -22,15 +22,18 @@ class Phase(Enum):
 
 
 class TokensEvent(NamedTuple):
+    request_id: str
     token_ids: list[int]
 
 
 class FinishedEvent(NamedTuple):
+    request_id: str
     reason: FinishReason
     first_step_s: float
 
 
 class ErrorEvent(NamedTuple):
+    request_id: str
     error: Exception
 
 
@@ -55,6 +58,7 @@ class DecodeSeq:
     phase: Phase = Phase.RESERVED
     is_aborted: bool = False
     first_step_s: float = 0.0
+    abort_step: int = 0  # the engine's step count when its abort arrived
     swapped_kv: torch.Tensor | None = None  # [layers, 2, blocks, block_size, kv_heads, D]
 
     @property

@@ -8,10 +8,38 @@ from collections.abc import AsyncIterator
 import grpc
 
 from decode_worker.engine import DecodeEngine
-from decode_worker.sequence import ErrorEvent, FinishedEvent, TokensEvent
+from decode_worker.sequence import DecodeEvent, ErrorEvent, FinishedEvent, TokensEvent
 from kvferry import convert, grpc_util, transport, wire
 from kvferry.errors import InvalidArgument, KvferryError
 from kvferry.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
+
+
+def _merge(events: list[DecodeEvent]) -> list[worker_pb2.DecodeUpdate]:
+    """Fold queued events into one update per request, in order of first occurrence."""
+    updates: dict[str, worker_pb2.DecodeUpdate] = {}
+    for event in events:
+        update = updates.setdefault(event.request_id,
+                                    worker_pb2.DecodeUpdate(request_id=event.request_id))
+        if isinstance(event, TokensEvent):
+            update.token_ids.extend(event.token_ids)
+        elif isinstance(event, FinishedEvent):
+            update.finished.reason = event.reason.value
+            update.finished.first_decode_step_s = event.first_step_s
+        else:
+            error = event.error
+            code, message = (grpc_util.describe(error) if isinstance(error, KvferryError)
+                             else (grpc.StatusCode.INTERNAL, f"internal error: {error}"))
+            update.error_code = code.value[0]
+            update.error_message = message
+    return list(updates.values())
+
+
+def _drain(first: DecodeEvent, events: asyncio.Queue[DecodeEvent]) -> list[DecodeEvent]:
+    """The event just taken plus all that queued up behind it."""
+    batch = [first]
+    while not events.empty():
+        batch.append(events.get_nowait())
+    return batch
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
@@ -30,46 +58,83 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
             await grpc_util.abort_with(context, exc, request.request_id)
         return worker_pb2.ReserveResponse(num_blocks=num_blocks)
 
+    def _attach(self, request: worker_pb2.DecodeRequest,
+                events: asyncio.Queue[DecodeEvent] | None = None) -> asyncio.Queue[DecodeEvent]:
+        return self.engine.attach(
+            request.request_id, request.first_token_id,
+            convert.sampling_from_proto(request.sampling), request.max_new_tokens,
+            list(request.stop_token_ids), events,
+        )
+
+    def _abort_quietly(self, request_id: str) -> None:
+        try:
+            self.engine.abort(request_id)
+        except KvferryError:
+            pass  # finished in the meantime: its blocks are already back
+
     async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
                      ) -> AsyncIterator[worker_pb2.DecodeResponse]:
         request_id = request.request_id
         try:
-            params = convert.sampling_from_proto(request.sampling)
-            events = self.engine.attach(
-                request_id, request.first_token_id, params, request.max_new_tokens,
-                list(request.stop_token_ids),
-            )
+            events = self._attach(request)
         except Exception as exc:
             await grpc_util.abort_with(context, exc, request_id)
             return
         try:
             while True:
-                event = await events.get()
-                # Coalesce tokens that queued up while the stream was busy: one message each.
-                while isinstance(event, TokensEvent) and not events.empty():
-                    following = events.get_nowait()
-                    if not isinstance(following, TokensEvent):
-                        yield worker_pb2.DecodeResponse(
-                            tokens=generation_pb2.TokenIds(ids=event.token_ids))
-                        event = following
-                        break
-                    event = TokensEvent(event.token_ids + following.token_ids)
-                if isinstance(event, ErrorEvent):
-                    await grpc_util.abort_with(context, event.error, request_id)
+                update = _merge(_drain(await events.get(), events))[0]
+                if update.error_code:
+                    await context.abort(grpc_util.status_code(update.error_code),
+                                        update.error_message)
                     return
-                if isinstance(event, FinishedEvent):
-                    yield worker_pb2.DecodeResponse(finished=worker_pb2.DecodeFinished(
-                        reason=event.reason.value, first_decode_step_s=event.first_step_s))
+                if update.token_ids:
+                    yield worker_pb2.DecodeResponse(
+                        tokens=generation_pb2.TokenIds(ids=update.token_ids))
+                if update.HasField("finished"):
+                    yield worker_pb2.DecodeResponse(finished=update.finished)
                     return
-                yield worker_pb2.DecodeResponse(
-                    tokens=generation_pb2.TokenIds(ids=event.token_ids))
         except asyncio.CancelledError:
             # Client gone or deadline passed: drop the request at the next step boundary.
-            try:
-                self.engine.abort(request_id)
-            except KvferryError:
-                pass  # finished in the meantime: its blocks are already back
+            self._abort_quietly(request_id)
             raise
+
+    async def DecodeStream(self, request_iterator: AsyncIterator[worker_pb2.DecodeCommand],
+                           context: grpc.aio.ServicerContext
+                           ) -> AsyncIterator[worker_pb2.DecodeBatch]:
+        events: asyncio.Queue[DecodeEvent] = asyncio.Queue()
+        started: set[str] = set()
+
+        async def read_commands() -> None:
+            async for command in request_iterator:
+                if command.HasField("start"):
+                    request_id = command.start.request_id
+                    try:
+                        self._attach(command.start, events)
+                        started.add(request_id)
+                    except Exception as exc:  # reported on the stream, per request
+                        events.put_nowait(ErrorEvent(request_id, exc))
+                else:
+                    self._abort_quietly(command.abort.request_id)
+
+        reader = asyncio.create_task(read_commands())
+        try:
+            while True:
+                getter = asyncio.ensure_future(events.get())
+                done, _ = await asyncio.wait({getter, reader},
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if getter not in done:  # the router closed its side
+                    getter.cancel()
+                    reader.result()  # surface a broken command stream
+                    return
+                updates = _merge(_drain(getter.result(), events))
+                for update in updates:
+                    if update.HasField("finished") or update.error_code:
+                        started.discard(update.request_id)
+                yield worker_pb2.DecodeBatch(updates=updates)
+        finally:
+            reader.cancel()
+            for request_id in started:
+                self._abort_quietly(request_id)
 
     async def Abort(self, request: generation_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> generation_pb2.AbortResponse:

@@ -41,4 +41,6 @@ def stats_to_proto(role: str, stats: PoolStats, layout: worker_pb2.KvLayout
         num_waiting=stats.num_waiting, layout=layout, integrity_ok=stats.integrity_ok,
         integrity_error=stats.integrity_error, num_preemptions=stats.num_preemptions,
         num_pending_prefill_tokens=stats.num_pending_prefill_tokens,
+        num_decode_steps=stats.num_decode_steps,
+        max_abort_delay_steps=stats.max_abort_delay_steps,
     )

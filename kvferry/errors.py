@@ -33,3 +33,11 @@ class Aborted(KvferryError):
 
 class DeadlineExceeded(KvferryError):
     """The request's deadline passed (DEADLINE_EXCEEDED)."""
+
+
+class Remote(KvferryError):
+    """A downstream worker reported this request failed with gRPC status number `code`."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code

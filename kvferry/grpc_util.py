@@ -30,20 +30,32 @@ _STATUS = {
 
 
 def status_for(exc: errors.KvferryError) -> grpc.StatusCode:
+    if isinstance(exc, errors.Remote):
+        return status_code(exc.code)
     for cls, code in _STATUS.items():
         if isinstance(exc, cls):
             return code
     return grpc.StatusCode.INTERNAL
 
 
+def describe(exc: errors.KvferryError) -> tuple[grpc.StatusCode, str]:
+    """Status code and message (prefixed with the field it names, if any) of an error."""
+    message = str(exc)
+    if exc.field and not message.startswith(exc.field):
+        message = f"{exc.field}: {message}"
+    return status_for(exc), message
+
+
+def status_code(value: int) -> grpc.StatusCode:
+    """The StatusCode whose number is `value` (INTERNAL when unknown)."""
+    return next((c for c in grpc.StatusCode if c.value[0] == value), grpc.StatusCode.INTERNAL)
+
+
 async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException,
                      request_id: str) -> None:
     """Map an exception to a status and abort the RPC. Unexpected ones become INTERNAL."""
     if isinstance(exc, errors.KvferryError):
-        message = str(exc)
-        if exc.field and not message.startswith(exc.field):
-            message = f"{exc.field}: {message}"
-        await context.abort(status_for(exc), message)
+        await context.abort(*describe(exc))
     if isinstance(exc, grpc.aio.AioRpcError):
         # A downstream call failed: pass its status through, naming where it came from.
         await context.abort(exc.code(), f"downstream: {exc.details()}")

@@ -141,7 +141,7 @@ class Transformer:
 
     def _forward(
         self, token_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-        pool: KvPool, attend: AttendFn, logit_rows: torch.Tensor,
+        pool: KvPool, attend: AttendFn, logit_rows: torch.Tensor | None,
     ) -> torch.Tensor:
         cfg = self.config
         x = self._w("model.embed_tokens.weight")[token_ids]  # [T, hidden]
@@ -152,7 +152,9 @@ class Transformer:
             x = x + self._attention_block(layer, h, cos, sin, slot_mapping, pool, attend)
             h = _rms_norm(x, self._w(p + ".post_attention_layernorm.weight"), cfg.rms_norm_eps)
             x = x + self._mlp(layer, h)
-        x = _rms_norm(x[logit_rows], self._w("model.norm.weight"), cfg.rms_norm_eps)
+        if logit_rows is not None:
+            x = x[logit_rows]
+        x = _rms_norm(x, self._w("model.norm.weight"), cfg.rms_norm_eps)
         return F.linear(x, self._w("lm_head.weight")).float()  # [rows, vocab]
 
     @torch.inference_mode()
@@ -229,5 +231,4 @@ class Transformer:
                 self.sm_scale,
             )
 
-        rows = torch.arange(token_ids.shape[0])
-        return self._forward(token_ids, positions, slot_mapping, pool, attend, rows)
+        return self._forward(token_ids, positions, slot_mapping, pool, attend, None)

@@ -27,3 +27,5 @@ class PoolStats:
     integrity_error: str
     num_preemptions: int = 0
     num_pending_prefill_tokens: int = 0
+    num_decode_steps: int = 0
+    max_abort_delay_steps: int = 0

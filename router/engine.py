@@ -20,10 +20,18 @@ import grpc
 
 from kvferry import convert
 from kvferry.config import ModelConfig
-from kvferry.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from kvferry.errors import (
+    DeadlineExceeded,
+    InvalidArgument,
+    NotFound,
+    Remote,
+    ResourceExhausted,
+    Unavailable,
+)
 from kvferry.sampling import DEFAULT_MAX_TOKENS, SamplingParams
 from kvferry.types import FinishReason
 from kvferry.v1 import generation_pb2, worker_pb2
+from router.decode_mux import MuxItem
 from router.detok import IncrementalDetokenizer
 from router.workers import Worker, WorkerSet
 
@@ -72,6 +80,20 @@ class RouterRequest:
 
 def _remaining(deadline: float | None) -> float | None:
     return None if deadline is None else max(deadline - time.monotonic(), 0.001)
+
+
+async def _next_update(updates: asyncio.Queue[MuxItem], deadline: float | None
+                       ) -> worker_pb2.DecodeUpdate:
+    """The request's next decode update; its failure or a passed deadline raise."""
+    try:
+        item = await asyncio.wait_for(updates.get(), _remaining(deadline))
+    except TimeoutError:
+        raise DeadlineExceeded("deadline exceeded while decoding") from None
+    if isinstance(item, Exception):
+        raise item
+    if item.error_code:
+        raise Remote(f"decode worker: {item.error_message}", item.error_code)
+    return item
 
 
 def _cancelled_from_outside() -> bool:
@@ -211,19 +233,27 @@ class Router:
         state.is_decoding = True
         if state.is_aborted:  # aborted between prefill and decode
             await self._abort_decode(state)
-        async for msg in worker.decode.Decode(request, timeout=_remaining(deadline)):
-            if msg.HasField("finished"):
-                state.holds_decode = False
-                reason = FinishReason(msg.finished.reason)
-                first_step_s = msg.finished.first_decode_step_s
-                break
-            ids = list(msg.tokens.ids)
-            count += len(ids)
-            step = detok.add(ids)
-            yield ChunkEvent(ids, step.text)
-            if step.is_stopped:
-                reason, is_stopped = FinishReason.STOP, True
-                break  # the decode worker still holds it: released in _release
+        if worker.mux is None:
+            raise Unavailable(f"{worker.address} is not a decode worker")
+        updates = worker.mux.start(request)
+        try:
+            while True:
+                update = await _next_update(updates, deadline)
+                ids = list(update.token_ids)
+                if ids:
+                    count += len(ids)
+                    step = detok.add(ids)
+                    yield ChunkEvent(ids, step.text)
+                    if step.is_stopped:
+                        reason, is_stopped = FinishReason.STOP, True
+                        break  # the decode worker still holds it: released in _release
+                if update.HasField("finished"):
+                    state.holds_decode = False
+                    reason = FinishReason(update.finished.reason)
+                    first_step_s = update.finished.first_decode_step_s
+                    break
+        finally:
+            worker.mux.forget(state.request_id)
         state.is_decoding = False
         tail = "" if is_stopped else detok.finish()
         if tail:

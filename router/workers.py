@@ -15,6 +15,7 @@ import grpc
 from kvferry import grpc_util, transport, wire
 from kvferry.errors import Unavailable
 from kvferry.v1 import worker_pb2, worker_pb2_grpc
+from router.decode_mux import DecodeMux
 
 log = logging.getLogger("kvferry.router")
 
@@ -30,6 +31,7 @@ class Worker:
     num_in_flight: int = 0
     is_healthy: bool = False
     refuse_reason: str = ""
+    mux: DecodeMux | None = None  # decode and colocated workers: the shared DecodeStream
 
     @property
     def prefill(self) -> worker_pb2_grpc.PrefillServiceStub:
@@ -58,7 +60,9 @@ class WorkerSet:
         for role, addresses in (("prefill", prefill), ("decode", decode),
                                 ("colocated", colocated or [])):
             for address in addresses:
-                ws.workers.append(Worker(address, role, grpc_util.channel(address)))
+                chan = grpc_util.channel(address)
+                mux = DecodeMux(chan) if role != "prefill" else None
+                ws.workers.append(Worker(address, role, chan, mux=mux))
         return ws
 
     async def refresh(self, worker: Worker, timeout_s: float = 5.0) -> None:
@@ -120,4 +124,6 @@ class WorkerSet:
 
     async def close(self) -> None:
         for worker in self.workers:
+            if worker.mux is not None:
+                await worker.mux.close()
             await worker.channel.close()

@@ -109,6 +109,34 @@ class DecodeResponse(_message.Message):
     finished: DecodeFinished
     def __init__(self, tokens: _Optional[_Union[_generation_pb2.TokenIds, _Mapping]] = ..., finished: _Optional[_Union[DecodeFinished, _Mapping]] = ...) -> None: ...
 
+class DecodeCommand(_message.Message):
+    __slots__ = ("start", "abort")
+    START_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
+    start: DecodeRequest
+    abort: _generation_pb2.AbortRequest
+    def __init__(self, start: _Optional[_Union[DecodeRequest, _Mapping]] = ..., abort: _Optional[_Union[_generation_pb2.AbortRequest, _Mapping]] = ...) -> None: ...
+
+class DecodeUpdate(_message.Message):
+    __slots__ = ("request_id", "token_ids", "finished", "error_code", "error_message")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    finished: DecodeFinished
+    error_code: int
+    error_message: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[_Union[DecodeFinished, _Mapping]] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...
+
+class DecodeBatch(_message.Message):
+    __slots__ = ("updates",)
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
+    updates: _containers.RepeatedCompositeFieldContainer[DecodeUpdate]
+    def __init__(self, updates: _Optional[_Iterable[_Union[DecodeUpdate, _Mapping]]] = ...) -> None: ...
+
 class KvChunk(_message.Message):
     __slots__ = ("request_id", "layout", "num_tokens", "layer_start", "layer_end", "block_start", "num_blocks", "data", "crc32")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -142,7 +170,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("role", "total_blocks", "free_blocks", "reserved_blocks", "num_running", "num_waiting", "layout", "integrity_ok", "integrity_error", "num_preemptions", "num_pending_prefill_tokens")
+    __slots__ = ("role", "total_blocks", "free_blocks", "reserved_blocks", "num_running", "num_waiting", "layout", "integrity_ok", "integrity_error", "num_preemptions", "num_pending_prefill_tokens", "num_decode_steps", "max_abort_delay_steps")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +182,8 @@ class WorkerStats(_message.Message):
     INTEGRITY_ERROR_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     NUM_PENDING_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    MAX_ABORT_DELAY_STEPS_FIELD_NUMBER: _ClassVar[int]
     role: str
     total_blocks: int
     free_blocks: int
@@ -165,4 +195,6 @@ class WorkerStats(_message.Message):
     integrity_error: str
     num_preemptions: int
     num_pending_prefill_tokens: int
-    def __init__(self, role: _Optional[str] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., reserved_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., integrity_ok: _Optional[bool] = ..., integrity_error: _Optional[str] = ..., num_preemptions: _Optional[int] = ..., num_pending_prefill_tokens: _Optional[int] = ...) -> None: ...
+    num_decode_steps: int
+    max_abort_delay_steps: int
+    def __init__(self, role: _Optional[str] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., reserved_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., integrity_ok: _Optional[bool] = ..., integrity_error: _Optional[str] = ..., num_preemptions: _Optional[int] = ..., num_pending_prefill_tokens: _Optional[int] = ..., num_decode_steps: _Optional[int] = ..., max_abort_delay_steps: _Optional[int] = ...) -> None: ...

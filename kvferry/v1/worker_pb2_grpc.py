@@ -212,6 +212,11 @@ class DecodeServiceStub:
                 request_serializer=kvferry_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=kvferry_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
                 _registered_method=True)
+        self.DecodeStream = channel.stream_stream(
+                '/kvferry.v1.DecodeService/DecodeStream',
+                request_serializer=kvferry_dot_v1_dot_worker__pb2.DecodeCommand.SerializeToString,
+                response_deserializer=kvferry_dot_v1_dot_worker__pb2.DecodeBatch.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/kvferry.v1.DecodeService/Abort',
                 request_serializer=kvferry_dot_v1_dot_generation__pb2.AbortRequest.SerializeToString,
@@ -244,6 +249,16 @@ class DecodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DecodeStream(self, request_iterator, context):
+        """Decode many requests over one long-lived stream (what the router uses): `start` and
+        `abort` commands in; out, one batch per decode step with every request's new tokens.
+        One message per step instead of one per request and token. When the stream ends, every
+        request it started that is still running is aborted.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Abort(self, request, context):
         """Release a request at any stage (reserved, receiving, decoding). Idempotent per id;
         NOT_FOUND when the worker never held it or released it already.
@@ -271,6 +286,11 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=kvferry_dot_v1_dot_worker__pb2.DecodeRequest.FromString,
                     response_serializer=kvferry_dot_v1_dot_worker__pb2.DecodeResponse.SerializeToString,
+            ),
+            'DecodeStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.DecodeStream,
+                    request_deserializer=kvferry_dot_v1_dot_worker__pb2.DecodeCommand.FromString,
+                    response_serializer=kvferry_dot_v1_dot_worker__pb2.DecodeBatch.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -338,6 +358,33 @@ class DecodeService:
             '/kvferry.v1.DecodeService/Decode',
             kvferry_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
             kvferry_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DecodeStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvferry.v1.DecodeService/DecodeStream',
+            kvferry_dot_v1_dot_worker__pb2.DecodeCommand.SerializeToString,
+            kvferry_dot_v1_dot_worker__pb2.DecodeBatch.FromString,
             options,
             channel_credentials,
             insecure,

@@ -10,7 +10,7 @@ import pytest
 
 from kvferry import client, grpc_util
 from kvferry.launcher import Deployment
-from kvferry.v1 import generation_pb2, generation_pb2_grpc
+from kvferry.v1 import generation_pb2, generation_pb2_grpc, worker_pb2_grpc
 from tests.conftest import assert_alive, assert_pools_clean, worker_stats
 
 pytestmark = pytest.mark.slow
@@ -122,3 +122,34 @@ def test_get_model_info_describes_the_served_model(qwen3_deployment: Deployment)
     assert list(info.eos_token_ids) == [0]
     assert info.block_size == 16 and info.kv_dtype == "float32"
     assert all(s.layout.model_fingerprint == info.model_fingerprint for s in stats)
+
+
+def test_abort_releases_a_running_request_within_one_step(qwen3_deployment: Deployment) -> None:
+    """The decode worker drops an aborted request at the first step boundary: at most the
+    step already running when the abort arrived completes with it."""
+    decode_address = qwen3_deployment.addresses("decode")[0]
+
+    async def run() -> None:
+        async with grpc_util.channel(qwen3_deployment.router_address) as chan, \
+                grpc_util.channel(decode_address) as decode_chan:
+            stub = generation_pb2_grpc.GenerationServiceStub(chan)
+            decode = worker_pb2_grpc.DecodeServiceStub(decode_chan)
+            for i in range(5):
+                request_id = f"step-abort-{i}"
+                call = stub.Generate(client.make_request(
+                    "abort within a step", request_id=request_id, max_tokens=3000,
+                    ignore_eos=True), timeout=60)
+                seen = 0
+                async for msg in call:
+                    seen += len(msg.chunk.token_ids)
+                    if seen >= 3 + i:
+                        await decode.Abort(generation_pb2.AbortRequest(request_id=request_id),
+                                           timeout=10)
+                        break
+                call.cancel()
+
+    asyncio.run(run())
+    assert_pools_clean(qwen3_deployment)
+    decode_stats = [s for s in worker_stats(qwen3_deployment) if s.role == "decode"][0]
+    assert decode_stats.num_decode_steps > 0
+    assert decode_stats.max_abort_delay_steps <= 1
