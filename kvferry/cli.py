@@ -77,6 +77,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)
 
+    p = sub.add_parser("plan", help="K/V memory per token, per request and how many fit")
+    p.add_argument("--model", default=None, help="checkpoint directory or config.json")
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--kv-heads", type=int, default=None)
+    p.add_argument("--head-dim", type=int, default=None)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--prompt-tokens", type=int, default=1000)
+    p.add_argument("--output-tokens", type=int, default=0)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--pool-size", default="40GiB", help="pool bytes, e.g. 40GiB")
+    p.add_argument("--block-size", type=int, default=16)
+
     p = sub.add_parser("make-model", help="write a seeded checkpoint in Hugging Face format")
     p.add_argument("--out", default=str(DEFAULT_MODEL_DIR))
     p.add_argument("--arch", default="qwen3", choices=["qwen3", "llama"])
@@ -182,12 +194,32 @@ def _demo(args: argparse.Namespace) -> int:
                                          _sampling_kwargs(args)))
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from kvferry.capacity import KvShape, format_plan, plan
+    from kvferry.settings import parse_pool_size
+
+    if args.model:
+        shape = KvShape.from_config(args.model, args.dtype)
+    elif None in (args.layers, args.kv_heads, args.head_dim):
+        print("plan: give --model, or --layers, --kv-heads and --head-dim", file=sys.stderr)
+        return 2
+    else:
+        shape = KvShape(args.layers, args.kv_heads, args.head_dim, args.dtype)
+    pool_bytes = parse_pool_size(args.pool_size, total_memory_bytes=0)
+    result = plan(shape, args.prompt_tokens, args.output_tokens, args.batch, pool_bytes,
+                  args.block_size)
+    print(format_plan(shape, result, args.batch, args.block_size))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from kvferry import processes
 
+    if args.command == "plan":
+        return _plan(args)
     if args.command == "make-model":
         from kvferry.checkpoint import SPECS, make_model
 
