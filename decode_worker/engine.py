@@ -34,9 +34,10 @@ from decode_worker.sequence import (
 )
 from kvferry import wire
 from kvferry.block_queue import BlockQueue
+from kvferry.capacity import blocks_needed
 from kvferry.errors import Aborted, InvalidArgument, NotFound, ResourceExhausted
 from kvferry.executor import run_to_completion
-from kvferry.kv_pool import KvPool, blocks_for_tokens
+from kvferry.kv_pool import IntegrityReport, KvPool, blocks_for_tokens
 from kvferry.model import Transformer
 from kvferry.prefill_batch import PrefillBatcher, PrefillJob
 from kvferry.sampling import SamplingParams, sample_tokens
@@ -428,9 +429,10 @@ class DecodeEngine:
             self._finish(seq, FinishedEvent(seq.request_id, reason, seq.first_step_s))
 
     # ---- stats -------------------------------------------------------------------------------
-    def stats(self) -> PoolStats:
+    def stats(self, check_integrity: bool = False) -> PoolStats:
         reserved = [s for s in self._seqs.values() if s.phase is Phase.RESERVED]
-        report = self.pool.allocator.check_integrity()
+        report = (self.pool.allocator.check_integrity() if check_integrity
+                  else IntegrityReport(False, "not checked"))
         return PoolStats(
             total_blocks=self.pool.num_blocks,
             free_blocks=self.pool.allocator.num_free,
@@ -443,4 +445,7 @@ class DecodeEngine:
             num_preemptions=self.num_preemptions,
             num_decode_steps=self.num_steps,
             max_abort_delay_steps=self.max_abort_delay_steps,
+            projected_blocks=sum(blocks_needed(s.num_prompt_tokens, s.max_tokens,
+                                               self.pool.block_size)
+                                 for s in self._seqs.values()),
         )

@@ -146,7 +146,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
 
     async def GetStats(self, request: worker_pb2.GetStatsRequest,
                        context: grpc.aio.ServicerContext) -> worker_pb2.WorkerStats:
-        return convert.stats_to_proto("decode", self.engine.stats(), self.layout_msg)
+        return convert.stats_to_proto("decode", self.engine.stats(request.check_integrity),
+                                      self.layout_msg)
 
 
 class KvTransferServicer(worker_pb2_grpc.KvTransferServiceServicer):
@@ -180,12 +181,15 @@ class KvTransferServicer(worker_pb2_grpc.KvTransferServiceServicer):
         return worker_pb2.PushKvResponse(bytes_written=written)
 
 
-class ColocatedPrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
-    """PrefillService of a colocated worker: prompts are prefilled into this worker's own
-    reservations, interleaved with decode steps in one loop; nothing is shipped."""
+class LocalPrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
+    """PrefillService of a decode (or colocated) worker: prompts are prefilled into this
+    worker's own reservations, interleaved with decode steps in one loop; nothing is shipped.
+    Colocated workers get every prompt this way; decode workers get the short ones
+    (conditional disaggregation)."""
 
-    def __init__(self, engine: DecodeEngine) -> None:
+    def __init__(self, engine: DecodeEngine, role: str) -> None:
         self.engine = engine
+        self.role = role
         self.layout_msg = transport.layout_to_proto(engine.layout)
 
     async def Prefill(self, request: worker_pb2.PrefillRequest,
@@ -193,7 +197,7 @@ class ColocatedPrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
                       ) -> AsyncIterator[worker_pb2.PrefillResponse]:
         try:
             if not request.is_local_decode:
-                raise InvalidArgument("a colocated worker prefills only its own reservations",
+                raise InvalidArgument("a decode worker prefills only its own reservations",
                                       "is_local_decode")
             params = convert.sampling_from_proto(request.sampling)
             token, prefill_s = await self.engine.prefill_local(
@@ -215,17 +219,16 @@ class ColocatedPrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
 
     async def GetStats(self, request: worker_pb2.GetStatsRequest,
                        context: grpc.aio.ServicerContext) -> worker_pb2.WorkerStats:
-        return convert.stats_to_proto("colocated", self.engine.stats(), self.layout_msg)
+        return convert.stats_to_proto(self.role, self.engine.stats(request.check_integrity),
+                                      self.layout_msg)
 
 
-SERVICE_NAMES = ["kvferry.v1.DecodeService", "kvferry.v1.KvTransferService"]
-COLOCATED_SERVICE_NAMES = [*SERVICE_NAMES, "kvferry.v1.PrefillService"]
+SERVICE_NAMES = ["kvferry.v1.DecodeService", "kvferry.v1.KvTransferService",
+                 "kvferry.v1.PrefillService"]
 
 
-def add_to_server(server: grpc.aio.Server, engine: DecodeEngine, is_colocated: bool = False
-                  ) -> None:
+def add_to_server(server: grpc.aio.Server, engine: DecodeEngine, role: str = "decode") -> None:
     worker_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(engine), server)
     worker_pb2_grpc.add_KvTransferServiceServicer_to_server(KvTransferServicer(engine), server)
-    if is_colocated:
-        worker_pb2_grpc.add_PrefillServiceServicer_to_server(ColocatedPrefillServicer(engine),
-                                                             server)
+    worker_pb2_grpc.add_PrefillServiceServicer_to_server(LocalPrefillServicer(engine, role),
+                                                         server)

@@ -106,6 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--colocated", action="append", default=[],
                    help="colocated (prefill + decode) worker HOST:PORT")
     p.add_argument("--lease-s", type=float, default=30.0)
+    p.add_argument("--policy", default="headroom",
+                   choices=["headroom", "round_robin", "least_requests"])
+    p.add_argument("--local-prefill-threshold", type=int, default=0,
+                   help="prompts shorter than this many tokens are prefilled on the decode "
+                        "worker itself (conditional disaggregation); 0: off")
 
     p = sub.add_parser("serve", help="start router + workers on localhost until Ctrl-C")
     _deployment_args(p)
@@ -240,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         settings = RouterSettings(
             model=args.model or _ensure_default_model(), prefill=tuple(args.prefill),
             decode=tuple(args.decode), colocated=tuple(args.colocated), host=args.host,
-            port=args.port, lease_s=args.lease_s,
+            port=args.port, lease_s=args.lease_s, policy=args.policy,
+            local_prefill_threshold=args.local_prefill_threshold,
         )
         asyncio.run(processes.run_router(settings))
         return 0

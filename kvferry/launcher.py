@@ -68,6 +68,7 @@ class Deployment:
     attention_backend: str = "auto"
     is_colocated: bool = False  # num_decode workers each serving both roles; no prefill ones
     worker_args: list[str] = field(default_factory=list)  # extra flags for every worker
+    router_args: list[str] = field(default_factory=list)  # extra flags for the router
     log_dir: Path | None = None
     env: dict[str, str] = field(default_factory=dict)
     processes: list[Process] = field(default_factory=list)
@@ -89,7 +90,8 @@ class Deployment:
             self.processes = list(workers)
             for proc in workers:
                 proc.wait_ready(timeout_s)
-            args = ["router", "--model", self.model, "--port", str(self.router_port)]
+            args = ["router", "--model", self.model, "--port", str(self.router_port),
+                    *self.router_args]
             for proc in workers:
                 args += [f"--{proc.name.rsplit('-', 1)[0]}", proc.address]
             router = _spawn("router", args, self.log_dir, self.env)

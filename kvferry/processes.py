@@ -101,13 +101,11 @@ async def run_worker(settings: WorkerSettings) -> None:
         from decode_worker import server as decode_server
         from decode_worker.engine import DecodeEngine
 
-        is_colocated = settings.role == "colocated"
         engine = DecodeEngine(model, pool, layout, settings.max_waiting,
                               token_budget=settings.prefill_token_budget,
                               chunk_size=settings.prefill_chunk_size)
-        decode_server.add_to_server(server, engine, is_colocated)
-        names = (decode_server.COLOCATED_SERVICE_NAMES if is_colocated
-                 else decode_server.SERVICE_NAMES)
+        decode_server.add_to_server(server, engine, settings.role)
+        names = decode_server.SERVICE_NAMES
         engine.start()
     else:
         from prefill_worker import server as prefill_server
@@ -130,6 +128,7 @@ async def run_router(settings: RouterSettings) -> None:
 
     from router import server as router_server
     from router.engine import Router
+    from router.policy import make_policy
     from router.workers import WorkerSet
 
     config = load_model_config(settings.model)
@@ -137,7 +136,8 @@ async def run_router(settings: RouterSettings) -> None:
     workers = WorkerSet.connect(list(settings.prefill), list(settings.decode),
                                 config.fingerprint, list(settings.colocated))
     await workers.refresh_all()
-    router = Router(config, tokenizer, workers, settings.lease_s)
+    router = Router(config, tokenizer, workers, settings.lease_s, make_policy(settings.policy),
+                    settings.local_prefill_threshold)
     refresher = asyncio.create_task(_refresh_loop(workers))
     server = grpc_util.make_server()
     health = grpc_util.add_health(server, [])
@@ -151,7 +151,7 @@ async def run_router(settings: RouterSettings) -> None:
     await _serve(server, health, router_server.SERVICE_NAMES, port, on_stop)
 
 
-async def _refresh_loop(workers, interval_s: float = 0.5) -> None:
+async def _refresh_loop(workers, interval_s: float = 0.2) -> None:
     while True:
         await asyncio.sleep(interval_s)
         await workers.refresh_all()

@@ -77,8 +77,14 @@ class RouterSettings:
     host: str = "127.0.0.1"
     port: int = 0
     lease_s: float = 30.0
+    policy: str = "headroom"  # headroom | round_robin | least_requests
+    local_prefill_threshold: int = 0  # prompts shorter than this prefill on the decode worker
 
     def __post_init__(self) -> None:
+        if self.policy not in ("headroom", "round_robin", "least_requests"):
+            raise ValueError(f"policy: unknown {self.policy!r}")
+        if self.local_prefill_threshold < 0:
+            raise ValueError("local_prefill_threshold: must be >= 0")
         if not self.colocated and not (self.prefill and self.decode):
             raise ValueError("prefill/decode: give prefill and decode workers, or colocated ones")
         if self.lease_s <= 0:

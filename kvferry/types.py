@@ -29,3 +29,4 @@ class PoolStats:
     num_pending_prefill_tokens: int = 0
     num_decode_steps: int = 0
     max_abort_delay_steps: int = 0
+    projected_blocks: int = 0

@@ -15,7 +15,7 @@ from typing import NamedTuple
 from kvferry import wire
 from kvferry.block_queue import BlockQueue
 from kvferry.errors import InvalidArgument, NotFound
-from kvferry.kv_pool import KvPool, blocks_for_tokens
+from kvferry.kv_pool import IntegrityReport, KvPool, blocks_for_tokens
 from kvferry.model import Transformer
 from kvferry.prefill_batch import (
     DEFAULT_CHUNK_SIZE,
@@ -115,8 +115,9 @@ class PrefillEngine:
             raise NotFound(f"request_id {request_id!r} is not prefilling here", "request_id")
         task.cancel()
 
-    def stats(self) -> PoolStats:
-        report = self.pool.allocator.check_integrity()
+    def stats(self, check_integrity: bool = False) -> PoolStats:
+        report = (self.pool.allocator.check_integrity() if check_integrity
+                  else IntegrityReport(False, "not checked"))
         return PoolStats(
             total_blocks=self.pool.num_blocks, free_blocks=self.pool.allocator.num_free,
             reserved_blocks=0,

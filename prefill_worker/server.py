@@ -49,7 +49,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
 
     async def GetStats(self, request: worker_pb2.GetStatsRequest,
                        context: grpc.aio.ServicerContext) -> worker_pb2.WorkerStats:
-        return convert.stats_to_proto("prefill", self.engine.stats(), self.layout_msg)
+        return convert.stats_to_proto("prefill", self.engine.stats(request.check_integrity),
+                                      self.layout_msg)
 
 
 SERVICE_NAMES = ["kvferry.v1.PrefillService"]

@@ -13,12 +13,13 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import grpc
 
 from kvferry import convert
+from kvferry.capacity import blocks_needed
 from kvferry.config import ModelConfig
 from kvferry.errors import (
     DeadlineExceeded,
@@ -33,6 +34,7 @@ from kvferry.types import FinishReason
 from kvferry.v1 import generation_pb2, worker_pb2
 from router.decode_mux import MuxItem
 from router.detok import IncrementalDetokenizer
+from router.policy import HeadroomPolicy, Policy
 from router.workers import Worker, WorkerSet
 
 log = logging.getLogger("kvferry.router")
@@ -75,6 +77,7 @@ class RouterRequest:
     prefill_call: grpc.aio.UnaryStreamCall | None = None
     decode_worker: Worker | None = None
     holds_decode: bool = False  # the decode worker still holds this request's blocks
+    failed_prefill: set[str] = field(default_factory=set)  # prefill workers that failed it
     is_decoding: bool = False  # the Decode stream is open
 
 
@@ -103,11 +106,17 @@ def _cancelled_from_outside() -> bool:
 
 class Router:
     def __init__(self, config: ModelConfig, tokenizer: object, workers: WorkerSet,
-                 lease_s: float = 30.0) -> None:
+                 lease_s: float = 30.0, policy: Policy | None = None,
+                 local_prefill_threshold: int = 0, admission_timeout_s: float = 30.0) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.workers = workers
         self.lease_s = lease_s
+        self.policy = policy or HeadroomPolicy()
+        # Conditional disaggregation: prompts shorter than this are prefilled on the decode
+        # worker itself (no K/V transfer); 0 turns it off.
+        self.local_prefill_threshold = local_prefill_threshold
+        self.admission_timeout_s = admission_timeout_s
         self._running: dict[str, RouterRequest] = {}
 
     # ---- validation ----------------------------------------------------------------------
@@ -183,8 +192,7 @@ class Router:
         if params.max_tokens > 1 or not self.workers.has_prefill_workers():
             await self._reserve(state, len(prompt), params.max_tokens, deadline)
         queue_s = time.perf_counter() - received
-        first_msg = await self._prefill_read(state, self._start_prefill(state, prompt, params,
-                                                                        deadline))
+        first_msg = await self._first_token(state, prompt, params, deadline)
         if first_msg is None:
             yield DoneEvent(FinishReason.ABORT, len(prompt), 0,
                             Timing(queue_s, 0.0, 0.0, 0.0, 0.0))
@@ -264,41 +272,98 @@ class Router:
     # ---- downstream calls ----------------------------------------------------------------
     async def _reserve(self, state: RouterRequest, num_prompt: int, max_tokens: int,
                        deadline: float | None) -> None:
+        block_size = next((w.layout.block_size for w in self.workers.workers if w.layout), 16)
+        need = blocks_needed(num_prompt, max_tokens, block_size)
+        candidates = await self._admit(need, deadline)
         last_error = ""
-        for worker in self.workers.decode_candidates():
+        for worker in candidates:
             request = worker_pb2.ReserveRequest(
                 request_id=state.request_id, num_prompt_tokens=num_prompt,
                 max_tokens=max_tokens, lease_s=self.lease_s,
             )
+            worker.add_in_flight(state.request_id, need, 0)
             try:
-                reply = await worker.decode.Reserve(request, timeout=_remaining(deadline))
+                await worker.decode.Reserve(request, timeout=_remaining(deadline))
             except grpc.aio.AioRpcError as exc:
+                worker.done(state.request_id)
                 if exc.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE):
                     last_error = f"{worker.address}: {exc.details()}"
                     continue
                 raise
-            worker.in_flight_blocks += reply.num_blocks
-            worker.num_in_flight += 1
+            worker.accepted(state.request_id)
             state.decode_worker = worker
             state.holds_decode = True
             return
         raise ResourceExhausted(f"no decode worker can hold the request ({last_error})")
 
+    async def _admit(self, need: int, deadline: float | None) -> list[Worker]:
+        """Decode candidates in policy order. The headroom policy waits (bounded) until a
+        worker has room for the request at its longest, so that nothing gets preempted."""
+        candidates = self.policy.order_decode(self.workers.decode_workers(), need)
+        if not isinstance(self.policy, HeadroomPolicy):
+            return candidates
+        give_up = time.monotonic() + self.admission_timeout_s
+        if deadline is not None:
+            give_up = min(give_up, deadline)
+        while candidates[0].headroom < need and need <= candidates[0].total_blocks:
+            if time.monotonic() > give_up:
+                break  # let the worker queue it: it may still fit by the time it runs
+            await asyncio.sleep(0.02)
+            for worker in candidates:
+                await self.workers.refresh(worker)
+            candidates = self.policy.order_decode(self.workers.decode_workers(), need)
+        return candidates
+
     def _start_prefill(self, state: RouterRequest, prompt: list[int], params: SamplingParams,
                        deadline: float | None) -> grpc.aio.UnaryStreamCall:
         decode = state.decode_worker
-        is_local = decode is not None and decode.role == "colocated"
-        worker = decode if is_local and decode is not None else self.workers.pick_prefill()
+        is_local = decode is not None and (
+            decode.role == "colocated" or len(prompt) < self.local_prefill_threshold)
+        if is_local and decode is not None:
+            worker = decode
+        else:
+            worker = self._next_prefill(state, len(prompt))
         request = worker_pb2.PrefillRequest(
             request_id=state.request_id, prompt_token_ids=prompt,
             sampling=convert.sampling_to_proto(params),
             decode_address=decode.address if decode is not None and not is_local else "",
             is_local_decode=is_local,
         )
-        worker.num_in_flight += 1
+        if worker is not decode:
+            worker.add_in_flight(state.request_id, 0, len(prompt))
         state.prefill_worker = worker
         state.prefill_call = worker.prefill.Prefill(request, timeout=_remaining(deadline))
         return state.prefill_call
+
+    async def _first_token(self, state: RouterRequest, prompt: list[int],
+                           params: SamplingParams, deadline: float | None
+                           ) -> worker_pb2.PrefillResponse | None:
+        """Prefill until the first token. A prefill worker that is unavailable before then is
+        marked unhealthy and the prompt goes to another one, transparently."""
+        while True:
+            call = self._start_prefill(state, prompt, params, deadline)
+            try:
+                return await self._prefill_read(state, call)
+            except grpc.aio.AioRpcError as exc:
+                worker = state.prefill_worker
+                if (exc.code() != grpc.StatusCode.UNAVAILABLE or worker is None
+                        or worker is state.decode_worker):
+                    raise
+                log.warning("request %s: prefill worker %s unavailable (%s); retrying",
+                            state.request_id, worker.address, exc.details())
+                worker.is_healthy = False
+                worker.done(state.request_id)
+                state.failed_prefill.add(worker.address)
+                state.prefill_worker = None
+
+    def _next_prefill(self, state: RouterRequest, num_prompt: int) -> Worker:
+        """Best prefill worker by policy, skipping those that already failed this request."""
+        tried = state.failed_prefill
+        ordered = self.policy.order_prefill(self.workers.prefill_workers(), num_prompt)
+        fresh = [w for w in ordered if w.address not in tried]
+        if not fresh:
+            raise Unavailable(f"no healthy prefill worker left (tried {sorted(tried)})")
+        return fresh[0]
 
     async def _prefill_read(self, state: RouterRequest, call: grpc.aio.UnaryStreamCall | None
                             ) -> worker_pb2.PrefillResponse | None:
@@ -333,10 +398,10 @@ class Router:
         call = state.prefill_call
         if call is not None and not call.done():
             call.cancel()
-        if state.prefill_worker is not None:
-            state.prefill_worker.num_in_flight -= 1
+        if state.prefill_worker is not None and state.prefill_worker is not state.decode_worker:
+            state.prefill_worker.done(state.request_id)
         if state.decode_worker is not None:
-            state.decode_worker.num_in_flight -= 1
+            state.decode_worker.done(state.request_id)
             # Idempotent: NOT_FOUND (already released by the worker) is fine.
             await self._abort_decode(state)
 

@@ -1,13 +1,16 @@
-"""The router's view of its workers: channels, layouts, load, and the choice of worker.
+"""The router's view of its workers: channels, layouts, load telemetry, in-flight accounting.
 
-Decode choice is by K/V headroom: free blocks from the worker's last stats, minus the blocks
-this router has reserved there since (in-flight accounting, so a burst of requests does not
-pile onto one worker on stale telemetry). Prefill choice: fewest requests in flight.
+Telemetry (GetStats) is refreshed periodically and is always a little stale, so the router
+also counts what it sent each worker since: a request's projected blocks and prompt tokens are
+added when the worker is picked and dropped once a stats snapshot taken after the worker
+accepted it has been read. A burst of requests routed within one refresh interval therefore
+sees each other and spreads out.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import grpc
@@ -21,14 +24,26 @@ log = logging.getLogger("kvferry.router")
 
 
 @dataclass(slots=True)
+class InFlight:
+    """What the router sent a worker that its last stats may not show yet."""
+
+    blocks: int
+    prompt_tokens: int
+    accepted_at: float | None = None  # monotonic time the worker accepted it
+
+
+@dataclass(slots=True)
 class Worker:
     address: str
     role: str  # "prefill", "decode" or "colocated" (serves both)
-    channel: grpc.aio.Channel
+    channel: grpc.aio.Channel | None
     layout: wire.KvLayout | None = None
-    free_blocks: int = 0
-    in_flight_blocks: int = 0  # reserved by this router since the last stats refresh
-    num_in_flight: int = 0
+    total_blocks: int = 0
+    projected_blocks: int = 0  # from stats: what live requests may grow to
+    pending_prefill_tokens: int = 0  # from stats
+    num_running: int = 0  # from stats
+    num_in_flight: int = 0  # requests this router has open there now
+    in_flight: dict[str, InFlight] = field(default_factory=dict)
     is_healthy: bool = False
     refuse_reason: str = ""
     mux: DecodeMux | None = None  # decode and colocated workers: the shared DecodeStream
@@ -43,7 +58,35 @@ class Worker:
 
     @property
     def headroom(self) -> int:
-        return self.free_blocks - self.in_flight_blocks
+        """Blocks left after every known and in-flight request grows to its maximum."""
+        pending = sum(f.blocks for f in self.in_flight.values())
+        return self.total_blocks - self.projected_blocks - pending
+
+    @property
+    def pending_tokens(self) -> int:
+        return self.pending_prefill_tokens + sum(f.prompt_tokens for f in self.in_flight.values())
+
+    def add_in_flight(self, request_id: str, blocks: int, prompt_tokens: int) -> None:
+        self.in_flight[request_id] = InFlight(blocks, prompt_tokens)
+        self.num_in_flight += 1
+
+    def accepted(self, request_id: str) -> None:
+        entry = self.in_flight.get(request_id)
+        if entry is not None:
+            entry.accepted_at = time.monotonic()
+
+    def done(self, request_id: str) -> None:
+        self.in_flight.pop(request_id, None)
+        self.num_in_flight -= 1
+
+    def apply_stats(self, stats: worker_pb2.WorkerStats, issued_at: float) -> None:
+        self.total_blocks = stats.total_blocks
+        self.projected_blocks = stats.projected_blocks
+        self.pending_prefill_tokens = stats.num_pending_prefill_tokens
+        self.num_running = stats.num_running
+        for request_id, entry in list(self.in_flight.items()):
+            if entry.accepted_at is not None and entry.accepted_at < issued_at:
+                del self.in_flight[request_id]  # the snapshot counts it now
 
 
 @dataclass
@@ -65,14 +108,16 @@ class WorkerSet:
                 ws.workers.append(Worker(address, role, chan, mux=mux))
         return ws
 
-    async def refresh(self, worker: Worker, timeout_s: float = 5.0) -> None:
+    async def refresh(self, worker: Worker, timeout_s: float = 2.0) -> None:
         stub = worker.prefill if worker.role == "prefill" else worker.decode
+        issued_at = time.monotonic()
         try:
             stats = await stub.GetStats(worker_pb2.GetStatsRequest(), timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
+            if worker.is_healthy:
+                log.warning("%s worker %s unreachable: %s", worker.role, worker.address,
+                            exc.code().name)
             worker.is_healthy = False
-            log.warning("%s worker %s unreachable: %s", worker.role, worker.address,
-                        exc.code().name)
             return
         layout = transport.layout_from_proto(stats.layout)
         reason = self._incompatibility(layout)
@@ -83,8 +128,7 @@ class WorkerSet:
             worker.is_healthy = False
             return
         worker.layout = layout
-        worker.free_blocks = stats.free_blocks
-        worker.in_flight_blocks = 0
+        worker.apply_stats(stats, issued_at)
         worker.is_healthy = True
         worker.refuse_reason = ""
 
@@ -103,27 +147,27 @@ class WorkerSet:
         for worker in self.workers:
             await self.refresh(worker)
 
-    def _healthy(self, *roles: str) -> list[Worker]:
+    def healthy(self, *roles: str) -> list[Worker]:
         return [w for w in self.workers if w.role in roles and w.is_healthy]
 
     def has_prefill_workers(self) -> bool:
         return any(w.role == "prefill" for w in self.workers)
 
-    def decode_candidates(self) -> list[Worker]:
-        """Healthy decode workers, most headroom first, ties to the fewest in flight."""
-        workers = self._healthy("decode", "colocated")
+    def decode_workers(self) -> list[Worker]:
+        workers = self.healthy("decode", "colocated")
         if not workers:
             raise Unavailable("no healthy decode worker")
-        return sorted(workers, key=lambda w: (-w.headroom, w.num_in_flight))
+        return workers
 
-    def pick_prefill(self) -> Worker:
-        workers = self._healthy("prefill")
+    def prefill_workers(self) -> list[Worker]:
+        workers = self.healthy("prefill")
         if not workers:
             raise Unavailable("no healthy prefill worker")
-        return min(workers, key=lambda w: w.num_in_flight)
+        return workers
 
     async def close(self) -> None:
         for worker in self.workers:
             if worker.mux is not None:
                 await worker.mux.close()
-            await worker.channel.close()
+            if worker.channel is not None:
+                await worker.channel.close()

@@ -40,7 +40,8 @@ def worker_stats(deployment: Deployment) -> list[worker_pb2.WorkerStats]:
             with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as chan:
                 stub = (worker_pb2_grpc.PrefillServiceStub(chan) if role == "prefill"
                         else worker_pb2_grpc.DecodeServiceStub(chan))
-                stats.append(stub.GetStats(worker_pb2.GetStatsRequest(), timeout=10))
+                stats.append(stub.GetStats(worker_pb2.GetStatsRequest(check_integrity=True),
+                                           timeout=10))
     return stats
 
 

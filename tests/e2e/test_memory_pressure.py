@@ -22,11 +22,15 @@ pytestmark = pytest.mark.slow
 BLOCK_BYTES = 64 << 10
 
 
-@pytest.fixture(scope="module")
-def tiny_deployment(qwen3_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
-                    ) -> Iterator[Deployment]:
+@pytest.fixture(scope="module", params=["round_robin", "headroom"])
+def tiny_deployment(request: pytest.FixtureRequest, qwen3_checkpoint: Path,
+                    tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    # round_robin sends requests whatever the worker's headroom, so the decode worker must
+    # preempt; headroom holds them at the router until they fit at their longest.
     deployment = Deployment(model=str(qwen3_checkpoint), kv_pool_size=f"{12 * BLOCK_BYTES}B",
+                            router_args=["--policy", request.param],
                             log_dir=tmp_path_factory.mktemp("tiny-logs")).start()
+    deployment.policy = request.param  # type: ignore[attr-defined]
     yield deployment
     deployment.stop()
 
@@ -60,7 +64,10 @@ def test_preemption_under_a_tiny_pool_keeps_tokens_exact(
         assert a.token_ids == b.token_ids, f"request {i}"
     decode = [s for s in worker_stats(tiny_deployment) if s.role == "decode"][0]
     assert decode.total_blocks == 12
-    assert decode.num_preemptions > 0
+    if tiny_deployment.policy == "round_robin":  # type: ignore[attr-defined]
+        assert decode.num_preemptions > 0
+    else:
+        assert decode.num_preemptions == 0
     assert_pools_clean(tiny_deployment)
     assert_alive(tiny_deployment)
 
