@@ -185,8 +185,8 @@ class DecodeEngine:
         if seq is not None and not seq.is_kv_complete:
             seq.received[:] = False
 
-    async def prefill_local(self, request_id: str, prompt: list[int], params: SamplingParams
-                            ) -> tuple[int, float]:
+    async def prefill_local(self, request_id: str, prompt: list[int], params: SamplingParams,
+                            output_index: int = 0) -> tuple[int, float]:
         """Colocated mode: prefill a reserved request's prompt into its own blocks, in the
         step loop. Returns the first token and the prefill time."""
         seq = self._get(request_id)
@@ -196,7 +196,7 @@ class DecodeEngine:
             raise InvalidArgument("prompt length differs from the reservation",
                                   "prompt_token_ids")
         job = PrefillJob(request_id, prompt, params, seq.block_table,
-                         asyncio.get_running_loop().create_future())
+                         asyncio.get_running_loop().create_future(), output_index)
         self._prefill_jobs[request_id] = job
         self.batcher.submit(job)
         try:
@@ -216,7 +216,8 @@ class DecodeEngine:
     # ---- decoding ----------------------------------------------------------------------------
     def attach(self, request_id: str, first_token_id: int, params: SamplingParams,
                max_new_tokens: int, stop_token_ids: list[int],
-               events: asyncio.Queue[DecodeEvent] | None = None) -> asyncio.Queue[DecodeEvent]:
+               events: asyncio.Queue[DecodeEvent] | None = None,
+               num_generated: int = 0) -> asyncio.Queue[DecodeEvent]:
         """Register the Decode stream of a reserved request; tokens flow once K/V is in.
 
         Events go to `events` (shared by the requests of one DecodeStream) or a new queue."""
@@ -236,6 +237,7 @@ class DecodeEngine:
         seq.max_new_tokens = max_new_tokens
         seq.stop_token_ids = frozenset(stop_token_ids)
         seq.tokens = [first_token_id]
+        seq.output_offset = num_generated
         seq.events = events if events is not None else asyncio.Queue()
         self._poke()
         return seq.events
@@ -412,7 +414,7 @@ class DecodeEngine:
             self.pool,
         )
         params = [s.params or SamplingParams() for s in batch]  # attached: never None
-        return sample_tokens(logits, params, [len(s.tokens) for s in batch])
+        return sample_tokens(logits, params, [s.output_offset + len(s.tokens) for s in batch])
 
     def _deliver(self, batch: list[DecodeSeq], tokens: list[int],
                  finished: list[DecodeSeq]) -> None:

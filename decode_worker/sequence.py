@@ -58,6 +58,7 @@ class DecodeSeq:
     phase: Phase = Phase.RESERVED
     is_aborted: bool = False
     first_step_s: float = 0.0
+    output_offset: int = 0  # outputs generated before tokens[0] (after a migration)
     abort_step: int = 0  # the engine's step count when its abort arrived
     swapped_kv: torch.Tensor | None = None  # [layers, 2, blocks, block_size, kv_heads, D]
 

@@ -63,7 +63,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         return self.engine.attach(
             request.request_id, request.first_token_id,
             convert.sampling_from_proto(request.sampling), request.max_new_tokens,
-            list(request.stop_token_ids), events,
+            list(request.stop_token_ids), events, request.num_generated,
         )
 
     def _abort_quietly(self, request_id: str) -> None:
@@ -201,7 +201,8 @@ class LocalPrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
                                       "is_local_decode")
             params = convert.sampling_from_proto(request.sampling)
             token, prefill_s = await self.engine.prefill_local(
-                request.request_id, list(request.prompt_token_ids), params)
+                request.request_id, list(request.prompt_token_ids), params,
+                request.num_generated)
         except Exception as exc:
             await grpc_util.abort_with(context, exc, request.request_id)
             return

@@ -36,6 +36,7 @@ class PrefillJob:
     params: SamplingParams
     block_table: list[int]
     first_token: asyncio.Future[int]
+    output_index: int = 0  # output number of the token this prefill samples (seeded sampling)
     num_computed: int = 0
     is_in_batch: bool = False
     started_at: float = 0.0  # perf_counter when its first chunk entered a batch
@@ -109,7 +110,8 @@ class PrefillBatcher:
             block_tables=[it.job.block_table for it in items],
         )
         done = [i for i, it in enumerate(items) if it.end == len(it.job.prompt)]
-        tokens = sample_tokens(logits[done], [items[i].job.params for i in done], [0] * len(done))
+        tokens = sample_tokens(logits[done], [items[i].job.params for i in done],
+                               [items[i].job.output_index for i in done])
         result: list[int | None] = [None] * len(items)
         for i, token in zip(done, tokens):
             result[i] = token

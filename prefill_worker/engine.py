@@ -79,7 +79,7 @@ class PrefillEngine:
 
     async def prefill(
         self, request_id: str, prompt: list[int], params: SamplingParams,
-        decode_address: str, timeout_s: float | None,
+        decode_address: str, timeout_s: float | None, output_index: int = 0,
     ) -> AsyncIterator[FirstTokenEvent | PushedEvent]:
         """Yield the first token as soon as it exists, then the push's completion."""
         self._validate(request_id, prompt, params)
@@ -92,7 +92,7 @@ class PrefillEngine:
             self._active.pop(request_id, None)
             raise
         job = PrefillJob(request_id, prompt, params, blocks,
-                         asyncio.get_running_loop().create_future())
+                         asyncio.get_running_loop().create_future(), output_index)
         try:
             self.batcher.submit(job)
             token = await job.first_token

@@ -24,7 +24,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
             params = convert.sampling_from_proto(request.sampling)
             events = self.engine.prefill(
                 request.request_id, list(request.prompt_token_ids), params,
-                request.decode_address, context.time_remaining(),
+                request.decode_address, context.time_remaining(), request.num_generated,
             )
             # aclosing: if we are cancelled while suspended at our own yield, the engine's
             # generator still runs its cleanup (frees the blocks) right away.

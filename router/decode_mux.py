@@ -16,6 +16,11 @@ import grpc
 from kvferry.errors import Unavailable
 from kvferry.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 
+
+class StreamBroken(Unavailable):
+    """The decode worker's stream broke: the requests on it must move elsewhere."""
+
+
 # What a request's queue yields: its updates, or the exception that broke the stream.
 MuxItem = worker_pb2.DecodeUpdate | Exception
 
@@ -35,7 +40,7 @@ class DecodeMux:
         return self._commands
 
     async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
-        error: Exception = Unavailable("decode stream closed by the worker")
+        error: Exception = StreamBroken("decode stream closed by the worker")
         try:
             async for batch in call:
                 for update in batch.updates:
@@ -43,7 +48,7 @@ class DecodeMux:
                     if queue is not None:
                         queue.put_nowait(update)
         except grpc.aio.AioRpcError as exc:
-            error = Unavailable(f"decode stream broke: {exc.code().name}: {exc.details()}")
+            error = StreamBroken(f"decode stream broke: {exc.code().name}: {exc.details()}")
         for queue in self._queues.values():
             queue.put_nowait(error)
 

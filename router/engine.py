@@ -32,7 +32,7 @@ from kvferry.errors import (
 from kvferry.sampling import DEFAULT_MAX_TOKENS, SamplingParams
 from kvferry.types import FinishReason
 from kvferry.v1 import generation_pb2, worker_pb2
-from router.decode_mux import MuxItem
+from router.decode_mux import MuxItem, StreamBroken
 from router.detok import IncrementalDetokenizer
 from router.policy import HeadroomPolicy, Policy
 from router.workers import Worker, WorkerSet
@@ -107,7 +107,8 @@ def _cancelled_from_outside() -> bool:
 class Router:
     def __init__(self, config: ModelConfig, tokenizer: object, workers: WorkerSet,
                  lease_s: float = 30.0, policy: Policy | None = None,
-                 local_prefill_threshold: int = 0, admission_timeout_s: float = 30.0) -> None:
+                 local_prefill_threshold: int = 0, admission_timeout_s: float = 30.0,
+                 max_migrations: int = 2) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.workers = workers
@@ -117,6 +118,7 @@ class Router:
         # worker itself (no K/V transfer); 0 turns it off.
         self.local_prefill_threshold = local_prefill_threshold
         self.admission_timeout_s = admission_timeout_s
+        self.max_migrations = max_migrations
         self._running: dict[str, RouterRequest] = {}
 
     # ---- validation ----------------------------------------------------------------------
@@ -187,69 +189,101 @@ class Router:
     async def _run(self, state: RouterRequest, prompt: list[int], params: SamplingParams,
                    received: float, deadline: float | None
                    ) -> AsyncIterator[ChunkEvent | DoneEvent]:
+        """Legs of reserve -> prefill -> first token -> decode. When a decode worker dies
+        mid-stream the request migrates: a new leg prefills prompt + every token streamed so
+        far on another pair, and its first token is the stream's next one."""
         detok = IncrementalDetokenizer(self.tokenizer, params.stop)
         stop_ids = self._stop_ids(params)
-        if params.max_tokens > 1 or not self.workers.has_prefill_workers():
-            await self._reserve(state, len(prompt), params.max_tokens, deadline)
-        queue_s = time.perf_counter() - received
-        first_msg = await self._first_token(state, prompt, params, deadline)
-        if first_msg is None:
-            yield DoneEvent(FinishReason.ABORT, len(prompt), 0,
-                            Timing(queue_s, 0.0, 0.0, 0.0, 0.0))
-            return
-        first = first_msg.first_token.token_id
-        prefill_s = first_msg.first_token.prefill_s
-        ttft = time.perf_counter() - received
-        step = detok.add([first])
-        reason: FinishReason | None = None
-        if step.is_stopped or first in stop_ids:
-            reason = FinishReason.STOP
-        elif params.max_tokens == 1:
-            reason = FinishReason.LENGTH
-        if reason is not None:
-            yield ChunkEvent([first], step.text + ("" if step.is_stopped else detok.finish()))
-            yield DoneEvent(reason, len(prompt), 1, Timing(queue_s, prefill_s, 0.0, 0.0, ttft))
-            return
-        yield ChunkEvent([first], step.text)
-        done_msg = await self._prefill_read(state, None)
-        if done_msg is None:
-            yield ChunkEvent([], detok.finish())
-            yield DoneEvent(FinishReason.ABORT, len(prompt), 1,
-                            Timing(queue_s, prefill_s, 0.0, 0.0, ttft))
-            return
-        timing = Timing(queue_s, prefill_s, done_msg.done.kv_transfer_s, 0.0, ttft)
-        async for event in self._decode(state, first, params, stop_ids, detok, deadline,
-                                        len(prompt), timing):
-            yield event
+        generated: list[int] = []  # every token streamed to the client
+        timing = Timing(0.0, 0.0, 0.0, 0.0, 0.0)
+        migrations = 0
+        while True:
+            context = prompt + generated
+            remaining = params.max_tokens - len(generated)
+            if remaining > 1 or not self.workers.has_prefill_workers():
+                await self._reserve(state, len(context), remaining, deadline)
+            if not generated:
+                timing = timing._replace(queue_s=time.perf_counter() - received)
+            first_msg = await self._first_token(state, context, params, deadline,
+                                                len(generated))
+            if first_msg is None:
+                yield ChunkEvent([], detok.finish())
+                yield DoneEvent(FinishReason.ABORT, len(prompt), len(generated), timing)
+                return
+            first = first_msg.first_token.token_id
+            if not generated:
+                timing = timing._replace(prefill_s=first_msg.first_token.prefill_s,
+                                         time_to_first_token_s=time.perf_counter() - received)
+            generated.append(first)
+            step = detok.add([first])
+            reason: FinishReason | None = None
+            if step.is_stopped or first in stop_ids:
+                reason = FinishReason.STOP
+            elif remaining == 1:
+                reason = FinishReason.LENGTH
+            if reason is not None:
+                yield ChunkEvent([first], step.text + ("" if step.is_stopped else detok.finish()))
+                yield DoneEvent(reason, len(prompt), len(generated), timing)
+                return
+            yield ChunkEvent([first], step.text)
+            done_msg = await self._prefill_read(state, None)
+            if done_msg is None:
+                yield ChunkEvent([], detok.finish())
+                yield DoneEvent(FinishReason.ABORT, len(prompt), len(generated), timing)
+                return
+            if migrations == 0:
+                timing = timing._replace(kv_transfer_s=done_msg.done.kv_transfer_s)
+            try:
+                async for event in self._decode(state, params, stop_ids, detok, deadline,
+                                                len(prompt), timing, generated, remaining):
+                    yield event
+                return
+            except StreamBroken as exc:
+                migrations += 1
+                if migrations > self.max_migrations:
+                    raise Unavailable(f"decode failed {migrations} times: {exc}") from exc
+                self._lose_decode(state, exc)
 
-    async def _decode(self, state: RouterRequest, first: int, params: SamplingParams,
+    def _lose_decode(self, state: RouterRequest, exc: Exception) -> None:
+        """Forget a decode worker that died under a request, before migrating it."""
+        lost = state.decode_worker
+        if lost is not None:
+            log.warning("request %s: decode worker %s lost (%s); migrating", state.request_id,
+                        lost.address, exc)
+            lost.is_healthy = False
+            lost.done(state.request_id)
+        if state.prefill_worker is not None and state.prefill_worker is not lost:
+            state.prefill_worker.done(state.request_id)
+        state.decode_worker = state.prefill_worker = state.prefill_call = None
+        state.holds_decode = state.is_decoding = False
+
+    async def _decode(self, state: RouterRequest, params: SamplingParams,
                       stop_ids: list[int], detok: IncrementalDetokenizer,
-                      deadline: float | None, num_prompt: int, timing: Timing
+                      deadline: float | None, num_prompt: int, timing: Timing,
+                      generated: list[int], remaining: int
                       ) -> AsyncIterator[ChunkEvent | DoneEvent]:
+        """Stream one decode leg; appends every token to `generated`."""
         worker = state.decode_worker
-        if worker is None:
+        if worker is None or worker.mux is None:
             raise Unavailable("decode reservation lost")
         request = worker_pb2.DecodeRequest(
-            request_id=state.request_id, first_token_id=first,
-            sampling=convert.sampling_to_proto(params),
-            max_new_tokens=params.max_tokens - 1, stop_token_ids=stop_ids,
+            request_id=state.request_id, first_token_id=generated[-1],
+            sampling=convert.sampling_to_proto(params), max_new_tokens=remaining - 1,
+            stop_token_ids=stop_ids, num_generated=len(generated) - 1,
         )
-        count = 1
         reason = FinishReason.ABORT
         first_step_s = 0.0
         is_stopped = False
         state.is_decoding = True
         if state.is_aborted:  # aborted between prefill and decode
             await self._abort_decode(state)
-        if worker.mux is None:
-            raise Unavailable(f"{worker.address} is not a decode worker")
         updates = worker.mux.start(request)
         try:
             while True:
                 update = await _next_update(updates, deadline)
                 ids = list(update.token_ids)
                 if ids:
-                    count += len(ids)
+                    generated.extend(ids)
                     step = detok.add(ids)
                     yield ChunkEvent(ids, step.text)
                     if step.is_stopped:
@@ -266,7 +300,7 @@ class Router:
         tail = "" if is_stopped else detok.finish()
         if tail:
             yield ChunkEvent([], tail)
-        yield DoneEvent(reason, num_prompt, count, timing._replace(
+        yield DoneEvent(reason, num_prompt, len(generated), timing._replace(
             first_decode_step_s=first_step_s))
 
     # ---- downstream calls ----------------------------------------------------------------
@@ -315,7 +349,8 @@ class Router:
         return candidates
 
     def _start_prefill(self, state: RouterRequest, prompt: list[int], params: SamplingParams,
-                       deadline: float | None) -> grpc.aio.UnaryStreamCall:
+                       deadline: float | None, num_generated: int
+                       ) -> grpc.aio.UnaryStreamCall:
         decode = state.decode_worker
         is_local = decode is not None and (
             decode.role == "colocated" or len(prompt) < self.local_prefill_threshold)
@@ -327,7 +362,7 @@ class Router:
             request_id=state.request_id, prompt_token_ids=prompt,
             sampling=convert.sampling_to_proto(params),
             decode_address=decode.address if decode is not None and not is_local else "",
-            is_local_decode=is_local,
+            is_local_decode=is_local, num_generated=num_generated,
         )
         if worker is not decode:
             worker.add_in_flight(state.request_id, 0, len(prompt))
@@ -336,12 +371,12 @@ class Router:
         return state.prefill_call
 
     async def _first_token(self, state: RouterRequest, prompt: list[int],
-                           params: SamplingParams, deadline: float | None
+                           params: SamplingParams, deadline: float | None, num_generated: int
                            ) -> worker_pb2.PrefillResponse | None:
         """Prefill until the first token. A prefill worker that is unavailable before then is
         marked unhealthy and the prompt goes to another one, transparently."""
         while True:
-            call = self._start_prefill(state, prompt, params, deadline)
+            call = self._start_prefill(state, prompt, params, deadline, num_generated)
             try:
                 return await self._prefill_read(state, call)
             except grpc.aio.AioRpcError as exc:

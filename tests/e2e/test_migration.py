@@ -1,0 +1,67 @@
+"""Issue 5, acceptance 3: kill -9 of a decode worker mid-stream. The request migrates (the
+router re-prefills prompt + tokens so far on another pair) and the greedy stream completes
+with exactly the undisturbed tokens; the surviving workers' pools return to all free."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+
+import grpc
+import pytest
+
+from kvferry import client, grpc_util
+from kvferry.grpc_util import CHANNEL_OPTIONS
+from kvferry.launcher import Deployment
+from kvferry.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
+from tests.conftest import assert_pools_clean
+
+pytestmark = pytest.mark.slow
+
+
+def _busy_decode_process(deployment: Deployment):
+    for proc in deployment.processes:
+        if not proc.name.startswith("decode"):
+            continue
+        with grpc.insecure_channel(proc.address, options=CHANNEL_OPTIONS) as chan:
+            stats = worker_pb2_grpc.DecodeServiceStub(chan).GetStats(
+                worker_pb2.GetStatsRequest(), timeout=5)
+        if stats.num_running:
+            return proc
+    return None
+
+
+@pytest.mark.parametrize("seed", [None, 11])
+def test_decode_worker_killed_mid_stream(seed: int | None, qwen3_checkpoint: Path,
+                                         qwen3_deployment: Deployment, tmp_path: Path) -> None:
+    prompt = list(range(60, 140))
+    sampling = {"temperature": 0.0} if seed is None else {"temperature": 1.0, "seed": seed}
+    request = client.make_request(prompt, max_tokens=300, ignore_eos=True, **sampling)
+    undisturbed = asyncio.run(client.generate(qwen3_deployment.router_address, request, 120))
+
+    with Deployment(model=str(qwen3_checkpoint), num_decode=2, log_dir=tmp_path) as deployment:
+        async def run() -> client.Completion:
+            async with grpc_util.channel(deployment.router_address) as chan:
+                stub = generation_pb2_grpc.GenerationServiceStub(chan)
+                completion = client.Completion()
+                killed = False
+                async for _, latest in client.stream(stub, request, timeout_s=120):
+                    completion = latest
+                    if not killed and len(completion.token_ids) >= 20:
+                        victim = await asyncio.to_thread(_busy_decode_process, deployment)
+                        assert victim is not None
+                        os.kill(victim.popen.pid, signal.SIGKILL)
+                        await asyncio.to_thread(victim.popen.wait, 10)
+                        deployment.processes.remove(victim)
+                        killed = True
+                assert killed
+                return completion
+
+        got = asyncio.run(run())
+        assert got.token_ids == undisturbed.token_ids
+        assert got.text == undisturbed.text
+        assert got.finished.usage.completion_tokens == 300
+        assert "migrating" in (tmp_path / "router.log").read_text()
+        assert_pools_clean(deployment)
