@@ -105,6 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode", action="append", default=[], help="decode worker HOST:PORT")
     p.add_argument("--colocated", action="append", default=[],
                    help="colocated (prefill + decode) worker HOST:PORT")
+    p.add_argument("--prefill-dns", default="",
+                   help="HOST:PORT of a headless Service resolving to prefill workers")
+    p.add_argument("--decode-dns", default="",
+                   help="HOST:PORT of a headless Service resolving to decode workers")
+    p.add_argument("--dns-interval-s", type=float, default=5.0)
     p.add_argument("--lease-s", type=float, default=30.0)
     p.add_argument("--policy", default="headroom",
                    choices=["headroom", "round_robin", "least_requests"])
@@ -246,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
             model=args.model or _ensure_default_model(), prefill=tuple(args.prefill),
             decode=tuple(args.decode), colocated=tuple(args.colocated), host=args.host,
             port=args.port, lease_s=args.lease_s, policy=args.policy,
+            prefill_dns=args.prefill_dns, decode_dns=args.decode_dns,
+            dns_interval_s=args.dns_interval_s,
             local_prefill_threshold=args.local_prefill_threshold,
         )
         asyncio.run(processes.run_router(settings))

@@ -135,17 +135,27 @@ async def run_router(settings: RouterSettings) -> None:
     tokenizer = AutoTokenizer.from_pretrained(settings.model)
     workers = WorkerSet.connect(list(settings.prefill), list(settings.decode),
                                 config.fingerprint, list(settings.colocated))
+    dns_names = {role: name for role, name in (("prefill", settings.prefill_dns),
+                                               ("decode", settings.decode_dns)) if name}
+    tasks = []
+    if dns_names:
+        from router.discovery import discover_once, discovery_loop
+
+        await discover_once(workers, dns_names)
+        tasks.append(asyncio.create_task(
+            discovery_loop(workers, dns_names, settings.dns_interval_s)))
     await workers.refresh_all()
     router = Router(config, tokenizer, workers, settings.lease_s, make_policy(settings.policy),
                     settings.local_prefill_threshold)
-    refresher = asyncio.create_task(_refresh_loop(workers))
+    tasks.append(asyncio.create_task(_refresh_loop(workers)))
     server = grpc_util.make_server()
     health = grpc_util.add_health(server, [])
     router_server.add_to_server(server, router)
     port = server.add_insecure_port(f"{settings.host}:{settings.port}")
 
     async def on_stop() -> None:
-        refresher.cancel()
+        for task in tasks:
+            task.cancel()
         await workers.close()
 
     await _serve(server, health, router_server.SERVICE_NAMES, port, on_stop)

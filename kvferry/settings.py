@@ -74,6 +74,9 @@ class RouterSettings:
     prefill: tuple[str, ...] = ()
     decode: tuple[str, ...] = ()
     colocated: tuple[str, ...] = ()  # workers serving both roles
+    prefill_dns: str = ""  # HOST:PORT of a headless Service: one prefill worker per address
+    decode_dns: str = ""  # likewise for decode workers
+    dns_interval_s: float = 5.0
     host: str = "127.0.0.1"
     port: int = 0
     lease_s: float = 30.0
@@ -85,7 +88,8 @@ class RouterSettings:
             raise ValueError(f"policy: unknown {self.policy!r}")
         if self.local_prefill_threshold < 0:
             raise ValueError("local_prefill_threshold: must be >= 0")
-        if not self.colocated and not (self.prefill and self.decode):
+        if not self.colocated and not ((self.prefill or self.prefill_dns)
+                                       and (self.decode or self.decode_dns)):
             raise ValueError("prefill/decode: give prefill and decode workers, or colocated ones")
         if self.lease_s <= 0:
             raise ValueError(f"lease_s: must be > 0, got {self.lease_s}")

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvferry import grpc_util, transport, wire
 from kvferry.errors import Unavailable
@@ -103,15 +104,45 @@ class WorkerSet:
         for role, addresses in (("prefill", prefill), ("decode", decode),
                                 ("colocated", colocated or [])):
             for address in addresses:
-                chan = grpc_util.channel(address)
-                mux = DecodeMux(chan) if role != "prefill" else None
-                ws.workers.append(Worker(address, role, chan, mux=mux))
+                ws.add(address, role)
         return ws
 
+    def add(self, address: str, role: str) -> Worker:
+        chan = grpc_util.channel(address)
+        worker = Worker(address, role, chan, mux=DecodeMux(chan) if role != "prefill" else None)
+        self.workers.append(worker)
+        return worker
+
+    async def sync_role(self, role: str, addresses: set[str]) -> None:
+        """Make the workers of `role` exactly `addresses` (DNS discovery). A vanished worker
+        is dropped once this router has no request open on it."""
+        known = {w.address for w in self.workers if w.role == role}
+        for address in sorted(addresses - known):
+            log.info("discovered %s worker %s", role, address)
+            await self.refresh(self.add(address, role))
+        for worker in [w for w in self.workers if w.role == role and w.address not in addresses]:
+            worker.is_healthy = False
+            if worker.num_in_flight <= 0:
+                log.info("%s worker %s left DNS; dropping it", role, worker.address)
+                self.workers.remove(worker)
+                if worker.mux is not None:
+                    await worker.mux.close()
+                if worker.channel is not None:
+                    await worker.channel.close()
+
     async def refresh(self, worker: Worker, timeout_s: float = 2.0) -> None:
+        """Health (grpc.health.v1: a draining worker says NOT_SERVING), then stats."""
         stub = worker.prefill if worker.role == "prefill" else worker.decode
         issued_at = time.monotonic()
         try:
+            health = await health_pb2_grpc.HealthStub(worker.channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+            if health.status != health_pb2.HealthCheckResponse.SERVING:
+                if worker.is_healthy:
+                    log.warning("%s worker %s is not serving (draining)", worker.role,
+                                worker.address)
+                worker.is_healthy = False
+                return
             stats = await stub.GetStats(worker_pb2.GetStatsRequest(), timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
             if worker.is_healthy:

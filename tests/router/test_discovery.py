@@ -1,0 +1,67 @@
+"""DNS discovery: the router's workers follow what a headless Service name resolves to."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from kvferry import client
+from kvferry.launcher import _spawn
+from router.discovery import discover_once, resolve, split_host_port
+from router.workers import WorkerSet
+
+
+def test_workers_follow_the_resolved_addresses() -> None:
+    answers = [{"127.0.0.1:1", "127.0.0.1:2"}, {"127.0.0.1:2", "127.0.0.1:3"}]
+
+    async def fake_resolver(host: str, port: int) -> set[str]:
+        assert (host, port) == ("decode.kvferry.svc", 50052)
+        return answers.pop(0)
+
+    async def scenario() -> list[list[str]]:
+        workers = WorkerSet("fp")
+        seen = []
+        for _ in range(2):
+            await discover_once(workers, {"decode": "decode.kvferry.svc:50052"}, fake_resolver)
+            seen.append(sorted(w.address for w in workers.workers))
+        assert not any(w.is_healthy for w in workers.workers)  # nothing listens there
+        await workers.close()
+        return seen
+
+    assert asyncio.run(scenario()) == [["127.0.0.1:1", "127.0.0.1:2"],
+                                       ["127.0.0.1:2", "127.0.0.1:3"]]
+
+
+def test_bad_names_are_refused() -> None:
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        split_host_port("no-port")
+    assert "127.0.0.1:80" in asyncio.run(resolve("127.0.0.1", 80))
+
+
+@pytest.mark.slow
+def test_router_discovers_workers_by_dns(qwen3_checkpoint: Path, tmp_path: Path) -> None:
+    procs = []
+    try:
+        prefill = _spawn("prefill", ["prefill-worker", "--model", str(qwen3_checkpoint)],
+                         tmp_path, {})
+        decode = _spawn("decode", ["decode-worker", "--model", str(qwen3_checkpoint)],
+                        tmp_path, {})
+        procs += [prefill, decode]
+        prefill.wait_ready(120)
+        decode.wait_ready(120)
+        router = _spawn("router", ["router", "--model", str(qwen3_checkpoint),
+                                   "--prefill-dns", f"localhost:{prefill.port}",
+                                   "--decode-dns", f"localhost:{decode.port}"], tmp_path, {})
+        procs.append(router)
+        router.wait_ready(120)
+        got = asyncio.run(client.generate(router.address, client.make_request(
+            "hello", max_tokens=6, ignore_eos=True), 60))
+        assert len(got.token_ids) == 6
+        log = (tmp_path / "router.log").read_text()
+        assert f"discovered decode worker 127.0.0.1:{decode.port}" in log
+    finally:
+        for proc in procs:
+            proc.popen.terminate()
+            proc.popen.wait(30)
