@@ -60,6 +60,8 @@ class Timing(NamedTuple):
     kv_transfer_s: float
     first_decode_step_s: float
     time_to_first_token_s: float
+    admission_wait_s: float = 0.0
+    num_migrations: int = 0
 
 
 class DoneEvent(NamedTuple):
@@ -201,7 +203,8 @@ class Router:
             context = prompt + generated
             remaining = params.max_tokens - len(generated)
             if remaining > 1 or not self.workers.has_prefill_workers():
-                await self._reserve(state, len(context), remaining, deadline)
+                waited = await self._reserve(state, len(context), remaining, deadline)
+                timing = timing._replace(admission_wait_s=timing.admission_wait_s + waited)
             if not generated:
                 timing = timing._replace(queue_s=time.perf_counter() - received)
             first_msg = await self._first_token(state, context, params, deadline,
@@ -243,6 +246,7 @@ class Router:
                 if migrations > self.max_migrations:
                     raise Unavailable(f"decode failed {migrations} times: {exc}") from exc
                 self._lose_decode(state, exc)
+                timing = timing._replace(num_migrations=migrations)
 
     def _lose_decode(self, state: RouterRequest, exc: Exception) -> None:
         """Forget a decode worker that died under a request, before migrating it."""
@@ -305,10 +309,11 @@ class Router:
 
     # ---- downstream calls ----------------------------------------------------------------
     async def _reserve(self, state: RouterRequest, num_prompt: int, max_tokens: int,
-                       deadline: float | None) -> None:
+                       deadline: float | None) -> float:
+        """Reserve on the best decode worker; returns seconds spent waiting for headroom."""
         block_size = next((w.layout.block_size for w in self.workers.workers if w.layout), 16)
         need = blocks_needed(num_prompt, max_tokens, block_size)
-        candidates = await self._admit(need, deadline)
+        candidates, waited = await self._admit(need, deadline)
         last_error = ""
         for worker in candidates:
             request = worker_pb2.ReserveRequest(
@@ -327,15 +332,17 @@ class Router:
             worker.accepted(state.request_id)
             state.decode_worker = worker
             state.holds_decode = True
-            return
+            return waited
         raise ResourceExhausted(f"no decode worker can hold the request ({last_error})")
 
-    async def _admit(self, need: int, deadline: float | None) -> list[Worker]:
-        """Decode candidates in policy order. The headroom policy waits (bounded) until a
-        worker has room for the request at its longest, so that nothing gets preempted."""
+    async def _admit(self, need: int, deadline: float | None) -> tuple[list[Worker], float]:
+        """Decode candidates in policy order, and seconds waited. The headroom policy waits
+        (bounded) until a worker has room for the request at its longest, so that nothing
+        gets preempted."""
         candidates = self.policy.order_decode(self.workers.decode_workers(), need)
         if not isinstance(self.policy, HeadroomPolicy):
-            return candidates
+            return candidates, 0.0
+        start = time.perf_counter()
         give_up = time.monotonic() + self.admission_timeout_s
         if deadline is not None:
             give_up = min(give_up, deadline)
@@ -343,10 +350,9 @@ class Router:
             if time.monotonic() > give_up:
                 break  # let the worker queue it: it may still fit by the time it runs
             await asyncio.sleep(0.02)
-            for worker in candidates:
-                await self.workers.refresh(worker)
+            await self.workers.refresh_shared()
             candidates = self.policy.order_decode(self.workers.decode_workers(), need)
-        return candidates
+        return candidates, time.perf_counter() - start
 
     def _start_prefill(self, state: RouterRequest, prompt: list[int], params: SamplingParams,
                        deadline: float | None, num_generated: int

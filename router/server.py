@@ -35,6 +35,7 @@ def _done_to_proto(request_id: str, event: DoneEvent) -> generation_pb2.Generate
                 queue_s=t.queue_s, prefill_s=t.prefill_s, kv_transfer_s=t.kv_transfer_s,
                 first_decode_step_s=t.first_decode_step_s,
                 time_to_first_token_s=t.time_to_first_token_s,
+                admission_wait_s=t.admission_wait_s, num_migrations=t.num_migrations,
             ),
         ),
     )

@@ -9,6 +9,7 @@ sees each other and spreads out.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
@@ -96,6 +97,7 @@ class WorkerSet:
 
     expected_fingerprint: str
     workers: list[Worker] = field(default_factory=list)
+    _refreshing: asyncio.Future[None] | None = None
 
     @staticmethod
     def connect(prefill: list[str], decode: list[str], fingerprint: str,
@@ -177,6 +179,13 @@ class WorkerSet:
     async def refresh_all(self) -> None:
         for worker in self.workers:
             await self.refresh(worker)
+
+    async def refresh_shared(self) -> None:
+        """Refresh every worker once; concurrent callers share the round in flight, so many
+        requests waiting for headroom do not multiply the stats calls."""
+        if self._refreshing is None or self._refreshing.done():
+            self._refreshing = asyncio.ensure_future(self.refresh_all())
+        await asyncio.shield(self._refreshing)
 
     def healthy(self, *roles: str) -> list[Worker]:
         return [w for w in self.workers if w.role in roles and w.is_healthy]

@@ -73,18 +73,22 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class Timing(_message.Message):
-    __slots__ = ("queue_s", "prefill_s", "kv_transfer_s", "first_decode_step_s", "time_to_first_token_s")
+    __slots__ = ("queue_s", "prefill_s", "kv_transfer_s", "first_decode_step_s", "time_to_first_token_s", "admission_wait_s", "num_migrations")
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
     FIRST_DECODE_STEP_S_FIELD_NUMBER: _ClassVar[int]
     TIME_TO_FIRST_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
+    ADMISSION_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    NUM_MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     queue_s: float
     prefill_s: float
     kv_transfer_s: float
     first_decode_step_s: float
     time_to_first_token_s: float
-    def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., first_decode_step_s: _Optional[float] = ..., time_to_first_token_s: _Optional[float] = ...) -> None: ...
+    admission_wait_s: float
+    num_migrations: int
+    def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., first_decode_step_s: _Optional[float] = ..., time_to_first_token_s: _Optional[float] = ..., admission_wait_s: _Optional[float] = ..., num_migrations: _Optional[int] = ...) -> None: ...
 
 class Finished(_message.Message):
     __slots__ = ("reason", "usage", "timing")
