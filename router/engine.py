@@ -90,10 +90,14 @@ def _remaining(deadline: float | None) -> float | None:
 async def _next_update(updates: asyncio.Queue[MuxItem], deadline: float | None
                        ) -> worker_pb2.DecodeUpdate:
     """The request's next decode update; its failure or a passed deadline raise."""
-    try:
-        item = await asyncio.wait_for(updates.get(), _remaining(deadline))
-    except TimeoutError:
-        raise DeadlineExceeded("deadline exceeded while decoding") from None
+    if not updates.empty():  # the common case under load: no timer, no task
+        item = updates.get_nowait()
+    else:
+        try:
+            async with asyncio.timeout(_remaining(deadline)):
+                item = await updates.get()
+        except TimeoutError:
+            raise DeadlineExceeded("deadline exceeded while decoding") from None
     if isinstance(item, Exception):
         raise item
     if item.error_code:
@@ -186,7 +190,13 @@ class Router:
                 yield event
         finally:
             self._running.pop(request_id, None)
-            await self._release(state)
+            # Shielded: a second cancellation (client gone, deadline) must not cut the
+            # release short and leave blocks held downstream.
+            release = asyncio.ensure_future(self._release(state))
+            try:
+                await asyncio.shield(release)
+            except asyncio.CancelledError:
+                pass  # the release goes on by itself
 
     async def _run(self, state: RouterRequest, prompt: list[int], params: SamplingParams,
                    received: float, deadline: float | None
@@ -300,6 +310,10 @@ class Router:
                     break
         finally:
             worker.mux.forget(state.request_id)
+            if state.holds_decode:
+                # Ended early (stop string, cancel, deadline): abort on the same stream, so
+                # the abort can never overtake the start it answers.
+                worker.mux.abort(state.request_id)
         state.is_decoding = False
         tail = "" if is_stopped else detok.finish()
         if tail:
