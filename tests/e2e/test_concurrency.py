@@ -68,3 +68,48 @@ def test_colocated_and_disaggregated_give_identical_tokens(
         assert a.token_ids == b.token_ids, f"request {i}"
         assert b.finished.timing.kv_transfer_s == 0.0  # nothing shipped when colocated
     assert_pools_clean(colocated_deployment)
+
+
+@pytest.mark.parametrize("is_colocated", [False, True], ids=["disaggregated", "colocated"])
+def test_chunked_prefill_gives_the_same_tokens(is_colocated: bool, qwen3_checkpoint,
+                                               qwen3_deployment: Deployment, tmp_path) -> None:
+    """Prompts up to ~200 tokens through 48-token chunks and an 80-token batch budget: the
+    chunks attend over their own cached chunks and interleave with other requests' steps."""
+    requests = _requests()
+    with Deployment(model=str(qwen3_checkpoint), is_colocated=is_colocated, log_dir=tmp_path,
+                    worker_args=["--prefill-chunk-size", "48",
+                                 "--prefill-token-budget", "80"]) as chunked:
+        async def run(address: str) -> list[client.Completion]:
+            return await asyncio.gather(*(client.generate(address, r, 300) for r in requests))
+
+        got = asyncio.run(run(chunked.router_address))
+        assert_pools_clean(chunked)
+    expected = asyncio.run(run(qwen3_deployment.router_address))
+    for i, (a, b) in enumerate(zip(got, expected)):
+        assert a.token_ids == b.token_ids, f"request {i}"
+
+
+def test_cancelled_prefills_are_dropped_or_abandoned(qwen3_checkpoint, tmp_path) -> None:
+    """A burst of long prompts through a small prefill budget, cancelled while most are
+    still queued for prefill and some are mid-chunk: nothing is left held anywhere."""
+    with Deployment(model=str(qwen3_checkpoint), log_dir=tmp_path,
+                    worker_args=["--prefill-chunk-size", "32",
+                                 "--prefill-token-budget", "64"]) as deployment:
+        async def burst() -> int:
+            prompts = [list(range(1 + i, 301 + i)) for i in range(8)]
+            tasks = [asyncio.ensure_future(client.generate(
+                deployment.router_address,
+                client.make_request(p, max_tokens=50, ignore_eos=True), 60)) for p in prompts]
+            await asyncio.sleep(0.3)
+            finished_early = sum(t.done() for t in tasks)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            return finished_early
+
+        assert asyncio.run(burst()) < 8  # most were still in prefill when cancelled
+        assert_pools_clean(deployment)
+        assert_alive(deployment)
+        got = asyncio.run(client.generate(deployment.router_address, client.make_request(
+            list(range(5, 105)), max_tokens=5, ignore_eos=True), 60))
+        assert len(got.token_ids) == 5
