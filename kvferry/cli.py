@@ -45,6 +45,8 @@ def _worker_parser(sub: argparse._SubParsersAction, role: str) -> None:
                    help="reservations that may wait for K/V blocks before RESOURCE_EXHAUSTED")
     p.add_argument("--prefill-token-budget", type=int, default=2048)
     p.add_argument("--prefill-chunk-size", type=int, default=512)
+    p.add_argument("--kv-max-resends", type=int, default=2,
+                   help="resend a K/V push the receiver found corrupted; 0: fail (DATA_LOSS)")
     p.set_defaults(role=role)
 
 
@@ -242,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
             dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
             torch_threads=args.torch_threads, max_waiting=args.max_waiting,
             prefill_token_budget=args.prefill_token_budget,
-            prefill_chunk_size=args.prefill_chunk_size,
+            prefill_chunk_size=args.prefill_chunk_size, kv_max_resends=args.kv_max_resends,
         )
         asyncio.run(processes.run_worker(settings))
         return 0

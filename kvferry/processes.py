@@ -111,7 +111,11 @@ async def run_worker(settings: WorkerSettings) -> None:
         from prefill_worker import server as prefill_server
         from prefill_worker.engine import PrefillEngine
 
-        engine = PrefillEngine(model, pool, layout, GrpcKvSender(),
+        sender = GrpcKvSender(
+            max_resends=settings.kv_max_resends,
+            corrupt_pushes=int(os.environ.get("KVFERRY_FAULT_CORRUPT_PUSHES", "0")),
+        )
+        engine = PrefillEngine(model, pool, layout, sender,
                                settings.prefill_token_budget, settings.prefill_chunk_size,
                                settings.max_waiting)
         engine.start()

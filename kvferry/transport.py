@@ -7,6 +7,7 @@ implement the same `push` contract.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import NamedTuple, Protocol
@@ -14,8 +15,15 @@ from typing import NamedTuple, Protocol
 import grpc
 
 from kvferry import grpc_util, wire
+from kvferry.errors import Remote
 from kvferry.kv_pool import KvPool
 from kvferry.v1 import worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger("kvferry.transport")
+
+
+def _is_corruption(exc: grpc.aio.AioRpcError) -> bool:
+    return exc.code() == grpc.StatusCode.INVALID_ARGUMENT and "crc32" in (exc.details() or "")
 
 
 class PushResult(NamedTuple):
@@ -48,10 +56,18 @@ def layout_from_proto(msg: worker_pb2.KvLayout) -> wire.KvLayout:
 
 
 class GrpcKvSender:
-    """Client-streaming push of ~1 MiB chunks, one channel per decode address."""
+    """Client-streaming push of ~1 MiB chunks, one channel per decode address.
 
-    def __init__(self, chunk_bytes: int = wire.CHUNK_TARGET_BYTES) -> None:
+    A push the receiver refuses for a checksum mismatch (corrupted in flight) is sent again,
+    whole, up to `max_resends` times (the receiver forgets a broken push's pages); then it
+    fails with DATA_LOSS. `corrupt_pushes` is fault injection for tests: the first N pushes
+    have one byte of their first chunk flipped after its checksum was taken."""
+
+    def __init__(self, chunk_bytes: int = wire.CHUNK_TARGET_BYTES, max_resends: int = 2,
+                 corrupt_pushes: int = 0) -> None:
         self.chunk_bytes = chunk_bytes
+        self.max_resends = max_resends
+        self._corrupt_left = corrupt_pushes
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def _stub(self, address: str) -> worker_pb2_grpc.KvTransferServiceStub:
@@ -67,21 +83,35 @@ class GrpcKvSender:
         spans = wire.plan_chunks(layout, num_tokens, self.chunk_bytes)
         sent = 0
 
-        async def chunks() -> AsyncIterator[worker_pb2.KvChunk]:
+        async def chunks(corrupt: bool) -> AsyncIterator[worker_pb2.KvChunk]:
             nonlocal sent
-            for span in spans:
+            for i, span in enumerate(spans):
                 data = wire.pack(pool, block_table, span)
+                crc = wire.crc32(data)
+                if corrupt and i == 0:
+                    data = bytes([data[0] ^ 0xFF]) + data[1:]
                 sent += len(data)
                 yield worker_pb2.KvChunk(
                     request_id=request_id, layout=layout_msg, num_tokens=num_tokens,
                     layer_start=span.layer_start, layer_end=span.layer_end,
                     block_start=span.block_start, num_blocks=span.num_blocks,
-                    data=data, crc32=wire.crc32(data),
+                    data=data, crc32=crc,
                 )
 
         start = time.perf_counter()
-        await self._stub(address).PushKv(chunks(), timeout=timeout_s)
-        return PushResult(sent, time.perf_counter() - start)
+        for attempt in range(self.max_resends + 1):
+            corrupt = self._corrupt_left > 0
+            self._corrupt_left -= corrupt
+            try:
+                await self._stub(address).PushKv(chunks(corrupt), timeout=timeout_s)
+                return PushResult(sent, time.perf_counter() - start)
+            except grpc.aio.AioRpcError as exc:
+                if not _is_corruption(exc):
+                    raise
+                log.warning("request %s: K/V push %d corrupted in flight (%s)", request_id,
+                            attempt + 1, exc.details())
+        raise Remote(f"K/V for {request_id!r} corrupted in flight {self.max_resends + 1} "
+                     "times", grpc.StatusCode.DATA_LOSS.value[0])
 
     async def close(self) -> None:
         for chan in self._channels.values():
