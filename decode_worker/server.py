@@ -12,6 +12,7 @@ from decode_worker.sequence import DecodeEvent, ErrorEvent, FinishedEvent, Token
 from kvferry import convert, grpc_util, transport, wire
 from kvferry.errors import InvalidArgument, KvferryError
 from kvferry.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
+from kvferry.worker_servicer import AbortAndStats
 
 
 def _merge(events: list[DecodeEvent]) -> list[worker_pb2.DecodeUpdate]:
@@ -42,9 +43,10 @@ def _drain(first: DecodeEvent, events: asyncio.Queue[DecodeEvent]) -> list[Decod
     return batch
 
 
-class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
-    def __init__(self, engine: DecodeEngine) -> None:
+class DecodeServicer(AbortAndStats, worker_pb2_grpc.DecodeServiceServicer):
+    def __init__(self, engine: DecodeEngine, role: str = "decode") -> None:
         self.engine = engine
+        self.role = role
         self.layout_msg = transport.layout_to_proto(engine.layout)
 
     async def Reserve(self, request: worker_pb2.ReserveRequest,
@@ -136,18 +138,6 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
             for request_id in started:
                 self._abort_quietly(request_id)
 
-    async def Abort(self, request: generation_pb2.AbortRequest,
-                    context: grpc.aio.ServicerContext) -> generation_pb2.AbortResponse:
-        try:
-            self.engine.abort(request.request_id)
-        except Exception as exc:
-            await grpc_util.abort_with(context, exc, request.request_id)
-        return generation_pb2.AbortResponse()
-
-    async def GetStats(self, request: worker_pb2.GetStatsRequest,
-                       context: grpc.aio.ServicerContext) -> worker_pb2.WorkerStats:
-        return convert.stats_to_proto("decode", self.engine.stats(request.check_integrity),
-                                      self.layout_msg)
 
 
 class KvTransferServicer(worker_pb2_grpc.KvTransferServiceServicer):
@@ -181,7 +171,7 @@ class KvTransferServicer(worker_pb2_grpc.KvTransferServiceServicer):
         return worker_pb2.PushKvResponse(bytes_written=written)
 
 
-class LocalPrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
+class LocalPrefillServicer(AbortAndStats, worker_pb2_grpc.PrefillServiceServicer):
     """PrefillService of a decode (or colocated) worker: prompts are prefilled into this
     worker's own reservations, interleaved with decode steps in one loop; nothing is shipped.
     Colocated workers get every prompt this way; decode workers get the short ones
@@ -210,18 +200,6 @@ class LocalPrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
             first_token=worker_pb2.FirstToken(token_id=token, prefill_s=prefill_s))
         yield worker_pb2.PrefillResponse(done=worker_pb2.PrefillDone())
 
-    async def Abort(self, request: generation_pb2.AbortRequest,
-                    context: grpc.aio.ServicerContext) -> generation_pb2.AbortResponse:
-        try:
-            self.engine.abort(request.request_id)
-        except Exception as exc:
-            await grpc_util.abort_with(context, exc, request.request_id)
-        return generation_pb2.AbortResponse()
-
-    async def GetStats(self, request: worker_pb2.GetStatsRequest,
-                       context: grpc.aio.ServicerContext) -> worker_pb2.WorkerStats:
-        return convert.stats_to_proto(self.role, self.engine.stats(request.check_integrity),
-                                      self.layout_msg)
 
 
 SERVICE_NAMES = ["kvferry.v1.DecodeService", "kvferry.v1.KvTransferService",
@@ -229,7 +207,7 @@ SERVICE_NAMES = ["kvferry.v1.DecodeService", "kvferry.v1.KvTransferService",
 
 
 def add_to_server(server: grpc.aio.Server, engine: DecodeEngine, role: str = "decode") -> None:
-    worker_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(engine), server)
+    worker_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(engine, role), server)
     worker_pb2_grpc.add_KvTransferServiceServicer_to_server(KvTransferServicer(engine), server)
     worker_pb2_grpc.add_PrefillServiceServicer_to_server(LocalPrefillServicer(engine, role),
                                                          server)

@@ -8,11 +8,14 @@ from contextlib import aclosing
 import grpc
 
 from kvferry import convert, grpc_util, transport
-from kvferry.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
+from kvferry.v1 import worker_pb2, worker_pb2_grpc
+from kvferry.worker_servicer import AbortAndStats
 from prefill_worker.engine import FirstTokenEvent, PrefillEngine
 
 
-class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
+class PrefillServicer(AbortAndStats, worker_pb2_grpc.PrefillServiceServicer):
+    role = "prefill"
+
     def __init__(self, engine: PrefillEngine) -> None:
         self.engine = engine
         self.layout_msg = transport.layout_to_proto(engine.layout)
@@ -39,18 +42,6 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         except Exception as exc:
             await grpc_util.abort_with(context, exc, request.request_id)
 
-    async def Abort(self, request: generation_pb2.AbortRequest,
-                    context: grpc.aio.ServicerContext) -> generation_pb2.AbortResponse:
-        try:
-            self.engine.abort(request.request_id)
-        except Exception as exc:
-            await grpc_util.abort_with(context, exc, request.request_id)
-        return generation_pb2.AbortResponse()
-
-    async def GetStats(self, request: worker_pb2.GetStatsRequest,
-                       context: grpc.aio.ServicerContext) -> worker_pb2.WorkerStats:
-        return convert.stats_to_proto("prefill", self.engine.stats(request.check_integrity),
-                                      self.layout_msg)
 
 
 SERVICE_NAMES = ["kvferry.v1.PrefillService"]
