@@ -142,6 +142,7 @@ class Transformer:
     def _forward(
         self, token_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
         pool: KvPool, attend: AttendFn, logit_rows: torch.Tensor | None,
+        on_layer_done: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         cfg = self.config
         x = self._w("model.embed_tokens.weight")[token_ids]  # [T, hidden]
@@ -150,6 +151,8 @@ class Transformer:
             p = f"model.layers.{layer}"
             h = _rms_norm(x, self._w(p + ".input_layernorm.weight"), cfg.rms_norm_eps)
             x = x + self._attention_block(layer, h, cos, sin, slot_mapping, pool, attend)
+            if on_layer_done is not None:
+                on_layer_done(layer)  # this layer's K/V is in the pool: it may ship now
             h = _rms_norm(x, self._w(p + ".post_attention_layernorm.weight"), cfg.rms_norm_eps)
             x = x + self._mlp(layer, h)
         if logit_rows is not None:
@@ -166,6 +169,7 @@ class Transformer:
         pool: KvPool,
         context_lens: list[int] | None = None,  # tokens of each prompt already in the pool
         block_tables: list[list[int]] | None = None,  # needed where context_lens > 0
+        on_layer_done: Callable[[int], None] | None = None,  # after each layer's K/V write
     ) -> torch.Tensor:  # [num_chunks, vocab] logits of each chunk's last token
         """Run prompt chunks (varlen, no padding), write their K/V, return last logits.
 
@@ -198,7 +202,8 @@ class Transformer:
             return torch.cat(outs, dim=0)
 
         last_rows = torch.tensor(bounds[1:], dtype=torch.int64) - 1
-        return self._forward(token_ids, positions, slot_mapping, pool, attend, last_rows)
+        return self._forward(token_ids, positions, slot_mapping, pool, attend, last_rows,
+                             on_layer_done)
 
     def _cached_kv(self, layer: int, pool: KvPool, table: list[int], context: int, total: int
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -41,6 +41,19 @@ class PrefillJob:
     is_in_batch: bool = False
     started_at: float = 0.0  # perf_counter when its first chunk entered a batch
     batch_done: asyncio.Event = field(default_factory=asyncio.Event)
+    layers_ready: int = 0  # layers whose K/V is final for the whole prompt
+    layer_progress: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def mark_layer(self, layer: int) -> None:
+        """Event loop: the final chunk's forward finished `layer`."""
+        self.layers_ready = max(self.layers_ready, layer + 1)
+        self.layer_progress.set()
+
+    async def wait_layers(self, count: int) -> None:
+        """Until the first `count` layers' K/V are final (what a pipelined push waits on)."""
+        while self.layers_ready < count:
+            self.layer_progress.clear()
+            await self.layer_progress.wait()
 
 
 class BatchItem:
@@ -65,6 +78,7 @@ class PrefillBatcher:
         self.token_budget = token_budget
         self.chunk_size = chunk_size
         self._queue: list[PrefillJob] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def num_pending(self) -> int:
@@ -104,10 +118,19 @@ class PrefillBatcher:
         ids = torch.tensor([t for it in items for t in it.job.prompt[it.start:it.end]])
         slots = torch.cat([self.pool.slots(it.job.block_table, it.start, it.end)
                            for it in items]).to(self.model.device)
+        finishing = [it.job for it in items if it.end == len(it.job.prompt)]
+        loop = self._loop
+        assert loop is not None  # noqa: S101 - set by run_once on the event loop
+
+        def layer_done(layer: int) -> None:
+            for job in finishing:
+                loop.call_soon_threadsafe(job.mark_layer, layer)
+
         logits = self.model.prefill(
             ids.to(self.model.device), [it.end - it.start for it in items], slots, self.pool,
             context_lens=[it.start for it in items],
             block_tables=[it.job.block_table for it in items],
+            on_layer_done=layer_done if finishing else None,
         )
         done = [i for i, it in enumerate(items) if it.end == len(it.job.prompt)]
         tokens = sample_tokens(logits[done], [items[i].job.params for i in done],
@@ -119,6 +142,7 @@ class PrefillBatcher:
 
     async def run_once(self) -> bool:
         """Run one batch if any job waits. Returns whether a batch ran."""
+        self._loop = asyncio.get_running_loop()
         items = self._plan()
         if not items:
             return False

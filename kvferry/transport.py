@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import NamedTuple, Protocol
 
 import grpc
@@ -31,10 +31,15 @@ class PushResult(NamedTuple):
     seconds: float
 
 
+# ready(n): returns once the first n layers' K/V are final (pipelined push), or at once.
+LayersReady = Callable[[int], Awaitable[None]]
+
+
 class KvSender(Protocol):
     async def push(
         self, address: str, request_id: str, layout: wire.KvLayout, num_tokens: int,
         pool: KvPool, block_table: list[int], timeout_s: float | None,
+        ready: LayersReady | None = None,
     ) -> PushResult: ...
 
     async def close(self) -> None: ...
@@ -78,14 +83,22 @@ class GrpcKvSender:
     async def push(
         self, address: str, request_id: str, layout: wire.KvLayout, num_tokens: int,
         pool: KvPool, block_table: list[int], timeout_s: float | None,
+        ready: LayersReady | None = None,
     ) -> PushResult:
+        """Stream the pages in layer order; with `ready`, each layer group goes as soon as
+        the prefill forward has written it, overlapping the transfer with later layers."""
         layout_msg = layout_to_proto(layout)
         spans = wire.plan_chunks(layout, num_tokens, self.chunk_bytes)
         sent = 0
+        started: list[float] = []  # when the first chunk went out (after its layers were ready)
 
         async def chunks(corrupt: bool) -> AsyncIterator[worker_pb2.KvChunk]:
             nonlocal sent
             for i, span in enumerate(spans):
+                if ready is not None:
+                    await ready(span.layer_end)
+                if not started:
+                    started.append(time.perf_counter())
                 data = wire.pack(pool, block_table, span)
                 crc = wire.crc32(data)
                 if corrupt and i == 0:
@@ -98,13 +111,12 @@ class GrpcKvSender:
                     data=data, crc32=crc,
                 )
 
-        start = time.perf_counter()
         for attempt in range(self.max_resends + 1):
             corrupt = self._corrupt_left > 0
             self._corrupt_left -= corrupt
             try:
                 await self._stub(address).PushKv(chunks(corrupt), timeout=timeout_s)
-                return PushResult(sent, time.perf_counter() - start)
+                return PushResult(sent, time.perf_counter() - started[0])
             except grpc.aio.AioRpcError as exc:
                 if not _is_corruption(exc):
                     raise

@@ -78,7 +78,10 @@ def plan_chunks(layout: KvLayout, num_tokens: int, target_bytes: int = CHUNK_TAR
     per_layer = layout.bytes_per_layer_block * num_blocks
     spans: list[ChunkSpan] = []
     if per_layer <= target_bytes:
-        layers_per_chunk = max(1, target_bytes // max(per_layer, 1))
+        # Whole layers per chunk, but at least 4 groups, so a pipelined push can start after
+        # the first quarter of the layers.
+        group_cap = max(1, -(-layout.num_layers // 4))
+        layers_per_chunk = max(1, min(target_bytes // max(per_layer, 1), group_cap))
         for start in range(0, layout.num_layers, layers_per_chunk):
             end = min(start + layers_per_chunk, layout.num_layers)
             spans.append(ChunkSpan(start, end, 0, num_blocks))

@@ -24,7 +24,7 @@ from kvferry.prefill_batch import (
     PrefillJob,
 )
 from kvferry.sampling import SamplingParams, validate_prompt
-from kvferry.transport import KvSender
+from kvferry.transport import KvSender, PushResult
 from kvferry.types import PoolStats
 
 
@@ -93,17 +93,27 @@ class PrefillEngine:
             raise
         job = PrefillJob(request_id, prompt, params, blocks,
                          asyncio.get_running_loop().create_future(), output_index)
+        push: asyncio.Future[PushResult] | None = None
         try:
             self.batcher.submit(job)
+            if decode_address:
+                # Layer-pipelined: the push starts now and sends each layer group as soon
+                # as the prompt's last forward has written it.
+                push = asyncio.ensure_future(self.sender.push(
+                    decode_address, request_id, self.layout, len(prompt), self.pool, blocks,
+                    timeout_s, ready=job.wait_layers,
+                ))
             token = await job.first_token
             yield FirstTokenEvent(token, time.perf_counter() - job.started_at)
-            if decode_address:
-                pushed = await self.sender.push(
-                    decode_address, request_id, self.layout, len(prompt), self.pool, blocks,
-                    timeout_s,
-                )
+            if push is not None:
+                pushed = await push
                 yield PushedEvent(pushed.seconds, pushed.num_bytes)
         finally:
+            if push is not None and not push.done():
+                push.cancel()
+                await asyncio.gather(push, return_exceptions=True)  # it reads our blocks
+            elif push is not None and not push.cancelled():
+                push.exception()  # retrieved: a failure was already raised or is moot
             self._active.pop(request_id, None)
             await self.batcher.release(job)
             self.pool.allocator.free(blocks)
