@@ -8,7 +8,6 @@ position N and streams tokens N+2 onwards. Every token is streamed exactly once.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 import uuid
@@ -29,24 +28,17 @@ from kvferry.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from kvferry.sampling import DEFAULT_MAX_TOKENS, SamplingParams
+from kvferry.sampling import SamplingParams
 from kvferry.types import FinishReason
 from kvferry.v1 import generation_pb2, worker_pb2
+from router import validation
 from router.decode_mux import MuxItem, StreamBroken
 from router.detok import IncrementalDetokenizer
 from router.policy import HeadroomPolicy, Policy
+from router.validation import GenerateInput
 from router.workers import Worker, WorkerSet
 
 log = logging.getLogger("kvferry.router")
-
-
-@dataclass(frozen=True)
-class GenerateInput:
-    request_id: str
-    text: str | None
-    token_ids: list[int] | None
-    params: SamplingParams
-    is_max_tokens_set: bool
 
 
 class ChunkEvent(NamedTuple):
@@ -127,58 +119,14 @@ class Router:
         self.max_migrations = max_migrations
         self._running: dict[str, RouterRequest] = {}
 
-    # ---- validation ----------------------------------------------------------------------
-    def _prompt(self, inp: GenerateInput) -> list[int]:
-        if inp.token_ids is not None:
-            prompt = list(inp.token_ids)
-            vocab = self.config.vocab_size
-            bad = [t for t in prompt if not 0 <= t < vocab]
-            if bad:
-                raise InvalidArgument(
-                    f"input.token_ids: {bad[0]} is outside the vocabulary [0, {vocab})",
-                    "input.token_ids",
-                )
-        elif inp.text:
-            prompt = self.tokenizer.encode(inp.text)  # type: ignore[attr-defined]
-        else:
-            prompt = []
-        if not prompt:
-            raise InvalidArgument("input: the prompt is empty", "input")
-        return prompt
-
-    def _resolve(self, inp: GenerateInput, num_prompt: int) -> SamplingParams:
-        params = inp.params
-        room = self.config.max_position_embeddings - num_prompt
-        if room < 1:
-            raise InvalidArgument(
-                f"input: prompt of {num_prompt} tokens fills the model's context of "
-                f"{self.config.max_position_embeddings}", "input",
-            )
-        if not inp.is_max_tokens_set:
-            params = dataclasses.replace(params, max_tokens=min(DEFAULT_MAX_TOKENS, room))
-        params.validate(self.config.vocab_size)
-        if params.max_tokens > room:
-            raise InvalidArgument(
-                f"sampling.max_tokens: prompt {num_prompt} + max_tokens {params.max_tokens} "
-                f"exceeds the context of {self.config.max_position_embeddings}",
-                "sampling.max_tokens",
-            )
-        return params
-
-    def _stop_ids(self, params: SamplingParams) -> list[int]:
-        ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            ids.update(self.config.eos_token_ids)
-        return sorted(ids)
-
     # ---- the request ---------------------------------------------------------------------
     async def generate(self, inp: GenerateInput, timeout_s: float | None
                        ) -> AsyncIterator[ChunkEvent | DoneEvent | str]:
         """Yields the request id first, then chunks, then exactly one DoneEvent."""
         received = time.perf_counter()
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        prompt = self._prompt(inp)
-        params = self._resolve(inp, len(prompt))
+        prompt = validation.prompt_ids(inp, self.config, self.tokenizer)
+        params = validation.resolve_sampling(inp, self.config, len(prompt))
         request_id = inp.request_id or uuid.uuid4().hex
         if request_id in self._running:
             raise InvalidArgument(f"request_id {request_id!r} is already running", "request_id")
@@ -205,7 +153,7 @@ class Router:
         mid-stream the request migrates: a new leg prefills prompt + every token streamed so
         far on another pair, and its first token is the stream's next one."""
         detok = IncrementalDetokenizer(self.tokenizer, params.stop)
-        stop_ids = self._stop_ids(params)
+        stop_ids = validation.stop_ids(params, self.config)
         generated: list[int] = []  # every token streamed to the client
         timing = Timing(0.0, 0.0, 0.0, 0.0, 0.0)
         migrations = 0

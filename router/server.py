@@ -9,7 +9,8 @@ import grpc
 
 from kvferry import convert, grpc_util
 from kvferry.v1 import generation_pb2, generation_pb2_grpc
-from router.engine import ChunkEvent, DoneEvent, GenerateInput, Router
+from router.engine import ChunkEvent, DoneEvent, Router
+from router.validation import GenerateInput
 
 
 def _input(request: generation_pb2.GenerateRequest) -> GenerateInput:

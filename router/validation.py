@@ -1,0 +1,72 @@
+"""Public-request validation: every bad field is refused with InvalidArgument naming it,
+before anything is reserved or sent downstream."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from kvferry.config import ModelConfig
+from kvferry.errors import InvalidArgument
+from kvferry.sampling import DEFAULT_MAX_TOKENS, SamplingParams
+
+
+@dataclass(frozen=True)
+class GenerateInput:
+    """A Generate request as the router engine sees it."""
+
+    request_id: str
+    text: str | None
+    token_ids: list[int] | None
+    params: SamplingParams
+    is_max_tokens_set: bool
+
+
+def prompt_ids(inp: GenerateInput, config: ModelConfig, tokenizer: object) -> list[int]:
+    """The prompt's token ids: given ones checked against the vocabulary, or text encoded."""
+    if inp.token_ids is not None:
+        prompt = list(inp.token_ids)
+        vocab = config.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise InvalidArgument(
+                f"input.token_ids: {bad[0]} is outside the vocabulary [0, {vocab})",
+                "input.token_ids",
+            )
+    elif inp.text:
+        prompt = tokenizer.encode(inp.text)  # type: ignore[attr-defined]
+    else:
+        prompt = []
+    if not prompt:
+        raise InvalidArgument("input: the prompt is empty", "input")
+    return prompt
+
+
+def resolve_sampling(inp: GenerateInput, config: ModelConfig, num_prompt: int
+                     ) -> SamplingParams:
+    """Validated sampling parameters; an unset max_tokens becomes min(256, context left)."""
+    params = inp.params
+    room = config.max_position_embeddings - num_prompt
+    if room < 1:
+        raise InvalidArgument(
+            f"input: prompt of {num_prompt} tokens fills the model's context of "
+            f"{config.max_position_embeddings}", "input",
+        )
+    if not inp.is_max_tokens_set:
+        params = dataclasses.replace(params, max_tokens=min(DEFAULT_MAX_TOKENS, room))
+    params.validate(config.vocab_size)
+    if params.max_tokens > room:
+        raise InvalidArgument(
+            f"sampling.max_tokens: prompt {num_prompt} + max_tokens {params.max_tokens} "
+            f"exceeds the context of {config.max_position_embeddings}",
+            "sampling.max_tokens",
+        )
+    return params
+
+
+def stop_ids(params: SamplingParams, config: ModelConfig) -> list[int]:
+    """Token ids that end generation: the stop ids, plus end-of-sequence unless ignore_eos."""
+    ids = set(params.stop_token_ids)
+    if not params.ignore_eos:
+        ids.update(config.eos_token_ids)
+    return sorted(ids)
