@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -68,4 +69,10 @@ async def generate(address: str, request: generation_pb2.GenerateRequest,
         return completion
 
 
-__all__ = ["Completion", "generate", "make_request", "stream"]
+async def generate_many(address: str, requests: list[generation_pb2.GenerateRequest],
+                        timeout_s: float | None = None) -> list[Completion]:
+    """All requests at once, each on its own stream; completions in request order."""
+    return await asyncio.gather(*(generate(address, r, timeout_s) for r in requests))
+
+
+__all__ = ["Completion", "generate", "generate_many", "make_request", "stream"]

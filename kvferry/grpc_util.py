@@ -67,7 +67,7 @@ def make_server(max_concurrent_rpcs: int | None = None) -> grpc.aio.Server:
     return grpc.aio.server(options=CHANNEL_OPTIONS, maximum_concurrent_rpcs=max_concurrent_rpcs)
 
 
-def add_health(server: grpc.aio.Server, service_names: list[str]) -> health.aio.HealthServicer:
+def add_health(server: grpc.aio.Server) -> health.aio.HealthServicer:
     servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     return servicer

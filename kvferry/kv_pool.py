@@ -132,13 +132,6 @@ class KvPool:
         )
         self.allocator = BlockAllocator(num_blocks)
 
-    @staticmethod
-    def bytes_per_block(
-        num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
-    ) -> int:
-        element_bytes = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * element_bytes
-
     def k_cache(self, layer: int) -> torch.Tensor:  # [num_blocks, block_size, kv_heads, D]
         return self.cache[layer, 0]
 

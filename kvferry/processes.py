@@ -11,8 +11,9 @@ import signal
 import torch
 
 from kvferry import grpc_util, wire
+from kvferry.capacity import KvShape
 from kvferry.config import load_model_config
-from kvferry.kv_pool import DTYPES, KvPool
+from kvferry.kv_pool import DTYPES, KvPool, dtype_name
 from kvferry.settings import RouterSettings, WorkerSettings, parse_pool_size
 
 log = logging.getLogger("kvferry")
@@ -58,8 +59,8 @@ def _memory_bytes(device: torch.device) -> int:
 def build_pool(settings: WorkerSettings, config, device: torch.device,
                dtype: torch.dtype) -> KvPool:
     size = parse_pool_size(settings.kv_pool_size, _memory_bytes(device))
-    per_block = KvPool.bytes_per_block(config.num_layers, config.num_kv_heads, config.head_dim,
-                                       settings.block_size, dtype)
+    shape = KvShape(config.num_layers, config.num_kv_heads, config.head_dim, dtype_name(dtype))
+    per_block = shape.bytes_per_token * settings.block_size
     num_blocks = size // per_block
     if num_blocks < 1:
         raise ValueError(f"kv_pool_size: {size} bytes holds no {per_block}-byte block")
@@ -96,7 +97,7 @@ async def run_worker(settings: WorkerSettings) -> None:
     pool = build_pool(settings, config, device, dtype)
     layout = wire.KvLayout.of_pool(pool, config.fingerprint)
     server = grpc_util.make_server()
-    health = grpc_util.add_health(server, [])
+    health = grpc_util.add_health(server)
     if settings.role in ("decode", "colocated"):
         from decode_worker import server as decode_server
         from decode_worker.engine import DecodeEngine
@@ -153,7 +154,7 @@ async def run_router(settings: RouterSettings) -> None:
                     settings.local_prefill_threshold)
     tasks.append(asyncio.create_task(_refresh_loop(workers)))
     server = grpc_util.make_server()
-    health = grpc_util.add_health(server, [])
+    health = grpc_util.add_health(server)
     router_server.add_to_server(server, router)
     port = server.add_insecure_port(f"{settings.host}:{settings.port}")
 

@@ -31,14 +31,10 @@ def _requests() -> list:
 def check_concurrent_equals_alone(deployment: Deployment) -> None:
     requests = _requests()
 
-    async def together() -> list[client.Completion]:
-        return await asyncio.gather(*(client.generate(deployment.router_address, r, 300)
-                                      for r in requests))
-
     async def alone() -> list[client.Completion]:
         return [await client.generate(deployment.router_address, r, 300) for r in requests]
 
-    concurrent = asyncio.run(together())
+    concurrent = asyncio.run(client.generate_many(deployment.router_address, requests, 300))
     sequential = asyncio.run(alone())
     for i, (a, b) in enumerate(zip(concurrent, sequential)):
         assert a.token_ids == b.token_ids, f"request {i}"
@@ -59,11 +55,10 @@ def test_colocated_and_disaggregated_give_identical_tokens(
         qwen3_deployment: Deployment, colocated_deployment: Deployment) -> None:
     requests = _requests()
 
-    async def run(address: str) -> list[client.Completion]:
-        return await asyncio.gather(*(client.generate(address, r, 300) for r in requests))
-
-    disaggregated = asyncio.run(run(qwen3_deployment.router_address))
-    colocated = asyncio.run(run(colocated_deployment.router_address))
+    disaggregated = asyncio.run(client.generate_many(qwen3_deployment.router_address, requests,
+                                                     300))
+    colocated = asyncio.run(client.generate_many(colocated_deployment.router_address, requests,
+                                                 300))
     for i, (a, b) in enumerate(zip(disaggregated, colocated)):
         assert a.token_ids == b.token_ids, f"request {i}"
         assert b.finished.timing.kv_transfer_s == 0.0  # nothing shipped when colocated
@@ -79,12 +74,9 @@ def test_chunked_prefill_gives_the_same_tokens(is_colocated: bool, qwen3_checkpo
     with Deployment(model=str(qwen3_checkpoint), is_colocated=is_colocated, log_dir=tmp_path,
                     worker_args=["--prefill-chunk-size", "48",
                                  "--prefill-token-budget", "80"]) as chunked:
-        async def run(address: str) -> list[client.Completion]:
-            return await asyncio.gather(*(client.generate(address, r, 300) for r in requests))
-
-        got = asyncio.run(run(chunked.router_address))
+        got = asyncio.run(client.generate_many(chunked.router_address, requests, 300))
         assert_pools_clean(chunked)
-    expected = asyncio.run(run(qwen3_deployment.router_address))
+    expected = asyncio.run(client.generate_many(qwen3_deployment.router_address, requests, 300))
     for i, (a, b) in enumerate(zip(got, expected)):
         assert a.token_ids == b.token_ids, f"request {i}"
 

@@ -54,11 +54,8 @@ def test_preemption_under_a_tiny_pool_keeps_tokens_exact(
         tiny_deployment: Deployment, qwen3_deployment: Deployment) -> None:
     requests = _requests()
 
-    async def run(address: str) -> list[client.Completion]:
-        return await asyncio.gather(*(client.generate(address, r, 300) for r in requests))
-
-    squeezed = asyncio.run(run(tiny_deployment.router_address))
-    roomy = asyncio.run(run(qwen3_deployment.router_address))
+    squeezed = asyncio.run(client.generate_many(tiny_deployment.router_address, requests, 300))
+    roomy = asyncio.run(client.generate_many(qwen3_deployment.router_address, requests, 300))
     for i, (a, b) in enumerate(zip(squeezed, roomy)):
         assert len(a.token_ids) == 40 + 5 * i
         assert a.token_ids == b.token_ids, f"request {i}"

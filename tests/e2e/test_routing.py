@@ -32,12 +32,9 @@ def two_prefill_deployment(qwen3_checkpoint: Path, tmp_path_factory: pytest.Temp
 
 
 def _generate(address: str, prompts: list[list[int]]) -> list[client.Completion]:
-    async def run() -> list[client.Completion]:
-        return await asyncio.gather(*(client.generate(
-            address, client.make_request(p, temperature=0.0, max_tokens=12, ignore_eos=True),
-            120) for p in prompts))
-
-    return asyncio.run(run())
+    requests = [client.make_request(p, temperature=0.0, max_tokens=12, ignore_eos=True)
+                for p in prompts]
+    return asyncio.run(client.generate_many(address, requests, 120))
 
 
 def test_conditional_disaggregation_paths(two_prefill_deployment: Deployment,

@@ -44,11 +44,6 @@ def _hf_model(checkpoint: Path) -> torch.nn.Module:
     return _HF[checkpoint]
 
 
-async def _run_all(address: str, requests: list[generation_pb2.GenerateRequest]
-                   ) -> list[client.Completion]:
-    return await asyncio.gather(*(client.generate(address, r, timeout_s=300) for r in requests))
-
-
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 def test_greedy_matches_transformers(arch: str, request: pytest.FixtureRequest) -> None:
     checkpoint: Path = request.getfixturevalue(f"{arch}_checkpoint")
@@ -58,7 +53,7 @@ def test_greedy_matches_transformers(arch: str, request: pytest.FixtureRequest) 
     max_tokens = [MAX_TOKENS[i % len(MAX_TOKENS)] for i in range(len(prompts))]
     requests = [client.make_request(p, temperature=0.0, max_tokens=m)
                 for p, m in zip(prompts, max_tokens)]
-    results = asyncio.run(_run_all(deployment.router_address, requests))
+    results = asyncio.run(client.generate_many(deployment.router_address, requests, 300))
     for prompt, limit, got in zip(prompts, max_tokens, results):
         expected = _reference(checkpoint, prompt, limit)
         assert got.token_ids == expected, f"prompt of {len(prompt)} tokens"

@@ -25,16 +25,15 @@ def test_triton_backend_matches_torch_backend(qwen3_checkpoint: Path,
     requests = [client.make_request(p, temperature=0.0, max_tokens=5, ignore_eos=True)
                 for p in prompts]
 
-    async def run(address: str) -> list[list[int]]:
-        done = await asyncio.gather(*(client.generate(address, r, 600) for r in requests))
-        return [c.token_ids for c in done]
+    def run(address: str) -> list[list[int]]:
+        return [c.token_ids for c in asyncio.run(client.generate_many(address, requests, 600))]
 
     with Deployment(model=str(qwen3_checkpoint), attention_backend="triton",
                     log_dir=tmp_path, env=INTERPRET) as triton_deployment:
-        got = asyncio.run(run(triton_deployment.router_address))
+        got = run(triton_deployment.router_address)
         assert_pools_clean(triton_deployment)
         log = (tmp_path / "decode-0.log").read_text()
         assert "backend triton" in log
-    expected = asyncio.run(run(qwen3_deployment.router_address))
+    expected = run(qwen3_deployment.router_address)
     assert got == expected
     assert all(len(t) == 5 for t in got)
