@@ -5,6 +5,7 @@
   kvferry generate --address HOST:PORT PROMPT            stream a completion
   kvferry demo                                           serve + one Generate + shut down
   kvferry serve --colocated                              the non-disaggregated baseline
+  kvferry bench [--address HOST:PORT | --compare T ...]  load test: TTFT/TPOT/ITL, goodput
   kvferry prefill-worker | decode-worker | colocated-worker | router   one process
 """
 
@@ -47,6 +48,9 @@ def _worker_parser(sub: argparse._SubParsersAction, role: str) -> None:
     p.add_argument("--prefill-chunk-size", type=int, default=512)
     p.add_argument("--kv-max-resends", type=int, default=2,
                    help="resend a K/V push the receiver found corrupted; 0: fail (DATA_LOSS)")
+    p.add_argument("--kv-transport", default="grpc", choices=["grpc", "ray"],
+                   help="how prefill ships K/V pages: gRPC streams, or Ray object refs "
+                        "(workers running as Ray actors)")
     p.set_defaults(role=role)
 
 
@@ -61,6 +65,12 @@ def _deployment_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     p.add_argument("--colocated", action="store_true",
                    help="baseline: --num-decode workers each serving prefill and decode")
+    p.add_argument("--kv-transport", default="grpc", choices=["grpc", "ray"],
+                   help="ray: router and workers run as Ray actors and K/V pages travel as "
+                        "Ray object refs")
+    p.add_argument("--ray-address", default=None,
+                   help="with --kv-transport ray: an existing cluster (auto, ray://HOST:PORT); "
+                        "default: start a local Ray instance")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -132,6 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", default="The quick brown fox")
     _sampling_args(p)
     p.set_defaults(port=0)
+
+    from kvferry.loadgen.cli import add_arguments as add_bench_arguments
+
+    p = sub.add_parser("bench", help="open-loop load test of Generate (vLLM bench metrics)")
+    add_bench_arguments(p)
     return parser
 
 
@@ -173,12 +188,17 @@ async def _print_stream(address: str, prompt: str, sampling: dict[str, object]) 
 def _deployment(args: argparse.Namespace):
     from kvferry.launcher import Deployment
 
-    return Deployment(
+    kwargs = dict(
         model=args.model or _ensure_default_model(), num_prefill=args.num_prefill,
         num_decode=args.num_decode, router_port=args.port, block_size=args.block_size,
         kv_pool_size=args.kv_pool_size, torch_threads=args.torch_threads,
         attention_backend=args.attention_backend, is_colocated=args.colocated,
     )
+    if args.kv_transport == "ray":
+        from kvferry.ray_launcher import RayDeployment
+
+        return RayDeployment(**kwargs, ray_address=args.ray_address)
+    return Deployment(**kwargs)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -224,6 +244,31 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def worker_settings(args: argparse.Namespace) -> WorkerSettings:
+    """Settings of a `*-worker` command line (also used by Ray actors)."""
+    return WorkerSettings(
+        role=args.role, model=args.model or _ensure_default_model(), host=args.host,
+        port=args.port, block_size=args.block_size, kv_pool_size=args.kv_pool_size,
+        dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
+        torch_threads=args.torch_threads, max_waiting=args.max_waiting,
+        prefill_token_budget=args.prefill_token_budget,
+        prefill_chunk_size=args.prefill_chunk_size, kv_max_resends=args.kv_max_resends,
+        kv_transport=args.kv_transport,
+    )
+
+
+def router_settings(args: argparse.Namespace) -> RouterSettings:
+    """Settings of a `router` command line (also used by Ray actors)."""
+    return RouterSettings(
+        model=args.model or _ensure_default_model(), prefill=tuple(args.prefill),
+        decode=tuple(args.decode), colocated=tuple(args.colocated), host=args.host,
+        port=args.port, lease_s=args.lease_s, policy=args.policy,
+        prefill_dns=args.prefill_dns, decode_dns=args.decode_dns,
+        dns_interval_s=args.dns_interval_s,
+        local_prefill_threshold=args.local_prefill_threshold,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
@@ -238,26 +283,10 @@ def main(argv: list[str] | None = None) -> int:
         print(make_model(Path(args.out), SPECS[args.arch]))
         return 0
     if args.command in ("prefill-worker", "decode-worker", "colocated-worker"):
-        settings = WorkerSettings(
-            role=args.role, model=args.model or _ensure_default_model(), host=args.host,
-            port=args.port, block_size=args.block_size, kv_pool_size=args.kv_pool_size,
-            dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
-            torch_threads=args.torch_threads, max_waiting=args.max_waiting,
-            prefill_token_budget=args.prefill_token_budget,
-            prefill_chunk_size=args.prefill_chunk_size, kv_max_resends=args.kv_max_resends,
-        )
-        asyncio.run(processes.run_worker(settings))
+        asyncio.run(processes.run_worker(worker_settings(args)))
         return 0
     if args.command == "router":
-        settings = RouterSettings(
-            model=args.model or _ensure_default_model(), prefill=tuple(args.prefill),
-            decode=tuple(args.decode), colocated=tuple(args.colocated), host=args.host,
-            port=args.port, lease_s=args.lease_s, policy=args.policy,
-            prefill_dns=args.prefill_dns, decode_dns=args.decode_dns,
-            dns_interval_s=args.dns_interval_s,
-            local_prefill_threshold=args.local_prefill_threshold,
-        )
-        asyncio.run(processes.run_router(settings))
+        asyncio.run(processes.run_router(router_settings(args)))
         return 0
     if args.command == "serve":
         return _serve(args)
@@ -265,6 +294,10 @@ def main(argv: list[str] | None = None) -> int:
         return asyncio.run(_print_stream(args.address, args.prompt, _sampling_kwargs(args)))
     if args.command == "demo":
         return _demo(args)
+    if args.command == "bench":
+        from kvferry.loadgen.cli import run as run_bench
+
+        return run_bench(args)
     return 2
 
 

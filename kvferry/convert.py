@@ -44,4 +44,5 @@ def stats_to_proto(role: str, stats: PoolStats, layout: worker_pb2.KvLayout
         num_decode_steps=stats.num_decode_steps,
         max_abort_delay_steps=stats.max_abort_delay_steps,
         projected_blocks=stats.projected_blocks,
+        num_corrupt_pushes=stats.num_corrupt_pushes,
     )

@@ -111,6 +111,10 @@ class Deployment:
         return [p.address for p in self.processes
                 if p.name.startswith(role) or (role == "decode" and p.name.startswith("colocated"))]
 
+    def dead(self) -> list[str]:
+        """Names of processes that have exited."""
+        return [p.name for p in self.processes if p.popen.poll() is not None]
+
     def stop(self, grace_s: float = 10.0) -> list[int | None]:
         """SIGTERM everything (router first), wait, SIGKILL stragglers. Returns exit codes."""
         for proc in reversed(self.processes):

@@ -7,7 +7,10 @@ import ctypes
 import logging
 import os
 import signal
+from collections.abc import Awaitable, Callable
+from typing import NamedTuple
 
+import grpc
 import torch
 
 from kvferry import grpc_util, wire
@@ -15,6 +18,7 @@ from kvferry.capacity import KvShape
 from kvferry.config import load_model_config
 from kvferry.kv_pool import DTYPES, KvPool, dtype_name
 from kvferry.settings import RouterSettings, WorkerSettings, parse_pool_size
+from kvferry.transport import KvSender
 
 log = logging.getLogger("kvferry")
 
@@ -68,25 +72,55 @@ def build_pool(settings: WorkerSettings, config, device: torch.device,
                   num_blocks, dtype, device)
 
 
-async def _serve(server, health, service_names: list[str], port: int, on_stop) -> None:
-    await server.start()
-    await grpc_util.set_serving(health, service_names, True)
-    grpc_util.announce_ready(port)
-    stop = asyncio.Event()
+class Built(NamedTuple):
+    """A server that is built but not started, and what stopping it involves."""
+
+    server: grpc.aio.Server
+    health: object  # grpc_health.v1.health.aio.HealthServicer
+    service_names: list[str]
+    port: int
+    on_stop: Callable[[], Awaitable[None]]
+
+
+async def start(built: Built) -> None:
+    await built.server.start()
+    await grpc_util.set_serving(built.health, built.service_names, True)
+
+
+async def stop(built: Built, grace_s: float = 5.0) -> None:
+    """Report NOT_SERVING, let in-flight RPCs finish for `grace_s`, then release."""
+    log.info("draining")
+    await grpc_util.set_serving(built.health, built.service_names, False)
+    await built.server.stop(grace=grace_s)
+    await built.on_stop()
+
+
+async def _serve(built: Built) -> None:
+    await start(built)
+    grpc_util.announce_ready(built.port)
+    stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("draining")
-    await grpc_util.set_serving(health, service_names, False)
-    await server.stop(grace=5.0)
-    await on_stop()
+        loop.add_signal_handler(sig, stopping.set)
+    await stopping.wait()
+    await stop(built)
 
 
-async def run_worker(settings: WorkerSettings) -> None:
+def _make_sender(settings: WorkerSettings) -> KvSender:
+    corrupt = int(os.environ.get("KVFERRY_FAULT_CORRUPT_PUSHES", "0"))
+    if settings.kv_transport == "ray":
+        from kvferry.ray_transport import RayKvSender
+
+        return RayKvSender(max_resends=settings.kv_max_resends, corrupt_pushes=corrupt)
+    from kvferry.transport import GrpcKvSender
+
+    return GrpcKvSender(max_resends=settings.kv_max_resends, corrupt_pushes=corrupt)
+
+
+def build_worker(settings: WorkerSettings) -> tuple[Built, object]:
+    """The worker's server (not started) and its engine (started: needs a running loop)."""
     from kernels.dispatch import get_attention_backend
     from kvferry.model import Transformer
-    from kvferry.transport import GrpcKvSender
 
     tune_malloc()
     if settings.torch_threads > 0:
@@ -107,28 +141,29 @@ async def run_worker(settings: WorkerSettings) -> None:
                               chunk_size=settings.prefill_chunk_size)
         decode_server.add_to_server(server, engine, settings.role)
         names = decode_server.SERVICE_NAMES
-        engine.start()
     else:
         from prefill_worker import server as prefill_server
         from prefill_worker.engine import PrefillEngine
 
-        sender = GrpcKvSender(
-            max_resends=settings.kv_max_resends,
-            corrupt_pushes=int(os.environ.get("KVFERRY_FAULT_CORRUPT_PUSHES", "0")),
-        )
-        engine = PrefillEngine(model, pool, layout, sender,
+        engine = PrefillEngine(model, pool, layout, _make_sender(settings),
                                settings.prefill_token_budget, settings.prefill_chunk_size,
                                settings.max_waiting)
-        engine.start()
         prefill_server.add_to_server(server, engine)
         names = prefill_server.SERVICE_NAMES
+    engine.start()
     port = server.add_insecure_port(f"{settings.host}:{settings.port}")
-    log.info("%s worker on %s:%d: %d blocks of %d tokens, %s, %s, backend %s", settings.role,
-             settings.host, port, pool.num_blocks, pool.block_size, dtype, device, backend_name)
-    await _serve(server, health, names, port, engine.stop)
+    log.info("%s worker on %s:%d: %d blocks of %d tokens, %s, %s, backend %s, %s K/V transport",
+             settings.role, settings.host, port, pool.num_blocks, pool.block_size, dtype, device,
+             backend_name, settings.kv_transport)
+    return Built(server, health, names, port, engine.stop), engine
 
 
-async def run_router(settings: RouterSettings) -> None:
+async def run_worker(settings: WorkerSettings) -> None:
+    built, _ = build_worker(settings)
+    await _serve(built)
+
+
+async def build_router(settings: RouterSettings) -> Built:
     from transformers import AutoTokenizer
 
     from router import server as router_server
@@ -163,7 +198,11 @@ async def run_router(settings: RouterSettings) -> None:
             task.cancel()
         await workers.close()
 
-    await _serve(server, health, router_server.SERVICE_NAMES, port, on_stop)
+    return Built(server, health, router_server.SERVICE_NAMES, port, on_stop)
+
+
+async def run_router(settings: RouterSettings) -> None:
+    await _serve(await build_router(settings))
 
 
 async def _refresh_loop(workers, interval_s: float = 0.2) -> None:

@@ -50,10 +50,13 @@ class WorkerSettings:
     prefill_token_budget: int = 2048  # prompt tokens per prefill forward
     prefill_chunk_size: int = 512  # longer prompts are prefilled in chunks of this many tokens
     kv_max_resends: int = 2  # resend a K/V push corrupted in flight; 0: fail with DATA_LOSS
+    kv_transport: str = "grpc"  # how a prefill worker ships pages: grpc | ray (Ray actors)
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "colocated"):
             raise ValueError(f"role: expected prefill, decode or colocated, got {self.role!r}")
+        if self.kv_transport not in ("grpc", "ray"):
+            raise ValueError(f"kv_transport: expected grpc or ray, got {self.kv_transport!r}")
         if self.kv_max_resends < 0:
             raise ValueError(f"kv_max_resends: must be >= 0, got {self.kv_max_resends}")
         for name in ("max_waiting", "prefill_token_budget", "prefill_chunk_size"):

@@ -36,6 +36,8 @@ LayersReady = Callable[[int], Awaitable[None]]
 
 
 class KvSender(Protocol):
+    num_corrupt_pushes: int  # pushes the receiver refused as corrupted in flight
+
     async def push(
         self, address: str, request_id: str, layout: wire.KvLayout, num_tokens: int,
         pool: KvPool, block_table: list[int], timeout_s: float | None,
@@ -73,6 +75,7 @@ class GrpcKvSender:
         self.chunk_bytes = chunk_bytes
         self.max_resends = max_resends
         self._corrupt_left = corrupt_pushes
+        self.num_corrupt_pushes = 0  # refused by the receiver's checksum check
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def _stub(self, address: str) -> worker_pb2_grpc.KvTransferServiceStub:
@@ -120,6 +123,7 @@ class GrpcKvSender:
             except grpc.aio.AioRpcError as exc:
                 if not _is_corruption(exc):
                     raise
+                self.num_corrupt_pushes += 1
                 log.warning("request %s: K/V push %d corrupted in flight (%s)", request_id,
                             attempt + 1, exc.details())
         raise Remote(f"K/V for {request_id!r} corrupted in flight {self.max_resends + 1} "

@@ -30,3 +30,4 @@ class PoolStats:
     num_decode_steps: int = 0
     max_abort_delay_steps: int = 0
     projected_blocks: int = 0
+    num_corrupt_pushes: int = 0

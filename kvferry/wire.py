@@ -94,15 +94,21 @@ def plan_chunks(layout: KvLayout, num_tokens: int, target_bytes: int = CHUNK_TAR
     return spans
 
 
-def pack(pool: KvPool, block_table: list[int], span: ChunkSpan) -> bytes:
-    """Copy one span of a request's pages out of the pool as raw bytes."""
+def pack_array(pool: KvPool, block_table: list[int], span: ChunkSpan) -> np.ndarray:
+    """Copy one span of a request's pages out of the pool: a flat uint8 array, one copy
+    (two from a GPU pool: the gather, then device to host)."""
     ids = torch.tensor(block_table[span.block_start: span.block_start + span.num_blocks])
     # [layers, 2, blocks, block_size, kv_heads, head_dim]
     pages = pool.cache[span.layer_start: span.layer_end].index_select(2, ids.to(pool.cache.device))
-    return pages.contiguous().cpu().view(torch.uint8).numpy().tobytes()
+    return pages.cpu().reshape(-1).view(torch.uint8).numpy()
 
 
-def crc32(data: bytes) -> int:
+def pack(pool: KvPool, block_table: list[int], span: ChunkSpan) -> bytes:
+    """One span as `bytes`, which a protobuf `bytes` field needs."""
+    return pack_array(pool, block_table, span).tobytes()
+
+
+def crc32(data: bytes | np.ndarray) -> int:
     return zlib.crc32(data) & 0xFFFFFFFF
 
 
@@ -124,7 +130,8 @@ def check_span(layout: KvLayout, num_tokens: int, span: ChunkSpan, data_len: int
         raise InvalidArgument(f"chunk data is {data_len} bytes, expected {expected}", "data")
 
 
-def unpack_into(pool: KvPool, block_table: list[int], span: ChunkSpan, data: bytes) -> None:
+def unpack_into(pool: KvPool, block_table: list[int], span: ChunkSpan,
+                data: bytes | np.ndarray) -> None:
     """Write a validated chunk into the request's blocks: one copy from the wire buffer."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # read-only buffer: we only read it

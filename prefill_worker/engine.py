@@ -135,4 +135,5 @@ class PrefillEngine:
             num_waiting=self.batcher.num_pending + self.blocks.num_waiting,
             num_pending_prefill_tokens=self.batcher.pending_tokens,
             integrity_ok=report.ok, integrity_error=report.error,
+            num_corrupt_pushes=self.sender.num_corrupt_pushes,
         )

@@ -64,8 +64,7 @@ def assert_pools_clean(deployment: Deployment, timeout_s: float = 10.0) -> None:
 
 
 def assert_alive(deployment: Deployment) -> None:
-    for proc in deployment.processes:
-        assert proc.popen.poll() is None, f"{proc.name} exited with {proc.popen.returncode}"
+    assert deployment.dead() == [], "components died"
 
 
 def _start(model: Path, tmp: Path, **kwargs: object) -> Deployment:
@@ -93,5 +92,37 @@ def colocated_deployment(qwen3_checkpoint: Path, tmp_path_factory: pytest.TempPa
                          ) -> Iterator[Deployment]:
     deployment = _start(qwen3_checkpoint, tmp_path_factory.mktemp("colocated-logs"),
                         is_colocated=True)
+    yield deployment
+    deployment.stop()
+
+
+@pytest.fixture(scope="session")
+def ray_session() -> Iterator[None]:
+    """One local Ray instance for the whole test session (Ray deployments share it)."""
+    ray = pytest.importorskip("ray")
+    from kvferry.ray_transport import NAMESPACE
+
+    ray.init(namespace=NAMESPACE, include_dashboard=False, log_to_driver=False,
+             num_cpus=2, object_store_memory=512 << 20)
+    yield
+    ray.shutdown()
+
+
+def _start_ray(model: Path, **kwargs: object) -> Deployment:
+    from kvferry.ray_launcher import RayDeployment
+
+    return RayDeployment(model=str(model), **kwargs).start()
+
+
+@pytest.fixture(scope="session")
+def qwen3_ray_deployment(qwen3_checkpoint: Path, ray_session: None) -> Iterator[Deployment]:
+    deployment = _start_ray(qwen3_checkpoint)
+    yield deployment
+    deployment.stop()
+
+
+@pytest.fixture(scope="session")
+def llama_ray_deployment(llama_checkpoint: Path, ray_session: None) -> Iterator[Deployment]:
+    deployment = _start_ray(llama_checkpoint)
     yield deployment
     deployment.stop()

@@ -89,3 +89,25 @@ def test_router_refuses_a_worker_of_another_model(qwen3_checkpoint: Path, llama_
         for proc in procs:
             proc.popen.terminate()
             proc.popen.wait(30)
+
+
+@pytest.mark.ray
+def test_demo_on_ray_starts_and_stops_its_own_ray(qwen3_checkpoint: Path, tmp_path: Path) -> None:
+    """`kvferry demo --kv-transport ray`: a local Ray instance, router and workers as actors,
+    K/V pages as object refs; the completion streams and Ray is shut down afterwards."""
+    import tempfile
+
+    ray_tmp = tempfile.mkdtemp(prefix="kvr", dir="/tmp")  # unix socket paths must stay short
+    env = {**os.environ, "RAY_ADDRESS": "", "RAY_TMPDIR": ray_tmp}
+    out = subprocess.run(
+        [sys.executable, "-m", "kvferry.cli", "demo", "--model", str(qwen3_checkpoint),
+         "--kv-transport", "ray", "--prompt", "hello there", "--max-tokens", "5",
+         "--temperature", "0", "--ignore-eos"],
+        capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "[5 tokens, finish FINISH_REASON_LENGTH]" in out.stdout
+    deadline = time.monotonic() + 10
+    while _processes_mentioning(ray_tmp) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _processes_mentioning(ray_tmp) == []  # no raylet or actor left behind
+    shutil.rmtree(ray_tmp, ignore_errors=True)

@@ -12,7 +12,7 @@ import pytest
 
 from kvferry import client
 from kvferry.launcher import Deployment
-from tests.conftest import assert_alive, assert_pools_clean
+from tests.conftest import assert_alive, assert_pools_clean, worker_stats
 
 pytestmark = pytest.mark.slow
 
@@ -23,28 +23,50 @@ def _request():
     return client.make_request(PROMPT, temperature=0.0, max_tokens=20, ignore_eos=True)
 
 
-def test_corrupted_push_is_resent(qwen3_checkpoint: Path, qwen3_deployment: Deployment,
-                                  tmp_path: Path) -> None:
+def _corrupt_pushes(deployment: Deployment) -> int:
+    return sum(s.num_corrupt_pushes for s in worker_stats(deployment) if s.role == "prefill")
+
+
+def _deployment(transport: str, checkpoint: Path, log_dir: Path, request: pytest.FixtureRequest,
+                **kwargs: object) -> Deployment:
+    env = {"KVFERRY_FAULT_CORRUPT_PUSHES": "1"}
+    if transport == "grpc":
+        return Deployment(model=str(checkpoint), log_dir=log_dir, env=env, **kwargs)
+    from kvferry.ray_launcher import RayDeployment
+
+    request.getfixturevalue("ray_session")
+    return RayDeployment(model=str(checkpoint), env=env, **kwargs)
+
+
+TRANSPORTS = pytest.mark.parametrize("transport", ["grpc", pytest.param("ray",
+                                                                       marks=pytest.mark.ray)])
+
+
+@TRANSPORTS
+def test_corrupted_push_is_resent(transport: str, qwen3_checkpoint: Path,
+                                  qwen3_deployment: Deployment, tmp_path: Path,
+                                  request: pytest.FixtureRequest) -> None:
     expected = asyncio.run(client.generate(qwen3_deployment.router_address, _request(), 60))
-    with Deployment(model=str(qwen3_checkpoint), log_dir=tmp_path,
-                    env={"KVFERRY_FAULT_CORRUPT_PUSHES": "1"}) as deployment:
+    with _deployment(transport, qwen3_checkpoint, tmp_path, request) as deployment:
         got = asyncio.run(client.generate(deployment.router_address, _request(), 60))
         assert got.token_ids == expected.token_ids
-        assert "corrupted in flight" in (tmp_path / "prefill-0.log").read_text()
+        assert _corrupt_pushes(deployment) == 1
         assert_pools_clean(deployment)
 
 
-def test_corrupted_push_fails_cleanly_without_resends(qwen3_checkpoint: Path,
+@TRANSPORTS
+def test_corrupted_push_fails_cleanly_without_resends(transport: str, qwen3_checkpoint: Path,
                                                       qwen3_deployment: Deployment,
-                                                      tmp_path: Path) -> None:
+                                                      tmp_path: Path,
+                                                      request: pytest.FixtureRequest) -> None:
     expected = asyncio.run(client.generate(qwen3_deployment.router_address, _request(), 60))
-    with Deployment(model=str(qwen3_checkpoint), log_dir=tmp_path,
-                    worker_args=["--kv-max-resends", "0"],
-                    env={"KVFERRY_FAULT_CORRUPT_PUSHES": "1"}) as deployment:
+    with _deployment(transport, qwen3_checkpoint, tmp_path, request,
+                     worker_args=["--kv-max-resends", "0"]) as deployment:
         with pytest.raises(grpc.aio.AioRpcError) as exc:
             asyncio.run(client.generate(deployment.router_address, _request(), 60))
         assert exc.value.code() == grpc.StatusCode.DATA_LOSS
         assert "corrupted in flight" in exc.value.details()
+        assert _corrupt_pushes(deployment) == 1
         assert_pools_clean(deployment)
         assert_alive(deployment)
         again = asyncio.run(client.generate(deployment.router_address, _request(), 60))

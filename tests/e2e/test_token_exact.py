@@ -44,10 +44,14 @@ def _hf_model(checkpoint: Path) -> torch.nn.Module:
     return _HF[checkpoint]
 
 
+@pytest.mark.parametrize("transport", ["grpc", pytest.param("ray", marks=pytest.mark.ray)])
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
-def test_greedy_matches_transformers(arch: str, request: pytest.FixtureRequest) -> None:
+def test_greedy_matches_transformers(arch: str, transport: str,
+                                     request: pytest.FixtureRequest) -> None:
+    """Both K/V transports: gRPC streams between processes, Ray object refs between actors."""
     checkpoint: Path = request.getfixturevalue(f"{arch}_checkpoint")
-    deployment: Deployment = request.getfixturevalue(f"{arch}_deployment")
+    fixture = f"{arch}_deployment" if transport == "grpc" else f"{arch}_ray_deployment"
+    deployment: Deployment = request.getfixturevalue(fixture)
     vocab = _hf_model(checkpoint).config.vocab_size
     prompts = _prompts(vocab)
     max_tokens = [MAX_TOKENS[i % len(MAX_TOKENS)] for i in range(len(prompts))]
