@@ -1,0 +1,306 @@
+"""The manifests agree with the code: every kvferry container's command line parses with the
+real CLI parser, ports and probe service names match what the processes serve, discovery names
+match headless Services, env vars are consumed, and the drain fits the grace period."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import io
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from k8s_manifests import (
+    K8S_DIR,
+    TREES,
+    VAR_REF,
+    Container,
+    config_maps,
+    containers,
+    expand,
+    pod_templates,
+)
+
+from kvferry import grpc_util
+from kvferry.cli import build_parser
+
+REPO = K8S_DIR.parent
+SOURCE_DIRS = ("kvferry", "router", "prefill_worker", "decode_worker", "kernels")
+GPU_TREES = ("base", "overlays/gpu", "overlays/ray", "overlays/autoscale")
+WORKER_COMMANDS = ("prefill-worker", "decode-worker", "colocated-worker")
+# Flags the manifests use that the CLI gains in the same change as the drain code. While one
+# is still missing from the parser it is set aside (with its value) before parsing; once the
+# parser has it, it is parsed and checked like every other flag. Delete this when all exist.
+PENDING_FLAGS = frozenset({"--drain-timeout-s", "--metrics-port", "--kv-transport"})
+
+
+def _subcommands() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+def _service_names(command: str) -> list[str]:
+    if command == "router":
+        from router.server import SERVICE_NAMES
+    elif command == "prefill-worker":
+        from prefill_worker.server import SERVICE_NAMES
+    else:
+        from decode_worker.server import SERVICE_NAMES
+    return list(SERVICE_NAMES)
+
+
+class Parsed:
+    """One container's kvferry command line, parsed by the real CLI parser."""
+
+    def __init__(self, container: Container, env: dict[str, str | None]) -> None:
+        argv = container.argv()
+        assert argv is not None
+        self.argv = expand(argv, env)
+        unresolved = [a for a in self.argv if VAR_REF.search(a)]
+        assert unresolved == [], f"{container.name}: no literal value for {unresolved}"
+        self.command = next(a for a in self.argv if not a.startswith("-")
+                            and a in _subcommands())
+        known = _subcommands()[self.command]._option_string_actions
+        self.pending = {}
+        argv = []
+        for arg in self.argv:
+            flag, _, value = arg.partition("=")
+            if flag in PENDING_FLAGS and flag not in known:
+                assert value, f"{container.name}: write pending flags as {flag}=VALUE"
+                self.pending[flag] = value
+            else:
+                argv.append(arg)
+        stderr = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(stderr):
+                self.args = build_parser().parse_args(argv)
+        except SystemExit:
+            pytest.fail(f"{container.name}: kvferry rejects {argv}:\n{stderr.getvalue()}")
+
+    def value(self, flag: str) -> str | None:
+        """A flag's value, from the parser when it knows the flag, else as written."""
+        if flag in self.pending:
+            return self.pending[flag]
+        return getattr(self.args, flag.lstrip("-").replace("-", "_"), None)
+
+
+def _kvferry_containers(tree: str, resources: list[dict]) -> list[tuple[Container, Parsed]]:
+    maps = config_maps(resources)
+    found = []
+    for container in containers(tree, resources):
+        if container.argv() is not None:
+            found.append((container, Parsed(container, container.env_names(maps))))
+    return found
+
+
+@pytest.fixture(scope="module")
+def parsed(rendered: dict[str, list[dict]]) -> dict[str, list[tuple[Container, Parsed]]]:
+    return {tree: _kvferry_containers(tree, rendered[tree]) for tree in TREES}
+
+
+def _port(container: Container, name: str) -> int | None:
+    return next((p["containerPort"] for p in container.spec.get("ports", [])
+                 if p.get("name") == name), None)
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
+
+
+def test_every_tree_runs_router_prefill_and_decode(parsed) -> None:
+    for tree, found in parsed.items():
+        commands = {p.command for c, p in found if not c.is_init}
+        assert {"router", "prefill-worker", "decode-worker"} <= commands, tree
+
+
+def test_flags_in_use_are_known(parsed) -> None:
+    """The pending set only covers flags the manifests really use (no stale entries)."""
+    used = {arg.partition("=")[0] for found in parsed.values() for _, p in found
+            for arg in p.argv if arg.startswith("--")}
+    assert PENDING_FLAGS <= used
+
+
+def test_ports_and_probes_match_the_processes(parsed) -> None:
+    for found in parsed.values():
+        for container, p in found:
+            if container.is_init:
+                continue
+            assert p.value("--host") == "0.0.0.0", container.name
+            assert _port(container, "grpc") == p.value("--port"), container.name
+            assert _port(container, "metrics") == int(p.value("--metrics-port")), container.name
+            names = _service_names(p.command)
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                grpc_probe = container.spec[probe]["grpc"]
+                assert grpc_probe["port"] == p.value("--port"), (container.name, probe)
+                service = grpc_probe.get("service", "")
+                assert service in ["", *names], (container.name, probe, service)
+                # readiness must name the role's own service: "" would pass on any kvferry port
+                if probe != "livenessProbe":
+                    assert service == names[0], (container.name, probe)
+
+
+def test_health_answers_for_the_empty_service_name() -> None:
+    """Liveness probes omit `service`; the processes must report status for "" too."""
+    seen: dict[str, int] = {}
+
+    class Recorder:
+        async def set(self, name: str, status: int) -> None:
+            seen[name] = status
+
+    asyncio.run(grpc_util.set_serving(Recorder(), ["kvferry.v1.X"], True))
+    assert set(seen) == {"", "kvferry.v1.X"}
+
+
+def test_router_discovery_names_headless_services(rendered, parsed) -> None:
+    for tree, found in parsed.items():
+        services = {r["metadata"]["name"]: r for r in rendered[tree] if r["kind"] == "Service"}
+        workers = [(c, p) for c, p in found if p.command in WORKER_COMMANDS and not c.is_init]
+        routers = [p for c, p in found if p.command == "router"]
+        for router in routers:
+            for role in ("prefill", "decode"):
+                host, _, port = router.value(f"--{role}-dns").rpartition(":")
+                service = services.get(host)
+                assert service is not None, f"{tree}: no Service {host}"
+                assert service["spec"].get("clusterIP") == "None", f"{tree}: {host} not headless"
+                selected = [(c, p) for c, p in workers
+                            if _selects(service["spec"]["selector"], c.labels)]
+                assert selected, f"{tree}: {host} selects no worker pod"
+                for c, p in selected:
+                    assert p.command == f"{role}-worker", (tree, host, c.name)
+                    spec_port = next(sp for sp in service["spec"]["ports"]
+                                     if sp["port"] == int(port))
+                    assert _port(c, spec_port["targetPort"]) == p.value("--port")
+
+
+def test_service_target_ports_exist(rendered) -> None:
+    for tree, resources in rendered.items():
+        pods = containers(tree, resources)
+        for service in (r for r in resources if r["kind"] == "Service"):
+            selected = [c for c in pods if _selects(service["spec"]["selector"], c.labels)]
+            assert selected, (tree, service["metadata"]["name"])
+            for port in service["spec"]["ports"]:
+                assert any(_port(c, port["targetPort"]) for c in selected), (tree, port)
+
+
+def test_drain_fits_the_grace_period_and_liveness_waits_it_out(parsed) -> None:
+    for found in parsed.values():
+        for container, p in found:
+            if p.command not in WORKER_COMMANDS or container.is_init:
+                continue
+            drain_s = float(p.value("--drain-timeout-s"))
+            grace_s = container.pod_spec["terminationGracePeriodSeconds"]
+            assert drain_s < grace_s <= drain_s + 30, container.name
+            liveness = container.spec["livenessProbe"]
+            assert liveness["periodSeconds"] * liveness["failureThreshold"] > grace_s
+
+
+def test_env_vars_are_consumed(rendered) -> None:
+    """A KVFERRY_* variable set on a container, or a key of the shared ConfigMap, is expanded
+    into some container's args or read by the code: no setting is silently ignored."""
+    source = "\n".join(path.read_text() for d in SOURCE_DIRS for path in (REPO / d).rglob("*.py"))
+    for tree, resources in rendered.items():
+        used: set[str] = set()
+        for container in containers(tree, resources):
+            text = " ".join(map(str, container.spec.get("command", []) +
+                                container.spec.get("args", [])))
+            refs = set(VAR_REF.findall(text))
+            used |= refs
+            for var in container.spec.get("env", []):
+                name = var["name"]
+                if name.startswith("KVFERRY_") and name not in refs:
+                    assert f'"{name}"' in source, f"{container.name}: {name} is never read"
+        for data in config_maps(resources).values():
+            unused = [k for k in data if k not in used and f'"{k}"' not in source]
+            assert unused == [], f"{tree}: ConfigMap keys nobody uses: {unused}"
+
+
+def test_model_is_mounted_read_only(parsed) -> None:
+    for tree, found in parsed.items():
+        for container, p in found:
+            model = p.value("--model") if p.command != "make-model" else p.value("--out")
+            mounts = [m for m in container.spec["volumeMounts"]
+                      if str(Path(model)).startswith(m["mountPath"].rstrip("/") + "/")]
+            assert mounts, f"{container.name}: {model} is on no volume"
+            # only cpu-dev's make-model init container writes the model
+            assert mounts[0].get("readOnly", False) is (not container.is_init), container.name
+            volume = next(v for v in container.pod_spec["volumes"]
+                          if v["name"] == mounts[0]["name"])
+            if tree in GPU_TREES:
+                assert volume["persistentVolumeClaim"]["readOnly"] is True, container.name
+
+
+def test_workers_get_gpus_requests_equal_limits_and_shm(parsed) -> None:
+    for tree, found in parsed.items():
+        for container, p in found:
+            resources = container.spec.get("resources", {})
+            gpus = resources.get("limits", {}).get("nvidia.com/gpu")
+            assert resources.get("requests", {}).get("nvidia.com/gpu") == gpus, container.name
+            is_gpu_worker = tree in GPU_TREES and p.command in WORKER_COMMANDS
+            assert (gpus is not None) == (is_gpu_worker and not container.is_init), container.name
+            if p.command in WORKER_COMMANDS and not container.is_init:
+                shm = next(m for m in container.spec["volumeMounts"]
+                           if m["mountPath"] == "/dev/shm")
+                volume = next(v for v in container.pod_spec["volumes"]
+                              if v["name"] == shm["name"])
+                assert volume["emptyDir"]["medium"] == "Memory", container.name
+
+
+def test_pods_run_as_non_root_and_workers_spread(rendered) -> None:
+    for tree, resources in rendered.items():
+        for resource in resources:
+            for owner, template in pod_templates(resource):
+                spec = template["spec"]
+                assert spec["securityContext"]["runAsNonRoot"] is True, (tree, owner)
+                role = template["metadata"]["labels"]["app.kubernetes.io/component"]
+                if role in ("prefill", "decode"):
+                    term = spec["affinity"]["podAntiAffinity"][
+                        "preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]
+                    assert term["topologyKey"] == "kubernetes.io/hostname"
+                    assert _selects(term["labelSelector"]["matchLabels"],
+                                    template["metadata"]["labels"])
+
+
+def test_disruption_budgets_cover_every_role(rendered) -> None:
+    for tree, resources in rendered.items():
+        budgets = [r["spec"]["selector"]["matchLabels"] for r in resources
+                   if r["kind"] == "PodDisruptionBudget"]
+        for resource in resources:
+            for owner, template in pod_templates(resource):
+                if owner.endswith("[head]"):
+                    continue
+                labels = template["metadata"]["labels"]
+                assert sum(_selects(b, labels) for b in budgets) == 1, (tree, owner)
+
+
+def test_images_are_pinned_outside_cpu_dev(rendered) -> None:
+    for tree, resources in rendered.items():
+        if tree in ("base", "overlays/cpu-dev"):
+            continue
+        for container in containers(tree, resources):
+            image = container.spec["image"]
+            assert re.search(r"/kvferry/(worker|router):[\w.-]+$", image), container.name
+
+
+def test_autoscale_metric_matches_the_adapter_rules(rendered) -> None:
+    resources = rendered["overlays/autoscale"]
+    values = yaml.safe_load((K8S_DIR / "overlays/autoscale/prometheus-adapter-values.yaml")
+                            .read_text())
+    served = {rule["name"]["as"] for rule in values["rules"]["custom"]}
+    deployments = {r["metadata"]["name"]: r for r in resources if r["kind"] == "Deployment"}
+    hpas = [r for r in resources if r["kind"] == "HorizontalPodAutoscaler"]
+    assert {h["spec"]["scaleTargetRef"]["name"] for h in hpas} == {"kvferry-prefill",
+                                                                   "kvferry-decode"}
+    for hpa in hpas:
+        target = deployments[hpa["spec"]["scaleTargetRef"]["name"]]
+        assert "replicas" not in target["spec"], "the HPA owns replicas"
+        for metric in hpa["spec"]["metrics"]:
+            assert metric["pods"]["metric"]["name"] in served
+    monitor = next(r for r in resources if r["kind"] == "PodMonitor")
+    scraped = [c for c in containers("overlays/autoscale", resources)
+               if _selects(monitor["spec"]["selector"]["matchLabels"], c.labels)
+               and not c.is_init]
+    assert scraped and all(_port(c, "metrics") for c in scraped)
