@@ -1,0 +1,28 @@
+"""Load generator for kvferry's public Generate stream (`kvferry bench`).
+
+Open-loop arrivals (arrivals), seeded workloads (workload), per-request timing (runner),
+vLLM-defined metrics (metrics), targets that may be launched (targets), the orchestration
+API (bench), JSON and tables (report), PNG plots (plots), the command (cli).
+"""
+
+from __future__ import annotations
+
+from kvferry.loadgen.bench import BenchConfig, BenchmarkResult, RunResult, run_benchmark
+from kvferry.loadgen.metrics import BenchmarkMetrics, RequestRecord, Slo, calculate_metrics
+from kvferry.loadgen.runner import SendOptions
+from kvferry.loadgen.targets import LaunchOptions, Target
+from kvferry.loadgen.workload import (
+    BenchRequest,
+    JsonlWorkload,
+    MixedWorkload,
+    RandomWorkload,
+    SharedPrefixWorkload,
+    ShareGptWorkload,
+)
+
+__all__ = [
+    "BenchConfig", "BenchRequest", "BenchmarkMetrics", "BenchmarkResult", "JsonlWorkload",
+    "LaunchOptions", "MixedWorkload", "RandomWorkload", "RequestRecord", "RunResult", "SendOptions",
+    "ShareGptWorkload", "SharedPrefixWorkload", "Slo", "Target", "calculate_metrics",
+    "run_benchmark",
+]

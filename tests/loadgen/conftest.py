@@ -1,0 +1,119 @@
+"""A scripted GenerationService over real gRPC, and a fake
+stub with a virtual clock for exact timing tests."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+import pytest
+
+from kvferry.v1 import generation_pb2, generation_pb2_grpc
+
+FAIL_TOKEN = 999_999  # a prompt starting with this id is refused: RESOURCE_EXHAUSTED
+VOCAB_SIZE = 1000
+
+
+@dataclass(frozen=True)
+class Step:
+    """Wait delay_s (real or virtual), then send a chunk of num_tokens tokens."""
+
+    delay_s: float
+    num_tokens: int
+
+
+# 4 chunks, 5 tokens: first chunk after 40 ms, then gaps of 50, 30 and 70 ms.
+SCRIPT = (Step(0.040, 1), Step(0.050, 1), Step(0.030, 2), Step(0.070, 1))
+
+
+def responses(request: generation_pb2.GenerateRequest, script: tuple[Step, ...]
+              ) -> Iterator[tuple[float, generation_pb2.GenerateResponse]]:
+    """(delay before sending, message) for a scripted stream, finished last."""
+    for step in script:
+        chunk = generation_pb2.TokenChunk(token_ids=[7] * step.num_tokens, text="x")
+        yield step.delay_s, generation_pb2.GenerateResponse(request_id=request.request_id,
+                                                            chunk=chunk)
+    usage = generation_pb2.Usage(prompt_tokens=len(request.token_ids.ids),
+                                 completion_tokens=sum(s.num_tokens for s in script))
+    finished = generation_pb2.Finished(reason=generation_pb2.FINISH_REASON_LENGTH, usage=usage)
+    yield 0.0, generation_pb2.GenerateResponse(request_id=request.request_id, finished=finished)
+
+
+class ScriptedServicer(generation_pb2_grpc.GenerationServiceServicer):
+    """Synchronous (thread-pool) servicer: it works whatever event loops the client runs."""
+
+    def __init__(self, script: tuple[Step, ...] = SCRIPT) -> None:
+        self.script = script
+        self.requests: list[generation_pb2.GenerateRequest] = []
+
+    def Generate(self, request: generation_pb2.GenerateRequest,  # noqa: N802
+                 context: grpc.ServicerContext) -> Iterator[generation_pb2.GenerateResponse]:
+        self.requests.append(request)
+        if request.token_ids.ids and request.token_ids.ids[0] == FAIL_TOKEN:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "scripted refusal")
+        for delay_s, msg in responses(request, self.script):
+            time.sleep(delay_s)
+            yield msg
+
+    def GetModelInfo(self, request: generation_pb2.GetModelInfoRequest,  # noqa: N802
+                     context: grpc.ServicerContext) -> generation_pb2.ModelInfo:
+        return generation_pb2.ModelInfo(architecture="Scripted", vocab_size=VOCAB_SIZE,
+                                        max_context_tokens=4096)
+
+
+@dataclass
+class FakeServer:
+    address: str
+    servicer: ScriptedServicer
+
+
+@pytest.fixture
+def fake_server() -> Iterator[FakeServer]:
+    """A real gRPC server on a free port, one thread per stream."""
+    servicer = ScriptedServicer()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
+    generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield FakeServer(f"127.0.0.1:{port}", servicer)
+    server.stop(0).wait(10)
+
+
+class VirtualClock:
+    """Time that moves only when told: by the fake stub's chunks and by sleep()."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    async def sleep(self, delay_s: float) -> None:
+        target = self.now + delay_s
+        await asyncio.sleep(0)  # let started requests run first
+        self.now = max(self.now, target)
+
+
+class FakeStub:
+    """Generate without gRPC: each scripted step advances the virtual clock, then yields."""
+
+    def __init__(self, clock: VirtualClock, script: tuple[Step, ...] = SCRIPT) -> None:
+        self.clock = clock
+        self.script = script
+
+    async def _stream(self, request: generation_pb2.GenerateRequest
+                      ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        if request.token_ids.ids and request.token_ids.ids[0] == FAIL_TOKEN:
+            raise grpc.aio.AioRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                       grpc.aio.Metadata(), grpc.aio.Metadata(), "refused")
+        for delay_s, msg in responses(request, self.script):
+            self.clock.now += delay_s
+            yield msg
+
+    def Generate(self, request: generation_pb2.GenerateRequest,  # noqa: N802
+                 timeout: float | None = None) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        return self._stream(request)
