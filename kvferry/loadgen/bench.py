@@ -15,6 +15,7 @@ import asyncio
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvferry import grpc_util
 from kvferry.loadgen.arrivals import arrival_offsets_s
@@ -23,6 +24,9 @@ from kvferry.loadgen.runner import SendOptions, run_requests
 from kvferry.loadgen.targets import LaunchOptions, Target, open_target, parse_target
 from kvferry.loadgen.workload import BenchRequest, Workload
 from kvferry.v1 import generation_pb2, generation_pb2_grpc
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 
 @dataclass(frozen=True)
@@ -74,7 +78,7 @@ async def _vocab_size(address: str) -> int:
     return info.vocab_size
 
 
-def _progress(total: int, label: str, enabled: bool):  # noqa: ANN202 - tqdm or None
+def _progress(total: int, label: str, enabled: bool) -> tqdm | None:
     if not enabled:
         return None
     from tqdm import tqdm
@@ -104,11 +108,11 @@ async def run_target(name: str, address: str, requests: Sequence[BenchRequest],
         for rate in config.request_rates:
             offsets = arrival_offsets_s(len(requests), rate, config.burstiness, config.seed)
             bar = _progress(len(requests), f"{name} @ {rate:g} req/s", config.show_progress)
+            on_done = None if bar is None else (lambda _, b=bar: b.update(1))
             try:
-                outcome = await run_requests(
-                    stub, requests, offsets, config.send, config.max_concurrency,
-                    on_done=bar and (lambda _, b=bar: b.update(1)),
-                    id_prefix=f"bench-{name}-{rate:g}")
+                outcome = await run_requests(stub, requests, offsets, config.send,
+                                             config.max_concurrency, on_done=on_done,
+                                             id_prefix=f"bench-{name}-{rate:g}")
             finally:
                 if bar is not None:
                     bar.close()

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from types import ModuleType
 
 from kvferry.loadgen.bench import BenchmarkResult, RunResult
 
 PANELS = (("ttft", 50.0), ("ttft", 99.0), ("itl", 50.0), ("itl", 99.0))
 
 
-def _pyplot():  # noqa: ANN202 - matplotlib.pyplot module
+def _pyplot() -> ModuleType:
+    """pyplot on the Agg backend (chosen before pyplot is first imported)."""
     import matplotlib
 
     matplotlib.use("Agg")
