@@ -14,16 +14,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from kvferry import grpc_util, wire
+from kvferry import client, grpc_util, wire
 from kvferry.checkpoint import ModelSpec, make_model
+from kvferry.cli import _ensure_default_model
 from kvferry.kv_pool import KvPool, blocks_for_tokens
 from kvferry.launcher import Deployment
-from kvferry.transport import GrpcKvSender
+from kvferry.transport import GrpcKvSender, KvSender
 from kvferry.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 
 SPEC = ModelSpec(vocab_size=512, hidden_size=512, intermediate_size=512, num_layers=16,
@@ -46,9 +48,8 @@ def _time(fn) -> float:
     return time.perf_counter() - start
 
 
-async def push_gbps(address: str, pool: KvPool, layout: wire.KvLayout, num_tokens: int,
-                    reps: int) -> float:
-    sender = GrpcKvSender()
+async def push_gbps(sender: KvSender, address: str, pool: KvPool, layout: wire.KvLayout,
+                    num_tokens: int, reps: int) -> float:
     table = list(range(blocks_for_tokens(num_tokens, pool.block_size)))
     best = float("inf")
     async with grpc_util.channel(address) as chan:
@@ -66,37 +67,113 @@ async def push_gbps(address: str, pool: KvPool, layout: wire.KvLayout, num_token
     return result.num_bytes / best / 1e9
 
 
+def measure(deployment: Deployment, make_sender, sizes_mib: list[int], reps: int,
+            pool: KvPool) -> list[float]:
+    """GB/s of pushes of each size from this process into the deployment's decode worker."""
+    address = deployment.addresses("decode")[0]
+    with grpc_util_sync_stats(address) as fingerprint:
+        layout = wire.KvLayout.of_pool(pool, fingerprint)
+    rates = []
+    for size in sizes_mib:
+        tokens = size * (1 << 20) // BYTES_PER_TOKEN
+        rates.append(asyncio.run(push_gbps(make_sender(), address, pool, layout, tokens, reps)))
+    return rates
+
+
+async def _first_two_tokens(address: str, prompt: list[int]) -> tuple[float, float]:
+    """Client-side seconds to the first and to the second token of one request."""
+    request = client.make_request(prompt, temperature=0.0, max_tokens=2, ignore_eos=True)
+    got = await client.generate(address, request, timeout_s=600)
+    return got.token_times_s[0], got.token_times_s[-1]
+
+
+def ttft_rows(prompt_tokens: int, reps: int, transports: list[str]) -> list[dict[str, object]]:
+    """Median TTFT and time to the 2nd token of one long prompt on the default model: a
+    colocated worker (prefill compute alone, no transfer) against disaggregated deployments
+    whose K/V push is pipelined with the prefill. The 2nd token needs the K/V to have landed
+    on the decode worker, so it shows what the transfer adds to the critical path."""
+    model = _ensure_default_model()
+    prompt = torch.randint(1, 500, (prompt_tokens,),
+                           generator=torch.Generator().manual_seed(0)).tolist()
+    setups = [("colocated (compute alone)", Deployment(model=model, is_colocated=True))]
+    if "grpc" in transports:
+        setups.append(("disaggregated, gRPC", Deployment(model=model)))
+    if "ray" in transports:
+        from kvferry.ray_launcher import RayDeployment
+
+        setups.append(("disaggregated, Ray", RayDeployment(model=model)))
+    rows = []
+    for name, deployment in setups:
+        with deployment:
+            asyncio.run(_first_two_tokens(deployment.router_address, prompt))  # warm-up
+            times = [asyncio.run(_first_two_tokens(deployment.router_address, prompt))
+                     for _ in range(reps)]
+        rows.append({"setup": name, "ttft_s": statistics.median(t[0] for t in times),
+                     "second_token_s": statistics.median(t[1] for t in times)})
+    for row in rows:
+        row["ttft_ratio"] = row["ttft_s"] / rows[0]["ttft_s"]
+        row["second_token_ratio"] = row["second_token_s"] / rows[0]["second_token_s"]
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes-mib", type=int, nargs="+", default=[4, 64, 256])
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--transports", nargs="+", default=["grpc", "ray"],
+                        choices=["grpc", "ray"])
     parser.add_argument("--model-dir", type=Path, default=Path("/tmp/kvferry-bench-transfer"))
+    parser.add_argument("--ttft-prompt-tokens", type=int, default=4000,
+                        help="long prompt for the TTFT comparison (0: skip it)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if not (args.model_dir / "config.json").exists():
         make_model(args.model_dir, SPEC)
     max_tokens = max(args.sizes_mib) * (1 << 20) // BYTES_PER_TOKEN
     pool_bytes = (max_tokens + 64) * BYTES_PER_TOKEN
-    rows = []
-    with Deployment(model=str(args.model_dir), kv_pool_size=f"{pool_bytes}B") as deployment:
-        address = deployment.addresses("decode")[0]
-        pool = KvPool(16, 8, 64, 16, blocks_for_tokens(max_tokens, 16), torch.float32)
-        pool.cache.uniform_()
-        with grpc_util_sync_stats(address) as fingerprint:
-            layout = wire.KvLayout.of_pool(pool, fingerprint)
-        for size in args.sizes_mib:
-            tokens = size * (1 << 20) // BYTES_PER_TOKEN
-            grpc_rate = asyncio.run(push_gbps(address, pool, layout, tokens, args.reps))
-            copy_rate = memcpy_gbps(size << 20)
-            rows.append({"mib": size, "grpc_gbps": grpc_rate, "memcpy_gbps": copy_rate,
-                         "ratio": grpc_rate / copy_rate})
-    print(f"{'MiB':>5} {'gRPC GB/s':>10} {'memcpy GB/s':>12} {'gRPC/memcpy':>12}")
+    pool = KvPool(16, 8, 64, 16, blocks_for_tokens(max_tokens, 16), torch.float32)
+    pool.cache.uniform_()
+    options = dict(model=str(args.model_dir), kv_pool_size=f"{pool_bytes}B")
+    rates: dict[str, list[float]] = {}
+    if "grpc" in args.transports:
+        with Deployment(**options) as deployment:
+            rates["grpc"] = measure(deployment, GrpcKvSender, args.sizes_mib, args.reps, pool)
+    ray_up = False
+    if "ray" in args.transports:
+        import ray
+
+        from kvferry.ray_launcher import RayDeployment
+        from kvferry.ray_transport import NAMESPACE, RayKvSender
+
+        ray.init(namespace=NAMESPACE, include_dashboard=False, log_to_driver=False,
+                 object_store_memory=max(3 * pool_bytes, 256 << 20))
+        with RayDeployment(**options) as deployment:
+            rates["ray"] = measure(deployment, RayKvSender, args.sizes_mib, args.reps, pool)
+        ray_up = True
+    copy = [memcpy_gbps(size << 20) for size in args.sizes_mib]
+    rows = [{"mib": size, "memcpy_gbps": copy[i],
+             **{f"{t}_gbps": rates[t][i] for t in rates},
+             **{f"{t}_ratio": rates[t][i] / copy[i] for t in rates}}
+            for i, size in enumerate(args.sizes_mib)]
+    names = list(rates)
+    print(f"{'MiB':>5} {'memcpy GB/s':>12}" + "".join(f" {t + ' GB/s':>10} {t + '/memcpy':>12}"
+                                                   for t in names))
     for r in rows:
-        print(f"{r['mib']:>5} {r['grpc_gbps']:>10.3f} {r['memcpy_gbps']:>12.3f} "
-              f"{r['ratio']:>11.1%}")
+        print(f"{r['mib']:>5} {r['memcpy_gbps']:>12.3f}" + "".join(
+            f" {r[t + '_gbps']:>10.3f} {r[t + '_ratio']:>12.1%}" for t in names))
+    ttft = ttft_rows(args.ttft_prompt_tokens, args.reps, args.transports) \
+        if args.ttft_prompt_tokens else []
+    if ray_up:
+        ray.shutdown()
+    if ttft:
+        print(f"\n{args.ttft_prompt_tokens}-token prompt, default model (median of {args.reps})")
+        print(f"{'setup':<28} {'TTFT ms':>8} {'x':>6} {'2nd token ms':>13} {'x':>6}")
+        for r in ttft:
+            print(f"{r['setup']:<28} {r['ttft_s'] * 1e3:>8.1f} {r['ttft_ratio']:>6.2f} "
+                  f"{r['second_token_s'] * 1e3:>13.1f} {r['second_token_ratio']:>6.2f}")
     if args.out:
-        args.out.write_text(json.dumps({"rows": rows}, indent=2))
+        args.out.write_text(json.dumps({"rows": rows, "ttft": ttft}, indent=2))
 
 
 class grpc_util_sync_stats:  # noqa: N801 - a tiny context manager

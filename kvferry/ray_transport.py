@@ -40,10 +40,16 @@ class ChunkAck(NamedTuple):
     error_field: str = ""
 
 
+# Bigger chunks than gRPC's 1 MiB: each chunk is one actor call (~1 ms of fixed cost on a
+# small machine), and plan_chunks still cuts a prompt into at least 4 layer groups so that
+# sending overlaps the later layers' compute.
+RAY_CHUNK_TARGET_BYTES = 16 << 20
+
+
 class RayKvSender:
     """`KvSender` over Ray object refs; same resend-on-corruption contract as gRPC's."""
 
-    def __init__(self, chunk_bytes: int = wire.CHUNK_TARGET_BYTES, max_resends: int = 2,
+    def __init__(self, chunk_bytes: int = RAY_CHUNK_TARGET_BYTES, max_resends: int = 2,
                  corrupt_pushes: int = 0) -> None:
         self.chunk_bytes = chunk_bytes
         self.max_resends = max_resends
