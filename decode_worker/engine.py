@@ -35,7 +35,7 @@ from decode_worker.sequence import (
 from kvferry import wire
 from kvferry.block_queue import BlockQueue
 from kvferry.capacity import blocks_needed
-from kvferry.errors import Aborted, InvalidArgument, NotFound, ResourceExhausted
+from kvferry.errors import Aborted, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from kvferry.executor import run_to_completion
 from kvferry.kv_pool import IntegrityReport, KvPool, blocks_for_tokens
 from kvferry.model import Transformer
@@ -77,6 +77,8 @@ class DecodeEngine:
                                       **prefill_options)
         self._prefill_jobs: dict[str, PrefillJob] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self.is_draining = False  # SIGTERM: no new reservations; the ones here run to the end
+        self.kv_bytes_received = 0
 
     # ---- lifecycle -------------------------------------------------------------------------
     def _poke(self) -> None:
@@ -86,6 +88,13 @@ class DecodeEngine:
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._tasks = [asyncio.create_task(self._step_loop()), asyncio.create_task(self._leases())]
+
+    def drain(self) -> None:
+        self.is_draining = True
+
+    @property
+    def is_idle(self) -> bool:
+        return not self._seqs and self.blocks.num_waiting == 0
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -124,6 +133,8 @@ class DecodeEngine:
                       lease_s: float) -> int:
         """Allocate the prompt's blocks (and the first decode slot), waiting in a bounded FIFO
         queue while the pool is full. Returns the number of blocks allocated."""
+        if self.is_draining:
+            raise Unavailable("draining: this worker is shutting down")
         self._check_reserve(request_id, num_prompt_tokens, max_tokens, lease_s)
         blocks = await self.blocks.alloc(
             blocks_for_tokens(num_prompt_tokens + 1, self.pool.block_size)
@@ -169,6 +180,7 @@ class DecodeEngine:
             raise InvalidArgument("chunk overlaps pages already received", "block_start")
         wire.unpack_into(self.pool, seq.block_table, span, data)
         seq.received[rows, cols] = True
+        self.kv_bytes_received += len(data)
         return len(data)
 
     def finish_push(self, request_id: str) -> None:

@@ -51,6 +51,11 @@ def _worker_parser(sub: argparse._SubParsersAction, role: str) -> None:
     p.add_argument("--kv-transport", default="grpc", choices=["grpc", "ray"],
                    help="how prefill ships K/V pages: gRPC streams, or Ray object refs "
                         "(workers running as Ray actors)")
+    p.add_argument("--drain-timeout-s", type=float, default=30.0,
+                   help="on SIGTERM: report NOT_SERVING, refuse new requests and let in-flight "
+                        "ones finish for up to this long, then exit")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics over HTTP on this port (0: any free port)")
     p.set_defaults(role=role)
 
 
@@ -59,6 +64,11 @@ def _deployment_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prefill", type=int, default=1)
     p.add_argument("--num-decode", type=int, default=1)
     p.add_argument("--port", type=int, default=50051, help="router port (0: any free port)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address every server binds (0.0.0.0 to be reachable from other hosts, "
+                        "e.g. on a Ray cluster)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="the router's Prometheus metrics port (0: any free port)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-pool-size", default="256MiB")
     p.add_argument("--torch-threads", type=int, default=1, help="per worker process")
@@ -128,6 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--local-prefill-threshold", type=int, default=0,
                    help="prompts shorter than this many tokens are prefilled on the decode "
                         "worker itself (conditional disaggregation); 0: off")
+    p.add_argument("--drain-timeout-s", type=float, default=30.0,
+                   help="on SIGTERM: report NOT_SERVING, refuse new requests and let in-flight "
+                        "ones finish for up to this long, then exit")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics over HTTP on this port (0: any free port)")
 
     p = sub.add_parser("serve", help="start router + workers on localhost until Ctrl-C")
     _deployment_args(p)
@@ -192,7 +207,9 @@ def _deployment(args: argparse.Namespace):
         model=args.model or _ensure_default_model(), num_prefill=args.num_prefill,
         num_decode=args.num_decode, router_port=args.port, block_size=args.block_size,
         kv_pool_size=args.kv_pool_size, torch_threads=args.torch_threads,
-        attention_backend=args.attention_backend, is_colocated=args.colocated,
+        attention_backend=args.attention_backend, is_colocated=args.colocated, host=args.host,
+        router_args=[] if args.metrics_port is None else ["--metrics-port",
+                                                           str(args.metrics_port)],
     )
     if args.kv_transport == "ray":
         from kvferry.ray_launcher import RayDeployment
@@ -253,7 +270,8 @@ def worker_settings(args: argparse.Namespace) -> WorkerSettings:
         torch_threads=args.torch_threads, max_waiting=args.max_waiting,
         prefill_token_budget=args.prefill_token_budget,
         prefill_chunk_size=args.prefill_chunk_size, kv_max_resends=args.kv_max_resends,
-        kv_transport=args.kv_transport,
+        kv_transport=args.kv_transport, drain_timeout_s=args.drain_timeout_s,
+        metrics_port=args.metrics_port,
     )
 
 
@@ -266,6 +284,7 @@ def router_settings(args: argparse.Namespace) -> RouterSettings:
         prefill_dns=args.prefill_dns, decode_dns=args.decode_dns,
         dns_interval_s=args.dns_interval_s,
         local_prefill_threshold=args.local_prefill_threshold,
+        drain_timeout_s=args.drain_timeout_s, metrics_port=args.metrics_port,
     )
 
 

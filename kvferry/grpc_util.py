@@ -81,9 +81,9 @@ async def set_serving(servicer: health.aio.HealthServicer, service_names: list[s
         await servicer.set(name, status)
 
 
-def announce_ready(port: int) -> None:
-    """Tell a parent launcher which port we bound (ports may be 0 = any free port)."""
-    print(f"{READY_PREFIX} port={port}", flush=True)
+def announce_ready(port: int, metrics_port: int = 0) -> None:
+    """Tell a parent launcher which ports we bound (ports may be 0 = any free port)."""
+    print(f"{READY_PREFIX} metrics_port={metrics_port} port={port}", flush=True)
     sys.stdout.flush()
 
 

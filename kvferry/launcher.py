@@ -24,6 +24,7 @@ class Process:
     name: str
     popen: subprocess.Popen[str]
     port: int = 0
+    metrics_port: int = 0  # 0: no metrics server
     _ready: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -34,7 +35,9 @@ class Process:
         assert self.popen.stdout is not None  # noqa: S101 - created with stdout=PIPE
         for line in self.popen.stdout:
             if line.startswith(READY_PREFIX):
-                self.port = int(line.split("port=")[1])
+                fields = dict(item.split("=") for item in line.split()[1:])
+                self.metrics_port = int(fields["metrics_port"])
+                self.port = int(fields["port"])
                 self._ready.set()
         self._ready.set()  # exited: wake the waiter, who checks the return code
 
@@ -66,6 +69,7 @@ class Deployment:
     kv_pool_size: str = "256MiB"
     torch_threads: int = 1
     attention_backend: str = "auto"
+    host: str = "127.0.0.1"  # what every server binds; 0.0.0.0 for other hosts to reach it
     is_colocated: bool = False  # num_decode workers each serving both roles; no prefill ones
     worker_args: list[str] = field(default_factory=list)  # extra flags for every worker
     router_args: list[str] = field(default_factory=list)  # extra flags for the router
@@ -74,7 +78,7 @@ class Deployment:
     processes: list[Process] = field(default_factory=list)
 
     def _worker_args(self, role: str) -> list[str]:
-        return [f"{role}-worker", "--model", self.model, "--port", "0",
+        return [f"{role}-worker", "--model", self.model, "--host", self.host, "--port", "0",
                 "--block-size", str(self.block_size), "--kv-pool-size", self.kv_pool_size,
                 "--torch-threads", str(self.torch_threads),
                 "--attention-backend", self.attention_backend, *self.worker_args]
@@ -90,8 +94,8 @@ class Deployment:
             self.processes = list(workers)
             for proc in workers:
                 proc.wait_ready(timeout_s)
-            args = ["router", "--model", self.model, "--port", str(self.router_port),
-                    *self.router_args]
+            args = ["router", "--model", self.model, "--host", self.host,
+                    "--port", str(self.router_port), *self.router_args]
             for proc in workers:
                 args += [f"--{proc.name.rsplit('-', 1)[0]}", proc.address]
             router = _spawn("router", args, self.log_dir, self.env)

@@ -8,7 +8,7 @@ import logging
 import os
 import signal
 from collections.abc import Awaitable, Callable
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import grpc
 import torch
@@ -72,6 +72,15 @@ def build_pool(settings: WorkerSettings, config, device: torch.device,
                   num_blocks, dtype, device)
 
 
+class Drainable(Protocol):
+    """A worker engine: refuses new work once drain() is called; idle when nothing is left."""
+
+    def drain(self) -> None: ...
+
+    @property
+    def is_idle(self) -> bool: ...
+
+
 class Built(NamedTuple):
     """A server that is built but not started, and what stopping it involves."""
 
@@ -80,6 +89,9 @@ class Built(NamedTuple):
     service_names: list[str]
     port: int
     on_stop: Callable[[], Awaitable[None]]
+    drain_timeout_s: float
+    engine: Drainable | None = None  # workers; the router drains through the server's grace
+    metrics_port: int = 0  # bound Prometheus port; 0: no metrics server
 
 
 async def start(built: Built) -> None:
@@ -87,17 +99,30 @@ async def start(built: Built) -> None:
     await grpc_util.set_serving(built.health, built.service_names, True)
 
 
-async def stop(built: Built, grace_s: float = 5.0) -> None:
-    """Report NOT_SERVING, let in-flight RPCs finish for `grace_s`, then release."""
-    log.info("draining")
+async def stop(built: Built) -> None:
+    """Drain, then release: report NOT_SERVING (routers stop choosing this server), refuse
+    new requests, let the ones in flight finish for up to drain_timeout_s, then cancel what
+    is left (routers migrate those streams) and free everything."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + built.drain_timeout_s
+    log.info("draining (up to %.1f s)", built.drain_timeout_s)
     await grpc_util.set_serving(built.health, built.service_names, False)
-    await built.server.stop(grace=grace_s)
+    grace = built.drain_timeout_s
+    if built.engine is not None:
+        # Workers keep accepting RPCs for requests already admitted (K/V pushes, decode
+        # streams), so the server stays open until the engine is idle.
+        built.engine.drain()
+        while not built.engine.is_idle and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        grace = 1.0
+    await built.server.stop(grace=grace)
     await built.on_stop()
+    log.info("stopped")
 
 
 async def _serve(built: Built) -> None:
     await start(built)
-    grpc_util.announce_ready(built.port)
+    grpc_util.announce_ready(built.port, built.metrics_port)
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -155,7 +180,17 @@ def build_worker(settings: WorkerSettings) -> tuple[Built, object]:
     log.info("%s worker on %s:%d: %d blocks of %d tokens, %s, %s, backend %s, %s K/V transport",
              settings.role, settings.host, port, pool.num_blocks, pool.block_size, dtype, device,
              backend_name, settings.kv_transport)
-    return Built(server, health, names, port, engine.stop), engine
+    metrics_port = 0
+    if settings.metrics_port is not None:
+        from kvferry import metrics
+
+        registry = metrics.CollectorRegistry()
+        kv_bytes = ((lambda: engine.kv_bytes_sent) if settings.role == "prefill"
+                    else (lambda: engine.kv_bytes_received))
+        registry.register(metrics.WorkerCollector(settings.role, engine.stats, kv_bytes))
+        metrics_port = metrics.serve(settings.metrics_port, settings.host, registry)
+    return Built(server, health, names, port, engine.stop, settings.drain_timeout_s,
+                 engine, metrics_port), engine
 
 
 async def run_worker(settings: WorkerSettings) -> None:
@@ -190,7 +225,14 @@ async def build_router(settings: RouterSettings) -> Built:
     tasks.append(asyncio.create_task(_refresh_loop(workers)))
     server = grpc_util.make_server()
     health = grpc_util.add_health(server)
-    router_server.add_to_server(server, router)
+    router_metrics, metrics_port = None, 0
+    if settings.metrics_port is not None:
+        from kvferry import metrics
+
+        registry = metrics.CollectorRegistry()
+        router_metrics = metrics.RouterMetrics(registry)
+        metrics_port = metrics.serve(settings.metrics_port, settings.host, registry)
+    router_server.add_to_server(server, router, router_metrics)
     port = server.add_insecure_port(f"{settings.host}:{settings.port}")
 
     async def on_stop() -> None:
@@ -198,7 +240,8 @@ async def build_router(settings: RouterSettings) -> Built:
             task.cancel()
         await workers.close()
 
-    return Built(server, health, router_server.SERVICE_NAMES, port, on_stop)
+    return Built(server, health, router_server.SERVICE_NAMES, port, on_stop,
+                 settings.drain_timeout_s, None, metrics_port)
 
 
 async def run_router(settings: RouterSettings) -> None:

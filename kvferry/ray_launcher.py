@@ -5,7 +5,7 @@ built from the same command line, so the control path (router, Generate, Reserve
 is identical to the process deployment; only the prefill -> decode page transfer changes
 (kvferry.ray_transport). A local Ray instance is started unless `ray_address` names a
 cluster (or Ray is already initialized, as in the test session). Workers ask Ray for one GPU
-each when the cluster has GPUs.
+each when the cluster has GPUs; the router actor goes on the head node.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from kvferry.ray_transport import NAMESPACE, ChunkAck
 from kvferry.wire import ChunkSpan, KvLayout
 
 log = logging.getLogger("kvferry.ray")
+
+HEAD_RESOURCE = "node:__internal_head__"  # Ray's built-in resource of the head node
 
 
 class ServerActor:
@@ -56,11 +58,12 @@ class ServerActor:
     async def address(self) -> str:
         return self._address
 
-    async def stop(self, grace_s: float = 5.0) -> None:
+    async def stop(self) -> None:
+        """Drain (--drain-timeout-s) and stop the server."""
         from kvferry import processes
 
         if self._built is not None:
-            await processes.stop(self._built, grace_s)
+            await processes.stop(self._built)
             self._built = None
 
     async def push_chunk(self, request_id: str, layout: KvLayout, num_tokens: int,
@@ -112,6 +115,9 @@ class RayDeployment(Deployment):
     def _actor(self, name: str, num_gpus: float) -> RayActor:
         options: dict[str, object] = {"name": f"{name}-{id(self):x}", "namespace": NAMESPACE,
                                       "num_cpus": 0, "num_gpus": num_gpus}
+        if name == "router" and HEAD_RESOURCE in ray.cluster_resources():
+            # On the head node, where the cluster's entry point (a Service) points.
+            options["resources"] = {HEAD_RESOURCE: 0.001}
         if self.env:
             options["runtime_env"] = {"env_vars": dict(self.env)}
         return RayActor(name, ray.remote(ServerActor).options(**options).remote())
@@ -132,8 +138,8 @@ class RayDeployment(Deployment):
                       for w in workers]
             for worker, address in zip(workers, ray.get(starts, timeout=timeout_s)):
                 worker.address = address
-            args = ["router", "--model", self.model, "--port", str(self.router_port),
-                    *self.router_args]
+            args = ["router", "--model", self.model, "--host", self.host,
+                    "--port", str(self.router_port), *self.router_args]
             for worker in workers:
                 args += [f"--{worker.name.rsplit('-', 1)[0]}", worker.address]
             router = self._actor("router", 0.0)
@@ -170,7 +176,7 @@ class RayDeployment(Deployment):
         """Drain every server (router first), then end the actors (and Ray, if ours)."""
         for actor in reversed(self.actors):
             try:
-                ray.get(actor.handle.stop.remote(min(grace_s, 5.0)), timeout=grace_s)
+                ray.get(actor.handle.stop.remote(), timeout=grace_s)
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
                 log.warning("%s did not stop cleanly: %s", actor.name, exc)
             ray.kill(actor.handle)

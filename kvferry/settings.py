@@ -32,6 +32,13 @@ def parse_pool_size(value: str, total_memory_bytes: int) -> int:
     return size
 
 
+def _check_common(drain_timeout_s: float, metrics_port: int | None) -> None:
+    if drain_timeout_s < 0:
+        raise ValueError(f"drain_timeout_s: must be >= 0, got {drain_timeout_s}")
+    if metrics_port is not None and not 0 <= metrics_port < 65536:
+        raise ValueError(f"metrics_port: out of range: {metrics_port}")
+
+
 @dataclass(frozen=True)
 class WorkerSettings:
     """A prefill or decode worker process."""
@@ -51,10 +58,13 @@ class WorkerSettings:
     prefill_chunk_size: int = 512  # longer prompts are prefilled in chunks of this many tokens
     kv_max_resends: int = 2  # resend a K/V push corrupted in flight; 0: fail with DATA_LOSS
     kv_transport: str = "grpc"  # how a prefill worker ships pages: grpc | ray (Ray actors)
+    drain_timeout_s: float = 30.0  # SIGTERM: time to finish in-flight requests before exit
+    metrics_port: int | None = None  # Prometheus /metrics on this HTTP port (0: any free)
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "colocated"):
             raise ValueError(f"role: expected prefill, decode or colocated, got {self.role!r}")
+        _check_common(self.drain_timeout_s, self.metrics_port)
         if self.kv_transport not in ("grpc", "ray"):
             raise ValueError(f"kv_transport: expected grpc or ray, got {self.kv_transport!r}")
         if self.kv_max_resends < 0:
@@ -88,10 +98,13 @@ class RouterSettings:
     lease_s: float = 30.0
     policy: str = "headroom"  # headroom | round_robin | least_requests
     local_prefill_threshold: int = 0  # prompts shorter than this prefill on the decode worker
+    drain_timeout_s: float = 30.0  # SIGTERM: time to finish in-flight streams before exit
+    metrics_port: int | None = None  # Prometheus /metrics on this HTTP port (0: any free)
 
     def __post_init__(self) -> None:
         if self.policy not in ("headroom", "round_robin", "least_requests"):
             raise ValueError(f"policy: unknown {self.policy!r}")
+        _check_common(self.drain_timeout_s, self.metrics_port)
         if self.local_prefill_threshold < 0:
             raise ValueError("local_prefill_threshold: must be >= 0")
         if not self.colocated and not ((self.prefill or self.prefill_dns)

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 from kvferry import wire
 from kvferry.block_queue import BlockQueue
-from kvferry.errors import InvalidArgument, NotFound
+from kvferry.errors import InvalidArgument, NotFound, Unavailable
 from kvferry.kv_pool import IntegrityReport, KvPool, blocks_for_tokens
 from kvferry.model import Transformer
 from kvferry.prefill_batch import (
@@ -55,9 +55,18 @@ class PrefillEngine:
         self.blocks = BlockQueue(pool.allocator, max_waiting)
         self._active: dict[str, asyncio.Task[object]] = {}
         self._loop_task: asyncio.Task[None] | None = None
+        self.is_draining = False  # SIGTERM: no new prompts; the ones here run to the end
+        self.kv_bytes_sent = 0
 
     def start(self) -> None:
         self._loop_task = asyncio.create_task(self.batcher.loop(self._wake))
+
+    def drain(self) -> None:
+        self.is_draining = True
+
+    @property
+    def is_idle(self) -> bool:
+        return not self._active
 
     async def stop(self) -> None:
         for task in list(self._active.values()):
@@ -68,6 +77,8 @@ class PrefillEngine:
         await self.sender.close()
 
     def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        if self.is_draining:
+            raise Unavailable("draining: this worker is shutting down")
         if not request_id:
             raise InvalidArgument("request_id must be non-empty", "request_id")
         if request_id in self._active:
@@ -107,6 +118,7 @@ class PrefillEngine:
             yield FirstTokenEvent(token, time.perf_counter() - job.started_at)
             if push is not None:
                 pushed = await push
+                self.kv_bytes_sent += pushed.num_bytes
                 yield PushedEvent(pushed.seconds, pushed.num_bytes)
         finally:
             if push is not None and not push.done():

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
 import grpc
 
 from kvferry import convert, grpc_util
+from kvferry.errors import KvferryError
+from kvferry.metrics import RouterMetrics
 from kvferry.v1 import generation_pb2, generation_pb2_grpc
 from router.engine import ChunkEvent, DoneEvent, Router
 from router.validation import GenerateInput
@@ -42,14 +46,69 @@ def _done_to_proto(request_id: str, event: DoneEvent) -> generation_pb2.Generate
     )
 
 
+def _status_of(exc: Exception) -> grpc.StatusCode:
+    if isinstance(exc, KvferryError):
+        return grpc_util.status_for(exc)
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return exc.code()
+    return grpc.StatusCode.INTERNAL
+
+
+class _StreamClock:
+    """Client-visible timings of one Generate stream, recorded into the router's metrics."""
+
+    def __init__(self, metrics: RouterMetrics | None) -> None:
+        self.metrics = metrics
+        self.start = time.perf_counter()
+        self.last = 0.0  # arrival of the latest chunk; 0 before the first
+        self.ttft = 0.0
+
+    def chunk(self, num_tokens: int) -> None:
+        if self.metrics is None or num_tokens == 0:
+            return
+        now = time.perf_counter()
+        if self.last:
+            self.metrics.itl.observe(now - self.last)
+        else:
+            self.ttft = now - self.start
+            self.metrics.ttft.observe(self.ttft)
+        self.last = now
+
+    def done(self, event: DoneEvent) -> None:
+        m = self.metrics
+        if m is None:
+            return
+        latency = time.perf_counter() - self.start
+        m.e2e.observe(latency)
+        if event.completion_tokens > 1:
+            m.tpot.observe((latency - self.ttft) / (event.completion_tokens - 1))
+        t = event.timing
+        m.queue.observe(t.queue_s)
+        m.prefill.observe(t.prefill_s)
+        m.kv_transfer.observe(t.kv_transfer_s)
+        m.admission_wait.observe(t.admission_wait_s)
+        m.migrations.inc(t.num_migrations)
+        m.finished.labels(event.reason.name.lower()).inc()
+        m.prompt_tokens.inc(event.prompt_tokens)
+        m.generation_tokens.inc(event.completion_tokens)
+        self.metrics = None  # recorded once
+
+    def failed(self, code: grpc.StatusCode) -> None:
+        if self.metrics is not None:
+            self.metrics.failures.labels(code.name).inc()
+            self.metrics = None
+
+
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Router, metrics: RouterMetrics | None = None) -> None:
         self.router = router
+        self.metrics = metrics
 
     async def Generate(self, request: generation_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         request_id = request.request_id
+        clock = _StreamClock(self.metrics)
         try:
             events = self.router.generate(_input(request), context.time_remaining())
             async with aclosing(events):
@@ -57,14 +116,20 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                     if isinstance(event, str):
                         request_id = event
                     elif isinstance(event, ChunkEvent):
+                        clock.chunk(len(event.token_ids))
                         yield generation_pb2.GenerateResponse(
                             request_id=request_id,
                             chunk=generation_pb2.TokenChunk(token_ids=event.token_ids,
                                                             text=event.text),
                         )
                     else:
+                        clock.done(event)
                         yield _done_to_proto(request_id, event)
+        except asyncio.CancelledError:
+            clock.failed(grpc.StatusCode.CANCELLED)
+            raise
         except Exception as exc:
+            clock.failed(_status_of(exc))
             await grpc_util.abort_with(context, exc, request_id)
 
     async def Abort(self, request: generation_pb2.AbortRequest,
@@ -93,5 +158,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 SERVICE_NAMES = ["kvferry.v1.GenerationService"]
 
 
-def add_to_server(server: grpc.aio.Server, router: Router) -> None:
-    generation_pb2_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(router), server)
+def add_to_server(server: grpc.aio.Server, router: Router,
+                  metrics: RouterMetrics | None = None) -> None:
+    generation_pb2_grpc.add_GenerationServiceServicer_to_server(
+        GenerationServicer(router, metrics), server)

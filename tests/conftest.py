@@ -71,10 +71,15 @@ def _start(model: Path, tmp: Path, **kwargs: object) -> Deployment:
     return Deployment(model=str(model), log_dir=tmp, **kwargs).start()
 
 
+METRICS = ["--metrics-port", "0"]
+
+
 @pytest.fixture(scope="session")
 def qwen3_deployment(qwen3_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
                      ) -> Iterator[Deployment]:
-    deployment = _start(qwen3_checkpoint, tmp_path_factory.mktemp("qwen3-logs"))
+    """The main test deployment; every process serves Prometheus metrics too."""
+    deployment = _start(qwen3_checkpoint, tmp_path_factory.mktemp("qwen3-logs"),
+                        worker_args=METRICS, router_args=METRICS)
     yield deployment
     deployment.stop()
 

@@ -1,0 +1,71 @@
+"""Drain on SIGTERM (issue 8): the worker reports NOT_SERVING at once and takes no new
+requests, its in-flight stream finishes in place within --drain-timeout-s (or, past that
+timeout, migrates), then the process exits 0. Clients see exactly the undisturbed tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvferry import client, grpc_util
+from kvferry.grpc_util import CHANNEL_OPTIONS
+from kvferry.launcher import Deployment
+from kvferry.v1 import generation_pb2_grpc
+from tests.conftest import assert_pools_clean
+from tests.e2e.test_migration import _busy_decode_process
+
+pytestmark = pytest.mark.slow
+
+PROMPT = list(range(40, 120))
+
+
+def _health(address: str) -> int:
+    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as chan:
+        return health_pb2_grpc.HealthStub(chan).Check(
+            health_pb2.HealthCheckRequest(service=""), timeout=5).status
+
+
+@pytest.mark.parametrize("drain_timeout_s, migrates", [(60.0, False), (0.3, True)])
+def test_sigterm_drains_a_decode_worker(drain_timeout_s: float, migrates: bool,
+                                        qwen3_checkpoint: Path, qwen3_deployment: Deployment,
+                                        tmp_path: Path) -> None:
+    request = client.make_request(PROMPT, temperature=0.0, max_tokens=400, ignore_eos=True)
+    undisturbed = asyncio.run(client.generate(qwen3_deployment.router_address, request, 120))
+    with Deployment(model=str(qwen3_checkpoint), num_decode=2, log_dir=tmp_path,
+                    worker_args=["--drain-timeout-s", str(drain_timeout_s)]) as deployment:
+        async def run() -> tuple[client.Completion, client.Completion, float]:
+            async with grpc_util.channel(deployment.router_address) as chan:
+                stub = generation_pb2_grpc.GenerationServiceStub(chan)
+                completion = client.Completion()
+                victim, other, signalled = None, None, 0.0
+                async for _, latest in client.stream(stub, request, timeout_s=120):
+                    completion = latest
+                    if victim is None and len(completion.token_ids) >= 10:
+                        victim = await asyncio.to_thread(_busy_decode_process, deployment)
+                        assert victim is not None
+                        victim.popen.send_signal(signal.SIGTERM)
+                        signalled = time.monotonic()
+                        await asyncio.sleep(0.3)
+                        assert _health(victim.address) == health_pb2.HealthCheckResponse.NOT_SERVING
+                        # New work goes elsewhere while the victim drains.
+                        other = await client.generate(
+                            deployment.router_address,
+                            client.make_request(PROMPT, temperature=0.0, max_tokens=8,
+                                                ignore_eos=True), 60)
+                assert victim is not None
+                code = await asyncio.to_thread(victim.popen.wait, 30)
+                assert code == 0, f"{victim.name} exited with {code}"
+                deployment.processes.remove(victim)
+                return completion, other, time.monotonic() - signalled
+
+        got, other, _ = asyncio.run(run())
+        assert got.token_ids == undisturbed.token_ids
+        assert other.token_ids == undisturbed.token_ids[:8]
+        assert got.finished.timing.num_migrations == (1 if migrates else 0)
+        assert_pools_clean(deployment)
