@@ -51,7 +51,7 @@ class Container:
     """One container of a rendered pod template, with where it came from."""
 
     tree: str
-    owner: str  # "Deployment/kvferry-router", "RayCluster/kvferry-ray[prefill]"
+    owner: str  # "Deployment/kvferry-router", "RayCluster/kvferry-ray[gpu]"
     labels: dict
     pod_spec: dict
     spec: dict
@@ -63,8 +63,8 @@ class Container:
 
     def argv(self) -> list[str] | None:
         """The kvferry command line this container runs (after the `kvferry` entrypoint), or
-        None when it runs something else (the Ray head). A `bash -lc` script is read from its
-        `exec kvferry ...` part."""
+        None when it runs something else (a Ray worker node). A `bash -lc` script is read from
+        its `exec kvferry ...` part, which must be the script's last command."""
         command = self.spec.get("command")
         args = [str(a) for a in self.spec.get("args", [])]
         if not command:

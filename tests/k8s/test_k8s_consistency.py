@@ -1,14 +1,18 @@
 """The manifests agree with the code: every kvferry container's command line parses with the
 real CLI parser, ports and probe service names match what the processes serve, discovery names
-match headless Services, env vars are consumed, and the drain fits the grace period."""
+match headless Services, env vars are consumed, and the drain fits the grace period. The ray
+overlay runs `kvferry serve --kv-transport=ray` on the RayCluster's head (router and workers
+as Ray actors, kvferry/ray_launcher.py), checked against the Ray worker nodes it needs."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
+import inspect
 import io
 import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -31,10 +35,6 @@ REPO = K8S_DIR.parent
 SOURCE_DIRS = ("kvferry", "router", "prefill_worker", "decode_worker", "kernels")
 GPU_TREES = ("base", "overlays/gpu", "overlays/ray", "overlays/autoscale")
 WORKER_COMMANDS = ("prefill-worker", "decode-worker", "colocated-worker")
-# Flags the manifests use that the CLI gains in the same change as the drain code. While one
-# is still missing from the parser it is set aside (with its value) before parsing; once the
-# parser has it, it is parsed and checked like every other flag. Delete this when all exist.
-PENDING_FLAGS = frozenset({"--drain-timeout-s", "--metrics-port", "--kv-transport"})
 
 
 def _subcommands() -> dict[str, argparse.ArgumentParser]:
@@ -44,7 +44,7 @@ def _subcommands() -> dict[str, argparse.ArgumentParser]:
 
 
 def _service_names(command: str) -> list[str]:
-    if command == "router":
+    if command in ("router", "serve"):  # serve's entry point is its router
         from router.server import SERVICE_NAMES
     elif command == "prefill-worker":
         from prefill_worker.server import SERVICE_NAMES
@@ -64,27 +64,15 @@ class Parsed:
         assert unresolved == [], f"{container.name}: no literal value for {unresolved}"
         self.command = next(a for a in self.argv if not a.startswith("-")
                             and a in _subcommands())
-        known = _subcommands()[self.command]._option_string_actions
-        self.pending = {}
-        argv = []
-        for arg in self.argv:
-            flag, _, value = arg.partition("=")
-            if flag in PENDING_FLAGS and flag not in known:
-                assert value, f"{container.name}: write pending flags as {flag}=VALUE"
-                self.pending[flag] = value
-            else:
-                argv.append(arg)
         stderr = io.StringIO()
         try:
             with contextlib.redirect_stderr(stderr):
-                self.args = build_parser().parse_args(argv)
+                self.args = build_parser().parse_args(self.argv)
         except SystemExit:
-            pytest.fail(f"{container.name}: kvferry rejects {argv}:\n{stderr.getvalue()}")
+            pytest.fail(f"{container.name}: kvferry rejects {self.argv}:\n{stderr.getvalue()}")
 
-    def value(self, flag: str) -> str | None:
-        """A flag's value, from the parser when it knows the flag, else as written."""
-        if flag in self.pending:
-            return self.pending[flag]
+    def value(self, flag: str) -> object:
+        """A flag's parsed value (None when the subcommand has no such flag)."""
         return getattr(self.args, flag.lstrip("-").replace("-", "_"), None)
 
 
@@ -112,16 +100,16 @@ def _selects(selector: dict, labels: dict) -> bool:
 
 
 def test_every_tree_runs_router_prefill_and_decode(parsed) -> None:
+    """As separate processes, or as the actors of one `kvferry serve` (the ray overlay)."""
     for tree, found in parsed.items():
         commands = {p.command for c, p in found if not c.is_init}
-        assert {"router", "prefill-worker", "decode-worker"} <= commands, tree
-
-
-def test_flags_in_use_are_known(parsed) -> None:
-    """The pending set only covers flags the manifests really use (no stale entries)."""
-    used = {arg.partition("=")[0] for found in parsed.values() for _, p in found
-            for arg in p.argv if arg.startswith("--")}
-    assert PENDING_FLAGS <= used
+        if "serve" in commands:
+            assert commands == {"serve"}, tree
+            for _, p in found:
+                assert p.value("--num-prefill") >= 1 and p.value("--num-decode") >= 1, tree
+                assert not p.value("--colocated"), tree
+        else:
+            assert {"router", "prefill-worker", "decode-worker"} <= commands, tree
 
 
 def test_ports_and_probes_match_the_processes(parsed) -> None:
@@ -304,3 +292,121 @@ def test_autoscale_metric_matches_the_adapter_rules(rendered) -> None:
                if _selects(monitor["spec"]["selector"]["matchLabels"], c.labels)
                and not c.is_init]
     assert scraped and all(_port(c, "metrics") for c in scraped)
+
+
+# The ray overlay: `kvferry serve --kv-transport=ray` on the RayCluster's head creates the
+# router and every worker as Ray actors (kvferry/ray_launcher.py); the worker groups are plain
+# Ray nodes where the GPU worker actors land.
+
+_QUANTITY = re.compile(r"^(\d+)(Ki|Mi|Gi|Ti)?$")
+
+
+def _bytes(quantity: str) -> int:
+    number, unit = _QUANTITY.match(str(quantity)).groups()
+    return int(number) * 1024 ** ("", "Ki", "Mi", "Gi", "Ti").index(unit or "")
+
+
+def _ray(rendered, parsed) -> tuple[dict, Container, Parsed, list[Container]]:
+    """The RayCluster, its head container with serve parsed, and the worker node containers."""
+    resources = rendered["overlays/ray"]
+    cluster = next(r for r in resources if r["kind"] == "RayCluster")
+    head = [(c, p) for c, p in parsed["overlays/ray"] if c.owner.endswith("[head]")]
+    assert len(head) == 1
+    workers = [c for c in containers("overlays/ray", resources)
+               if c.owner.startswith("RayCluster/") and not c.owner.endswith("[head]")]
+    assert workers
+    return cluster, *head[0], workers
+
+
+def _script(container: Container) -> str:
+    assert container.spec["command"] == ["/bin/bash", "-lc", "--"], container.name
+    (script,) = container.spec["args"]
+    return script
+
+
+def test_ray_head_starts_ray_then_execs_serve(rendered, parsed) -> None:
+    cluster, head, serve, _ = _ray(rendered, parsed)
+    assert serve.command == "serve"
+    assert serve.value("--kv-transport") == "ray"
+    assert serve.value("--ray-address") == "auto"  # the Ray head this pod just started
+    assert re.search(r"/kvferry/worker:[\w.-]+$", head.spec["image"]), "serve needs Ray"
+    assert cluster["spec"]["headGroupSpec"]["rayStartParams"]["num-gpus"] == "0"
+    script = _script(head)
+    before, _, rest = script.partition("exec kvferry ")
+    # Ray in the background (KubeRay's line minus --block), then serve as PID 1: SIGTERM
+    # reaches it and it drains the actors.
+    assert "${KUBERAY_GEN_RAY_START_CMD/ --block/}" in before
+    assert not re.search(r"[;&|]", rest), "exec kvferry must be the script's last command"
+    env = head.env_names(config_maps(rendered["overlays/ray"]))
+    assert [v for v in VAR_REF.findall(script) if env.get(v) is None] == []
+    # It waits for a GPU per worker actor: serve asks Ray for GPUs only if some are there.
+    raw = dict(arg.partition("=")[::2] for arg in shlex.split(rest) if arg.startswith("--"))
+    assert "GPU" in before
+    assert raw["--num-prefill"] in before and raw["--num-decode"] in before
+
+
+def test_ray_worker_nodes_hold_every_worker_actor(rendered, parsed) -> None:
+    cluster, head, serve, workers = _ray(rendered, parsed)
+    needed = serve.value("--num-prefill") + serve.value("--num-decode")
+    groups = {g["groupName"]: g for g in cluster["spec"]["workerGroupSpecs"]}
+    offered = 0
+    for container in workers:
+        assert container.argv() is None, f"{container.name}: a plain Ray node runs no kvferry"
+        assert "KUBERAY_GEN_RAY_START_CMD/" not in _script(container), "keep ray start --block"
+        resources = container.spec["resources"]
+        gpus = resources["limits"]["nvidia.com/gpu"]
+        assert resources["requests"]["nvidia.com/gpu"] == gpus >= 1, container.name
+        group = groups[container.owner.rpartition("[")[2].rstrip("]")]
+        assert group["rayStartParams"].get("num-gpus", str(gpus)) == str(gpus)
+        offered += gpus * group["minReplicas"]
+    assert offered >= needed, f"{offered} GPUs for {needed} worker actors"
+
+
+def test_ray_nodes_mount_the_model_and_fit_the_object_store(rendered, parsed) -> None:
+    cluster, head, serve, workers = _ray(rendered, parsed)
+    model = serve.value("--model")
+
+    def model_volume(container: Container) -> tuple[str, dict]:
+        mount = next((m for m in container.spec["volumeMounts"]
+                      if model.startswith(m["mountPath"].rstrip("/") + "/")), None)
+        assert mount is not None, f"{container.name}: {model} is on no volume"
+        assert mount.get("readOnly") is True, container.name
+        volume = next(v for v in container.pod_spec["volumes"] if v["name"] == mount["name"])
+        return mount["mountPath"], volume["persistentVolumeClaim"]
+
+    # worker actors load --model on whichever node they land: the same path everywhere
+    assert {model_volume(c)[0] for c in [head, *workers]} == {model_volume(head)[0]}
+    for container in [head, *workers]:
+        assert model_volume(container)[1] == {"claimName": "kvferry-models", "readOnly": True}
+    params = [cluster["spec"]["headGroupSpec"]["rayStartParams"],
+              *(g["rayStartParams"] for g in cluster["spec"]["workerGroupSpecs"])]
+    for container, start in zip([head, *workers], params, strict=True):
+        shm = next(m for m in container.spec["volumeMounts"] if m["mountPath"] == "/dev/shm")
+        volume = next(v for v in container.pod_spec["volumes"] if v["name"] == shm["name"])
+        assert volume["emptyDir"]["medium"] == "Memory", container.name
+        assert int(start["object-store-memory"]) <= _bytes(volume["emptyDir"]["sizeLimit"])
+
+
+def test_ray_head_grace_covers_stopping_every_actor(rendered, parsed) -> None:
+    """serve stops the actors one by one, router first, each within RayDeployment.stop's
+    grace_s; the kubelet must not SIGKILL it before, nor liveness kill a draining router."""
+    from kvferry.ray_launcher import RayDeployment
+
+    _, head, serve, _ = _ray(rendered, parsed)
+    per_actor_s = inspect.signature(RayDeployment.stop).parameters["grace_s"].default
+    actors = 1 + serve.value("--num-prefill") + serve.value("--num-decode")
+    grace_s = head.pod_spec["terminationGracePeriodSeconds"]
+    assert per_actor_s * actors < grace_s <= per_actor_s * actors + 30
+    liveness = head.spec["livenessProbe"]
+    assert liveness["periodSeconds"] * liveness["failureThreshold"] > grace_s
+
+
+def test_ray_overlay_keeps_only_what_selects_the_cluster(rendered, parsed) -> None:
+    resources = rendered["overlays/ray"]
+    assert [r for r in resources if r["kind"] == "Deployment"] == []
+    _, head, _, workers = _ray(rendered, parsed)
+    services = {r["metadata"]["name"]: r for r in resources if r["kind"] == "Service"}
+    assert set(services) == {"kvferry-router"}  # headless worker Services are gone
+    selector = services["kvferry-router"]["spec"]["selector"]
+    assert _selects(selector, head.labels)
+    assert not any(_selects(selector, c.labels) for c in workers)

@@ -22,15 +22,40 @@ def _string_map(value: object) -> bool:
     return isinstance(value, dict) and all(isinstance(v, str) for v in value.values())
 
 
+OVERWRITE_CMD = "ray.io/overwrite-container-cmd"
+GEN_RAY_START = "$KUBERAY_GEN_RAY_START_CMD"
+
+
+def _ray_start_problems(where: str, containers: list, overwrite: bool) -> list[str]:
+    """KubeRay runs a Ray pod's first container. Without the overwrite annotation it puts its
+    own `ray start ... --block &&` in front of any command given (which then never runs);
+    with it, the container must start Ray itself from KUBERAY_GEN_RAY_START_CMD."""
+    ray = containers[0]
+    script = " ".join(map(str, ray.get("command", []) + ray.get("args", [])))
+    if not script:
+        return []  # KubeRay's own command
+    if not overwrite:
+        return [f"{where}: a command needs metadata.annotations {OVERWRITE_CMD}: 'true'"]
+    gen = GEN_RAY_START.lstrip("$")
+    if f"${gen}" not in script and f"${{{gen}" not in script:
+        return [f"{where}: the command never starts Ray ({GEN_RAY_START})"]
+    return []
+
+
 def check_raycluster(resource: dict) -> list[str]:
-    """Fields KubeRay's ray.io/v1 RayCluster needs to reconcile."""
+    """Fields KubeRay's ray.io/v1 RayCluster needs to reconcile, and commands that start Ray."""
     problems = []
+    overwrite = (resource.get("metadata", {}).get("annotations") or {}).get(OVERWRITE_CMD) \
+        == "true"
     spec = resource.get("spec") or {}
     if not isinstance(spec.get("rayVersion"), str):
         problems.append("spec.rayVersion: expected a string")
     head = spec.get("headGroupSpec") or {}
-    if not (head.get("template") or {}).get("spec", {}).get("containers"):
+    head_containers = (head.get("template") or {}).get("spec", {}).get("containers")
+    if not head_containers:
         problems.append("spec.headGroupSpec.template.spec.containers: missing")
+    else:
+        problems += _ray_start_problems("spec.headGroupSpec", head_containers, overwrite)
     if not _string_map(head.get("rayStartParams", {})):
         problems.append("spec.headGroupSpec.rayStartParams: values must be strings")
     groups = spec.get("workerGroupSpecs")
@@ -43,8 +68,11 @@ def check_raycluster(resource: dict) -> list[str]:
         where = f"spec.workerGroupSpecs[{i}]"
         if not isinstance(group.get("groupName"), str) or not group["groupName"]:
             problems.append(f"{where}.groupName: missing")
-        if not (group.get("template") or {}).get("spec", {}).get("containers"):
+        group_containers = (group.get("template") or {}).get("spec", {}).get("containers")
+        if not group_containers:
             problems.append(f"{where}.template.spec.containers: missing")
+        else:
+            problems += _ray_start_problems(where, group_containers, overwrite)
         if not _string_map(group.get("rayStartParams", {})):
             problems.append(f"{where}.rayStartParams: values must be strings")
         counts = [group.get(key) for key in ("minReplicas", "replicas", "maxReplicas")]
@@ -162,9 +190,18 @@ def test_crd_checks_catch_missing_fields(rendered: dict[str, list[dict]]) -> Non
     del broken["spec"]["workerGroupSpecs"][0]["groupName"]
     assert any("groupName" in p for p in crd_problems(broken))
     broken = copy.deepcopy(ray)
-    container = broken["spec"]["workerGroupSpecs"][1]["template"]["spec"]["containers"][0]
+    container = broken["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
     container["imagePullPolicy"] = 1
     assert any("pod template" in p for p in crd_problems(broken))
+    # without the annotation KubeRay would run `ray start --block && <our script>`
+    broken = copy.deepcopy(ray)
+    del broken["metadata"]["annotations"]["ray.io/overwrite-container-cmd"]
+    assert any("overwrite-container-cmd" in p for p in crd_problems(broken))
+    # with it, a script that never runs KubeRay's ray start line leaves no Ray node
+    broken = copy.deepcopy(ray)
+    head = broken["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    head["args"] = [head["args"][0].replace("KUBERAY_GEN_RAY_START_CMD", "TYPO")]
+    assert any("never starts Ray" in p for p in crd_problems(broken))
     unknown = {"apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject", "metadata": {"name": "x"}}
     with pytest.raises(kubernetes_validate.SchemaNotFoundError):
         validate(unknown)
