@@ -4,8 +4,9 @@ Starts one deployment (router + 1 prefill + 1 decode worker, or one colocated wo
 --colocated) on the default model, then for each concurrency C runs C clients in a closed
 loop, each sending enough requests of `--prompt-tokens` prompt tokens and exactly
 `--max-tokens` output tokens (ignore_eos) for at least `--min-requests` requests in all (and
-2 per client). The levels run interleaved for `--rounds` rounds, and the median tokens/s per
-level is reported with its ratio to the first level: machines here are noisy. Usage:
+2 per client). The levels run interleaved for `--rounds` rounds; reported per level: the
+median tokens/s and the median over rounds of its ratio to the first level in the same round
+(machines here are noisy). Usage:
 
     .venv/bin/python bench/bench_decode_throughput.py [--concurrency 1 8 32] [--out FILE]
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 import statistics
 import time
@@ -59,15 +61,23 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--min-requests", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--colocated", action="store_true")
     parser.add_argument("--torch-threads", type=int, default=1, help="per worker process")
+    parser.add_argument("--pin-decode", action="store_true",
+                        help="pin the decode worker to the last core, the rest elsewhere")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     model = args.model or _ensure_default_model()
     results = []
     with Deployment(model=model, is_colocated=args.colocated,
                     torch_threads=args.torch_threads) as deployment:
+        if args.pin_decode:
+            cores = sorted(os.sched_getaffinity(0))
+            deployment.pin("decode", {cores[-1]})
+            deployment.pin("prefill", set(cores[:-1]))
+            deployment.pin("router", set(cores[:-1]))
+            os.sched_setaffinity(0, set(cores[:-1]))  # this client too
         # Warm-up: first-call costs (allocations, lazy imports) stay out of the figures.
         asyncio.run(measure(deployment.router_address, 2, args.prompt_tokens, 8, 1))
         runs: dict[int, list[dict[str, float]]] = {c: [] for c in args.concurrency}
@@ -77,18 +87,23 @@ def main() -> None:
                 runs[concurrency].append(asyncio.run(measure(
                     deployment.router_address, concurrency, args.prompt_tokens,
                     args.max_tokens, per_client)))
+    first = runs[args.concurrency[0]]
     for concurrency, measured in runs.items():
         rates = sorted(r["tokens_per_s"] for r in measured)
+        # Each round's levels ran back to back, so a ratio within a round cancels most of
+        # the machine's slow drifts; the median over rounds is the figure.
+        ratios = sorted(m["tokens_per_s"] / f["tokens_per_s"] for m, f in zip(measured, first))
         results.append({"concurrency": concurrency, "runs": measured,
                         "median_tokens_per_s": statistics.median(rates),
-                        "min_tokens_per_s": rates[0], "max_tokens_per_s": rates[-1]})
-    base = results[0]["median_tokens_per_s"]
-    print(f"{'concurrency':>11} {'median tok/s':>12} {'min':>8} {'max':>8} {'vs first':>8}")
+                        "min_tokens_per_s": rates[0], "max_tokens_per_s": rates[-1],
+                        "round_ratios": ratios, "ratio_to_first": statistics.median(ratios)})
+    print(f"{'concurrency':>11} {'median tok/s':>12} {'min':>8} {'max':>8} "
+          f"{'vs first (median of rounds)':>28} {'round ratios':>20}")
     for r in results:
-        r["ratio_to_first"] = r["median_tokens_per_s"] / base
+        spread = " ".join(f"{x:.1f}" for x in r["round_ratios"])
         print(f"{r['concurrency']:>11} {r['median_tokens_per_s']:>12.1f} "
               f"{r['min_tokens_per_s']:>8.1f} {r['max_tokens_per_s']:>8.1f} "
-              f"{r['ratio_to_first']:>7.2f}x")
+              f"{r['ratio_to_first']:>27.2f}x {spread:>20}")
     report = {"machine": platform.machine(), "cpus": torch.get_num_threads(),
               "colocated": args.colocated, "prompt_tokens": args.prompt_tokens,
               "max_tokens": args.max_tokens, "results": results}

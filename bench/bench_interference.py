@@ -44,17 +44,6 @@ def _phase(address: str, name: str, requests, config: BenchConfig) -> dict[str, 
             "num_failed": len(failed), "gaps": gaps}
 
 
-def _pin(deployment: Deployment, cpus_by_role: dict[str, set[int]]) -> None:
-    """Pin every thread of each worker process to its role's cores (threads made later
-    inherit it). The router and this client float over all cores."""
-    for proc in deployment.processes:
-        cpus = cpus_by_role.get(proc.name.rsplit("-", 1)[0])
-        if cpus is None:
-            continue
-        for tid in os.listdir(f"/proc/{proc.popen.pid}/task"):
-            os.sched_setaffinity(int(tid), cpus)
-
-
 def _times(record) -> list[float]:
     return [record.ttft_s + sum(record.itls_s[:i]) for i in range(len(record.itls_s) + 1)]
 
@@ -95,7 +84,8 @@ def main() -> None:
     for name, deployment in setups.items():
         with deployment:
             if args.pin:
-                _pin(deployment, pinning[name])
+                for role, cpus in pinning[name].items():
+                    deployment.pin(role, cpus)
             results[name] = {
                 phase: _phase(deployment.router_address, f"{name}-{phase}",
                               workload.build(args.num_requests, 512, args.seed), config)

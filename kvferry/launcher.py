@@ -115,6 +115,15 @@ class Deployment:
         return [p.address for p in self.processes
                 if p.name.startswith(role) or (role == "decode" and p.name.startswith("colocated"))]
 
+    def pin(self, role: str, cpus: set[int]) -> None:
+        """Pin every thread of the `role` processes to `cpus` (threads started later inherit
+        it): benchmarks on a small machine give latency-critical workers their own core."""
+        for proc in self.processes:
+            if proc.name.rsplit("-", 1)[0] != role:
+                continue
+            for tid in os.listdir(f"/proc/{proc.popen.pid}/task"):
+                os.sched_setaffinity(int(tid), cpus)
+
     def dead(self) -> list[str]:
         """Names of processes that have exited."""
         return [p.name for p in self.processes if p.popen.poll() is not None]

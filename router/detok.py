@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-REPLACEMENT = "\ufffd"
+from tokenizers.decoders import DecodeStream
 
 
 class DetokStep(NamedTuple):
@@ -19,26 +19,25 @@ class DetokStep(NamedTuple):
 
 
 class IncrementalDetokenizer:
+    """Per request. Token by token through `tokenizers`' DecodeStream (Rust; it holds back
+    bytes of an incomplete character), and one full decode at the end, so the released text
+    always equals `tokenizer.decode(all ids)` even when the stream ends mid-character."""
+
     def __init__(self, tokenizer: object, stop: tuple[str, ...] = ()) -> None:
         self._tokenizer = tokenizer
+        self._backend = tokenizer.backend_tokenizer  # type: ignore[attr-defined]
+        self._stream = DecodeStream(skip_special_tokens=True)
         self._stop = stop
         self._holdback = max((len(s) for s in stop), default=1) - 1
         self._ids: list[int] = []
-        self._prefix_offset = 0
-        self._read_offset = 0
         self.text = ""  # final text so far (after any stop cut)
         self._released = 0
 
-    def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=True)  # type: ignore[attr-defined]
-
-    def _advance(self, flush: bool) -> None:
-        prefix = self._decode(self._ids[self._prefix_offset:self._read_offset])
-        full = self._decode(self._ids[self._prefix_offset:])
-        if len(full) > len(prefix) and (flush or not full.endswith(REPLACEMENT)):
-            self.text += full[len(prefix):]
-            self._prefix_offset = self._read_offset
-            self._read_offset = len(self._ids)
+    def _advance(self, token_ids: list[int]) -> None:
+        for token_id in token_ids:
+            piece = self._stream.step(self._backend, token_id)
+            if piece:
+                self.text += piece
 
     def _find_stop(self, search_from: int) -> int | None:
         hits = [i for s in self._stop if (i := self.text.find(s, search_from)) >= 0]
@@ -48,7 +47,7 @@ class IncrementalDetokenizer:
         """Feed generated tokens; release what is final."""
         before = len(self.text)
         self._ids.extend(token_ids)
-        self._advance(flush=False)
+        self._advance(token_ids)
         if self._stop:
             cut = self._find_stop(max(0, before - self._holdback))
             if cut is not None:
@@ -59,7 +58,9 @@ class IncrementalDetokenizer:
     def finish(self) -> str:
         """The stream is ending: release everything, incomplete characters included."""
         before = len(self.text)
-        self._advance(flush=True)
+        full = self._tokenizer.decode(self._ids, skip_special_tokens=True)  # type: ignore[attr-defined]
+        if full.startswith(self.text):  # adds what the stream held back (a cut character)
+            self.text = full
         if self._stop:
             cut = self._find_stop(max(0, before - self._holdback))
             if cut is not None:
