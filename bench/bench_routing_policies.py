@@ -103,7 +103,8 @@ def main() -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--requests", type=int, default=60)
     parser.add_argument("--rate", type=float, default=6.0, help="requests per second")
-    parser.add_argument("--pool-blocks", type=int, default=40, help="K/V blocks per worker")
+    parser.add_argument("--pool-blocks", type=int, default=40,
+                        help="K/V blocks per decode worker")
     parser.add_argument("--max-waiting", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None)
@@ -118,8 +119,10 @@ def main() -> None:
     report = {"requests": args.requests, "rate": args.rate, "pool_blocks": args.pool_blocks,
               "policies": {}}
     for policy in POLICIES:
-        with Deployment(model=model, num_decode=2, kv_pool_size=f"{pool_bytes}B",
-                        worker_args=["--max-waiting", str(args.max_waiting)],
+        # Small pools on the decode workers only: the prefill worker's pool is a staging area
+        # (with `headroom` it also holds prefilled K/V until a decode worker has room).
+        decode_args = ["--kv-pool-size", f"{pool_bytes}B", "--max-waiting", str(args.max_waiting)]
+        with Deployment(model=model, num_decode=2, role_args={"decode": decode_args},
                         router_args=["--policy", policy]) as deployment:
             result = asyncio.run(run_one(deployment.router_address, items))
             result["preemptions"] = preemptions(deployment)

@@ -72,6 +72,7 @@ class Deployment:
     host: str = "127.0.0.1"  # what every server binds; 0.0.0.0 for other hosts to reach it
     is_colocated: bool = False  # num_decode workers each serving both roles; no prefill ones
     worker_args: list[str] = field(default_factory=list)  # extra flags for every worker
+    role_args: dict[str, list[str]] = field(default_factory=dict)  # extra flags by role
     router_args: list[str] = field(default_factory=list)  # extra flags for the router
     log_dir: Path | None = None
     env: dict[str, str] = field(default_factory=dict)
@@ -81,7 +82,8 @@ class Deployment:
         return [f"{role}-worker", "--model", self.model, "--host", self.host, "--port", "0",
                 "--block-size", str(self.block_size), "--kv-pool-size", self.kv_pool_size,
                 "--torch-threads", str(self.torch_threads),
-                "--attention-backend", self.attention_backend, *self.worker_args]
+                "--attention-backend", self.attention_backend, *self.worker_args,
+                *self.role_args.get(role, [])]
 
     def start(self, timeout_s: float = 180.0) -> Deployment:
         try:

@@ -54,6 +54,8 @@ class PrefillEngine:
                                       token_budget, chunk_size)
         self.blocks = BlockQueue(pool.allocator, max_waiting)
         self._active: dict[str, asyncio.Task[object]] = {}
+        # Deferred prefills waiting for Ship: request id -> the decode address, when known.
+        self._ships: dict[str, asyncio.Future[str]] = {}
         self._loop_task: asyncio.Task[None] | None = None
         self.is_draining = False  # SIGTERM: no new prompts; the ones here run to the end
         self.kv_bytes_sent = 0
@@ -91,8 +93,15 @@ class PrefillEngine:
     async def prefill(
         self, request_id: str, prompt: list[int], params: SamplingParams,
         decode_address: str, timeout_s: float | None, output_index: int = 0,
+        defer_push: bool = False,
     ) -> AsyncIterator[FirstTokenEvent | PushedEvent]:
-        """Yield the first token as soon as it exists, then the push's completion."""
+        """Yield the first token as soon as it exists, then the push's completion.
+
+        With `defer_push` there is no decode reservation yet: the K/V stays in this pool after
+        the first token until `ship` names the decode worker (the router streams the first
+        token meanwhile, so its TTFT does not wait for decode memory)."""
+        if defer_push and decode_address:
+            raise InvalidArgument("defer_push needs an empty decode_address", "defer_push")
         self._validate(request_id, prompt, params)
         task = asyncio.current_task()
         if task is not None:
@@ -114,8 +123,14 @@ class PrefillEngine:
                     decode_address, request_id, self.layout, len(prompt), self.pool, blocks,
                     timeout_s, ready=job.wait_layers,
                 ))
+            if defer_push:
+                self._ships[request_id] = asyncio.get_running_loop().create_future()
             token = await job.first_token
             yield FirstTokenEvent(token, time.perf_counter() - job.started_at)
+            if defer_push:
+                address = await self._ships[request_id]
+                push = asyncio.ensure_future(self.sender.push(
+                    address, request_id, self.layout, len(prompt), self.pool, blocks, timeout_s))
             if push is not None:
                 pushed = await push
                 self.kv_bytes_sent += pushed.num_bytes
@@ -127,9 +142,19 @@ class PrefillEngine:
             elif push is not None and not push.cancelled():
                 push.exception()  # retrieved: a failure was already raised or is moot
             self._active.pop(request_id, None)
+            self._ships.pop(request_id, None)
             await self.batcher.release(job)
             self.pool.allocator.free(blocks)
             self.blocks.grant()
+
+    def ship(self, request_id: str, decode_address: str) -> None:
+        """Name the decode worker a deferred prefill pushes its K/V to."""
+        if not decode_address:
+            raise InvalidArgument("decode_address must be non-empty", "decode_address")
+        future = self._ships.get(request_id)
+        if future is None or future.done():
+            raise NotFound(f"no deferred prefill {request_id!r} waits here", "request_id")
+        future.set_result(decode_address)
 
     def abort(self, request_id: str) -> None:
         task = self._active.get(request_id)

@@ -28,6 +28,7 @@ class PrefillServicer(AbortAndStats, worker_pb2_grpc.PrefillServiceServicer):
             events = self.engine.prefill(
                 request.request_id, list(request.prompt_token_ids), params,
                 request.decode_address, context.time_remaining(), request.num_generated,
+                request.defer_push,
             )
             # aclosing: if we are cancelled while suspended at our own yield, the engine's
             # generator still runs its cleanup (frees the blocks) right away.
@@ -42,6 +43,13 @@ class PrefillServicer(AbortAndStats, worker_pb2_grpc.PrefillServiceServicer):
         except Exception as exc:
             await grpc_util.abort_with(context, exc, request.request_id)
 
+    async def Ship(self, request: worker_pb2.ShipRequest,
+                   context: grpc.aio.ServicerContext) -> worker_pb2.ShipResponse:
+        try:
+            self.engine.ship(request.request_id, request.decode_address)
+        except Exception as exc:
+            await grpc_util.abort_with(context, exc, request.request_id)
+        return worker_pb2.ShipResponse()
 
 
 SERVICE_NAMES = ["kvferry.v1.PrefillService"]

@@ -67,6 +67,7 @@ class DoneEvent(NamedTuple):
 class RouterRequest:
     request_id: str
     is_aborted: bool = False
+    is_push_deferred: bool = False  # prefilled before its decode reservation (see _run)
     prefill_worker: Worker | None = None
     prefill_call: grpc.aio.UnaryStreamCall | None = None
     decode_worker: Worker | None = None
@@ -160,7 +161,12 @@ class Router:
         while True:
             context = prompt + generated
             remaining = params.max_tokens - len(generated)
-            if remaining > 1 or not self.workers.has_prefill_workers():
+            # No decode worker has room for it now: prefill anyway and stream the first token;
+            # the K/V waits in the prefill worker's pool until a reservation is made.
+            state.is_push_deferred = (not generated and remaining > 1
+                                      and self._admission_would_wait(len(context), remaining))
+            if not state.is_push_deferred and (remaining > 1
+                                               or not self.workers.has_prefill_workers()):
                 waited = await self._reserve(state, len(context), remaining, deadline)
                 timing = timing._replace(admission_wait_s=timing.admission_wait_s + waited)
             if not generated:
@@ -187,6 +193,14 @@ class Router:
                 yield DoneEvent(reason, len(prompt), len(generated), timing)
                 return
             yield ChunkEvent([first], step.text)
+            if state.is_push_deferred:
+                waited = await self._reserve(state, len(context), remaining, deadline)
+                timing = timing._replace(admission_wait_s=timing.admission_wait_s + waited)
+                if state.is_aborted:
+                    yield ChunkEvent([], detok.finish())
+                    yield DoneEvent(FinishReason.ABORT, len(prompt), len(generated), timing)
+                    return
+                await self._ship(state, deadline)
             done_msg = await self._prefill_read(state, None)
             if done_msg is None:
                 yield ChunkEvent([], detok.finish())
@@ -275,7 +289,7 @@ class Router:
         """Reserve on the best decode worker; returns seconds spent waiting for headroom."""
         block_size = next((w.layout.block_size for w in self.workers.workers if w.layout), 16)
         need = blocks_needed(num_prompt, max_tokens, block_size)
-        candidates, waited = await self._admit(need, deadline)
+        candidates, waited = await self._admit(state, need, deadline)
         last_error = ""
         for worker in candidates:
             request = worker_pb2.ReserveRequest(
@@ -297,7 +311,8 @@ class Router:
             return waited
         raise ResourceExhausted(f"no decode worker can hold the request ({last_error})")
 
-    async def _admit(self, need: int, deadline: float | None) -> tuple[list[Worker], float]:
+    async def _admit(self, state: RouterRequest, need: int, deadline: float | None
+                     ) -> tuple[list[Worker], float]:
         """Decode candidates in policy order, and seconds waited. The headroom policy waits
         (bounded) until a worker has room for the request at its longest, so that nothing
         gets preempted."""
@@ -309,12 +324,31 @@ class Router:
         if deadline is not None:
             give_up = min(give_up, deadline)
         while candidates[0].headroom < need and need <= candidates[0].total_blocks:
-            if time.monotonic() > give_up:
+            if time.monotonic() > give_up or state.is_aborted:
                 break  # let the worker queue it: it may still fit by the time it runs
             await asyncio.sleep(0.02)
             await self.workers.refresh_shared()
             candidates = self.policy.order_decode(self.workers.decode_workers(), need)
         return candidates, time.perf_counter() - start
+
+    def _admission_would_wait(self, num_prompt: int, max_tokens: int) -> bool:
+        """Headroom policy, a remote prefill, and no decode worker with room right now."""
+        if (not isinstance(self.policy, HeadroomPolicy) or not self.workers.has_prefill_workers()
+                or num_prompt < self.local_prefill_threshold):
+            return False
+        workers = self.workers.decode_workers()
+        block_size = next((w.layout.block_size for w in workers if w.layout), 16)
+        need = blocks_needed(num_prompt, max_tokens, block_size)
+        return max(w.headroom for w in workers) < need
+
+    async def _ship(self, state: RouterRequest, deadline: float | None) -> None:
+        """Tell the prefill worker holding a deferred prefill where to push its K/V."""
+        if state.prefill_worker is None or state.decode_worker is None:
+            raise Unavailable("deferred prefill lost")
+        await state.prefill_worker.prefill.Ship(
+            worker_pb2.ShipRequest(request_id=state.request_id,
+                                   decode_address=state.decode_worker.address),
+            timeout=_remaining(deadline))
 
     def _start_prefill(self, state: RouterRequest, prompt: list[int], params: SamplingParams,
                        deadline: float | None, num_generated: int
@@ -331,6 +365,7 @@ class Router:
             sampling=convert.sampling_to_proto(params),
             decode_address=decode.address if decode is not None and not is_local else "",
             is_local_decode=is_local, num_generated=num_generated,
+            defer_push=state.is_push_deferred,
         )
         if worker is not decode:
             worker.add_in_flight(state.request_id, 0, len(prompt))

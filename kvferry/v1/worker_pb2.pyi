@@ -24,20 +24,34 @@ class KvLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_address", "is_local_decode", "num_generated")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_address", "is_local_decode", "num_generated", "defer_push")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     IS_LOCAL_DECODE_FIELD_NUMBER: _ClassVar[int]
     NUM_GENERATED_FIELD_NUMBER: _ClassVar[int]
+    DEFER_PUSH_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _generation_pb2.SamplingParams
     decode_address: str
     is_local_decode: bool
     num_generated: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., is_local_decode: _Optional[bool] = ..., num_generated: _Optional[int] = ...) -> None: ...
+    defer_push: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., is_local_decode: _Optional[bool] = ..., num_generated: _Optional[int] = ..., defer_push: _Optional[bool] = ...) -> None: ...
+
+class ShipRequest(_message.Message):
+    __slots__ = ("request_id", "decode_address")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    decode_address: str
+    def __init__(self, request_id: _Optional[str] = ..., decode_address: _Optional[str] = ...) -> None: ...
+
+class ShipResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class FirstToken(_message.Message):
     __slots__ = ("token_id", "prefill_s")

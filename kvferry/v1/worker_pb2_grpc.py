@@ -41,6 +41,11 @@ class PrefillServiceStub:
                 request_serializer=kvferry_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=kvferry_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.Ship = channel.unary_unary(
+                '/kvferry.v1.PrefillService/Ship',
+                request_serializer=kvferry_dot_v1_dot_worker__pb2.ShipRequest.SerializeToString,
+                response_deserializer=kvferry_dot_v1_dot_worker__pb2.ShipResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/kvferry.v1.PrefillService/Abort',
                 request_serializer=kvferry_dot_v1_dot_generation__pb2.AbortRequest.SerializeToString,
@@ -61,6 +66,14 @@ class PrefillServiceServicer:
         """Prefill one prompt. The stream sends `first_token` as soon as it is sampled, then `done`
         once every K/V page has been accepted by the decode worker. Cancelling the call abandons
         the prefill and frees its blocks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Ship(self, request, context):
+        """Where a prefill started with `defer_push` ships its K/V, once the router has a decode
+        reservation for it. NOT_FOUND when no deferred prefill has that id.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -87,6 +100,11 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=kvferry_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
                     response_serializer=kvferry_dot_v1_dot_worker__pb2.PrefillResponse.SerializeToString,
+            ),
+            'Ship': grpc.unary_unary_rpc_method_handler(
+                    servicer.Ship,
+                    request_deserializer=kvferry_dot_v1_dot_worker__pb2.ShipRequest.FromString,
+                    response_serializer=kvferry_dot_v1_dot_worker__pb2.ShipResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -127,6 +145,33 @@ class PrefillService:
             '/kvferry.v1.PrefillService/Prefill',
             kvferry_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
             kvferry_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Ship(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvferry.v1.PrefillService/Ship',
+            kvferry_dot_v1_dot_worker__pb2.ShipRequest.SerializeToString,
+            kvferry_dot_v1_dot_worker__pb2.ShipResponse.FromString,
             options,
             channel_credentials,
             insecure,
