@@ -282,6 +282,10 @@ class DecodeEngine:
         if seq in self._swapped:
             self._swapped.remove(seq)
         seq.phase = Phase.DONE
+        outcome = event.reason.name.lower() if isinstance(event, FinishedEvent) else "error"
+        log.info("request %s done (%s) after %d tokens, %d blocks freed", seq.request_id,
+                 outcome, max(len(seq.tokens) - 1, 0), len(seq.block_table),
+                 extra={"request_id": seq.request_id})
         self.pool.allocator.free(seq.block_table)
         seq.block_table = []
         seq.swapped_kv = None
@@ -302,7 +306,8 @@ class DecodeEngine:
             for seq in list(self._seqs.values()):
                 if seq.phase is Phase.RESERVED and not seq.is_aborted and (
                         now > seq.lease_deadline):
-                    log.warning("request %s: lease expired before decoding began", seq.request_id)
+                    log.warning("request %s: lease expired before decoding began", seq.request_id,
+                                extra={"request_id": seq.request_id})
                     self._finish(seq, ErrorEvent(seq.request_id,
                                                  Aborted("lease expired before K/V arrived")))
 

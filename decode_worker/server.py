@@ -9,7 +9,7 @@ import grpc
 
 from decode_worker.engine import DecodeEngine
 from decode_worker.sequence import DecodeEvent, ErrorEvent, FinishedEvent, TokensEvent
-from kvferry import convert, grpc_util, transport, wire
+from kvferry import convert, grpc_util, logs, transport, wire
 from kvferry.errors import InvalidArgument, KvferryError
 from kvferry.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 from kvferry.worker_servicer import AbortAndStats
@@ -51,6 +51,7 @@ class DecodeServicer(AbortAndStats, worker_pb2_grpc.DecodeServiceServicer):
 
     async def Reserve(self, request: worker_pb2.ReserveRequest,
                       context: grpc.aio.ServicerContext) -> worker_pb2.ReserveResponse:
+        logs.request_id.set(request.request_id)
         try:
             num_blocks = await self.engine.reserve(
                 request.request_id, request.num_prompt_tokens, request.max_tokens,
@@ -152,6 +153,8 @@ class KvTransferServicer(worker_pb2_grpc.KvTransferServiceServicer):
             async for chunk in request_iterator:
                 if request_id and chunk.request_id != request_id:
                     raise InvalidArgument("one push carries one request_id", "request_id")
+                if not request_id:
+                    logs.request_id.set(chunk.request_id)
                 request_id = chunk.request_id
                 span = wire.ChunkSpan(chunk.layer_start, chunk.layer_end, chunk.block_start,
                                       chunk.num_blocks)
@@ -185,6 +188,7 @@ class LocalPrefillServicer(AbortAndStats, worker_pb2_grpc.PrefillServiceServicer
     async def Prefill(self, request: worker_pb2.PrefillRequest,
                       context: grpc.aio.ServicerContext
                       ) -> AsyncIterator[worker_pb2.PrefillResponse]:
+        logs.request_id.set(request.request_id)
         try:
             if not request.is_local_decode:
                 raise InvalidArgument("a decode worker prefills only its own reservations",

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import signal
 import sys
 from pathlib import Path
@@ -97,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvferry", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-format", default="text", choices=["text", "json"],
+                        help="json: one JSON object per line, with the request id it concerns")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("plan", help="K/V memory per token, per request and how many fit")
@@ -290,8 +291,9 @@ def router_settings(args: argparse.Namespace) -> RouterSettings:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from kvferry import logs
+
+    logs.setup(args.log_level, args.log_format)
     from kvferry import processes
 
     if args.command == "plan":

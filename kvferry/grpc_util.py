@@ -73,6 +73,14 @@ def add_health(server: grpc.aio.Server) -> health.aio.HealthServicer:
     return servicer
 
 
+def add_reflection(server: grpc.aio.Server, service_names: list[str]) -> None:
+    """Server reflection (grpcurl, grpcui) for these services, health and itself."""
+    from grpc_reflection.v1alpha import reflection
+
+    reflection.enable_server_reflection(
+        [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+
+
 async def set_serving(servicer: health.aio.HealthServicer, service_names: list[str],
                       serving: bool) -> None:
     status = (health_pb2.HealthCheckResponse.SERVING if serving

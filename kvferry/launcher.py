@@ -75,11 +75,13 @@ class Deployment:
     role_args: dict[str, list[str]] = field(default_factory=dict)  # extra flags by role
     router_args: list[str] = field(default_factory=list)  # extra flags for the router
     log_dir: Path | None = None
+    log_format: str = "text"  # or "json": one object per line, with the request id
     env: dict[str, str] = field(default_factory=dict)
     processes: list[Process] = field(default_factory=list)
 
     def _worker_args(self, role: str) -> list[str]:
-        return [f"{role}-worker", "--model", self.model, "--host", self.host, "--port", "0",
+        return ["--log-format", self.log_format,
+                f"{role}-worker", "--model", self.model, "--host", self.host, "--port", "0",
                 "--block-size", str(self.block_size), "--kv-pool-size", self.kv_pool_size,
                 "--torch-threads", str(self.torch_threads),
                 "--attention-backend", self.attention_backend, *self.worker_args,
@@ -96,8 +98,8 @@ class Deployment:
             self.processes = list(workers)
             for proc in workers:
                 proc.wait_ready(timeout_s)
-            args = ["router", "--model", self.model, "--host", self.host,
-                    "--port", str(self.router_port), *self.router_args]
+            args = ["--log-format", self.log_format, "router", "--model", self.model,
+                    "--host", self.host, "--port", str(self.router_port), *self.router_args]
             for proc in workers:
                 args += [f"--{proc.name.rsplit('-', 1)[0]}", proc.address]
             router = _spawn("router", args, self.log_dir, self.env)

@@ -176,6 +176,7 @@ def build_worker(settings: WorkerSettings) -> tuple[Built, object]:
         prefill_server.add_to_server(server, engine)
         names = prefill_server.SERVICE_NAMES
     engine.start()
+    grpc_util.add_reflection(server, names)
     port = server.add_insecure_port(f"{settings.host}:{settings.port}")
     log.info("%s worker on %s:%d: %d blocks of %d tokens, %s, %s, backend %s, %s K/V transport",
              settings.role, settings.host, port, pool.num_blocks, pool.block_size, dtype, device,
@@ -233,6 +234,7 @@ async def build_router(settings: RouterSettings) -> Built:
         router_metrics = metrics.RouterMetrics(registry)
         metrics_port = metrics.serve(settings.metrics_port, settings.host, registry)
     router_server.add_to_server(server, router, router_metrics)
+    grpc_util.add_reflection(server, router_server.SERVICE_NAMES)
     port = server.add_insecure_port(f"{settings.host}:{settings.port}")
 
     async def on_stop() -> None:

@@ -35,11 +35,10 @@ class ServerActor:
 
     async def start(self, argv: list[str]) -> str:
         """Build and start the server a `kvferry ARGV` command would run; its address."""
-        from kvferry import cli, processes
+        from kvferry import cli, logs, processes
 
-        logging.basicConfig(level="INFO",
-                            format="%(asctime)s %(name)s %(levelname)s %(message)s")
         args = cli.build_parser().parse_args(argv)
+        logs.setup(args.log_level, args.log_format)
         if args.command == "router":
             settings = cli.router_settings(args)
             self._built = await processes.build_router(settings)
@@ -138,8 +137,8 @@ class RayDeployment(Deployment):
                       for w in workers]
             for worker, address in zip(workers, ray.get(starts, timeout=timeout_s)):
                 worker.address = address
-            args = ["router", "--model", self.model, "--host", self.host,
-                    "--port", str(self.router_port), *self.router_args]
+            args = ["--log-format", self.log_format, "router", "--model", self.model,
+                    "--host", self.host, "--port", str(self.router_port), *self.router_args]
             for worker in workers:
                 args += [f"--{worker.name.rsplit('-', 1)[0]}", worker.address]
             router = self._actor("router", 0.0)

@@ -7,6 +7,7 @@ fails, or the caller goes away, and never while a forward pass may still write i
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +27,8 @@ from kvferry.prefill_batch import (
 from kvferry.sampling import SamplingParams, validate_prompt
 from kvferry.transport import KvSender, PushResult
 from kvferry.types import PoolStats
+
+log = logging.getLogger("kvferry.prefill")
 
 
 class FirstTokenEvent(NamedTuple):
@@ -134,6 +137,8 @@ class PrefillEngine:
             if push is not None:
                 pushed = await push
                 self.kv_bytes_sent += pushed.num_bytes
+                log.info("request %s: %d prompt tokens prefilled, %d K/V bytes pushed in %.1f ms",
+                         request_id, len(prompt), pushed.num_bytes, pushed.seconds * 1e3)
                 yield PushedEvent(pushed.seconds, pushed.num_bytes)
         finally:
             if push is not None and not push.done():

@@ -7,7 +7,7 @@ from contextlib import aclosing
 
 import grpc
 
-from kvferry import convert, grpc_util, transport
+from kvferry import convert, grpc_util, logs, transport
 from kvferry.v1 import worker_pb2, worker_pb2_grpc
 from kvferry.worker_servicer import AbortAndStats
 from prefill_worker.engine import FirstTokenEvent, PrefillEngine
@@ -23,6 +23,7 @@ class PrefillServicer(AbortAndStats, worker_pb2_grpc.PrefillServiceServicer):
     async def Prefill(self, request: worker_pb2.PrefillRequest,
                       context: grpc.aio.ServicerContext
                       ) -> AsyncIterator[worker_pb2.PrefillResponse]:
+        logs.request_id.set(request.request_id)
         try:
             params = convert.sampling_from_proto(request.sampling)
             events = self.engine.prefill(

@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
 import grpc
 
-from kvferry import convert, grpc_util
+from kvferry import convert, grpc_util, logs
 from kvferry.errors import KvferryError
 from kvferry.metrics import RouterMetrics
 from kvferry.v1 import generation_pb2, generation_pb2_grpc
 from router.engine import ChunkEvent, DoneEvent, Router
 from router.validation import GenerateInput
+
+log = logging.getLogger("kvferry.router")
 
 
 def _input(request: generation_pb2.GenerateRequest) -> GenerateInput:
@@ -108,6 +111,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                        context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         request_id = request.request_id
+        logs.request_id.set(request_id)
         clock = _StreamClock(self.metrics)
         try:
             events = self.router.generate(_input(request), context.time_remaining())
@@ -115,6 +119,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 async for event in events:
                     if isinstance(event, str):
                         request_id = event
+                        logs.request_id.set(request_id)
                     elif isinstance(event, ChunkEvent):
                         clock.chunk(len(event.token_ids))
                         yield generation_pb2.GenerateResponse(
@@ -124,6 +129,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                         )
                     else:
                         clock.done(event)
+                        log.info("request %s done (%s): %d prompt + %d generated tokens, TTFT "
+                                 "%.1f ms, %d migrations", request_id, event.reason.name.lower(),
+                                 event.prompt_tokens, event.completion_tokens,
+                                 event.timing.time_to_first_token_s * 1e3,
+                                 event.timing.num_migrations)
                         yield _done_to_proto(request_id, event)
         except asyncio.CancelledError:
             clock.failed(grpc.StatusCode.CANCELLED)

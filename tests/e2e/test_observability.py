@@ -1,0 +1,56 @@
+"""Structured logs and reflection (issue 9): with --log-format json every process writes one
+JSON object per line, and the lines about one request carry its id in router, prefill and
+decode alike; every server answers gRPC reflection for its services."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import grpc
+import pytest
+from google.protobuf.descriptor_pool import DescriptorPool
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+    ProtoReflectionDescriptorDatabase,
+)
+
+from kvferry import client
+from kvferry.launcher import Deployment
+
+pytestmark = pytest.mark.slow
+
+
+def _records(path: Path) -> list[dict[str, object]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
+
+
+def test_json_logs_carry_the_request_id_through_every_process(qwen3_checkpoint: Path,
+                                                              tmp_path: Path) -> None:
+    with Deployment(model=str(qwen3_checkpoint), log_dir=tmp_path, log_format="json") as dep:
+        request = client.make_request(list(range(5, 60)), request_id="trace-me-42",
+                                      temperature=0.0, max_tokens=5, ignore_eos=True)
+        got = asyncio.run(client.generate(dep.router_address, request, 60))
+        assert len(got.token_ids) == 5
+    for name in ("router", "prefill-0", "decode-0"):
+        records = _records(tmp_path / f"{name}.log")
+        assert records, f"{name} wrote no JSON lines"
+        assert all({"time", "level", "logger", "message"} <= r.keys() for r in records)
+        mine = [r for r in records if r.get("request_id") == "trace-me-42"]
+        assert mine, f"{name} logged nothing with the request id"
+        assert all("trace-me-42" in str(r["message"]) for r in mine)
+
+
+@pytest.mark.parametrize("role, service", [
+    ("router", "kvferry.v1.GenerationService"), ("prefill", "kvferry.v1.PrefillService"),
+    ("decode", "kvferry.v1.DecodeService"), ("decode", "kvferry.v1.KvTransferService")])
+def test_every_server_answers_reflection(role: str, service: str,
+                                         qwen3_deployment: Deployment) -> None:
+    address = (qwen3_deployment.router_address if role == "router"
+               else qwen3_deployment.addresses(role)[0])
+    with grpc.insecure_channel(address) as chan:
+        database = ProtoReflectionDescriptorDatabase(chan)
+        services = database.get_services()
+        assert service in services and "grpc.health.v1.Health" in services
+        described = DescriptorPool(database).FindServiceByName(service)
+        assert described.methods  # the full schema is served, not just the name
