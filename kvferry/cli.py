@@ -1,6 +1,7 @@
 """The `kvferry` command line.
 
   kvferry make-model [--out DIR] [--arch qwen3|llama]   seeded checkpoint (HF format)
+  kvferry make-certs --out DIR                           test CA, cluster cert, token
   kvferry serve [--model DIR] [--num-prefill P] ...      router + workers on localhost
   kvferry generate --address HOST:PORT PROMPT            stream a completion
   kvferry demo                                           serve + one Generate + shut down
@@ -17,7 +18,7 @@ import signal
 import sys
 from pathlib import Path
 
-from kvferry.settings import DEFAULT_MODEL_DIR, RouterSettings, WorkerSettings
+from kvferry.settings import DEFAULT_MODEL_DIR, RouterSettings, SecuritySettings, WorkerSettings
 
 
 def _ensure_default_model() -> str:
@@ -27,6 +28,47 @@ def _ensure_default_model() -> str:
         print(f"creating the default model in {DEFAULT_MODEL_DIR}", file=sys.stderr)
         make_model(DEFAULT_MODEL_DIR)
     return str(DEFAULT_MODEL_DIR)
+
+
+def _tls_args(p: argparse.ArgumentParser, is_member: bool = True,
+              is_one_process: bool = False) -> None:
+    """TLS flags; `is_member`: also the cluster token (router, workers, serve, demo);
+    `is_one_process`: also the plaintext health port (router, workers)."""
+    p.add_argument("--tls-cert", default=None,
+                   help="PEM certificate: serve TLS; also the client certificate of calls")
+    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    p.add_argument("--tls-ca", default=None,
+                   help="PEM CA bundle verifying peers; workers then require client "
+                        "certificates (mTLS)")
+    p.add_argument("--tls-server-name", default=None,
+                   help="name expected in servers' certificates (default: the address's host)")
+    if is_member:
+        p.add_argument("--cluster-token-file", default=None,
+                       help="shared secret: internal calls carry it, workers refuse calls "
+                            "without it (UNAUTHENTICATED); health checks stay open")
+    if is_one_process:
+        p.add_argument("--health-port", type=int, default=None,
+                       help="also serve grpc.health.v1 alone, in plaintext, on this port "
+                            "(Kubernetes gRPC probes cannot speak TLS)")
+
+
+def security_settings(args: argparse.Namespace) -> SecuritySettings:
+    return SecuritySettings(
+        tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
+        tls_server_name=args.tls_server_name,
+        cluster_token_file=getattr(args, "cluster_token_file", None),
+        health_port=getattr(args, "health_port", None),
+    )
+
+
+def _security_argv(args: argparse.Namespace) -> list[str]:
+    """The security flags of `args` as a command line (serve/demo pass them to every process)."""
+    argv = []
+    for name in ("tls_cert", "tls_key", "tls_ca", "tls_server_name", "cluster_token_file"):
+        value = getattr(args, name, None)
+        if value is not None:
+            argv += [f"--{name.replace('_', '-')}", str(value)]
+    return argv
 
 
 def _worker_parser(sub: argparse._SubParsersAction, role: str) -> None:
@@ -55,6 +97,7 @@ def _worker_parser(sub: argparse._SubParsersAction, role: str) -> None:
                         "ones finish for up to this long, then exit")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics over HTTP on this port (0: any free port)")
+    _tls_args(p, is_one_process=True)
     p.set_defaults(role=role)
 
 
@@ -80,6 +123,7 @@ def _deployment_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ray-address", default=None,
                    help="with --kv-transport ray: an existing cluster (auto, ray://HOST:PORT); "
                         "default: start a local Ray instance")
+    _tls_args(p)
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -111,6 +155,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--pool-size", default="40GiB", help="pool bytes, e.g. 40GiB")
     p.add_argument("--block-size", type=int, default=16)
+
+    p = sub.add_parser("make-certs", help="write a test CA, a cluster certificate and a token "
+                                          "(needs the cryptography package)")
+    p.add_argument("--out", required=True, help="directory for ca.crt, tls.crt, tls.key, token")
+    p.add_argument("--name", action="append", default=[],
+                   help="subject alternative name (DNS name or IP); default: localhost, "
+                        "127.0.0.1")
 
     p = sub.add_parser("make-model", help="write a seeded checkpoint in Hugging Face format")
     p.add_argument("--out", default=str(DEFAULT_MODEL_DIR))
@@ -144,6 +195,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "ones finish for up to this long, then exit")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics over HTTP on this port (0: any free port)")
+    _tls_args(p, is_one_process=True)
+    p.add_argument("--public-client-auth", action="store_true",
+                   help="the public port also requires client certificates (verified with "
+                        "--tls-ca)")
 
     p = sub.add_parser("serve", help="start router + workers on localhost until Ctrl-C")
     _deployment_args(p)
@@ -151,6 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="stream one completion from a running deployment")
     p.add_argument("prompt")
     p.add_argument("--address", default="127.0.0.1:50051")
+    _tls_args(p, is_member=False)
     _sampling_args(p)
 
     p = sub.add_parser("demo", help="serve, send one Generate, print TTFT/ITL, shut down")
@@ -175,14 +231,16 @@ def _sampling_kwargs(args: argparse.Namespace) -> dict[str, object]:
     return kwargs
 
 
-async def _print_stream(address: str, prompt: str, sampling: dict[str, object]) -> int:
+async def _print_stream(address: str, prompt: str, sampling: dict[str, object],
+                        tls: SecuritySettings) -> int:
     import grpc
 
-    from kvferry import client, grpc_util
+    from kvferry import client, security
     from kvferry.v1 import generation_pb2, generation_pb2_grpc
 
     request = client.make_request(prompt, **sampling)
-    async with grpc_util.channel(address) as chan:
+    creds = security.load(tls)._replace(token=None)  # the public port takes no cluster token
+    async with security.channel(address, creds) as chan:
         stub = generation_pb2_grpc.GenerationServiceStub(chan)
         completion = client.Completion()
         try:
@@ -209,8 +267,9 @@ def _deployment(args: argparse.Namespace):
         num_decode=args.num_decode, router_port=args.port, block_size=args.block_size,
         kv_pool_size=args.kv_pool_size, torch_threads=args.torch_threads,
         attention_backend=args.attention_backend, is_colocated=args.colocated, host=args.host,
-        router_args=[] if args.metrics_port is None else ["--metrics-port",
-                                                           str(args.metrics_port)],
+        router_args=([] if args.metrics_port is None else ["--metrics-port",
+                                                            str(args.metrics_port)])
+        + _security_argv(args), worker_args=_security_argv(args),
     )
     if args.kv_transport == "ray":
         from kvferry.ray_launcher import RayDeployment
@@ -241,7 +300,7 @@ def _demo(args: argparse.Namespace) -> int:
     with _deployment(args) as deployment:
         print(f"deployment up: router {deployment.router_address}", file=sys.stderr)
         return asyncio.run(_print_stream(deployment.router_address, args.prompt,
-                                         _sampling_kwargs(args)))
+                                         _sampling_kwargs(args), security_settings(args)))
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -272,7 +331,7 @@ def worker_settings(args: argparse.Namespace) -> WorkerSettings:
         prefill_token_budget=args.prefill_token_budget,
         prefill_chunk_size=args.prefill_chunk_size, kv_max_resends=args.kv_max_resends,
         kv_transport=args.kv_transport, drain_timeout_s=args.drain_timeout_s,
-        metrics_port=args.metrics_port,
+        metrics_port=args.metrics_port, security=security_settings(args),
     )
 
 
@@ -286,6 +345,7 @@ def router_settings(args: argparse.Namespace) -> RouterSettings:
         dns_interval_s=args.dns_interval_s,
         local_prefill_threshold=args.local_prefill_threshold,
         drain_timeout_s=args.drain_timeout_s, metrics_port=args.metrics_port,
+        security=security_settings(args), is_public_client_auth=args.public_client_auth,
     )
 
 
@@ -298,6 +358,12 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "plan":
         return _plan(args)
+    if args.command == "make-certs":
+        from kvferry.certs import DEFAULT_NAMES, make_certs
+
+        files = make_certs(Path(args.out), tuple(args.name) or DEFAULT_NAMES)
+        print("\n".join(str(path) for path in files))
+        return 0
     if args.command == "make-model":
         from kvferry.checkpoint import SPECS, make_model
 
@@ -312,7 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         return _serve(args)
     if args.command == "generate":
-        return asyncio.run(_print_stream(args.address, args.prompt, _sampling_kwargs(args)))
+        return asyncio.run(_print_stream(args.address, args.prompt, _sampling_kwargs(args),
+                                         security_settings(args)))
     if args.command == "demo":
         return _demo(args)
     if args.command == "bench":

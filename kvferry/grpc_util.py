@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvferry import errors
 
-MAX_MESSAGE_BYTES = 64 << 20
+MAX_MESSAGE_BYTES = 64 << 20  # internal messages (K/V chunks aim at ~1 MiB)
+PUBLIC_MAX_RECEIVE_BYTES = 4 << 20  # the router's public port: prompts are text or token ids
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -63,8 +65,15 @@ async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException,
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
 
 
-def make_server(max_concurrent_rpcs: int | None = None) -> grpc.aio.Server:
-    return grpc.aio.server(options=CHANNEL_OPTIONS, maximum_concurrent_rpcs=max_concurrent_rpcs)
+def make_server(max_concurrent_rpcs: int | None = None,
+                max_receive_bytes: int = MAX_MESSAGE_BYTES,
+                interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> grpc.aio.Server:
+    """A server capped at `max_receive_bytes` per incoming message (bigger ones fail with
+    RESOURCE_EXHAUSTED before any handler runs)."""
+    options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+               ("grpc.max_receive_message_length", max_receive_bytes)]
+    return grpc.aio.server(options=options, maximum_concurrent_rpcs=max_concurrent_rpcs,
+                           interceptors=list(interceptors))
 
 
 def add_health(server: grpc.aio.Server) -> health.aio.HealthServicer:

@@ -13,11 +13,11 @@ from typing import NamedTuple, Protocol
 import grpc
 import torch
 
-from kvferry import grpc_util, wire
+from kvferry import grpc_util, security, wire
 from kvferry.capacity import KvShape
 from kvferry.config import load_model_config
 from kvferry.kv_pool import DTYPES, KvPool, dtype_name
-from kvferry.settings import RouterSettings, WorkerSettings, parse_pool_size
+from kvferry.settings import RouterSettings, SecuritySettings, WorkerSettings, parse_pool_size
 from kvferry.transport import KvSender
 
 log = logging.getLogger("kvferry")
@@ -92,10 +92,13 @@ class Built(NamedTuple):
     drain_timeout_s: float
     engine: Drainable | None = None  # workers; the router drains through the server's grace
     metrics_port: int = 0  # bound Prometheus port; 0: no metrics server
+    health_server: grpc.aio.Server | None = None  # plaintext health-only port (TLS setups)
 
 
 async def start(built: Built) -> None:
     await built.server.start()
+    if built.health_server is not None:
+        await built.health_server.start()
     await grpc_util.set_serving(built.health, built.service_names, True)
 
 
@@ -116,6 +119,8 @@ async def stop(built: Built) -> None:
             await asyncio.sleep(0.05)
         grace = 1.0
     await built.server.stop(grace=grace)
+    if built.health_server is not None:
+        await built.health_server.stop(grace=None)
     await built.on_stop()
     log.info("stopped")
 
@@ -131,7 +136,7 @@ async def _serve(built: Built) -> None:
     await stop(built)
 
 
-def _make_sender(settings: WorkerSettings) -> KvSender:
+def _make_sender(settings: WorkerSettings, creds: security.Credentials) -> KvSender:
     corrupt = int(os.environ.get("KVFERRY_FAULT_CORRUPT_PUSHES", "0"))
     if settings.kv_transport == "ray":
         from kvferry.ray_transport import RayKvSender
@@ -139,7 +144,8 @@ def _make_sender(settings: WorkerSettings) -> KvSender:
         return RayKvSender(max_resends=settings.kv_max_resends, corrupt_pushes=corrupt)
     from kvferry.transport import GrpcKvSender
 
-    return GrpcKvSender(max_resends=settings.kv_max_resends, corrupt_pushes=corrupt)
+    return GrpcKvSender(max_resends=settings.kv_max_resends, corrupt_pushes=corrupt,
+                        credentials=creds)
 
 
 def build_worker(settings: WorkerSettings) -> tuple[Built, object]:
@@ -155,7 +161,8 @@ def build_worker(settings: WorkerSettings) -> tuple[Built, object]:
     model = Transformer(config, get_attention_backend(backend_name), dtype, device)
     pool = build_pool(settings, config, device, dtype)
     layout = wire.KvLayout.of_pool(pool, config.fingerprint)
-    server = grpc_util.make_server()
+    creds = security.load(settings.security)
+    server = grpc_util.make_server(interceptors=security.server_interceptors(creds))
     health = grpc_util.add_health(server)
     if settings.role in ("decode", "colocated"):
         from decode_worker import server as decode_server
@@ -170,14 +177,16 @@ def build_worker(settings: WorkerSettings) -> tuple[Built, object]:
         from prefill_worker import server as prefill_server
         from prefill_worker.engine import PrefillEngine
 
-        engine = PrefillEngine(model, pool, layout, _make_sender(settings),
+        engine = PrefillEngine(model, pool, layout, _make_sender(settings, creds),
                                settings.prefill_token_budget, settings.prefill_chunk_size,
                                settings.max_waiting)
         prefill_server.add_to_server(server, engine)
         names = prefill_server.SERVICE_NAMES
     engine.start()
     grpc_util.add_reflection(server, names)
-    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    # Internal server: a CA means client certificates are required (mTLS).
+    port = security.add_port(server, f"{settings.host}:{settings.port}", creds,
+                             require_client_auth=settings.security.tls_ca is not None)
     log.info("%s worker on %s:%d: %d blocks of %d tokens, %s, %s, backend %s, %s K/V transport",
              settings.role, settings.host, port, pool.num_blocks, pool.block_size, dtype, device,
              backend_name, settings.kv_transport)
@@ -191,7 +200,8 @@ def build_worker(settings: WorkerSettings) -> tuple[Built, object]:
         registry.register(metrics.WorkerCollector(settings.role, engine.stats, kv_bytes))
         metrics_port = metrics.serve(settings.metrics_port, settings.host, registry)
     return Built(server, health, names, port, engine.stop, settings.drain_timeout_s,
-                 engine, metrics_port), engine
+                 engine, metrics_port, _health_server(health, settings.host,
+                                                      settings.security)), engine
 
 
 async def run_worker(settings: WorkerSettings) -> None:
@@ -209,8 +219,9 @@ async def build_router(settings: RouterSettings) -> Built:
 
     config = load_model_config(settings.model)
     tokenizer = AutoTokenizer.from_pretrained(settings.model)
+    creds = security.load(settings.security)
     workers = WorkerSet.connect(list(settings.prefill), list(settings.decode),
-                                config.fingerprint, list(settings.colocated))
+                                config.fingerprint, list(settings.colocated), creds)
     dns_names = {role: name for role, name in (("prefill", settings.prefill_dns),
                                                ("decode", settings.decode_dns)) if name}
     tasks = []
@@ -224,7 +235,8 @@ async def build_router(settings: RouterSettings) -> Built:
     router = Router(config, tokenizer, workers, settings.lease_s, make_policy(settings.policy),
                     settings.local_prefill_threshold)
     tasks.append(asyncio.create_task(_refresh_loop(workers)))
-    server = grpc_util.make_server()
+    # Public: a smaller receive cap, no token check (clients are not cluster members).
+    server = grpc_util.make_server(max_receive_bytes=grpc_util.PUBLIC_MAX_RECEIVE_BYTES)
     health = grpc_util.add_health(server)
     router_metrics, metrics_port = None, 0
     if settings.metrics_port is not None:
@@ -235,7 +247,8 @@ async def build_router(settings: RouterSettings) -> Built:
         metrics_port = metrics.serve(settings.metrics_port, settings.host, registry)
     router_server.add_to_server(server, router, router_metrics)
     grpc_util.add_reflection(server, router_server.SERVICE_NAMES)
-    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    port = security.add_port(server, f"{settings.host}:{settings.port}", creds,
+                             require_client_auth=settings.is_public_client_auth)
 
     async def on_stop() -> None:
         for task in tasks:
@@ -243,7 +256,17 @@ async def build_router(settings: RouterSettings) -> Built:
         await workers.close()
 
     return Built(server, health, router_server.SERVICE_NAMES, port, on_stop,
-                 settings.drain_timeout_s, None, metrics_port)
+                 settings.drain_timeout_s, None, metrics_port,
+                 _health_server(health, settings.host, settings.security))
+
+
+def _health_server(health: object, host: str,
+                   sec: SecuritySettings) -> grpc.aio.Server | None:
+    if sec.health_port is None:
+        return None
+    server, port = security.health_only_server(health, f"{host}:{sec.health_port}")
+    log.info("plaintext health checks on %s:%d", host, port)
+    return server
 
 
 async def run_router(settings: RouterSettings) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 DEFAULT_MODEL_DIR = Path(
@@ -40,6 +40,38 @@ def _check_common(drain_timeout_s: float, metrics_port: int | None) -> None:
 
 
 @dataclass(frozen=True)
+class SecuritySettings:
+    """TLS and the cluster token of one process (kvferry/security.py builds the credentials).
+    All None: plaintext and no token, for tests and local development."""
+
+    tls_cert: str | None = None  # this server's certificate (PEM); also the client certificate
+    tls_key: str | None = None  # of its internal calls; give both or neither
+    tls_ca: str | None = None  # CA bundle to verify peers; worker servers then require client
+    # certificates (mTLS)
+    tls_server_name: str | None = None  # name expected in peers' certificates (default: the
+    # address's host); Kubernetes pods are dialled by IP, so name the certificate's DNS SAN
+    cluster_token_file: str | None = None  # shared secret every internal RPC must carry
+    health_port: int | None = None  # plaintext grpc.health.v1 only, for probes that cannot
+    # speak TLS (Kubernetes gRPC probes); None: health on the main port only
+
+    def __post_init__(self) -> None:
+        if self.health_port is not None and not 0 <= self.health_port < 65536:
+            raise ValueError(f"health_port: out of range: {self.health_port}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert/tls_key: give both or neither")
+        if self.tls_ca is not None and self.tls_cert is None:
+            raise ValueError("tls_ca: needs tls_cert and tls_key (the server speaks TLS)")
+        for name in ("tls_cert", "tls_key", "tls_ca", "cluster_token_file"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"{name}: no such file {path!r}")
+
+    @property
+    def is_tls(self) -> bool:
+        return self.tls_cert is not None
+
+
+@dataclass(frozen=True)
 class WorkerSettings:
     """A prefill or decode worker process."""
 
@@ -60,6 +92,7 @@ class WorkerSettings:
     kv_transport: str = "grpc"  # how a prefill worker ships pages: grpc | ray (Ray actors)
     drain_timeout_s: float = 30.0  # SIGTERM: time to finish in-flight requests before exit
     metrics_port: int | None = None  # Prometheus /metrics on this HTTP port (0: any free)
+    security: SecuritySettings = field(default_factory=SecuritySettings)
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "colocated"):
@@ -100,8 +133,12 @@ class RouterSettings:
     local_prefill_threshold: int = 0  # prompts shorter than this prefill on the decode worker
     drain_timeout_s: float = 30.0  # SIGTERM: time to finish in-flight streams before exit
     metrics_port: int | None = None  # Prometheus /metrics on this HTTP port (0: any free)
+    security: SecuritySettings = field(default_factory=SecuritySettings)
+    is_public_client_auth: bool = False  # the public port also requires client certificates
 
     def __post_init__(self) -> None:
+        if self.is_public_client_auth and self.security.tls_ca is None:
+            raise ValueError("is_public_client_auth: needs tls_ca to verify client certificates")
         if self.policy not in ("headroom", "round_robin", "least_requests"):
             raise ValueError(f"policy: unknown {self.policy!r}")
         _check_common(self.drain_timeout_s, self.metrics_port)

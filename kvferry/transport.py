@@ -14,7 +14,7 @@ from typing import NamedTuple, Protocol
 
 import grpc
 
-from kvferry import grpc_util, wire
+from kvferry import security, wire
 from kvferry.errors import Remote
 from kvferry.kv_pool import KvPool
 from kvferry.v1 import worker_pb2, worker_pb2_grpc
@@ -71,16 +71,18 @@ class GrpcKvSender:
     have one byte of their first chunk flipped after its checksum was taken."""
 
     def __init__(self, chunk_bytes: int = wire.CHUNK_TARGET_BYTES, max_resends: int = 2,
-                 corrupt_pushes: int = 0) -> None:
+                 corrupt_pushes: int = 0,
+                 credentials: security.Credentials = security.PLAINTEXT) -> None:
         self.chunk_bytes = chunk_bytes
         self.max_resends = max_resends
         self._corrupt_left = corrupt_pushes
         self.num_corrupt_pushes = 0  # refused by the receiver's checksum check
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._credentials = credentials  # TLS and token of the decode workers' K/V service
 
     def _stub(self, address: str) -> worker_pb2_grpc.KvTransferServiceStub:
         if address not in self._channels:
-            self._channels[address] = grpc_util.channel(address)
+            self._channels[address] = security.channel(address, self._credentials)
         return worker_pb2_grpc.KvTransferServiceStub(self._channels[address])
 
     async def push(

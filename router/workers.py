@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvferry import grpc_util, transport, wire
+from kvferry import security, transport, wire
 from kvferry.errors import Unavailable
 from kvferry.v1 import worker_pb2, worker_pb2_grpc
 from router.decode_mux import DecodeMux
@@ -97,12 +97,14 @@ class WorkerSet:
 
     expected_fingerprint: str
     workers: list[Worker] = field(default_factory=list)
+    credentials: security.Credentials = security.PLAINTEXT  # TLS and token for worker channels
     _refreshing: asyncio.Future[None] | None = None
 
     @staticmethod
     def connect(prefill: list[str], decode: list[str], fingerprint: str,
-                colocated: list[str] | None = None) -> WorkerSet:
-        ws = WorkerSet(fingerprint)
+                colocated: list[str] | None = None,
+                credentials: security.Credentials = security.PLAINTEXT) -> WorkerSet:
+        ws = WorkerSet(fingerprint, credentials=credentials)
         for role, addresses in (("prefill", prefill), ("decode", decode),
                                 ("colocated", colocated or [])):
             for address in addresses:
@@ -110,7 +112,7 @@ class WorkerSet:
         return ws
 
     def add(self, address: str, role: str) -> Worker:
-        chan = grpc_util.channel(address)
+        chan = security.channel(address, self.credentials)
         worker = Worker(address, role, chan, mux=DecodeMux(chan) if role != "prefill" else None)
         self.workers.append(worker)
         return worker

@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import time  # noqa: E402
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -33,11 +33,20 @@ def llama_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_model(tmp_path_factory.mktemp("llama"), LLAMA_SPEC)
 
 
-def worker_stats(deployment: Deployment) -> list[worker_pb2.WorkerStats]:
+def plaintext_channel(address: str) -> grpc.Channel:
+    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+# How tests reach a worker: plaintext here; tests/e2e/test_security.py passes mTLS + token.
+OpenChannel = Callable[[str], grpc.Channel]
+
+
+def worker_stats(deployment: Deployment, open_channel: OpenChannel = plaintext_channel
+                 ) -> list[worker_pb2.WorkerStats]:
     stats = []
     for role in ("prefill", "decode"):
         for address in deployment.addresses(role):
-            with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as chan:
+            with open_channel(address) as chan:
                 stub = (worker_pb2_grpc.PrefillServiceStub(chan) if role == "prefill"
                         else worker_pb2_grpc.DecodeServiceStub(chan))
                 stats.append(stub.GetStats(worker_pb2.GetStatsRequest(check_integrity=True),
@@ -45,13 +54,14 @@ def worker_stats(deployment: Deployment) -> list[worker_pb2.WorkerStats]:
     return stats
 
 
-def assert_pools_clean(deployment: Deployment, timeout_s: float = 10.0) -> None:
+def assert_pools_clean(deployment: Deployment, timeout_s: float = 10.0,
+                       open_channel: OpenChannel = plaintext_channel) -> None:
     """Every worker's pool is back to all free and its allocator's integrity check holds.
 
     Releases after a cancel travel as RPCs, so allow them a moment to land."""
     deadline = time.monotonic() + timeout_s
     while True:
-        stats = worker_stats(deployment)
+        stats = worker_stats(deployment, open_channel)
         clean = all(s.free_blocks == s.total_blocks and s.num_running == 0
                     and s.num_waiting == 0 for s in stats)
         if clean or time.monotonic() > deadline:
