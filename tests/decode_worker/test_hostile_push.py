@@ -1,0 +1,216 @@
+"""Hostile K/V pushes against an in-process decode engine: every malformed or malicious chunk
+is refused before any write, so no byte of the pool changes, and in particular no other
+request's blocks. The gRPC-level cases live in test_kv_push.py."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from decode_worker.engine import DecodeEngine
+from decode_worker.server import KvTransferServicer
+from kernels.dispatch import get_attention_backend
+from kvferry import transport, wire
+from kvferry.config import load_model_config
+from kvferry.errors import InvalidArgument, NotFound
+from kvferry.kv_pool import KvPool, blocks_for_tokens
+from kvferry.model import Transformer
+from kvferry.v1 import worker_pb2
+
+BLOCK_SIZE = 4
+PROMPT = 10  # tokens: 3 blocks of 4
+MAX_TOKENS = 4
+
+
+class Push:
+    """A sender's view of one request: its own pool filled with random K/V, and the chunks a
+    correct push would send."""
+
+    def __init__(self, layout: wire.KvLayout, num_tokens: int, seed: int) -> None:
+        self.layout = layout
+        self.num_tokens = num_tokens
+        num_blocks = blocks_for_tokens(num_tokens, layout.block_size)
+        self.pool = KvPool(layout.num_layers, layout.num_kv_heads, layout.head_dim,
+                           layout.block_size, num_blocks, torch.float32, torch.device("cpu"))
+        gen = torch.Generator().manual_seed(seed)
+        self.pool.cache.copy_(torch.randn(self.pool.cache.shape, generator=gen))
+        self.block_table = list(range(num_blocks))
+
+    def chunk(self, span: wire.ChunkSpan) -> tuple[wire.ChunkSpan, bytes, int]:
+        data = wire.pack(self.pool, self.block_table, span)
+        return span, data, wire.crc32(data)
+
+    def whole(self) -> wire.ChunkSpan:
+        blocks = blocks_for_tokens(self.num_tokens, self.layout.block_size)
+        return wire.ChunkSpan(0, self.layout.num_layers, 0, blocks)
+
+
+@pytest.fixture
+def engine(qwen3_checkpoint: Path) -> Iterator[DecodeEngine]:
+    config = load_model_config(qwen3_checkpoint)
+    model = Transformer(config, get_attention_backend("torch"), torch.float32,
+                        torch.device("cpu"))
+    pool = KvPool(config.num_layers, config.num_kv_heads, config.head_dim, BLOCK_SIZE, 32,
+                  torch.float32, torch.device("cpu"))
+    engine = DecodeEngine(model, pool, wire.KvLayout.of_pool(pool, config.fingerprint))
+    yield engine
+    engine._executor.shutdown(wait=True)
+
+
+def _reserve(engine: DecodeEngine, request_id: str, num_tokens: int = PROMPT) -> None:
+    asyncio.run(engine.reserve(request_id, num_tokens, MAX_TOKENS, 30.0))
+
+
+def _victim(engine: DecodeEngine) -> Push:
+    """Request B, reserved and holding its complete K/V."""
+    _reserve(engine, "B")
+    push = Push(engine.layout, PROMPT, seed=1)
+    engine.receive_chunk("B", engine.layout, PROMPT, *push.chunk(push.whole()))
+    engine.finish_push("B")
+    return push
+
+
+def _victim_pages(engine: DecodeEngine) -> torch.Tensor:
+    table = engine._seqs["B"].block_table[:blocks_for_tokens(PROMPT, BLOCK_SIZE)]
+    return engine.pool.cache[:, :, table].clone()
+
+
+def _wrong_layout(layout: wire.KvLayout, **changes: object) -> wire.KvLayout:
+    fields = {name: getattr(layout, name) for name in layout.__dataclass_fields__}
+    return wire.KvLayout(**{**fields, **changes})
+
+
+# Each case: (chunk's request id, layout, num_tokens, span, data, crc32) from the engine's
+# layout and A's honest push.
+Case = Callable[[wire.KvLayout, Push], tuple[str, wire.KvLayout, int, wire.ChunkSpan, bytes, int]]
+
+
+def _sized(layout: wire.KvLayout, span: wire.ChunkSpan) -> tuple[wire.ChunkSpan, bytes, int]:
+    """A span with a payload of exactly the size it claims (so only the span is wrong)."""
+    size = (span.layer_end - span.layer_start) * span.num_blocks * layout.bytes_per_layer_block
+    data = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    return span, data, wire.crc32(data)
+
+
+HOSTILE: dict[str, Case] = {
+    "more blocks than reserved": lambda lay, a: (
+        "A", lay, PROMPT, *_sized(lay, wire.ChunkSpan(0, lay.num_layers, 0, 4))),
+    "block range past the reservation": lambda lay, a: (
+        "A", lay, PROMPT, *_sized(lay, wire.ChunkSpan(0, 1, 2, 2))),
+    "negative block_start": lambda lay, a: (
+        "A", lay, PROMPT, *_sized(lay, wire.ChunkSpan(0, 1, -1, 1))),
+    "zero blocks": lambda lay, a: ("A", lay, PROMPT, *_sized(lay, wire.ChunkSpan(0, 1, 0, 0))),
+    "layers past the model": lambda lay, a: (
+        "A", lay, PROMPT, *_sized(lay, wire.ChunkSpan(0, lay.num_layers + 1, 0, 1))),
+    "empty layer range": lambda lay, a: (
+        "A", lay, PROMPT, *_sized(lay, wire.ChunkSpan(1, 1, 0, 1))),
+    "num_tokens above the reservation": lambda lay, a: (
+        "A", lay, PROMPT + 8, *_sized(lay, wire.ChunkSpan(0, lay.num_layers, 0, 5))),
+    "num_tokens below the reservation": lambda lay, a: (
+        "A", lay, 4, *a.chunk(wire.ChunkSpan(0, lay.num_layers, 0, 1))),
+    "dtype": lambda lay, a: ("A", _wrong_layout(lay, dtype="bfloat16"), PROMPT,
+                             *a.chunk(a.whole())),
+    "num_kv_heads": lambda lay, a: ("A", _wrong_layout(lay, num_kv_heads=lay.num_kv_heads * 2),
+                                    PROMPT, *a.chunk(a.whole())),
+    "head_dim": lambda lay, a: ("A", _wrong_layout(lay, head_dim=lay.head_dim // 2), PROMPT,
+                                *a.chunk(a.whole())),
+    "block_size": lambda lay, a: ("A", _wrong_layout(lay, block_size=BLOCK_SIZE * 2), PROMPT,
+                                  *a.chunk(a.whole())),
+    "payload longer than the span": lambda lay, a: (
+        "A", lay, PROMPT, a.whole(), a.chunk(a.whole())[1] + b"\0" * 64,
+        wire.crc32(a.chunk(a.whole())[1] + b"\0" * 64)),
+    "payload shorter than the span": lambda lay, a: (
+        "A", lay, PROMPT, a.whole(), a.chunk(a.whole())[1][:-64],
+        wire.crc32(a.chunk(a.whole())[1][:-64])),
+    "checksum": lambda lay, a: ("A", lay, PROMPT, a.whole(), a.chunk(a.whole())[1], 1),
+    "victim's complete K/V": lambda lay, a: ("B", lay, PROMPT, *a.chunk(a.whole())),
+    "unknown request": lambda lay, a: ("C", lay, PROMPT, *a.chunk(a.whole())),
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_hostile_chunk_changes_no_byte(name: str, engine: DecodeEngine) -> None:
+    victim = _victim(engine)
+    _reserve(engine, "A")
+    attacker = Push(engine.layout, PROMPT, seed=2)
+    before = engine.pool.cache.clone()
+    request_id, layout, num_tokens, span, data, crc = HOSTILE[name](engine.layout, attacker)
+    with pytest.raises((InvalidArgument, NotFound)):
+        engine.receive_chunk(request_id, layout, num_tokens, span, data, crc)
+    assert torch.equal(engine.pool.cache, before), "a refused chunk wrote to the pool"
+    # B still holds exactly what its own push delivered.
+    expected = victim.pool.cache
+    assert torch.equal(_victim_pages(engine), expected)
+    # A's honest push still goes through afterwards.
+    engine.receive_chunk("A", engine.layout, PROMPT, *attacker.chunk(attacker.whole()))
+    engine.finish_push("A")
+
+
+def test_duplicate_and_overlapping_chunks_are_refused(engine: DecodeEngine) -> None:
+    victim = _victim(engine)
+    _reserve(engine, "A")
+    attacker = Push(engine.layout, PROMPT, seed=2)
+    first = wire.ChunkSpan(0, 1, 0, 2)
+    engine.receive_chunk("A", engine.layout, PROMPT, *attacker.chunk(first))
+    written = engine.pool.cache.clone()
+    for span in (first, wire.ChunkSpan(0, 1, 1, 2), wire.ChunkSpan(0, 2, 0, 1)):
+        with pytest.raises(InvalidArgument, match="overlaps"):
+            engine.receive_chunk("A", engine.layout, PROMPT, *attacker.chunk(span))
+        assert torch.equal(engine.pool.cache, written)
+    assert torch.equal(_victim_pages(engine), victim.pool.cache)
+
+
+class _Aborted(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+
+
+class _Context:
+    """Just enough of grpc.aio.ServicerContext for PushKv: abort raises."""
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise _Aborted(code, details)
+
+
+def _to_proto(request_id: str, layout: wire.KvLayout, num_tokens: int,
+              chunk: tuple[wire.ChunkSpan, bytes, int]) -> worker_pb2.KvChunk:
+    span, data, crc = chunk
+    return worker_pb2.KvChunk(
+        request_id=request_id, layout=transport.layout_to_proto(layout), num_tokens=num_tokens,
+        layer_start=span.layer_start, layer_end=span.layer_end, block_start=span.block_start,
+        num_blocks=span.num_blocks, data=data, crc32=crc)
+
+
+def test_push_switching_to_another_request_is_refused(engine: DecodeEngine) -> None:
+    """A push for A that names B halfway: refused at the switch, nothing of it reaches B,
+    and A's partial pages are forgotten (A may be pushed again)."""
+    _reserve(engine, "B")
+    _reserve(engine, "A")
+    attacker = Push(engine.layout, PROMPT, seed=2)
+    b_before = _victim_pages(engine)
+    half = engine.layout.num_layers // 2
+    chunks = [_to_proto("A", engine.layout, PROMPT, attacker.chunk(wire.ChunkSpan(0, half, 0, 3))),
+              _to_proto("B", engine.layout, PROMPT,
+                        attacker.chunk(wire.ChunkSpan(half, engine.layout.num_layers, 0, 3)))]
+
+    async def push() -> None:
+        async def stream() -> AsyncIterator[worker_pb2.KvChunk]:
+            for chunk in chunks:
+                yield chunk
+        await KvTransferServicer(engine).PushKv(stream(), _Context())
+
+    with pytest.raises(_Aborted) as exc:
+        asyncio.run(push())
+    assert exc.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "request_id" in str(exc.value)
+    assert torch.equal(_victim_pages(engine), b_before)
+    assert not engine._seqs["B"].received.any() and not engine._seqs["A"].received.any()
+    engine.receive_chunk("A", engine.layout, PROMPT, *attacker.chunk(attacker.whole()))
+    engine.finish_push("A")
+
