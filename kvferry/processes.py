@@ -144,8 +144,9 @@ def _make_sender(settings: WorkerSettings, creds: security.Credentials) -> KvSen
         return RayKvSender(max_resends=settings.kv_max_resends, corrupt_pushes=corrupt)
     from kvferry.transport import GrpcKvSender
 
+    delay_s = float(os.environ.get("KVFERRY_FAULT_PUSH_CHUNK_DELAY_S", "0"))
     return GrpcKvSender(max_resends=settings.kv_max_resends, corrupt_pushes=corrupt,
-                        credentials=creds)
+                        chunk_delay_s=delay_s, credentials=creds)
 
 
 def build_worker(settings: WorkerSettings) -> tuple[Built, object]:

@@ -7,6 +7,7 @@ implement the same `push` contract.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -68,15 +69,17 @@ class GrpcKvSender:
     A push the receiver refuses for a checksum mismatch (corrupted in flight) is sent again,
     whole, up to `max_resends` times (the receiver forgets a broken push's pages); then it
     fails with DATA_LOSS. `corrupt_pushes` is fault injection for tests: the first N pushes
-    have one byte of their first chunk flipped after its checksum was taken."""
+    have one byte of their first chunk flipped after its checksum was taken, and
+    `chunk_delay_s` sleeps before every chunk but the first (a push a test can interrupt)."""
 
     def __init__(self, chunk_bytes: int = wire.CHUNK_TARGET_BYTES, max_resends: int = 2,
-                 corrupt_pushes: int = 0,
+                 corrupt_pushes: int = 0, chunk_delay_s: float = 0.0,
                  credentials: security.Credentials = security.PLAINTEXT) -> None:
         self.chunk_bytes = chunk_bytes
         self.max_resends = max_resends
         self._corrupt_left = corrupt_pushes
         self.num_corrupt_pushes = 0  # refused by the receiver's checksum check
+        self.chunk_delay_s = chunk_delay_s
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._credentials = credentials  # TLS and token of the decode workers' K/V service
 
@@ -100,6 +103,8 @@ class GrpcKvSender:
         async def chunks(corrupt: bool) -> AsyncIterator[worker_pb2.KvChunk]:
             nonlocal sent
             for i, span in enumerate(spans):
+                if i and self.chunk_delay_s:
+                    await asyncio.sleep(self.chunk_delay_s)
                 if ready is not None:
                     await ready(span.layer_end)
                 if not started:

@@ -201,7 +201,8 @@ class Router:
                     yield DoneEvent(FinishReason.ABORT, len(prompt), len(generated), timing)
                     return
                 await self._ship(state, deadline)
-            done_msg = await self._prefill_read(state, None)
+            done_msg = await self._prefill_done(state, context, params, deadline,
+                                                len(generated) - 1)
             if done_msg is None:
                 yield ChunkEvent([], detok.finish())
                 yield DoneEvent(FinishReason.ABORT, len(prompt), len(generated), timing)
@@ -383,16 +384,44 @@ class Router:
             try:
                 return await self._prefill_read(state, call)
             except grpc.aio.AioRpcError as exc:
-                worker = state.prefill_worker
-                if (exc.code() != grpc.StatusCode.UNAVAILABLE or worker is None
-                        or worker is state.decode_worker):
+                if not await self._lose_prefill(state, exc):
                     raise
-                log.warning("request %s: prefill worker %s unavailable (%s); retrying",
-                            state.request_id, worker.address, exc.details())
-                worker.is_healthy = False
-                worker.done(state.request_id)
-                state.failed_prefill.add(worker.address)
-                state.prefill_worker = None
+
+    async def _prefill_done(self, state: RouterRequest, prompt: list[int],
+                            params: SamplingParams, deadline: float | None, num_generated: int
+                            ) -> worker_pb2.PrefillResponse | None:
+        """The end of the prefill stream: the K/V is in the decode reservation. A prefill
+        worker lost after the first token (mid push) is replaced: the reservation still
+        stands (the decode worker forgets a broken push's pages), so another worker prefills
+        the prompt again and pushes to it. Its first token was streamed already: dropped."""
+        while True:
+            try:
+                return await self._prefill_read(state, None)
+            except grpc.aio.AioRpcError as exc:
+                if not await self._lose_prefill(state, exc):
+                    raise
+            state.is_push_deferred = False  # the reservation exists now: push straight to it
+            if await self._first_token(state, prompt, params, deadline, num_generated) is None:
+                return None
+
+    async def _lose_prefill(self, state: RouterRequest, exc: grpc.aio.AioRpcError) -> bool:
+        """Forget a remote prefill worker that became unavailable under a request. False
+        when the failure is of another kind, the prefill was local, or the worker still
+        answers as serving (its push to the decode worker failed, say): the caller raises."""
+        worker = state.prefill_worker
+        if (exc.code() != grpc.StatusCode.UNAVAILABLE or worker is None
+                or worker is state.decode_worker):
+            return False
+        await self.workers.refresh(worker)
+        if worker.is_healthy:
+            return False
+        log.warning("request %s: prefill worker %s unavailable (%s); retrying",
+                    state.request_id, worker.address, exc.details())
+        worker.is_healthy = False
+        worker.done(state.request_id)
+        state.failed_prefill.add(worker.address)
+        state.prefill_worker = None
+        return True
 
     def _next_prefill(self, state: RouterRequest, num_prompt: int) -> Worker:
         """Best prefill worker by policy, skipping those that already failed this request."""

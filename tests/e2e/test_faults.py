@@ -1,0 +1,282 @@
+"""Issue 9, fault injection: a prefill worker killed mid push, a worker that stalls past the
+client's deadline (SIGSTOP), a burst of client cancels and aborts, and the router killed
+while workers hold reservations. Each scenario ends the same way: every client gets its full,
+exact stream or a clear status; the surviving workers' pools are all free again; no process
+is left behind. (Decode worker killed mid-stream: test_migration.py; a corrupted K/V chunk:
+test_kv_corruption.py; SIGTERM drain: test_drain.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from kvferry import client, grpc_util
+from kvferry.grpc_util import CHANNEL_OPTIONS
+from kvferry.launcher import Deployment, Process, _spawn
+from kvferry.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
+from tests.conftest import assert_alive, assert_pools_clean
+
+pytestmark = pytest.mark.slow
+
+# Sleep between K/V chunks (one chunk per layer here: 4): a push outlives its first token by
+# about a second, long enough to kill or stop the prefill worker in the middle of it.
+PUSH_CHUNK_DELAY_S = 0.4
+LEASE_S = 2.0
+LONG_PROMPT = [i % 500 + 1 for i in range(300)]  # 19 blocks, pushed in 4 delayed chunks
+SHORT_PROMPT = list(range(60, 100))
+
+
+def sessions_alive(session_ids: set[int]) -> list[int]:
+    """Pids of live processes (zombies included) in any of these sessions: every deployment
+    process leads its own session, so this finds whatever it left behind."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:  # exited meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+        if int(fields[3]) in session_ids:  # fields: state ppid pgrp session ...
+            found.append(int(entry))
+    return found
+
+
+def _busy(deployment: Deployment, role: str) -> Process | None:
+    """The first `role` process that has a request running."""
+    for proc in deployment.processes:
+        if not proc.name.startswith(role):
+            continue
+        with grpc.insecure_channel(proc.address, options=CHANNEL_OPTIONS) as chan:
+            stub = (worker_pb2_grpc.PrefillServiceStub(chan) if role == "prefill"
+                    else worker_pb2_grpc.DecodeServiceStub(chan))
+            stats = stub.GetStats(worker_pb2.GetStatsRequest(), timeout=5)
+        if stats.num_running:
+            return proc
+    return None
+
+
+def _kill(deployment: Deployment, victim: Process) -> None:
+    os.kill(victim.popen.pid, signal.SIGKILL)
+    victim.popen.wait(10)
+    deployment.processes.remove(victim)
+    assert sessions_alive({victim.popen.pid}) == []
+
+
+@pytest.fixture(scope="module")
+def faulty(qwen3_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[Deployment]:
+    """2 prefill + 1 decode worker, slow K/V pushes, short router leases."""
+    deployment = Deployment(model=str(qwen3_checkpoint), num_prefill=2,
+                            env={"KVFERRY_FAULT_PUSH_CHUNK_DELAY_S": str(PUSH_CHUNK_DELAY_S)},
+                            router_args=["--lease-s", str(LEASE_S)],
+                            log_dir=tmp_path_factory.mktemp("faults-logs")).start()
+    spawned: set[int] = {p.popen.pid for p in deployment.processes}
+    deployment.spawned = spawned  # type: ignore[attr-defined]  # routers added later too
+    yield deployment
+    deployment.stop()
+    assert sessions_alive(spawned) == []
+
+
+def _request(prompt: list[int], max_tokens: int, request_id: str = ""
+             ) -> generation_pb2.GenerateRequest:
+    return client.make_request(prompt, request_id, temperature=0.0, max_tokens=max_tokens,
+                               ignore_eos=True)
+
+
+def _expected(deployment: Deployment, request: generation_pb2.GenerateRequest) -> list[int]:
+    return asyncio.run(client.generate(deployment.router_address, request, 120)).token_ids
+
+
+def test_prefill_worker_killed_mid_push_is_prefilled_again(
+        faulty: Deployment, qwen3_deployment: Deployment) -> None:
+    request = _request(LONG_PROMPT, 30)
+    expected = _expected(qwen3_deployment, request)
+
+    async def run() -> client.Completion:
+        async with grpc_util.channel(faulty.router_address) as chan:
+            stub = generation_pb2_grpc.GenerationServiceStub(chan)
+            completion, killed = client.Completion(), False
+            async for _, latest in client.stream(stub, request, timeout_s=120):
+                completion = latest
+                if not killed and completion.token_ids:
+                    # First token out, K/V push still under way on the prefill worker.
+                    victim = await asyncio.to_thread(_busy, faulty, "prefill")
+                    assert victim is not None, "the push ended before the kill"
+                    await asyncio.to_thread(_kill, faulty, victim)
+                    killed = True
+            assert killed
+            return completion
+
+    got = asyncio.run(run())
+    assert got.token_ids == expected
+    assert got.finished.reason == generation_pb2.FINISH_REASON_LENGTH
+    assert "unavailable" in (log := (faulty.log_dir / "router.log").read_text())
+    assert "retrying" in log
+    assert_pools_clean(faulty)
+    assert_alive(faulty)
+
+
+async def _stream_until_stopped(deployment: Deployment, request: generation_pb2.GenerateRequest,
+                                role: str, deadline_s: float, num_tokens: int
+                                ) -> tuple[grpc.aio.AioRpcError, float, Process]:
+    """Stream `request` with a deadline; once `num_tokens` arrived, SIGSTOP the busy `role`
+    worker. Returns the stream's error, seconds from start to error, and the stopped one."""
+    async with grpc_util.channel(deployment.router_address) as chan:
+        stub = generation_pb2_grpc.GenerationServiceStub(chan)
+        start = time.monotonic()
+        stopped = None
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            async for _, latest in client.stream(stub, request, timeout_s=deadline_s):
+                if stopped is None and len(latest.token_ids) >= num_tokens:
+                    stopped = await asyncio.to_thread(_busy, deployment, role)
+                    assert stopped is not None
+                    os.kill(stopped.popen.pid, signal.SIGSTOP)
+        assert stopped is not None
+        return exc.value, time.monotonic() - start, stopped
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_stalled_worker_gives_deadline_exceeded(role: str, faulty: Deployment,
+                                                qwen3_deployment: Deployment) -> None:
+    # decode: stopped mid-stream; prefill: stopped mid push, after the first token.
+    deadline_s = 5.0
+    request = (_request(SHORT_PROMPT, 3000) if role == "decode"
+               else _request(LONG_PROMPT, 20))
+    error, elapsed, stopped = asyncio.run(
+        _stream_until_stopped(faulty, request, role, deadline_s, 5 if role == "decode" else 1))
+    try:
+        assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED, error.details()
+        assert elapsed < deadline_s + 1.0
+    finally:
+        os.kill(stopped.popen.pid, signal.SIGCONT)
+    assert_pools_clean(faulty, timeout_s=15)
+    assert_alive(faulty)
+    again = _request(SHORT_PROMPT, 12)
+    got = asyncio.run(client.generate(faulty.router_address, again, 60))
+    assert got.token_ids == _expected(qwen3_deployment, again)
+
+
+def _spawn_router(deployment: Deployment) -> Process:
+    """A fresh router process for the deployment's live workers."""
+    args = ["router", "--model", deployment.model, "--host", deployment.host, "--port", "0",
+            *deployment.router_args]
+    for proc in deployment.processes:
+        if proc.name != "router":
+            args += [f"--{proc.name.rsplit('-', 1)[0]}", proc.address]
+    router = _spawn("router", args, deployment.log_dir, deployment.env)
+    deployment.spawned.add(router.popen.pid)  # type: ignore[attr-defined]
+    deployment.processes.append(router)  # last: router_address
+    router.wait_ready(120)
+    return router
+
+
+def test_router_killed_while_workers_hold_reservations(faulty: Deployment,
+                                                      qwen3_deployment: Deployment) -> None:
+    """One request decoding (its DecodeStream breaks with the router) and one whose decode
+    reservation waits for its K/V (the push dies with the prefill call; the lease frees it)."""
+    decoding, pushing = _request(SHORT_PROMPT, 3000), _request(LONG_PROMPT, 20)
+    router = next(p for p in faulty.processes if p.name == "router")
+
+    async def run() -> list[grpc.StatusCode]:
+        async with grpc_util.channel(faulty.router_address) as chan:
+            stub = generation_pb2_grpc.GenerationServiceStub(chan)
+            seen = {0: asyncio.Event(), 1: asyncio.Event()}
+
+            async def consume(i: int, request: generation_pb2.GenerateRequest,
+                              num_tokens: int) -> grpc.StatusCode:
+                try:
+                    async for _, latest in client.stream(stub, request, timeout_s=120):
+                        if len(latest.token_ids) >= num_tokens:
+                            seen[i].set()
+                except grpc.aio.AioRpcError as exc:
+                    return exc.code()
+                return grpc.StatusCode.OK
+
+            first = asyncio.ensure_future(consume(0, decoding, 3))
+            await asyncio.wait_for(seen[0].wait(), 60)
+            second = asyncio.ensure_future(consume(1, pushing, 1))
+            await asyncio.wait_for(seen[1].wait(), 60)  # first token out, push under way
+            os.kill(router.popen.pid, signal.SIGKILL)
+            return list(await asyncio.gather(first, second))
+
+    codes = asyncio.run(run())
+    assert codes == [grpc.StatusCode.UNAVAILABLE] * 2
+    router.popen.wait(10)
+    faulty.processes.remove(router)
+    assert sessions_alive({router.popen.pid}) == []
+    assert_pools_clean(faulty, timeout_s=LEASE_S + 10)
+    assert "lease expired" in (faulty.log_dir / "decode-0.log").read_text()
+
+    _spawn_router(faulty)
+    request = _request(LONG_PROMPT, 16)
+    got = asyncio.run(client.generate(faulty.router_address, request, 60))
+    assert got.token_ids == _expected(qwen3_deployment, request)
+    assert_pools_clean(faulty)
+    assert_alive(faulty)
+
+
+def test_burst_of_cancels_and_aborts(qwen3_deployment: Deployment) -> None:
+    """40 concurrent streams of random lengths: a quarter run to the end, the rest are
+    cancelled by the client or aborted through the Abort RPC at random moments."""
+    address = qwen3_deployment.router_address
+    check = _request(SHORT_PROMPT, 24)
+    before = _expected(qwen3_deployment, check)
+    rng = random.Random(9)
+    plans = [(i % 4, [rng.randint(1, 500) for _ in range(rng.randint(4, 300))],
+              rng.randint(4, 150), rng.uniform(0.0, 1.5)) for i in range(40)]
+
+    async def one(stub: generation_pb2_grpc.GenerationServiceStub, i: int, mode: int,
+                  prompt: list[int], max_tokens: int, after_s: float) -> str:
+        request = _request(prompt, max_tokens, f"burst-{i}")
+
+        async def read() -> client.Completion:
+            completion = client.Completion()
+            async for _, latest in client.stream(stub, request, timeout_s=120):
+                completion = latest
+            return completion
+
+        task = asyncio.ensure_future(read())
+        if mode == 1:  # client-side cancel
+            await asyncio.sleep(after_s)
+            task.cancel()
+        elif mode >= 2:  # Abort RPC (it may find the request finished already)
+            await asyncio.sleep(after_s / (mode - 1))
+            try:
+                await stub.Abort(generation_pb2.AbortRequest(request_id=request.request_id),
+                                 timeout=30)
+            except grpc.aio.AioRpcError as exc:
+                assert exc.code() == grpc.StatusCode.NOT_FOUND, exc.details()
+        try:
+            got = await task
+        except asyncio.CancelledError:
+            return "cancelled"
+        reason = got.finished.reason
+        if reason == generation_pb2.FINISH_REASON_ABORT:
+            return "aborted"
+        assert reason == generation_pb2.FINISH_REASON_LENGTH
+        assert len(got.token_ids) == max_tokens
+        return "complete"
+
+    async def burst() -> list[str]:
+        async with grpc_util.channel(address) as chan:
+            stub = generation_pb2_grpc.GenerationServiceStub(chan)
+            return list(await asyncio.gather(*(one(stub, i, *plan)
+                                               for i, plan in enumerate(plans))))
+
+    outcomes = asyncio.run(burst())
+    assert all(o == "complete" for o, plan in zip(outcomes, plans) if plan[0] == 0)
+    assert {"cancelled", "aborted"} <= set(outcomes)
+    assert_pools_clean(qwen3_deployment)
+    assert_alive(qwen3_deployment)
+    assert _expected(qwen3_deployment, check) == before
