@@ -33,7 +33,7 @@ from kvferry.cli import build_parser
 
 REPO = K8S_DIR.parent
 SOURCE_DIRS = ("kvferry", "router", "prefill_worker", "decode_worker", "kernels")
-GPU_TREES = ("base", "overlays/gpu", "overlays/ray", "overlays/autoscale")
+GPU_TREES = ("base", "overlays/gpu", "overlays/ray", "overlays/autoscale", "overlays/tls")
 WORKER_COMMANDS = ("prefill-worker", "decode-worker", "colocated-worker")
 
 
@@ -121,9 +121,13 @@ def test_ports_and_probes_match_the_processes(parsed) -> None:
             assert _port(container, "grpc") == p.value("--port"), container.name
             assert _port(container, "metrics") == int(p.value("--metrics-port")), container.name
             names = _service_names(p.command)
+            # With TLS, probes use the plaintext health-only port (they cannot speak TLS).
+            probe_port = p.value("--health-port") or p.value("--port")
+            if p.value("--health-port") is not None:
+                assert _port(container, "health") == probe_port, container.name
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
                 grpc_probe = container.spec[probe]["grpc"]
-                assert grpc_probe["port"] == p.value("--port"), (container.name, probe)
+                assert grpc_probe["port"] == probe_port, (container.name, probe)
                 service = grpc_probe.get("service", "")
                 assert service in ["", *names], (container.name, probe, service)
                 # readiness must name the role's own service: "" would pass on any kvferry port
@@ -410,3 +414,30 @@ def test_ray_overlay_keeps_only_what_selects_the_cluster(rendered, parsed) -> No
     selector = services["kvferry-router"]["spec"]["selector"]
     assert _selects(selector, head.labels)
     assert not any(_selects(selector, c.labels) for c in workers)
+
+
+TLS_FLAGS = ("--tls-cert", "--tls-key", "--tls-ca", "--cluster-token-file")
+
+
+def test_tls_overlay_wires_every_process_to_read_only_secrets(parsed) -> None:
+    """overlays/tls: router and workers all get the cluster certificate, CA and token, each
+    file on a read-only Secret volume; workers then require client certificates (mTLS)."""
+    found = [(c, p) for c, p in parsed["overlays/tls"] if not c.is_init]
+    assert {p.command for _, p in found} >= {"router", "prefill-worker", "decode-worker"}
+    for container, p in found:
+        for flag in TLS_FLAGS:
+            path = p.value(flag)
+            assert path, (container.name, flag)
+            mount = next((m for m in container.spec["volumeMounts"]
+                          if path.startswith(m["mountPath"].rstrip("/") + "/")), None)
+            assert mount is not None and mount.get("readOnly") is True, (container.name, flag)
+            volume = next(v for v in container.pod_spec["volumes"]
+                          if v["name"] == mount["name"])
+            assert "secret" in volume, (container.name, flag)
+            key = Path(path).relative_to(mount["mountPath"]).as_posix()
+            items = volume["secret"].get("items")
+            assert items is None or key in {i["path"] for i in items}, (container.name, flag)
+        assert p.value("--tls-server-name"), container.name  # pods are dialled by IP
+    for tree, trees_found in parsed.items():
+        if tree != "overlays/tls":
+            assert all(p.value("--tls-cert") is None for _, p in trees_found), tree

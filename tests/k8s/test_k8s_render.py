@@ -102,7 +102,8 @@ ALLOWED_CRDS: dict[tuple[str, str], CrdCheck] = {
 }
 # Which overlay may use which CRD: the base and the gpu/cpu-dev overlays are plain Kubernetes.
 EXPECTED_CRD_KINDS = {"base": set(), "overlays/gpu": set(), "overlays/cpu-dev": set(),
-                      "overlays/ray": {"RayCluster"}, "overlays/autoscale": {"PodMonitor"}}
+                      "overlays/ray": {"RayCluster"}, "overlays/autoscale": {"PodMonitor"},
+                      "overlays/tls": set()}
 
 
 def validate(resource: dict) -> None:
