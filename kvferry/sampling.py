@@ -77,7 +77,9 @@ def _generator_for(seed: int | None, output_index: int) -> torch.Generator:
 
 
 def _sample_row(logits: torch.Tensor, params: SamplingParams, output_index: int) -> int:
-    scaled = logits.float() / params.temperature  # [V]
+    # Shifted so the largest is 0 before scaling: a tiny temperature (1e-45 is finite and
+    # valid) then gives 0 and -inf, a one-hot softmax, instead of inf / inf = NaN.
+    scaled = (logits.float() - logits.max().float()) / params.temperature  # [V]
     if 0 < params.top_k < scaled.numel():
         kth = torch.topk(scaled, params.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))

@@ -26,6 +26,13 @@ def test_top_k_one_and_tiny_top_p_are_greedy() -> None:
     assert sample_tokens(logits, [SamplingParams(top_p=1e-6)] * 4, [0] * 4) == argmax
 
 
+@pytest.mark.parametrize("temperature", [1e-45, 1e-38, 1e-30])
+def test_tiny_temperature_is_greedy_not_nan(temperature: float) -> None:
+    logits = _logits() * 100
+    params = [SamplingParams(temperature=temperature, seed=5)] * 4
+    assert sample_tokens(logits, params, [0] * 4) == logits.argmax(-1).tolist()
+
+
 def test_seeded_sampling_depends_only_on_seed_and_position() -> None:
     logits = _logits()
     params = SamplingParams(temperature=2.0, seed=1234)
