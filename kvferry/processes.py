@@ -117,7 +117,9 @@ async def stop(built: Built) -> None:
         built.engine.drain()
         while not built.engine.is_idle and loop.time() < deadline:
             await asyncio.sleep(0.05)
-        grace = 1.0
+        # Idle: a moment for the last messages to flush. Timed out: cut what is left now, so
+        # routers migrate those streams instead of waiting on a worker that is going away.
+        grace = 1.0 if built.engine.is_idle else 0.0
     await built.server.stop(grace=grace)
     if built.health_server is not None:
         await built.health_server.stop(grace=None)
