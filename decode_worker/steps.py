@@ -1,0 +1,193 @@
+"""The decode engine's step loop: admit, preempt (swap out/in), grow, step, deliver.
+
+`StepLoop` is mixed into `decode_worker.engine.DecodeEngine`, which owns reservations, K/V
+arrival and request lifecycles. Everything here runs on the event loop except `_run_steps`
+and `_step`, which run on the single executor thread (forward passes only touch the pool
+rows of the batch's own blocks).
+"""
+
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from decode_worker.sequence import (
+    DecodeEvent,
+    DecodeSeq,
+    FinishedEvent,
+    Phase,
+    TokensEvent,
+)
+from kvferry.block_queue import BlockQueue
+from kvferry.executor import run_to_completion
+from kvferry.kv_pool import KvPool
+from kvferry.model import Transformer
+from kvferry.prefill_batch import PrefillBatcher
+from kvferry.sampling import SamplingParams, sample_tokens
+from kvferry.types import FinishReason
+
+log = logging.getLogger("kvferry.decode")
+
+
+class StepLoop:
+    """Mixin: needs the engine's state (set by DecodeEngine.__init__) and its `_finish`."""
+
+    model: Transformer
+    pool: KvPool
+    blocks: BlockQueue
+    batcher: PrefillBatcher
+    num_preemptions: int
+    num_steps: int
+    max_abort_delay_steps: int
+    _seqs: dict[str, DecodeSeq]
+    _running: list[DecodeSeq]
+    _swapped: list[DecodeSeq]
+    _wake: asyncio.Event
+    _needs_loop: threading.Event
+    _loop: asyncio.AbstractEventLoop | None
+    _executor: ThreadPoolExecutor
+
+    def _finish(self, seq: DecodeSeq, event: DecodeEvent) -> None:
+        raise NotImplementedError
+
+    def _admit_and_reap(self) -> None:
+        for seq in list(self._running):
+            if seq.is_aborted:
+                self.max_abort_delay_steps = max(self.max_abort_delay_steps,
+                                                 self.num_steps - seq.abort_step)
+                self._finish(seq, FinishedEvent(seq.request_id, FinishReason.ABORT,
+                                            seq.first_step_s))
+        for seq in self._seqs.values():
+            if (seq.phase is Phase.RESERVED and seq.is_kv_complete and seq.events is not None
+                    and not seq.is_aborted):
+                seq.phase = Phase.RUNNING
+                self._running.append(seq)
+
+    def _swap_out(self, seq: DecodeSeq) -> None:
+        ids = torch.tensor(seq.block_table, device=self.pool.cache.device)
+        # [layers, 2, blocks, block_size, kv_heads, head_dim] in host memory
+        seq.swapped_kv = self.pool.cache.index_select(2, ids).to("cpu")
+        self.pool.allocator.free(seq.block_table)
+        seq.block_table = []
+        seq.phase = Phase.SWAPPED
+        self._running.remove(seq)
+        self._swapped.append(seq)
+        self.num_preemptions += 1
+        log.info("request %s preempted (swapped out, %d preemptions so far)", seq.request_id,
+                 self.num_preemptions)
+
+    def _swap_in(self) -> None:
+        """Resume swapped sequences, oldest first, while their blocks fit."""
+        if not self._swapped:
+            return
+        self._swapped.sort(key=lambda s: s.arrival)
+        while self._swapped:
+            seq = self._swapped[0]
+            assert seq.swapped_kv is not None  # noqa: S101 - set by _swap_out
+            n = seq.swapped_kv.shape[2]
+            if self.pool.allocator.num_free < n:
+                return
+            seq.block_table = self.pool.allocator.alloc(n)
+            ids = torch.tensor(seq.block_table, device=self.pool.cache.device)
+            self.pool.cache[:, :, ids] = seq.swapped_kv.to(self.pool.cache.device)
+            seq.swapped_kv = None
+            seq.phase = Phase.RUNNING
+            self._swapped.pop(0)
+            self._running.append(seq)
+
+    def _grow(self) -> None:
+        """Give every running sequence the slot its next step writes; preempt the newest
+        running sequence while the pool is short."""
+        block_size = self.pool.block_size
+        if all(len(s.block_table) * block_size > s.next_position for s in self._running):
+            return
+        for seq in sorted(self._running, key=lambda s: s.arrival):
+            while (seq.phase is Phase.RUNNING
+                   and len(seq.block_table) * block_size <= seq.next_position):
+                if self.pool.allocator.num_free > 0:
+                    seq.block_table += self.pool.allocator.alloc(1)
+                else:
+                    self._swap_out(max(self._running, key=lambda s: s.arrival))
+
+    async def _step_loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while True:
+                ran_prefill = await self.batcher.run_once()
+                self._admit_and_reap()
+                self._swap_in()
+                self.blocks.grant()
+                self._grow()
+                if self._running:
+                    await self._decode_step()
+                elif not ran_prefill:
+                    break
+
+    async def _decode_step(self) -> None:
+        self._needs_loop.clear()
+        await run_to_completion(self._executor, self._run_steps, list(self._running))
+
+    def _run_steps(self, batch: list[DecodeSeq]) -> None:
+        """Executor thread: step a stable batch back to back, handing each step's tokens to
+        the event loop, until something needs the loop: a sequence finished, was aborted or
+        needs a block, or new work arrived. The loop never sits between two steps."""
+        assert self._loop is not None  # noqa: S101 - set by start()
+        block_size = self.pool.block_size
+        while True:
+            start = time.perf_counter()
+            tokens = self._step(batch)
+            self.num_steps += 1
+            elapsed = time.perf_counter() - start
+            finished: list[DecodeSeq] = []
+            for seq, token in zip(batch, tokens):
+                if len(seq.tokens) == 1:
+                    seq.first_step_s = elapsed
+                seq.tokens.append(token)
+                if token in seq.stop_token_ids or len(seq.tokens) - 1 >= seq.max_new_tokens:
+                    finished.append(seq)
+            self._loop.call_soon_threadsafe(self._deliver, batch, tokens, finished)
+            if (finished or self._needs_loop.is_set() or any(s.is_aborted for s in batch)
+                    or any(len(s.block_table) * block_size <= s.next_position for s in batch)):
+                return
+
+    def _step(self, batch: list[DecodeSeq]) -> list[int]:
+        """One forward for the whole ragged batch (executor thread)."""
+        bs = self.pool.block_size
+        positions = [s.next_position for s in batch]
+        width = max(len(s.block_table) for s in batch)
+        # [B, width], padded with block 0: attention never reads past a sequence's length.
+        table = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in batch],
+                             dtype=torch.int32)
+        slots = [seq.block_table[p // bs] * bs + p % bs for seq, p in zip(batch, positions)]
+        device = self.model.device
+        logits = self.model.decode(
+            torch.tensor([s.tokens[-1] for s in batch], device=device),
+            torch.tensor(positions, device=device),
+            torch.tensor(slots, dtype=torch.int64, device=device),
+            table.to(device),
+            self.pool,
+        )
+        params = [s.params or SamplingParams() for s in batch]  # attached: never None
+        return sample_tokens(logits, params, [s.output_offset + len(s.tokens) for s in batch])
+
+    def _deliver(self, batch: list[DecodeSeq], tokens: list[int],
+                 finished: list[DecodeSeq]) -> None:
+        """Event loop: stream one step's tokens; release the sequences it finished."""
+        for seq, token in zip(batch, tokens):
+            if seq.phase is not Phase.RUNNING or seq.is_aborted or seq.events is None:
+                continue
+            seq.events.put_nowait(TokensEvent(seq.request_id, [token]))
+        for seq in finished:
+            if seq.phase is not Phase.RUNNING or seq.is_aborted:
+                continue
+            reason = (FinishReason.STOP if seq.tokens[-1] in seq.stop_token_ids
+                      else FinishReason.LENGTH)
+            self._finish(seq, FinishedEvent(seq.request_id, reason, seq.first_step_s))
+

@@ -1,0 +1,248 @@
+"""The router's calls to its workers, for one request: decode admission and reservation,
+prefill (with failover and re-prefill), shipping deferred K/V, abort and release.
+
+`DownstreamCalls` is mixed into `router.engine.Router`, which owns the request's flow; the
+per-request state both share is `RouterRequest`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from kvferry import convert
+from kvferry.capacity import blocks_needed
+from kvferry.errors import (
+    ResourceExhausted,
+    Unavailable,
+)
+from kvferry.sampling import SamplingParams
+from kvferry.v1 import generation_pb2, worker_pb2
+from router.policy import HeadroomPolicy, Policy
+from router.workers import Worker, WorkerSet
+
+log = logging.getLogger("kvferry.router")
+
+
+@dataclass(slots=True)
+class RouterRequest:
+    request_id: str
+    is_aborted: bool = False
+    is_push_deferred: bool = False  # prefilled before its decode reservation (see _run)
+    prefill_worker: Worker | None = None
+    prefill_call: grpc.aio.UnaryStreamCall | None = None
+    decode_worker: Worker | None = None
+    holds_decode: bool = False  # the decode worker still holds this request's blocks
+    failed_prefill: set[str] = field(default_factory=set)  # prefill workers that failed it
+    is_decoding: bool = False  # the Decode stream is open
+
+
+def remaining_s(deadline: float | None) -> float | None:
+    return None if deadline is None else max(deadline - time.monotonic(), 0.001)
+
+
+def _cancelled_from_outside() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
+class DownstreamCalls:
+    """Mixin: needs the attributes below (set by Router.__init__)."""
+
+    workers: WorkerSet
+    policy: Policy
+    lease_s: float
+    local_prefill_threshold: int
+    admission_timeout_s: float
+
+    async def _reserve(self, state: RouterRequest, num_prompt: int, max_tokens: int,
+                       deadline: float | None) -> float:
+        """Reserve on the best decode worker; returns seconds spent waiting for headroom."""
+        block_size = next((w.layout.block_size for w in self.workers.workers if w.layout), 16)
+        need = blocks_needed(num_prompt, max_tokens, block_size)
+        candidates, waited = await self._admit(state, need, deadline)
+        last_error = ""
+        for worker in candidates:
+            request = worker_pb2.ReserveRequest(
+                request_id=state.request_id, num_prompt_tokens=num_prompt,
+                max_tokens=max_tokens, lease_s=self.lease_s,
+            )
+            worker.add_in_flight(state.request_id, need, 0)
+            try:
+                await worker.decode.Reserve(request, timeout=remaining_s(deadline))
+            except grpc.aio.AioRpcError as exc:
+                worker.done(state.request_id)
+                if exc.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE):
+                    last_error = f"{worker.address}: {exc.details()}"
+                    continue
+                raise
+            worker.accepted(state.request_id)
+            state.decode_worker = worker
+            state.holds_decode = True
+            return waited
+        raise ResourceExhausted(f"no decode worker can hold the request ({last_error})")
+
+    async def _admit(self, state: RouterRequest, need: int, deadline: float | None
+                     ) -> tuple[list[Worker], float]:
+        """Decode candidates in policy order, and seconds waited. The headroom policy waits
+        (bounded) until a worker has room for the request at its longest, so that nothing
+        gets preempted."""
+        candidates = self.policy.order_decode(self.workers.decode_workers(), need)
+        if not isinstance(self.policy, HeadroomPolicy):
+            return candidates, 0.0
+        start = time.perf_counter()
+        give_up = time.monotonic() + self.admission_timeout_s
+        if deadline is not None:
+            give_up = min(give_up, deadline)
+        while candidates[0].headroom < need and need <= candidates[0].total_blocks:
+            if time.monotonic() > give_up or state.is_aborted:
+                break  # let the worker queue it: it may still fit by the time it runs
+            await asyncio.sleep(0.02)
+            await self.workers.refresh_shared()
+            candidates = self.policy.order_decode(self.workers.decode_workers(), need)
+        return candidates, time.perf_counter() - start
+
+    def _admission_would_wait(self, num_prompt: int, max_tokens: int) -> bool:
+        """Headroom policy, a remote prefill, and no decode worker with room right now."""
+        if (not isinstance(self.policy, HeadroomPolicy) or not self.workers.has_prefill_workers()
+                or num_prompt < self.local_prefill_threshold):
+            return False
+        workers = self.workers.decode_workers()
+        block_size = next((w.layout.block_size for w in workers if w.layout), 16)
+        need = blocks_needed(num_prompt, max_tokens, block_size)
+        return max(w.headroom for w in workers) < need
+
+    async def _ship(self, state: RouterRequest, deadline: float | None) -> None:
+        """Tell the prefill worker holding a deferred prefill where to push its K/V."""
+        if state.prefill_worker is None or state.decode_worker is None:
+            raise Unavailable("deferred prefill lost")
+        await state.prefill_worker.prefill.Ship(
+            worker_pb2.ShipRequest(request_id=state.request_id,
+                                   decode_address=state.decode_worker.address),
+            timeout=remaining_s(deadline))
+
+    def _start_prefill(self, state: RouterRequest, prompt: list[int], params: SamplingParams,
+                       deadline: float | None, num_generated: int
+                       ) -> grpc.aio.UnaryStreamCall:
+        decode = state.decode_worker
+        is_local = decode is not None and (
+            decode.role == "colocated" or len(prompt) < self.local_prefill_threshold)
+        if is_local and decode is not None:
+            worker = decode
+        else:
+            worker = self._next_prefill(state, len(prompt))
+        request = worker_pb2.PrefillRequest(
+            request_id=state.request_id, prompt_token_ids=prompt,
+            sampling=convert.sampling_to_proto(params),
+            decode_address=decode.address if decode is not None and not is_local else "",
+            is_local_decode=is_local, num_generated=num_generated,
+            defer_push=state.is_push_deferred,
+        )
+        if worker is not decode:
+            worker.add_in_flight(state.request_id, 0, len(prompt))
+        state.prefill_worker = worker
+        state.prefill_call = worker.prefill.Prefill(request, timeout=remaining_s(deadline))
+        return state.prefill_call
+
+    async def _first_token(self, state: RouterRequest, prompt: list[int],
+                           params: SamplingParams, deadline: float | None, num_generated: int
+                           ) -> worker_pb2.PrefillResponse | None:
+        """Prefill until the first token. A prefill worker that is unavailable before then is
+        marked unhealthy and the prompt goes to another one, transparently."""
+        while True:
+            call = self._start_prefill(state, prompt, params, deadline, num_generated)
+            try:
+                return await self._prefill_read(state, call)
+            except grpc.aio.AioRpcError as exc:
+                if not await self._lose_prefill(state, exc):
+                    raise
+
+    async def _prefill_done(self, state: RouterRequest, prompt: list[int],
+                            params: SamplingParams, deadline: float | None, num_generated: int
+                            ) -> worker_pb2.PrefillResponse | None:
+        """The end of the prefill stream: the K/V is in the decode reservation. A prefill
+        worker lost after the first token (mid push) is replaced: the reservation still
+        stands (the decode worker forgets a broken push's pages), so another worker prefills
+        the prompt again and pushes to it. Its first token was streamed already: dropped."""
+        while True:
+            try:
+                return await self._prefill_read(state, None)
+            except grpc.aio.AioRpcError as exc:
+                if not await self._lose_prefill(state, exc):
+                    raise
+            state.is_push_deferred = False  # the reservation exists now: push straight to it
+            if await self._first_token(state, prompt, params, deadline, num_generated) is None:
+                return None
+
+    async def _lose_prefill(self, state: RouterRequest, exc: grpc.aio.AioRpcError) -> bool:
+        """Forget a remote prefill worker that became unavailable under a request. False
+        when the failure is of another kind, the prefill was local, or the worker still
+        answers as serving (its push to the decode worker failed, say): the caller raises."""
+        worker = state.prefill_worker
+        if (exc.code() != grpc.StatusCode.UNAVAILABLE or worker is None
+                or worker is state.decode_worker):
+            return False
+        await self.workers.refresh(worker)
+        if worker.is_healthy:
+            return False
+        log.warning("request %s: prefill worker %s unavailable (%s); retrying",
+                    state.request_id, worker.address, exc.details())
+        worker.is_healthy = False
+        worker.done(state.request_id)
+        state.failed_prefill.add(worker.address)
+        state.prefill_worker = None
+        return True
+
+    def _next_prefill(self, state: RouterRequest, num_prompt: int) -> Worker:
+        """Best prefill worker by policy, skipping those that already failed this request."""
+        tried = state.failed_prefill
+        ordered = self.policy.order_prefill(self.workers.prefill_workers(), num_prompt)
+        fresh = [w for w in ordered if w.address not in tried]
+        if not fresh:
+            raise Unavailable(f"no healthy prefill worker left (tried {sorted(tried)})")
+        return fresh[0]
+
+    async def _prefill_read(self, state: RouterRequest, call: grpc.aio.UnaryStreamCall | None
+                            ) -> worker_pb2.PrefillResponse | None:
+        """Next message of the Prefill stream; None when the request was aborted."""
+        call = call or state.prefill_call
+        if call is None or state.is_aborted:
+            return None
+        try:
+            msg = await call.read()
+        except asyncio.CancelledError:
+            if state.is_aborted and not _cancelled_from_outside():
+                return None
+            raise
+        if msg is grpc.aio.EOF:
+            raise Unavailable("prefill stream ended early")
+        return msg
+
+    async def _abort_decode(self, state: RouterRequest) -> None:
+        worker = state.decode_worker
+        if worker is None or not state.holds_decode:
+            return
+        try:
+            await worker.decode.Abort(generation_pb2.AbortRequest(request_id=state.request_id),
+                                      timeout=5.0)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.NOT_FOUND:
+                log.warning("request %s: decode abort failed: %s", state.request_id,
+                            exc.code().name)
+
+    async def _release(self, state: RouterRequest) -> None:
+        """However the request ended, leave nothing held downstream."""
+        call = state.prefill_call
+        if call is not None and not call.done():
+            call.cancel()
+        if state.prefill_worker is not None and state.prefill_worker is not state.decode_worker:
+            state.prefill_worker.done(state.request_id)
+        if state.decode_worker is not None:
+            state.decode_worker.done(state.request_id)
+            # Idempotent: NOT_FOUND (already released by the worker) is fine.
+            await self._abort_decode(state)
+
