@@ -120,10 +120,15 @@ class DownstreamCalls:
         """Tell the prefill worker holding a deferred prefill where to push its K/V."""
         if state.prefill_worker is None or state.decode_worker is None:
             raise Unavailable("deferred prefill lost")
-        await state.prefill_worker.prefill.Ship(
-            worker_pb2.ShipRequest(request_id=state.request_id,
-                                   decode_address=state.decode_worker.address),
-            timeout=remaining_s(deadline))
+        try:
+            await state.prefill_worker.prefill.Ship(
+                worker_pb2.ShipRequest(request_id=state.request_id,
+                                       decode_address=state.decode_worker.address),
+                timeout=remaining_s(deadline))
+        except grpc.aio.AioRpcError as exc:
+            # The worker holding the K/V is gone: _prefill_done prefills it again elsewhere.
+            if not await self._lose_prefill(state, exc):
+                raise
 
     def _start_prefill(self, state: RouterRequest, prompt: list[int], params: SamplingParams,
                        deadline: float | None, num_generated: int
@@ -169,11 +174,12 @@ class DownstreamCalls:
         stands (the decode worker forgets a broken push's pages), so another worker prefills
         the prompt again and pushes to it. Its first token was streamed already: dropped."""
         while True:
-            try:
-                return await self._prefill_read(state, None)
-            except grpc.aio.AioRpcError as exc:
-                if not await self._lose_prefill(state, exc):
-                    raise
+            if state.prefill_worker is not None:  # None: lost while it held deferred K/V
+                try:
+                    return await self._prefill_read(state, None)
+                except grpc.aio.AioRpcError as exc:
+                    if not await self._lose_prefill(state, exc):
+                        raise
             state.is_push_deferred = False  # the reservation exists now: push straight to it
             if await self._first_token(state, prompt, params, deadline, num_generated) is None:
                 return None

@@ -6,15 +6,18 @@ tokens stay exact, and an abort while it waits leaves nothing held anywhere."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
 from kvferry import client, grpc_util
 from kvferry.launcher import Deployment
-from kvferry.v1 import generation_pb2, generation_pb2_grpc
+from kvferry.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.conftest import assert_pools_clean
 from tests.e2e.test_memory_pressure import BLOCK_BYTES
 
@@ -30,14 +33,18 @@ SMALL = client.make_request(list(range(70, 120)), temperature=0.0, max_tokens=20
 def full_pool_deployment(qwen3_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
                          ) -> Iterator[Deployment]:
     deployment = Deployment(model=str(qwen3_checkpoint), kv_pool_size=f"{12 * BLOCK_BYTES}B",
+                            num_prefill=2,
+                            role_args={"prefill": ["--kv-pool-size", "64MiB"]},
                             log_dir=tmp_path_factory.mktemp("admission-logs")).start()
     yield deployment
     deployment.stop()
 
 
-async def _big_then_small(address: str) -> tuple[client.Completion, client.Completion, float]:
+async def _big_then_small(address: str, on_small_first_token=None
+                          ) -> tuple[client.Completion, client.Completion, float]:
     """BIG fills the decode pool; SMALL arrives once BIG streams. Returns both completions and
-    when BIG finished (perf_counter)."""
+    how long BIG ran after SMALL was sent. `on_small_first_token` runs (in a thread) when
+    SMALL's first token is in, while its K/V waits on a prefill worker."""
     async with grpc_util.channel(address) as chan:
         stub = generation_pb2_grpc.GenerationServiceStub(chan)
         big_streaming = asyncio.Event()
@@ -56,6 +63,8 @@ async def _big_then_small(address: str) -> tuple[client.Completion, client.Compl
             sent = time.perf_counter()
             completion = client.Completion()
             async for _, latest in client.stream(stub, SMALL, timeout_s=120):
+                if on_small_first_token and not completion.token_ids and latest.token_ids:
+                    await asyncio.to_thread(on_small_first_token)
                 completion = latest
             return completion, sent
 
@@ -102,4 +111,30 @@ def test_abort_while_waiting_for_decode_memory_frees_everything(
     finished = asyncio.run(run())
     assert finished is not None and finished.reason == generation_pb2.FINISH_REASON_ABORT
     assert finished.usage.completion_tokens == 1
+    assert_pools_clean(full_pool_deployment)
+
+
+def test_prefill_worker_lost_while_holding_deferred_kv(full_pool_deployment: Deployment,
+                                                      qwen3_deployment: Deployment) -> None:
+    """SMALL's K/V waits on a prefill worker for decode memory; that worker is killed: the
+    router prefills SMALL again on the other one once it has a reservation."""
+    expected = asyncio.run(client.generate(qwen3_deployment.router_address, SMALL, 120))
+    killed: list[str] = []
+
+    def kill_the_holder() -> None:
+        for proc in [p for p in full_pool_deployment.processes if p.name.startswith("prefill")]:
+            with grpc.insecure_channel(proc.address) as chan:
+                stats = worker_pb2_grpc.PrefillServiceStub(chan).GetStats(
+                    worker_pb2.GetStatsRequest(), timeout=10)
+            if stats.num_running:
+                os.kill(proc.popen.pid, signal.SIGKILL)
+                proc.popen.wait(10)
+                full_pool_deployment.processes.remove(proc)
+                killed.append(proc.name)
+
+    _, got_small, _ = asyncio.run(_big_then_small(full_pool_deployment.router_address,
+                                                  kill_the_holder))
+    assert len(killed) == 1
+    assert got_small.token_ids == expected.token_ids
+    assert got_small.finished.timing.admission_wait_s > 0
     assert_pools_clean(full_pool_deployment)
