@@ -22,6 +22,7 @@ from kvferry.errors import (
 )
 from kvferry.sampling import SamplingParams
 from kvferry.v1 import generation_pb2, worker_pb2
+from router.decode_mux import StreamBroken
 from router.policy import HeadroomPolicy, Policy
 from router.workers import Worker, WorkerSet
 
@@ -178,7 +179,12 @@ class DownstreamCalls:
                 try:
                     return await self._prefill_read(state, None)
                 except grpc.aio.AioRpcError as exc:
-                    if not await self._lose_prefill(state, exc):
+                    if await self._lose_prefill(state, exc):
+                        pass  # prefill it again below
+                    elif await self._decode_lost(state, exc):
+                        raise StreamBroken(f"decode worker lost during the K/V push: "
+                                           f"{exc.details()}") from exc
+                    else:
                         raise
             state.is_push_deferred = False  # the reservation exists now: push straight to it
             if await self._first_token(state, prompt, params, deadline, num_generated) is None:
@@ -202,6 +208,16 @@ class DownstreamCalls:
         state.failed_prefill.add(worker.address)
         state.prefill_worker = None
         return True
+
+    async def _decode_lost(self, state: RouterRequest, exc: grpc.aio.AioRpcError) -> bool:
+        """The push failed because the decode worker holding the reservation is gone (the
+        prefill worker still answers): the caller migrates the request."""
+        worker = state.decode_worker
+        if (exc.code() != grpc.StatusCode.UNAVAILABLE or worker is None
+                or worker is state.prefill_worker):
+            return False
+        await self.workers.refresh(worker)
+        return not worker.is_healthy
 
     def _next_prefill(self, state: RouterRequest, num_prompt: int) -> Worker:
         """Best prefill worker by policy, skipping those that already failed this request."""

@@ -175,15 +175,15 @@ class Router(DownstreamCalls):
                     yield DoneEvent(FinishReason.ABORT, len(prompt), len(generated), timing)
                     return
                 await self._ship(state, deadline)
-            done_msg = await self._prefill_done(state, context, params, deadline,
-                                                len(generated) - 1)
-            if done_msg is None:
-                yield ChunkEvent([], detok.finish())
-                yield DoneEvent(FinishReason.ABORT, len(prompt), len(generated), timing)
-                return
-            if migrations == 0:
-                timing = timing._replace(kv_transfer_s=done_msg.done.kv_transfer_s)
-            try:
+            try:  # a decode worker lost during the push or the decode: migrate
+                done_msg = await self._prefill_done(state, context, params, deadline,
+                                                    len(generated) - 1)
+                if done_msg is None:
+                    yield ChunkEvent([], detok.finish())
+                    yield DoneEvent(FinishReason.ABORT, len(prompt), len(generated), timing)
+                    return
+                if migrations == 0:
+                    timing = timing._replace(kv_transfer_s=done_msg.done.kv_transfer_s)
                 async for event in self._decode(state, params, stop_ids, detok, deadline,
                                                 len(prompt), timing, generated, remaining):
                     yield event

@@ -280,3 +280,49 @@ def test_burst_of_cancels_and_aborts(qwen3_deployment: Deployment) -> None:
     assert_pools_clean(qwen3_deployment)
     assert_alive(qwen3_deployment)
     assert _expected(qwen3_deployment, check) == before
+
+
+def test_decode_worker_killed_mid_push_migrates(qwen3_checkpoint: Path,
+                                                 qwen3_deployment: Deployment,
+                                                 tmp_path: Path) -> None:
+    """The decode worker holding the reservation dies while the K/V is being pushed to it:
+    the request migrates (another decode worker, prompt + first token prefilled again)."""
+    request = _request(LONG_PROMPT, 30)
+    expected = _expected(qwen3_deployment, request)
+    with Deployment(model=str(qwen3_checkpoint), num_decode=2, log_dir=tmp_path,
+                    env={"KVFERRY_FAULT_PUSH_CHUNK_DELAY_S": str(PUSH_CHUNK_DELAY_S)}
+                    ) as deployment:
+        spawned = {p.popen.pid for p in deployment.processes}
+
+        async def run() -> client.Completion:
+            async with grpc_util.channel(deployment.router_address) as chan:
+                stub = generation_pb2_grpc.GenerationServiceStub(chan)
+                completion, killed = client.Completion(), False
+                async for _, latest in client.stream(stub, request, timeout_s=120):
+                    completion = latest
+                    if not killed and completion.token_ids:
+                        victim = await asyncio.to_thread(_reserved_on, deployment)
+                        assert victim is not None, "the push ended before the kill"
+                        await asyncio.to_thread(_kill, deployment, victim)
+                        killed = True
+                assert killed
+                return completion
+
+        got = asyncio.run(run())
+        assert got.token_ids == expected
+        assert got.finished.timing.num_migrations == 1
+        assert_pools_clean(deployment)
+    assert sessions_alive(spawned) == []
+
+
+def _reserved_on(deployment: Deployment) -> Process | None:
+    """The decode process holding a reservation whose K/V has not all arrived."""
+    for proc in deployment.processes:
+        if not proc.name.startswith("decode"):
+            continue
+        with grpc.insecure_channel(proc.address, options=CHANNEL_OPTIONS) as chan:
+            stats = worker_pb2_grpc.DecodeServiceStub(chan).GetStats(
+                worker_pb2.GetStatsRequest(), timeout=5)
+        if stats.reserved_blocks:
+            return proc
+    return None
