@@ -13,9 +13,50 @@ from kvferry import errors
 
 MAX_MESSAGE_BYTES = 64 << 20  # internal messages (K/V chunks aim at ~1 MiB)
 PUBLIC_MAX_RECEIVE_BYTES = 4 << 20  # the router's public port: prompts are text or token ids
+# HTTP/2 keepalive: a peer behind a cut link sends no RST and no FIN, so without pings a
+# stream to it (the router's DecodeStream, a Prefill call, a K/V push) would wait for TCP to
+# give up, which takes many minutes. An end pings after its keepalive time without incoming
+# data and closes the connection (UNAVAILABLE on every call on it) when the ack is later than
+# its timeout (on channels gRPC also sets TCP_USER_TIMEOUT to it, so unacknowledged bytes
+# end the connection as well: what a cut link trips first). A ping is a 17-byte frame
+# per idle connection: nothing next to K/V traffic. Acks come from gRPC's I/O threads, not
+# the Python event loop, so a busy process still answers well inside the timeouts (a false
+# alarm would cost one needless migration).
+#
+# Channels (the router, prefill workers pushing K/V): 5 s + 5 s. A silent worker is found
+# 5-10 s after it went quiet (a ping may leave at once or up to 5 s later) and its requests
+# migrate; a worker that stalls for less than 5 s is never taken for lost (the client's
+# deadline covers that case: tests/e2e/test_faults.py stalls a worker for about 3 s).
+KEEPALIVE_TIME_MS = 5_000
+KEEPALIVE_TIMEOUT_MS = 5_000
+# Servers: 1 s + 2 s, faster than their clients on purpose. A decode worker must drop a K/V
+# push from a silent prefill worker (forgetting its partial pages) before the router, which
+# notices the same silence on its Prefill call, has another worker push to the reservation
+# again; the second push would otherwise find the pages taken. The same pings free a vanished
+# router's DecodeStream blocks within ~3 s.
+SERVER_KEEPALIVE_TIME_MS = 1_000
+SERVER_KEEPALIVE_TIMEOUT_MS = 2_000
+
+
+def _keepalive(time_ms: int, timeout_ms: int) -> list[tuple[str, int]]:
+    return [("grpc.keepalive_time_ms", time_ms), ("grpc.keepalive_timeout_ms", timeout_ms),
+            # How long a ping waits for its ack: 1 minute unless set (measured: a stopped
+            # peer, whose kernel still ACKs TCP, went unnoticed for 60 s with only the above).
+            ("grpc.http2.ping_timeout_ms", timeout_ms),
+            ("grpc.keepalive_permit_without_calls", 1),  # idle DecodeStream channels too
+            ("grpc.http2.max_pings_without_data", 0)]  # keep pinging while nothing is sent
+
+
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    *_keepalive(KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS),
+]
+# Servers accept their clients' pings: the default policing (one ping per 5 minutes without
+# data, two strikes) would answer a 5 s keepalive with GOAWAY "too_many_pings".
+SERVER_KEEPALIVE_OPTIONS = [
+    *_keepalive(SERVER_KEEPALIVE_TIME_MS, SERVER_KEEPALIVE_TIMEOUT_MS),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 3),
 ]
 READY_PREFIX = "KVFERRY_READY"
 
@@ -71,7 +112,8 @@ def make_server(max_concurrent_rpcs: int | None = None,
     """A server capped at `max_receive_bytes` per incoming message (bigger ones fail with
     RESOURCE_EXHAUSTED before any handler runs)."""
     options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-               ("grpc.max_receive_message_length", max_receive_bytes)]
+               ("grpc.max_receive_message_length", max_receive_bytes),
+               *SERVER_KEEPALIVE_OPTIONS]
     return grpc.aio.server(options=options, maximum_concurrent_rpcs=max_concurrent_rpcs,
                            interceptors=list(interceptors))
 

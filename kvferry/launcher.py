@@ -3,10 +3,17 @@
 Each process binds the port it is given (0 = any free port) and prints one readiness line
 with the bound port; the launcher reads it, so no port is ever guessed. Workers start in
 parallel; the router starts once they are all serving.
+
+`isolation="netns"` runs every component in its own network namespace with its own address
+(kvferry/netns.py), so `cut(name)` can partition it; where the machine does not allow that
+(not root, no iproute2) the deployment runs on loopback and `cut` stops the process instead
+(SIGSTOP): its peers see the same silence, though its kernel still answers TCP.
+`isolation_used` says which one ran.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -15,21 +22,27 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
+from kvferry import netns
 from kvferry.grpc_util import READY_PREFIX
+
+log = logging.getLogger("kvferry")
+ISOLATIONS = ("loopback", "netns")
 
 
 @dataclass
 class Process:
     name: str
     popen: subprocess.Popen[str]
+    host: str = "127.0.0.1"  # where to reach it (its own address in a network namespace)
     port: int = 0
     metrics_port: int = 0  # 0: no metrics server
     _ready: threading.Event = field(default_factory=threading.Event)
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     def _watch(self) -> None:
         assert self.popen.stdout is not None  # noqa: S101 - created with stdout=PIPE
@@ -47,14 +60,27 @@ class Process:
             raise RuntimeError(f"{self.name} did not become ready (exit code {code})")
 
 
-def _spawn(name: str, args: list[str], log_dir: Path | None, env: dict[str, str]) -> Process:
+class Placement(NamedTuple):
+    """Where a component runs: the host it binds, where others reach it, how it is started."""
+
+    bind_host: str
+    reach_host: str
+    prefix: tuple[str, ...] = ()  # before the command: `ip netns exec NS` in a namespace
+
+
+LOOPBACK = Placement("127.0.0.1", "127.0.0.1")
+
+
+def _spawn(name: str, args: list[str], log_dir: Path | None, env: dict[str, str],
+           place: Placement = LOOPBACK) -> Process:
+    """Start `kvferry.cli args` in a session of its own."""
     stderr = open(log_dir / f"{name}.log", "w") if log_dir else None  # noqa: SIM115
     popen = subprocess.Popen(
-        [sys.executable, "-m", "kvferry.cli", *args],
+        [*place.prefix, sys.executable, "-m", "kvferry.cli", *args],
         stdout=subprocess.PIPE, stderr=stderr, text=True, env={**os.environ, **env},
         start_new_session=True,
     )
-    proc = Process(name, popen)
+    proc = Process(name, popen, place.reach_host)
     threading.Thread(target=proc._watch, daemon=True).start()
     return proc
 
@@ -77,32 +103,65 @@ class Deployment:
     log_dir: Path | None = None
     log_format: str = "text"  # or "json": one object per line, with the request id
     env: dict[str, str] = field(default_factory=dict)
+    # "netns": each component in its own network namespace where the machine allows it
+    # (see the module docstring); "loopback" otherwise, and always when asked for.
+    isolation: str = "loopback"
     processes: list[Process] = field(default_factory=list)
+    network: netns.Network | None = None  # set while the components run in namespaces
 
-    def _worker_args(self, role: str) -> list[str]:
+    @property
+    def isolation_used(self) -> str:
+        return "netns" if self.network is not None else "loopback"
+
+    def _worker_args(self, role: str, host: str | None = None) -> list[str]:
         return ["--log-format", self.log_format,
-                f"{role}-worker", "--model", self.model, "--host", self.host, "--port", "0",
+                f"{role}-worker", "--model", self.model, "--host", host or self.host,
+                "--port", "0",
                 "--block-size", str(self.block_size), "--kv-pool-size", self.kv_pool_size,
                 "--torch-threads", str(self.torch_threads),
                 "--attention-backend", self.attention_backend, *self.worker_args,
                 *self.role_args.get(role, [])]
 
+    def _start_network(self) -> None:
+        if self.isolation not in ISOLATIONS:
+            raise ValueError(f"isolation: {self.isolation!r} is not one of {ISOLATIONS}")
+        if self.isolation == "loopback":
+            return
+        if not netns.is_available():
+            log.warning("isolation: network namespaces unavailable (root and iproute2 "
+                        "needed); running on loopback, cut() stops processes instead")
+            return
+        self.network = netns.Network.create()
+
+    def _place(self, name: str) -> Placement:
+        """A namespace of its own with its own address when isolated, else `self.host`."""
+        if self.network is None:
+            return Placement(self.host, "127.0.0.1")
+        address = self.network.add(name)
+        return Placement(address, address, tuple(self.network.exec_prefix(name)))
+
     def start(self, timeout_s: float = 180.0) -> Deployment:
         try:
+            self._start_network()
             decode_role = "colocated" if self.is_colocated else "decode"
             num_prefill = 0 if self.is_colocated else self.num_prefill
-            workers = [_spawn(f"prefill-{i}", self._worker_args("prefill"), self.log_dir,
-                              self.env) for i in range(num_prefill)]
-            workers += [_spawn(f"{decode_role}-{i}", self._worker_args(decode_role),
-                               self.log_dir, self.env) for i in range(self.num_decode)]
-            self.processes = list(workers)
+            roles = [("prefill", i) for i in range(num_prefill)]
+            roles += [(decode_role, i) for i in range(self.num_decode)]
+            for role, i in roles:
+                place = self._place(f"{role}-{i}")
+                self.processes.append(_spawn(f"{role}-{i}",
+                                             self._worker_args(role, place.bind_host),
+                                             self.log_dir, self.env, place))
+            workers = list(self.processes)
             for proc in workers:
                 proc.wait_ready(timeout_s)
+            place = self._place("router")
             args = ["--log-format", self.log_format, "router", "--model", self.model,
-                    "--host", self.host, "--port", str(self.router_port), *self.router_args]
+                    "--host", place.bind_host, "--port", str(self.router_port),
+                    *self.router_args]
             for proc in workers:
                 args += [f"--{proc.name.rsplit('-', 1)[0]}", proc.address]
-            router = _spawn("router", args, self.log_dir, self.env)
+            router = _spawn("router", args, self.log_dir, self.env, place)
             self.processes.append(router)
             router.wait_ready(timeout_s)
         except BaseException:
@@ -128,24 +187,52 @@ class Deployment:
             for tid in os.listdir(f"/proc/{proc.popen.pid}/task"):
                 os.sched_setaffinity(int(tid), cpus)
 
+    def _process(self, name: str) -> Process:
+        found = [p for p in self.processes if p.name == name]
+        if not found:
+            raise ValueError(f"name: no process {name!r} in this deployment")
+        return found[0]
+
+    def cut(self, name: str) -> None:
+        """Make component `name` silent to everyone: its link goes down (netns: packets
+        vanish, no RST, no FIN), or, on loopback, the process is stopped (SIGSTOP)."""
+        if self.network is not None:
+            self.network.cut(name)
+        else:
+            os.kill(self._process(name).popen.pid, signal.SIGSTOP)
+
+    def heal(self, name: str) -> None:
+        """Undo `cut(name)`."""
+        if self.network is not None:
+            self.network.heal(name)
+        else:
+            os.kill(self._process(name).popen.pid, signal.SIGCONT)
+
     def dead(self) -> list[str]:
         """Names of processes that have exited."""
         return [p.name for p in self.processes if p.popen.poll() is not None]
 
     def stop(self, grace_s: float = 10.0) -> list[int | None]:
-        """SIGTERM everything (router first), wait, SIGKILL stragglers. Returns exit codes."""
-        for proc in reversed(self.processes):
-            if proc.popen.poll() is None:
-                proc.popen.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        codes = []
-        for proc in reversed(self.processes):
-            try:
-                codes.append(proc.popen.wait(max(deadline - time.monotonic(), 0.1)))
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.popen.pid, signal.SIGKILL)
-                codes.append(proc.popen.wait())
-        self.processes = []
+        """SIGTERM everything (router first), wait, SIGKILL stragglers; then remove the
+        namespaces, veths and bridge, if any, whatever failed before. Returns exit codes."""
+        try:
+            for proc in reversed(self.processes):
+                if proc.popen.poll() is None:
+                    proc.popen.send_signal(signal.SIGTERM)
+                    proc.popen.send_signal(signal.SIGCONT)  # a stopped one must see it
+            deadline = time.monotonic() + grace_s
+            codes = []
+            for proc in reversed(self.processes):
+                try:
+                    codes.append(proc.popen.wait(max(deadline - time.monotonic(), 0.1)))
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.popen.pid, signal.SIGKILL)
+                    codes.append(proc.popen.wait())
+            self.processes = []
+        finally:
+            if self.network is not None:  # after the processes: nothing left inside
+                self.network.destroy()
+                self.network = None
         return codes
 
     def __enter__(self) -> Deployment:

@@ -1,0 +1,149 @@
+"""Issue 9, a cut network link: every component in its own network namespace, with its own
+address (kvferry/netns.py), and one link set down mid-request, so the peer goes silent with
+no RST and no FIN. Only HTTP/2 keepalive (kvferry/grpc_util.py) notices that; the router
+then migrates the stream (decode worker cut) or prefills again elsewhere (prefill worker cut
+mid push), and the client gets exactly the undisturbed tokens.
+
+Where namespaces are not available (not root, no iproute2) the deployment runs on loopback
+and `cut` stops the process (SIGSTOP) instead: the same silence to its peers. The mode that
+ran is printed and asserted; KVFERRY_TEST_ISOLATION=loopback forces the fallback."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvferry import client, grpc_util, netns
+from kvferry.launcher import Deployment, Process
+from kvferry.v1 import generation_pb2, generation_pb2_grpc
+from tests.conftest import assert_alive, assert_pools_clean
+from tests.e2e.test_faults import _busy, sessions_alive
+
+pytestmark = pytest.mark.slow
+
+ISOLATION = os.environ.get("KVFERRY_TEST_ISOLATION", "netns")
+PUSH_CHUNK_DELAY_S = 0.4  # 4 chunks: a push outlives its first token by about a second
+# Keepalive finds a silent peer within 5-10 s (kvferry/grpc_util.py); the rest is the
+# prefill of the migrated request and its K/V push. Without keepalive the stall would last
+# until TCP gives up: many minutes on a cut link, forever on a stopped process.
+MAX_STALL_S = 20.0
+
+
+@pytest.fixture(scope="module")
+def isolated(qwen3_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+             ) -> Iterator[Deployment]:
+    """2 prefill + 2 decode workers and the router, each in a namespace of its own."""
+    log_dir = tmp_path_factory.mktemp("network-logs")
+    deployment = Deployment(model=str(qwen3_checkpoint), num_prefill=2, num_decode=2,
+                            isolation=ISOLATION, log_dir=log_dir,
+                            env={"KVFERRY_FAULT_PUSH_CHUNK_DELAY_S": str(PUSH_CHUNK_DELAY_S)}
+                            ).start()
+    expected = "netns" if ISOLATION == "netns" and netns.is_available() else "loopback"
+    print(f"\nisolation: {deployment.isolation_used} (router at {deployment.router_address})")
+    assert deployment.isolation_used == expected
+    network = deployment.network
+    spawned = {p.popen.pid for p in deployment.processes}
+    yield deployment
+    deployment.stop()
+    assert sessions_alive(spawned) == []
+    if network is not None:
+        assert network.leftovers() == [], "namespaces or links left behind"
+
+
+def _request(prompt: list[int], max_tokens: int) -> generation_pb2.GenerateRequest:
+    return client.make_request(prompt, temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def _expected(deployment: Deployment, request: generation_pb2.GenerateRequest) -> list[int]:
+    return asyncio.run(client.generate(deployment.router_address, request, 120)).token_ids
+
+
+class CutRun:
+    """What a stream saw around a cut: its tokens, who was cut, the longest wait for a
+    token after the cut."""
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.victim: Process | None = None
+        self.max_stall_s = 0.0
+
+
+def _stream_and_cut(deployment: Deployment, request: generation_pb2.GenerateRequest,
+                    role: str, cut_after_tokens: int) -> CutRun:
+    """Stream `request`; once `cut_after_tokens` arrived, cut the `role` worker serving it
+    (found before the cut, by its stats)."""
+    async def run() -> CutRun:
+        seen = CutRun()
+        async with grpc_util.channel(deployment.router_address) as chan:
+            stub = generation_pb2_grpc.GenerationServiceStub(chan)
+            last = 0.0
+            async for _, latest in client.stream(stub, request, timeout_s=120):
+                now = time.monotonic()
+                if seen.victim is not None:
+                    seen.max_stall_s = max(seen.max_stall_s, now - last)
+                last = now
+                seen.token_ids = list(latest.token_ids)
+                if seen.victim is None and len(seen.token_ids) >= cut_after_tokens:
+                    seen.victim = await asyncio.to_thread(_busy, deployment, role)
+                    assert seen.victim is not None, f"no {role} worker busy at the cut"
+                    deployment.cut(seen.victim.name)
+                    last = time.monotonic()
+        return seen
+
+    return asyncio.run(run())
+
+
+def _router_log(deployment: Deployment) -> str:
+    assert deployment.log_dir is not None
+    return (deployment.log_dir / "router.log").read_text()
+
+
+def _heal_and_check(deployment: Deployment, victim: Process) -> None:
+    """Heal the link: the cut worker's pool comes back to all free (its peers' broken
+    streams released what it held) and every pool is clean; nothing died."""
+    deployment.heal(victim.name)
+    assert_alive(deployment)
+    assert_pools_clean(deployment, timeout_s=30)
+
+
+def test_decode_worker_cut_mid_stream_migrates(isolated: Deployment,
+                                                qwen3_deployment: Deployment) -> None:
+    request = _request(list(range(60, 140)), 300)
+    expected = _expected(qwen3_deployment, request)
+    seen = _stream_and_cut(isolated, request, "decode", 20)
+    assert seen.victim is not None
+    try:
+        assert seen.token_ids == expected
+        router_log = _router_log(isolated)
+        assert f"decode worker {seen.victim.address} lost" in router_log
+        assert seen.max_stall_s < MAX_STALL_S, f"silent peer found after {seen.max_stall_s:.1f} s"
+        print(f"{isolated.isolation_used}: {seen.victim.name} cut; the stream stalled "
+              f"{seen.max_stall_s:.1f} s at most, then migrated")
+    finally:
+        _heal_and_check(isolated, seen.victim)
+    # The healed worker is usable again: a request still gets exact tokens.
+    again = _request(list(range(200, 230)), 20)
+    assert _expected(isolated, again) == _expected(qwen3_deployment, again)
+    assert_pools_clean(isolated)
+
+
+def test_prefill_worker_cut_mid_push_is_prefilled_again(isolated: Deployment,
+                                                         qwen3_deployment: Deployment) -> None:
+    request = _request([i % 500 + 1 for i in range(300)], 30)  # 19 blocks, 4 slow chunks
+    expected = _expected(qwen3_deployment, request)
+    seen = _stream_and_cut(isolated, request, "prefill", 1)  # first token out, push going
+    assert seen.victim is not None
+    try:
+        assert seen.token_ids == expected
+        router_log = _router_log(isolated)
+        assert f"prefill worker {seen.victim.address} unavailable" in router_log
+        assert seen.max_stall_s < MAX_STALL_S, f"silent peer found after {seen.max_stall_s:.1f} s"
+        print(f"{isolated.isolation_used}: {seen.victim.name} cut mid push; the stream "
+              f"stalled {seen.max_stall_s:.1f} s at most, then another worker prefilled it")
+    finally:
+        _heal_and_check(isolated, seen.victim)
