@@ -225,9 +225,15 @@ class Router(DownstreamCalls):
         reason = FinishReason.ABORT
         first_step_s = 0.0
         is_stopped = False
-        state.is_decoding = True
-        if state.is_aborted:  # aborted between prefill and decode
+        if state.is_aborted:  # aborted between the push and the decode: never start it
             await self._abort_decode(state)
+            state.holds_decode = False
+            tail = detok.finish()
+            if tail:
+                yield ChunkEvent([], tail)
+            yield DoneEvent(FinishReason.ABORT, num_prompt, len(generated), timing)
+            return
+        state.is_decoding = True
         updates = worker.mux.start(request)
         try:
             while True:
@@ -264,8 +270,11 @@ class Router(DownstreamCalls):
         if state is None:
             raise NotFound(f"no running request with request_id {request_id!r}", "request_id")
         state.is_aborted = True
-        if state.is_decoding:
-            return asyncio.ensure_future(self._abort_decode(state))
+        worker = state.decode_worker
+        if state.is_decoding and worker is not None and worker.mux is not None:
+            # On the DecodeStream that carried the start: the abort cannot overtake it.
+            worker.mux.abort(request_id)
+            return None
         if state.prefill_call is not None:
             state.prefill_call.cancel()
         return None
