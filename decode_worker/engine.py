@@ -154,10 +154,29 @@ class DecodeEngine(StepLoop):
         return seq
 
     # ---- K/V arrival -------------------------------------------------------------------------
-    def receive_chunk(self, request_id: str, layout: wire.KvLayout, num_tokens: int,
-                      span: wire.ChunkSpan, data: bytes, crc32: int) -> int:
-        """Validate one chunk against layout and reservation, then write it. Returns bytes."""
+    def begin_push(self, request_id: str) -> int:
+        """A push stream starts: it supersedes any unfinished one for the same reservation (a
+        prefill worker that went silent mid-push while the router had another one push
+        again), whose pages are forgotten and whose later chunks are refused. Returns the
+        push's epoch, which its chunks carry."""
         seq = self._get(request_id)
+        if seq.is_kv_complete or seq.phase is not Phase.RESERVED:
+            raise InvalidArgument(f"K/V for {request_id!r} is already complete", "request_id")
+        seq.push_epoch += 1
+        seq.received[:] = False
+        return seq.push_epoch
+
+    def _check_epoch(self, seq: DecodeSeq, epoch: int | None) -> None:
+        if epoch is not None and epoch != seq.push_epoch:
+            raise Aborted(f"push for {seq.request_id!r} superseded by a newer one")
+
+    def receive_chunk(self, request_id: str, layout: wire.KvLayout, num_tokens: int,
+                      span: wire.ChunkSpan, data: bytes, crc32: int,
+                      epoch: int | None = None) -> int:
+        """Validate one chunk against layout and reservation, then write it. Returns bytes.
+        `epoch`: from begin_push (gRPC streams); None for transports without one."""
+        seq = self._get(request_id)
+        self._check_epoch(seq, epoch)
         if seq.is_kv_complete or seq.phase is not Phase.RESERVED:
             raise InvalidArgument(f"K/V for {request_id!r} is already complete", "request_id")
         problem = self.layout.mismatch(layout)
@@ -180,18 +199,20 @@ class DecodeEngine(StepLoop):
         self.kv_bytes_received += len(data)
         return len(data)
 
-    def finish_push(self, request_id: str) -> None:
+    def finish_push(self, request_id: str, epoch: int | None = None) -> None:
         seq = self._get(request_id)
+        self._check_epoch(seq, epoch)
         missing = int((~seq.received).sum())
         if missing:
             raise InvalidArgument(f"push ended with {missing} pages missing", "data")
         seq.is_kv_complete = True
         self._poke()
 
-    def fail_push(self, request_id: str) -> None:
-        """A push broke off: forget partial pages so the prompt can be pushed again."""
+    def fail_push(self, request_id: str, epoch: int | None = None) -> None:
+        """A push broke off: forget partial pages so the prompt can be pushed again (unless
+        a newer push has taken over the reservation)."""
         seq = self._seqs.get(request_id)
-        if seq is not None and not seq.is_kv_complete:
+        if seq is not None and not seq.is_kv_complete and epoch in (None, seq.push_epoch):
             seq.received[:] = False
 
     async def prefill_local(self, request_id: str, prompt: list[int], params: SamplingParams,

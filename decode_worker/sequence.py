@@ -50,6 +50,7 @@ class DecodeSeq:
     received: np.ndarray  # [layers, prompt blocks] pages delivered so far
     arrival: int  # admission order: preemption takes the newest first
     is_kv_complete: bool = False
+    push_epoch: int = 0  # the push now filling `received` (a newer one supersedes it)
     params: SamplingParams | None = None
     max_new_tokens: int = 0
     stop_token_ids: frozenset[int] = frozenset()

@@ -149,27 +149,31 @@ class KvTransferServicer(worker_pb2_grpc.KvTransferServiceServicer):
                      context: grpc.aio.ServicerContext) -> worker_pb2.PushKvResponse:
         request_id = ""
         written = 0
+        epoch: int | None = None  # this stream's push, once begun
         try:
             async for chunk in request_iterator:
                 if request_id and chunk.request_id != request_id:
                     raise InvalidArgument("one push carries one request_id", "request_id")
                 if not request_id:
                     logs.request_id.set(chunk.request_id)
-                request_id = chunk.request_id
+                    request_id = chunk.request_id
+                    epoch = self.engine.begin_push(request_id)
                 span = wire.ChunkSpan(chunk.layer_start, chunk.layer_end, chunk.block_start,
                                       chunk.num_blocks)
                 written += self.engine.receive_chunk(
                     request_id, transport.layout_from_proto(chunk.layout), chunk.num_tokens,
-                    span, chunk.data, chunk.crc32,
+                    span, chunk.data, chunk.crc32, epoch,
                 )
             if not request_id:
                 raise InvalidArgument("empty push", "request_id")
-            self.engine.finish_push(request_id)
+            self.engine.finish_push(request_id, epoch)
         except asyncio.CancelledError:
-            self.engine.fail_push(request_id)
+            if epoch is not None:
+                self.engine.fail_push(request_id, epoch)
             raise
         except Exception as exc:
-            self.engine.fail_push(request_id)
+            if epoch is not None:
+                self.engine.fail_push(request_id, epoch)
             await grpc_util.abort_with(context, exc, request_id)
         return worker_pb2.PushKvResponse(bytes_written=written)
 

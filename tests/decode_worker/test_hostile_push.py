@@ -17,7 +17,7 @@ from decode_worker.server import KvTransferServicer
 from kernels.dispatch import get_attention_backend
 from kvferry import transport, wire
 from kvferry.config import load_model_config
-from kvferry.errors import InvalidArgument, NotFound
+from kvferry.errors import Aborted, InvalidArgument, NotFound
 from kvferry.kv_pool import KvPool, blocks_for_tokens
 from kvferry.model import Transformer
 from kvferry.v1 import worker_pb2
@@ -214,3 +214,23 @@ def test_push_switching_to_another_request_is_refused(engine: DecodeEngine) -> N
     engine.receive_chunk("A", engine.layout, PROMPT, *attacker.chunk(attacker.whole()))
     engine.finish_push("A")
 
+
+
+def test_a_newer_push_supersedes_an_unfinished_one(engine: DecodeEngine) -> None:
+    """A prefill worker went silent mid-push and another one pushes the same prompt again:
+    the new push takes the reservation over; the old one's late chunks are refused and its
+    failure does not wipe the new pages."""
+    _reserve(engine, "A")
+    old, new = Push(engine.layout, PROMPT, seed=2), Push(engine.layout, PROMPT, seed=3)
+    half = wire.ChunkSpan(0, 1, 0, blocks_for_tokens(PROMPT, BLOCK_SIZE))
+    first = engine.begin_push("A")
+    engine.receive_chunk("A", engine.layout, PROMPT, *old.chunk(half), first)
+    second = engine.begin_push("A")
+    engine.receive_chunk("A", engine.layout, PROMPT, *new.chunk(new.whole()), second)
+    with pytest.raises(Aborted, match="superseded"):
+        engine.receive_chunk("A", engine.layout, PROMPT, *old.chunk(half), first)
+    engine.fail_push("A", first)  # the stale stream ends: no effect on the new push
+    engine.finish_push("A", second)
+    table = engine._seqs["A"].block_table[:blocks_for_tokens(PROMPT, BLOCK_SIZE)]
+    assert torch.equal(engine.pool.cache[:, :, table],
+                       new.pool.cache[:, :, new.block_table])
