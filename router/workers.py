@@ -44,6 +44,7 @@ class Worker:
     projected_blocks: int = 0  # from stats: what live requests may grow to
     pending_prefill_tokens: int = 0  # from stats
     num_running: int = 0  # from stats
+    stats_issued_at: float = 0.0  # when the snapshot applied last was asked for
     num_in_flight: int = 0  # requests this router has open there now
     in_flight: dict[str, InFlight] = field(default_factory=dict)
     is_healthy: bool = False
@@ -82,6 +83,12 @@ class Worker:
         self.num_in_flight -= 1
 
     def apply_stats(self, stats: worker_pb2.WorkerStats, issued_at: float) -> None:
+        """Take a stats snapshot, unless a newer one was applied already: two refreshes in
+        flight (the periodic one and an admission waiter's) may answer out of order, and an
+        older snapshot would drop reservations the newer one counted."""
+        if issued_at < self.stats_issued_at:
+            return
+        self.stats_issued_at = issued_at
         self.total_blocks = stats.total_blocks
         self.projected_blocks = stats.projected_blocks
         self.pending_prefill_tokens = stats.num_pending_prefill_tokens

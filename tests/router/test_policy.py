@@ -62,6 +62,20 @@ def test_stats_snapshot_replaces_in_flight_it_already_counts() -> None:
     assert worker.headroom == 83
 
 
+def test_an_older_snapshot_answering_late_is_ignored() -> None:
+    """Two refreshes in flight answer out of order: the stale one must not drop a
+    reservation the newer one already counted (that over-admits and forces preemption)."""
+    worker = _worker("a")
+    worker.add_in_flight("r", 10, 0)
+    worker.accepted("r")
+    newer = worker_pb2.WorkerStats(total_blocks=100, projected_blocks=10)  # counts "r"
+    older = worker_pb2.WorkerStats(total_blocks=100, projected_blocks=0)  # from before "r"
+    worker.apply_stats(newer, issued_at=float("inf"))
+    assert worker.headroom == 90
+    worker.apply_stats(older, issued_at=1.0)
+    assert worker.headroom == 90
+
+
 def test_prefill_goes_to_fewest_pending_tokens() -> None:
     workers = [_worker("p1", pending_tokens=500, role="prefill"),
                _worker("p2", pending_tokens=100, role="prefill")]
