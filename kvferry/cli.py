@@ -71,6 +71,16 @@ def _security_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
+def _server_process_args(p: argparse.ArgumentParser) -> None:
+    """Flags of every server process (router and workers): drain, metrics, TLS."""
+    p.add_argument("--drain-timeout-s", type=float, default=30.0,
+                   help="on SIGTERM: report NOT_SERVING, refuse new requests and let in-flight "
+                        "ones finish for up to this long, then exit")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics over HTTP on this port (0: any free port)")
+    _tls_args(p, is_one_process=True)
+
+
 def _worker_parser(sub: argparse._SubParsersAction, role: str) -> None:
     p = sub.add_parser(f"{role}-worker", help=f"run one {role} worker process")
     p.add_argument("--model", default=None, help="checkpoint directory (default: tiny Qwen3)")
@@ -92,12 +102,7 @@ def _worker_parser(sub: argparse._SubParsersAction, role: str) -> None:
     p.add_argument("--kv-transport", default="grpc", choices=["grpc", "ray"],
                    help="how prefill ships K/V pages: gRPC streams, or Ray object refs "
                         "(workers running as Ray actors)")
-    p.add_argument("--drain-timeout-s", type=float, default=30.0,
-                   help="on SIGTERM: report NOT_SERVING, refuse new requests and let in-flight "
-                        "ones finish for up to this long, then exit")
-    p.add_argument("--metrics-port", type=int, default=None,
-                   help="serve Prometheus metrics over HTTP on this port (0: any free port)")
-    _tls_args(p, is_one_process=True)
+    _server_process_args(p)
     p.set_defaults(role=role)
 
 
@@ -190,12 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--local-prefill-threshold", type=int, default=0,
                    help="prompts shorter than this many tokens are prefilled on the decode "
                         "worker itself (conditional disaggregation); 0: off")
-    p.add_argument("--drain-timeout-s", type=float, default=30.0,
-                   help="on SIGTERM: report NOT_SERVING, refuse new requests and let in-flight "
-                        "ones finish for up to this long, then exit")
-    p.add_argument("--metrics-port", type=int, default=None,
-                   help="serve Prometheus metrics over HTTP on this port (0: any free port)")
-    _tls_args(p, is_one_process=True)
+    _server_process_args(p)
     p.add_argument("--public-client-auth", action="store_true",
                    help="the public port also requires client certificates (verified with "
                         "--tls-ca)")

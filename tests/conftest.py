@@ -19,7 +19,7 @@ import pytest
 
 from kvferry.checkpoint import LLAMA_SPEC, ModelSpec, make_model
 from kvferry.grpc_util import CHANNEL_OPTIONS
-from kvferry.launcher import Deployment
+from kvferry.launcher import Deployment, Process
 from kvferry.v1 import worker_pb2, worker_pb2_grpc
 
 
@@ -39,6 +39,22 @@ def plaintext_channel(address: str) -> grpc.Channel:
 
 # How tests reach a worker: plaintext here; tests/e2e/test_security.py passes mTLS + token.
 OpenChannel = Callable[[str], grpc.Channel]
+
+
+def busy_process(deployment: Deployment, role: str,
+                 holds: Callable[[worker_pb2.WorkerStats], int] = lambda s: s.num_running
+                 ) -> Process | None:
+    """The first `role` process whose stats say it holds something (default: a running
+    request), for tests that must kill or cut exactly that one."""
+    for proc in deployment.processes:
+        if not proc.name.startswith(role):
+            continue
+        with plaintext_channel(proc.address) as chan:
+            stub = (worker_pb2_grpc.PrefillServiceStub(chan) if role == "prefill"
+                    else worker_pb2_grpc.DecodeServiceStub(chan))
+            if holds(stub.GetStats(worker_pb2.GetStatsRequest(), timeout=5)):
+                return proc
+    return None
 
 
 def worker_stats(deployment: Deployment, open_channel: OpenChannel = plaintext_channel

@@ -17,8 +17,7 @@ from kvferry import client, grpc_util
 from kvferry.grpc_util import CHANNEL_OPTIONS
 from kvferry.launcher import Deployment
 from kvferry.v1 import generation_pb2_grpc
-from tests.conftest import assert_pools_clean
-from tests.e2e.test_migration import _busy_decode_process
+from tests.conftest import assert_pools_clean, busy_process
 
 pytestmark = pytest.mark.slow
 
@@ -58,7 +57,7 @@ def test_sigterm_drains_a_decode_worker(drain_timeout_s: float, migrates: bool,
                 async for _, latest in client.stream(stub, request, timeout_s=120):
                     completion = latest
                     if victim is None and len(completion.token_ids) >= 10:
-                        victim = await asyncio.to_thread(_busy_decode_process, deployment)
+                        victim = await asyncio.to_thread(busy_process, deployment, "decode")
                         assert victim is not None
                         victim.popen.send_signal(signal.SIGTERM)
                         signalled = time.monotonic()

@@ -19,10 +19,9 @@ import grpc
 import pytest
 
 from kvferry import client, grpc_util
-from kvferry.grpc_util import CHANNEL_OPTIONS
 from kvferry.launcher import Deployment, Process, _spawn
-from kvferry.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
-from tests.conftest import assert_alive, assert_pools_clean
+from kvferry.v1 import generation_pb2, generation_pb2_grpc
+from tests.conftest import assert_alive, assert_pools_clean, busy_process
 
 pytestmark = pytest.mark.slow
 
@@ -50,20 +49,6 @@ def sessions_alive(session_ids: set[int]) -> list[int]:
         if int(fields[3]) in session_ids:  # fields: state ppid pgrp session ...
             found.append(int(entry))
     return found
-
-
-def _busy(deployment: Deployment, role: str) -> Process | None:
-    """The first `role` process that has a request running."""
-    for proc in deployment.processes:
-        if not proc.name.startswith(role):
-            continue
-        with grpc.insecure_channel(proc.address, options=CHANNEL_OPTIONS) as chan:
-            stub = (worker_pb2_grpc.PrefillServiceStub(chan) if role == "prefill"
-                    else worker_pb2_grpc.DecodeServiceStub(chan))
-            stats = stub.GetStats(worker_pb2.GetStatsRequest(), timeout=5)
-        if stats.num_running:
-            return proc
-    return None
 
 
 def _kill(deployment: Deployment, victim: Process) -> None:
@@ -111,7 +96,7 @@ def test_prefill_worker_killed_mid_push_is_prefilled_again(
                 completion = latest
                 if not killed and completion.token_ids:
                     # First token out, K/V push still under way on the prefill worker.
-                    victim = await asyncio.to_thread(_busy, faulty, "prefill")
+                    victim = await asyncio.to_thread(busy_process, faulty, "prefill")
                     assert victim is not None, "the push ended before the kill"
                     await asyncio.to_thread(_kill, faulty, victim)
                     killed = True
@@ -139,7 +124,7 @@ async def _stream_until_stopped(deployment: Deployment, request: generation_pb2.
         with pytest.raises(grpc.aio.AioRpcError) as exc:
             async for _, latest in client.stream(stub, request, timeout_s=deadline_s):
                 if stopped is None and len(latest.token_ids) >= num_tokens:
-                    stopped = await asyncio.to_thread(_busy, deployment, role)
+                    stopped = await asyncio.to_thread(busy_process, deployment, role)
                     assert stopped is not None
                     os.kill(stopped.popen.pid, signal.SIGSTOP)
         assert stopped is not None
@@ -301,7 +286,8 @@ def test_decode_worker_killed_mid_push_migrates(qwen3_checkpoint: Path,
                 async for _, latest in client.stream(stub, request, timeout_s=120):
                     completion = latest
                     if not killed and completion.token_ids:
-                        victim = await asyncio.to_thread(_reserved_on, deployment)
+                        victim = await asyncio.to_thread(
+                            busy_process, deployment, "decode", lambda s: s.reserved_blocks)
                         assert victim is not None, "the push ended before the kill"
                         await asyncio.to_thread(_kill, deployment, victim)
                         killed = True
@@ -314,15 +300,3 @@ def test_decode_worker_killed_mid_push_migrates(qwen3_checkpoint: Path,
         assert_pools_clean(deployment)
     assert sessions_alive(spawned) == []
 
-
-def _reserved_on(deployment: Deployment) -> Process | None:
-    """The decode process holding a reservation whose K/V has not all arrived."""
-    for proc in deployment.processes:
-        if not proc.name.startswith("decode"):
-            continue
-        with grpc.insecure_channel(proc.address, options=CHANNEL_OPTIONS) as chan:
-            stats = worker_pb2_grpc.DecodeServiceStub(chan).GetStats(
-                worker_pb2.GetStatsRequest(), timeout=5)
-        if stats.reserved_blocks:
-            return proc
-    return None

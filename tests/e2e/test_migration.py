@@ -9,28 +9,14 @@ import os
 import signal
 from pathlib import Path
 
-import grpc
 import pytest
 
 from kvferry import client, grpc_util
-from kvferry.grpc_util import CHANNEL_OPTIONS
 from kvferry.launcher import Deployment
-from kvferry.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
-from tests.conftest import assert_pools_clean
+from kvferry.v1 import generation_pb2_grpc
+from tests.conftest import assert_pools_clean, busy_process
 
 pytestmark = pytest.mark.slow
-
-
-def _busy_decode_process(deployment: Deployment):
-    for proc in deployment.processes:
-        if not proc.name.startswith("decode"):
-            continue
-        with grpc.insecure_channel(proc.address, options=CHANNEL_OPTIONS) as chan:
-            stats = worker_pb2_grpc.DecodeServiceStub(chan).GetStats(
-                worker_pb2.GetStatsRequest(), timeout=5)
-        if stats.num_running:
-            return proc
-    return None
 
 
 @pytest.mark.parametrize("seed", [None, 11])
@@ -50,7 +36,7 @@ def test_decode_worker_killed_mid_stream(seed: int | None, qwen3_checkpoint: Pat
                 async for _, latest in client.stream(stub, request, timeout_s=120):
                     completion = latest
                     if not killed and len(completion.token_ids) >= 20:
-                        victim = await asyncio.to_thread(_busy_decode_process, deployment)
+                        victim = await asyncio.to_thread(busy_process, deployment, "decode")
                         assert victim is not None
                         os.kill(victim.popen.pid, signal.SIGKILL)
                         await asyncio.to_thread(victim.popen.wait, 10)

@@ -21,8 +21,8 @@ import pytest
 from kvferry import client, grpc_util, netns
 from kvferry.launcher import Deployment, Process
 from kvferry.v1 import generation_pb2, generation_pb2_grpc
-from tests.conftest import assert_alive, assert_pools_clean
-from tests.e2e.test_faults import _busy, sessions_alive
+from tests.conftest import assert_alive, assert_pools_clean, busy_process
+from tests.e2e.test_faults import sessions_alive
 
 pytestmark = pytest.mark.slow
 
@@ -89,7 +89,7 @@ def _stream_and_cut(deployment: Deployment, request: generation_pb2.GenerateRequ
                 last = now
                 seen.token_ids = list(latest.token_ids)
                 if seen.victim is None and len(seen.token_ids) >= cut_after_tokens:
-                    seen.victim = await asyncio.to_thread(_busy, deployment, role)
+                    seen.victim = await asyncio.to_thread(busy_process, deployment, role)
                     assert seen.victim is not None, f"no {role} worker busy at the cut"
                     deployment.cut(seen.victim.name)
                     last = time.monotonic()
