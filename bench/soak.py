@@ -99,13 +99,7 @@ async def _one(stub: generation_pb2_grpc.GenerationServiceStub, rng: random.Rand
     request, fate, after_s = _plan(rng)
     out.num_requests += 1
 
-    async def read() -> client.Completion:
-        completion = client.Completion()
-        async for _, latest in client.stream(stub, request, timeout_s=120):
-            completion = latest
-        return completion
-
-    task = asyncio.ensure_future(read())
+    task = asyncio.ensure_future(client.collect(stub, request, timeout_s=120))
     if fate != "finish":
         done, _ = await asyncio.wait({task}, timeout=after_s)
         if not done and fate == "cancel":

@@ -59,14 +59,21 @@ async def stream(stub: generation_pb2_grpc.GenerationServiceStub,
         yield msg, completion
 
 
+async def collect(stub: generation_pb2_grpc.GenerationServiceStub,
+                  request: generation_pb2.GenerateRequest,
+                  timeout_s: float | None = None) -> Completion:
+    """The whole stream of one request on an open channel, as one completion."""
+    completion = Completion()
+    async for _, latest in stream(stub, request, timeout_s):
+        completion = latest
+    return completion
+
+
 async def generate(address: str, request: generation_pb2.GenerateRequest,
                    timeout_s: float | None = None) -> Completion:
     async with grpc_util.channel(address) as chan:
-        stub = generation_pb2_grpc.GenerationServiceStub(chan)
-        completion = Completion()
-        async for _, latest in stream(stub, request, timeout_s):
-            completion = latest
-        return completion
+        return await collect(generation_pb2_grpc.GenerationServiceStub(chan), request,
+                             timeout_s)
 
 
 async def generate_many(address: str, requests: list[generation_pb2.GenerateRequest],
@@ -75,4 +82,4 @@ async def generate_many(address: str, requests: list[generation_pb2.GenerateRequ
     return await asyncio.gather(*(generate(address, r, timeout_s) for r in requests))
 
 
-__all__ = ["Completion", "generate", "generate_many", "make_request", "stream"]
+__all__ = ["Completion", "collect", "generate", "generate_many", "make_request", "stream"]

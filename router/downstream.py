@@ -40,6 +40,13 @@ class RouterRequest:
     holds_decode: bool = False  # the decode worker still holds this request's blocks
     failed_prefill: set[str] = field(default_factory=set)  # prefill workers that failed it
     is_decoding: bool = False  # the Decode stream is open
+    # A Reserve whose answer never came (cancelled, deadline): it may have landed all the
+    # same, so the release sends an Abort there.
+    unanswered_reserve: Worker | None = None
+
+
+# Statuses the client side makes up when it gives up waiting: the worker may have reserved.
+_UNANSWERED = (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 def remaining_s(deadline: float | None) -> float | None:
@@ -73,14 +80,18 @@ class DownstreamCalls:
                 max_tokens=max_tokens, lease_s=self.lease_s,
             )
             worker.add_in_flight(state.request_id, need, 0)
+            state.unanswered_reserve = worker
             try:
                 await worker.decode.Reserve(request, timeout=remaining_s(deadline))
             except grpc.aio.AioRpcError as exc:
-                worker.done(state.request_id)
+                if exc.code() not in _UNANSWERED:
+                    state.unanswered_reserve = None  # the worker refused it: nothing held
+                    worker.done(state.request_id)
                 if exc.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE):
                     last_error = f"{worker.address}: {exc.details()}"
                     continue
                 raise
+            state.unanswered_reserve = None
             worker.accepted(state.request_id)
             state.decode_worker = worker
             state.holds_decode = True
@@ -248,6 +259,9 @@ class DownstreamCalls:
         worker = state.decode_worker
         if worker is None or not state.holds_decode:
             return
+        await self._abort_on(worker, state)
+
+    async def _abort_on(self, worker: Worker, state: RouterRequest) -> None:
         try:
             await worker.decode.Abort(generation_pb2.AbortRequest(request_id=state.request_id),
                                       timeout=5.0)
@@ -267,4 +281,11 @@ class DownstreamCalls:
             state.decode_worker.done(state.request_id)
             # Idempotent: NOT_FOUND (already released by the worker) is fine.
             await self._abort_decode(state)
+        unanswered, state.unanswered_reserve = state.unanswered_reserve, None
+        if unanswered is not None:
+            # Cut off mid-Reserve. Sent on the same channel after the Reserve's cancellation,
+            # so it reaches the worker after a reservation that landed; one the worker made
+            # after seeing the cancellation it drops itself (decode server, Reserve).
+            unanswered.done(state.request_id)
+            await self._abort_on(unanswered, state)
 

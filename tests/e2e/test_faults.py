@@ -224,14 +224,7 @@ def test_burst_of_cancels_and_aborts(qwen3_deployment: Deployment) -> None:
     async def one(stub: generation_pb2_grpc.GenerationServiceStub, i: int, mode: int,
                   prompt: list[int], max_tokens: int, after_s: float) -> str:
         request = _request(prompt, max_tokens, f"burst-{i}")
-
-        async def read() -> client.Completion:
-            completion = client.Completion()
-            async for _, latest in client.stream(stub, request, timeout_s=120):
-                completion = latest
-            return completion
-
-        task = asyncio.ensure_future(read())
+        task = asyncio.ensure_future(client.collect(stub, request, timeout_s=120))
         if mode == 1:  # client-side cancel
             await asyncio.sleep(after_s)
             task.cancel()

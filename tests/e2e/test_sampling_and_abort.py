@@ -4,6 +4,7 @@ request ends: finished, aborted through the public Abort, or cancelled by the cl
 from __future__ import annotations
 
 import asyncio
+import random
 
 import grpc
 import pytest
@@ -153,3 +154,30 @@ def test_abort_releases_a_running_request_within_one_step(qwen3_deployment: Depl
     decode_stats = [s for s in worker_stats(qwen3_deployment) if s.role == "decode"][0]
     assert decode_stats.num_decode_steps > 0
     assert decode_stats.max_abort_delay_steps <= 1
+
+
+async def _cancel_storm(address: str, num_requests: int, within_s: float) -> None:
+    """Requests cancelled by the client within `within_s` of sending: many of them while
+    the router's Reserve to the decode worker is on the wire."""
+    rng = random.Random(5)
+    async with grpc_util.channel(address) as chan:
+        stub = generation_pb2_grpc.GenerationServiceStub(chan)
+
+        async def one(i: int) -> None:
+            request = client.make_request([rng.randint(1, 500) for _ in range(20)],
+                                          f"storm-{i}", max_tokens=20, ignore_eos=True)
+            task = asyncio.ensure_future(client.collect(stub, request, timeout_s=60))
+            await asyncio.sleep(rng.uniform(0.0, within_s))
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+        for start in range(0, num_requests, 8):
+            await asyncio.gather(*(one(i) for i in range(start, start + 8)))
+
+
+def test_cancel_storm_around_reserve_leaks_nothing(qwen3_deployment: Deployment) -> None:
+    """A cancellation that lands while the Reserve is in flight must not leave the
+    reservation held until its lease (30 s) runs out: pools are clean within 5 s."""
+    asyncio.run(_cancel_storm(qwen3_deployment.router_address, 64, 0.01))
+    assert_pools_clean(qwen3_deployment, timeout_s=5.0)
+    assert_alive(qwen3_deployment)
