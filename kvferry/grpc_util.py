@@ -47,10 +47,17 @@ def _keepalive(time_ms: int, timeout_ms: int) -> list[tuple[str, int]]:
             ("grpc.http2.max_pings_without_data", 0)]  # keep pinging while nothing is sent
 
 
+# Reconnecting to a peer that was lost: gRPC's default backoff grows to 120 s (1 s x 1.6 per
+# failure), so a worker back after a few seconds' stall or a restart could stay unreachable
+# from this channel for many seconds more. Capped at 1 s: one TCP connect a second to a dead
+# address is nothing.
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100),
+                     ("grpc.max_reconnect_backoff_ms", 1_000)]
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     *_keepalive(KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS),
+    *RECONNECT_OPTIONS,
 ]
 # Servers accept their clients' pings: the default policing (one ping per 5 minutes without
 # data, two strikes) would answer a 5 s keepalive with GOAWAY "too_many_pings".

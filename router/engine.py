@@ -109,6 +109,7 @@ class Router(DownstreamCalls):
         self._running[request_id] = state
         yield request_id
         try:
+            await self.workers.revive()
             async for event in self._run(state, prompt, params, received, deadline):
                 yield event
         finally:

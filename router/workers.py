@@ -141,13 +141,16 @@ class WorkerSet:
                 if worker.channel is not None:
                     await worker.channel.close()
 
-    async def refresh(self, worker: Worker, timeout_s: float = 2.0) -> None:
-        """Health (grpc.health.v1: a draining worker says NOT_SERVING), then stats."""
+    async def refresh(self, worker: Worker, timeout_s: float = 2.0,
+                      wait_for_ready: bool = False) -> None:
+        """Health (grpc.health.v1: a draining worker says NOT_SERVING), then stats.
+        `wait_for_ready`: a channel still reconnecting gets up to `timeout_s` to do so."""
         stub = worker.prefill if worker.role == "prefill" else worker.decode
         issued_at = time.monotonic()
         try:
             health = await health_pb2_grpc.HealthStub(worker.channel).Check(
-                health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout_s,
+                wait_for_ready=wait_for_ready)
             if health.status != health_pb2.HealthCheckResponse.SERVING:
                 if worker.is_healthy:
                     log.warning("%s worker %s is not serving (draining)", worker.role,
@@ -195,6 +198,16 @@ class WorkerSet:
         if self._refreshing is None or self._refreshing.done():
             self._refreshing = asyncio.ensure_future(self.refresh_all())
         await asyncio.shield(self._refreshing)
+
+    async def revive(self) -> None:
+        """When a role has workers but none healthy (all stalled, restarting or reconnecting
+        a moment ago), check them again now, waiting briefly for their channels, before a
+        request is failed for want of one."""
+        for roles in (("prefill",), ("decode", "colocated")):
+            known = [w for w in self.workers if w.role in roles and not w.refuse_reason]
+            if known and not any(w.is_healthy for w in known):
+                await asyncio.gather(*(self.refresh(w, timeout_s=2.0, wait_for_ready=True)
+                                       for w in known))
 
     def healthy(self, *roles: str) -> list[Worker]:
         return [w for w in self.workers if w.role in roles and w.is_healthy]

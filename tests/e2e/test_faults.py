@@ -152,6 +152,28 @@ def test_stalled_worker_gives_deadline_exceeded(role: str, faulty: Deployment,
     assert got.token_ids == _expected(qwen3_deployment, again)
 
 
+def test_workers_back_from_a_stall_serve_the_next_request(
+        faulty: Deployment, qwen3_deployment: Deployment) -> None:
+    """Every prefill worker stalls long enough for the router to lose its connections and
+    mark them unhealthy, then resumes: the very next request is served (the router checks
+    them again instead of failing it with "no healthy prefill worker")."""
+    request = _request(SHORT_PROMPT, 8)
+    expected = _expected(qwen3_deployment, request)
+    stalled = [p for p in faulty.processes
+               if p.name.startswith("prefill") and p.popen.poll() is None]
+    assert stalled
+    for proc in stalled:
+        os.kill(proc.popen.pid, signal.SIGSTOP)
+    try:
+        time.sleep(12.0)  # keepalive (5 s + 5 s) closes the connections; checks fail
+    finally:
+        for proc in stalled:
+            os.kill(proc.popen.pid, signal.SIGCONT)
+    got = asyncio.run(client.generate(faulty.router_address, request, 60))
+    assert got.token_ids == expected
+    assert_pools_clean(faulty)
+
+
 def _spawn_router(deployment: Deployment) -> Process:
     """A fresh router process for the deployment's live workers."""
     args = ["router", "--model", deployment.model, "--host", deployment.host, "--port", "0",
