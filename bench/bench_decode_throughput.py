@@ -64,14 +64,19 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--colocated", action="store_true")
     parser.add_argument("--torch-threads", type=int, default=1, help="per worker process")
+    parser.add_argument("--decode-stage-mib", type=int, default=None,
+                        help="the decode worker's --decode-stage-mib (0: gather pages every "
+                             "step; default: the worker's default)")
     parser.add_argument("--pin-decode", action="store_true",
                         help="pin the decode worker to the last core, the rest elsewhere")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     model = args.model or _ensure_default_model()
     results = []
-    with Deployment(model=model, is_colocated=args.colocated,
-                    torch_threads=args.torch_threads) as deployment:
+    worker_args = ([] if args.decode_stage_mib is None
+                   else ["--decode-stage-mib", str(args.decode_stage_mib)])
+    with Deployment(model=model, is_colocated=args.colocated, torch_threads=args.torch_threads,
+                    worker_args=worker_args) as deployment:
         if args.pin_decode:
             cores = sorted(os.sched_getaffinity(0))
             deployment.pin("decode", {cores[-1]})
@@ -105,7 +110,8 @@ def main() -> None:
               f"{r['min_tokens_per_s']:>8.1f} {r['max_tokens_per_s']:>8.1f} "
               f"{r['ratio_to_first']:>27.2f}x {spread:>20}")
     report = {"machine": platform.machine(), "cpus": torch.get_num_threads(),
-              "colocated": args.colocated, "prompt_tokens": args.prompt_tokens,
+              "colocated": args.colocated, "decode_stage_mib": args.decode_stage_mib,
+              "prompt_tokens": args.prompt_tokens,
               "max_tokens": args.max_tokens, "results": results}
     if args.out:
         args.out.write_text(json.dumps(report, indent=2))

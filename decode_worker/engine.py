@@ -22,6 +22,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from decode_worker.kv_stage import KvStage
 from decode_worker.sequence import (
     DecodeEvent,
     DecodeSeq,
@@ -50,7 +51,8 @@ class DecodeEngine(StepLoop):
     event loop; only forward passes run on the executor thread."""
 
     def __init__(self, model: Transformer, pool: KvPool, layout: wire.KvLayout,
-                 max_waiting: int = DEFAULT_MAX_WAITING, **prefill_options: int) -> None:
+                 max_waiting: int = DEFAULT_MAX_WAITING, stage_bytes: int = 0,
+                 **prefill_options: int) -> None:
         self.model = model
         self.pool = pool
         self.layout = layout
@@ -61,6 +63,8 @@ class DecodeEngine(StepLoop):
         self._seqs: dict[str, DecodeSeq] = {}
         self._running: list[DecodeSeq] = []
         self._swapped: list[DecodeSeq] = []
+        # CPU decode: mirror the batch's K/V densely (kv_stage) instead of gathering pages.
+        self.stage = KvStage(pool, stage_bytes) if stage_bytes > 0 else None
         self.blocks = BlockQueue(pool.allocator, max_waiting, lambda: not self._swapped)
         self._arrivals = itertools.count()
         self._wake = asyncio.Event()

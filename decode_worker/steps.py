@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from decode_worker.kv_stage import KvStage
 from decode_worker.sequence import (
     DecodeEvent,
     DecodeSeq,
@@ -52,6 +53,7 @@ class StepLoop:
     _needs_loop: threading.Event
     _loop: asyncio.AbstractEventLoop | None
     _executor: ThreadPoolExecutor
+    stage: KvStage | None
 
     def _finish(self, seq: DecodeSeq, event: DecodeEvent) -> None:
         raise NotImplementedError
@@ -140,9 +142,11 @@ class StepLoop:
         needs a block, or new work arrived. The loop never sits between two steps."""
         assert self._loop is not None  # noqa: S101 - set by start()
         block_size = self.pool.block_size
+        arranged = self.stage.arrange(batch) if self.stage is not None else None
+        batch = arranged or batch  # the stage's row order, when it holds the batch
         while True:
             start = time.perf_counter()
-            tokens = self._step(batch)
+            tokens = self._step(batch, arranged is not None)
             self.num_steps += 1
             elapsed = time.perf_counter() - start
             finished: list[DecodeSeq] = []
@@ -157,8 +161,9 @@ class StepLoop:
                     or any(len(s.block_table) * block_size <= s.next_position for s in batch)):
                 return
 
-    def _step(self, batch: list[DecodeSeq]) -> list[int]:
-        """One forward for the whole ragged batch (executor thread)."""
+    def _step(self, batch: list[DecodeSeq], is_staged: bool = False) -> list[int]:
+        """One forward for the whole ragged batch (executor thread); `is_staged`: the stage
+        holds the batch's K/V, rows in batch order."""
         bs = self.pool.block_size
         positions = [s.next_position for s in batch]
         width = max(len(s.block_table) for s in batch)
@@ -173,6 +178,7 @@ class StepLoop:
             torch.tensor(slots, dtype=torch.int64, device=device),
             table.to(device),
             self.pool,
+            self.stage if is_staged else None,
         )
         params = [s.params or SamplingParams() for s in batch]  # attached: never None
         return sample_tokens(logits, params, [s.output_offset + len(s.tokens) for s in batch])

@@ -32,15 +32,40 @@ def _gather(cache: torch.Tensor, ids: torch.Tensor, batch: int, num_blocks: int,
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, invalid: torch.Tensor,
             sm_scale: float) -> torch.Tensor:  # [B, Hq, D] float32
+    """q [B, Hq, D]; k, v [B, Hkv, L, D]; invalid [B, L] marks positions to ignore."""
     bias = torch.zeros(invalid.shape, device=q.device)  # [B, L]
     bias.masked_fill_(invalid, float("-inf"))
     out = F.scaled_dot_product_attention(
         q.float()[:, :, None, :],  # [B, Hq, 1, D]
-        k.transpose(1, 2), v.transpose(1, 2),  # [B, Hkv, L, D]
-        attn_mask=bias[:, None, None, :], scale=sm_scale,
-        enable_gqa=q.shape[1] != k.shape[2],
+        k, v, attn_mask=bias[:, None, None, :], scale=sm_scale,
+        enable_gqa=q.shape[1] != k.shape[1],
     )
     return out[:, :, 0, :]
+
+
+def dense_decode_attention(
+    q: torch.Tensor,  # [B, Hq, D]
+    k: torch.Tensor,  # [B, Hkv, L, D]: each sequence's K from position 0
+    v: torch.Tensor,  # [B, Hkv, L, D]
+    seq_lens: torch.Tensor,  # [B]: positions [0, len) count; anything after is ignored
+    sm_scale: float,
+) -> torch.Tensor:  # [B, Hq, D]
+    """Decode attention over K/V already laid out densely (decode_worker.kv_stage). What
+    lies past a sequence's length must be finite (stale K/V or zeros): it gets probability
+    exactly 0.
+
+    Plain batched matmuls, each query head group against its KV head: with one query token
+    per sequence this reads K and V once at close to memory speed, where the CPU flash
+    kernel of scaled_dot_product_attention takes ~1.3-2x longer (tests/kernels and
+    docs/benchmarks.md)."""
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads, length = k.shape[1], k.shape[2]
+    invalid = torch.arange(length, device=q.device)[None, :] >= seq_lens[:, None].to(q.device)
+    qg = q.float().view(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+    scores = torch.matmul(qg, k.float().transpose(-1, -2)) * sm_scale  # [B, Hkv, G, L]
+    scores.masked_fill_(invalid[:, None, None, :], float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1), v.float())  # [B, Hkv, G, D]
+    return out.view(batch, num_q_heads, head_dim).to(q.dtype)
 
 
 def paged_decode_attention_torch(
@@ -61,12 +86,13 @@ def paged_decode_attention_torch(
     k = _gather(k_cache, ids, batch, num_blocks, max_len)
     v = _gather(v_cache, ids, batch, num_blocks, max_len)
     invalid = torch.arange(max_len, device=q.device)[None, :] >= seq_lens[:, None].to(q.device)
-    out = _attend(q, k, v, invalid, sm_scale)
+    out = _attend(q, k.transpose(1, 2), v.transpose(1, 2), invalid, sm_scale)
     bad = out.isnan().flatten(1).any(dim=1)  # [B]
     if bad.any():
         rows = bad.nonzero().flatten()
         kb, vb, inv = k[rows], v[rows], invalid[rows]  # copies: pool memory stays untouched
         kb.masked_fill_(inv[:, :, None, None], 0.0)
         vb.masked_fill_(inv[:, :, None, None], 0.0)
-        out[rows] = torch.nan_to_num(_attend(q[rows], kb, vb, inv, sm_scale), nan=0.0)
+        out[rows] = torch.nan_to_num(
+            _attend(q[rows], kb.transpose(1, 2), vb.transpose(1, 2), inv, sm_scale), nan=0.0)
     return out.to(q.dtype)

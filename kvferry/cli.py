@@ -97,6 +97,10 @@ def _worker_parser(sub: argparse._SubParsersAction, role: str) -> None:
                    help="reservations that may wait for K/V blocks before RESOURCE_EXHAUSTED")
     p.add_argument("--prefill-token-budget", type=int, default=2048)
     p.add_argument("--prefill-chunk-size", type=int, default=512)
+    p.add_argument("--decode-stage-mib", type=int, default=256,
+                   help="torch attention backend: memory for the running batch's K/V kept "
+                        "densely beside the pages, so decode steps need not gather them; "
+                        "0: gather pages every step")
     p.add_argument("--kv-max-resends", type=int, default=2,
                    help="resend a K/V push the receiver found corrupted; 0: fail (DATA_LOSS)")
     p.add_argument("--kv-transport", default="grpc", choices=["grpc", "ray"],
@@ -329,7 +333,8 @@ def worker_settings(args: argparse.Namespace) -> WorkerSettings:
         dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
         torch_threads=args.torch_threads, max_waiting=args.max_waiting,
         prefill_token_budget=args.prefill_token_budget,
-        prefill_chunk_size=args.prefill_chunk_size, kv_max_resends=args.kv_max_resends,
+        prefill_chunk_size=args.prefill_chunk_size, decode_stage_mib=args.decode_stage_mib,
+        kv_max_resends=args.kv_max_resends,
         kv_transport=args.kv_transport, drain_timeout_s=args.drain_timeout_s,
         metrics_port=args.metrics_port, security=security_settings(args),
     )

@@ -65,6 +65,17 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor: ...
 
 
+class DenseKv(Protocol):
+    """The running batch's K/V kept densely beside the pages (decode_worker.kv_stage)."""
+
+    def begin_step(self, positions: torch.Tensor) -> None: ...
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               seq_lens: torch.Tensor, sm_scale: float) -> torch.Tensor: ...
+
+    def end_step(self) -> None: ...
+
+
 # attend(layer, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, Hq, D]
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -226,14 +237,24 @@ class Transformer:
         slot_mapping: torch.Tensor,  # [B] slot the new token's K/V goes to
         block_tables: torch.Tensor,  # [B, max_blocks] int32
         pool: KvPool,
+        stage: DenseKv | None = None,
     ) -> torch.Tensor:  # [B, vocab]
-        """One decode step for a ragged batch over the paged cache."""
+        """One decode step for a ragged batch over the paged cache. With `stage` (the batch's
+        K/V mirrored densely, rows in batch order) attention reads it instead of the pages;
+        the pages are written all the same."""
         seq_lens = (positions + 1).to(torch.int32)
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            if stage is not None:
+                return stage.attend(layer, q, k, v, seq_lens, self.sm_scale)
             return self.backend.decode_attention(
                 q, pool.k_cache(layer), pool.v_cache(layer), block_tables, seq_lens,
                 self.sm_scale,
             )
 
-        return self._forward(token_ids, positions, slot_mapping, pool, attend, None)
+        if stage is not None:
+            stage.begin_step(positions)
+        logits = self._forward(token_ids, positions, slot_mapping, pool, attend, None)
+        if stage is not None:
+            stage.end_step()
+        return logits

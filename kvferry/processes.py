@@ -171,7 +171,9 @@ def build_worker(settings: WorkerSettings) -> tuple[Built, object]:
         from decode_worker import server as decode_server
         from decode_worker.engine import DecodeEngine
 
+        stage_mib = settings.decode_stage_mib if backend_name == "torch" else 0
         engine = DecodeEngine(model, pool, layout, settings.max_waiting,
+                              stage_bytes=stage_mib << 20,
                               token_budget=settings.prefill_token_budget,
                               chunk_size=settings.prefill_chunk_size)
         decode_server.add_to_server(server, engine, settings.role)

@@ -88,6 +88,9 @@ class WorkerSettings:
     max_waiting: int = 256  # reservations that may wait for blocks before RESOURCE_EXHAUSTED
     prefill_token_budget: int = 2048  # prompt tokens per prefill forward
     prefill_chunk_size: int = 512  # longer prompts are prefilled in chunks of this many tokens
+    # Torch attention backend: MiB for the running batch's K/V mirrored densely beside the
+    # pages (decode_worker/kv_stage.py); 0: gather pages every step instead.
+    decode_stage_mib: int = 256
     kv_max_resends: int = 2  # resend a K/V push corrupted in flight; 0: fail with DATA_LOSS
     kv_transport: str = "grpc"  # how a prefill worker ships pages: grpc | ray (Ray actors)
     drain_timeout_s: float = 30.0  # SIGTERM: time to finish in-flight requests before exit
@@ -100,6 +103,8 @@ class WorkerSettings:
         _check_common(self.drain_timeout_s, self.metrics_port)
         if self.kv_transport not in ("grpc", "ray"):
             raise ValueError(f"kv_transport: expected grpc or ray, got {self.kv_transport!r}")
+        if self.decode_stage_mib < 0:
+            raise ValueError(f"decode_stage_mib: must be >= 0, got {self.decode_stage_mib}")
         if self.kv_max_resends < 0:
             raise ValueError(f"kv_max_resends: must be >= 0, got {self.kv_max_resends}")
         for name in ("max_waiting", "prefill_token_budget", "prefill_chunk_size"):

@@ -1,0 +1,110 @@
+"""One decode step of the model alone, batch 1 against batch 32, with attention over the
+paged pool (pages gathered every step) and over the dense K/V stage (decode_worker/kv_stage.py)
+in the same run: what the engine's batching can gain at most, with no serving around it.
+
+Each round times `--steps` consecutive steps of each (mode, batch) on the default model, one
+torch thread, contexts starting at `--context` tokens, block tables shuffled as a busy pool
+leaves them; the figure is the median over rounds of the per-round median step time. Usage:
+
+    .venv/bin/python bench/bench_decode_step.py [--batches 1 32] [--rounds 5] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from decode_worker.kv_stage import KvStage
+from kernels.dispatch import get_attention_backend
+from kvferry.cli import _ensure_default_model
+from kvferry.config import load_model_config
+from kvferry.kv_pool import KvPool
+from kvferry.model import Transformer
+from kvferry.processes import tune_malloc
+
+BLOCK_SIZE = 16
+
+
+@dataclass(eq=False)
+class _Seq:
+    block_table: list[int]
+    next_position: int
+
+
+def _median_step_ms(model: Transformer, pool: KvPool, batch: int, context: int, steps: int,
+                    staged: bool, seed: int) -> float:
+    free = list(range(pool.num_blocks))
+    random.Random(seed).shuffle(free)
+    per_seq = -(-(context + steps + 1) // BLOCK_SIZE)
+    seqs = [_Seq([free.pop() for _ in range(per_seq)], context) for _ in range(batch)]
+    stage = KvStage(pool, 1 << 30) if staged else None
+    if stage is not None:
+        seqs = stage.arrange(seqs) or seqs
+    table = torch.tensor([s.block_table for s in seqs], dtype=torch.int32)
+    times = []
+    for _ in range(steps):
+        positions = torch.tensor([s.next_position for s in seqs])
+        slots = torch.tensor([s.block_table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+                              for s, p in zip(seqs, positions.tolist())])
+        tokens = torch.randint(1, model.config.vocab_size, (batch,))
+        start = time.perf_counter()
+        model.decode(tokens, positions, slots, table, pool, stage)
+        times.append(time.perf_counter() - start)
+        for s in seqs:
+            s.next_position += 1
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    tune_malloc()
+    torch.set_num_threads(1)
+    config = load_model_config(_ensure_default_model())
+    model = Transformer(config, get_attention_backend("torch"))
+    blocks = max(args.batches) * (-(-(args.context + args.steps + 1) // BLOCK_SIZE)) + 1
+    pool = KvPool(config.num_layers, config.num_kv_heads, config.head_dim, BLOCK_SIZE, blocks,
+                  torch.float32, torch.device("cpu"))
+    pool.cache.normal_()
+    modes = {"pages": False, "stage": True}
+    times: dict[tuple[str, int], list[float]] = {(m, b): [] for m in modes for b in args.batches}
+    for r in range(args.rounds):
+        for mode, staged in modes.items():
+            for batch in args.batches:
+                times[mode, batch].append(_median_step_ms(model, pool, batch, args.context,
+                                                          args.steps, staged, seed=r))
+    rows = []
+    first = args.batches[0]
+    for mode in modes:
+        for batch in args.batches:
+            ratios = [batch * a / b for a, b in zip(times[mode, first], times[mode, batch])]
+            rows.append({"attention": mode, "batch": batch,
+                         "step_ms": statistics.median(times[mode, batch]),
+                         "tokens_per_s": batch * 1e3 / statistics.median(times[mode, batch]),
+                         "throughput_vs_first": statistics.median(ratios),
+                         "round_ratios": sorted(ratios)})
+    print(f"{'attention':>9} {'batch':>5} {'step ms':>8} {'tokens/s':>9} "
+          f"{'vs batch ' + str(first) + ' (median of rounds)':>28}")
+    for row in rows:
+        print(f"{row['attention']:>9} {row['batch']:>5} {row['step_ms']:>8.2f} "
+              f"{row['tokens_per_s']:>9.0f} {row['throughput_vs_first']:>27.2f}x")
+    if args.out:
+        args.out.write_text(json.dumps({"context": args.context, "steps": args.steps,
+                                        "rounds": args.rounds, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

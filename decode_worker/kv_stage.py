@@ -1,0 +1,173 @@
+"""Dense K/V staging for the CPU decode path: the running batch's K/V, one contiguous row per
+sequence, kept in step with the paged pool so that attention need not gather pages each step.
+
+On a GPU the Triton kernel reads pages in place. On CPU the torch path has no such kernel: it
+gathers every sequence's blocks into a padded tensor on every step, a memory-bound copy of
+the whole batch's K/V per layer that costs as much as the attention itself. The stage pays
+that copy once per sequence (when it joins the batch) and then one slot per step: each step
+appends the new token's K/V here as well as to the pool.
+
+The paged pool stays the source of truth (transfers, preemption, integrity checks all use
+it); the stage is a cache of it for the sequences now in the batch, rebuilt row by row when
+the batch changes. It costs memory: layers x 2 x rows x KV heads x longest context x head
+dim; past `budget_bytes` the engine falls back to the paged gather path.
+
+Layout per layer: [rows, kv_heads, length, head_dim], the layout attention reads, so the
+dense view of a batch is a plain slice.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from kernels.paged_attention_torch import dense_decode_attention
+from kvferry.kv_pool import KvPool
+
+_LENGTH_GRAIN = 64  # tokens: capacity grows in steps of at least this
+
+
+class StagedSeq(Protocol):
+    """What the stage needs of a running sequence."""
+
+    block_table: list[int]
+
+    @property
+    def next_position(self) -> int: ...
+
+
+class KvStage:
+    """Rows of dense K/V for the sequences of the running batch. Executor thread only."""
+
+    def __init__(self, pool: KvPool, budget_bytes: int) -> None:
+        self.pool = pool
+        self.budget_bytes = budget_bytes
+        self._seqs: list[StagedSeq] = []  # row i holds _seqs[i]
+        self._valid: list[int] = []  # positions [0, valid) of row i hold its K/V
+        self._k: torch.Tensor | None = None  # [layers, rows, kv_heads, length, D]
+        self._v: torch.Tensor | None = None
+        self._rows_now = torch.arange(0)  # this step's rows, 0..B-1
+        self._positions = torch.arange(0)  # this step's positions (its K/V slot)
+        self.num_gathered_tokens = 0  # tokens copied in from the pool (joins, rebuilds)
+
+    @property
+    def capacity(self) -> tuple[int, int]:
+        """(rows, length) allocated."""
+        return (0, 0) if self._k is None else (self._k.shape[1], self._k.shape[3])
+
+    def nbytes(self, rows: int, length: int) -> int:
+        p = self.pool
+        return (2 * p.num_layers * rows * p.num_kv_heads * length * p.head_dim
+                * p.cache.element_size())
+
+    def clear(self) -> None:
+        self._seqs, self._valid = [], []
+        self._k = self._v = None
+
+    def arrange(self, batch: list[StagedSeq]) -> list[StagedSeq] | None:
+        """Make the rows hold exactly `batch`, each row's K/V up to (not including) its next
+        position. Returns the batch in row order (the order the step must use), or None when
+        the stage would exceed its budget: then it is emptied and the caller uses pages."""
+        # Room for every slot the block tables hold: the steps until the next arrange stay
+        # inside them (the engine comes back to grow a table).
+        need_rows = len(batch)
+        need_length = max(max(len(s.block_table) * self.pool.block_size, s.next_position + 1)
+                          for s in batch)
+        if self.nbytes(need_rows, need_length) > self.budget_bytes:
+            self.clear()
+            return None
+        members = {id(s) for s in batch}
+        i = 0
+        while i < len(self._seqs):  # drop departed rows: the last row fills the hole
+            if id(self._seqs[i]) in members:
+                i += 1
+                continue
+            last = len(self._seqs) - 1
+            if i != last:
+                self._move(last, i)
+            self._seqs.pop()
+            self._valid.pop()
+        rows, length = self.capacity
+        if need_rows > rows or need_length > length:
+            self._grow(need_rows, need_length)
+        staged = {id(s) for s in self._seqs}
+        for seq in batch:
+            if id(seq) not in staged:
+                self._seqs.append(seq)
+                self._valid.append(0)
+        for row, seq in enumerate(self._seqs):
+            if self._valid[row] != seq.next_position:  # joined (or out of step): copy in
+                self._gather(row, seq)
+        return list(self._seqs)
+
+    def _grow(self, need_rows: int, need_length: int) -> None:
+        """Geometrically (fewer rebuilds), within the budget (which the need fits)."""
+        rows, length = self.capacity
+        rows = max(need_rows, 2 * rows) if need_rows > rows else rows
+        if need_length > length:
+            length = -(-max(need_length, 2 * length) // _LENGTH_GRAIN) * _LENGTH_GRAIN
+        while self.nbytes(rows, length) > self.budget_bytes:
+            if (rows, length) == (need_rows, need_length):
+                break  # the need itself: begin_step's, which must go on
+            if rows > need_rows:
+                rows = max(need_rows, rows // 2)
+            else:
+                length = max(need_length, length // 2)
+        self._resize(rows, length)
+
+    def _resize(self, rows: int, length: int) -> None:
+        p = self.pool
+        shape = (p.num_layers, rows, p.num_kv_heads, length, p.head_dim)
+        k = torch.zeros(shape, dtype=p.cache.dtype, device=p.cache.device)
+        v = torch.zeros_like(k)
+        if self._k is not None and self._v is not None and self._seqs:
+            n, old = len(self._seqs), min(self._k.shape[3], length)
+            k[:, :n, :, :old] = self._k[:, :n, :, :old]
+            v[:, :n, :, :old] = self._v[:, :n, :, :old]
+        self._k, self._v = k, v
+
+    def _move(self, src: int, dst: int) -> None:
+        assert self._k is not None and self._v is not None  # noqa: S101 - rows exist
+        n = self._valid[src]
+        self._k[:, dst, :, :n] = self._k[:, src, :, :n]
+        self._v[:, dst, :, :n] = self._v[:, src, :, :n]
+        self._seqs[dst], self._valid[dst] = self._seqs[src], n
+
+    def _gather(self, row: int, seq: StagedSeq) -> None:
+        """Copy positions [0, next_position) of `seq` from its pages into `row`."""
+        assert self._k is not None and self._v is not None  # noqa: S101 - sized by arrange
+        n = seq.next_position
+        p = self.pool
+        blocks = -(-n // p.block_size)
+        ids = torch.tensor(seq.block_table[:blocks], device=p.cache.device)
+        # [layers, 2, blocks, block_size, kv_heads, D] -> [layers, 2, kv_heads, n, D]
+        pages = p.cache.index_select(2, ids).flatten(2, 3)[:, :, :n].transpose(2, 3)
+        self._k[:, row, :, :n] = pages[:, 0]
+        self._v[:, row, :, :n] = pages[:, 1]
+        self._valid[row] = n
+        self.num_gathered_tokens += n
+
+    # ---- one step ----------------------------------------------------------------------------
+    def begin_step(self, positions: torch.Tensor) -> None:
+        """The batch (rows 0..B-1, as `arrange` ordered it) feeds tokens at `positions`."""
+        if len(positions) and int(positions.max()) >= self.capacity[1]:  # a caller that
+            self._grow(len(positions), int(positions.max()) + 1)  # grew a table meanwhile
+        self._rows_now = torch.arange(len(positions), device=positions.device)
+        self._positions = positions
+
+    def end_step(self) -> None:
+        """Every row now holds its K/V up to and including the position just fed."""
+        for row in range(len(self._positions)):
+            self._valid[row] += 1
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               seq_lens: torch.Tensor, sm_scale: float) -> torch.Tensor:
+        """Append this step's K/V ([B, kv_heads, D]) of `layer`, then attend over the rows."""
+        assert self._k is not None and self._v is not None  # noqa: S101 - sized by arrange
+        self._k[layer, self._rows_now, :, self._positions] = k
+        self._v[layer, self._rows_now, :, self._positions] = v
+        batch = q.shape[0]
+        length = int(self._positions.max()) + 1
+        return dense_decode_attention(q, self._k[layer, :batch, :, :length],
+                                      self._v[layer, :batch, :, :length], seq_lens, sm_scale)

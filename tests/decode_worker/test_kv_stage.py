@@ -1,0 +1,157 @@
+"""The dense K/V stage against the paged pool: through joins, departures, growth past its
+capacity and the budget fallback, attention over the stage equals the per-sequence reference
+over the pages, step after step."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from decode_worker.kv_stage import KvStage
+from kernels.paged_attention_ref import paged_decode_attention_ref, write_kv_ref
+from kvferry.kv_pool import KvPool
+
+LAYERS, HQ, HKV, D, BS = 2, 4, 2, 16, 4
+
+
+@dataclass(eq=False)
+class Seq:
+    block_table: list[int]
+    next_position: int
+
+
+def _pool(num_blocks: int = 2048) -> KvPool:
+    pool = KvPool(LAYERS, HKV, D, BS, num_blocks, torch.float32, torch.device("cpu"))
+    pool.cache.normal_(generator=torch.Generator().manual_seed(0))
+    pool.cache[:, :, -1] = float("nan")  # a poisoned block nobody owns
+    return pool
+
+
+def _new_seq(pool: KvPool, free: list[int], length: int) -> Seq:
+    """A sequence whose first `length` positions are already in (random) pages."""
+    blocks = [free.pop() for _ in range(-(-(length + 1) // BS))]
+    return Seq(blocks, length)
+
+
+def _step(pool: KvPool, stage: KvStage, batch: list[Seq], free: list[int],
+          gen: torch.Generator) -> None:
+    """One decode step of `batch` (in stage order): write each layer's new K/V to the pages
+    and compare stage attention with the reference over the pages."""
+    for seq in batch:  # the slot this step writes
+        if len(seq.block_table) * BS <= seq.next_position:
+            seq.block_table.append(free.pop())
+    positions = torch.tensor([s.next_position for s in batch])
+    slots = torch.tensor([s.block_table[p // BS] * BS + p % BS
+                          for s, p in zip(batch, positions.tolist())])
+    width = max(len(s.block_table) for s in batch)
+    table = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in batch],
+                         dtype=torch.int32)
+    seq_lens = (positions + 1).to(torch.int32)
+    stage.begin_step(positions)
+    for layer in range(LAYERS):
+        q = torch.randn(len(batch), HQ, D, generator=gen)
+        k = torch.randn(len(batch), HKV, D, generator=gen)
+        v = torch.randn(len(batch), HKV, D, generator=gen)
+        write_kv_ref(k, v, pool.k_cache(layer), pool.v_cache(layer), slots)
+        got = stage.attend(layer, q, k, v, seq_lens, D**-0.5)
+        want = paged_decode_attention_ref(q, pool.k_cache(layer), pool.v_cache(layer), table,
+                                          seq_lens, D**-0.5)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    stage.end_step()
+    for seq in batch:
+        seq.next_position += 1
+
+
+def test_stage_follows_the_pages_through_joins_and_departures() -> None:
+    pool = _pool()
+    free = list(range(pool.num_blocks - 1))
+    rng, gen = random.Random(1), torch.Generator().manual_seed(1)
+    stage = KvStage(pool, budget_bytes=1 << 30)
+    running = [_new_seq(pool, free, rng.randint(1, 20)) for _ in range(3)]
+    for step in range(60):
+        if step % 5 == 0 and running:  # departures, from anywhere in the rows
+            for seq in rng.sample(running, rng.randint(0, min(2, len(running)))):
+                running.remove(seq)
+                free.extend(seq.block_table)
+        if step % 3 == 0:  # joins, some with contexts past the stage's current length
+            running += [_new_seq(pool, free, rng.randint(1, 90)) for _ in range(rng.randint(0, 3))]
+        if not running:
+            continue
+        batch = stage.arrange(running)
+        assert batch is not None and {id(s) for s in batch} == {id(s) for s in running}
+        _step(pool, stage, batch, free, gen)
+    rows, length = stage.capacity
+    assert rows >= 1 and length % 64 == 0
+    # Joins copied each sequence in once; steady steps copy nothing.
+    gathered = stage.num_gathered_tokens
+    batch = stage.arrange(running)
+    assert batch is not None
+    _step(pool, stage, batch, free, gen)
+    assert stage.num_gathered_tokens == gathered
+
+
+def test_over_budget_falls_back_then_rebuilds() -> None:
+    pool = _pool()
+    free = list(range(pool.num_blocks - 1))
+    gen = torch.Generator().manual_seed(2)
+    small = [_new_seq(pool, free, 10) for _ in range(2)]
+    budget = KvStage(pool, 0).nbytes(2, 64)  # two rows of 64 positions
+    stage = KvStage(pool, budget)
+    batch = stage.arrange(small)
+    assert batch is not None
+    _step(pool, stage, batch, free, gen)
+    big = small + [_new_seq(pool, free, 100)]
+    assert stage.arrange(big) is None  # would not fit: the caller gathers pages
+    assert stage.capacity == (0, 0)
+    batch = stage.arrange(small)  # fits again: rebuilt from the pages, still exact
+    assert batch is not None
+    _step(pool, stage, batch, free, gen)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 37])
+def test_decode_with_stage_matches_decode_over_pages(num_tokens: int, qwen3_checkpoint
+                                                     ) -> None:
+    """The model's decode steps give the same logits from the stage as from the pages."""
+    from kernels.dispatch import get_attention_backend
+    from kvferry.config import load_model_config
+    from kvferry.model import Transformer
+
+    config = load_model_config(qwen3_checkpoint)
+    model = Transformer(config, get_attention_backend("torch"))
+    pool = KvPool(config.num_layers, config.num_kv_heads, config.head_dim, BS, 64,
+                  torch.float32, torch.device("cpu"))
+    free = list(range(64))
+    seqs, tokens = [], {}
+    for prompt in ([5, 9], [1, 2, 3, 4, 5, 6, 7], [11, 12, 13]):
+        seq = Seq([free.pop() for _ in range(-(-(len(prompt) + num_tokens) // BS))],
+                  len(prompt))
+        logits = model.prefill(torch.tensor(prompt), [len(prompt)],
+                               pool.slots(seq.block_table, 0, len(prompt)), pool)
+        tokens[id(seq)] = int(logits[0].argmax())
+        seqs.append(seq)
+    stage = KvStage(pool, 1 << 30)
+    for _ in range(num_tokens):
+        batch = stage.arrange(seqs)
+        assert batch is not None
+        positions = torch.tensor([s.next_position for s in batch])
+        slots = torch.tensor([s.block_table[p // BS] * BS + p % BS
+                              for s, p in zip(batch, positions.tolist())])
+        width = max(len(s.block_table) for s in batch)
+        table = torch.tensor([s.block_table + [0] * (width - len(s.block_table))
+                              for s in batch], dtype=torch.int32)
+        ids = torch.tensor([tokens[id(s)] for s in batch])
+        snapshot = pool.cache.clone()
+        paged = model.decode(ids, positions, slots, table, pool)
+        pages_after = pool.cache.clone()
+        pool.cache.copy_(snapshot)
+        staged = model.decode(ids, positions, slots, table, pool, stage)
+        # The pages are written all the same (up to rounding: the attention math differs).
+        torch.testing.assert_close(pool.cache, pages_after, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(staged, paged, atol=1e-5, rtol=1e-5)
+        assert torch.equal(staged.argmax(-1), paged.argmax(-1))
+        for row, seq in enumerate(batch):
+            tokens[id(seq)] = int(staged[row].argmax())
+            seq.next_position += 1
