@@ -4,8 +4,8 @@ writing, and frees reservations whose K/V never arrives (lease)."""
 from __future__ import annotations
 
 import time
-import zlib
 
+import crc32c
 import grpc
 import pytest
 
@@ -33,7 +33,7 @@ def _chunk(stats: worker_pb2.WorkerStats, request_id: str, num_tokens: int,
     data = bytes(range(256)) * (size // 256)
     fields = dict(request_id=request_id, layout=layout, num_tokens=num_tokens, layer_start=0,
                   layer_end=lay.num_layers, block_start=0, num_blocks=1, data=data,
-                  crc32=zlib.crc32(data))
+                  crc32=crc32c.crc32c(data))
     fields.update(overrides)
     return worker_pb2.KvChunk(**fields)
 
@@ -54,7 +54,7 @@ BAD_CHUNKS = {
     "num_tokens": lambda s: {"num_tokens": 9},
     "block_start": lambda s: {"block_start": 1},
     "layer_start": lambda s: {"layer_end": s.layout.num_layers + 1},
-    "data": lambda s: {"data": b"\0" * 10, "crc32": zlib.crc32(b"\0" * 10)},
+    "data": lambda s: {"data": b"\0" * 10, "crc32": crc32c.crc32c(b"\0" * 10)},
 }
 
 

@@ -65,3 +65,11 @@ def test_layout_mismatch_names_the_field() -> None:
     c = wire.KvLayout(2, 2, 8, 16, "float32", "xyz")
     assert "model_fingerprint" in (a.mismatch(c) or "")
     assert isinstance(wire.coverage(a, 17), np.ndarray)
+
+
+def test_chunk_checksum_is_crc32c() -> None:
+    """The wire's checksum is CRC-32C (Castagnoli): its standard check value, and the same
+    value from bytes and from an array over them."""
+    assert wire.crc32(b"123456789") == 0xE3069283
+    data = bytes(range(256)) * 7
+    assert wire.crc32(np.frombuffer(data, dtype=np.uint8)) == wire.crc32(data) != 0
