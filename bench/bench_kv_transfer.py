@@ -116,6 +116,39 @@ def ttft_rows(prompt_tokens: int, reps: int, transports: list[str]) -> list[dict
     return rows
 
 
+def ray_stage_gbps(pool: KvPool, size_mib: int, chunk_bytes: int) -> dict[str, float]:
+    """Each stage of a Ray push on its own, in this process, over `size_mib` of pages in the
+    Ray transport's chunks: gather out of the pool, checksum, `ray.put`, `ray.get` (a
+    zero-copy map on one node), and the write into a second pool. GB/s of each."""
+    import ray
+
+    layout = wire.KvLayout.of_pool(pool, "bench")
+    tokens = size_mib * (1 << 20) // BYTES_PER_TOKEN
+    table = list(range(blocks_for_tokens(tokens, pool.block_size)))
+    spans = wire.plan_chunks(layout, tokens, chunk_bytes)
+    target = KvPool(pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.block_size,
+                    len(table), pool.dtype)
+    seconds = dict.fromkeys(("gather", "checksum", "ray.put", "ray.get", "write"), 0.0)
+    for _ in range(2):  # the second pass counts: first-touch page faults stay out
+        seconds = dict.fromkeys(seconds, 0.0)
+        for span in spans:
+            marks = [time.perf_counter()]
+            data = wire.pack_array(pool, table, span)
+            marks.append(time.perf_counter())
+            wire.crc32(data)
+            marks.append(time.perf_counter())
+            ref = ray.put(data)
+            marks.append(time.perf_counter())
+            got = ray.get(ref)
+            marks.append(time.perf_counter())
+            wire.unpack_into(target, table, span, got)
+            marks.append(time.perf_counter())
+            for name, start, end in zip(seconds, marks, marks[1:]):
+                seconds[name] += end - start
+            del ref, got
+    return {name: tokens * BYTES_PER_TOKEN / t / 1e9 for name, t in seconds.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -140,6 +173,7 @@ def main() -> None:
         with Deployment(**options) as deployment:
             rates["grpc"] = measure(deployment, GrpcKvSender, args.sizes_mib, args.reps, pool)
     ray_up = False
+    ray_stages: dict[str, float] = {}
     if "ray" in args.transports:
         import ray
 
@@ -151,6 +185,9 @@ def main() -> None:
         with RayDeployment(**options) as deployment:
             rates["ray"] = measure(deployment, RayKvSender, args.sizes_mib, args.reps, pool)
         ray_up = True
+        from kvferry.ray_transport import RAY_CHUNK_TARGET_BYTES
+
+        ray_stages = ray_stage_gbps(pool, max(args.sizes_mib), RAY_CHUNK_TARGET_BYTES)
     copy = [memcpy_gbps(size << 20) for size in args.sizes_mib]
     rows = [{"mib": size, "memcpy_gbps": copy[i],
              **{f"{t}_gbps": rates[t][i] for t in rates},
@@ -162,6 +199,10 @@ def main() -> None:
     for r in rows:
         print(f"{r['mib']:>5} {r['memcpy_gbps']:>12.3f}" + "".join(
             f" {r[t + '_gbps']:>10.3f} {r[t + '_ratio']:>12.1%}" for t in names))
+    if ray_stages:
+        print(f"\nRay push stages alone, {max(args.sizes_mib)} MiB in "
+              f"{RAY_CHUNK_TARGET_BYTES >> 20} MiB chunks (GB/s; memcpy {copy[-1]:.2f}):")
+        print("  " + "  ".join(f"{name} {gbps:.2f}" for name, gbps in ray_stages.items()))
     ttft = ttft_rows(args.ttft_prompt_tokens, args.reps, args.transports) \
         if args.ttft_prompt_tokens else []
     if ray_up:
@@ -173,7 +214,8 @@ def main() -> None:
             print(f"{r['setup']:<28} {r['ttft_s'] * 1e3:>8.1f} {r['ttft_ratio']:>6.2f} "
                   f"{r['second_token_s'] * 1e3:>13.1f} {r['second_token_ratio']:>6.2f}")
     if args.out:
-        args.out.write_text(json.dumps({"rows": rows, "ttft": ttft}, indent=2))
+        args.out.write_text(json.dumps({"rows": rows, "ray_stages_gbps": ray_stages,
+                                        "ttft": ttft}, indent=2))
 
 
 class grpc_util_sync_stats:  # noqa: N801 - a tiny context manager
