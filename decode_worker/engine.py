@@ -34,7 +34,14 @@ from decode_worker.steps import StepLoop
 from kvferry import wire
 from kvferry.block_queue import BlockQueue
 from kvferry.capacity import blocks_needed
-from kvferry.errors import Aborted, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from kvferry.errors import (
+    Aborted,
+    AlreadyExists,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
 from kvferry.kv_pool import IntegrityReport, KvPool, blocks_for_tokens
 from kvferry.model import Transformer
 from kvferry.prefill_batch import PrefillBatcher, PrefillJob
@@ -163,12 +170,22 @@ class DecodeEngine(StepLoop):
         prefill worker that went silent mid-push while the router had another one push
         again), whose pages are forgotten and whose later chunks are refused. Returns the
         push's epoch, which its chunks carry."""
-        seq = self._get(request_id)
-        if seq.is_kv_complete or seq.phase is not Phase.RESERVED:
-            raise InvalidArgument(f"K/V for {request_id!r} is already complete", "request_id")
+        seq = self._check_incomplete(self._get(request_id))
         seq.push_epoch += 1
         seq.received[:] = False
         return seq.push_epoch
+
+    def _check_incomplete(self, seq: DecodeSeq) -> DecodeSeq:
+        """A push may still fill this reservation. A complete one not yet decoding answers
+        ALREADY_EXISTS: a prefill worker lost just after its push ended makes the router
+        prefill again, and the second push finds the same prompt's K/V in place."""
+        if seq.phase is not Phase.RESERVED:
+            raise InvalidArgument(f"request {seq.request_id!r} is already decoding",
+                                  "request_id")
+        if seq.is_kv_complete:
+            raise AlreadyExists(f"K/V for {seq.request_id!r} is already complete",
+                                "request_id")
+        return seq
 
     def _check_epoch(self, seq: DecodeSeq, epoch: int | None) -> None:
         if epoch is not None and epoch != seq.push_epoch:
@@ -181,8 +198,7 @@ class DecodeEngine(StepLoop):
         `epoch`: from begin_push (gRPC streams); None for transports without one."""
         seq = self._get(request_id)
         self._check_epoch(seq, epoch)
-        if seq.is_kv_complete or seq.phase is not Phase.RESERVED:
-            raise InvalidArgument(f"K/V for {request_id!r} is already complete", "request_id")
+        self._check_incomplete(seq)
         problem = self.layout.mismatch(layout)
         if problem:
             raise InvalidArgument(problem, "layout")

@@ -19,6 +19,11 @@ class NotFound(KvferryError):
     """Unknown request id (NOT_FOUND)."""
 
 
+class AlreadyExists(KvferryError):
+    """What a call would create is there already (ALREADY_EXISTS): a K/V push to a
+    reservation whose K/V is complete."""
+
+
 class ResourceExhausted(KvferryError):
     """Not enough K/V blocks or queue room (RESOURCE_EXHAUSTED)."""
 

@@ -72,6 +72,7 @@ log = logging.getLogger("kvferry")
 _STATUS = {
     errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     errors.NotFound: grpc.StatusCode.NOT_FOUND,
+    errors.AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
     errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
     errors.Aborted: grpc.StatusCode.ABORTED,

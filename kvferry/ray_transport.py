@@ -93,6 +93,9 @@ class RayKvSender:
             refused = next((a for a in acks if a.error_code), None)
             if refused is None:
                 return PushResult(sum(a.num_bytes for a in acks), time.perf_counter() - started)
+            if refused.error_code == grpc.StatusCode.ALREADY_EXISTS.value[0]:
+                log.info("request %s: K/V already complete on the decode worker", request_id)
+                return PushResult(0, time.perf_counter() - started)  # see transport.py
             await actor.fail_push.remote(request_id)
             if refused.error_field != "crc32":
                 raise Remote(refused.error_message, refused.error_code)

@@ -63,6 +63,14 @@ def layout_from_proto(msg: worker_pb2.KvLayout) -> wire.KvLayout:
     )
 
 
+def _already_there(request_id: str, started: list[float]) -> PushResult:
+    """The reservation holds this prompt's complete K/V already: an earlier push (from a
+    prefill worker lost just after it ended, which is why this one was made) delivered it."""
+    log.info("request %s: K/V already complete on the decode worker; nothing to push",
+             request_id)
+    return PushResult(0, time.perf_counter() - started[0] if started else 0.0)
+
+
 class GrpcKvSender:
     """Client-streaming push of ~1 MiB chunks, one channel per decode address.
 
@@ -128,6 +136,8 @@ class GrpcKvSender:
                 await self._stub(address).PushKv(chunks(corrupt), timeout=timeout_s)
                 return PushResult(sent, time.perf_counter() - started[0])
             except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.ALREADY_EXISTS:
+                    return _already_there(request_id, started)
                 if not _is_corruption(exc):
                     raise
                 self.num_corrupt_pushes += 1

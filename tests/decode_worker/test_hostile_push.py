@@ -17,7 +17,7 @@ from decode_worker.server import KvTransferServicer
 from kernels.dispatch import get_attention_backend
 from kvferry import transport, wire
 from kvferry.config import load_model_config
-from kvferry.errors import Aborted, InvalidArgument, NotFound
+from kvferry.errors import Aborted, AlreadyExists, InvalidArgument, NotFound
 from kvferry.kv_pool import KvPool, blocks_for_tokens
 from kvferry.model import Transformer
 from kvferry.v1 import worker_pb2
@@ -140,7 +140,7 @@ def test_hostile_chunk_changes_no_byte(name: str, engine: DecodeEngine) -> None:
     attacker = Push(engine.layout, PROMPT, seed=2)
     before = engine.pool.cache.clone()
     request_id, layout, num_tokens, span, data, crc = HOSTILE[name](engine.layout, attacker)
-    with pytest.raises((InvalidArgument, NotFound)):
+    with pytest.raises((InvalidArgument, NotFound, AlreadyExists)):
         engine.receive_chunk(request_id, layout, num_tokens, span, data, crc)
     assert torch.equal(engine.pool.cache, before), "a refused chunk wrote to the pool"
     # B still holds exactly what its own push delivered.

@@ -8,8 +8,10 @@ import time
 import crc32c
 import grpc
 import pytest
+import torch
 
 from kvferry.grpc_util import CHANNEL_OPTIONS
+from kvferry.kv_pool import KvPool
 from kvferry.launcher import Deployment
 from kvferry.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 from tests.conftest import assert_alive, assert_pools_clean
@@ -102,3 +104,39 @@ def test_reservation_without_kv_expires_with_its_lease(qwen3_deployment: Deploym
         assert stats.reserved_blocks == 3 and stats.num_waiting == 1
         time.sleep(1.5)
     assert_pools_clean(qwen3_deployment, timeout_s=0.1)
+
+
+def test_second_push_of_complete_kv_is_already_exists(qwen3_deployment: Deployment) -> None:
+    """A push to a reservation whose K/V is complete (a prefill worker lost just after its
+    push ended, so the router prefilled again) answers ALREADY_EXISTS and writes nothing;
+    GrpcKvSender takes that as delivered."""
+    import asyncio
+
+    from kvferry.transport import GrpcKvSender, layout_from_proto
+
+    chan, decode, kv = _stubs(qwen3_deployment)
+    with chan:
+        stats = decode.GetStats(worker_pb2.GetStatsRequest(), timeout=10)
+        decode.Reserve(worker_pb2.ReserveRequest(request_id="twice", num_prompt_tokens=5,
+                                                 max_tokens=8, lease_s=30), timeout=10)
+        first = kv.PushKv(iter([_chunk(stats, "twice", 5)]), timeout=10)
+        assert first.bytes_written > 0
+        with pytest.raises(grpc.RpcError) as exc:
+            kv.PushKv(iter([_chunk(stats, "twice", 5)]), timeout=10)
+        assert exc.value.code() == grpc.StatusCode.ALREADY_EXISTS
+
+        async def resend() -> int:
+            layout = layout_from_proto(stats.layout)
+            pool = KvPool(layout.num_layers, layout.num_kv_heads, layout.head_dim,
+                          layout.block_size, 1, torch.float32)
+            sender = GrpcKvSender()
+            try:
+                result = await sender.push(qwen3_deployment.addresses("decode")[0], "twice",
+                                           layout, 5, pool, [0], timeout_s=10)
+            finally:
+                await sender.close()
+            return result.num_bytes
+
+        assert asyncio.run(resend()) == 0
+        decode.Abort(generation_pb2.AbortRequest(request_id="twice"), timeout=10)
+    assert_pools_clean(qwen3_deployment)
