@@ -106,6 +106,7 @@ class WorkerSet:
     workers: list[Worker] = field(default_factory=list)
     credentials: security.Credentials = security.PLAINTEXT  # TLS and token for worker channels
     _refreshing: asyncio.Future[None] | None = None
+    _reviving: asyncio.Future[list[None]] | None = None
 
     @staticmethod
     def connect(prefill: list[str], decode: list[str], fingerprint: str,
@@ -201,13 +202,24 @@ class WorkerSet:
 
     async def revive(self) -> None:
         """When a role has workers but none healthy (all stalled, restarting or reconnecting
-        a moment ago), check them again now, waiting briefly for their channels, before a
-        request is failed for want of one."""
+        a moment ago), check them again now, waiting up to 2 s for their channels, before a
+        request is failed for want of one. Concurrent callers share one round."""
+        if not self._without_healthy():
+            return
+        if self._reviving is None or self._reviving.done():
+            self._reviving = asyncio.ensure_future(asyncio.gather(
+                *(self.refresh(w, timeout_s=2.0, wait_for_ready=True)
+                  for w in self._without_healthy())))
+        await asyncio.shield(self._reviving)
+
+    def _without_healthy(self) -> list[Worker]:
+        """The workers of every role that has some (not refused) but none healthy."""
+        down = []
         for roles in (("prefill",), ("decode", "colocated")):
             known = [w for w in self.workers if w.role in roles and not w.refuse_reason]
             if known and not any(w.is_healthy for w in known):
-                await asyncio.gather(*(self.refresh(w, timeout_s=2.0, wait_for_ready=True)
-                                       for w in known))
+                down += known
+        return down
 
     def healthy(self, *roles: str) -> list[Worker]:
         return [w for w in self.workers if w.role in roles and w.is_healthy]
