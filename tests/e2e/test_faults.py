@@ -12,7 +12,7 @@ import os
 import random
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -20,7 +20,7 @@ import pytest
 
 from kvferry import client, grpc_util
 from kvferry.launcher import Deployment, Process, _spawn
-from kvferry.v1 import generation_pb2, generation_pb2_grpc
+from kvferry.v1 import generation_pb2, generation_pb2_grpc, worker_pb2
 from tests.conftest import assert_alive, assert_pools_clean, busy_process
 
 pytestmark = pytest.mark.slow
@@ -58,6 +58,26 @@ def _kill(deployment: Deployment, victim: Process) -> None:
     assert sessions_alive({victim.popen.pid}) == []
 
 
+async def _kill_after_first_token(
+        deployment: Deployment, request: generation_pb2.GenerateRequest, role: str,
+        holds: Callable[[worker_pb2.WorkerStats], int] = lambda s: s.num_running,
+) -> client.Completion:
+    """Stream `request`; once its first token is out (the K/V push still under way), kill -9
+    the `role` worker that `holds` it (see busy_process). Returns the whole stream."""
+    async with grpc_util.channel(deployment.router_address) as chan:
+        stub = generation_pb2_grpc.GenerationServiceStub(chan)
+        completion, killed = client.Completion(), False
+        async for _, latest in client.stream(stub, request, timeout_s=120):
+            completion = latest
+            if not killed and completion.token_ids:
+                victim = await asyncio.to_thread(busy_process, deployment, role, holds)
+                assert victim is not None, "the push ended before the kill"
+                await asyncio.to_thread(_kill, deployment, victim)
+                killed = True
+        assert killed
+        return completion
+
+
 @pytest.fixture(scope="module")
 def faulty(qwen3_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[Deployment]:
@@ -88,22 +108,7 @@ def test_prefill_worker_killed_mid_push_is_prefilled_again(
     request = _request(LONG_PROMPT, 30)
     expected = _expected(qwen3_deployment, request)
 
-    async def run() -> client.Completion:
-        async with grpc_util.channel(faulty.router_address) as chan:
-            stub = generation_pb2_grpc.GenerationServiceStub(chan)
-            completion, killed = client.Completion(), False
-            async for _, latest in client.stream(stub, request, timeout_s=120):
-                completion = latest
-                if not killed and completion.token_ids:
-                    # First token out, K/V push still under way on the prefill worker.
-                    victim = await asyncio.to_thread(busy_process, faulty, "prefill")
-                    assert victim is not None, "the push ended before the kill"
-                    await asyncio.to_thread(_kill, faulty, victim)
-                    killed = True
-            assert killed
-            return completion
-
-    got = asyncio.run(run())
+    got = asyncio.run(_kill_after_first_token(faulty, request, "prefill"))
     assert got.token_ids == expected
     assert got.finished.reason == generation_pb2.FINISH_REASON_LENGTH
     assert "unavailable" in (log := (faulty.log_dir / "router.log").read_text())
@@ -294,22 +299,8 @@ def test_decode_worker_killed_mid_push_migrates(qwen3_checkpoint: Path,
                     ) as deployment:
         spawned = {p.popen.pid for p in deployment.processes}
 
-        async def run() -> client.Completion:
-            async with grpc_util.channel(deployment.router_address) as chan:
-                stub = generation_pb2_grpc.GenerationServiceStub(chan)
-                completion, killed = client.Completion(), False
-                async for _, latest in client.stream(stub, request, timeout_s=120):
-                    completion = latest
-                    if not killed and completion.token_ids:
-                        victim = await asyncio.to_thread(
-                            busy_process, deployment, "decode", lambda s: s.reserved_blocks)
-                        assert victim is not None, "the push ended before the kill"
-                        await asyncio.to_thread(_kill, deployment, victim)
-                        killed = True
-                assert killed
-                return completion
-
-        got = asyncio.run(run())
+        got = asyncio.run(_kill_after_first_token(deployment, request, "decode",
+                                                  lambda s: s.reserved_blocks))
         assert got.token_ids == expected
         assert got.finished.timing.num_migrations == 1
         assert_pools_clean(deployment)

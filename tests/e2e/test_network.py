@@ -111,21 +111,27 @@ def _heal_and_check(deployment: Deployment, victim: Process) -> None:
     assert_pools_clean(deployment, timeout_s=30)
 
 
+def _check_recovered(isolated: Deployment, seen: CutRun, expected: list[int], router_says: str,
+                     then: str) -> None:
+    """The cut stream still gave the exact tokens, the router logged `router_says` (with
+    {address}: the cut worker's) and found the silent peer in time; then the link heals."""
+    assert seen.victim is not None
+    try:
+        assert seen.token_ids == expected
+        assert router_says.format(address=seen.victim.address) in _router_log(isolated)
+        assert seen.max_stall_s < MAX_STALL_S, f"silent peer found after {seen.max_stall_s:.1f} s"
+        print(f"{isolated.isolation_used}: {seen.victim.name} cut; the stream stalled "
+              f"{seen.max_stall_s:.1f} s at most, then {then}")
+    finally:
+        _heal_and_check(isolated, seen.victim)
+
+
 def test_decode_worker_cut_mid_stream_migrates(isolated: Deployment,
                                                 qwen3_deployment: Deployment) -> None:
     request = _request(list(range(60, 140)), 300)
     expected = _expected(qwen3_deployment, request)
     seen = _stream_and_cut(isolated, request, "decode", 20)
-    assert seen.victim is not None
-    try:
-        assert seen.token_ids == expected
-        router_log = _router_log(isolated)
-        assert f"decode worker {seen.victim.address} lost" in router_log
-        assert seen.max_stall_s < MAX_STALL_S, f"silent peer found after {seen.max_stall_s:.1f} s"
-        print(f"{isolated.isolation_used}: {seen.victim.name} cut; the stream stalled "
-              f"{seen.max_stall_s:.1f} s at most, then migrated")
-    finally:
-        _heal_and_check(isolated, seen.victim)
+    _check_recovered(isolated, seen, expected, "decode worker {address} lost", "migrated")
     # The healed worker is usable again: a request still gets exact tokens.
     again = _request(list(range(200, 230)), 20)
     assert _expected(isolated, again) == _expected(qwen3_deployment, again)
@@ -137,13 +143,5 @@ def test_prefill_worker_cut_mid_push_is_prefilled_again(isolated: Deployment,
     request = _request([i % 500 + 1 for i in range(300)], 30)  # 19 blocks, 4 slow chunks
     expected = _expected(qwen3_deployment, request)
     seen = _stream_and_cut(isolated, request, "prefill", 1)  # first token out, push going
-    assert seen.victim is not None
-    try:
-        assert seen.token_ids == expected
-        router_log = _router_log(isolated)
-        assert f"prefill worker {seen.victim.address} unavailable" in router_log
-        assert seen.max_stall_s < MAX_STALL_S, f"silent peer found after {seen.max_stall_s:.1f} s"
-        print(f"{isolated.isolation_used}: {seen.victim.name} cut mid push; the stream "
-              f"stalled {seen.max_stall_s:.1f} s at most, then another worker prefilled it")
-    finally:
-        _heal_and_check(isolated, seen.victim)
+    _check_recovered(isolated, seen, expected, "prefill worker {address} unavailable",
+                     "another worker prefilled it")
