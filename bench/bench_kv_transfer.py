@@ -25,6 +25,7 @@ from kvferry.checkpoint import ModelSpec, make_model
 from kvferry.cli import _ensure_default_model
 from kvferry.kv_pool import KvPool, blocks_for_tokens
 from kvferry.launcher import Deployment
+from kvferry.processes import tune_malloc
 from kvferry.transport import GrpcKvSender, KvSender
 from kvferry.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 
@@ -161,6 +162,7 @@ def main() -> None:
                         help="long prompt for the TTFT comparison (0: skip it)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    tune_malloc()  # this process stands in for a prefill worker, which does the same
     if not (args.model_dir / "config.json").exists():
         make_model(args.model_dir, SPEC)
     max_tokens = max(args.sizes_mib) * (1 << 20) // BYTES_PER_TOKEN

@@ -9,7 +9,7 @@ import grpc
 
 from decode_worker.engine import DecodeEngine
 from decode_worker.sequence import DecodeEvent, ErrorEvent, FinishedEvent, TokensEvent
-from kvferry import convert, grpc_util, logs, transport, wire
+from kvferry import chunk_codec, convert, grpc_util, logs, transport, wire
 from kvferry.errors import InvalidArgument, KvferryError
 from kvferry.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 from kvferry.worker_servicer import AbortAndStats
@@ -145,8 +145,12 @@ class KvTransferServicer(worker_pb2_grpc.KvTransferServiceServicer):
     def __init__(self, engine: DecodeEngine) -> None:
         self.engine = engine
 
-    async def PushKv(self, request_iterator: AsyncIterator[worker_pb2.KvChunk],
-                     context: grpc.aio.ServicerContext) -> worker_pb2.PushKvResponse:
+    async def PushKv(
+        self, request_iterator: AsyncIterator[chunk_codec.ReceivedChunk | worker_pb2.KvChunk],
+        context: grpc.aio.ServicerContext,
+    ) -> worker_pb2.PushKvResponse:
+        """Chunks come parsed by chunk_codec.decode (payload a view into the received bytes,
+        see add_to_server), written into the reservation's blocks with one copy."""
         request_id = ""
         written = 0
         epoch: int | None = None  # this stream's push, once begun
@@ -216,6 +220,10 @@ SERVICE_NAMES = ["kvferry.v1.DecodeService", "kvferry.v1.KvTransferService",
 
 def add_to_server(server: grpc.aio.Server, engine: DecodeEngine, role: str = "decode") -> None:
     worker_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(engine, role), server)
-    worker_pb2_grpc.add_KvTransferServiceServicer_to_server(KvTransferServicer(engine), server)
+    push_kv = grpc.stream_unary_rpc_method_handler(
+        KvTransferServicer(engine).PushKv, request_deserializer=chunk_codec.decode,
+        response_serializer=worker_pb2.PushKvResponse.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "kvferry.v1.KvTransferService", {"PushKv": push_kv}),))
     worker_pb2_grpc.add_PrefillServiceServicer_to_server(LocalPrefillServicer(engine, role),
                                                          server)

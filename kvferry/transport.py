@@ -1,6 +1,7 @@
 """K/V transports: how a prefill worker's pages reach a decode worker's pool.
 
-`GrpcKvSender` streams chunks (kvferry.wire) to the decode worker's KvTransferService.
+`GrpcKvSender` streams chunks (kvferry.wire, serialized by kvferry.chunk_codec) to the
+decode worker's KvTransferService.
 Receiving lives in decode_worker (it validates against reservations). A Ray transport will
 implement the same `push` contract.
 """
@@ -15,12 +16,14 @@ from typing import NamedTuple, Protocol
 
 import grpc
 
-from kvferry import security, wire
+from kvferry import chunk_codec, security, wire
 from kvferry.errors import Remote
 from kvferry.kv_pool import KvPool
-from kvferry.v1 import worker_pb2, worker_pb2_grpc
+from kvferry.v1 import worker_pb2
 
 log = logging.getLogger("kvferry.transport")
+
+PUSH_KV_METHOD = "/kvferry.v1.KvTransferService/PushKv"
 
 
 def _is_corruption(exc: grpc.aio.AioRpcError) -> bool:
@@ -91,10 +94,13 @@ class GrpcKvSender:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._credentials = credentials  # TLS and token of the decode workers' K/V service
 
-    def _stub(self, address: str) -> worker_pb2_grpc.KvTransferServiceStub:
+    def _push_kv(self, address: str) -> grpc.aio.StreamUnaryMultiCallable:
+        """KvTransferService.PushKv taking chunks already serialized by chunk_codec."""
         if address not in self._channels:
             self._channels[address] = security.channel(address, self._credentials)
-        return worker_pb2_grpc.KvTransferServiceStub(self._channels[address])
+        return self._channels[address].stream_unary(
+            PUSH_KV_METHOD, request_serializer=None,
+            response_deserializer=worker_pb2.PushKvResponse.FromString)
 
     async def push(
         self, address: str, request_id: str, layout: wire.KvLayout, num_tokens: int,
@@ -108,7 +114,7 @@ class GrpcKvSender:
         sent = 0
         started: list[float] = []  # when the first chunk went out (after its layers were ready)
 
-        async def chunks(corrupt: bool) -> AsyncIterator[worker_pb2.KvChunk]:
+        async def chunks(corrupt: bool) -> AsyncIterator[bytes]:
             nonlocal sent
             for i, span in enumerate(spans):
                 if i and self.chunk_delay_s:
@@ -117,23 +123,22 @@ class GrpcKvSender:
                     await ready(span.layer_end)
                 if not started:
                     started.append(time.perf_counter())
-                data = wire.pack(pool, block_table, span)
+                data = wire.pack_array(pool, block_table, span)
                 crc = wire.crc32(data)
                 if corrupt and i == 0:
-                    data = bytes([data[0] ^ 0xFF]) + data[1:]
-                sent += len(data)
-                yield worker_pb2.KvChunk(
+                    data[0] ^= 0xFF  # fault injection: after the checksum was taken
+                sent += data.nbytes
+                yield chunk_codec.encode(worker_pb2.KvChunk(
                     request_id=request_id, layout=layout_msg, num_tokens=num_tokens,
                     layer_start=span.layer_start, layer_end=span.layer_end,
-                    block_start=span.block_start, num_blocks=span.num_blocks,
-                    data=data, crc32=crc,
-                )
+                    block_start=span.block_start, num_blocks=span.num_blocks, crc32=crc,
+                ), data)
 
         for attempt in range(self.max_resends + 1):
             corrupt = self._corrupt_left > 0
             self._corrupt_left -= corrupt
             try:
-                await self._stub(address).PushKv(chunks(corrupt), timeout=timeout_s)
+                await self._push_kv(address)(chunks(corrupt), timeout=timeout_s)
                 return PushResult(sent, time.perf_counter() - started[0])
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.ALREADY_EXISTS:

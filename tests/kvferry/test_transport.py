@@ -7,18 +7,19 @@ import asyncio
 
 import torch
 
-from kvferry import wire
+from kvferry import chunk_codec, wire
 from kvferry.kv_pool import KvPool
 from kvferry.transport import GrpcKvSender
 from kvferry.v1 import worker_pb2
 
 
-class _FakeStub:
+class _FakePushKv:
     def __init__(self, released: list[int], log: list[tuple[int, int]]) -> None:
         self.released, self.log = released, log
 
-    async def PushKv(self, chunks, timeout=None):  # noqa: N802 - gRPC method name
-        async for chunk in chunks:
+    async def __call__(self, chunks, timeout=None):
+        async for raw in chunks:
+            chunk = chunk_codec.decode(raw)
             assert chunk.layer_end <= self.released[0], "sent before its layers were written"
             self.log.append((chunk.layer_end, self.released[0]))
         return worker_pb2.PushKvResponse()
@@ -31,7 +32,7 @@ def test_layer_groups_leave_as_soon_as_written() -> None:
     released = [0]
     log: list[tuple[int, int]] = []
     sender = GrpcKvSender()
-    sender._stub = lambda address: _FakeStub(released, log)  # type: ignore[method-assign]
+    sender._push_kv = lambda address: _FakePushKv(released, log)  # type: ignore[method-assign]
     progress = asyncio.Event()
 
     async def ready(count: int) -> None:
