@@ -14,10 +14,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import statistics
 import time
 from pathlib import Path
 
+import grpc
 import torch
 
 from kvferry import client, grpc_util, wire
@@ -79,6 +81,59 @@ def measure(deployment: Deployment, make_sender, sizes_mib: list[int], reps: int
         tokens = size * (1 << 20) // BYTES_PER_TOKEN
         rates.append(asyncio.run(push_gbps(make_sender(), address, pool, layout, tokens, reps)))
     return rates
+
+
+def _bare_sink(conn) -> None:
+    """A gRPC server whose one method reads a stream of bytes messages and does nothing else."""
+
+    async def sink(messages, context) -> bytes:
+        async for _ in messages:
+            pass
+        return b""
+
+    async def serve() -> None:
+        server = grpc_util.make_server()
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            "bench.Sink", {"Push": grpc.stream_unary_rpc_method_handler(sink)}),))
+        conn.send(server.add_insecure_port("127.0.0.1:0"))
+        await server.start()
+        await server.wait_for_termination()
+
+    asyncio.run(serve())
+
+
+async def _bare_push_gbps(address: str, num_bytes: int, reps: int) -> float:
+    best = float("inf")
+    message = bytes(wire.CHUNK_TARGET_BYTES)
+
+    async def messages():
+        for _ in range(num_bytes // len(message)):
+            yield message
+
+    async with grpc_util.channel(address) as chan:
+        push = chan.stream_unary("/bench.Sink/Push")
+        await push(messages(), timeout=600)  # warm-up
+        for _ in range(reps):
+            start = time.perf_counter()
+            await push(messages(), timeout=600)
+            best = min(best, time.perf_counter() - start)
+    return num_bytes / best / 1e9
+
+
+def bare_grpc_gbps(sizes_mib: list[int], reps: int) -> list[float]:
+    """The ceiling of any byte stream over Python gRPC here: the same bytes in 1 MiB messages
+    over the same channel options into a server that only reads them. No packing, checksum,
+    parsing or writing on either side."""
+    ctx = multiprocessing.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    server = ctx.Process(target=_bare_sink, args=(theirs,), daemon=True)
+    server.start()
+    try:
+        port = ours.recv()
+        return [asyncio.run(_bare_push_gbps(f"127.0.0.1:{port}", size << 20, reps))
+                for size in sizes_mib]
+    finally:
+        server.kill()
 
 
 async def _first_two_tokens(address: str, prompt: list[int]) -> tuple[float, float]:
@@ -162,7 +217,11 @@ def main() -> None:
                         help="long prompt for the TTFT comparison (0: skip it)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    tune_malloc()  # this process stands in for a prefill worker, which does the same
+    # This process stands in for a prefill worker: tuned malloc and one torch thread, as
+    # `kvferry up` and the Deployment launcher run workers on a small machine (a second
+    # thread here spins in OpenMP and takes the receiver's core).
+    tune_malloc()
+    torch.set_num_threads(1)
     if not (args.model_dir / "config.json").exists():
         make_model(args.model_dir, SPEC)
     max_tokens = max(args.sizes_mib) * (1 << 20) // BYTES_PER_TOKEN
@@ -170,10 +229,12 @@ def main() -> None:
     pool = KvPool(16, 8, 64, 16, blocks_for_tokens(max_tokens, 16), torch.float32)
     pool.cache.uniform_()
     options = dict(model=str(args.model_dir), kv_pool_size=f"{pool_bytes}B")
+    copy_before = [memcpy_gbps(size << 20) for size in args.sizes_mib]
     rates: dict[str, list[float]] = {}
     if "grpc" in args.transports:
         with Deployment(**options) as deployment:
             rates["grpc"] = measure(deployment, GrpcKvSender, args.sizes_mib, args.reps, pool)
+        rates["grpc_bare"] = bare_grpc_gbps(args.sizes_mib, args.reps)
     ray_up = False
     ray_stages: dict[str, float] = {}
     if "ray" in args.transports:
@@ -190,7 +251,10 @@ def main() -> None:
         from kvferry.ray_transport import RAY_CHUNK_TARGET_BYTES
 
         ray_stages = ray_stage_gbps(pool, max(args.sizes_mib), RAY_CHUNK_TARGET_BYTES)
-    copy = [memcpy_gbps(size << 20) for size in args.sizes_mib]
+    # memcpy before and after the transports, the faster of the two: on a shared VM memory
+    # bandwidth drifts by 2x within minutes, and the ratios should not flatter the transports.
+    copy = [max(before, memcpy_gbps(size << 20))
+            for before, size in zip(copy_before, args.sizes_mib)]
     rows = [{"mib": size, "memcpy_gbps": copy[i],
              **{f"{t}_gbps": rates[t][i] for t in rates},
              **{f"{t}_ratio": rates[t][i] / copy[i] for t in rates}}

@@ -2,8 +2,8 @@
 
 `GrpcKvSender` streams chunks (kvferry.wire, serialized by kvferry.chunk_codec) to the
 decode worker's KvTransferService.
-Receiving lives in decode_worker (it validates against reservations). A Ray transport will
-implement the same `push` contract.
+Receiving lives in decode_worker (it validates against reservations). `RayKvSender`
+(kvferry.ray_transport) implements the same `push` contract over Ray object refs.
 """
 
 from __future__ import annotations

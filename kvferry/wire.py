@@ -71,16 +71,18 @@ class ChunkSpan(NamedTuple):
     num_blocks: int
 
 
-def plan_chunks(layout: KvLayout, num_tokens: int, target_bytes: int = CHUNK_TARGET_BYTES
-                ) -> list[ChunkSpan]:
-    """Cover every (layer, block) of a `num_tokens` prompt exactly once, in layer order."""
+def plan_chunks(layout: KvLayout, num_tokens: int, target_bytes: int = CHUNK_TARGET_BYTES,
+                min_group_bytes: int = 0) -> list[ChunkSpan]:
+    """Cover every (layer, block) of a `num_tokens` prompt exactly once, in layer order.
+    `min_group_bytes`: fewer layer groups rather than smaller ones, for transports with a
+    high fixed cost per chunk."""
     num_blocks = blocks_for_tokens(num_tokens, layout.block_size)
     per_layer = layout.bytes_per_layer_block * num_blocks
     spans: list[ChunkSpan] = []
     if per_layer <= target_bytes:
         # Whole layers per chunk, but at least 4 groups, so a pipelined push can start after
         # the first quarter of the layers.
-        group_cap = max(1, -(-layout.num_layers // 4))
+        group_cap = max(1, -(-layout.num_layers // 4), -(-min_group_bytes // max(per_layer, 1)))
         layers_per_chunk = max(1, min(target_bytes // max(per_layer, 1), group_cap))
         for start in range(0, layout.num_layers, layers_per_chunk):
             end = min(start + layers_per_chunk, layout.num_layers)

@@ -14,15 +14,25 @@ def _pool(num_blocks: int = 32, dtype: torch.dtype = torch.float32) -> KvPool:
                   num_blocks=num_blocks, dtype=dtype)
 
 
-@pytest.mark.parametrize("num_tokens,target", [(1, 1 << 20), (17, 1 << 20), (17, 700), (9, 300)])
-def test_plan_covers_every_page_once(num_tokens: int, target: int) -> None:
+@pytest.mark.parametrize("num_tokens,target,min_group", [
+    (1, 1 << 20, 0), (17, 1 << 20, 0), (17, 700, 0), (9, 300, 0), (17, 1 << 20, 3000),
+    (17, 700, 1 << 20)])
+def test_plan_covers_every_page_once(num_tokens: int, target: int, min_group: int) -> None:
     pool = _pool()
     layout = wire.KvLayout.of_pool(pool, "fp")
     seen = wire.coverage(layout, num_tokens).astype(int)
-    for span in wire.plan_chunks(layout, num_tokens, target):
+    for span in wire.plan_chunks(layout, num_tokens, target, min_group):
         seen[span.layer_start:span.layer_end,
              span.block_start:span.block_start + span.num_blocks] += 1
     assert (seen == 1).all()
+
+
+@pytest.mark.parametrize("min_group_kib,num_groups", [(0, 4), (8, 4), (16, 2), (1024, 1)])
+def test_small_pushes_go_in_fewer_layer_groups(min_group_kib: int, num_groups: int) -> None:
+    layout = wire.KvLayout(16, 2, 8, 4, "float32", "fp")  # 2 KiB per layer for 16 tokens
+    spans = wire.plan_chunks(layout, 16, 1 << 20, min_group_kib << 10)
+    assert len(spans) == num_groups
+    assert {s.layer_end - s.layer_start for s in spans} == {16 // num_groups}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
