@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from decode_worker.kv_stage import KvStage
+from decode_worker.sequence import step_inputs
 from kernels.dispatch import get_attention_backend
 from kvferry.cli import _ensure_default_model
 from kvferry.config import load_model_config
@@ -47,15 +48,12 @@ def _median_step_ms(model: Transformer, pool: KvPool, batch: int, context: int, 
     stage = KvStage(pool, 1 << 30) if staged else None
     if stage is not None:
         seqs = stage.arrange(seqs) or seqs
-    table = torch.tensor([s.block_table for s in seqs], dtype=torch.int32)
     times = []
     for _ in range(steps):
-        positions = torch.tensor([s.next_position for s in seqs])
-        slots = torch.tensor([s.block_table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
-                              for s, p in zip(seqs, positions.tolist())])
+        inputs = step_inputs(seqs, BLOCK_SIZE)
         tokens = torch.randint(1, model.config.vocab_size, (batch,))
         start = time.perf_counter()
-        model.decode(tokens, positions, slots, table, pool, stage)
+        model.decode(tokens, *inputs, pool, stage)
         times.append(time.perf_counter() - start)
         for s in seqs:
             s.next_position += 1

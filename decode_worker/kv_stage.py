@@ -18,23 +18,13 @@ dense view of a batch is a plain slice.
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 
+from decode_worker.sequence import PagedSeq
 from kernels.paged_attention_torch import dense_decode_attention
 from kvferry.kv_pool import KvPool
 
 _LENGTH_GRAIN = 64  # tokens: capacity grows in steps of at least this
-
-
-class StagedSeq(Protocol):
-    """What the stage needs of a running sequence."""
-
-    block_table: list[int]
-
-    @property
-    def next_position(self) -> int: ...
 
 
 class KvStage:
@@ -43,7 +33,7 @@ class KvStage:
     def __init__(self, pool: KvPool, budget_bytes: int) -> None:
         self.pool = pool
         self.budget_bytes = budget_bytes
-        self._seqs: list[StagedSeq] = []  # row i holds _seqs[i]
+        self._seqs: list[PagedSeq] = []  # row i holds _seqs[i]
         self._valid: list[int] = []  # positions [0, valid) of row i hold its K/V
         self._k: torch.Tensor | None = None  # [layers, rows, kv_heads, length, D]
         self._v: torch.Tensor | None = None
@@ -65,7 +55,7 @@ class KvStage:
         self._seqs, self._valid = [], []
         self._k = self._v = None
 
-    def arrange(self, batch: list[StagedSeq]) -> list[StagedSeq] | None:
+    def arrange(self, batch: list[PagedSeq]) -> list[PagedSeq] | None:
         """Make the rows hold exactly `batch`, each row's K/V up to (not including) its next
         position. Returns the batch in row order (the order the step must use), or None when
         the stage would exceed its budget: then it is emptied and the caller uses pages."""
@@ -134,7 +124,7 @@ class KvStage:
         self._v[:, dst, :, :n] = self._v[:, src, :, :n]
         self._seqs[dst], self._valid[dst] = self._seqs[src], n
 
-    def _gather(self, row: int, seq: StagedSeq) -> None:
+    def _gather(self, row: int, seq: PagedSeq) -> None:
         """Copy positions [0, next_position) of `seq` from its pages into `row`."""
         assert self._k is not None and self._v is not None  # noqa: S101 - sized by arrange
         n = seq.next_position

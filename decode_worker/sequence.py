@@ -1,11 +1,13 @@
-"""Per-request state on a decode worker, and the events its Decode stream carries."""
+"""Per-request state on a decode worker, the events its Decode stream carries, and the
+paging inputs of one decode step."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -67,3 +69,31 @@ class DecodeSeq:
     def next_position(self) -> int:
         """Position of the token the next step feeds (its K/V slot)."""
         return self.num_prompt_tokens + len(self.tokens) - 1
+
+
+class PagedSeq(Protocol):
+    """A sequence as a decode step sees it: its blocks and the position it writes next."""
+
+    block_table: list[int]
+
+    @property
+    def next_position(self) -> int: ...
+
+
+class StepInputs(NamedTuple):
+    """A decode step's paging inputs, on the host."""
+
+    positions: torch.Tensor  # [B] int64: the position each sequence writes this step
+    slots: torch.Tensor  # [B] int64: that position's pool slot (block * block_size + offset)
+    block_tables: torch.Tensor  # [B, width] int32, padded with block 0
+
+
+def step_inputs(batch: Sequence[PagedSeq], block_size: int) -> StepInputs:
+    positions = [s.next_position for s in batch]
+    width = max(len(s.block_table) for s in batch)
+    # [B, width], padded with block 0: attention never reads past a sequence's length.
+    table = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in batch],
+                         dtype=torch.int32)
+    slots = [s.block_table[p // block_size] * block_size + p % block_size
+             for s, p in zip(batch, positions)]
+    return StepInputs(torch.tensor(positions), torch.tensor(slots, dtype=torch.int64), table)

@@ -24,6 +24,7 @@ from decode_worker.sequence import (
     FinishedEvent,
     Phase,
     TokensEvent,
+    step_inputs,
 )
 from kvferry.block_queue import BlockQueue
 from kvferry.executor import run_to_completion
@@ -164,19 +165,13 @@ class StepLoop:
     def _step(self, batch: list[DecodeSeq], is_staged: bool = False) -> list[int]:
         """One forward for the whole ragged batch (executor thread); `is_staged`: the stage
         holds the batch's K/V, rows in batch order."""
-        bs = self.pool.block_size
-        positions = [s.next_position for s in batch]
-        width = max(len(s.block_table) for s in batch)
-        # [B, width], padded with block 0: attention never reads past a sequence's length.
-        table = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in batch],
-                             dtype=torch.int32)
-        slots = [seq.block_table[p // bs] * bs + p % bs for seq, p in zip(batch, positions)]
+        inputs = step_inputs(batch, self.pool.block_size)
         device = self.model.device
         logits = self.model.decode(
             torch.tensor([s.tokens[-1] for s in batch], device=device),
-            torch.tensor(positions, device=device),
-            torch.tensor(slots, dtype=torch.int64, device=device),
-            table.to(device),
+            inputs.positions.to(device),
+            inputs.slots.to(device),
+            inputs.block_tables.to(device),
             self.pool,
             self.stage if is_staged else None,
         )

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from decode_worker.kv_stage import KvStage
+from decode_worker.sequence import step_inputs
 from kernels.paged_attention_ref import paged_decode_attention_ref, write_kv_ref
 from kvferry.kv_pool import KvPool
 
@@ -43,12 +44,7 @@ def _step(pool: KvPool, stage: KvStage, batch: list[Seq], free: list[int],
     for seq in batch:  # the slot this step writes
         if len(seq.block_table) * BS <= seq.next_position:
             seq.block_table.append(free.pop())
-    positions = torch.tensor([s.next_position for s in batch])
-    slots = torch.tensor([s.block_table[p // BS] * BS + p % BS
-                          for s, p in zip(batch, positions.tolist())])
-    width = max(len(s.block_table) for s in batch)
-    table = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in batch],
-                         dtype=torch.int32)
+    positions, slots, table = step_inputs(batch, BS)
     seq_lens = (positions + 1).to(torch.int32)
     stage.begin_step(positions)
     for layer in range(LAYERS):
@@ -136,12 +132,7 @@ def test_decode_with_stage_matches_decode_over_pages(num_tokens: int, qwen3_chec
     for _ in range(num_tokens):
         batch = stage.arrange(seqs)
         assert batch is not None
-        positions = torch.tensor([s.next_position for s in batch])
-        slots = torch.tensor([s.block_table[p // BS] * BS + p % BS
-                              for s, p in zip(batch, positions.tolist())])
-        width = max(len(s.block_table) for s in batch)
-        table = torch.tensor([s.block_table + [0] * (width - len(s.block_table))
-                              for s in batch], dtype=torch.int32)
+        positions, slots, table = step_inputs(batch, BS)
         ids = torch.tensor([tokens[id(s)] for s in batch])
         snapshot = pool.cache.clone()
         paged = model.decode(ids, positions, slots, table, pool)
