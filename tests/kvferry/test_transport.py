@@ -1,13 +1,16 @@
 """The gRPC K/V sender pipelines by layer: each layer group leaves as soon as the prefill
-forward has written it, and never before."""
+forward has written it, and never before; it sends a push again when grpc.aio lost the
+push's status, and only then."""
 
 from __future__ import annotations
 
 import asyncio
 
+import grpc
+import pytest
 import torch
 
-from kvferry import chunk_codec, wire
+from kvferry import chunk_codec, transport, wire
 from kvferry.kv_pool import KvPool
 from kvferry.transport import GrpcKvSender
 from kvferry.v1 import worker_pb2
@@ -56,3 +59,57 @@ def test_layer_groups_leave_as_soon_as_written() -> None:
     asyncio.run(scenario())
     assert [end for end, _ in log] == [2, 4, 6, 8]  # 4 layer groups
     assert log[0][1] < 8  # the first group left while later layers were still computing
+
+
+class _RefusingPushKv:
+    """Answers each push with the next status in `codes` (None: accepted)."""
+
+    def __init__(self, answers: list[tuple[grpc.StatusCode, str] | None]) -> None:
+        self.answers = answers
+        self.num_calls = 0
+
+    async def __call__(self, chunks, timeout=None):
+        async for _ in chunks:
+            pass
+        self.num_calls += 1
+        answer = self.answers.pop(0)
+        if answer is None:
+            return worker_pb2.PushKvResponse()
+        code, details = answer
+        raise grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+def _push(answers: list[tuple[grpc.StatusCode, str] | None]) -> tuple[GrpcKvSender, int]:
+    pool = KvPool(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, num_blocks=4,
+                  dtype=torch.float32)
+    layout = wire.KvLayout.of_pool(pool, "fp")
+    sender = GrpcKvSender()
+    fake = _RefusingPushKv(answers)
+    sender._push_kv = lambda address: fake  # type: ignore[method-assign]
+    asyncio.run(sender.push("x", "r", layout, 5, pool, [0, 1], None))
+    return sender, fake.num_calls
+
+
+LOST = (grpc.StatusCode.INTERNAL, transport.LOST_STATUS_DETAILS)
+
+
+def test_a_push_whose_status_grpc_lost_is_sent_again() -> None:
+    sender, num_calls = _push([LOST, LOST, None])
+    assert num_calls == 3 and sender.num_lost_statuses == 2
+
+
+def test_a_lost_status_behind_already_exists_ends_as_delivered() -> None:
+    sender, num_calls = _push([LOST, (grpc.StatusCode.ALREADY_EXISTS, "K/V complete")])
+    assert num_calls == 2 and sender.num_lost_statuses == 1
+
+
+def test_lost_statuses_are_resent_a_bounded_number_of_times() -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        _push([LOST] * (transport.MAX_LOST_STATUS_RESENDS + 1))
+    assert exc.value.code() == grpc.StatusCode.INTERNAL
+
+
+def test_a_real_internal_error_is_not_resent() -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        _push([(grpc.StatusCode.INTERNAL, "request r: boom"), None])
+    assert exc.value.details() == "request r: boom"
