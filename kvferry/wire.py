@@ -105,11 +105,6 @@ def pack_array(pool: KvPool, block_table: list[int], span: ChunkSpan) -> np.ndar
     return pages.cpu().reshape(-1).view(torch.uint8).numpy()
 
 
-def pack(pool: KvPool, block_table: list[int], span: ChunkSpan) -> bytes:
-    """One span as `bytes`, which a protobuf `bytes` field needs."""
-    return pack_array(pool, block_table, span).tobytes()
-
-
 def crc32(data: bytes | np.ndarray) -> int:
     """CRC-32C (Castagnoli) of a chunk: the `crc32` field of the wire format. The `crc32c`
     library computes it with the CPU's CRC instruction (SSE4.2, ARMv8) at ~10 GB/s here,

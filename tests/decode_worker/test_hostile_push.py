@@ -42,7 +42,7 @@ class Push:
         self.block_table = list(range(num_blocks))
 
     def chunk(self, span: wire.ChunkSpan) -> tuple[wire.ChunkSpan, bytes, int]:
-        data = wire.pack(self.pool, self.block_table, span)
+        data = wire.pack_array(self.pool, self.block_table, span).tobytes()
         return span, data, wire.crc32(data)
 
     def whole(self) -> wire.ChunkSpan:

@@ -43,7 +43,7 @@ def test_pack_unpack_roundtrip_between_pools(dtype: torch.dtype) -> None:
     src_table, dst_table = [3, 7, 1, 9, 4], [20, 2, 11, 5, 30]
     num_tokens = 18
     for span in wire.plan_chunks(layout, num_tokens, 600):
-        data = wire.pack(src, src_table, span)
+        data = wire.pack_array(src, src_table, span).tobytes()
         wire.check_span(layout, num_tokens, span, len(data))
         wire.unpack_into(dst, dst_table, span, data)
     assert torch.equal(src.cache[:, :, src_table], dst.cache[:, :, dst_table])
