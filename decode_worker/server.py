@@ -224,6 +224,6 @@ def add_to_server(server: grpc.aio.Server, engine: DecodeEngine, role: str = "de
         KvTransferServicer(engine).PushKv, request_deserializer=chunk_codec.decode,
         response_serializer=worker_pb2.PushKvResponse.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-        "kvferry.v1.KvTransferService", {"PushKv": push_kv}),))
+        transport.KV_TRANSFER_SERVICE, {"PushKv": push_kv}),))
     worker_pb2_grpc.add_PrefillServiceServicer_to_server(LocalPrefillServicer(engine, role),
                                                          server)

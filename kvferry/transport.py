@@ -23,7 +23,8 @@ from kvferry.v1 import worker_pb2
 
 log = logging.getLogger("kvferry.transport")
 
-PUSH_KV_METHOD = "/kvferry.v1.KvTransferService/PushKv"
+KV_TRANSFER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["KvTransferService"].full_name
+PUSH_KV_METHOD = f"/{KV_TRANSFER_SERVICE}/PushKv"
 
 
 def _is_corruption(exc: grpc.aio.AioRpcError) -> bool:

@@ -81,7 +81,7 @@ def plan_chunks(layout: KvLayout, num_tokens: int, target_bytes: int = CHUNK_TAR
     spans: list[ChunkSpan] = []
     if per_layer <= target_bytes:
         # Whole layers per chunk, but at least 4 groups, so a pipelined push can start after
-        # the first quarter of the layers.
+        # the first quarter of the layers (fewer when groups would be under min_group_bytes).
         group_cap = max(1, -(-layout.num_layers // 4), -(-min_group_bytes // max(per_layer, 1)))
         layers_per_chunk = max(1, min(target_bytes // max(per_layer, 1), group_cap))
         for start in range(0, layout.num_layers, layers_per_chunk):
