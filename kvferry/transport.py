@@ -150,9 +150,12 @@ class GrpcKvSender:
                 ), data)
 
         num_corrupt = num_lost = 0
+        is_lost = False
         while True:
-            corrupt = self._corrupt_left > 0
-            self._corrupt_left -= corrupt
+            if not is_lost:  # a push resent after a lost status goes again as it was
+                corrupt = self._corrupt_left > 0
+                self._corrupt_left -= corrupt
+            is_lost = False
             try:
                 await self._push_kv(address)(chunks(corrupt), timeout=timeout_s)
                 return PushResult(sent, time.perf_counter() - started[0])
@@ -161,6 +164,7 @@ class GrpcKvSender:
                     return _already_there(request_id, started)
                 if _is_lost_status(exc) and num_lost < MAX_LOST_STATUS_RESENDS:
                     num_lost += 1
+                    is_lost = True
                     self.num_lost_statuses += 1
                     log.info("request %s: K/V push ended with its status lost; sending again",
                              request_id)

@@ -68,9 +68,14 @@ class _RefusingPushKv:
         self.answers = answers
         self.num_calls = 0
 
+        self.corrupt_calls: list[bool] = []  # per push: did a chunk fail its checksum
+
     async def __call__(self, chunks, timeout=None):
-        async for _ in chunks:
-            pass
+        corrupt = False
+        async for raw in chunks:
+            chunk = chunk_codec.decode(raw)
+            corrupt |= wire.crc32(chunk.data) != chunk.crc32
+        self.corrupt_calls.append(corrupt)
         self.num_calls += 1
         answer = self.answers.pop(0)
         if answer is None:
@@ -79,12 +84,15 @@ class _RefusingPushKv:
         raise grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
-def _push(answers: list[tuple[grpc.StatusCode, str] | None]) -> tuple[GrpcKvSender, int]:
+def _push(answers: list[tuple[grpc.StatusCode, str] | None],
+          sender: GrpcKvSender | None = None,
+          fake: _RefusingPushKv | None = None) -> tuple[GrpcKvSender, int]:
     pool = KvPool(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, num_blocks=4,
                   dtype=torch.float32)
+    pool.cache.normal_()
     layout = wire.KvLayout.of_pool(pool, "fp")
-    sender = GrpcKvSender()
-    fake = _RefusingPushKv(answers)
+    sender = sender or GrpcKvSender()
+    fake = fake or _RefusingPushKv(answers)
     sender._push_kv = lambda address: fake  # type: ignore[method-assign]
     asyncio.run(sender.push("x", "r", layout, 5, pool, [0, 1], None))
     return sender, fake.num_calls
@@ -113,3 +121,13 @@ def test_a_real_internal_error_is_not_resent() -> None:
     with pytest.raises(grpc.aio.AioRpcError) as exc:
         _push([(grpc.StatusCode.INTERNAL, "request r: boom"), None])
     assert exc.value.details() == "request r: boom"
+
+
+def test_a_push_resent_after_a_lost_status_goes_again_as_it_was() -> None:
+    """Fault injection included: the corrupted push whose refusal grpc.aio lost is resent
+    corrupted, so with no resends left for corruption it fails with DATA_LOSS."""
+    fake = _RefusingPushKv([LOST, (grpc.StatusCode.INVALID_ARGUMENT, "crc32: mismatch")])
+    with pytest.raises(transport.Remote) as exc:
+        _push([], GrpcKvSender(max_resends=0, corrupt_pushes=1), fake)
+    assert exc.value.code == grpc.StatusCode.DATA_LOSS.value[0]
+    assert fake.corrupt_calls == [True, True]
