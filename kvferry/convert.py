@@ -45,4 +45,5 @@ def stats_to_proto(role: str, stats: PoolStats, layout: worker_pb2.KvLayout
         max_abort_delay_steps=stats.max_abort_delay_steps,
         projected_blocks=stats.projected_blocks,
         num_corrupt_pushes=stats.num_corrupt_pushes,
+        num_parked=stats.num_parked, num_parked_evictions=stats.num_evictions,
     )

@@ -96,6 +96,13 @@ class WorkerCollector(Collector):
         yield CounterMetricFamily("kvferry_kv_corrupt_pushes",
                                   "K/V pushes refused by the receiver as corrupted in flight.",
                                   s.num_corrupt_pushes)
+        if self.role == "prefill":
+            yield GaugeMetricFamily("kvferry_kv_parked_requests",
+                                    "Deferred prefills whose K/V waits here to be shipped.",
+                                    s.num_parked)
+            yield CounterMetricFamily("kvferry_kv_parked_evictions",
+                                      "Parked K/V freed for a prefill with a decode "
+                                      "reservation (prefilled again later).", s.num_evictions)
         direction = "sent" if self.role == "prefill" else "received"
         yield CounterMetricFamily(f"kvferry_kv_bytes_{direction}",
                                   f"K/V page bytes {direction} over the transport.",

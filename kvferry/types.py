@@ -31,3 +31,5 @@ class PoolStats:
     max_abort_delay_steps: int = 0
     projected_blocks: int = 0
     num_corrupt_pushes: int = 0
+    num_parked: int = 0
+    num_evictions: int = 0

@@ -2,6 +2,13 @@
 
 The local blocks live only as long as the request: they are freed when the push is accepted,
 fails, or the caller goes away, and never while a forward pass may still write into them.
+
+A deferred prefill (no decode reservation yet) parks its K/V here after its first token until
+the router ships it. Parked K/V must never starve a prefill whose decode reservation is
+waiting: that reservation holds the decode memory the parked requests wait for, so neither
+would move. Deferred prefills therefore get blocks only while no other prefill waits for
+some, and a prefill that finds the pool short evicts parked K/V, newest first. The router
+then prefills an evicted request again once it has a reservation (Ship answers NOT_FOUND).
 """
 
 from __future__ import annotations
@@ -11,11 +18,12 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from kvferry import wire
 from kvferry.block_queue import BlockQueue
-from kvferry.errors import InvalidArgument, NotFound, Unavailable
+from kvferry.errors import Aborted, InvalidArgument, NotFound, Unavailable
 from kvferry.kv_pool import IntegrityReport, KvPool, blocks_for_tokens
 from kvferry.model import Transformer
 from kvferry.prefill_batch import (
@@ -41,6 +49,15 @@ class PushedEvent(NamedTuple):
     kv_bytes: int
 
 
+@dataclass(slots=True)
+class Parked:
+    """A deferred prefill's K/V, complete, waiting for Ship to name its decode worker."""
+
+    job: PrefillJob
+    ship: asyncio.Future[str]
+    is_evicted: bool = False  # its blocks were freed to make room: the router prefills again
+
+
 class PrefillEngine:
     """Validates prompts, queues them on the batcher, pushes each one's pages when done."""
 
@@ -55,10 +72,11 @@ class PrefillEngine:
         self._wake = asyncio.Event()
         self.batcher = PrefillBatcher(model, pool, self._executor, self._wake.set,
                                       token_budget, chunk_size)
-        self.blocks = BlockQueue(pool.allocator, max_waiting)
+        self.blocks = BlockQueue(pool.allocator, max_waiting, on_wait=self._evict_parked)
         self._active: dict[str, asyncio.Task[object]] = {}
-        # Deferred prefills waiting for Ship: request id -> the decode address, when known.
-        self._ships: dict[str, asyncio.Future[str]] = {}
+        # Deferred prefills waiting for Ship, oldest first (dicts keep insertion order).
+        self._parked: dict[str, Parked] = {}
+        self.num_evictions = 0
         self._loop_task: asyncio.Task[None] | None = None
         self.is_draining = False  # SIGTERM: no new prompts; the ones here run to the end
         self.kv_bytes_sent = 0
@@ -110,13 +128,15 @@ class PrefillEngine:
         if task is not None:
             self._active[request_id] = task
         try:
-            blocks = await self.blocks.alloc(blocks_for_tokens(len(prompt), self.pool.block_size))
+            blocks = await self.blocks.alloc(
+                blocks_for_tokens(len(prompt), self.pool.block_size), deferrable=defer_push)
         except BaseException:
             self._active.pop(request_id, None)
             raise
         job = PrefillJob(request_id, prompt, params, blocks,
                          asyncio.get_running_loop().create_future(), output_index)
         push: asyncio.Future[PushResult] | None = None
+        parked: Parked | None = None
         try:
             self.batcher.submit(job)
             if decode_address:
@@ -126,12 +146,14 @@ class PrefillEngine:
                     decode_address, request_id, self.layout, len(prompt), self.pool, blocks,
                     timeout_s, ready=job.wait_layers,
                 ))
-            if defer_push:
-                self._ships[request_id] = asyncio.get_running_loop().create_future()
             token = await job.first_token
-            yield FirstTokenEvent(token, time.perf_counter() - job.started_at)
             if defer_push:
-                address = await self._ships[request_id]
+                parked = Parked(job, asyncio.get_running_loop().create_future())
+                self._parked[request_id] = parked
+                self._evict_parked()  # a prefill with a reservation may wait for blocks
+            yield FirstTokenEvent(token, time.perf_counter() - job.started_at)
+            if parked is not None:
+                address = await parked.ship
                 push = asyncio.ensure_future(self.sender.push(
                     address, request_id, self.layout, len(prompt), self.pool, blocks, timeout_s))
             if push is not None:
@@ -147,19 +169,39 @@ class PrefillEngine:
             elif push is not None and not push.cancelled():
                 push.exception()  # retrieved: a failure was already raised or is moot
             self._active.pop(request_id, None)
-            self._ships.pop(request_id, None)
+            if parked is not None:
+                if self._parked.get(request_id) is parked:
+                    del self._parked[request_id]
+                if parked.ship.done() and not parked.ship.cancelled():
+                    parked.ship.exception()  # an eviction nobody awaited (a cancelled call)
             await self.batcher.release(job)
-            self.pool.allocator.free(blocks)
-            self.blocks.grant()
+            if parked is None or not parked.is_evicted:
+                self.pool.allocator.free(blocks)
+                self.blocks.grant()
+
+    def _evict_parked(self) -> None:
+        """Free parked K/V, newest first, until every prefill waiting for blocks fits (the
+        deferred ones aside). What it frees goes to those waiters at once, in order."""
+        while self._parked and self.pool.allocator.num_free < self.blocks.blocks_awaited:
+            request_id, parked = self._parked.popitem()
+            parked.is_evicted = True
+            self.num_evictions += 1
+            log.info("request %s: parked K/V evicted (%d blocks) for a prefill with a decode "
+                     "reservation; it is prefilled again once shipped", request_id,
+                     len(parked.job.block_table), extra={"request_id": request_id})
+            self.pool.allocator.free(parked.job.block_table)
+            parked.ship.set_exception(
+                Aborted(f"parked K/V of {request_id!r} evicted to make room", "request_id"))
+        self.blocks.grant()
 
     def ship(self, request_id: str, decode_address: str) -> None:
         """Name the decode worker a deferred prefill pushes its K/V to."""
         if not decode_address:
             raise InvalidArgument("decode_address must be non-empty", "decode_address")
-        future = self._ships.get(request_id)
-        if future is None or future.done():
+        parked = self._parked.pop(request_id, None)
+        if parked is None:  # never parked, evicted, or this worker restarted since
             raise NotFound(f"no deferred prefill {request_id!r} waits here", "request_id")
-        future.set_result(decode_address)
+        parked.ship.set_result(decode_address)
 
     def abort(self, request_id: str) -> None:
         task = self._active.get(request_id)
@@ -178,4 +220,5 @@ class PrefillEngine:
             num_pending_prefill_tokens=self.batcher.pending_tokens,
             integrity_ok=report.ok, integrity_error=report.error,
             num_corrupt_pushes=self.sender.num_corrupt_pushes,
+            num_parked=len(self._parked), num_evictions=self.num_evictions,
         )

@@ -138,9 +138,26 @@ class DownstreamCalls:
                                        decode_address=state.decode_worker.address),
                 timeout=remaining_s(deadline))
         except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                self._forget_parked(state, exc.details())
+                return
             # The worker holding the K/V is gone: _prefill_done prefills it again elsewhere.
             if not await self._lose_prefill(state, exc):
                 raise
+
+    def _forget_parked(self, state: RouterRequest, why: str | None) -> None:
+        """The prefill worker no longer holds the deferred K/V (it made room for a prefill
+        with a decode reservation, or restarted): _prefill_done prefills the prompt again,
+        straight into the reservation now made."""
+        worker = state.prefill_worker
+        if worker is None:
+            return
+        log.info("request %s: deferred K/V gone from %s (%s); prefilling again",
+                 state.request_id, worker.address, why)
+        if state.prefill_call is not None:
+            state.prefill_call.cancel()
+        worker.done(state.request_id)
+        state.prefill_worker = state.prefill_call = None
 
     def _start_prefill(self, state: RouterRequest, prompt: list[int], params: SamplingParams,
                        deadline: float | None, num_generated: int

@@ -18,7 +18,7 @@ import pytest
 from kvferry import client, grpc_util
 from kvferry.launcher import Deployment
 from kvferry.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
-from tests.conftest import assert_pools_clean
+from tests.conftest import assert_pools_clean, worker_stats
 from tests.e2e.test_memory_pressure import BLOCK_BYTES
 
 pytestmark = pytest.mark.slow
@@ -139,3 +139,69 @@ def test_prefill_worker_lost_while_holding_deferred_kv(full_pool_deployment: Dep
     assert got_small.token_ids == expected.token_ids
     assert got_small.finished.timing.admission_wait_s > 0
     assert_pools_clean(full_pool_deployment)
+
+
+# Parked K/V against a reservation: LONG leaves the decode pool 1 block of headroom, so the
+# two 6-block prompts are deferred and their K/V fills the prefill worker's 12-block pool;
+# TINY then fits the headroom, is reserved at once, and needs 1 prefill block.
+LONG = client.make_request(list(range(200, 220)), temperature=0.0, max_tokens=150,
+                           ignore_eos=True)  # 170 tokens: 11 of the decode pool's 12 blocks
+PARKED = [client.make_request(list(range(300 + 7 * i, 390 + 7 * i)), temperature=0.0,
+                              max_tokens=10, ignore_eos=True) for i in range(2)]  # 90 tokens
+TINY = client.make_request(list(range(500, 510)), temperature=0.0, max_tokens=6,
+                           ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def small_pools_deployment(qwen3_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+                           ) -> Iterator[Deployment]:
+    deployment = Deployment(model=str(qwen3_checkpoint), kv_pool_size=f"{12 * BLOCK_BYTES}B",
+                            log_dir=tmp_path_factory.mktemp("parked-logs")).start()
+    yield deployment
+    deployment.stop()
+
+
+def test_a_reserved_request_is_not_held_behind_parked_kv(
+        small_pools_deployment: Deployment, qwen3_deployment: Deployment) -> None:
+    """Without eviction TINY would wait for LONG to end: the parked requests wait for decode
+    memory LONG holds, and TINY for prefill memory they hold. (All 8 requests of
+    test_memory_pressure arriving at once stalled that way, for the 30 s admission timeout.)"""
+    expected = asyncio.run(client.generate_many(qwen3_deployment.router_address,
+                                                [LONG, *PARKED, TINY], 120))
+
+    async def run() -> tuple[list[client.Completion], float, float]:
+        async with grpc_util.channel(small_pools_deployment.router_address) as chan:
+            stub = generation_pb2_grpc.GenerationServiceStub(chan)
+            long_streaming = asyncio.Event()
+            parked = [asyncio.Event() for _ in PARKED]
+            ended: dict[str, float] = {}
+
+            async def run_one(name: str, request: generation_pb2.GenerateRequest,
+                              first_token: asyncio.Event | None = None) -> client.Completion:
+                completion = client.Completion()
+                async for _, latest in client.stream(stub, request, timeout_s=120):
+                    completion = latest
+                    if first_token is not None and latest.token_ids:
+                        first_token.set()
+                ended[name] = time.perf_counter()
+                return completion
+
+            async def parked_then_tiny() -> list[client.Completion]:
+                await long_streaming.wait()
+                waiting = [asyncio.ensure_future(run_one(f"parked{i}", r, parked[i]))
+                           for i, r in enumerate(PARKED)]
+                await asyncio.gather(*(e.wait() for e in parked))
+                tiny = await run_one("tiny", TINY)
+                return [*await asyncio.gather(*waiting), tiny]
+
+            got = await asyncio.gather(run_one("long", LONG, long_streaming),
+                                       parked_then_tiny())
+            return [got[0], *got[1]], ended["tiny"], ended["long"]
+
+    got, tiny_ended, long_ended = asyncio.run(run())
+    assert [c.token_ids for c in got] == [c.token_ids for c in expected]
+    assert tiny_ended < long_ended
+    prefill = [s for s in worker_stats(small_pools_deployment) if s.role == "prefill"][0]
+    assert prefill.num_parked_evictions == 1  # the newer parked request, prefilled again
+    assert prefill.num_parked == 0
+    assert_pools_clean(small_pools_deployment)
