@@ -23,12 +23,12 @@ import torch
 
 from decode_worker.kv_stage import KvStage
 from decode_worker.sequence import step_inputs
+from deploy.cli import _ensure_default_model
+from deploy.processes import tune_malloc
 from kernels.dispatch import get_attention_backend
-from kvferry.cli import _ensure_default_model
-from kvferry.config import load_model_config
-from kvferry.kv_pool import KvPool
-from kvferry.model import Transformer
-from kvferry.processes import tune_malloc
+from kvferry.cache.pool import KvPool
+from kvferry.model.config import load_model_config
+from kvferry.model.transformer import Transformer
 
 BLOCK_SIZE = 16
 

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from kvferry import client
-from kvferry.cli import _ensure_default_model
-from kvferry.launcher import Deployment
+from deploy import client
+from deploy.cli import _ensure_default_model
+from deploy.launcher import Deployment
 
 
 async def _client(address: str, prompt: list[int], max_tokens: int, count: int) -> int:

@@ -24,11 +24,11 @@ import os
 import platform
 from pathlib import Path
 
-from kvferry.launcher import Deployment
-from kvferry.loadgen import BenchConfig, MixedWorkload, RandomWorkload, calculate_metrics
-from kvferry.loadgen.bench import run_target
-from kvferry.loadgen.plots import _pyplot
-from kvferry.loadgen.targets import _default_model
+from deploy.launcher import Deployment
+from deploy.loadgen import BenchConfig, MixedWorkload, RandomWorkload, calculate_metrics
+from deploy.loadgen.bench import run_target
+from deploy.loadgen.plots import _pyplot
+from deploy.loadgen.targets import _default_model
 
 
 def _phase(address: str, name: str, requests, config: BenchConfig) -> dict[str, object]:

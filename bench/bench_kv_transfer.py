@@ -22,13 +22,16 @@ from pathlib import Path
 import grpc
 import torch
 
-from kvferry import client, grpc_util, wire
-from kvferry.checkpoint import ModelSpec, make_model
-from kvferry.cli import _ensure_default_model
-from kvferry.kv_pool import KvPool, blocks_for_tokens
-from kvferry.launcher import Deployment
-from kvferry.processes import tune_malloc
-from kvferry.transport import GrpcKvSender, KvSender
+from deploy import client
+from deploy.cli import _ensure_default_model
+from deploy.launcher import Deployment
+from deploy.processes import tune_malloc
+from kvferry.cache.pool import KvPool, blocks_for_tokens
+from kvferry.model.checkpoint import ModelSpec, make_model
+from kvferry.rpc import grpc_util
+from kvferry.transfer import wire
+from kvferry.transfer.grpc_push import GrpcKvSender
+from kvferry.transfer.sender import KvSender
 from kvferry.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 
 SPEC = ModelSpec(vocab_size=512, hidden_size=512, intermediate_size=512, num_layers=16,
@@ -155,7 +158,7 @@ def ttft_rows(prompt_tokens: int, reps: int, transports: list[str]) -> list[dict
     if "grpc" in transports:
         setups.append(("disaggregated, gRPC", Deployment(model=model)))
     if "ray" in transports:
-        from kvferry.ray_launcher import RayDeployment
+        from deploy.ray_launcher import RayDeployment
 
         setups.append(("disaggregated, Ray", RayDeployment(model=model)))
     rows = []
@@ -240,15 +243,15 @@ def main() -> None:
     if "ray" in args.transports:
         import ray
 
-        from kvferry.ray_launcher import RayDeployment
-        from kvferry.ray_transport import NAMESPACE, RayKvSender
+        from deploy.ray_launcher import RayDeployment
+        from kvferry.transfer.ray_push import NAMESPACE, RayKvSender
 
         ray.init(namespace=NAMESPACE, include_dashboard=False, log_to_driver=False,
                  object_store_memory=max(3 * pool_bytes, 256 << 20))
         with RayDeployment(**options) as deployment:
             rates["ray"] = measure(deployment, RayKvSender, args.sizes_mib, args.reps, pool)
         ray_up = True
-        from kvferry.ray_transport import RAY_CHUNK_TARGET_BYTES
+        from kvferry.transfer.ray_push import RAY_CHUNK_TARGET_BYTES
 
         ray_stages = ray_stage_gbps(pool, max(args.sizes_mib), RAY_CHUNK_TARGET_BYTES)
     # memcpy before and after the transports, the faster of the two: on a shared VM memory

@@ -22,9 +22,10 @@ from pathlib import Path
 
 import grpc
 
-from kvferry import client, grpc_util
-from kvferry.cli import _ensure_default_model
-from kvferry.launcher import Deployment
+from deploy import client
+from deploy.cli import _ensure_default_model
+from deploy.launcher import Deployment
+from kvferry.rpc import grpc_util
 from kvferry.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 POLICIES = ["headroom", "round_robin", "least_requests"]
@@ -111,7 +112,7 @@ def main() -> None:
     args = parser.parse_args()
     RATE[0] = args.rate
     model = args.model or _ensure_default_model()
-    from kvferry.capacity import KvShape
+    from kvferry.cache.capacity import KvShape
 
     shape = KvShape.from_config(model, "float32")
     pool_bytes = args.pool_blocks * shape.bytes_per_token * 16

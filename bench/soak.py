@@ -25,8 +25,9 @@ from pathlib import Path
 
 import grpc
 
-from kvferry import client, grpc_util
-from kvferry.launcher import Deployment
+from deploy import client
+from deploy.launcher import Deployment
+from kvferry.rpc import grpc_util
 from kvferry.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 CANCEL_FRACTION = 0.15
@@ -198,7 +199,7 @@ def _print(report: SoakReport) -> None:
 
 
 def main() -> None:
-    from kvferry.cli import _ensure_default_model
+    from deploy.cli import _ensure_default_model
 
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -31,9 +31,10 @@ from decode_worker.sequence import (
     Phase,
 )
 from decode_worker.steps import StepLoop
-from kvferry import wire
-from kvferry.block_queue import BlockQueue
-from kvferry.capacity import blocks_needed
+from kvferry.cache.block_queue import BlockQueue
+from kvferry.cache.capacity import blocks_needed
+from kvferry.cache.pool import IntegrityReport, KvPool, blocks_for_tokens
+from kvferry.cache.stats import PoolStats
 from kvferry.errors import (
     Aborted,
     AlreadyExists,
@@ -42,11 +43,10 @@ from kvferry.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from kvferry.kv_pool import IntegrityReport, KvPool, blocks_for_tokens
-from kvferry.model import Transformer
-from kvferry.prefill_batch import PrefillBatcher, PrefillJob
-from kvferry.sampling import SamplingParams
-from kvferry.types import FinishReason, PoolStats
+from kvferry.model.prefill_batch import PrefillBatcher, PrefillJob
+from kvferry.model.sampling import FinishReason, SamplingParams
+from kvferry.model.transformer import Transformer
+from kvferry.transfer import wire
 
 log = logging.getLogger("kvferry.decode")
 

@@ -22,7 +22,7 @@ import torch
 
 from decode_worker.sequence import PagedSeq
 from kernels.paged_attention_torch import dense_decode_attention
-from kvferry.kv_pool import KvPool
+from kvferry.cache.pool import KvPool
 
 _LENGTH_GRAIN = 64  # tokens: capacity grows in steps of at least this
 

@@ -12,8 +12,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import torch
 
-from kvferry.sampling import SamplingParams
-from kvferry.types import FinishReason
+from kvferry.model.sampling import FinishReason, SamplingParams
 
 
 class Phase(Enum):

@@ -9,10 +9,12 @@ import grpc
 
 from decode_worker.engine import DecodeEngine
 from decode_worker.sequence import DecodeEvent, ErrorEvent, FinishedEvent, TokensEvent
-from kvferry import chunk_codec, convert, grpc_util, logs, transport, wire
+from kvferry import logs
 from kvferry.errors import InvalidArgument, KvferryError
+from kvferry.rpc import chunk_codec, convert, grpc_util
+from kvferry.rpc.worker_servicer import AbortAndStats
+from kvferry.transfer import wire
 from kvferry.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
-from kvferry.worker_servicer import AbortAndStats
 
 
 def _merge(events: list[DecodeEvent]) -> list[worker_pb2.DecodeUpdate]:
@@ -47,7 +49,7 @@ class DecodeServicer(AbortAndStats, worker_pb2_grpc.DecodeServiceServicer):
     def __init__(self, engine: DecodeEngine, role: str = "decode") -> None:
         self.engine = engine
         self.role = role
-        self.layout_msg = transport.layout_to_proto(engine.layout)
+        self.layout_msg = convert.layout_to_proto(engine.layout)
 
     async def Reserve(self, request: worker_pb2.ReserveRequest,
                       context: grpc.aio.ServicerContext) -> worker_pb2.ReserveResponse:
@@ -165,7 +167,7 @@ class KvTransferServicer(worker_pb2_grpc.KvTransferServiceServicer):
                 span = wire.ChunkSpan(chunk.layer_start, chunk.layer_end, chunk.block_start,
                                       chunk.num_blocks)
                 written += self.engine.receive_chunk(
-                    request_id, transport.layout_from_proto(chunk.layout), chunk.num_tokens,
+                    request_id, convert.layout_from_proto(chunk.layout), chunk.num_tokens,
                     span, chunk.data, chunk.crc32, epoch,
                 )
             if not request_id:
@@ -191,7 +193,7 @@ class LocalPrefillServicer(AbortAndStats, worker_pb2_grpc.PrefillServiceServicer
     def __init__(self, engine: DecodeEngine, role: str) -> None:
         self.engine = engine
         self.role = role
-        self.layout_msg = transport.layout_to_proto(engine.layout)
+        self.layout_msg = convert.layout_to_proto(engine.layout)
 
     async def Prefill(self, request: worker_pb2.PrefillRequest,
                       context: grpc.aio.ServicerContext
@@ -224,6 +226,6 @@ def add_to_server(server: grpc.aio.Server, engine: DecodeEngine, role: str = "de
         KvTransferServicer(engine).PushKv, request_deserializer=chunk_codec.decode,
         response_serializer=worker_pb2.PushKvResponse.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-        transport.KV_TRANSFER_SERVICE, {"PushKv": push_kv}),))
+        chunk_codec.KV_TRANSFER_SERVICE, {"PushKv": push_kv}),))
     worker_pb2_grpc.add_PrefillServiceServicer_to_server(LocalPrefillServicer(engine, role),
                                                          server)

@@ -26,13 +26,12 @@ from decode_worker.sequence import (
     TokensEvent,
     step_inputs,
 )
-from kvferry.block_queue import BlockQueue
-from kvferry.executor import run_to_completion
-from kvferry.kv_pool import KvPool
-from kvferry.model import Transformer
-from kvferry.prefill_batch import PrefillBatcher
-from kvferry.sampling import SamplingParams, sample_tokens
-from kvferry.types import FinishReason
+from kvferry.cache.block_queue import BlockQueue
+from kvferry.cache.pool import KvPool
+from kvferry.model.executor import run_to_completion
+from kvferry.model.prefill_batch import PrefillBatcher
+from kvferry.model.sampling import FinishReason, SamplingParams, sample_tokens
+from kvferry.model.transformer import Transformer
 
 log = logging.getLogger("kvferry.decode")
 

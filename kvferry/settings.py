@@ -41,7 +41,7 @@ def _check_common(drain_timeout_s: float, metrics_port: int | None) -> None:
 
 @dataclass(frozen=True)
 class SecuritySettings:
-    """TLS and the cluster token of one process (kvferry/security.py builds the credentials).
+    """TLS and the cluster token of one process (kvferry/rpc/security.py builds the credentials).
     All None: plaintext and no token, for tests and local development."""
 
     tls_cert: str | None = None  # this server's certificate (PEM); also the client certificate

@@ -21,20 +21,20 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from kvferry import wire
-from kvferry.block_queue import BlockQueue
+from kvferry.cache.block_queue import BlockQueue
+from kvferry.cache.pool import IntegrityReport, KvPool, blocks_for_tokens
+from kvferry.cache.stats import PoolStats
 from kvferry.errors import Aborted, InvalidArgument, NotFound, Unavailable
-from kvferry.kv_pool import IntegrityReport, KvPool, blocks_for_tokens
-from kvferry.model import Transformer
-from kvferry.prefill_batch import (
+from kvferry.model.prefill_batch import (
     DEFAULT_CHUNK_SIZE,
     DEFAULT_TOKEN_BUDGET,
     PrefillBatcher,
     PrefillJob,
 )
-from kvferry.sampling import SamplingParams, validate_prompt
-from kvferry.transport import KvSender, PushResult
-from kvferry.types import PoolStats
+from kvferry.model.sampling import SamplingParams, validate_prompt
+from kvferry.model.transformer import Transformer
+from kvferry.transfer import wire
+from kvferry.transfer.sender import KvSender, PushResult
 
 log = logging.getLogger("kvferry.prefill")
 

@@ -7,9 +7,10 @@ from contextlib import aclosing
 
 import grpc
 
-from kvferry import convert, grpc_util, logs, transport
+from kvferry import logs
+from kvferry.rpc import convert, grpc_util
+from kvferry.rpc.worker_servicer import AbortAndStats
 from kvferry.v1 import worker_pb2, worker_pb2_grpc
-from kvferry.worker_servicer import AbortAndStats
 from prefill_worker.engine import FirstTokenEvent, PrefillEngine
 
 
@@ -18,7 +19,7 @@ class PrefillServicer(AbortAndStats, worker_pb2_grpc.PrefillServiceServicer):
 
     def __init__(self, engine: PrefillEngine) -> None:
         self.engine = engine
-        self.layout_msg = transport.layout_to_proto(engine.layout)
+        self.layout_msg = convert.layout_to_proto(engine.layout)
 
     async def Prefill(self, request: worker_pb2.PrefillRequest,
                       context: grpc.aio.ServicerContext

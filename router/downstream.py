@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from kvferry import convert
-from kvferry.capacity import blocks_needed
+from kvferry.cache.capacity import blocks_needed
 from kvferry.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from kvferry.sampling import SamplingParams
+from kvferry.model.sampling import SamplingParams
+from kvferry.rpc import convert
 from kvferry.v1 import generation_pb2, worker_pb2
 from router.decode_mux import StreamBroken
 from router.policy import HeadroomPolicy, Policy

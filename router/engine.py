@@ -14,8 +14,6 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import NamedTuple
 
-from kvferry import convert
-from kvferry.config import ModelConfig
 from kvferry.errors import (
     DeadlineExceeded,
     InvalidArgument,
@@ -23,8 +21,9 @@ from kvferry.errors import (
     Remote,
     Unavailable,
 )
-from kvferry.sampling import SamplingParams
-from kvferry.types import FinishReason
+from kvferry.model.config import ModelConfig
+from kvferry.model.sampling import FinishReason, SamplingParams
+from kvferry.rpc import convert
 from kvferry.v1 import worker_pb2
 from router import validation
 from router.decode_mux import MuxItem, StreamBroken

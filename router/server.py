@@ -10,9 +10,10 @@ from contextlib import aclosing
 
 import grpc
 
-from kvferry import convert, grpc_util, logs
+from kvferry import logs
 from kvferry.errors import KvferryError
-from kvferry.metrics import RouterMetrics
+from kvferry.rpc import convert, grpc_util
+from kvferry.rpc.metrics import RouterMetrics
 from kvferry.v1 import generation_pb2, generation_pb2_grpc
 from router.engine import ChunkEvent, DoneEvent, Router
 from router.validation import GenerateInput

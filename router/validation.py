@@ -6,9 +6,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from kvferry.config import ModelConfig
 from kvferry.errors import InvalidArgument
-from kvferry.sampling import DEFAULT_MAX_TOKENS, SamplingParams
+from kvferry.model.config import ModelConfig
+from kvferry.model.sampling import DEFAULT_MAX_TOKENS, SamplingParams
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvferry import security, transport, wire
 from kvferry.errors import Unavailable
+from kvferry.rpc import convert, security
+from kvferry.transfer import wire
 from kvferry.v1 import worker_pb2, worker_pb2_grpc
 from router.decode_mux import DecodeMux
 
@@ -165,7 +166,7 @@ class WorkerSet:
                             exc.code().name)
             worker.is_healthy = False
             return
-        layout = transport.layout_from_proto(stats.layout)
+        layout = convert.layout_from_proto(stats.layout)
         reason = self._incompatibility(layout)
         if reason:
             if worker.refuse_reason != reason:

@@ -17,9 +17,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvferry.checkpoint import LLAMA_SPEC, ModelSpec, make_model
-from kvferry.grpc_util import CHANNEL_OPTIONS
-from kvferry.launcher import Deployment, Process
+from deploy.launcher import Deployment, Process
+from kvferry.model.checkpoint import LLAMA_SPEC, ModelSpec, make_model
+from kvferry.rpc.grpc_util import CHANNEL_OPTIONS
 from kvferry.v1 import worker_pb2, worker_pb2_grpc
 
 
@@ -131,7 +131,7 @@ def colocated_deployment(qwen3_checkpoint: Path, tmp_path_factory: pytest.TempPa
 def ray_session() -> Iterator[None]:
     """One local Ray instance for the whole test session (Ray deployments share it)."""
     ray = pytest.importorskip("ray")
-    from kvferry.ray_transport import NAMESPACE
+    from kvferry.transfer.ray_push import NAMESPACE
 
     ray.init(namespace=NAMESPACE, include_dashboard=False, log_to_driver=False,
              num_cpus=2, object_store_memory=512 << 20)
@@ -140,7 +140,7 @@ def ray_session() -> Iterator[None]:
 
 
 def _start_ray(model: Path, **kwargs: object) -> Deployment:
-    from kvferry.ray_launcher import RayDeployment
+    from deploy.ray_launcher import RayDeployment
 
     return RayDeployment(model=str(model), **kwargs).start()
 

@@ -31,6 +31,7 @@ COPY router/ router/
 COPY prefill_worker/ prefill_worker/
 COPY decode_worker/ decode_worker/
 COPY kernels/ kernels/
+COPY deploy/ deploy/
 RUN pip install --no-deps . && rm -rf /src
 
 WORKDIR /tmp

@@ -15,11 +15,12 @@ import torch
 from decode_worker.engine import DecodeEngine
 from decode_worker.server import KvTransferServicer
 from kernels.dispatch import get_attention_backend
-from kvferry import transport, wire
-from kvferry.config import load_model_config
+from kvferry.cache.pool import KvPool, blocks_for_tokens
 from kvferry.errors import Aborted, AlreadyExists, InvalidArgument, NotFound
-from kvferry.kv_pool import KvPool, blocks_for_tokens
-from kvferry.model import Transformer
+from kvferry.model.config import load_model_config
+from kvferry.model.transformer import Transformer
+from kvferry.rpc import convert
+from kvferry.transfer import wire
 from kvferry.v1 import worker_pb2
 
 BLOCK_SIZE = 4
@@ -182,7 +183,7 @@ def _to_proto(request_id: str, layout: wire.KvLayout, num_tokens: int,
               chunk: tuple[wire.ChunkSpan, bytes, int]) -> worker_pb2.KvChunk:
     span, data, crc = chunk
     return worker_pb2.KvChunk(
-        request_id=request_id, layout=transport.layout_to_proto(layout), num_tokens=num_tokens,
+        request_id=request_id, layout=convert.layout_to_proto(layout), num_tokens=num_tokens,
         layer_start=span.layer_start, layer_end=span.layer_end, block_start=span.block_start,
         num_blocks=span.num_blocks, data=data, crc32=crc)
 

@@ -11,10 +11,11 @@ import grpc
 import pytest
 import torch
 
-from kvferry.grpc_util import CHANNEL_OPTIONS
-from kvferry.kv_pool import KvPool
-from kvferry.launcher import Deployment
-from kvferry.transport import GrpcKvSender, layout_from_proto
+from deploy.launcher import Deployment
+from kvferry.cache.pool import KvPool
+from kvferry.rpc.convert import layout_from_proto
+from kvferry.rpc.grpc_util import CHANNEL_OPTIONS
+from kvferry.transfer.grpc_push import GrpcKvSender
 from kvferry.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 from tests.conftest import assert_alive, assert_pools_clean
 

@@ -13,7 +13,7 @@ import torch
 from decode_worker.kv_stage import KvStage
 from decode_worker.sequence import step_inputs
 from kernels.paged_attention_ref import paged_decode_attention_ref, write_kv_ref
-from kvferry.kv_pool import KvPool
+from kvferry.cache.pool import KvPool
 
 LAYERS, HQ, HKV, D, BS = 2, 4, 2, 16, 4
 
@@ -112,8 +112,8 @@ def test_decode_with_stage_matches_decode_over_pages(num_tokens: int, qwen3_chec
                                                      ) -> None:
     """The model's decode steps give the same logits from the stage as from the pages."""
     from kernels.dispatch import get_attention_backend
-    from kvferry.config import load_model_config
-    from kvferry.model import Transformer
+    from kvferry.model.config import load_model_config
+    from kvferry.model.transformer import Transformer
 
     config = load_model_config(qwen3_checkpoint)
     model = Transformer(config, get_attention_backend("torch"))

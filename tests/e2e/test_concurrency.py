@@ -8,8 +8,8 @@ import asyncio
 import pytest
 import torch
 
-from kvferry import client
-from kvferry.launcher import Deployment
+from deploy import client
+from deploy.launcher import Deployment
 from tests.conftest import assert_alive, assert_pools_clean
 
 pytestmark = pytest.mark.slow

@@ -13,9 +13,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvferry import client, grpc_util
-from kvferry.grpc_util import CHANNEL_OPTIONS
-from kvferry.launcher import Deployment
+from deploy import client
+from deploy.launcher import Deployment
+from kvferry.rpc import grpc_util
+from kvferry.rpc.grpc_util import CHANNEL_OPTIONS
 from kvferry.v1 import generation_pb2_grpc
 from tests.conftest import assert_pools_clean, busy_process
 

@@ -18,8 +18,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvferry import client, grpc_util
-from kvferry.launcher import Deployment, Process, _spawn
+from deploy import client
+from deploy.launcher import Deployment, Process, _spawn
+from kvferry.rpc import grpc_util
 from kvferry.v1 import generation_pb2, generation_pb2_grpc, worker_pb2
 from tests.conftest import assert_alive, assert_pools_clean, busy_process
 

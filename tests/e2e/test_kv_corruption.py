@@ -10,8 +10,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvferry import client
-from kvferry.launcher import Deployment
+from deploy import client
+from deploy.launcher import Deployment
 from tests.conftest import assert_alive, assert_pools_clean, worker_stats
 
 pytestmark = pytest.mark.slow
@@ -32,7 +32,7 @@ def _deployment(transport: str, checkpoint: Path, log_dir: Path, request: pytest
     env = {"KVFERRY_FAULT_CORRUPT_PUSHES": "1"}
     if transport == "grpc":
         return Deployment(model=str(checkpoint), log_dir=log_dir, env=env, **kwargs)
-    from kvferry.ray_launcher import RayDeployment
+    from deploy.ray_launcher import RayDeployment
 
     request.getfixturevalue("ray_session")
     return RayDeployment(model=str(checkpoint), env=env, **kwargs)

@@ -11,8 +11,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvferry import client, grpc_util
-from kvferry.launcher import Deployment
+from deploy import client
+from deploy.launcher import Deployment
+from kvferry.rpc import grpc_util
 from kvferry.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 from tests.conftest import assert_alive, assert_pools_clean, worker_stats
 

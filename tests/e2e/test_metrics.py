@@ -10,8 +10,8 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvferry import client
-from kvferry.launcher import Deployment
+from deploy import client
+from deploy.launcher import Deployment
 from tests.conftest import assert_pools_clean
 
 pytestmark = pytest.mark.slow

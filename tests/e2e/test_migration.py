@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from kvferry import client, grpc_util
-from kvferry.launcher import Deployment
+from deploy import client
+from deploy.launcher import Deployment
+from kvferry.rpc import grpc_util
 from kvferry.v1 import generation_pb2_grpc
 from tests.conftest import assert_pools_clean, busy_process
 

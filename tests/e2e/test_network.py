@@ -1,6 +1,6 @@
 """Issue 9, a cut network link: every component in its own network namespace, with its own
-address (kvferry/netns.py), and one link set down mid-request, so the peer goes silent with
-no RST and no FIN. Only HTTP/2 keepalive (kvferry/grpc_util.py) notices that; the router
+address (deploy/netns.py), and one link set down mid-request, so the peer goes silent with
+no RST and no FIN. Only HTTP/2 keepalive (kvferry/rpc/grpc_util.py) notices that; the router
 then migrates the stream (decode worker cut) or prefills again elsewhere (prefill worker cut
 mid push), and the client gets exactly the undisturbed tokens.
 
@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from kvferry import client, grpc_util, netns
-from kvferry.launcher import Deployment, Process
+from deploy import client, netns
+from deploy.launcher import Deployment, Process
+from kvferry.rpc import grpc_util
 from kvferry.v1 import generation_pb2, generation_pb2_grpc
 from tests.conftest import assert_alive, assert_pools_clean, busy_process
 from tests.e2e.test_faults import sessions_alive
@@ -28,7 +29,7 @@ pytestmark = pytest.mark.slow
 
 ISOLATION = os.environ.get("KVFERRY_TEST_ISOLATION", "netns")
 PUSH_CHUNK_DELAY_S = 0.4  # 4 chunks: a push outlives its first token by about a second
-# Keepalive finds a silent peer within 5-10 s (kvferry/grpc_util.py); the rest is the
+# Keepalive finds a silent peer within 5-10 s (kvferry/rpc/grpc_util.py); the rest is the
 # prefill of the migrated request and its K/V push. Without keepalive the stall would last
 # until TCP gives up: many minutes on a cut link, forever on a stopped process.
 MAX_STALL_S = 20.0

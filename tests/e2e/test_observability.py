@@ -15,8 +15,8 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
-from kvferry import client
-from kvferry.launcher import Deployment
+from deploy import client
+from deploy.launcher import Deployment
 
 pytestmark = pytest.mark.slow
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from kvferry import client
-from kvferry.launcher import Deployment
+from deploy import client
+from deploy.launcher import Deployment
 from tests.conftest import assert_pools_clean
 
 pytestmark = pytest.mark.slow

@@ -15,10 +15,11 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvferry import client, grpc_util, security
-from kvferry.certs import CertFiles, make_certs
-from kvferry.grpc_util import CHANNEL_OPTIONS
-from kvferry.launcher import Deployment
+from deploy import client
+from deploy.certs import CertFiles, make_certs
+from deploy.launcher import Deployment
+from kvferry.rpc import grpc_util, security
+from kvferry.rpc.grpc_util import CHANNEL_OPTIONS
 from kvferry.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.conftest import assert_alive, assert_pools_clean
 

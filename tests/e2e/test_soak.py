@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from bench.soak import run_soak
-from kvferry.launcher import Deployment
+from deploy.launcher import Deployment
 from tests.conftest import assert_alive
 
 pytestmark = pytest.mark.slow

@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from kvferry import client
-from kvferry.launcher import Deployment
+from deploy import client
+from deploy.launcher import Deployment
 from kvferry.v1 import generation_pb2
 from tests.conftest import assert_alive, assert_pools_clean
 

@@ -2,7 +2,7 @@
 real CLI parser, ports and probe service names match what the processes serve, discovery names
 match headless Services, env vars are consumed, and the drain fits the grace period. The ray
 overlay runs `kvferry serve --kv-transport=ray` on the RayCluster's head (router and workers
-as Ray actors, kvferry/ray_launcher.py), checked against the Ray worker nodes it needs."""
+as Ray actors, deploy/ray_launcher.py), checked against the Ray worker nodes it needs."""
 
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ from k8s_manifests import (
     pod_templates,
 )
 
-from kvferry import grpc_util
-from kvferry.cli import build_parser
+from deploy.cli import build_parser
+from kvferry.rpc import grpc_util
 
 REPO = K8S_DIR.parent
 SOURCE_DIRS = ("kvferry", "router", "prefill_worker", "decode_worker", "kernels")
@@ -299,7 +299,7 @@ def test_autoscale_metric_matches_the_adapter_rules(rendered) -> None:
 
 
 # The ray overlay: `kvferry serve --kv-transport=ray` on the RayCluster's head creates the
-# router and every worker as Ray actors (kvferry/ray_launcher.py); the worker groups are plain
+# router and every worker as Ray actors (deploy/ray_launcher.py); the worker groups are plain
 # Ray nodes where the GPU worker actors land.
 
 _QUANTITY = re.compile(r"^(\d+)(Ki|Mi|Gi|Ti)?$")
@@ -394,7 +394,7 @@ def test_ray_nodes_mount_the_model_and_fit_the_object_store(rendered, parsed) ->
 def test_ray_head_grace_covers_stopping_every_actor(rendered, parsed) -> None:
     """serve stops the actors one by one, router first, each within RayDeployment.stop's
     grace_s; the kubelet must not SIGKILL it before, nor liveness kill a draining router."""
-    from kvferry.ray_launcher import RayDeployment
+    from deploy.ray_launcher import RayDeployment
 
     _, head, serve, _ = _ray(rendered, parsed)
     per_actor_s = inspect.signature(RayDeployment.stop).parameters["grace_s"].default

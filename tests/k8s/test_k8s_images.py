@@ -86,11 +86,11 @@ class Block(importlib.abc.MetaPathFinder):
         if name.split(".")[0] in BLOCKED:
             raise ImportError(f"{name} is not in the CPU image")
 sys.meta_path.insert(0, Block())
-import kvferry.cli, kvferry.processes, kvferry.checkpoint, kvferry.transport
+import deploy.cli, deploy.processes, kvferry.model.checkpoint, kvferry.transfer.grpc_push
 import router.server, router.discovery, prefill_worker.server, decode_worker.server
 from kernels.dispatch import get_attention_backend
 get_attention_backend("torch")
-kvferry.cli.build_parser()
+deploy.cli.build_parser()
 print("ok")
 """
 
@@ -104,7 +104,7 @@ def test_router_and_cpu_workers_import_without_triton_ray_or_grpc_tools() -> Non
 
 def test_make_model_is_deterministic(tmp_path: Path) -> None:
     """cpu-dev makes the model in every pod: the checkpoints (and fingerprints) must agree."""
-    from kvferry.checkpoint import make_model
+    from kvferry.model.checkpoint import make_model
 
     first, second = make_model(tmp_path / "a"), make_model(tmp_path / "b")
     names = sorted(p.name for p in first.iterdir())

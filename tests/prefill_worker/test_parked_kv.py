@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from kernels.dispatch import get_attention_backend
-from kvferry import wire
-from kvferry.config import load_model_config
+from kvferry.cache.pool import KvPool
 from kvferry.errors import Aborted, NotFound
-from kvferry.kv_pool import KvPool
-from kvferry.model import Transformer
-from kvferry.sampling import SamplingParams
-from kvferry.transport import LayersReady, PushResult
+from kvferry.model.config import load_model_config
+from kvferry.model.sampling import SamplingParams
+from kvferry.model.transformer import Transformer
+from kvferry.transfer import wire
+from kvferry.transfer.sender import LayersReady, PushResult
 from prefill_worker.engine import FirstTokenEvent, PrefillEngine, PushedEvent
 
 BLOCK_SIZE = 16

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kvferry import client
-from kvferry.launcher import _spawn
+from deploy import client
+from deploy.launcher import _spawn
 from router.discovery import discover_once, resolve, split_host_port
 from router.workers import WorkerSet
 

@@ -1,0 +1,85 @@
+"""A small client for the public Generate stream, with client-side TTFT and ITL."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from kvferry.rpc import grpc_util
+from kvferry.v1 import generation_pb2, generation_pb2_grpc
+
+
+@dataclass
+class Completion:
+    request_id: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finished: generation_pb2.Finished | None = None
+    ttft_s: float = 0.0
+    token_times_s: list[float] = field(default_factory=list)  # arrival of each chunk
+
+    @property
+    def mean_itl_s(self) -> float:
+        gaps = [b - a for a, b in zip(self.token_times_s, self.token_times_s[1:])]
+        return sum(gaps) / len(gaps) if gaps else 0.0
+
+
+def make_request(prompt: str | list[int], request_id: str = "",
+                 **sampling: object) -> generation_pb2.GenerateRequest:
+    request = generation_pb2.GenerateRequest(
+        request_id=request_id, sampling=generation_pb2.SamplingParams(**sampling)
+    )
+    if isinstance(prompt, str):
+        request.text = prompt
+    else:
+        request.token_ids.ids.extend(prompt)
+    return request
+
+
+async def stream(stub: generation_pb2_grpc.GenerationServiceStub,
+                 request: generation_pb2.GenerateRequest, timeout_s: float | None = None
+                 ) -> AsyncIterator[tuple[generation_pb2.GenerateResponse, Completion]]:
+    """Yield each response together with the completion accumulated so far."""
+    completion = Completion()
+    start = time.perf_counter()
+    async for msg in stub.Generate(request, timeout=timeout_s):
+        completion.request_id = msg.request_id
+        if msg.HasField("chunk"):
+            now = time.perf_counter() - start
+            if msg.chunk.token_ids:
+                if not completion.token_ids:
+                    completion.ttft_s = now
+                completion.token_times_s.append(now)
+            completion.token_ids.extend(msg.chunk.token_ids)
+            completion.text += msg.chunk.text
+        else:
+            completion.finished = msg.finished
+        yield msg, completion
+
+
+async def collect(stub: generation_pb2_grpc.GenerationServiceStub,
+                  request: generation_pb2.GenerateRequest,
+                  timeout_s: float | None = None) -> Completion:
+    """The whole stream of one request on an open channel, as one completion."""
+    completion = Completion()
+    async for _, latest in stream(stub, request, timeout_s):
+        completion = latest
+    return completion
+
+
+async def generate(address: str, request: generation_pb2.GenerateRequest,
+                   timeout_s: float | None = None) -> Completion:
+    async with grpc_util.channel(address) as chan:
+        return await collect(generation_pb2_grpc.GenerationServiceStub(chan), request,
+                             timeout_s)
+
+
+async def generate_many(address: str, requests: list[generation_pb2.GenerateRequest],
+                        timeout_s: float | None = None) -> list[Completion]:
+    """All requests at once, each on its own stream; completions in request order."""
+    return await asyncio.gather(*(generate(address, r, timeout_s) for r in requests))
+
+
+__all__ = ["Completion", "collect", "generate", "generate_many", "make_request", "stream"]

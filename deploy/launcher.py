@@ -1,0 +1,242 @@
+"""Start and stop a local deployment: router + P prefill + D decode worker processes.
+
+Each process binds the port it is given (0 = any free port) and prints one readiness line
+with the bound port; the launcher reads it, so no port is ever guessed. Workers start in
+parallel; the router starts once they are all serving.
+
+`isolation="netns"` runs every component in its own network namespace with its own address
+(deploy/netns.py), so `cut(name)` can partition it; where the machine does not allow that
+(not root, no iproute2) the deployment runs on loopback and `cut` stops the process instead
+(SIGSTOP): its peers see the same silence, though its kernel still answers TCP.
+`isolation_used` says which one ran.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+from deploy import netns
+from kvferry.rpc.grpc_util import READY_PREFIX
+
+log = logging.getLogger("kvferry")
+ISOLATIONS = ("loopback", "netns")
+
+
+@dataclass
+class Process:
+    name: str
+    popen: subprocess.Popen[str]
+    host: str = "127.0.0.1"  # where to reach it (its own address in a network namespace)
+    port: int = 0
+    metrics_port: int = 0  # 0: no metrics server
+    _ready: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def _watch(self) -> None:
+        assert self.popen.stdout is not None  # noqa: S101 - created with stdout=PIPE
+        for line in self.popen.stdout:
+            if line.startswith(READY_PREFIX):
+                fields = dict(item.split("=") for item in line.split()[1:])
+                self.metrics_port = int(fields["metrics_port"])
+                self.port = int(fields["port"])
+                self._ready.set()
+        self._ready.set()  # exited: wake the waiter, who checks the return code
+
+    def wait_ready(self, timeout_s: float) -> None:
+        if not self._ready.wait(timeout_s) or self.port == 0:
+            code = self.popen.poll()
+            raise RuntimeError(f"{self.name} did not become ready (exit code {code})")
+
+
+class Placement(NamedTuple):
+    """Where a component runs: the host it binds, where others reach it, how it is started."""
+
+    bind_host: str
+    reach_host: str
+    prefix: tuple[str, ...] = ()  # before the command: `ip netns exec NS` in a namespace
+
+
+LOOPBACK = Placement("127.0.0.1", "127.0.0.1")
+
+
+def _spawn(name: str, args: list[str], log_dir: Path | None, env: dict[str, str],
+           place: Placement = LOOPBACK) -> Process:
+    """Start `deploy.cli args` in a session of its own."""
+    stderr = open(log_dir / f"{name}.log", "w") if log_dir else None  # noqa: SIM115
+    popen = subprocess.Popen(
+        [*place.prefix, sys.executable, "-m", "deploy.cli", *args],
+        stdout=subprocess.PIPE, stderr=stderr, text=True, env={**os.environ, **env},
+        start_new_session=True,
+    )
+    proc = Process(name, popen, place.reach_host)
+    threading.Thread(target=proc._watch, daemon=True).start()
+    return proc
+
+
+@dataclass
+class Deployment:
+    model: str
+    num_prefill: int = 1
+    num_decode: int = 1
+    router_port: int = 0
+    block_size: int = 16
+    kv_pool_size: str = "256MiB"
+    torch_threads: int = 1
+    attention_backend: str = "auto"
+    host: str = "127.0.0.1"  # what every server binds; 0.0.0.0 for other hosts to reach it
+    is_colocated: bool = False  # num_decode workers each serving both roles; no prefill ones
+    worker_args: list[str] = field(default_factory=list)  # extra flags for every worker
+    role_args: dict[str, list[str]] = field(default_factory=dict)  # extra flags by role
+    router_args: list[str] = field(default_factory=list)  # extra flags for the router
+    log_dir: Path | None = None
+    log_format: str = "text"  # or "json": one object per line, with the request id
+    env: dict[str, str] = field(default_factory=dict)
+    # "netns": each component in its own network namespace where the machine allows it
+    # (see the module docstring); "loopback" otherwise, and always when asked for.
+    isolation: str = "loopback"
+    processes: list[Process] = field(default_factory=list)
+    network: netns.Network | None = None  # set while the components run in namespaces
+
+    @property
+    def isolation_used(self) -> str:
+        return "netns" if self.network is not None else "loopback"
+
+    def _worker_args(self, role: str, host: str | None = None) -> list[str]:
+        return ["--log-format", self.log_format,
+                f"{role}-worker", "--model", self.model, "--host", host or self.host,
+                "--port", "0",
+                "--block-size", str(self.block_size), "--kv-pool-size", self.kv_pool_size,
+                "--torch-threads", str(self.torch_threads),
+                "--attention-backend", self.attention_backend, *self.worker_args,
+                *self.role_args.get(role, [])]
+
+    def _start_network(self) -> None:
+        if self.isolation not in ISOLATIONS:
+            raise ValueError(f"isolation: {self.isolation!r} is not one of {ISOLATIONS}")
+        if self.isolation == "loopback":
+            return
+        if not netns.is_available():
+            log.warning("isolation: network namespaces unavailable (root and iproute2 "
+                        "needed); running on loopback, cut() stops processes instead")
+            return
+        self.network = netns.Network.create()
+
+    def _place(self, name: str) -> Placement:
+        """A namespace of its own with its own address when isolated, else `self.host`."""
+        if self.network is None:
+            return Placement(self.host, "127.0.0.1")
+        address = self.network.add(name)
+        return Placement(address, address, tuple(self.network.exec_prefix(name)))
+
+    def start(self, timeout_s: float = 180.0) -> Deployment:
+        try:
+            self._start_network()
+            decode_role = "colocated" if self.is_colocated else "decode"
+            num_prefill = 0 if self.is_colocated else self.num_prefill
+            roles = [("prefill", i) for i in range(num_prefill)]
+            roles += [(decode_role, i) for i in range(self.num_decode)]
+            for role, i in roles:
+                place = self._place(f"{role}-{i}")
+                self.processes.append(_spawn(f"{role}-{i}",
+                                             self._worker_args(role, place.bind_host),
+                                             self.log_dir, self.env, place))
+            workers = list(self.processes)
+            for proc in workers:
+                proc.wait_ready(timeout_s)
+            place = self._place("router")
+            args = ["--log-format", self.log_format, "router", "--model", self.model,
+                    "--host", place.bind_host, "--port", str(self.router_port),
+                    *self.router_args]
+            for proc in workers:
+                args += [f"--{proc.name.rsplit('-', 1)[0]}", proc.address]
+            router = _spawn("router", args, self.log_dir, self.env, place)
+            self.processes.append(router)
+            router.wait_ready(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    @property
+    def router_address(self) -> str:
+        return self.processes[-1].address
+
+    def addresses(self, role: str) -> list[str]:
+        """Workers serving `role`; colocated workers serve both prefill and decode."""
+        return [p.address for p in self.processes
+                if p.name.startswith(role) or (role == "decode" and p.name.startswith("colocated"))]
+
+    def pin(self, role: str, cpus: set[int]) -> None:
+        """Pin every thread of the `role` processes to `cpus` (threads started later inherit
+        it): benchmarks on a small machine give latency-critical workers their own core."""
+        for proc in self.processes:
+            if proc.name.rsplit("-", 1)[0] != role:
+                continue
+            for tid in os.listdir(f"/proc/{proc.popen.pid}/task"):
+                os.sched_setaffinity(int(tid), cpus)
+
+    def _process(self, name: str) -> Process:
+        found = [p for p in self.processes if p.name == name]
+        if not found:
+            raise ValueError(f"name: no process {name!r} in this deployment")
+        return found[0]
+
+    def cut(self, name: str) -> None:
+        """Make component `name` silent to everyone: its link goes down (netns: packets
+        vanish, no RST, no FIN), or, on loopback, the process is stopped (SIGSTOP)."""
+        if self.network is not None:
+            self.network.cut(name)
+        else:
+            os.kill(self._process(name).popen.pid, signal.SIGSTOP)
+
+    def heal(self, name: str) -> None:
+        """Undo `cut(name)`."""
+        if self.network is not None:
+            self.network.heal(name)
+        else:
+            os.kill(self._process(name).popen.pid, signal.SIGCONT)
+
+    def dead(self) -> list[str]:
+        """Names of processes that have exited."""
+        return [p.name for p in self.processes if p.popen.poll() is not None]
+
+    def stop(self, grace_s: float = 10.0) -> list[int | None]:
+        """SIGTERM everything (router first), wait, SIGKILL stragglers; then remove the
+        namespaces, veths and bridge, if any, whatever failed before. Returns exit codes."""
+        try:
+            for proc in reversed(self.processes):
+                if proc.popen.poll() is None:
+                    proc.popen.send_signal(signal.SIGTERM)
+                    proc.popen.send_signal(signal.SIGCONT)  # a stopped one must see it
+            deadline = time.monotonic() + grace_s
+            codes = []
+            for proc in reversed(self.processes):
+                try:
+                    codes.append(proc.popen.wait(max(deadline - time.monotonic(), 0.1)))
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.popen.pid, signal.SIGKILL)
+                    codes.append(proc.popen.wait())
+            self.processes = []
+        finally:
+            if self.network is not None:  # after the processes: nothing left inside
+                self.network.destroy()
+                self.network = None
+        return codes
+
+    def __enter__(self) -> Deployment:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,148 @@
+"""The benchmark as a Python API: targets x request rates, one seeded workload for all.
+
+    from deploy.loadgen import BenchConfig, RandomWorkload, run_benchmark
+    result = run_benchmark(["disagg=launch:disagg", "colocated=launch:colocated"],
+                           RandomWorkload(input_len=512, output_len=64),
+                           BenchConfig(num_requests=50, request_rates=(1.0, 2.0, 4.0)))
+
+Every target gets the same requests (same seed and vocabulary) at the same arrival times for
+each rate. Targets run one after another; a launched one is stopped before the next starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from deploy.loadgen.arrivals import arrival_offsets_s
+from deploy.loadgen.metrics import BenchmarkMetrics, RequestRecord, Slo, calculate_metrics
+from deploy.loadgen.runner import SendOptions, run_requests
+from deploy.loadgen.targets import LaunchOptions, Target, open_target, parse_target
+from deploy.loadgen.workload import BenchRequest, Workload
+from kvferry.rpc import grpc_util
+from kvferry.v1 import generation_pb2, generation_pb2_grpc
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Load shape and reporting; the same for every target."""
+
+    num_requests: int = 100
+    request_rates: tuple[float, ...] = (math.inf,)
+    burstiness: float = 1.0
+    max_concurrency: int | None = None
+    num_warmups: int = 0  # copies of the first request sent before each target's runs
+    seed: int = 0
+    slo: Slo = field(default_factory=Slo)
+    percentiles: tuple[float, ...] = (90.0, 95.0, 99.0)
+    send: SendOptions = field(default_factory=SendOptions)
+    vocab_size: int | None = None  # None: ask the target (GetModelInfo)
+    show_progress: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_requests < 1:
+            raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
+        if not self.request_rates:
+            raise ValueError("request_rates: give at least one rate")
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """One target at one request rate."""
+
+    target: str
+    request_rate: float
+    metrics: BenchmarkMetrics
+    records: tuple[RequestRecord, ...]
+
+
+@dataclass(frozen=True)
+class BenchmarkResult:
+    config: BenchConfig
+    workload: str  # the workload's repr: what was sent
+    runs: tuple[RunResult, ...]
+
+
+async def _vocab_size(address: str) -> int:
+    async with grpc_util.channel(address) as chan:
+        stub = generation_pb2_grpc.GenerationServiceStub(chan)
+        info = await stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=30)
+    if info.vocab_size < 1:
+        raise ValueError(f"{address}: GetModelInfo reports vocab_size {info.vocab_size}")
+    return info.vocab_size
+
+
+def _progress(total: int, label: str, enabled: bool) -> tqdm | None:
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=label, unit="req", leave=False)
+
+
+async def _warm_up(stub: generation_pb2_grpc.GenerationServiceStub, request: BenchRequest,
+                   config: BenchConfig, name: str) -> None:
+    outcome = await run_requests(stub, [request] * config.num_warmups,
+                                 [0.0] * config.num_warmups, config.send,
+                                 config.max_concurrency, id_prefix=f"warmup-{name}")
+    failed = [r for r in outcome.records if not r.is_success]
+    if failed:
+        raise RuntimeError(f"{name}: warm-up request failed: {failed[0].status}: "
+                           f"{failed[0].error}")
+
+
+async def run_target(name: str, address: str, requests: Sequence[BenchRequest],
+                     config: BenchConfig) -> list[RunResult]:
+    """Every configured rate against one running router, over one channel."""
+    results = []
+    async with grpc_util.channel(address) as chan:
+        stub = generation_pb2_grpc.GenerationServiceStub(chan)
+        if config.num_warmups:
+            await _warm_up(stub, requests[0], config, name)
+        for rate in config.request_rates:
+            offsets = arrival_offsets_s(len(requests), rate, config.burstiness, config.seed)
+            bar = _progress(len(requests), f"{name} @ {rate:g} req/s", config.show_progress)
+            on_done = None if bar is None else (lambda _, b=bar: b.update(1))
+            try:
+                outcome = await run_requests(stub, requests, offsets, config.send,
+                                             config.max_concurrency, on_done=on_done,
+                                             id_prefix=f"bench-{name}-{rate:g}")
+            finally:
+                if bar is not None:
+                    bar.close()
+            metrics = calculate_metrics(outcome.records, outcome.duration_s, config.slo,
+                                        config.percentiles)
+            results.append(RunResult(name, rate, metrics, outcome.records))
+    return results
+
+
+def run_benchmark(targets: Sequence[Target | str], workload: Workload,
+                  config: BenchConfig | None = None,
+                  launch: LaunchOptions | None = None) -> BenchmarkResult:
+    """Run the workload against every target at every rate; blocking (starts its own loop).
+
+    Targets are Target objects or strings such as "HOST:PORT", "disagg=launch:disagg"."""
+    config = config or BenchConfig()
+    launch = launch or LaunchOptions()
+    parsed = [t if isinstance(t, Target) else parse_target(t) for t in targets]
+    names = [t.name for t in parsed]
+    if len(set(names)) != len(names):
+        raise ValueError(f"targets: names must differ, got {names}")
+    built: dict[int, list[BenchRequest]] = {}
+    runs: list[RunResult] = []
+    for target in parsed:
+        with open_target(target, launch) as address:
+            vocab = config.vocab_size or asyncio.run(_vocab_size(address))
+            if built and vocab not in built:
+                raise ValueError(f"{target.name} serves a vocabulary of {vocab}, the targets "
+                                 f"before it {sorted(built)}: the workloads would differ")
+            if vocab not in built:
+                built[vocab] = workload.build(config.num_requests, vocab, config.seed)
+            runs += asyncio.run(run_target(target.name, address, built[vocab], config))
+    return BenchmarkResult(config, repr(workload), tuple(runs))

@@ -1,0 +1,143 @@
+"""`kvferry bench`: arguments and the command (deploy/cli.py delegates here)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from deploy.loadgen.bench import BenchConfig, BenchmarkResult, run_benchmark
+from deploy.loadgen.metrics import Slo
+from deploy.loadgen.runner import SendOptions
+from deploy.loadgen.targets import LaunchOptions
+from deploy.loadgen.workload import (
+    JsonlWorkload,
+    RandomWorkload,
+    SharedPrefixWorkload,
+    ShareGptWorkload,
+    TokenCounter,
+    Workload,
+)
+
+DATASETS = ("random", "shared-prefix", "jsonl", "sharegpt")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    t = p.add_argument_group("targets")
+    t.add_argument("--address", default="127.0.0.1:50051",
+                   help="router HOST:PORT (or launch:disagg / launch:colocated)")
+    t.add_argument("--compare", nargs="+", default=None, metavar="TARGET",
+                   help="several targets, same workload and seed: [NAME=]HOST:PORT or "
+                        "[NAME=]launch:disagg|colocated")
+    t.add_argument("--model", default=None, help="launch: checkpoint (default: tiny Qwen3)")
+    t.add_argument("--num-prefill", type=int, default=1, help="launch: prefill workers")
+    t.add_argument("--num-decode", type=int, default=1, help="launch: decode/colocated workers")
+    t.add_argument("--kv-pool-size", default="256MiB", help="launch: per worker")
+    t.add_argument("--torch-threads", type=int, default=1, help="launch: per worker")
+    t.add_argument("--launch-log-dir", type=Path, default=None)
+
+    w = p.add_argument_group("workload")
+    w.add_argument("--dataset-name", default="random", choices=DATASETS)
+    w.add_argument("--dataset-path", type=Path, default=None, help="jsonl / sharegpt file")
+    w.add_argument("--num-prompts", type=int, default=100, help="requests per run")
+    w.add_argument("--input-len", type=int, default=128, help="random: prompt tokens")
+    w.add_argument("--output-len", type=int, default=None,
+                   help="tokens to generate (max_tokens, ignore_eos); default 32, "
+                        "sharegpt: the reply's length")
+    w.add_argument("--range-ratio", type=float, default=0.0,
+                   help="random: lengths uniform in len x [1 - r, 1 + r]")
+    w.add_argument("--prefix-len", type=int, default=None,
+                   help="random: shared prefix tokens (default 0); shared-prefix: "
+                        "tokens per prefix (default 256)")
+    w.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix")
+    w.add_argument("--suffix-len", type=int, default=32, help="shared-prefix")
+    w.add_argument("--tokenizer", type=Path, default=None,
+                   help="tokenizer.json or its directory: counts text prompt lengths")
+    w.add_argument("--vocab-size", type=int, default=None, help="default: GetModelInfo")
+
+    g = p.add_argument_group("load")
+    g.add_argument("--request-rate", type=float, nargs="+", default=[float("inf")],
+                   help="requests/s; several values sweep (inf: all at once)")
+    g.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape: 1 Poisson, <1 burstier, >1 more even")
+    g.add_argument("--max-concurrency", type=int, default=None)
+    g.add_argument("--num-warmups", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--timeout-s", type=float, default=None, help="per request deadline")
+
+    r = p.add_argument_group("results")
+    r.add_argument("--goodput", nargs="+", default=[], metavar="NAME:MS",
+                   help="SLOs, e.g. ttft:500 tpot:50 (names: ttft, tpot, e2el)")
+    r.add_argument("--metric-percentiles", default="90,95,99", help="comma-separated")
+    r.add_argument("--result-file", type=Path, default=None, help="write the JSON here")
+    r.add_argument("--plot-dir", type=Path, default=None, help="write PNG plots here")
+    r.add_argument("--disable-tqdm", action="store_true")
+
+
+def _token_counter(path: Path | None) -> TokenCounter | None:
+    if path is None:
+        return None
+    from tokenizers import Tokenizer
+
+    file = path / "tokenizer.json" if path.is_dir() else path
+    tokenizer = Tokenizer.from_file(str(file))
+    return lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+def make_workload(args: argparse.Namespace) -> Workload:
+    output_len = args.output_len or 32
+    if args.dataset_name == "random":
+        return RandomWorkload(args.input_len, output_len, args.range_ratio,
+                              args.prefix_len or 0)
+    if args.dataset_name == "shared-prefix":
+        return SharedPrefixWorkload(args.num_prefixes, args.prefix_len or 256,
+                                    args.suffix_len, output_len)
+    if args.dataset_path is None:
+        raise ValueError(f"--dataset-path is required for {args.dataset_name}")
+    counter = _token_counter(args.tokenizer)
+    if args.dataset_name == "jsonl":
+        return JsonlWorkload(args.dataset_path, output_len, counter)
+    return ShareGptWorkload(args.dataset_path, args.output_len, counter)
+
+
+def make_config(args: argparse.Namespace) -> BenchConfig:
+    percentiles = tuple(float(x) for x in args.metric_percentiles.split(",") if x.strip())
+    return BenchConfig(
+        num_requests=args.num_prompts, request_rates=tuple(args.request_rate),
+        burstiness=args.burstiness, max_concurrency=args.max_concurrency,
+        num_warmups=args.num_warmups, seed=args.seed, slo=Slo.parse(args.goodput),
+        percentiles=percentiles,
+        send=SendOptions(temperature=args.temperature, seed=args.seed,
+                         timeout_s=args.timeout_s),
+        vocab_size=args.vocab_size, show_progress=not args.disable_tqdm,
+    )
+
+
+def _write_outputs(result: BenchmarkResult, args: argparse.Namespace) -> None:
+    from deploy.loadgen.report import format_result, write_json
+
+    print(format_result(result))
+    if args.result_file is not None:
+        print(f"results: {write_json(result, args.result_file)}", file=sys.stderr)
+    if args.plot_dir is not None:
+        from deploy.loadgen.plots import write_plots
+
+        for path in write_plots(result, args.plot_dir):
+            print(f"plot: {path}", file=sys.stderr)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run `kvferry bench`; exit code 1 when any request failed, 2 on bad arguments."""
+    try:
+        workload, config = make_workload(args), make_config(args)
+    except ValueError as exc:
+        print(f"bench: {exc}", file=sys.stderr)
+        return 2
+    launch = LaunchOptions(model=args.model, num_prefill=args.num_prefill,
+                           num_decode=args.num_decode, kv_pool_size=args.kv_pool_size,
+                           torch_threads=args.torch_threads, log_dir=args.launch_log_dir)
+    targets = args.compare or [args.address]
+    result = run_benchmark(targets, workload, config, launch)
+    _write_outputs(result, args)
+    return 1 if any(run.metrics.failed for run in result.runs) else 0

@@ -1,0 +1,98 @@
+"""PNG plots of a benchmark (matplotlib, Agg backend: no display needed).
+
+- latency_vs_rate.png: TTFT p50/p99 and ITL p50/p99 against request rate, one line per
+  target. An infinite rate is plotted at the throughput the run achieved.
+- ttft_vs_itl.png: one point per completed request, TTFT against its mean ITL, a colour
+  per target.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from types import ModuleType
+
+from deploy.loadgen.bench import BenchmarkResult, RunResult
+
+PANELS = (("ttft", 50.0), ("ttft", 99.0), ("itl", 50.0), ("itl", 99.0))
+
+
+def _pyplot() -> ModuleType:
+    """pyplot on the Agg backend (chosen before pyplot is first imported)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _x(run: RunResult) -> float:
+    if math.isinf(run.request_rate):
+        return run.metrics.request_throughput
+    return run.request_rate
+
+
+def _value(run: RunResult, metric: str, p: float) -> float:
+    stats = run.metrics.stats(metric)
+    if p == 50.0:
+        return stats.median_ms
+    return stats.percentile_ms(p)
+
+
+def _targets(result: BenchmarkResult) -> list[str]:
+    return list(dict.fromkeys(run.target for run in result.runs))
+
+
+def plot_latency_vs_rate(result: BenchmarkResult, path: Path) -> Path:
+    """Four panels; p99 falls back to the highest percentile measured if 99 was not."""
+    plt = _pyplot()
+    top = 99.0 if 99.0 in result.config.percentiles else max(result.config.percentiles)
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7), sharex=True)
+    for ax, (metric, p) in zip(axes.flat, PANELS):
+        p = p if p == 50.0 else top
+        for target in _targets(result):
+            runs = sorted((r for r in result.runs if r.target == target), key=_x)
+            ax.plot([_x(r) for r in runs], [_value(r, metric, p) for r in runs],
+                    marker="o", label=target)
+        ax.set_title(f"{metric.upper()} p{p:g}")
+        ax.set_ylabel("ms")
+        ax.grid(alpha=0.3)
+    for ax in axes[1]:
+        ax.set_xlabel("request rate (req/s)")
+    axes[0][0].legend()
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_ttft_vs_itl(result: BenchmarkResult, path: Path) -> Path:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for target in _targets(result):
+        xs, ys = [], []
+        for run in (r for r in result.runs if r.target == target):
+            for record in run.records:
+                if record.is_success and record.itls_s:
+                    xs.append(record.ttft_s * 1000)
+                    ys.append(sum(record.itls_s) / len(record.itls_s) * 1000)
+        ax.scatter(xs, ys, s=12, alpha=0.6, label=target)
+    ax.set_xlabel("TTFT (ms)")
+    ax.set_ylabel("mean ITL of the request (ms)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def write_plots(result: BenchmarkResult, directory: Path) -> list[Path]:
+    directory = Path(directory)
+    return [plot_latency_vs_rate(result, directory / "latency_vs_rate.png"),
+            plot_ttft_vs_itl(result, directory / "ttft_vs_itl.png")]

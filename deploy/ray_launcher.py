@@ -1,0 +1,187 @@
+"""A deployment on Ray: router and workers as Ray actors, K/V pages as Ray object refs.
+
+Each actor runs the same gRPC server a `kvferry *-worker` / `kvferry router` process runs,
+built from the same command line, so the control path (router, Generate, Reserve, Decode)
+is identical to the process deployment; only the prefill -> decode page transfer changes
+(kvferry.transfer.ray_push). A local Ray instance is started unless `ray_address` names a
+cluster (or Ray is already initialized, as in the test session). Workers ask Ray for one GPU
+each when the cluster has GPUs; the router actor goes on the head node.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from dataclasses import dataclass, field
+
+import ray
+
+from deploy.launcher import Deployment
+from kvferry.transfer.ray_push import NAMESPACE, ChunkAck
+from kvferry.transfer.wire import ChunkSpan, KvLayout
+
+log = logging.getLogger("kvferry.ray")
+
+HEAD_RESOURCE = "node:__internal_head__"  # Ray's built-in resource of the head node
+
+
+class ServerActor:
+    """One kvferry server (router or worker) inside a Ray actor, on the actor's event loop."""
+
+    def __init__(self) -> None:
+        self._built = None
+        self._engine = None  # a DecodeEngine when this actor decodes: it receives pushes
+        self._address = ""
+
+    async def start(self, argv: list[str]) -> str:
+        """Build and start the server a `kvferry ARGV` command would run; its address."""
+        from deploy import cli, processes
+        from kvferry import logs
+
+        args = cli.build_parser().parse_args(argv)
+        logs.setup(args.log_level, args.log_format)
+        if args.command == "router":
+            settings = cli.router_settings(args)
+            self._built = await processes.build_router(settings)
+        else:
+            settings = cli.worker_settings(args)
+            self._built, engine = processes.build_worker(settings)
+            if settings.role != "prefill":
+                self._engine = engine
+        await processes.start(self._built)
+        host = settings.host
+        if host in ("0.0.0.0", "::", ""):
+            host = ray.util.get_node_ip_address() if ray.is_initialized() else socket.getfqdn()
+        self._address = f"{host}:{self._built.port}"
+        return self._address
+
+    async def address(self) -> str:
+        return self._address
+
+    async def stop(self) -> None:
+        """Drain (--drain-timeout-s) and stop the server."""
+        from deploy import processes
+
+        if self._built is not None:
+            await processes.stop(self._built)
+            self._built = None
+
+    async def push_chunk(self, request_id: str, layout: KvLayout, num_tokens: int,
+                         span: ChunkSpan, data: object, crc32: int) -> ChunkAck:
+        """Validate one chunk against the reservation and write it (decode actors)."""
+        from kvferry.errors import InvalidArgument, KvferryError
+        from kvferry.rpc import grpc_util
+
+        try:
+            if self._engine is None:
+                raise InvalidArgument("this actor does not decode", "request_id")
+            return ChunkAck(self._engine.receive_chunk(request_id, layout, num_tokens, span,
+                                                       data, crc32))
+        except KvferryError as exc:
+            code, message = grpc_util.describe(exc)
+            return ChunkAck(0, code.value[0], message, exc.field or "")
+
+    async def finish_push(self, request_id: str) -> ChunkAck:
+        from kvferry.errors import KvferryError
+        from kvferry.rpc import grpc_util
+
+        try:
+            self._engine.finish_push(request_id)
+        except KvferryError as exc:
+            code, message = grpc_util.describe(exc)
+            return ChunkAck(0, code.value[0], message, exc.field or "")
+        return ChunkAck(0)
+
+    async def fail_push(self, request_id: str) -> None:
+        if self._engine is not None:
+            self._engine.fail_push(request_id)
+
+
+@dataclass
+class RayActor:
+    name: str
+    handle: ray.actor.ActorHandle
+    address: str = ""
+
+
+@dataclass
+class RayDeployment(Deployment):
+    """`Deployment`'s interface (start/stop/addresses/router_address), on Ray actors."""
+
+    ray_address: str | None = None
+    actors: list[RayActor] = field(default_factory=list)
+    _owns_ray: bool = False
+
+    def _actor(self, name: str, num_gpus: float) -> RayActor:
+        options: dict[str, object] = {"name": f"{name}-{id(self):x}", "namespace": NAMESPACE,
+                                      "num_cpus": 0, "num_gpus": num_gpus}
+        if name == "router" and HEAD_RESOURCE in ray.cluster_resources():
+            # On the head node, where the cluster's entry point (a Service) points.
+            options["resources"] = {HEAD_RESOURCE: 0.001}
+        if self.env:
+            options["runtime_env"] = {"env_vars": dict(self.env)}
+        return RayActor(name, ray.remote(ServerActor).options(**options).remote())
+
+    def start(self, timeout_s: float = 180.0) -> RayDeployment:
+        if not ray.is_initialized():
+            ray.init(address=self.ray_address, namespace=NAMESPACE, include_dashboard=False,
+                     log_to_driver=False)
+            self._owns_ray = True
+        try:
+            gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
+            decode_role = "colocated" if self.is_colocated else "decode"
+            roles = ["prefill"] * (0 if self.is_colocated else self.num_prefill)
+            roles += [decode_role] * self.num_decode
+            workers = [self._actor(f"{role}-{i}", gpus) for i, role in enumerate(roles)]
+            self.actors = list(workers)
+            starts = [w.handle.start.remote(self._worker_args(w.name.rsplit("-", 1)[0]))
+                      for w in workers]
+            for worker, address in zip(workers, ray.get(starts, timeout=timeout_s)):
+                worker.address = address
+            args = ["--log-format", self.log_format, "router", "--model", self.model,
+                    "--host", self.host, "--port", str(self.router_port), *self.router_args]
+            for worker in workers:
+                args += [f"--{worker.name.rsplit('-', 1)[0]}", worker.address]
+            router = self._actor("router", 0.0)
+            self.actors.append(router)
+            router.address = ray.get(router.handle.start.remote(args), timeout=timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _worker_args(self, role: str) -> list[str]:
+        extra = ["--kv-transport", "ray"] if role == "prefill" else []
+        return [*super()._worker_args(role), *extra]
+
+    @property
+    def router_address(self) -> str:
+        return self.actors[-1].address
+
+    def addresses(self, role: str) -> list[str]:
+        return [a.address for a in self.actors
+                if a.name.startswith(role) or (role == "decode" and a.name.startswith("colocated"))]
+
+    def dead(self) -> list[str]:
+        """Names of actors that no longer answer."""
+        gone = []
+        for actor in self.actors:
+            try:
+                ray.get(actor.handle.address.remote(), timeout=10)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                gone.append(actor.name)
+        return gone
+
+    def stop(self, grace_s: float = 10.0) -> list[int | None]:
+        """Drain every server (router first), then end the actors (and Ray, if ours)."""
+        for actor in reversed(self.actors):
+            try:
+                ray.get(actor.handle.stop.remote(), timeout=grace_s)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+                log.warning("%s did not stop cleanly: %s", actor.name, exc)
+            ray.kill(actor.handle)
+        self.actors = []
+        if self._owns_ray:
+            ray.shutdown()
+            self._owns_ray = False
+        return []

@@ -1,0 +1,26 @@
+"""What a worker reports about its K/V pool and queues (the router's load telemetry)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """A worker's pool and queue state (mirrors proto WorkerStats)."""
+
+    total_blocks: int
+    free_blocks: int
+    reserved_blocks: int
+    num_running: int
+    num_waiting: int
+    integrity_ok: bool
+    integrity_error: str
+    num_preemptions: int = 0
+    num_pending_prefill_tokens: int = 0
+    num_decode_steps: int = 0
+    max_abort_delay_steps: int = 0
+    projected_blocks: int = 0
+    num_corrupt_pushes: int = 0
+    num_parked: int = 0
+    num_evictions: int = 0

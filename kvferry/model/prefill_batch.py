@@ -1,0 +1,186 @@
+"""Batched, chunked prefill shared by the prefill worker and the colocated worker.
+
+Waiting prompts are packed into one varlen forward up to a token budget (no padding); a prompt
+longer than the chunk size is prefilled a chunk per batch, attending over its own cached
+chunks. A job's first token is sampled when its last chunk is done. Jobs are cancellable:
+a queued job is dropped; a job inside a running batch is released once that batch finishes,
+so its blocks are never freed while a forward pass still writes into them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+
+import torch
+
+from kvferry.cache.pool import KvPool
+from kvferry.model.executor import run_to_completion
+from kvferry.model.sampling import SamplingParams, sample_tokens
+from kvferry.model.transformer import Transformer
+
+log = logging.getLogger("kvferry.prefill")
+
+DEFAULT_TOKEN_BUDGET = 2048
+DEFAULT_CHUNK_SIZE = 512
+
+
+@dataclass(slots=True)
+class PrefillJob:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    block_table: list[int]
+    first_token: asyncio.Future[int]
+    output_index: int = 0  # output number of the token this prefill samples (seeded sampling)
+    num_computed: int = 0
+    is_in_batch: bool = False
+    started_at: float = 0.0  # perf_counter when its first chunk entered a batch
+    batch_done: asyncio.Event = field(default_factory=asyncio.Event)
+    layers_ready: int = 0  # layers whose K/V is final for the whole prompt
+    layer_progress: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def mark_layer(self, layer: int) -> None:
+        """Event loop: the final chunk's forward finished `layer`."""
+        self.layers_ready = max(self.layers_ready, layer + 1)
+        self.layer_progress.set()
+
+    async def wait_layers(self, count: int) -> None:
+        """Until the first `count` layers' K/V are final (what a pipelined push waits on)."""
+        while self.layers_ready < count:
+            self.layer_progress.clear()
+            await self.layer_progress.wait()
+
+
+class BatchItem:
+    __slots__ = ("job", "start", "end")
+
+    def __init__(self, job: PrefillJob, start: int, end: int) -> None:
+        self.job, self.start, self.end = job, start, end
+
+
+class PrefillBatcher:
+    """FIFO queue of prefill jobs; `run_once` runs one budgeted batch on the executor."""
+
+    def __init__(self, model: Transformer, pool: KvPool, executor: Executor,
+                 on_submit: Callable[[], None], token_budget: int = DEFAULT_TOKEN_BUDGET,
+                 chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
+        if token_budget < 1 or chunk_size < 1:
+            raise ValueError("prefill token_budget and chunk_size must be >= 1")
+        self.model = model
+        self.pool = pool
+        self.executor = executor
+        self.on_submit = on_submit
+        self.token_budget = token_budget
+        self.chunk_size = chunk_size
+        self._queue: list[PrefillJob] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._queue)
+
+    @property
+    def pending_tokens(self) -> int:
+        return sum(len(j.prompt) - j.num_computed for j in self._queue)
+
+    def submit(self, job: PrefillJob) -> None:
+        self._queue.append(job)
+        self.on_submit()
+
+    async def release(self, job: PrefillJob) -> None:
+        """Forget a job however it ended; returns once no forward pass touches its blocks."""
+        if job in self._queue:
+            self._queue.remove(job)
+        while job.is_in_batch:
+            job.batch_done.clear()
+            await job.batch_done.wait()
+        if not job.first_token.done():
+            job.first_token.cancel()
+
+    def _plan(self) -> list[BatchItem]:
+        items: list[BatchItem] = []
+        budget = self.token_budget
+        for job in self._queue:
+            n = min(len(job.prompt) - job.num_computed, self.chunk_size, budget)
+            if n <= 0:
+                break
+            items.append(BatchItem(job, job.num_computed, job.num_computed + n))
+            budget -= n
+        return items
+
+    def _forward(self, items: list[BatchItem]) -> list[int | None]:
+        """Executor thread: one packed forward; first tokens of jobs that completed."""
+        ids = torch.tensor([t for it in items for t in it.job.prompt[it.start:it.end]])
+        slots = torch.cat([self.pool.slots(it.job.block_table, it.start, it.end)
+                           for it in items]).to(self.model.device)
+        finishing = [it.job for it in items if it.end == len(it.job.prompt)]
+        loop = self._loop
+        assert loop is not None  # noqa: S101 - set by run_once on the event loop
+
+        def layer_done(layer: int) -> None:
+            for job in finishing:
+                loop.call_soon_threadsafe(job.mark_layer, layer)
+
+        logits = self.model.prefill(
+            ids.to(self.model.device), [it.end - it.start for it in items], slots, self.pool,
+            context_lens=[it.start for it in items],
+            block_tables=[it.job.block_table for it in items],
+            on_layer_done=layer_done if finishing else None,
+        )
+        done = [i for i, it in enumerate(items) if it.end == len(it.job.prompt)]
+        tokens = sample_tokens(logits[done], [items[i].job.params for i in done],
+                               [items[i].job.output_index for i in done])
+        result: list[int | None] = [None] * len(items)
+        for i, token in zip(done, tokens):
+            result[i] = token
+        return result
+
+    async def run_once(self) -> bool:
+        """Run one batch if any job waits. Returns whether a batch ran."""
+        self._loop = asyncio.get_running_loop()
+        items = self._plan()
+        if not items:
+            return False
+        now = time.perf_counter()
+        for it in items:
+            it.job.is_in_batch = True
+            if it.start == 0:
+                it.job.started_at = now
+        try:
+            tokens = await run_to_completion(self.executor, self._forward, items)
+        except Exception as exc:  # a failed forward fails its jobs, not the loop
+            log.exception("prefill batch of %d failed", len(items))
+            for it in items:
+                self._fail(it.job, exc)
+            return True
+        finally:
+            for it in items:
+                it.job.is_in_batch = False
+                it.job.batch_done.set()
+        for it, token in zip(items, tokens):
+            it.job.num_computed = it.end
+            if token is not None:
+                if it.job in self._queue:
+                    self._queue.remove(it.job)
+                if not it.job.first_token.done():
+                    it.job.first_token.set_result(token)
+        return True
+
+    def _fail(self, job: PrefillJob, exc: Exception) -> None:
+        if job in self._queue:
+            self._queue.remove(job)
+        if not job.first_token.done():
+            job.first_token.set_exception(exc)
+
+    async def loop(self, wake: asyncio.Event) -> None:
+        """Serve the queue forever (the prefill worker's own loop)."""
+        while True:
+            await wake.wait()
+            wake.clear()
+            while await self.run_once():
+                await asyncio.sleep(0)  # let pushes and new arrivals run between batches

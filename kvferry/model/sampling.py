@@ -1,0 +1,128 @@
+"""Sampling parameters and per-request token sampling.
+
+Seeded sampling is reproducible whatever the batch: the random stream for output token i of a
+request depends only on (seed, i), so prefill (token 0) and decode (tokens 1..) on different
+workers, in batches of any composition, draw the same tokens for the same request.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+from kvferry.errors import InvalidArgument
+
+DEFAULT_TEMPERATURE = 1.0
+DEFAULT_MAX_TOKENS = 256
+_MIX = 0x9E3779B97F4A7C15
+_MASK63 = (1 << 63) - 1
+
+
+class FinishReason(Enum):
+    """Why a request ended (values match proto FinishReason)."""
+
+    STOP = 1
+    LENGTH = 2
+    ABORT = 3
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Validated sampling parameters; `max_tokens` is always resolved by the router."""
+
+    temperature: float = DEFAULT_TEMPERATURE
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, vocab_size: int) -> None:
+        """Raise InvalidArgument naming the first bad field."""
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidArgument(
+                f"sampling.temperature must be finite and >= 0, got {self.temperature}",
+                "sampling.temperature",
+            )
+        if not (0.0 < self.top_p <= 1.0) or math.isnan(self.top_p):
+            raise InvalidArgument(
+                f"sampling.top_p must be in (0, 1], got {self.top_p}", "sampling.top_p"
+            )
+        if self.top_k < 0:
+            raise InvalidArgument(
+                f"sampling.top_k must be >= 0, got {self.top_k}", "sampling.top_k"
+            )
+        if self.max_tokens < 1:
+            raise InvalidArgument(
+                f"sampling.max_tokens must be >= 1, got {self.max_tokens}", "sampling.max_tokens"
+            )
+        for token_id in self.stop_token_ids:
+            if not 0 <= token_id < vocab_size:
+                raise InvalidArgument(
+                    f"sampling.stop_token_ids: {token_id} is outside [0, {vocab_size})",
+                    "sampling.stop_token_ids",
+                )
+        if any(s == "" for s in self.stop):
+            raise InvalidArgument("sampling.stop: stop strings must be non-empty", "sampling.stop")
+
+
+def _generator_for(seed: int | None, output_index: int) -> torch.Generator:
+    gen = torch.Generator()
+    if seed is None:
+        gen.manual_seed(random.getrandbits(63))
+    else:
+        gen.manual_seed(((seed & _MASK63) * _MIX + output_index) & _MASK63)
+    return gen
+
+
+def _sample_row(logits: torch.Tensor, params: SamplingParams, output_index: int) -> int:
+    # Shifted so the largest is 0 before scaling: a tiny temperature (1e-45 is finite and
+    # valid) then gives 0 and -inf, a one-hot softmax, instead of inf / inf = NaN.
+    scaled = (logits.float() - logits.max().float()) / params.temperature  # [V]
+    if 0 < params.top_k < scaled.numel():
+        kth = torch.topk(scaled, params.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        cumulative = torch.cumsum(sorted_probs, dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p (always at least one token).
+        drop = (cumulative - sorted_probs) >= params.top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    gen = _generator_for(params.seed, output_index)
+    return int(torch.multinomial(probs.cpu(), 1, generator=gen).item())
+
+
+def sample_tokens(
+    logits: torch.Tensor,  # [B, V]
+    params: list[SamplingParams],
+    output_indices: list[int],
+) -> list[int]:
+    """One token per row; `output_indices[i]` is how many tokens row i's request produced."""
+    greedy = logits.argmax(dim=-1).tolist()
+    return [
+        greedy[i] if p.is_greedy else _sample_row(logits[i], p, output_indices[i])
+        for i, p in enumerate(params)
+    ]
+
+
+def validate_prompt(prompt: list[int], vocab_size: int, context: int) -> None:
+    """Worker-side prompt checks (the router checks first, naming the public fields)."""
+    if not prompt:
+        raise InvalidArgument("prompt_token_ids must be non-empty", "prompt_token_ids")
+    if min(prompt) < 0 or max(prompt) >= vocab_size:
+        raise InvalidArgument(f"prompt_token_ids must be in [0, {vocab_size})",
+                              "prompt_token_ids")
+    if len(prompt) >= context:
+        raise InvalidArgument("prompt fills the model's context", "prompt_token_ids")

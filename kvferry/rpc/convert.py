@@ -1,0 +1,65 @@
+"""Protobuf <-> internal conversions shared by the servers (the only users of *_pb2)."""
+
+from __future__ import annotations
+
+from kvferry.cache.stats import PoolStats
+from kvferry.model.sampling import DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, SamplingParams
+from kvferry.transfer.wire import KvLayout
+from kvferry.v1 import generation_pb2, worker_pb2
+
+
+def sampling_from_proto(msg: generation_pb2.SamplingParams,
+                        default_max_tokens: int = DEFAULT_MAX_TOKENS) -> SamplingParams:
+    """Unset optional fields take their defaults; validation is the caller's job."""
+    return SamplingParams(
+        temperature=msg.temperature if msg.HasField("temperature") else DEFAULT_TEMPERATURE,
+        top_p=msg.top_p if msg.HasField("top_p") else 1.0,
+        top_k=msg.top_k if msg.HasField("top_k") else 0,
+        seed=msg.seed if msg.HasField("seed") else None,
+        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else default_max_tokens,
+        stop=tuple(msg.stop),
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+    )
+
+
+def sampling_to_proto(params: SamplingParams) -> generation_pb2.SamplingParams:
+    msg = generation_pb2.SamplingParams(
+        temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+        max_tokens=params.max_tokens, stop=list(params.stop),
+        stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
+    )
+    if params.seed is not None:
+        msg.seed = params.seed
+    return msg
+
+
+def stats_to_proto(role: str, stats: PoolStats, layout: worker_pb2.KvLayout
+                   ) -> worker_pb2.WorkerStats:
+    return worker_pb2.WorkerStats(
+        role=role, total_blocks=stats.total_blocks, free_blocks=stats.free_blocks,
+        reserved_blocks=stats.reserved_blocks, num_running=stats.num_running,
+        num_waiting=stats.num_waiting, layout=layout, integrity_ok=stats.integrity_ok,
+        integrity_error=stats.integrity_error, num_preemptions=stats.num_preemptions,
+        num_pending_prefill_tokens=stats.num_pending_prefill_tokens,
+        num_decode_steps=stats.num_decode_steps,
+        max_abort_delay_steps=stats.max_abort_delay_steps,
+        projected_blocks=stats.projected_blocks,
+        num_corrupt_pushes=stats.num_corrupt_pushes,
+        num_parked=stats.num_parked, num_parked_evictions=stats.num_evictions,
+    )
+
+
+def layout_to_proto(layout: KvLayout) -> worker_pb2.KvLayout:
+    return worker_pb2.KvLayout(
+        num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim, block_size=layout.block_size, dtype=layout.dtype,
+        model_fingerprint=layout.model_fingerprint,
+    )
+
+
+def layout_from_proto(msg: worker_pb2.KvLayout) -> KvLayout:
+    return KvLayout(
+        num_layers=msg.num_layers, num_kv_heads=msg.num_kv_heads, head_dim=msg.head_dim,
+        block_size=msg.block_size, dtype=msg.dtype, model_fingerprint=msg.model_fingerprint,
+    )

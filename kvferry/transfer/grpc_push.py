@@ -1,0 +1,146 @@
+"""`GrpcKvSender`: K/V pages as a client-streaming push of ~1 MiB chunks.
+
+Chunks (kvferry.transfer.wire, serialized by kvferry.rpc.chunk_codec) go to the decode
+worker's KvTransferService; decode_worker/server.py receives them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from kvferry.cache.pool import KvPool
+from kvferry.errors import Remote
+from kvferry.rpc import chunk_codec, convert, security
+from kvferry.transfer import wire
+from kvferry.transfer.sender import LayersReady, PushResult
+from kvferry.v1 import worker_pb2
+
+log = logging.getLogger("kvferry.transport")
+
+
+
+def _is_corruption(exc: grpc.aio.AioRpcError) -> bool:
+    return exc.code() == grpc.StatusCode.INVALID_ARGUMENT and "crc32" in (exc.details() or "")
+
+
+# grpc.aio replaces the status a server ended a client-streaming call with by this one when
+# a write the client had in flight then fails (grpc/grpc#36066): a push the decode worker
+# refused after its first chunk (ALREADY_EXISTS, a checksum mismatch) can surface as this
+# INTERNAL, about once in 300 pushes here. The real answer is lost, so the push is sent
+# again: the receiver has forgotten the failed one, and answers the resend the same way.
+LOST_STATUS_DETAILS = "Internal error from Core"
+MAX_LOST_STATUS_RESENDS = 3
+
+
+def _is_lost_status(exc: grpc.aio.AioRpcError) -> bool:
+    return exc.code() == grpc.StatusCode.INTERNAL and exc.details() == LOST_STATUS_DETAILS
+
+
+def _already_there(request_id: str, started: list[float]) -> PushResult:
+    """The reservation holds this prompt's complete K/V already: an earlier push (from a
+    prefill worker lost just after it ended, which is why this one was made) delivered it."""
+    log.info("request %s: K/V already complete on the decode worker; nothing to push",
+             request_id)
+    return PushResult(0, time.perf_counter() - started[0] if started else 0.0)
+
+
+class GrpcKvSender:
+    """Client-streaming push of ~1 MiB chunks, one channel per decode address.
+
+    A push the receiver refuses for a checksum mismatch (corrupted in flight) is sent again,
+    whole, up to `max_resends` times (the receiver forgets a broken push's pages); then it
+    fails with DATA_LOSS. `corrupt_pushes` is fault injection for tests: the first N pushes
+    have one byte of their first chunk flipped after its checksum was taken, and
+    `chunk_delay_s` sleeps before every chunk but the first (a push a test can interrupt)."""
+
+    def __init__(self, chunk_bytes: int = wire.CHUNK_TARGET_BYTES, max_resends: int = 2,
+                 corrupt_pushes: int = 0, chunk_delay_s: float = 0.0,
+                 credentials: security.Credentials = security.PLAINTEXT) -> None:
+        self.chunk_bytes = chunk_bytes
+        self.max_resends = max_resends
+        self._corrupt_left = corrupt_pushes
+        self.num_corrupt_pushes = 0  # refused by the receiver's checksum check
+        self.num_lost_statuses = 0  # pushes sent again after grpc.aio lost their status
+        self.chunk_delay_s = chunk_delay_s
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._credentials = credentials  # TLS and token of the decode workers' K/V service
+
+    def _push_kv(self, address: str) -> grpc.aio.StreamUnaryMultiCallable:
+        """KvTransferService.PushKv taking chunks already serialized by chunk_codec."""
+        if address not in self._channels:
+            self._channels[address] = security.channel(address, self._credentials)
+        return self._channels[address].stream_unary(
+            chunk_codec.PUSH_KV_METHOD, request_serializer=None,
+            response_deserializer=worker_pb2.PushKvResponse.FromString)
+
+    async def push(
+        self, address: str, request_id: str, layout: wire.KvLayout, num_tokens: int,
+        pool: KvPool, block_table: list[int], timeout_s: float | None,
+        ready: LayersReady | None = None,
+    ) -> PushResult:
+        """Stream the pages in layer order; with `ready`, each layer group goes as soon as
+        the prefill forward has written it, overlapping the transfer with later layers."""
+        layout_msg = convert.layout_to_proto(layout)
+        spans = wire.plan_chunks(layout, num_tokens, self.chunk_bytes)
+        sent = 0
+        started: list[float] = []  # when the first chunk went out (after its layers were ready)
+
+        async def chunks(corrupt: bool) -> AsyncIterator[bytes]:
+            nonlocal sent
+            for i, span in enumerate(spans):
+                if i and self.chunk_delay_s:
+                    await asyncio.sleep(self.chunk_delay_s)
+                if ready is not None:
+                    await ready(span.layer_end)
+                if not started:
+                    started.append(time.perf_counter())
+                data = wire.pack_array(pool, block_table, span)
+                crc = wire.crc32(data)
+                if corrupt and i == 0:
+                    data[0] ^= 0xFF  # fault injection: after the checksum was taken
+                sent += data.nbytes
+                yield chunk_codec.encode(worker_pb2.KvChunk(
+                    request_id=request_id, layout=layout_msg, num_tokens=num_tokens,
+                    layer_start=span.layer_start, layer_end=span.layer_end,
+                    block_start=span.block_start, num_blocks=span.num_blocks, crc32=crc,
+                ), data)
+
+        num_corrupt = num_lost = 0
+        is_lost = False
+        while True:
+            if not is_lost:  # a push resent after a lost status goes again as it was
+                corrupt = self._corrupt_left > 0
+                self._corrupt_left -= corrupt
+            is_lost = False
+            try:
+                await self._push_kv(address)(chunks(corrupt), timeout=timeout_s)
+                return PushResult(sent, time.perf_counter() - started[0])
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.ALREADY_EXISTS:
+                    return _already_there(request_id, started)
+                if _is_lost_status(exc) and num_lost < MAX_LOST_STATUS_RESENDS:
+                    num_lost += 1
+                    is_lost = True
+                    self.num_lost_statuses += 1
+                    log.info("request %s: K/V push ended with its status lost; sending again",
+                             request_id)
+                    continue
+                if not _is_corruption(exc):
+                    raise
+                num_corrupt += 1
+                self.num_corrupt_pushes += 1
+                log.warning("request %s: K/V push %d corrupted in flight (%s)", request_id,
+                            num_corrupt, exc.details())
+                if num_corrupt > self.max_resends:
+                    raise Remote(f"K/V for {request_id!r} corrupted in flight {num_corrupt} "
+                                 "times", grpc.StatusCode.DATA_LOSS.value[0]) from exc
+
+    async def close(self) -> None:
+        for chan in self._channels.values():
+            await chan.close()
+        self._channels.clear()

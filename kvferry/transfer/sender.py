@@ -1,0 +1,35 @@
+"""The K/V sender interface: how a prefill worker's pages reach a decode worker's pool.
+
+Each transport implements `KvSender` in a module of its own (`grpc_push`, `ray_push`); the
+receiving side of every transport lives in decode_worker, which validates against its
+reservations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import NamedTuple, Protocol
+
+from kvferry.cache.pool import KvPool
+from kvferry.transfer import wire
+
+
+class PushResult(NamedTuple):
+    num_bytes: int
+    seconds: float
+
+
+# ready(n): returns once the first n layers' K/V are final (pipelined push), or at once.
+LayersReady = Callable[[int], Awaitable[None]]
+
+
+class KvSender(Protocol):
+    num_corrupt_pushes: int  # pushes the receiver refused as corrupted in flight
+
+    async def push(
+        self, address: str, request_id: str, layout: wire.KvLayout, num_tokens: int,
+        pool: KvPool, block_table: list[int], timeout_s: float | None,
+        ready: LayersReady | None = None,
+    ) -> PushResult: ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,57 @@
+"""`kvferry bench` against real local deployments (router + workers as processes)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from deploy.cli import main
+from deploy.launcher import Deployment
+from deploy.loadgen import RandomWorkload
+
+pytestmark = pytest.mark.slow
+
+
+def test_bench_against_the_local_deployment(qwen3_deployment: Deployment,
+                                            tmp_path: Path) -> None:
+    result_file = tmp_path / "bench.json"
+    code = main(["bench", "--address", qwen3_deployment.router_address, "--num-prompts", "4",
+                 "--input-len", "24", "--output-len", "8", "--range-ratio", "0.25",
+                 "--request-rate", "8", "--num-warmups", "1", "--goodput", "ttft:60000",
+                 "--disable-tqdm", "--result-file", str(result_file)])
+    assert code == 0
+    data = json.loads(result_file.read_text())
+    assert data["completed"] == 4 and data["failed"] == 0
+    # Exactly the lengths the workload asked for: prompts as token ids, max_tokens with
+    # ignore_eos (the server's usage reports the prompt lengths).
+    vocab = json.loads((Path(qwen3_deployment.model) / "config.json").read_text())["vocab_size"]
+    sent = RandomWorkload(input_len=24, output_len=8, range_ratio=0.25).build(4, vocab, 0)
+    assert data["input_lens"] == [r.prompt_len for r in sent]
+    assert data["output_lens"] == [r.output_len for r in sent]
+    assert data["total_output_tokens"] == sum(r.output_len for r in sent)
+    assert 0 < data["median_ttft_ms"] <= data["p99_ttft_ms"] < 60_000
+    assert data["mean_itl_ms"] > 0 and data["mean_tpot_ms"] > 0
+    assert data["mean_e2el_ms"] > data["mean_ttft_ms"]
+    assert data["request_goodput"] == pytest.approx(data["request_throughput"])
+    for itls, n in zip(data["itls"], data["output_lens"]):
+        assert 1 <= len(itls) <= n - 1  # one gap per chunk; a chunk may carry several tokens
+
+
+def test_compare_a_running_and_a_launched_deployment(qwen3_deployment: Deployment,
+                                                     qwen3_checkpoint: Path,
+                                                     tmp_path: Path) -> None:
+    result_file = tmp_path / "compare.json"
+    code = main(["bench", "--compare", f"disagg={qwen3_deployment.router_address}",
+                 "colocated=launch:colocated", "--model", str(qwen3_checkpoint),
+                 "--launch-log-dir", str(tmp_path / "logs"), "--num-prompts", "3",
+                 "--input-len", "16", "--output-len", "4", "--request-rate", "10",
+                 "--disable-tqdm", "--result-file", str(result_file),
+                 "--plot-dir", str(tmp_path / "plots")])
+    assert code == 0
+    runs = json.loads(result_file.read_text())["runs"]
+    assert [r["target"] for r in runs] == ["disagg", "colocated"]
+    assert [r["completed"] for r in runs] == [3, 3]
+    assert runs[0]["input_lens"] == runs[1]["input_lens"] == [16, 16, 16]
+    assert (tmp_path / "plots" / "latency_vs_rate.png").exists()

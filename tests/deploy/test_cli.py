@@ -1,0 +1,113 @@
+"""The command line: `kvferry serve` + `kvferry generate`, clean shutdown on SIGTERM, and the
+router refusing a worker that serves a different model."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from deploy import client
+from deploy.launcher import _spawn
+
+pytestmark = pytest.mark.slow
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if text in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
+def test_serve_generate_and_sigterm(qwen3_checkpoint: Path, tmp_path: Path) -> None:
+    # A private copy, so that only this deployment's processes name its path.
+    qwen3_checkpoint = Path(shutil.copytree(qwen3_checkpoint, tmp_path / "model"))
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "deploy.cli", "serve", "--model", str(qwen3_checkpoint),
+         "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert serve.stdout is not None
+        line = serve.stdout.readline()
+        assert "serving on" in line, line
+        address = line.split("serving on ")[1].split()[0]
+        assert len(_processes_mentioning(str(qwen3_checkpoint))) == 4  # serve + 3 children
+        out = subprocess.run(
+            [sys.executable, "-m", "deploy.cli", "generate", "--address", address, "hello",
+             "--max-tokens", "6", "--temperature", "0", "--ignore-eos"],
+            capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert "[6 tokens, finish FINISH_REASON_LENGTH]" in out.stdout
+        assert "TTFT" in out.stdout and "mean ITL" in out.stdout
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        code = serve.wait(timeout=60)
+    assert code == 0
+    deadline = time.monotonic() + 10
+    while _processes_mentioning(str(qwen3_checkpoint)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _processes_mentioning(str(qwen3_checkpoint)) == []
+
+
+def test_router_refuses_a_worker_of_another_model(qwen3_checkpoint: Path, llama_checkpoint: Path,
+                                                  tmp_path: Path) -> None:
+    procs = []
+    try:
+        prefill = _spawn("prefill", ["prefill-worker", "--model", str(qwen3_checkpoint)],
+                         tmp_path, {})
+        decode = _spawn("decode", ["decode-worker", "--model", str(llama_checkpoint)],
+                        tmp_path, {})
+        procs += [prefill, decode]
+        prefill.wait_ready(120)
+        decode.wait_ready(120)
+        router = _spawn("router", ["router", "--model", str(qwen3_checkpoint), "--prefill",
+                                   prefill.address, "--decode", decode.address], tmp_path, {})
+        procs.append(router)
+        router.wait_ready(120)
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            asyncio.run(client.generate(router.address, client.make_request("hi"), 30))
+        assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "no healthy decode worker" in exc.value.details()
+        log = (tmp_path / "router.log").read_text()
+        assert "refusing decode worker" in log and "fingerprint" in log
+    finally:
+        for proc in procs:
+            proc.popen.terminate()
+            proc.popen.wait(30)
+
+
+@pytest.mark.ray
+def test_demo_on_ray_starts_and_stops_its_own_ray(qwen3_checkpoint: Path, tmp_path: Path) -> None:
+    """`kvferry demo --kv-transport ray`: a local Ray instance, router and workers as actors,
+    K/V pages as object refs; the completion streams and Ray is shut down afterwards."""
+    import tempfile
+
+    ray_tmp = tempfile.mkdtemp(prefix="kvr", dir="/tmp")  # unix socket paths must stay short
+    env = {**os.environ, "RAY_ADDRESS": "", "RAY_TMPDIR": ray_tmp}
+    out = subprocess.run(
+        [sys.executable, "-m", "deploy.cli", "demo", "--model", str(qwen3_checkpoint),
+         "--kv-transport", "ray", "--prompt", "hello there", "--max-tokens", "5",
+         "--temperature", "0", "--ignore-eos"],
+        capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "[5 tokens, finish FINISH_REASON_LENGTH]" in out.stdout
+    deadline = time.monotonic() + 10
+    while _processes_mentioning(ray_tmp) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _processes_mentioning(ray_tmp) == []  # no raylet or actor left behind
+    shutil.rmtree(ray_tmp, ignore_errors=True)
