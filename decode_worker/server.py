@@ -14,7 +14,7 @@ from kvferry.errors import InvalidArgument, KvferryError
 from kvferry.rpc import chunk_codec, convert, grpc_util
 from kvferry.rpc.worker_servicer import AbortAndStats
 from kvferry.transfer import wire
-from kvferry.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
+from kvferry.v1 import worker_pb2, worker_pb2_grpc
 
 
 def _merge(events: list[DecodeEvent]) -> list[worker_pb2.DecodeUpdate]:
@@ -76,32 +76,6 @@ class DecodeServicer(AbortAndStats, worker_pb2_grpc.DecodeServiceServicer):
             self.engine.abort(request_id)
         except KvferryError:
             pass  # finished in the meantime: its blocks are already back
-
-    async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
-                     ) -> AsyncIterator[worker_pb2.DecodeResponse]:
-        request_id = request.request_id
-        try:
-            events = self._attach(request)
-        except Exception as exc:
-            await grpc_util.abort_with(context, exc, request_id)
-            return
-        try:
-            while True:
-                update = _merge(_drain(await events.get(), events))[0]
-                if update.error_code:
-                    await context.abort(grpc_util.status_code(update.error_code),
-                                        update.error_message)
-                    return
-                if update.token_ids:
-                    yield worker_pb2.DecodeResponse(
-                        tokens=generation_pb2.TokenIds(ids=update.token_ids))
-                if update.HasField("finished"):
-                    yield worker_pb2.DecodeResponse(finished=update.finished)
-                    return
-        except asyncio.CancelledError:
-            # Client gone or deadline passed: drop the request at the next step boundary.
-            self._abort_quietly(request_id)
-            raise
 
     async def DecodeStream(self, request_iterator: AsyncIterator[worker_pb2.DecodeCommand],
                            context: grpc.aio.ServicerContext

@@ -119,14 +119,6 @@ class DecodeFinished(_message.Message):
     first_decode_step_s: float
     def __init__(self, reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., first_decode_step_s: _Optional[float] = ...) -> None: ...
 
-class DecodeResponse(_message.Message):
-    __slots__ = ("tokens", "finished")
-    TOKENS_FIELD_NUMBER: _ClassVar[int]
-    FINISHED_FIELD_NUMBER: _ClassVar[int]
-    tokens: _generation_pb2.TokenIds
-    finished: DecodeFinished
-    def __init__(self, tokens: _Optional[_Union[_generation_pb2.TokenIds, _Mapping]] = ..., finished: _Optional[_Union[DecodeFinished, _Mapping]] = ...) -> None: ...
-
 class DecodeCommand(_message.Message):
     __slots__ = ("start", "abort")
     START_FIELD_NUMBER: _ClassVar[int]

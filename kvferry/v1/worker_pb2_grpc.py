@@ -252,11 +252,6 @@ class DecodeServiceStub:
                 request_serializer=kvferry_dot_v1_dot_worker__pb2.ReserveRequest.SerializeToString,
                 response_deserializer=kvferry_dot_v1_dot_worker__pb2.ReserveResponse.FromString,
                 _registered_method=True)
-        self.Decode = channel.unary_stream(
-                '/kvferry.v1.DecodeService/Decode',
-                request_serializer=kvferry_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
-                response_deserializer=kvferry_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
-                _registered_method=True)
         self.DecodeStream = channel.stream_stream(
                 '/kvferry.v1.DecodeService/DecodeStream',
                 request_serializer=kvferry_dot_v1_dot_worker__pb2.DecodeCommand.SerializeToString,
@@ -286,19 +281,12 @@ class DecodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Decode(self, request, context):
-        """Decode a reserved request once its K/V has arrived. Streams generated tokens (the
-        prefill worker's first token is not repeated) and ends with one `finished` message.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def DecodeStream(self, request_iterator, context):
-        """Decode many requests over one long-lived stream (what the router uses): `start` and
-        `abort` commands in; out, one batch per decode step with every request's new tokens.
-        One message per step instead of one per request and token. When the stream ends, every
-        request it started that is still running is aborted.
+        """Decode many reserved requests over one long-lived stream: `start` and `abort` commands
+        in; out, one batch per decode step with every request's new tokens (the prefill
+        worker's first token is not repeated). One message per step instead of one per request
+        and token. When the stream ends, every request it started that is still running is
+        aborted.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -326,11 +314,6 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.Reserve,
                     request_deserializer=kvferry_dot_v1_dot_worker__pb2.ReserveRequest.FromString,
                     response_serializer=kvferry_dot_v1_dot_worker__pb2.ReserveResponse.SerializeToString,
-            ),
-            'Decode': grpc.unary_stream_rpc_method_handler(
-                    servicer.Decode,
-                    request_deserializer=kvferry_dot_v1_dot_worker__pb2.DecodeRequest.FromString,
-                    response_serializer=kvferry_dot_v1_dot_worker__pb2.DecodeResponse.SerializeToString,
             ),
             'DecodeStream': grpc.stream_stream_rpc_method_handler(
                     servicer.DecodeStream,
@@ -376,33 +359,6 @@ class DecodeService:
             '/kvferry.v1.DecodeService/Reserve',
             kvferry_dot_v1_dot_worker__pb2.ReserveRequest.SerializeToString,
             kvferry_dot_v1_dot_worker__pb2.ReserveResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Decode(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/kvferry.v1.DecodeService/Decode',
-            kvferry_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
-            kvferry_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
             options,
             channel_credentials,
             insecure,
