@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from deploy import client
-from deploy.cli import _ensure_default_model
+from deploy.default_model import ensure_default_model
 from deploy.launcher import Deployment
 
 
@@ -71,7 +71,7 @@ def main() -> None:
                         help="pin the decode worker to the last core, the rest elsewhere")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    model = args.model or _ensure_default_model()
+    model = args.model or ensure_default_model()
     results = []
     worker_args = ([] if args.decode_stage_mib is None
                    else ["--decode-stage-mib", str(args.decode_stage_mib)])

@@ -24,11 +24,11 @@ import os
 import platform
 from pathlib import Path
 
+from deploy.default_model import ensure_default_model
 from deploy.launcher import Deployment
 from deploy.loadgen import BenchConfig, MixedWorkload, RandomWorkload, calculate_metrics
 from deploy.loadgen.bench import run_target
 from deploy.loadgen.plots import _pyplot
-from deploy.loadgen.targets import _default_model
 
 
 def _phase(address: str, name: str, requests, config: BenchConfig) -> dict[str, object]:
@@ -63,7 +63,7 @@ def main() -> None:
                         help="do not pin prefill and decode workers to one core each")
     parser.add_argument("--out-dir", type=Path, default=None)
     args = parser.parse_args()
-    model = _default_model()
+    model = ensure_default_model()
     short = RandomWorkload(input_len=args.short_input, output_len=args.short_output,
                            range_ratio=0.0)
     long = RandomWorkload(input_len=args.long_input, output_len=args.long_output,

@@ -23,7 +23,7 @@ import grpc
 import torch
 
 from deploy import client
-from deploy.cli import _ensure_default_model
+from deploy.default_model import ensure_default_model
 from deploy.launcher import Deployment
 from deploy.processes import tune_malloc
 from kvferry.cache.pool import KvPool, blocks_for_tokens
@@ -151,7 +151,7 @@ def ttft_rows(prompt_tokens: int, reps: int, transports: list[str]) -> list[dict
     colocated worker (prefill compute alone, no transfer) against disaggregated deployments
     whose K/V push is pipelined with the prefill. The 2nd token needs the K/V to have landed
     on the decode worker, so it shows what the transfer adds to the critical path."""
-    model = _ensure_default_model()
+    model = ensure_default_model()
     prompt = torch.randint(1, 500, (prompt_tokens,),
                            generator=torch.Generator().manual_seed(0)).tolist()
     setups = [("colocated (compute alone)", Deployment(model=model, is_colocated=True))]

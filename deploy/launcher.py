@@ -25,7 +25,14 @@ from pathlib import Path
 from typing import NamedTuple
 
 from deploy import netns
+from deploy.default_model import ensure_default_model
 from kvferry.rpc.grpc_util import READY_PREFIX
+from kvferry.settings import (
+    ATTENTION_BACKENDS,
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_KV_POOL_SIZE,
+    DEPLOYMENT_TORCH_THREADS,
+)
 
 log = logging.getLogger("kvferry")
 ISOLATIONS = ("loopback", "netns")
@@ -85,16 +92,24 @@ def _spawn(name: str, args: list[str], log_dir: Path | None, env: dict[str, str]
     return proc
 
 
+def serves(name: str, role: str) -> bool:
+    """Whether component `name` ("decode-0") serves `role`: colocated workers also decode."""
+    return name.startswith(role) or (role == "decode" and name.startswith("colocated"))
+
+
 @dataclass
 class Deployment:
-    model: str
+    """A deployment's shape and, once started, its processes. Not started, it is also the
+    template of the deployments a benchmark launches (deploy/loadgen/targets.py)."""
+
+    model: str | None = None  # None: the default seeded model, made when started if missing
     num_prefill: int = 1
     num_decode: int = 1
     router_port: int = 0
-    block_size: int = 16
-    kv_pool_size: str = "256MiB"
-    torch_threads: int = 1
-    attention_backend: str = "auto"
+    block_size: int = DEFAULT_BLOCK_SIZE
+    kv_pool_size: str = DEFAULT_KV_POOL_SIZE
+    torch_threads: int = DEPLOYMENT_TORCH_THREADS  # per worker: they share the machine
+    attention_backend: str = ATTENTION_BACKENDS[0]
     host: str = "127.0.0.1"  # what every server binds; 0.0.0.0 for other hosts to reach it
     is_colocated: bool = False  # num_decode workers each serving both roles; no prefill ones
     worker_args: list[str] = field(default_factory=list)  # extra flags for every worker
@@ -115,8 +130,8 @@ class Deployment:
 
     def _worker_args(self, role: str, host: str | None = None) -> list[str]:
         return ["--log-format", self.log_format,
-                f"{role}-worker", "--model", self.model, "--host", host or self.host,
-                "--port", "0",
+                f"{role}-worker", "--model", self.model or ensure_default_model(),
+                "--host", host or self.host, "--port", "0",
                 "--block-size", str(self.block_size), "--kv-pool-size", self.kv_pool_size,
                 "--torch-threads", str(self.torch_threads),
                 "--attention-backend", self.attention_backend, *self.worker_args,
@@ -140,27 +155,35 @@ class Deployment:
         address = self.network.add(name)
         return Placement(address, address, tuple(self.network.exec_prefix(name)))
 
+    def _worker_names(self) -> list[str]:
+        """"prefill-0", ..., then "decode-0" (or "colocated-0"), ...: the workers to start."""
+        decode_role = "colocated" if self.is_colocated else "decode"
+        num_prefill = 0 if self.is_colocated else self.num_prefill
+        return ([f"prefill-{i}" for i in range(num_prefill)]
+                + [f"{decode_role}-{i}" for i in range(self.num_decode)])
+
+    def _router_args(self, host: str, workers: dict[str, str]) -> list[str]:
+        """The router's command line; `workers`: name -> address."""
+        args = ["--log-format", self.log_format, "router",
+                "--model", self.model or ensure_default_model(),
+                "--host", host, "--port", str(self.router_port), *self.router_args]
+        for name, address in workers.items():
+            args += [f"--{name.rsplit('-', 1)[0]}", address]
+        return args
+
     def start(self, timeout_s: float = 180.0) -> Deployment:
         try:
             self._start_network()
-            decode_role = "colocated" if self.is_colocated else "decode"
-            num_prefill = 0 if self.is_colocated else self.num_prefill
-            roles = [("prefill", i) for i in range(num_prefill)]
-            roles += [(decode_role, i) for i in range(self.num_decode)]
-            for role, i in roles:
-                place = self._place(f"{role}-{i}")
-                self.processes.append(_spawn(f"{role}-{i}",
-                                             self._worker_args(role, place.bind_host),
+            for name in self._worker_names():
+                place = self._place(name)
+                role = name.rsplit("-", 1)[0]
+                self.processes.append(_spawn(name, self._worker_args(role, place.bind_host),
                                              self.log_dir, self.env, place))
             workers = list(self.processes)
             for proc in workers:
                 proc.wait_ready(timeout_s)
             place = self._place("router")
-            args = ["--log-format", self.log_format, "router", "--model", self.model,
-                    "--host", place.bind_host, "--port", str(self.router_port),
-                    *self.router_args]
-            for proc in workers:
-                args += [f"--{proc.name.rsplit('-', 1)[0]}", proc.address]
+            args = self._router_args(place.bind_host, {p.name: p.address for p in workers})
             router = _spawn("router", args, self.log_dir, self.env, place)
             self.processes.append(router)
             router.wait_ready(timeout_s)
@@ -175,8 +198,7 @@ class Deployment:
 
     def addresses(self, role: str) -> list[str]:
         """Workers serving `role`; colocated workers serve both prefill and decode."""
-        return [p.address for p in self.processes
-                if p.name.startswith(role) or (role == "decode" and p.name.startswith("colocated"))]
+        return [p.address for p in self.processes if serves(p.name, role)]
 
     def pin(self, role: str, cpus: set[int]) -> None:
         """Pin every thread of the `role` processes to `cpus` (threads started later inherit

@@ -35,7 +35,8 @@ class ServerActor:
 
     async def start(self, argv: list[str]) -> str:
         """Build and start the server a `kvferry ARGV` command would run; its address."""
-        from deploy import cli, processes
+        from deploy import args as cli  # the command line's parser and settings builders
+        from deploy import processes
         from kvferry import logs
 
         args = cli.build_parser().parse_args(argv)

@@ -11,6 +11,24 @@ DEFAULT_MODEL_DIR = Path(
     os.environ.get("KVFERRY_HOME", Path.home() / ".cache" / "kvferry")
 ) / "models" / "qwen3-tiny"
 
+# The one place for defaults and names shared by settings, flags and launchers.
+DEFAULT_BLOCK_SIZE = 16  # tokens per K/V block
+DEFAULT_KV_POOL_SIZE = "256MiB"
+DEFAULT_PREFILL_TOKEN_BUDGET = 2048  # prompt tokens per prefill forward
+DEFAULT_PREFILL_CHUNK_SIZE = 512
+DEFAULT_MAX_WAITING = 256
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
+DEFAULT_TORCH_THREADS = 0  # 0: torch's default (every core)
+# A deployment starts several workers on one machine; one thread each keeps them from
+# oversubscribing the cores (torch's default would give every worker all of them).
+DEPLOYMENT_TORCH_THREADS = 1
+# Name tuples: the first one is the default, where the setting has one.
+ROLES = ("prefill", "decode", "colocated")
+DTYPES = ("auto", "float32", "float16", "bfloat16")  # auto: see WorkerSettings.dtype
+ATTENTION_BACKENDS = ("auto", "torch", "triton")  # auto: triton on CUDA, torch on CPU
+KV_TRANSPORTS = ("grpc", "ray")
+POLICIES = ("headroom", "round_robin", "least_requests")  # router/policy.py
+
 _SIZE = re.compile(r"^\s*([0-9.]+)\s*(B|KB|KiB|MB|MiB|GB|GiB)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "kib": 2**10, "mb": 10**6, "mib": 2**20, "gb": 10**9,
           "gib": 2**30}
@@ -79,29 +97,31 @@ class WorkerSettings:
     model: str
     host: str = "127.0.0.1"
     port: int = 0
-    block_size: int = 16
-    kv_pool_size: str = "256MiB"
-    dtype: str = "auto"  # auto: float32 on CPU, the checkpoint's dtype (or bfloat16) on CUDA
+    block_size: int = DEFAULT_BLOCK_SIZE
+    kv_pool_size: str = DEFAULT_KV_POOL_SIZE
+    dtype: str = DTYPES[0]  # auto: float32 on CPU, the checkpoint's dtype (or bfloat16) on CUDA
     device: str = "auto"
-    attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
-    torch_threads: int = 0  # 0: torch's default
-    max_waiting: int = 256  # reservations that may wait for blocks before RESOURCE_EXHAUSTED
-    prefill_token_budget: int = 2048  # prompt tokens per prefill forward
-    prefill_chunk_size: int = 512  # longer prompts are prefilled in chunks of this many tokens
+    attention_backend: str = ATTENTION_BACKENDS[0]  # auto: triton on CUDA, torch on CPU
+    torch_threads: int = DEFAULT_TORCH_THREADS
+    # Reservations that may wait for blocks before RESOURCE_EXHAUSTED.
+    max_waiting: int = DEFAULT_MAX_WAITING
+    prefill_token_budget: int = DEFAULT_PREFILL_TOKEN_BUDGET
+    # Longer prompts are prefilled in chunks of this many tokens.
+    prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE
     # Torch attention backend: MiB for the running batch's K/V mirrored densely beside the
     # pages (decode_worker/kv_stage.py); 0: gather pages every step instead.
     decode_stage_mib: int = 256
     kv_max_resends: int = 2  # resend a K/V push corrupted in flight; 0: fail with DATA_LOSS
-    kv_transport: str = "grpc"  # how a prefill worker ships pages: grpc | ray (Ray actors)
-    drain_timeout_s: float = 30.0  # SIGTERM: time to finish in-flight requests before exit
+    kv_transport: str = KV_TRANSPORTS[0]  # how a prefill worker ships pages (ray: Ray actors)
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S  # SIGTERM: to finish in-flight requests
     metrics_port: int | None = None  # Prometheus /metrics on this HTTP port (0: any free)
     security: SecuritySettings = field(default_factory=SecuritySettings)
 
     def __post_init__(self) -> None:
-        if self.role not in ("prefill", "decode", "colocated"):
+        if self.role not in ROLES:
             raise ValueError(f"role: expected prefill, decode or colocated, got {self.role!r}")
         _check_common(self.drain_timeout_s, self.metrics_port)
-        if self.kv_transport not in ("grpc", "ray"):
+        if self.kv_transport not in KV_TRANSPORTS:
             raise ValueError(f"kv_transport: expected grpc or ray, got {self.kv_transport!r}")
         if self.decode_stage_mib < 0:
             raise ValueError(f"decode_stage_mib: must be >= 0, got {self.decode_stage_mib}")
@@ -114,9 +134,9 @@ class WorkerSettings:
             raise ValueError(f"block_size: must be a power of two, got {self.block_size}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port: out of range: {self.port}")
-        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+        if self.dtype not in DTYPES:
             raise ValueError(f"dtype: unknown {self.dtype!r}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
+        if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend: unknown {self.attention_backend!r}")
 
 
@@ -134,9 +154,9 @@ class RouterSettings:
     host: str = "127.0.0.1"
     port: int = 0
     lease_s: float = 30.0
-    policy: str = "headroom"  # headroom | round_robin | least_requests
+    policy: str = POLICIES[0]
     local_prefill_threshold: int = 0  # prompts shorter than this prefill on the decode worker
-    drain_timeout_s: float = 30.0  # SIGTERM: time to finish in-flight streams before exit
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S  # SIGTERM: to finish in-flight streams
     metrics_port: int | None = None  # Prometheus /metrics on this HTTP port (0: any free)
     security: SecuritySettings = field(default_factory=SecuritySettings)
     is_public_client_auth: bool = False  # the public port also requires client certificates
@@ -144,7 +164,7 @@ class RouterSettings:
     def __post_init__(self) -> None:
         if self.is_public_client_auth and self.security.tls_ca is None:
             raise ValueError("is_public_client_auth: needs tls_ca to verify client certificates")
-        if self.policy not in ("headroom", "round_robin", "least_requests"):
+        if self.policy not in POLICIES:
             raise ValueError(f"policy: unknown {self.policy!r}")
         _check_common(self.drain_timeout_s, self.metrics_port)
         if self.local_prefill_threshold < 0:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 from typing import Protocol
 
+from kvferry.settings import POLICIES as POLICY_NAMES
 from router.workers import Worker
 
 
@@ -65,11 +66,12 @@ class LeastRequestsPolicy:
         return sorted(workers, key=lambda w: (w.num_in_flight, w.address))
 
 
-POLICIES = {"headroom": HeadroomPolicy, "round_robin": RoundRobinPolicy,
-            "least_requests": LeastRequestsPolicy}
+# Keyed by kvferry.settings.POLICIES, the names flags and settings accept.
+POLICIES: dict[str, type[Policy]] = {
+    cls.name: cls for cls in (HeadroomPolicy, RoundRobinPolicy, LeastRequestsPolicy)}
 
 
 def make_policy(name: str) -> Policy:
-    if name not in POLICIES:
-        raise ValueError(f"policy: unknown {name!r}; one of {sorted(POLICIES)}")
+    if name not in POLICY_NAMES or name not in POLICIES:
+        raise ValueError(f"policy: unknown {name!r}; one of {list(POLICY_NAMES)}")
     return POLICIES[name]()

@@ -10,7 +10,7 @@ from __future__ import annotations
 from deploy.loadgen.bench import BenchConfig, BenchmarkResult, RunResult, run_benchmark
 from deploy.loadgen.metrics import BenchmarkMetrics, RequestRecord, Slo, calculate_metrics
 from deploy.loadgen.runner import SendOptions
-from deploy.loadgen.targets import LaunchOptions, Target
+from deploy.loadgen.targets import Target
 from deploy.loadgen.workload import (
     BenchRequest,
     JsonlWorkload,
@@ -22,7 +22,7 @@ from deploy.loadgen.workload import (
 
 __all__ = [
     "BenchConfig", "BenchRequest", "BenchmarkMetrics", "BenchmarkResult", "JsonlWorkload",
-    "LaunchOptions", "MixedWorkload", "RandomWorkload", "RequestRecord", "RunResult", "SendOptions",
+    "MixedWorkload", "RandomWorkload", "RequestRecord", "RunResult", "SendOptions",
     "ShareGptWorkload", "SharedPrefixWorkload", "Slo", "Target", "calculate_metrics",
     "run_benchmark",
 ]

@@ -17,10 +17,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from deploy.launcher import Deployment
 from deploy.loadgen.arrivals import arrival_offsets_s
 from deploy.loadgen.metrics import BenchmarkMetrics, RequestRecord, Slo, calculate_metrics
 from deploy.loadgen.runner import SendOptions, run_requests
-from deploy.loadgen.targets import LaunchOptions, Target, open_target, parse_target
+from deploy.loadgen.targets import Target, open_target, parse_target
 from deploy.loadgen.workload import BenchRequest, Workload
 from kvferry.rpc import grpc_util
 from kvferry.v1 import generation_pb2, generation_pb2_grpc
@@ -124,12 +125,12 @@ async def run_target(name: str, address: str, requests: Sequence[BenchRequest],
 
 def run_benchmark(targets: Sequence[Target | str], workload: Workload,
                   config: BenchConfig | None = None,
-                  launch: LaunchOptions | None = None) -> BenchmarkResult:
+                  launch: Deployment | None = None) -> BenchmarkResult:
     """Run the workload against every target at every rate; blocking (starts its own loop).
 
-    Targets are Target objects or strings such as "HOST:PORT", "disagg=launch:disagg"."""
+    Targets are Target objects or strings such as "HOST:PORT", "disagg=launch:disagg";
+    `launch` is the (not started) template of `launch:` targets."""
     config = config or BenchConfig()
-    launch = launch or LaunchOptions()
     parsed = [t if isinstance(t, Target) else parse_target(t) for t in targets]
     names = [t.name for t in parsed]
     if len(set(names)) != len(names):

@@ -6,10 +6,10 @@ import argparse
 import sys
 from pathlib import Path
 
+from deploy.launcher import Deployment
 from deploy.loadgen.bench import BenchConfig, BenchmarkResult, run_benchmark
 from deploy.loadgen.metrics import Slo
 from deploy.loadgen.runner import SendOptions
-from deploy.loadgen.targets import LaunchOptions
 from deploy.loadgen.workload import (
     JsonlWorkload,
     RandomWorkload,
@@ -18,6 +18,7 @@ from deploy.loadgen.workload import (
     TokenCounter,
     Workload,
 )
+from kvferry.settings import DEFAULT_KV_POOL_SIZE, DEPLOYMENT_TORCH_THREADS
 
 DATASETS = ("random", "shared-prefix", "jsonl", "sharegpt")
 
@@ -32,8 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--model", default=None, help="launch: checkpoint (default: tiny Qwen3)")
     t.add_argument("--num-prefill", type=int, default=1, help="launch: prefill workers")
     t.add_argument("--num-decode", type=int, default=1, help="launch: decode/colocated workers")
-    t.add_argument("--kv-pool-size", default="256MiB", help="launch: per worker")
-    t.add_argument("--torch-threads", type=int, default=1, help="launch: per worker")
+    t.add_argument("--kv-pool-size", default=DEFAULT_KV_POOL_SIZE, help="launch: per worker")
+    t.add_argument("--torch-threads", type=int, default=DEPLOYMENT_TORCH_THREADS,
+                   help="launch: per worker")
     t.add_argument("--launch-log-dir", type=Path, default=None)
 
     w = p.add_argument_group("workload")
@@ -134,9 +136,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"bench: {exc}", file=sys.stderr)
         return 2
-    launch = LaunchOptions(model=args.model, num_prefill=args.num_prefill,
-                           num_decode=args.num_decode, kv_pool_size=args.kv_pool_size,
-                           torch_threads=args.torch_threads, log_dir=args.launch_log_dir)
+    launch = Deployment(model=args.model, num_prefill=args.num_prefill,
+                        num_decode=args.num_decode, kv_pool_size=args.kv_pool_size,
+                        torch_threads=args.torch_threads, log_dir=args.launch_log_dir)
     targets = args.compare or [args.address]
     result = run_benchmark(targets, workload, config, launch)
     _write_outputs(result, args)

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field, replace
 
 from deploy.launcher import Deployment
 
@@ -18,26 +17,10 @@ LAUNCH_KINDS = ("disagg", "colocated")
 
 
 @dataclass(frozen=True)
-class LaunchOptions:
-    """How `launch:` targets are started (deploy.launcher.Deployment's arguments)."""
-
-    model: str | None = None  # None: the default seeded model, made if missing
-    num_prefill: int = 1
-    num_decode: int = 1
-    block_size: int = 16
-    kv_pool_size: str = "256MiB"
-    torch_threads: int = 1
-    attention_backend: str = "auto"
-    worker_args: tuple[str, ...] = ()
-    router_args: tuple[str, ...] = ()
-    log_dir: Path | None = None
-
-
-@dataclass(frozen=True)
 class Target:
-    """Exactly one of: address (a running router), launch (a kind to start with
-    LaunchOptions), deployment (a Deployment, not yet started, that the benchmark starts and
-    stops: for scripts that need their own worker flags)."""
+    """Exactly one of: address (a running router), launch (a kind to start from the
+    benchmark's template Deployment), deployment (a Deployment, not yet started, that the
+    benchmark starts and stops: for scripts that need their own worker flags)."""
 
     name: str
     address: str | None = None
@@ -70,35 +53,23 @@ def parse_target(text: str) -> Target:
     return Target(name=name, address=spec)
 
 
-def _default_model() -> str:
-    from kvferry.model.checkpoint import make_model
-    from kvferry.settings import DEFAULT_MODEL_DIR
-
-    if not (DEFAULT_MODEL_DIR / "config.json").exists():
-        make_model(DEFAULT_MODEL_DIR)
-    return str(DEFAULT_MODEL_DIR)
-
-
-def make_deployment(kind: str, options: LaunchOptions) -> Deployment:
-    log_dir = options.log_dir / kind if options.log_dir else None
+def make_deployment(kind: str, template: Deployment) -> Deployment:
+    """A fresh, not started copy of `template` shaped as `kind`; logs go to LOG_DIR/KIND."""
+    log_dir = template.log_dir / kind if template.log_dir else None
     if log_dir:
         log_dir.mkdir(parents=True, exist_ok=True)
-    return Deployment(
-        model=options.model or _default_model(), num_prefill=options.num_prefill,
-        num_decode=options.num_decode, block_size=options.block_size,
-        kv_pool_size=options.kv_pool_size, torch_threads=options.torch_threads,
-        attention_backend=options.attention_backend, is_colocated=kind == "colocated",
-        worker_args=list(options.worker_args), router_args=list(options.router_args),
-        log_dir=log_dir,
-    )
+    return replace(template, is_colocated=kind == "colocated", log_dir=log_dir, processes=[],
+                   network=None)
 
 
 @contextmanager
-def open_target(target: Target, options: LaunchOptions = LaunchOptions()) -> Iterator[str]:
-    """The router address to benchmark; a launched deployment lives until the block ends."""
+def open_target(target: Target, launch: Deployment | None = None) -> Iterator[str]:
+    """The router address to benchmark; a launched deployment lives until the block ends.
+    `launch`: the template of `launch:` targets (default: Deployment())."""
     if target.address is not None:
         yield target.address
         return
-    deployment = target.deployment or make_deployment(str(target.launch), options)
+    deployment = target.deployment or make_deployment(str(target.launch),
+                                                      launch or Deployment())
     with deployment:
         yield deployment.router_address

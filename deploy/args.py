@@ -1,0 +1,268 @@
+"""The `kvferry` command line's parser, and the settings it builds: used by deploy/cli.py and
+by the Ray actors (deploy/ray_launcher.py), which run the same command lines in-process.
+Flag defaults and choices come from kvferry.settings, the one place for them."""
+
+from __future__ import annotations
+
+import argparse
+
+from deploy.default_model import ensure_default_model
+from kvferry.settings import (
+    ATTENTION_BACKENDS,
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_DRAIN_TIMEOUT_S,
+    DEFAULT_KV_POOL_SIZE,
+    DEFAULT_MAX_WAITING,
+    DEFAULT_MODEL_DIR,
+    DEFAULT_PREFILL_CHUNK_SIZE,
+    DEFAULT_PREFILL_TOKEN_BUDGET,
+    DEFAULT_TORCH_THREADS,
+    DEPLOYMENT_TORCH_THREADS,
+    DTYPES,
+    KV_TRANSPORTS,
+    POLICIES,
+    RouterSettings,
+    SecuritySettings,
+    WorkerSettings,
+)
+
+USAGE = """The `kvferry` command line.
+
+  kvferry make-model [--out DIR] [--arch qwen3|llama]   seeded checkpoint (HF format)
+  kvferry make-certs --out DIR                           test CA, cluster cert, token
+  kvferry serve [--model DIR] [--num-prefill P] ...      router + workers on localhost
+  kvferry generate --address HOST:PORT PROMPT            stream a completion
+  kvferry demo                                           serve + one Generate + shut down
+  kvferry serve --colocated                              the non-disaggregated baseline
+  kvferry bench [--address HOST:PORT | --compare T ...]  load test: TTFT/TPOT/ITL, goodput
+  kvferry prefill-worker | decode-worker | colocated-worker | router   one process
+"""
+
+
+def _tls_args(p: argparse.ArgumentParser, is_member: bool = True,
+              is_one_process: bool = False) -> None:
+    """TLS flags; `is_member`: also the cluster token (router, workers, serve, demo);
+    `is_one_process`: also the plaintext health port (router, workers)."""
+    p.add_argument("--tls-cert", default=None,
+                   help="PEM certificate: serve TLS; also the client certificate of calls")
+    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    p.add_argument("--tls-ca", default=None,
+                   help="PEM CA bundle verifying peers; workers then require client "
+                        "certificates (mTLS)")
+    p.add_argument("--tls-server-name", default=None,
+                   help="name expected in servers' certificates (default: the address's host)")
+    if is_member:
+        p.add_argument("--cluster-token-file", default=None,
+                       help="shared secret: internal calls carry it, workers refuse calls "
+                            "without it (UNAUTHENTICATED); health checks stay open")
+    if is_one_process:
+        p.add_argument("--health-port", type=int, default=None,
+                       help="also serve grpc.health.v1 alone, in plaintext, on this port "
+                            "(Kubernetes gRPC probes cannot speak TLS)")
+
+
+def security_settings(args: argparse.Namespace) -> SecuritySettings:
+    return SecuritySettings(
+        tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
+        tls_server_name=args.tls_server_name,
+        cluster_token_file=getattr(args, "cluster_token_file", None),
+        health_port=getattr(args, "health_port", None),
+    )
+
+
+def security_argv(args: argparse.Namespace) -> list[str]:
+    """The security flags of `args` as a command line (serve/demo pass them to every process)."""
+    argv = []
+    for name in ("tls_cert", "tls_key", "tls_ca", "tls_server_name", "cluster_token_file"):
+        value = getattr(args, name, None)
+        if value is not None:
+            argv += [f"--{name.replace('_', '-')}", str(value)]
+    return argv
+
+
+def _server_process_args(p: argparse.ArgumentParser) -> None:
+    """Flags of every server process (router and workers): drain, metrics, TLS."""
+    p.add_argument("--drain-timeout-s", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
+                   help="on SIGTERM: report NOT_SERVING, refuse new requests and let in-flight "
+                        "ones finish for up to this long, then exit")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics over HTTP on this port (0: any free port)")
+    _tls_args(p, is_one_process=True)
+
+
+def _worker_parser(sub: argparse._SubParsersAction, role: str) -> None:
+    p = sub.add_parser(f"{role}-worker", help=f"run one {role} worker process")
+    p.add_argument("--model", default=None, help="checkpoint directory (default: tiny Qwen3)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
+    p.add_argument("--kv-pool-size", default=DEFAULT_KV_POOL_SIZE,
+                   help="bytes (256MiB, 2GB) or a fraction of device memory (0.5)")
+    p.add_argument("--dtype", default=DTYPES[0], choices=DTYPES)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--attention-backend", default=ATTENTION_BACKENDS[0],
+                   choices=ATTENTION_BACKENDS)
+    p.add_argument("--torch-threads", type=int, default=DEFAULT_TORCH_THREADS)
+    p.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING,
+                   help="reservations that may wait for K/V blocks before RESOURCE_EXHAUSTED")
+    p.add_argument("--prefill-token-budget", type=int, default=DEFAULT_PREFILL_TOKEN_BUDGET)
+    p.add_argument("--prefill-chunk-size", type=int, default=DEFAULT_PREFILL_CHUNK_SIZE)
+    p.add_argument("--decode-stage-mib", type=int, default=256,
+                   help="torch attention backend: memory for the running batch's K/V kept "
+                        "densely beside the pages, so decode steps need not gather them; "
+                        "0: gather pages every step")
+    p.add_argument("--kv-max-resends", type=int, default=2,
+                   help="resend a K/V push the receiver found corrupted; 0: fail (DATA_LOSS)")
+    p.add_argument("--kv-transport", default=KV_TRANSPORTS[0], choices=KV_TRANSPORTS,
+                   help="how prefill ships K/V pages: gRPC streams, or Ray object refs "
+                        "(workers running as Ray actors)")
+    _server_process_args(p)
+    p.set_defaults(role=role)
+
+
+def _deployment_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="checkpoint directory (default: tiny Qwen3)")
+    p.add_argument("--num-prefill", type=int, default=1)
+    p.add_argument("--num-decode", type=int, default=1)
+    p.add_argument("--port", type=int, default=50051, help="router port (0: any free port)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address every server binds (0.0.0.0 to be reachable from other hosts, "
+                        "e.g. on a Ray cluster)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="the router's Prometheus metrics port (0: any free port)")
+    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
+    p.add_argument("--kv-pool-size", default=DEFAULT_KV_POOL_SIZE)
+    p.add_argument("--torch-threads", type=int, default=DEPLOYMENT_TORCH_THREADS,
+                   help="per worker process")
+    p.add_argument("--attention-backend", default=ATTENTION_BACKENDS[0],
+                   choices=ATTENTION_BACKENDS)
+    p.add_argument("--colocated", action="store_true",
+                   help="baseline: --num-decode workers each serving prefill and decode")
+    p.add_argument("--kv-transport", default=KV_TRANSPORTS[0], choices=KV_TRANSPORTS,
+                   help="ray: router and workers run as Ray actors and K/V pages travel as "
+                        "Ray object refs")
+    p.add_argument("--ray-address", default=None,
+                   help="with --kv-transport ray: an existing cluster (auto, ray://HOST:PORT); "
+                        "default: start a local Ray instance")
+    _tls_args(p)
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[])
+    p.add_argument("--ignore-eos", action="store_true")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvferry", description=USAGE,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-format", default="text", choices=["text", "json"],
+                        help="json: one JSON object per line, with the request id it concerns")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("plan", help="K/V memory per token, per request and how many fit")
+    p.add_argument("--model", default=None, help="checkpoint directory or config.json")
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--kv-heads", type=int, default=None)
+    p.add_argument("--head-dim", type=int, default=None)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--prompt-tokens", type=int, default=1000)
+    p.add_argument("--output-tokens", type=int, default=0)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--pool-size", default="40GiB", help="pool bytes, e.g. 40GiB")
+    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
+
+    p = sub.add_parser("make-certs", help="write a test CA, a cluster certificate and a token "
+                                          "(needs the cryptography package)")
+    p.add_argument("--out", required=True, help="directory for ca.crt, tls.crt, tls.key, token")
+    p.add_argument("--name", action="append", default=[],
+                   help="subject alternative name (DNS name or IP); default: localhost, "
+                        "127.0.0.1")
+
+    p = sub.add_parser("make-model", help="write a seeded checkpoint in Hugging Face format")
+    p.add_argument("--out", default=str(DEFAULT_MODEL_DIR))
+    p.add_argument("--arch", default="qwen3", choices=["qwen3", "llama"])
+
+    _worker_parser(sub, "prefill")
+    _worker_parser(sub, "decode")
+    _worker_parser(sub, "colocated")
+
+    p = sub.add_parser("router", help="run the router process")
+    p.add_argument("--model", default=None)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--prefill", action="append", default=[], help="prefill worker HOST:PORT")
+    p.add_argument("--decode", action="append", default=[], help="decode worker HOST:PORT")
+    p.add_argument("--colocated", action="append", default=[],
+                   help="colocated (prefill + decode) worker HOST:PORT")
+    p.add_argument("--prefill-dns", default="",
+                   help="HOST:PORT of a headless Service resolving to prefill workers")
+    p.add_argument("--decode-dns", default="",
+                   help="HOST:PORT of a headless Service resolving to decode workers")
+    p.add_argument("--dns-interval-s", type=float, default=5.0)
+    p.add_argument("--lease-s", type=float, default=30.0)
+    p.add_argument("--policy", default=POLICIES[0], choices=POLICIES)
+    p.add_argument("--local-prefill-threshold", type=int, default=0,
+                   help="prompts shorter than this many tokens are prefilled on the decode "
+                        "worker itself (conditional disaggregation); 0: off")
+    _server_process_args(p)
+    p.add_argument("--public-client-auth", action="store_true",
+                   help="the public port also requires client certificates (verified with "
+                        "--tls-ca)")
+
+    p = sub.add_parser("serve", help="start router + workers on localhost until Ctrl-C")
+    _deployment_args(p)
+
+    p = sub.add_parser("generate", help="stream one completion from a running deployment")
+    p.add_argument("prompt")
+    p.add_argument("--address", default="127.0.0.1:50051")
+    _tls_args(p, is_member=False)
+    _sampling_args(p)
+
+    p = sub.add_parser("demo", help="serve, send one Generate, print TTFT/ITL, shut down")
+    _deployment_args(p)
+    p.add_argument("--prompt", default="The quick brown fox")
+    _sampling_args(p)
+    p.set_defaults(port=0)
+
+    from deploy.loadgen.cli import add_arguments as add_bench_arguments
+
+    p = sub.add_parser("bench", help="open-loop load test of Generate (vLLM bench metrics)")
+    add_bench_arguments(p)
+    return parser
+
+
+def worker_settings(args: argparse.Namespace) -> WorkerSettings:
+    """Settings of a `*-worker` command line (also used by Ray actors)."""
+    return WorkerSettings(
+        role=args.role, model=args.model or ensure_default_model(), host=args.host,
+        port=args.port, block_size=args.block_size, kv_pool_size=args.kv_pool_size,
+        dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
+        torch_threads=args.torch_threads, max_waiting=args.max_waiting,
+        prefill_token_budget=args.prefill_token_budget,
+        prefill_chunk_size=args.prefill_chunk_size, decode_stage_mib=args.decode_stage_mib,
+        kv_max_resends=args.kv_max_resends,
+        kv_transport=args.kv_transport, drain_timeout_s=args.drain_timeout_s,
+        metrics_port=args.metrics_port, security=security_settings(args),
+    )
+
+
+def router_settings(args: argparse.Namespace) -> RouterSettings:
+    """Settings of a `router` command line (also used by Ray actors)."""
+    return RouterSettings(
+        model=args.model or ensure_default_model(), prefill=tuple(args.prefill),
+        decode=tuple(args.decode), colocated=tuple(args.colocated), host=args.host,
+        port=args.port, lease_s=args.lease_s, policy=args.policy,
+        prefill_dns=args.prefill_dns, decode_dns=args.decode_dns,
+        dns_interval_s=args.dns_interval_s,
+        local_prefill_threshold=args.local_prefill_threshold,
+        drain_timeout_s=args.drain_timeout_s, metrics_port=args.metrics_port,
+        security=security_settings(args), is_public_client_auth=args.public_client_auth,
+    )
+
+
