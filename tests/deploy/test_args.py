@@ -1,0 +1,35 @@
+"""The command line takes its defaults and choices from kvferry.settings, the one place."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from deploy.args import build_parser, router_settings, worker_settings
+from deploy.launcher import Deployment
+from deploy.loadgen.targets import make_deployment
+from kvferry import settings
+from router.policy import POLICIES
+
+
+def test_worker_flags_default_to_the_settings_defaults() -> None:
+    args = build_parser().parse_args(["decode-worker", "--model", "m"])
+    assert worker_settings(args) == settings.WorkerSettings(role="decode", model="m")
+
+
+def test_router_flags_default_to_the_settings_defaults() -> None:
+    args = build_parser().parse_args(["router", "--model", "m", "--colocated", "h:1"])
+    assert router_settings(args) == settings.RouterSettings(model="m", colocated=("h:1",))
+
+
+def test_every_policy_name_has_a_policy() -> None:
+    assert tuple(POLICIES) == settings.POLICIES
+
+
+def test_launch_targets_are_fresh_copies_of_the_template(tmp_path: Path) -> None:
+    template = Deployment(model="m", num_decode=2, log_dir=tmp_path)
+    launched = make_deployment("colocated", template)
+    assert launched.is_colocated and not template.is_colocated
+    assert launched.log_dir == tmp_path / "colocated" and launched.log_dir.is_dir()
+    assert launched.processes is not template.processes
+    assert dataclasses.replace(launched, is_colocated=False, log_dir=tmp_path) == template
