@@ -1,8 +1,10 @@
 """The router's calls to its workers, for one request: decode admission and reservation,
 prefill (with failover and re-prefill), shipping deferred K/V, abort and release.
 
-`DownstreamCalls` is mixed into `router.engine.Router`, which owns the request's flow; the
-per-request state both share is `RouterRequest`.
+`Downstream` is composed by `router.engine.Router`, which owns the request's flow; the
+per-request state both share is `RouterRequest`. The RPCs themselves go through the client
+adapters (`router.prefill_client`, `router.decode_client`); their failures arrive here as
+`grpc.aio.AioRpcError`, whose status codes decide failover, migration and abort.
 """
 
 from __future__ import annotations
@@ -10,47 +12,30 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from typing import TypeVar
 
 import grpc
 
-from kvferry.cache.capacity import blocks_needed
+from kvferry.cache.layout import blocks_needed
 from kvferry.errors import (
     ResourceExhausted,
     Unavailable,
 )
 from kvferry.model.sampling import SamplingParams
-from kvferry.rpc import convert
-from kvferry.v1 import generation_pb2, worker_pb2
-from router.decode_mux import StreamBroken
+from router.decode_client import StreamBroken
 from router.policy import HeadroomPolicy, Policy
+from router.prefill_client import PrefillCall
+from router.records import FirstToken, PrefillDone, PrefillStart
+from router.request import RouterRequest, remaining_s
 from router.workers import Worker, WorkerSet
 
 log = logging.getLogger("kvferry.router")
 
-
-@dataclass(slots=True)
-class RouterRequest:
-    request_id: str
-    is_aborted: bool = False
-    is_push_deferred: bool = False  # prefilled before its decode reservation (see _run)
-    prefill_worker: Worker | None = None
-    prefill_call: grpc.aio.UnaryStreamCall | None = None
-    decode_worker: Worker | None = None
-    holds_decode: bool = False  # the decode worker still holds this request's blocks
-    failed_prefill: set[str] = field(default_factory=set)  # prefill workers that failed it
-    is_decoding: bool = False  # the Decode stream is open
-    # A Reserve whose answer never came (cancelled, deadline): it may have landed all the
-    # same, so the release sends an Abort there.
-    unanswered_reserve: Worker | None = None
+_Msg = TypeVar("_Msg", FirstToken, PrefillDone)
 
 
 # Statuses the client side makes up when it gives up waiting: the worker may have reserved.
 _UNANSWERED = (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
-
-
-def remaining_s(deadline: float | None) -> float | None:
-    return None if deadline is None else max(deadline - time.monotonic(), 0.001)
 
 
 def _cancelled_from_outside() -> bool:
@@ -58,31 +43,40 @@ def _cancelled_from_outside() -> bool:
     return task is not None and task.cancelling() > 0
 
 
-class DownstreamCalls:
-    """Mixin: needs the attributes below (set by Router.__init__)."""
+def _expect(kind: type[_Msg], msg: FirstToken | PrefillDone | None) -> _Msg | None:
+    """The Prefill stream sends a FirstToken, then a PrefillDone; anything else is broken."""
+    if msg is None or isinstance(msg, kind):
+        return msg
+    raise Unavailable(f"prefill stream sent {type(msg).__name__} out of order")
 
-    workers: WorkerSet
-    policy: Policy
-    lease_s: float
-    local_prefill_threshold: int
-    admission_timeout_s: float
 
-    async def _reserve(self, state: RouterRequest, num_prompt: int, max_tokens: int,
-                       deadline: float | None) -> float:
+class Downstream:
+    """Owns how one request's calls reach the workers: which worker, when to wait, what to
+    retry. The workers' health and load live in `workers`; the request's progress in the
+    `RouterRequest` each call is given."""
+
+    def __init__(self, workers: WorkerSet, policy: Policy, lease_s: float,
+                 local_prefill_threshold: int, admission_timeout_s: float) -> None:
+        self.workers = workers
+        self.policy = policy
+        self.lease_s = lease_s
+        # Conditional disaggregation: prompts shorter than this are prefilled on the decode
+        # worker itself (no K/V transfer); 0 turns it off.
+        self.local_prefill_threshold = local_prefill_threshold
+        self.admission_timeout_s = admission_timeout_s
+
+    async def reserve(self, state: RouterRequest, num_prompt: int, max_tokens: int,
+                      deadline: float | None) -> float:
         """Reserve on the best decode worker; returns seconds spent waiting for headroom."""
-        block_size = next((w.layout.block_size for w in self.workers.workers if w.layout), 16)
-        need = blocks_needed(num_prompt, max_tokens, block_size)
+        need = blocks_needed(num_prompt, max_tokens, self.workers.block_size())
         candidates, waited = await self._admit(state, need, deadline)
         last_error = ""
         for worker in candidates:
-            request = worker_pb2.ReserveRequest(
-                request_id=state.request_id, num_prompt_tokens=num_prompt,
-                max_tokens=max_tokens, lease_s=self.lease_s,
-            )
             worker.add_in_flight(state.request_id, need, 0)
             state.unanswered_reserve = worker
             try:
-                await worker.decode.Reserve(request, timeout=remaining_s(deadline))
+                await worker.decode.reserve(state.request_id, num_prompt, max_tokens,
+                                            self.lease_s, remaining_s(deadline))
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in _UNANSWERED:
                     state.unanswered_reserve = None  # the worker refused it: nothing held
@@ -118,36 +112,33 @@ class DownstreamCalls:
             candidates = self.policy.order_decode(self.workers.decode_workers(), need)
         return candidates, time.perf_counter() - start
 
-    def _admission_would_wait(self, num_prompt: int, max_tokens: int) -> bool:
+    def admission_would_wait(self, num_prompt: int, max_tokens: int) -> bool:
         """Headroom policy, a remote prefill, and no decode worker with room right now."""
         if (not isinstance(self.policy, HeadroomPolicy) or not self.workers.has_prefill_workers()
                 or num_prompt < self.local_prefill_threshold):
             return False
         workers = self.workers.decode_workers()
-        block_size = next((w.layout.block_size for w in workers if w.layout), 16)
-        need = blocks_needed(num_prompt, max_tokens, block_size)
+        need = blocks_needed(num_prompt, max_tokens, self.workers.block_size())
         return max(w.headroom for w in workers) < need
 
-    async def _ship(self, state: RouterRequest, deadline: float | None) -> None:
+    async def ship(self, state: RouterRequest, deadline: float | None) -> None:
         """Tell the prefill worker holding a deferred prefill where to push its K/V."""
         if state.prefill_worker is None or state.decode_worker is None:
             raise Unavailable("deferred prefill lost")
         try:
-            await state.prefill_worker.prefill.Ship(
-                worker_pb2.ShipRequest(request_id=state.request_id,
-                                       decode_address=state.decode_worker.address),
-                timeout=remaining_s(deadline))
+            await state.prefill_worker.prefill.ship(
+                state.request_id, state.decode_worker.address, remaining_s(deadline))
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 self._forget_parked(state, exc.details())
                 return
-            # The worker holding the K/V is gone: _prefill_done prefills it again elsewhere.
+            # The worker holding the K/V is gone: prefill_done prefills it again elsewhere.
             if not await self._lose_prefill(state, exc):
                 raise
 
     def _forget_parked(self, state: RouterRequest, why: str | None) -> None:
         """The prefill worker no longer holds the deferred K/V (it made room for a prefill
-        with a decode reservation, or restarted): _prefill_done prefills the prompt again,
+        with a decode reservation, or restarted): prefill_done prefills the prompt again,
         straight into the reservation now made."""
         worker = state.prefill_worker
         if worker is None:
@@ -160,8 +151,7 @@ class DownstreamCalls:
         state.prefill_worker = state.prefill_call = None
 
     def _start_prefill(self, state: RouterRequest, prompt: list[int], params: SamplingParams,
-                       deadline: float | None, num_generated: int
-                       ) -> grpc.aio.UnaryStreamCall:
+                       deadline: float | None, num_generated: int) -> PrefillCall:
         decode = state.decode_worker
         is_local = decode is not None and (
             decode.role == "colocated" or len(prompt) < self.local_prefill_threshold)
@@ -169,9 +159,8 @@ class DownstreamCalls:
             worker = decode
         else:
             worker = self._next_prefill(state, len(prompt))
-        request = worker_pb2.PrefillRequest(
-            request_id=state.request_id, prompt_token_ids=prompt,
-            sampling=convert.sampling_to_proto(params),
+        start = PrefillStart(
+            request_id=state.request_id, prompt_token_ids=prompt, sampling=params,
             decode_address=decode.address if decode is not None and not is_local else "",
             is_local_decode=is_local, num_generated=num_generated,
             defer_push=state.is_push_deferred,
@@ -179,25 +168,25 @@ class DownstreamCalls:
         if worker is not decode:
             worker.add_in_flight(state.request_id, 0, len(prompt))
         state.prefill_worker = worker
-        state.prefill_call = worker.prefill.Prefill(request, timeout=remaining_s(deadline))
+        state.prefill_call = worker.prefill.prefill(start, remaining_s(deadline))
         return state.prefill_call
 
-    async def _first_token(self, state: RouterRequest, prompt: list[int],
-                           params: SamplingParams, deadline: float | None, num_generated: int
-                           ) -> worker_pb2.PrefillResponse | None:
+    async def first_token(self, state: RouterRequest, prompt: list[int],
+                          params: SamplingParams, deadline: float | None, num_generated: int
+                          ) -> FirstToken | None:
         """Prefill until the first token. A prefill worker that is unavailable before then is
         marked unhealthy and the prompt goes to another one, transparently."""
         while True:
             call = self._start_prefill(state, prompt, params, deadline, num_generated)
             try:
-                return await self._prefill_read(state, call)
+                return _expect(FirstToken, await self._prefill_read(state, call))
             except grpc.aio.AioRpcError as exc:
                 if not await self._lose_prefill(state, exc):
                     raise
 
-    async def _prefill_done(self, state: RouterRequest, prompt: list[int],
-                            params: SamplingParams, deadline: float | None, num_generated: int
-                            ) -> worker_pb2.PrefillResponse | None:
+    async def prefill_done(self, state: RouterRequest, prompt: list[int],
+                           params: SamplingParams, deadline: float | None, num_generated: int
+                           ) -> PrefillDone | None:
         """The end of the prefill stream: the K/V is in the decode reservation. A prefill
         worker lost after the first token (mid push) is replaced: the reservation still
         stands (the decode worker forgets a broken push's pages), so another worker prefills
@@ -205,7 +194,7 @@ class DownstreamCalls:
         while True:
             if state.prefill_worker is not None:  # None: lost while it held deferred K/V
                 try:
-                    return await self._prefill_read(state, None)
+                    return _expect(PrefillDone, await self._prefill_read(state, None))
                 except grpc.aio.AioRpcError as exc:
                     if await self._lose_prefill(state, exc):
                         pass  # prefill it again below
@@ -215,7 +204,7 @@ class DownstreamCalls:
                     else:
                         raise
             state.is_push_deferred = False  # the reservation exists now: push straight to it
-            if await self._first_token(state, prompt, params, deadline, num_generated) is None:
+            if await self.first_token(state, prompt, params, deadline, num_generated) is None:
                 return None
 
     async def _lose_prefill(self, state: RouterRequest, exc: grpc.aio.AioRpcError) -> bool:
@@ -256,8 +245,8 @@ class DownstreamCalls:
             raise Unavailable(f"no healthy prefill worker left (tried {sorted(tried)})")
         return fresh[0]
 
-    async def _prefill_read(self, state: RouterRequest, call: grpc.aio.UnaryStreamCall | None
-                            ) -> worker_pb2.PrefillResponse | None:
+    async def _prefill_read(self, state: RouterRequest, call: PrefillCall | None
+                            ) -> FirstToken | PrefillDone | None:
         """Next message of the Prefill stream; None when the request was aborted."""
         call = call or state.prefill_call
         if call is None or state.is_aborted:
@@ -268,11 +257,11 @@ class DownstreamCalls:
             if state.is_aborted and not _cancelled_from_outside():
                 return None
             raise
-        if msg is grpc.aio.EOF:
+        if msg is None:
             raise Unavailable("prefill stream ended early")
         return msg
 
-    async def _abort_decode(self, state: RouterRequest) -> None:
+    async def abort_decode(self, state: RouterRequest) -> None:
         worker = state.decode_worker
         if worker is None or not state.holds_decode:
             return
@@ -280,14 +269,13 @@ class DownstreamCalls:
 
     async def _abort_on(self, worker: Worker, state: RouterRequest) -> None:
         try:
-            await worker.decode.Abort(generation_pb2.AbortRequest(request_id=state.request_id),
-                                      timeout=5.0)
+            await worker.decode.abort(state.request_id, timeout_s=5.0)
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.NOT_FOUND:
                 log.warning("request %s: decode abort failed: %s", state.request_id,
                             exc.code().name)
 
-    async def _release(self, state: RouterRequest) -> None:
+    async def release(self, state: RouterRequest) -> None:
         """However the request ended, leave nothing held downstream."""
         call = state.prefill_call
         if call is not None and not call.done():
@@ -297,7 +285,7 @@ class DownstreamCalls:
         if state.decode_worker is not None:
             state.decode_worker.done(state.request_id)
             # Idempotent: NOT_FOUND (already released by the worker) is fine.
-            await self._abort_decode(state)
+            await self.abort_decode(state)
         unanswered, state.unanswered_reserve = state.unanswered_reserve, None
         if unanswered is not None:
             # Cut off mid-Reserve. Sent on the same channel after the Reserve's cancellation,

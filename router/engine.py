@@ -23,13 +23,13 @@ from kvferry.errors import (
 )
 from kvferry.model.config import ModelConfig
 from kvferry.model.sampling import FinishReason, SamplingParams
-from kvferry.rpc import convert
-from kvferry.v1 import worker_pb2
 from router import validation
-from router.decode_mux import MuxItem, StreamBroken
+from router.decode_client import MuxItem, StreamBroken
 from router.detok import IncrementalDetokenizer
-from router.downstream import DownstreamCalls, RouterRequest, remaining_s
+from router.downstream import Downstream
 from router.policy import HeadroomPolicy, Policy
+from router.records import DecodeStart, DecodeUpdate
+from router.request import RouterRequest, remaining_s
 from router.validation import GenerateInput
 from router.workers import WorkerSet
 
@@ -59,7 +59,7 @@ class DoneEvent(NamedTuple):
 
 
 async def _next_update(updates: asyncio.Queue[MuxItem], deadline: float | None
-                       ) -> worker_pb2.DecodeUpdate:
+                       ) -> DecodeUpdate:
     """The request's next decode update; its failure or a passed deadline raise."""
     if not updates.empty():  # the common case under load: no timer, no task
         item = updates.get_nowait()
@@ -71,12 +71,12 @@ async def _next_update(updates: asyncio.Queue[MuxItem], deadline: float | None
             raise DeadlineExceeded("deadline exceeded while decoding") from None
     if isinstance(item, Exception):
         raise item
-    if item.error_code:
+    if item.error_code is not None:
         raise Remote(f"decode worker: {item.error_message}", item.error_code)
     return item
 
 
-class Router(DownstreamCalls):
+class Router:
     def __init__(self, config: ModelConfig, tokenizer: object, workers: WorkerSet,
                  lease_s: float = 30.0, policy: Policy | None = None,
                  local_prefill_threshold: int = 0, admission_timeout_s: float = 30.0,
@@ -84,12 +84,8 @@ class Router(DownstreamCalls):
         self.config = config
         self.tokenizer = tokenizer
         self.workers = workers
-        self.lease_s = lease_s
-        self.policy = policy or HeadroomPolicy()
-        # Conditional disaggregation: prompts shorter than this are prefilled on the decode
-        # worker itself (no K/V transfer); 0 turns it off.
-        self.local_prefill_threshold = local_prefill_threshold
-        self.admission_timeout_s = admission_timeout_s
+        self.downstream = Downstream(workers, policy or HeadroomPolicy(), lease_s,
+                                     local_prefill_threshold, admission_timeout_s)
         self.max_migrations = max_migrations
         self._running: dict[str, RouterRequest] = {}
 
@@ -115,7 +111,7 @@ class Router(DownstreamCalls):
             self._running.pop(request_id, None)
             # Shielded: a second cancellation (client gone, deadline) must not cut the
             # release short and leave blocks held downstream.
-            release = asyncio.ensure_future(self._release(state))
+            release = asyncio.ensure_future(self.downstream.release(state))
             try:
                 await asyncio.shield(release)
             except asyncio.CancelledError:
@@ -138,22 +134,23 @@ class Router(DownstreamCalls):
             # No decode worker has room for it now: prefill anyway and stream the first token;
             # the K/V waits in the prefill worker's pool until a reservation is made.
             state.is_push_deferred = (not generated and remaining > 1
-                                      and self._admission_would_wait(len(context), remaining))
+                                      and self.downstream.admission_would_wait(
+                                          len(context), remaining))
             if not state.is_push_deferred and (remaining > 1
                                                or not self.workers.has_prefill_workers()):
-                waited = await self._reserve(state, len(context), remaining, deadline)
+                waited = await self.downstream.reserve(state, len(context), remaining, deadline)
                 timing = timing._replace(admission_wait_s=timing.admission_wait_s + waited)
             if not generated:
                 timing = timing._replace(queue_s=time.perf_counter() - received)
-            first_msg = await self._first_token(state, context, params, deadline,
-                                                len(generated))
+            first_msg = await self.downstream.first_token(state, context, params, deadline,
+                                                          len(generated))
             if first_msg is None:
                 yield ChunkEvent([], detok.finish())
                 yield DoneEvent(FinishReason.ABORT, len(prompt), len(generated), timing)
                 return
-            first = first_msg.first_token.token_id
+            first = first_msg.token_id
             if not generated:
-                timing = timing._replace(prefill_s=first_msg.first_token.prefill_s,
+                timing = timing._replace(prefill_s=first_msg.prefill_s,
                                          time_to_first_token_s=time.perf_counter() - received)
             generated.append(first)
             step = detok.add([first])
@@ -168,22 +165,22 @@ class Router(DownstreamCalls):
                 return
             yield ChunkEvent([first], step.text)
             if state.is_push_deferred:
-                waited = await self._reserve(state, len(context), remaining, deadline)
+                waited = await self.downstream.reserve(state, len(context), remaining, deadline)
                 timing = timing._replace(admission_wait_s=timing.admission_wait_s + waited)
                 if state.is_aborted:
                     yield ChunkEvent([], detok.finish())
                     yield DoneEvent(FinishReason.ABORT, len(prompt), len(generated), timing)
                     return
-                await self._ship(state, deadline)
+                await self.downstream.ship(state, deadline)
             try:  # a decode worker lost during the push or the decode: migrate
-                done_msg = await self._prefill_done(state, context, params, deadline,
-                                                    len(generated) - 1)
+                done_msg = await self.downstream.prefill_done(state, context, params,
+                                                              deadline, len(generated) - 1)
                 if done_msg is None:
                     yield ChunkEvent([], detok.finish())
                     yield DoneEvent(FinishReason.ABORT, len(prompt), len(generated), timing)
                     return
                 if migrations == 0:
-                    timing = timing._replace(kv_transfer_s=done_msg.done.kv_transfer_s)
+                    timing = timing._replace(kv_transfer_s=done_msg.kv_transfer_s)
                 async for event in self._decode(state, params, stop_ids, detok, deadline,
                                                 len(prompt), timing, generated, remaining):
                     yield event
@@ -215,18 +212,19 @@ class Router(DownstreamCalls):
                       ) -> AsyncIterator[ChunkEvent | DoneEvent]:
         """Stream one decode leg; appends every token to `generated`."""
         worker = state.decode_worker
-        if worker is None or worker.mux is None:
+        client = worker.decode_client if worker is not None else None
+        if client is None:
             raise Unavailable("decode reservation lost")
-        request = worker_pb2.DecodeRequest(
-            request_id=state.request_id, first_token_id=generated[-1],
-            sampling=convert.sampling_to_proto(params), max_new_tokens=remaining - 1,
-            stop_token_ids=stop_ids, num_generated=len(generated) - 1,
+        start = DecodeStart(
+            request_id=state.request_id, first_token_id=generated[-1], sampling=params,
+            max_new_tokens=remaining - 1, stop_token_ids=stop_ids,
+            num_generated=len(generated) - 1,
         )
         reason = FinishReason.ABORT
         first_step_s = 0.0
         is_stopped = False
         if state.is_aborted:  # aborted between the push and the decode: never start it
-            await self._abort_decode(state)
+            await self.downstream.abort_decode(state)
             state.holds_decode = False
             tail = detok.finish()
             if tail:
@@ -234,11 +232,11 @@ class Router(DownstreamCalls):
             yield DoneEvent(FinishReason.ABORT, num_prompt, len(generated), timing)
             return
         state.is_decoding = True
-        updates = worker.mux.start(request)
+        updates = client.start(start)
         try:
             while True:
                 update = await _next_update(updates, deadline)
-                ids = list(update.token_ids)
+                ids = update.token_ids
                 if ids:
                     generated.extend(ids)
                     step = detok.add(ids)
@@ -246,17 +244,17 @@ class Router(DownstreamCalls):
                     if step.is_stopped:
                         reason, is_stopped = FinishReason.STOP, True
                         break  # the decode worker still holds it: released in _release
-                if update.HasField("finished"):
+                if update.finished is not None:
                     state.holds_decode = False
-                    reason = FinishReason(update.finished.reason)
+                    reason = update.finished.reason
                     first_step_s = update.finished.first_decode_step_s
                     break
         finally:
-            worker.mux.forget(state.request_id)
+            client.forget(state.request_id)
             if state.holds_decode:
                 # Ended early (stop string, cancel, deadline): abort on the same stream, so
                 # the abort can never overtake the start it answers.
-                worker.mux.abort(state.request_id)
+                client.abort_on_stream(state.request_id)
         state.is_decoding = False
         tail = "" if is_stopped else detok.finish()
         if tail:
@@ -271,9 +269,9 @@ class Router(DownstreamCalls):
             raise NotFound(f"no running request with request_id {request_id!r}", "request_id")
         state.is_aborted = True
         worker = state.decode_worker
-        if state.is_decoding and worker is not None and worker.mux is not None:
+        if state.is_decoding and worker is not None and worker.decode_client is not None:
             # On the DecodeStream that carried the start: the abort cannot overtake it.
-            worker.mux.abort(request_id)
+            worker.decode_client.abort_on_stream(request_id)
             return None
         if state.prefill_call is not None:
             state.prefill_call.cancel()

@@ -1,4 +1,5 @@
-"""The router's view of its workers: channels, layouts, load telemetry, in-flight accounting.
+"""The router's view of its workers: channels and their RPC clients (`router.prefill_client`,
+`router.decode_client`, `router.health_client`), layouts, load telemetry, in-flight accounting.
 
 Telemetry (GetStats) is refreshed periodically and is always a little stale, so the router
 also counts what it sent each worker since: a request's projected blocks and prompt tokens are
@@ -15,13 +16,14 @@ import time
 from dataclasses import dataclass, field
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvferry.cache.layout import KvLayout
+from kvferry.cache.stats import PoolStats
 from kvferry.errors import Unavailable
-from kvferry.rpc import convert, security
-from kvferry.transfer import wire
-from kvferry.v1 import worker_pb2, worker_pb2_grpc
-from router.decode_mux import DecodeMux
+from kvferry.rpc import security
+from router import health_client
+from router.decode_client import DecodeClient
+from router.prefill_client import PrefillClient
 
 log = logging.getLogger("kvferry.router")
 
@@ -40,7 +42,7 @@ class Worker:
     address: str
     role: str  # "prefill", "decode" or "colocated" (serves both)
     channel: grpc.aio.Channel | None
-    layout: wire.KvLayout | None = None
+    layout: KvLayout | None = None
     total_blocks: int = 0
     projected_blocks: int = 0  # from stats: what live requests may grow to
     pending_prefill_tokens: int = 0  # from stats
@@ -50,15 +52,22 @@ class Worker:
     in_flight: dict[str, InFlight] = field(default_factory=dict)
     is_healthy: bool = False
     refuse_reason: str = ""
-    mux: DecodeMux | None = None  # decode and colocated workers: the shared DecodeStream
+    # Every worker serves Prefill (a decode worker prefills short prompts locally); decode
+    # and colocated workers also serve Decode, over one shared DecodeStream.
+    prefill_client: PrefillClient | None = None
+    decode_client: DecodeClient | None = None
 
     @property
-    def prefill(self) -> worker_pb2_grpc.PrefillServiceStub:
-        return worker_pb2_grpc.PrefillServiceStub(self.channel)
+    def prefill(self) -> PrefillClient:
+        if self.prefill_client is None:
+            raise Unavailable(f"worker {self.address} serves no Prefill")
+        return self.prefill_client
 
     @property
-    def decode(self) -> worker_pb2_grpc.DecodeServiceStub:
-        return worker_pb2_grpc.DecodeServiceStub(self.channel)
+    def decode(self) -> DecodeClient:
+        if self.decode_client is None:
+            raise Unavailable(f"worker {self.address} serves no Decode")
+        return self.decode_client
 
     @property
     def headroom(self) -> int:
@@ -83,7 +92,7 @@ class Worker:
         self.in_flight.pop(request_id, None)
         self.num_in_flight -= 1
 
-    def apply_stats(self, stats: worker_pb2.WorkerStats, issued_at: float) -> None:
+    def apply_stats(self, stats: PoolStats, issued_at: float) -> None:
         """Take a stats snapshot, unless a newer one was applied already: two refreshes in
         flight (the periodic one and an admission waiter's) may answer out of order, and an
         older snapshot would drop reservations the newer one counted."""
@@ -122,7 +131,8 @@ class WorkerSet:
 
     def add(self, address: str, role: str) -> Worker:
         chan = security.channel(address, self.credentials)
-        worker = Worker(address, role, chan, mux=DecodeMux(chan) if role != "prefill" else None)
+        worker = Worker(address, role, chan, prefill_client=PrefillClient(chan),
+                        decode_client=DecodeClient(chan) if role != "prefill" else None)
         self.workers.append(worker)
         return worker
 
@@ -138,8 +148,8 @@ class WorkerSet:
             if worker.num_in_flight <= 0:
                 log.info("%s worker %s left DNS; dropping it", role, worker.address)
                 self.workers.remove(worker)
-                if worker.mux is not None:
-                    await worker.mux.close()
+                if worker.decode_client is not None:
+                    await worker.decode_client.close()
                 if worker.channel is not None:
                     await worker.channel.close()
 
@@ -147,26 +157,26 @@ class WorkerSet:
                       wait_for_ready: bool = False) -> None:
         """Health (grpc.health.v1: a draining worker says NOT_SERVING), then stats.
         `wait_for_ready`: a channel still reconnecting gets up to `timeout_s` to do so."""
-        stub = worker.prefill if worker.role == "prefill" else worker.decode
+        client = worker.prefill_client if worker.role == "prefill" else worker.decode_client
+        if client is None or worker.channel is None:
+            worker.is_healthy = False  # nothing to reach it with
+            return
         issued_at = time.monotonic()
         try:
-            health = await health_pb2_grpc.HealthStub(worker.channel).Check(
-                health_pb2.HealthCheckRequest(service=""), timeout=timeout_s,
-                wait_for_ready=wait_for_ready)
-            if health.status != health_pb2.HealthCheckResponse.SERVING:
+            if not await health_client.is_serving(worker.channel, timeout_s, wait_for_ready):
                 if worker.is_healthy:
                     log.warning("%s worker %s is not serving (draining)", worker.role,
                                 worker.address)
                 worker.is_healthy = False
                 return
-            stats = await stub.GetStats(worker_pb2.GetStatsRequest(), timeout=timeout_s)
+            stats = await client.get_stats(timeout_s)
         except grpc.aio.AioRpcError as exc:
             if worker.is_healthy:
                 log.warning("%s worker %s unreachable: %s", worker.role, worker.address,
                             exc.code().name)
             worker.is_healthy = False
             return
-        layout = convert.layout_from_proto(stats.layout)
+        layout = stats.layout
         reason = self._incompatibility(layout)
         if reason:
             if worker.refuse_reason != reason:
@@ -175,11 +185,11 @@ class WorkerSet:
             worker.is_healthy = False
             return
         worker.layout = layout
-        worker.apply_stats(stats, issued_at)
+        worker.apply_stats(stats.pool, issued_at)
         worker.is_healthy = True
         worker.refuse_reason = ""
 
-    def _incompatibility(self, layout: wire.KvLayout) -> str:
+    def _incompatibility(self, layout: KvLayout) -> str:
         if layout.model_fingerprint != self.expected_fingerprint:
             return (f"model fingerprint {layout.model_fingerprint} != served "
                     f"{self.expected_fingerprint}")
@@ -234,6 +244,14 @@ class WorkerSet:
             raise Unavailable("no healthy decode worker")
         return workers
 
+    def block_size(self) -> int:
+        """Tokens per K/V block, as the healthy decode workers report it (refresh refuses a
+        worker whose layout differs from the others', so they all agree)."""
+        sizes = [w.layout.block_size for w in self.decode_workers() if w.layout is not None]
+        if not sizes:
+            raise Unavailable("no decode worker has reported its K/V layout")
+        return sizes[0]
+
     def prefill_workers(self) -> list[Worker]:
         workers = self.healthy("prefill")
         if not workers:
@@ -242,7 +260,7 @@ class WorkerSet:
 
     async def close(self) -> None:
         for worker in self.workers:
-            if worker.mux is not None:
-                await worker.mux.close()
+            if worker.decode_client is not None:
+                await worker.decode_client.close()
             if worker.channel is not None:
                 await worker.channel.close()

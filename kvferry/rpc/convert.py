@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from kvferry.cache.layout import KvLayout
 from kvferry.cache.stats import PoolStats
 from kvferry.model.sampling import DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, SamplingParams
-from kvferry.transfer.wire import KvLayout
 from kvferry.v1 import generation_pb2, worker_pb2
 
 
@@ -62,4 +62,19 @@ def layout_from_proto(msg: worker_pb2.KvLayout) -> KvLayout:
     return KvLayout(
         num_layers=msg.num_layers, num_kv_heads=msg.num_kv_heads, head_dim=msg.head_dim,
         block_size=msg.block_size, dtype=msg.dtype, model_fingerprint=msg.model_fingerprint,
+    )
+
+
+def stats_from_proto(msg: worker_pb2.WorkerStats) -> PoolStats:
+    return PoolStats(
+        total_blocks=msg.total_blocks, free_blocks=msg.free_blocks,
+        reserved_blocks=msg.reserved_blocks, num_running=msg.num_running,
+        num_waiting=msg.num_waiting, integrity_ok=msg.integrity_ok,
+        integrity_error=msg.integrity_error, num_preemptions=msg.num_preemptions,
+        num_pending_prefill_tokens=msg.num_pending_prefill_tokens,
+        num_decode_steps=msg.num_decode_steps,
+        max_abort_delay_steps=msg.max_abort_delay_steps,
+        projected_blocks=msg.projected_blocks,
+        num_corrupt_pushes=msg.num_corrupt_pushes,
+        num_parked=msg.num_parked, num_evictions=msg.num_parked_evictions,
     )

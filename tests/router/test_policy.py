@@ -6,6 +6,7 @@ from collections import Counter
 
 import pytest
 
+from kvferry.rpc.convert import stats_from_proto
 from kvferry.v1 import worker_pb2
 from router.policy import HeadroomPolicy, LeastRequestsPolicy, RoundRobinPolicy, make_policy
 from router.workers import Worker
@@ -14,9 +15,9 @@ from router.workers import Worker
 def _worker(name: str, total: int = 100, projected: int = 0, pending_tokens: int = 0,
             role: str = "decode") -> Worker:
     worker = Worker(address=name, role=role, channel=None, is_healthy=True)
-    worker.apply_stats(worker_pb2.WorkerStats(
+    worker.apply_stats(stats_from_proto(worker_pb2.WorkerStats(
         total_blocks=total, projected_blocks=projected,
-        num_pending_prefill_tokens=pending_tokens), issued_at=0.0)
+        num_pending_prefill_tokens=pending_tokens)), issued_at=0.0)
     return worker
 
 
@@ -56,7 +57,8 @@ def test_stats_snapshot_replaces_in_flight_it_already_counts() -> None:
     worker.accepted("old")
     worker.add_in_flight("sending", 7, 0)  # not yet accepted by the worker
     assert worker.headroom == 83
-    worker.apply_stats(worker_pb2.WorkerStats(total_blocks=100, projected_blocks=10),
+    worker.apply_stats(stats_from_proto(worker_pb2.WorkerStats(total_blocks=100,
+                                                               projected_blocks=10)),
                        issued_at=float("inf"))
     assert "old" not in worker.in_flight and "sending" in worker.in_flight
     assert worker.headroom == 83
@@ -68,8 +70,9 @@ def test_an_older_snapshot_answering_late_is_ignored() -> None:
     worker = _worker("a")
     worker.add_in_flight("r", 10, 0)
     worker.accepted("r")
-    newer = worker_pb2.WorkerStats(total_blocks=100, projected_blocks=10)  # counts "r"
-    older = worker_pb2.WorkerStats(total_blocks=100, projected_blocks=0)  # from before "r"
+    newer = stats_from_proto(worker_pb2.WorkerStats(total_blocks=100, projected_blocks=10))
+    older = stats_from_proto(worker_pb2.WorkerStats(total_blocks=100, projected_blocks=0))
+    # newer counts "r"; older is from before "r"
     worker.apply_stats(newer, issued_at=float("inf"))
     assert worker.headroom == 90
     worker.apply_stats(older, issued_at=1.0)

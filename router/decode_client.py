@@ -1,0 +1,124 @@
+"""Client adapter for a worker's DecodeService: Reserve, Abort, GetStats and the DecodeStream.
+
+One DecodeStream per decode worker is shared by every request the router sends there.
+Requests start and abort through commands on the stream; the worker answers with one batch
+per decode step holding every request's new tokens. `DecodeClient` demultiplexes those batches
+into one queue per request. If the stream breaks, every request on it gets the error, and the
+next request opens a new stream.
+
+Protobuf stays here: callers pass and get the records of `router.records`. Unary RPC failures
+surface as `grpc.aio.AioRpcError`, unchanged, because the router reads their status codes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+
+from kvferry.errors import Unavailable
+from kvferry.model.sampling import FinishReason
+from kvferry.rpc import convert
+from kvferry.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
+from router.prefill_client import stats_from_reply
+from router.records import DecodeFinished, DecodeStart, DecodeUpdate, WorkerStats
+
+
+class StreamBroken(Unavailable):
+    """The decode worker's stream broke: the requests on it must move elsewhere."""
+
+
+# What a request's queue yields: its updates, or the exception that broke the stream.
+MuxItem = DecodeUpdate | Exception
+
+
+def _update_from_proto(msg: worker_pb2.DecodeUpdate) -> DecodeUpdate:
+    finished = None
+    if msg.HasField("finished"):
+        finished = DecodeFinished(FinishReason(msg.finished.reason),
+                                  msg.finished.first_decode_step_s)
+    return DecodeUpdate(msg.request_id, list(msg.token_ids), finished,
+                        msg.error_code or None, msg.error_message)
+
+
+class DecodeClient:
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self._stub = worker_pb2_grpc.DecodeServiceStub(channel)
+        self._queues: dict[str, asyncio.Queue[MuxItem]] = {}
+        self._commands: asyncio.Queue[worker_pb2.DecodeCommand] | None = None
+        self._reader: asyncio.Task[None] | None = None
+
+    # ---- unary calls ---------------------------------------------------------------------
+    async def reserve(self, request_id: str, num_prompt_tokens: int, max_tokens: int,
+                      lease_s: float, timeout_s: float | None) -> None:
+        await self._stub.Reserve(worker_pb2.ReserveRequest(
+            request_id=request_id, num_prompt_tokens=num_prompt_tokens,
+            max_tokens=max_tokens, lease_s=lease_s,
+        ), timeout=timeout_s)
+
+    async def abort(self, request_id: str, timeout_s: float | None) -> None:
+        await self._stub.Abort(generation_pb2.AbortRequest(request_id=request_id),
+                               timeout=timeout_s)
+
+    async def get_stats(self, timeout_s: float | None) -> WorkerStats:
+        return stats_from_reply(await self._stub.GetStats(worker_pb2.GetStatsRequest(),
+                                                          timeout=timeout_s))
+
+    # ---- the shared DecodeStream ---------------------------------------------------------
+    def _ensure_stream(self) -> asyncio.Queue[worker_pb2.DecodeCommand]:
+        if self._commands is None or self._reader is None or self._reader.done():
+            self._commands = asyncio.Queue()
+            call = self._stub.DecodeStream(_iterate(self._commands))
+            self._reader = asyncio.create_task(self._read(call))
+        return self._commands
+
+    async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
+        error: Exception = StreamBroken("decode stream closed by the worker")
+        try:
+            async for batch in call:
+                for msg in batch.updates:
+                    queue = self._queues.get(msg.request_id)
+                    if queue is None:
+                        continue
+                    try:
+                        queue.put_nowait(_update_from_proto(msg))
+                    except ValueError as exc:  # an unknown finish reason fails its request only
+                        queue.put_nowait(exc)
+        except grpc.aio.AioRpcError as exc:
+            error = StreamBroken(f"decode stream broke: {exc.code().name}: {exc.details()}")
+        for queue in self._queues.values():
+            queue.put_nowait(error)
+
+    def start(self, start: DecodeStart) -> asyncio.Queue[MuxItem]:
+        """Begin decoding a reserved request; its updates arrive on the returned queue."""
+        commands = self._ensure_stream()
+        queue: asyncio.Queue[MuxItem] = asyncio.Queue()
+        self._queues[start.request_id] = queue
+        commands.put_nowait(worker_pb2.DecodeCommand(start=worker_pb2.DecodeRequest(
+            request_id=start.request_id, first_token_id=start.first_token_id,
+            sampling=convert.sampling_to_proto(start.sampling),
+            max_new_tokens=start.max_new_tokens, stop_token_ids=start.stop_token_ids,
+            num_generated=start.num_generated,
+        )))
+        return queue
+
+    def abort_on_stream(self, request_id: str) -> None:
+        """Abort on the DecodeStream: it cannot overtake the start sent before it."""
+        if self._commands is not None:
+            self._commands.put_nowait(worker_pb2.DecodeCommand(
+                abort=generation_pb2.AbortRequest(request_id=request_id)))
+
+    def forget(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+
+
+async def _iterate(commands: asyncio.Queue[worker_pb2.DecodeCommand]
+                   ) -> AsyncIterator[worker_pb2.DecodeCommand]:
+    while True:
+        yield await commands.get()

@@ -1,0 +1,69 @@
+"""Client adapter for a worker's PrefillService: Prefill, Ship, Abort and GetStats.
+
+Protobuf stays here: callers pass and get the records of `router.records`. RPC failures
+surface as `grpc.aio.AioRpcError`, unchanged, because the router's failover reads their status
+codes.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from kvferry.rpc import convert
+from kvferry.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
+from router.records import FirstToken, PrefillDone, PrefillStart, WorkerStats
+
+
+def stats_from_reply(msg: worker_pb2.WorkerStats) -> WorkerStats:
+    return WorkerStats(convert.stats_from_proto(msg), convert.layout_from_proto(msg.layout))
+
+
+class PrefillCall:
+    """One Prefill stream: a FirstToken, then a PrefillDone."""
+
+    def __init__(self, call: grpc.aio.UnaryStreamCall) -> None:
+        self._call = call
+
+    async def read(self) -> FirstToken | PrefillDone | None:
+        """The next message; None when the stream ended. Cancelling the call makes a pending
+        read raise `asyncio.CancelledError`."""
+        msg = await self._call.read()
+        if msg is grpc.aio.EOF:
+            return None
+        if msg.WhichOneof("kind") == "done":
+            return PrefillDone(msg.done.kv_transfer_s, msg.done.kv_bytes)
+        return FirstToken(msg.first_token.token_id, msg.first_token.prefill_s)
+
+    def cancel(self) -> bool:
+        return self._call.cancel()
+
+    def done(self) -> bool:
+        return self._call.done()
+
+
+class PrefillClient:
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self._stub = worker_pb2_grpc.PrefillServiceStub(channel)
+
+    def prefill(self, start: PrefillStart, timeout_s: float | None) -> PrefillCall:
+        request = worker_pb2.PrefillRequest(
+            request_id=start.request_id, prompt_token_ids=start.prompt_token_ids,
+            sampling=convert.sampling_to_proto(start.sampling),
+            decode_address=start.decode_address, is_local_decode=start.is_local_decode,
+            num_generated=start.num_generated, defer_push=start.defer_push,
+        )
+        return PrefillCall(self._stub.Prefill(request, timeout=timeout_s))
+
+    async def ship(self, request_id: str, decode_address: str, timeout_s: float | None
+                   ) -> None:
+        await self._stub.Ship(worker_pb2.ShipRequest(request_id=request_id,
+                                                     decode_address=decode_address),
+                              timeout=timeout_s)
+
+    async def abort(self, request_id: str, timeout_s: float | None) -> None:
+        await self._stub.Abort(generation_pb2.AbortRequest(request_id=request_id),
+                               timeout=timeout_s)
+
+    async def get_stats(self, timeout_s: float | None) -> WorkerStats:
+        return stats_from_reply(await self._stub.GetStats(worker_pb2.GetStatsRequest(),
+                                                          timeout=timeout_s))

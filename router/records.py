@@ -1,0 +1,70 @@
+"""What the router's client adapters (prefill_client, decode_client) hand the engine: kvferry's
+own records, so that nothing past the adapters reads a protobuf message."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from kvferry.cache.layout import KvLayout
+from kvferry.cache.stats import PoolStats
+from kvferry.model.sampling import FinishReason, SamplingParams
+
+
+class WorkerStats(NamedTuple):
+    """A worker's GetStats answer: its pool telemetry and the K/V layout it serves."""
+
+    pool: PoolStats
+    layout: KvLayout
+
+
+class FirstToken(NamedTuple):
+    """The Prefill stream's first message: token N+1, sampled by the prefill worker."""
+
+    token_id: int
+    prefill_s: float
+
+
+class PrefillDone(NamedTuple):
+    """The Prefill stream's last message: the decode worker accepted every K/V page."""
+
+    kv_transfer_s: float
+    kv_bytes: int
+
+
+class PrefillStart(NamedTuple):
+    """What a Prefill call asks of a worker (mirrors proto PrefillRequest)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    decode_address: str  # empty when the K/V stays where it is computed (local decode)
+    is_local_decode: bool
+    num_generated: int  # output number of the token it samples (non-zero after a migration)
+    defer_push: bool  # park the K/V until a Ship names its decode worker
+
+
+class DecodeStart(NamedTuple):
+    """Start decoding a reserved request (mirrors proto DecodeRequest)."""
+
+    request_id: str
+    first_token_id: int
+    sampling: SamplingParams
+    max_new_tokens: int
+    stop_token_ids: list[int]
+    num_generated: int
+
+
+class DecodeFinished(NamedTuple):
+    reason: FinishReason
+    first_decode_step_s: float
+
+
+class DecodeUpdate(NamedTuple):
+    """Tokens one decode step produced for one request; its last update carries `finished`
+    (a normal end) or `error_code` (a gRPC status number: the request failed there)."""
+
+    request_id: str
+    token_ids: list[int]
+    finished: DecodeFinished | None = None
+    error_code: int | None = None
+    error_message: str = ""

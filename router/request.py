@@ -1,0 +1,31 @@
+"""One request's state in the router, shared by the engine (its flow) and `Downstream` (its
+calls to the workers), and the deadline arithmetic both use."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from router.prefill_client import PrefillCall
+from router.workers import Worker
+
+
+@dataclass(slots=True)
+class RouterRequest:
+    request_id: str
+    is_aborted: bool = False
+    is_push_deferred: bool = False  # prefilled before its decode reservation (see Router._run)
+    prefill_worker: Worker | None = None
+    prefill_call: PrefillCall | None = None
+    decode_worker: Worker | None = None
+    holds_decode: bool = False  # the decode worker still holds this request's blocks
+    failed_prefill: set[str] = field(default_factory=set)  # prefill workers that failed it
+    is_decoding: bool = False  # the Decode stream is open
+    # A Reserve whose answer never came (cancelled, deadline): it may have landed all the
+    # same, so the release sends an Abort there.
+    unanswered_reserve: Worker | None = None
+
+
+def remaining_s(deadline: float | None) -> float | None:
+    """Seconds left before a monotonic `deadline` (None: no deadline), never zero."""
+    return None if deadline is None else max(deadline - time.monotonic(), 0.001)
