@@ -18,32 +18,24 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
-from decode_worker.kv_stage import KvStage
+from decode_worker.kv_receiver import KvReceiver
 from decode_worker.sequence import (
     DecodeEvent,
     DecodeSeq,
     ErrorEvent,
     FinishedEvent,
     Phase,
+    lookup,
 )
 from decode_worker.steps import StepLoop
 from kvferry.cache.block_queue import BlockQueue
-from kvferry.cache.capacity import blocks_needed
-from kvferry.cache.pool import IntegrityReport, KvPool, blocks_for_tokens
+from kvferry.cache.layout import KvLayout, blocks_for_tokens, blocks_needed
+from kvferry.cache.pool import IntegrityReport, KvPool
 from kvferry.cache.stats import PoolStats
-from kvferry.errors import (
-    Aborted,
-    AlreadyExists,
-    InvalidArgument,
-    NotFound,
-    ResourceExhausted,
-    Unavailable,
-)
-from kvferry.model.prefill_batch import PrefillBatcher, PrefillJob
+from kvferry.errors import Aborted, InvalidArgument, ResourceExhausted, Unavailable
+from kvferry.model.prefill_batch import PrefillJob
 from kvferry.model.sampling import FinishReason, SamplingParams
 from kvferry.model.transformer import Transformer
 from kvferry.transfer import wire
@@ -53,49 +45,37 @@ log = logging.getLogger("kvferry.decode")
 DEFAULT_MAX_WAITING = 256
 
 
-class DecodeEngine(StepLoop):
-    """Owns the pool, the reservations and the step loop. Not thread-safe: call from the
-    event loop; only forward passes run on the executor thread."""
+class DecodeEngine:
+    """Owns the pool and the reservations (request lifecycles); composes the K/V receiver
+    (`receiver`) and the step loop (`steps`). Not thread-safe: call from the event loop;
+    only forward passes run on the step loop's executor thread."""
 
-    def __init__(self, model: Transformer, pool: KvPool, layout: wire.KvLayout,
+    def __init__(self, model: Transformer, pool: KvPool, layout: KvLayout,
                  max_waiting: int = DEFAULT_MAX_WAITING, stage_bytes: int = 0,
                  **prefill_options: int) -> None:
         self.model = model
         self.pool = pool
         self.layout = layout
         self.max_waiting = max_waiting
-        self.num_preemptions = 0
-        self.num_steps = 0  # incremented by the executor thread only
-        self.max_abort_delay_steps = 0
         self._seqs: dict[str, DecodeSeq] = {}
-        self._running: list[DecodeSeq] = []
-        self._swapped: list[DecodeSeq] = []
-        # CPU decode: mirror the batch's K/V densely (kv_stage) instead of gathering pages.
-        self.stage = KvStage(pool, stage_bytes) if stage_bytes > 0 else None
-        self.blocks = BlockQueue(pool.allocator, max_waiting, lambda: not self._swapped)
+        # Swapped-out sequences resume before any new reservation is granted.
+        self.blocks = BlockQueue(pool.allocator, max_waiting, lambda: not self.steps.swapped)
         self._arrivals = itertools.count()
-        self._wake = asyncio.Event()
-        # Set when the step loop must come back to the event loop (admissions, prefill work):
-        # read by the executor thread, which otherwise steps a stable batch back to back.
-        self._needs_loop = threading.Event()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="decode-step")
-        # Colocated mode: prompts prefilled here share the step loop and its executor.
-        self.batcher = PrefillBatcher(model, pool, self._executor, self._poke,
-                                      **prefill_options)
+        self.steps = StepLoop(model, pool, self.blocks, self._seqs, self._finish, stage_bytes,
+                              **prefill_options)
+        self.batcher = self.steps.batcher  # colocated prefill, run by the step loop
+        self.receiver = KvReceiver(layout, pool, self._seqs, self.steps.poke)
         self._prefill_jobs: dict[str, PrefillJob] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self.is_draining = False  # SIGTERM: no new reservations; the ones here run to the end
-        self.kv_bytes_received = 0
+
+    @property
+    def kv_bytes_received(self) -> int:
+        return self.receiver.kv_bytes_received
 
     # ---- lifecycle -------------------------------------------------------------------------
-    def _poke(self) -> None:
-        self._needs_loop.set()
-        self._wake.set()
-
     def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._tasks = [asyncio.create_task(self._step_loop()), asyncio.create_task(self._leases())]
+        self._tasks = [asyncio.create_task(self.steps.run()), asyncio.create_task(self._leases())]
 
     def drain(self) -> None:
         self.is_draining = True
@@ -110,7 +90,7 @@ class DecodeEngine(StepLoop):
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for seq in list(self._seqs.values()):
             self._finish(seq, ErrorEvent(seq.request_id, Aborted("decode worker stopped")))
-        self._executor.shutdown(wait=True)
+        self.steps.executor.shutdown(wait=True)
 
     # ---- reservations ----------------------------------------------------------------------
     def _check_reserve(self, request_id: str, num_prompt_tokens: int, max_tokens: int,
@@ -159,81 +139,7 @@ class DecodeEngine(StepLoop):
         return len(blocks)
 
     def _get(self, request_id: str) -> DecodeSeq:
-        seq = self._seqs.get(request_id)
-        if seq is None:
-            raise NotFound(f"no reservation for request_id {request_id!r}", "request_id")
-        return seq
-
-    # ---- K/V arrival -------------------------------------------------------------------------
-    def begin_push(self, request_id: str) -> int:
-        """A push stream starts: it supersedes any unfinished one for the same reservation (a
-        prefill worker that went silent mid-push while the router had another one push
-        again), whose pages are forgotten and whose later chunks are refused. Returns the
-        push's epoch, which its chunks carry."""
-        seq = self._check_incomplete(self._get(request_id))
-        seq.push_epoch += 1
-        seq.received[:] = False
-        return seq.push_epoch
-
-    def _check_incomplete(self, seq: DecodeSeq) -> DecodeSeq:
-        """A push may still fill this reservation. A complete one not yet decoding answers
-        ALREADY_EXISTS: a prefill worker lost just after its push ended makes the router
-        prefill again, and the second push finds the same prompt's K/V in place."""
-        if seq.phase is not Phase.RESERVED:
-            raise InvalidArgument(f"request {seq.request_id!r} is already decoding",
-                                  "request_id")
-        if seq.is_kv_complete:
-            raise AlreadyExists(f"K/V for {seq.request_id!r} is already complete",
-                                "request_id")
-        return seq
-
-    def _check_epoch(self, seq: DecodeSeq, epoch: int | None) -> None:
-        if epoch is not None and epoch != seq.push_epoch:
-            raise Aborted(f"push for {seq.request_id!r} superseded by a newer one")
-
-    def receive_chunk(self, request_id: str, layout: wire.KvLayout, num_tokens: int,
-                      span: wire.ChunkSpan, data: bytes, crc32: int,
-                      epoch: int | None = None) -> int:
-        """Validate one chunk against layout and reservation, then write it. Returns bytes.
-        `epoch`: from begin_push (gRPC streams); None for transports without one."""
-        seq = self._get(request_id)
-        self._check_epoch(seq, epoch)
-        self._check_incomplete(seq)
-        problem = self.layout.mismatch(layout)
-        if problem:
-            raise InvalidArgument(problem, "layout")
-        if num_tokens != seq.num_prompt_tokens:
-            raise InvalidArgument(
-                f"num_tokens {num_tokens} != reserved prompt length {seq.num_prompt_tokens}",
-                "num_tokens",
-            )
-        wire.check_span(self.layout, num_tokens, span, len(data))
-        if wire.crc32(data) != crc32:
-            raise InvalidArgument("chunk checksum mismatch: corrupted in flight", "crc32")
-        rows = slice(span.layer_start, span.layer_end)
-        cols = slice(span.block_start, span.block_start + span.num_blocks)
-        if seq.received[rows, cols].any():
-            raise InvalidArgument("chunk overlaps pages already received", "block_start")
-        wire.unpack_into(self.pool, seq.block_table, span, data)
-        seq.received[rows, cols] = True
-        self.kv_bytes_received += len(data)
-        return len(data)
-
-    def finish_push(self, request_id: str, epoch: int | None = None) -> None:
-        seq = self._get(request_id)
-        self._check_epoch(seq, epoch)
-        missing = int((~seq.received).sum())
-        if missing:
-            raise InvalidArgument(f"push ended with {missing} pages missing", "data")
-        seq.is_kv_complete = True
-        self._poke()
-
-    def fail_push(self, request_id: str, epoch: int | None = None) -> None:
-        """A push broke off: forget partial pages so the prompt can be pushed again (unless
-        a newer push has taken over the reservation)."""
-        seq = self._seqs.get(request_id)
-        if seq is not None and not seq.is_kv_complete and epoch in (None, seq.push_epoch):
-            seq.received[:] = False
+        return lookup(self._seqs, request_id)
 
     async def prefill_local(self, request_id: str, prompt: list[int], params: SamplingParams,
                             output_index: int = 0) -> tuple[int, float]:
@@ -260,7 +166,7 @@ class DecodeEngine(StepLoop):
             await self.batcher.release(job)
         seq.received[:] = True
         seq.is_kv_complete = True
-        self._poke()
+        self.steps.poke()
         return token, time.perf_counter() - job.started_at
 
     # ---- decoding ----------------------------------------------------------------------------
@@ -289,16 +195,16 @@ class DecodeEngine(StepLoop):
         seq.tokens = [first_token_id]
         seq.output_offset = num_generated
         seq.events = events if events is not None else asyncio.Queue()
-        self._poke()
+        self.steps.poke()
         return seq.events
 
     def abort(self, request_id: str) -> None:
         seq = self._get(request_id)
         if seq.phase is Phase.RUNNING:
             if not seq.is_aborted:
-                seq.abort_step = self.num_steps
+                seq.abort_step = self.steps.num_steps
             seq.is_aborted = True  # released at the next step boundary
-            self._poke()
+            self.steps.poke()
         else:
             self._finish(seq, FinishedEvent(seq.request_id, FinishReason.ABORT,
                                             seq.first_step_s))
@@ -315,10 +221,7 @@ class DecodeEngine(StepLoop):
             return
         if job is not None:
             asyncio.get_running_loop().create_task(self.batcher.release(job))
-        if seq.phase is Phase.RUNNING and seq in self._running:
-            self._running.remove(seq)
-        if seq in self._swapped:
-            self._swapped.remove(seq)
+        self.steps.discard(seq)
         seq.phase = Phase.DONE
         outcome = event.reason.name.lower() if isinstance(event, FinishedEvent) else "error"
         log.info("request %s done (%s) after %d tokens, %d blocks freed", seq.request_id,
@@ -358,14 +261,14 @@ class DecodeEngine(StepLoop):
             total_blocks=self.pool.num_blocks,
             free_blocks=self.pool.allocator.num_free,
             reserved_blocks=sum(len(s.block_table) for s in reserved),
-            num_running=len(self._running),
-            num_waiting=len(reserved) + len(self._swapped) + self.blocks.num_waiting,
+            num_running=len(self.steps.running),
+            num_waiting=len(reserved) + len(self.steps.swapped) + self.blocks.num_waiting,
             num_pending_prefill_tokens=self.batcher.pending_tokens,
             integrity_ok=report.ok,
             integrity_error=report.error,
-            num_preemptions=self.num_preemptions,
-            num_decode_steps=self.num_steps,
-            max_abort_delay_steps=self.max_abort_delay_steps,
+            num_preemptions=self.steps.num_preemptions,
+            num_decode_steps=self.steps.num_steps,
+            max_abort_delay_steps=self.steps.max_abort_delay_steps,
             projected_blocks=sum(blocks_needed(s.num_prompt_tokens, s.max_tokens,
                                                self.pool.block_size)
                                  for s in self._seqs.values()),

@@ -4,7 +4,7 @@ paging inputs of one decode step."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple, Protocol
@@ -12,6 +12,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import torch
 
+from kvferry.errors import NotFound
 from kvferry.model.sampling import FinishReason, SamplingParams
 
 
@@ -68,6 +69,14 @@ class DecodeSeq:
     def next_position(self) -> int:
         """Position of the token the next step feeds (its K/V slot)."""
         return self.num_prompt_tokens + len(self.tokens) - 1
+
+
+def lookup(seqs: Mapping[str, DecodeSeq], request_id: str) -> DecodeSeq:
+    """The request's state; NOT_FOUND when the worker does not hold it."""
+    seq = seqs.get(request_id)
+    if seq is None:
+        raise NotFound(f"no reservation for request_id {request_id!r}", "request_id")
+    return seq
 
 
 class PagedSeq(Protocol):

@@ -137,23 +137,23 @@ class KvTransferServicer(worker_pb2_grpc.KvTransferServiceServicer):
                 if not request_id:
                     logs.request_id.set(chunk.request_id)
                     request_id = chunk.request_id
-                    epoch = self.engine.begin_push(request_id)
+                    epoch = self.engine.receiver.begin_push(request_id)
                 span = wire.ChunkSpan(chunk.layer_start, chunk.layer_end, chunk.block_start,
                                       chunk.num_blocks)
-                written += self.engine.receive_chunk(
+                written += self.engine.receiver.receive_chunk(
                     request_id, convert.layout_from_proto(chunk.layout), chunk.num_tokens,
                     span, chunk.data, chunk.crc32, epoch,
                 )
             if not request_id:
                 raise InvalidArgument("empty push", "request_id")
-            self.engine.finish_push(request_id, epoch)
+            self.engine.receiver.finish_push(request_id, epoch)
         except asyncio.CancelledError:
             if epoch is not None:
-                self.engine.fail_push(request_id, epoch)
+                self.engine.receiver.fail_push(request_id, epoch)
             raise
         except Exception as exc:
             if epoch is not None:
-                self.engine.fail_push(request_id, epoch)
+                self.engine.receiver.fail_push(request_id, epoch)
             await grpc_util.abort_with(context, exc, request_id)
         return worker_pb2.PushKvResponse(bytes_written=written)
 

@@ -1,11 +1,10 @@
 """The decode engine's step loop: admit, preempt (swap out/in), grow, step, deliver.
 
-`StepLoop` is mixed into `decode_worker.engine.DecodeEngine`, which owns reservations, K/V
+`StepLoop` is composed by `decode_worker.engine.DecodeEngine`, which owns reservations, K/V
 arrival and request lifecycles. Everything here runs on the event loop except `_run_steps`
 and `_step`, which run on the single executor thread (forward passes only touch the pool
 rows of the batch's own blocks).
 """
-
 
 from __future__ import annotations
 
@@ -13,6 +12,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -36,30 +36,54 @@ from kvferry.model.transformer import Transformer
 log = logging.getLogger("kvferry.decode")
 
 
+Finish = Callable[[DecodeSeq, DecodeEvent], None]
+
+
 class StepLoop:
-    """Mixin: needs the engine's state (set by DecodeEngine.__init__) and its `_finish`."""
+    """Owns the running and swapped sequences, the executor thread (shared with colocated
+    prefill, `batcher`) and the step counters. Reads the engine's request table `seqs` to
+    admit sequences whose K/V is in and whose stream is attached; releases a sequence only
+    through the engine's `finish(seq, event)`, which must call `discard(seq)`."""
 
-    model: Transformer
-    pool: KvPool
-    blocks: BlockQueue
-    batcher: PrefillBatcher
-    num_preemptions: int
-    num_steps: int
-    max_abort_delay_steps: int
-    _seqs: dict[str, DecodeSeq]
-    _running: list[DecodeSeq]
-    _swapped: list[DecodeSeq]
-    _wake: asyncio.Event
-    _needs_loop: threading.Event
-    _loop: asyncio.AbstractEventLoop | None
-    _executor: ThreadPoolExecutor
-    stage: KvStage | None
+    def __init__(self, model: Transformer, pool: KvPool, blocks: BlockQueue,
+                 seqs: Mapping[str, DecodeSeq], finish: Finish, stage_bytes: int = 0,
+                 **prefill_options: int) -> None:
+        self.model = model
+        self.pool = pool
+        self.blocks = blocks
+        self._seqs = seqs
+        self._finish = finish
+        self.running: list[DecodeSeq] = []
+        self.swapped: list[DecodeSeq] = []
+        self.num_preemptions = 0
+        self.num_steps = 0  # incremented by the executor thread only
+        self.max_abort_delay_steps = 0
+        # CPU decode: mirror the batch's K/V densely (kv_stage) instead of gathering pages.
+        self.stage = KvStage(pool, stage_bytes) if stage_bytes > 0 else None
+        self._wake = asyncio.Event()
+        # Set when the step loop must come back to the event loop (admissions, prefill work):
+        # read by the executor thread, which otherwise steps a stable batch back to back.
+        self._needs_loop = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="decode-step")
+        # Colocated mode: prompts prefilled here share the step loop and its executor.
+        self.batcher = PrefillBatcher(model, pool, self.executor, self.poke,
+                                      **prefill_options)
 
-    def _finish(self, seq: DecodeSeq, event: DecodeEvent) -> None:
-        raise NotImplementedError
+    def poke(self) -> None:
+        """New work (an admission, a prefill, an abort): run the loop at the next boundary."""
+        self._needs_loop.set()
+        self._wake.set()
+
+    def discard(self, seq: DecodeSeq) -> None:
+        """The engine released `seq`: drop it from the running or swapped list."""
+        if seq.phase is Phase.RUNNING and seq in self.running:
+            self.running.remove(seq)
+        if seq in self.swapped:
+            self.swapped.remove(seq)
 
     def _admit_and_reap(self) -> None:
-        for seq in list(self._running):
+        for seq in list(self.running):
             if seq.is_aborted:
                 self.max_abort_delay_steps = max(self.max_abort_delay_steps,
                                                  self.num_steps - seq.abort_step)
@@ -69,7 +93,7 @@ class StepLoop:
             if (seq.phase is Phase.RESERVED and seq.is_kv_complete and seq.events is not None
                     and not seq.is_aborted):
                 seq.phase = Phase.RUNNING
-                self._running.append(seq)
+                self.running.append(seq)
 
     def _swap_out(self, seq: DecodeSeq) -> None:
         ids = torch.tensor(seq.block_table, device=self.pool.cache.device)
@@ -78,19 +102,19 @@ class StepLoop:
         self.pool.allocator.free(seq.block_table)
         seq.block_table = []
         seq.phase = Phase.SWAPPED
-        self._running.remove(seq)
-        self._swapped.append(seq)
+        self.running.remove(seq)
+        self.swapped.append(seq)
         self.num_preemptions += 1
         log.info("request %s preempted (swapped out, %d preemptions so far)", seq.request_id,
                  self.num_preemptions)
 
     def _swap_in(self) -> None:
         """Resume swapped sequences, oldest first, while their blocks fit."""
-        if not self._swapped:
+        if not self.swapped:
             return
-        self._swapped.sort(key=lambda s: s.arrival)
-        while self._swapped:
-            seq = self._swapped[0]
+        self.swapped.sort(key=lambda s: s.arrival)
+        while self.swapped:
+            seq = self.swapped[0]
             assert seq.swapped_kv is not None  # noqa: S101 - set by _swap_out
             n = seq.swapped_kv.shape[2]
             if self.pool.allocator.num_free < n:
@@ -100,24 +124,25 @@ class StepLoop:
             self.pool.cache[:, :, ids] = seq.swapped_kv.to(self.pool.cache.device)
             seq.swapped_kv = None
             seq.phase = Phase.RUNNING
-            self._swapped.pop(0)
-            self._running.append(seq)
+            self.swapped.pop(0)
+            self.running.append(seq)
 
     def _grow(self) -> None:
         """Give every running sequence the slot its next step writes; preempt the newest
         running sequence while the pool is short."""
         block_size = self.pool.block_size
-        if all(len(s.block_table) * block_size > s.next_position for s in self._running):
+        if all(len(s.block_table) * block_size > s.next_position for s in self.running):
             return
-        for seq in sorted(self._running, key=lambda s: s.arrival):
+        for seq in sorted(self.running, key=lambda s: s.arrival):
             while (seq.phase is Phase.RUNNING
                    and len(seq.block_table) * block_size <= seq.next_position):
                 if self.pool.allocator.num_free > 0:
                     seq.block_table += self.pool.allocator.alloc(1)
                 else:
-                    self._swap_out(max(self._running, key=lambda s: s.arrival))
+                    self._swap_out(max(self.running, key=lambda s: s.arrival))
 
-    async def _step_loop(self) -> None:
+    async def run(self) -> None:
+        self._loop = asyncio.get_running_loop()
         while True:
             await self._wake.wait()
             self._wake.clear()
@@ -127,20 +152,20 @@ class StepLoop:
                 self._swap_in()
                 self.blocks.grant()
                 self._grow()
-                if self._running:
+                if self.running:
                     await self._decode_step()
                 elif not ran_prefill:
                     break
 
     async def _decode_step(self) -> None:
         self._needs_loop.clear()
-        await run_to_completion(self._executor, self._run_steps, list(self._running))
+        await run_to_completion(self.executor, self._run_steps, list(self.running))
 
     def _run_steps(self, batch: list[DecodeSeq]) -> None:
         """Executor thread: step a stable batch back to back, handing each step's tokens to
         the event loop, until something needs the loop: a sequence finished, was aborted or
         needs a block, or new work arrived. The loop never sits between two steps."""
-        assert self._loop is not None  # noqa: S101 - set by start()
+        assert self._loop is not None  # noqa: S101 - set by run()
         block_size = self.pool.block_size
         arranged = self.stage.arrange(batch) if self.stage is not None else None
         batch = arranged or batch  # the stage's row order, when it holds the batch

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 import ray
 
 from deploy.launcher import Deployment
+from kvferry.cache.layout import KvLayout
 from kvferry.transfer.ray_push import NAMESPACE, ChunkAck
-from kvferry.transfer.wire import ChunkSpan, KvLayout
+from kvferry.transfer.wire import ChunkSpan
 
 log = logging.getLogger("kvferry.ray")
 
@@ -76,8 +77,8 @@ class ServerActor:
         try:
             if self._engine is None:
                 raise InvalidArgument("this actor does not decode", "request_id")
-            return ChunkAck(self._engine.receive_chunk(request_id, layout, num_tokens, span,
-                                                       data, crc32))
+            return ChunkAck(self._engine.receiver.receive_chunk(request_id, layout, num_tokens,
+                                                                span, data, crc32))
         except KvferryError as exc:
             code, message = grpc_util.describe(exc)
             return ChunkAck(0, code.value[0], message, exc.field or "")
@@ -87,7 +88,7 @@ class ServerActor:
         from kvferry.rpc import grpc_util
 
         try:
-            self._engine.finish_push(request_id)
+            self._engine.receiver.finish_push(request_id)
         except KvferryError as exc:
             code, message = grpc_util.describe(exc)
             return ChunkAck(0, code.value[0], message, exc.field or "")
@@ -95,7 +96,7 @@ class ServerActor:
 
     async def fail_push(self, request_id: str) -> None:
         if self._engine is not None:
-            self._engine.fail_push(request_id)
+            self._engine.receiver.fail_push(request_id)
 
 
 @dataclass

@@ -15,7 +15,8 @@ import torch
 from decode_worker.engine import DecodeEngine
 from decode_worker.server import KvTransferServicer
 from kernels.dispatch import get_attention_backend
-from kvferry.cache.pool import KvPool, blocks_for_tokens
+from kvferry.cache.layout import KvLayout, blocks_for_tokens
+from kvferry.cache.pool import KvPool
 from kvferry.errors import Aborted, AlreadyExists, InvalidArgument, NotFound
 from kvferry.model.config import load_model_config
 from kvferry.model.transformer import Transformer
@@ -32,7 +33,7 @@ class Push:
     """A sender's view of one request: its own pool filled with random K/V, and the chunks a
     correct push would send."""
 
-    def __init__(self, layout: wire.KvLayout, num_tokens: int, seed: int) -> None:
+    def __init__(self, layout: KvLayout, num_tokens: int, seed: int) -> None:
         self.layout = layout
         self.num_tokens = num_tokens
         num_blocks = blocks_for_tokens(num_tokens, layout.block_size)
@@ -58,9 +59,9 @@ def engine(qwen3_checkpoint: Path) -> Iterator[DecodeEngine]:
                         torch.device("cpu"))
     pool = KvPool(config.num_layers, config.num_kv_heads, config.head_dim, BLOCK_SIZE, 32,
                   torch.float32, torch.device("cpu"))
-    engine = DecodeEngine(model, pool, wire.KvLayout.of_pool(pool, config.fingerprint))
+    engine = DecodeEngine(model, pool, KvLayout.of_pool(pool, config.fingerprint))
     yield engine
-    engine._executor.shutdown(wait=True)
+    engine.steps.executor.shutdown(wait=True)
 
 
 def _reserve(engine: DecodeEngine, request_id: str, num_tokens: int = PROMPT) -> None:
@@ -71,8 +72,8 @@ def _victim(engine: DecodeEngine) -> Push:
     """Request B, reserved and holding its complete K/V."""
     _reserve(engine, "B")
     push = Push(engine.layout, PROMPT, seed=1)
-    engine.receive_chunk("B", engine.layout, PROMPT, *push.chunk(push.whole()))
-    engine.finish_push("B")
+    engine.receiver.receive_chunk("B", engine.layout, PROMPT, *push.chunk(push.whole()))
+    engine.receiver.finish_push("B")
     return push
 
 
@@ -81,17 +82,17 @@ def _victim_pages(engine: DecodeEngine) -> torch.Tensor:
     return engine.pool.cache[:, :, table].clone()
 
 
-def _wrong_layout(layout: wire.KvLayout, **changes: object) -> wire.KvLayout:
+def _wrong_layout(layout: KvLayout, **changes: object) -> KvLayout:
     fields = {name: getattr(layout, name) for name in layout.__dataclass_fields__}
-    return wire.KvLayout(**{**fields, **changes})
+    return KvLayout(**{**fields, **changes})
 
 
 # Each case: (chunk's request id, layout, num_tokens, span, data, crc32) from the engine's
 # layout and A's honest push.
-Case = Callable[[wire.KvLayout, Push], tuple[str, wire.KvLayout, int, wire.ChunkSpan, bytes, int]]
+Case = Callable[[KvLayout, Push], tuple[str, KvLayout, int, wire.ChunkSpan, bytes, int]]
 
 
-def _sized(layout: wire.KvLayout, span: wire.ChunkSpan) -> tuple[wire.ChunkSpan, bytes, int]:
+def _sized(layout: KvLayout, span: wire.ChunkSpan) -> tuple[wire.ChunkSpan, bytes, int]:
     """A span with a payload of exactly the size it claims (so only the span is wrong)."""
     size = (span.layer_end - span.layer_start) * span.num_blocks * layout.bytes_per_layer_block
     data = bytes(range(256)) * (size // 256) + bytes(size % 256)
@@ -142,14 +143,14 @@ def test_hostile_chunk_changes_no_byte(name: str, engine: DecodeEngine) -> None:
     before = engine.pool.cache.clone()
     request_id, layout, num_tokens, span, data, crc = HOSTILE[name](engine.layout, attacker)
     with pytest.raises((InvalidArgument, NotFound, AlreadyExists)):
-        engine.receive_chunk(request_id, layout, num_tokens, span, data, crc)
+        engine.receiver.receive_chunk(request_id, layout, num_tokens, span, data, crc)
     assert torch.equal(engine.pool.cache, before), "a refused chunk wrote to the pool"
     # B still holds exactly what its own push delivered.
     expected = victim.pool.cache
     assert torch.equal(_victim_pages(engine), expected)
     # A's honest push still goes through afterwards.
-    engine.receive_chunk("A", engine.layout, PROMPT, *attacker.chunk(attacker.whole()))
-    engine.finish_push("A")
+    engine.receiver.receive_chunk("A", engine.layout, PROMPT, *attacker.chunk(attacker.whole()))
+    engine.receiver.finish_push("A")
 
 
 def test_duplicate_and_overlapping_chunks_are_refused(engine: DecodeEngine) -> None:
@@ -157,11 +158,11 @@ def test_duplicate_and_overlapping_chunks_are_refused(engine: DecodeEngine) -> N
     _reserve(engine, "A")
     attacker = Push(engine.layout, PROMPT, seed=2)
     first = wire.ChunkSpan(0, 1, 0, 2)
-    engine.receive_chunk("A", engine.layout, PROMPT, *attacker.chunk(first))
+    engine.receiver.receive_chunk("A", engine.layout, PROMPT, *attacker.chunk(first))
     written = engine.pool.cache.clone()
     for span in (first, wire.ChunkSpan(0, 1, 1, 2), wire.ChunkSpan(0, 2, 0, 1)):
         with pytest.raises(InvalidArgument, match="overlaps"):
-            engine.receive_chunk("A", engine.layout, PROMPT, *attacker.chunk(span))
+            engine.receiver.receive_chunk("A", engine.layout, PROMPT, *attacker.chunk(span))
         assert torch.equal(engine.pool.cache, written)
     assert torch.equal(_victim_pages(engine), victim.pool.cache)
 
@@ -179,7 +180,7 @@ class _Context:
         raise _Aborted(code, details)
 
 
-def _to_proto(request_id: str, layout: wire.KvLayout, num_tokens: int,
+def _to_proto(request_id: str, layout: KvLayout, num_tokens: int,
               chunk: tuple[wire.ChunkSpan, bytes, int]) -> worker_pb2.KvChunk:
     span, data, crc = chunk
     return worker_pb2.KvChunk(
@@ -212,8 +213,8 @@ def test_push_switching_to_another_request_is_refused(engine: DecodeEngine) -> N
     assert "request_id" in str(exc.value)
     assert torch.equal(_victim_pages(engine), b_before)
     assert not engine._seqs["B"].received.any() and not engine._seqs["A"].received.any()
-    engine.receive_chunk("A", engine.layout, PROMPT, *attacker.chunk(attacker.whole()))
-    engine.finish_push("A")
+    engine.receiver.receive_chunk("A", engine.layout, PROMPT, *attacker.chunk(attacker.whole()))
+    engine.receiver.finish_push("A")
 
 
 
@@ -224,14 +225,14 @@ def test_a_newer_push_supersedes_an_unfinished_one(engine: DecodeEngine) -> None
     _reserve(engine, "A")
     old, new = Push(engine.layout, PROMPT, seed=2), Push(engine.layout, PROMPT, seed=3)
     half = wire.ChunkSpan(0, 1, 0, blocks_for_tokens(PROMPT, BLOCK_SIZE))
-    first = engine.begin_push("A")
-    engine.receive_chunk("A", engine.layout, PROMPT, *old.chunk(half), first)
-    second = engine.begin_push("A")
-    engine.receive_chunk("A", engine.layout, PROMPT, *new.chunk(new.whole()), second)
+    first = engine.receiver.begin_push("A")
+    engine.receiver.receive_chunk("A", engine.layout, PROMPT, *old.chunk(half), first)
+    second = engine.receiver.begin_push("A")
+    engine.receiver.receive_chunk("A", engine.layout, PROMPT, *new.chunk(new.whole()), second)
     with pytest.raises(Aborted, match="superseded"):
-        engine.receive_chunk("A", engine.layout, PROMPT, *old.chunk(half), first)
-    engine.fail_push("A", first)  # the stale stream ends: no effect on the new push
-    engine.finish_push("A", second)
+        engine.receiver.receive_chunk("A", engine.layout, PROMPT, *old.chunk(half), first)
+    engine.receiver.fail_push("A", first)  # the stale stream ends: no effect on the new push
+    engine.receiver.finish_push("A", second)
     table = engine._seqs["A"].block_table[:blocks_for_tokens(PROMPT, BLOCK_SIZE)]
     assert torch.equal(engine.pool.cache[:, :, table],
                        new.pool.cache[:, :, new.block_table])

@@ -1,0 +1,100 @@
+"""The receiving side of K/V pushes into a decode worker's reservations, for every transport.
+
+A push is one stream of chunks for one reservation. `begin_push` opens it and returns its
+epoch; a newer push for the same reservation supersedes it, so a silent sender's late chunks
+are refused instead of mixing two pushes' pages. Each chunk is validated (layout, prompt
+length, span, checksum, overlap) before one copy into the reservation's blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from decode_worker.sequence import DecodeSeq, Phase, lookup
+from kvferry.cache.layout import KvLayout
+from kvferry.cache.pool import KvPool
+from kvferry.errors import Aborted, AlreadyExists, InvalidArgument
+from kvferry.transfer import wire
+
+
+class KvReceiver:
+    """Writes pushed pages into the engine's reservations (`seqs`, read-only here: the engine
+    creates and releases them). Calls `on_complete` once a reservation's K/V is all in."""
+
+    def __init__(self, layout: KvLayout, pool: KvPool, seqs: Mapping[str, DecodeSeq],
+                 on_complete: Callable[[], None]) -> None:
+        self.layout = layout
+        self.pool = pool
+        self._seqs = seqs
+        self._on_complete = on_complete
+        self.kv_bytes_received = 0
+
+    def begin_push(self, request_id: str) -> int:
+        """A push stream starts: it supersedes any unfinished one for the same reservation (a
+        prefill worker that went silent mid-push while the router had another one push
+        again), whose pages are forgotten and whose later chunks are refused. Returns the
+        push's epoch, which its chunks carry."""
+        seq = self._check_incomplete(lookup(self._seqs, request_id))
+        seq.push_epoch += 1
+        seq.received[:] = False
+        return seq.push_epoch
+
+    def _check_incomplete(self, seq: DecodeSeq) -> DecodeSeq:
+        """A push may still fill this reservation. A complete one not yet decoding answers
+        ALREADY_EXISTS: a prefill worker lost just after its push ended makes the router
+        prefill again, and the second push finds the same prompt's K/V in place."""
+        if seq.phase is not Phase.RESERVED:
+            raise InvalidArgument(f"request {seq.request_id!r} is already decoding",
+                                  "request_id")
+        if seq.is_kv_complete:
+            raise AlreadyExists(f"K/V for {seq.request_id!r} is already complete",
+                                "request_id")
+        return seq
+
+    def _check_epoch(self, seq: DecodeSeq, epoch: int | None) -> None:
+        if epoch is not None and epoch != seq.push_epoch:
+            raise Aborted(f"push for {seq.request_id!r} superseded by a newer one")
+
+    def receive_chunk(self, request_id: str, layout: KvLayout, num_tokens: int,
+                      span: wire.ChunkSpan, data: bytes, crc32: int,
+                      epoch: int | None = None) -> int:
+        """Validate one chunk against layout and reservation, then write it. Returns bytes.
+        `epoch`: from begin_push; None for a caller that opened no push."""
+        seq = lookup(self._seqs, request_id)
+        self._check_epoch(seq, epoch)
+        self._check_incomplete(seq)
+        problem = self.layout.mismatch(layout)
+        if problem:
+            raise InvalidArgument(problem, "layout")
+        if num_tokens != seq.num_prompt_tokens:
+            raise InvalidArgument(
+                f"num_tokens {num_tokens} != reserved prompt length {seq.num_prompt_tokens}",
+                "num_tokens",
+            )
+        wire.check_span(self.layout, num_tokens, span, len(data))
+        if wire.crc32(data) != crc32:
+            raise InvalidArgument("chunk checksum mismatch: corrupted in flight", "crc32")
+        rows = slice(span.layer_start, span.layer_end)
+        cols = slice(span.block_start, span.block_start + span.num_blocks)
+        if seq.received[rows, cols].any():
+            raise InvalidArgument("chunk overlaps pages already received", "block_start")
+        wire.unpack_into(self.pool, seq.block_table, span, data)
+        seq.received[rows, cols] = True
+        self.kv_bytes_received += len(data)
+        return len(data)
+
+    def finish_push(self, request_id: str, epoch: int | None = None) -> None:
+        seq = lookup(self._seqs, request_id)
+        self._check_epoch(seq, epoch)
+        missing = int((~seq.received).sum())
+        if missing:
+            raise InvalidArgument(f"push ended with {missing} pages missing", "data")
+        seq.is_kv_complete = True
+        self._on_complete()
+
+    def fail_push(self, request_id: str, epoch: int | None = None) -> None:
+        """A push broke off: forget partial pages so the prompt can be pushed again (unless
+        a newer push has taken over the reservation)."""
+        seq = self._seqs.get(request_id)
+        if seq is not None and not seq.is_kv_complete and epoch in (None, seq.push_epoch):
+            seq.received[:] = False
