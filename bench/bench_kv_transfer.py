@@ -26,7 +26,8 @@ from deploy import client
 from deploy.default_model import ensure_default_model
 from deploy.launcher import Deployment
 from deploy.processes import tune_malloc
-from kvferry.cache.pool import KvPool, blocks_for_tokens
+from kvferry.cache.layout import KvLayout, blocks_for_tokens
+from kvferry.cache.pool import KvPool
 from kvferry.model.checkpoint import ModelSpec, make_model
 from kvferry.rpc import grpc_util
 from kvferry.transfer import wire
@@ -54,7 +55,7 @@ def _time(fn) -> float:
     return time.perf_counter() - start
 
 
-async def push_gbps(sender: KvSender, address: str, pool: KvPool, layout: wire.KvLayout,
+async def push_gbps(sender: KvSender, address: str, pool: KvPool, layout: KvLayout,
                     num_tokens: int, reps: int) -> float:
     table = list(range(blocks_for_tokens(num_tokens, pool.block_size)))
     best = float("inf")
@@ -78,7 +79,7 @@ def measure(deployment: Deployment, make_sender, sizes_mib: list[int], reps: int
     """GB/s of pushes of each size from this process into the deployment's decode worker."""
     address = deployment.addresses("decode")[0]
     with grpc_util_sync_stats(address) as fingerprint:
-        layout = wire.KvLayout.of_pool(pool, fingerprint)
+        layout = KvLayout.of_pool(pool, fingerprint)
     rates = []
     for size in sizes_mib:
         tokens = size * (1 << 20) // BYTES_PER_TOKEN
@@ -181,7 +182,7 @@ def ray_stage_gbps(pool: KvPool, size_mib: int, chunk_bytes: int) -> dict[str, f
     zero-copy map on one node), and the write into a second pool. GB/s of each."""
     import ray
 
-    layout = wire.KvLayout.of_pool(pool, "bench")
+    layout = KvLayout.of_pool(pool, "bench")
     tokens = size_mib * (1 << 20) // BYTES_PER_TOKEN
     table = list(range(blocks_for_tokens(tokens, pool.block_size)))
     spans = wire.plan_chunks(layout, tokens, chunk_bytes)

@@ -112,7 +112,7 @@ def main() -> None:
     args = parser.parse_args()
     RATE[0] = args.rate
     model = args.model or ensure_default_model()
-    from kvferry.cache.capacity import KvShape
+    from kvferry.cache.layout import KvShape
 
     shape = KvShape.from_config(model, "float32")
     pool_bytes = args.pool_blocks * shape.bytes_per_token * 16

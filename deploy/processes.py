@@ -13,12 +13,11 @@ from typing import NamedTuple, Protocol
 import grpc
 import torch
 
-from kvferry.cache.capacity import KvShape
-from kvferry.cache.pool import DTYPES, KvPool, dtype_name
+from kvferry.cache.layout import KvLayout, KvShape, dtype_name, torch_dtype
+from kvferry.cache.pool import KvPool
 from kvferry.model.config import load_model_config
 from kvferry.rpc import grpc_util, security
 from kvferry.settings import RouterSettings, SecuritySettings, WorkerSettings, parse_pool_size
-from kvferry.transfer import wire
 from kvferry.transfer.sender import KvSender
 
 log = logging.getLogger("kvferry")
@@ -46,7 +45,7 @@ def _device_and_dtype(settings: WorkerSettings) -> tuple[torch.device, torch.dty
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
     if settings.dtype != "auto":
-        dtype = DTYPES[settings.dtype]
+        dtype = torch_dtype(settings.dtype)
     else:
         dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
     backend = settings.attention_backend
@@ -65,7 +64,7 @@ def build_pool(settings: WorkerSettings, config, device: torch.device,
                dtype: torch.dtype) -> KvPool:
     size = parse_pool_size(settings.kv_pool_size, _memory_bytes(device))
     shape = KvShape(config.num_layers, config.num_kv_heads, config.head_dim, dtype_name(dtype))
-    per_block = shape.bytes_per_token * settings.block_size
+    per_block = shape.bytes_per_block(settings.block_size)
     num_blocks = size // per_block
     if num_blocks < 1:
         raise ValueError(f"kv_pool_size: {size} bytes holds no {per_block}-byte block")
@@ -164,7 +163,7 @@ def build_worker(settings: WorkerSettings) -> tuple[Built, object]:
     device, dtype, backend_name = _device_and_dtype(settings)
     model = Transformer(config, get_attention_backend(backend_name), dtype, device)
     pool = build_pool(settings, config, device, dtype)
-    layout = wire.KvLayout.of_pool(pool, config.fingerprint)
+    layout = KvLayout.of_pool(pool, config.fingerprint)
     creds = security.load(settings.security)
     server = grpc_util.make_server(interceptors=security.server_interceptors(creds))
     health = grpc_util.add_health(server)

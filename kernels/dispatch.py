@@ -27,7 +27,10 @@ BACKEND_NAMES = ("torch", "triton")
 
 
 class AttentionBackend(NamedTuple):
-    """The two paged-KV operations a decode step needs, from one implementation."""
+    """The two paged-KV operations the model needs, from one implementation: the one
+    interface between `kvferry.model.transformer` and the kernels (the core imports it from
+    here; kernels/ never imports kvferry). Both work on one layer's pages,
+    k_cache / v_cache [num_blocks, block_size, kv_heads, head_dim]."""
 
     name: str
     decode_attention: DecodeAttentionFn

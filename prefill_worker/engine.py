@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from kvferry.cache.block_queue import BlockQueue
-from kvferry.cache.pool import IntegrityReport, KvPool, blocks_for_tokens
+from kvferry.cache.layout import KvLayout, blocks_for_tokens
+from kvferry.cache.pool import IntegrityReport, KvPool
 from kvferry.cache.stats import PoolStats
 from kvferry.errors import Aborted, InvalidArgument, NotFound, Unavailable
 from kvferry.model.prefill_batch import (
@@ -33,7 +34,6 @@ from kvferry.model.prefill_batch import (
 )
 from kvferry.model.sampling import SamplingParams, validate_prompt
 from kvferry.model.transformer import Transformer
-from kvferry.transfer import wire
 from kvferry.transfer.sender import KvSender, PushResult
 
 log = logging.getLogger("kvferry.prefill")
@@ -61,7 +61,7 @@ class Parked:
 class PrefillEngine:
     """Validates prompts, queues them on the batcher, pushes each one's pages when done."""
 
-    def __init__(self, model: Transformer, pool: KvPool, layout: wire.KvLayout,
+    def __init__(self, model: Transformer, pool: KvPool, layout: KvLayout,
                  sender: KvSender, token_budget: int = DEFAULT_TOKEN_BUDGET,
                  chunk_size: int = DEFAULT_CHUNK_SIZE, max_waiting: int = 256) -> None:
         self.model = model

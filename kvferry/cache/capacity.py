@@ -1,57 +1,13 @@
-"""K/V capacity arithmetic: `kvferry plan` and the router's headroom use this one module.
+"""`kvferry plan`: what a batch of requests costs in K/V and how many fit in a pool.
 
-bytes per token = 2 (K and V) x layers x kv_heads x head_dim x bytes per element.
+The byte arithmetic itself is `KvShape`'s (kvferry/cache/layout.py); this only adds it up.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
-from pathlib import Path
 from typing import NamedTuple
 
-from kvferry.cache.pool import blocks_for_tokens
-
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "int8": 1}
-
-
-@dataclass(frozen=True)
-class KvShape:
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str = "bfloat16"
-
-    def __post_init__(self) -> None:
-        if self.dtype not in DTYPE_BYTES:
-            raise ValueError(f"dtype: unknown {self.dtype!r}; one of {sorted(DTYPE_BYTES)}")
-        for name in ("num_layers", "num_kv_heads", "head_dim"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be >= 1")
-
-    @property
-    def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
-
-    @staticmethod
-    def from_config(path: str | Path, dtype: str = "bfloat16") -> KvShape:
-        """From a checkpoint directory or a config.json file (no weights needed)."""
-        config_path = Path(path)
-        if config_path.is_dir():
-            config_path = config_path / "config.json"
-        raw = json.loads(config_path.read_text())
-        heads = raw["num_attention_heads"]
-        return KvShape(
-            num_layers=raw["num_hidden_layers"],
-            num_kv_heads=raw.get("num_key_value_heads") or heads,
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
-            dtype=dtype,
-        )
-
-
-def blocks_needed(prompt_tokens: int, max_tokens: int, block_size: int) -> int:
-    """Blocks a request may occupy at its longest: ceil((prompt + max_tokens) / block_size)."""
-    return blocks_for_tokens(prompt_tokens + max_tokens, block_size)
+from kvferry.cache.layout import KvShape, blocks_needed
 
 
 class Plan(NamedTuple):
@@ -71,7 +27,7 @@ def plan(shape: KvShape, prompt_tokens: int, output_tokens: int, batch: int,
     tokens = prompt_tokens + output_tokens
     per_request = shape.bytes_per_token * tokens
     blocks = blocks_needed(prompt_tokens, output_tokens, block_size)
-    pool_blocks = pool_bytes // (shape.bytes_per_token * block_size)
+    pool_blocks = pool_bytes // shape.bytes_per_block(block_size)
     return Plan(shape.bytes_per_token, tokens, per_request, per_request * batch, blocks,
                 pool_blocks, pool_blocks // blocks if blocks else 0)
 

@@ -14,24 +14,6 @@ import torch
 
 from kvferry.errors import ResourceExhausted
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    for name, value in DTYPES.items():
-        if value == dtype:
-            return name
-    raise ValueError(f"unsupported dtype {dtype}")
-
-
-def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
-    """Blocks needed to hold `num_tokens` positions."""
-    return (num_tokens + block_size - 1) // block_size
-
 
 class IntegrityReport(NamedTuple):
     ok: bool

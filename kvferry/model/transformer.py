@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from kernels.dispatch import AttentionBackend
 from kvferry.cache.pool import KvPool
 from kvferry.model.config import ModelConfig
 
@@ -49,20 +50,6 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-class AttentionBackend(Protocol):
-    """What the model needs from `kernels.dispatch.get_attention_backend(name)`."""
-
-    def write_kv(
-        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None: ...
-
-    def decode_attention(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        block_table: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float,
-    ) -> torch.Tensor: ...
 
 
 class DenseKv(Protocol):

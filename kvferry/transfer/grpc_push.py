@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from kvferry.cache.layout import KvLayout
 from kvferry.cache.pool import KvPool
 from kvferry.errors import Remote
 from kvferry.rpc import chunk_codec, convert, security
@@ -79,7 +80,7 @@ class GrpcKvSender:
             response_deserializer=worker_pb2.PushKvResponse.FromString)
 
     async def push(
-        self, address: str, request_id: str, layout: wire.KvLayout, num_tokens: int,
+        self, address: str, request_id: str, layout: KvLayout, num_tokens: int,
         pool: KvPool, block_table: list[int], timeout_s: float | None,
         ready: LayersReady | None = None,
     ) -> PushResult:

@@ -21,6 +21,7 @@ from typing import NamedTuple
 import grpc
 import ray
 
+from kvferry.cache.layout import KvLayout
 from kvferry.cache.pool import KvPool
 from kvferry.errors import Remote
 from kvferry.transfer import wire
@@ -76,7 +77,7 @@ class RayKvSender:
         return self._actors[address]
 
     async def push(
-        self, address: str, request_id: str, layout: wire.KvLayout, num_tokens: int,
+        self, address: str, request_id: str, layout: KvLayout, num_tokens: int,
         pool: KvPool, block_table: list[int], timeout_s: float | None,
         ready: LayersReady | None = None,
     ) -> PushResult:
@@ -108,7 +109,7 @@ class RayKvSender:
         raise Remote(f"K/V for {request_id!r} corrupted in flight {self.max_resends + 1} "
                      "times", grpc.StatusCode.DATA_LOSS.value[0])
 
-    async def _send(self, actor: ray.actor.ActorHandle, request_id: str, layout: wire.KvLayout,
+    async def _send(self, actor: ray.actor.ActorHandle, request_id: str, layout: KvLayout,
                     num_tokens: int, pool: KvPool, block_table: list[int],
                     spans: list[wire.ChunkSpan], ready: LayersReady | None,
                     corrupt: bool) -> tuple[list[ChunkAck], float]:

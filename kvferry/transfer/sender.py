@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import NamedTuple, Protocol
 
+from kvferry.cache.layout import KvLayout
 from kvferry.cache.pool import KvPool
-from kvferry.transfer import wire
 
 
 class PushResult(NamedTuple):
@@ -27,7 +27,7 @@ class KvSender(Protocol):
     num_corrupt_pushes: int  # pushes the receiver refused as corrupted in flight
 
     async def push(
-        self, address: str, request_id: str, layout: wire.KvLayout, num_tokens: int,
+        self, address: str, request_id: str, layout: KvLayout, num_tokens: int,
         pool: KvPool, block_table: list[int], timeout_s: float | None,
         ready: LayersReady | None = None,
     ) -> PushResult: ...

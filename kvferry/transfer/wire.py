@@ -6,60 +6,23 @@ laid out as [layers, 2 (K, V), blocks, block_size, kv_heads, head_dim] in the po
 C order, with a CRC-32. Chunks aim at about 1 MiB: whole layers are grouped when they are
 small, a layer's blocks are split when it is large. The receiver checks every header against
 its own layout and the reservation before it writes a byte, and writes each chunk into its
-blocks with one copy.
+blocks with one copy. The layout both ends compare is `kvferry.cache.layout.KvLayout`.
 """
 
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import crc32c
 import numpy as np
 import torch
 
-from kvferry.cache.pool import DTYPES, KvPool, blocks_for_tokens, dtype_name
+from kvferry.cache.layout import KvLayout, blocks_for_tokens
+from kvferry.cache.pool import KvPool
 from kvferry.errors import InvalidArgument
 
 CHUNK_TARGET_BYTES = 1 << 20
-
-
-@dataclass(frozen=True)
-class KvLayout:
-    """Pool shape two workers must share to exchange pages (mirrors proto KvLayout)."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
-    dtype: str
-    model_fingerprint: str
-
-    @staticmethod
-    def of_pool(pool: KvPool, model_fingerprint: str) -> KvLayout:
-        return KvLayout(
-            pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.block_size,
-            dtype_name(pool.dtype), model_fingerprint,
-        )
-
-    @property
-    def element_size(self) -> int:
-        return torch.empty((), dtype=DTYPES[self.dtype]).element_size()
-
-    @property
-    def bytes_per_layer_block(self) -> int:
-        """K and V of one block in one layer."""
-        return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.element_size
-
-    def mismatch(self, other: KvLayout) -> str | None:
-        """Name the first field that differs, or None when the layouts match."""
-        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype",
-                     "model_fingerprint"):
-            mine, theirs = getattr(self, name), getattr(other, name)
-            if mine != theirs:
-                return f"layout.{name}: sender has {theirs!r}, receiver has {mine!r}"
-        return None
 
 
 class ChunkSpan(NamedTuple):

@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from kernels.dispatch import get_attention_backend
+from kvferry.cache.layout import KvLayout
 from kvferry.cache.pool import KvPool
 from kvferry.errors import Aborted, NotFound
 from kvferry.model.config import load_model_config
 from kvferry.model.sampling import SamplingParams
 from kvferry.model.transformer import Transformer
-from kvferry.transfer import wire
 from kvferry.transfer.sender import LayersReady, PushResult
 from prefill_worker.engine import FirstTokenEvent, PrefillEngine, PushedEvent
 
@@ -35,7 +35,7 @@ class RecordingSender:
     def __init__(self) -> None:
         self.pushes: dict[str, tuple[str, torch.Tensor]] = {}
 
-    async def push(self, address: str, request_id: str, layout: wire.KvLayout,
+    async def push(self, address: str, request_id: str, layout: KvLayout,
                    num_tokens: int, pool: KvPool, block_table: list[int],
                    timeout_s: float | None, ready: LayersReady | None = None) -> PushResult:
         if ready is not None:
@@ -54,7 +54,7 @@ def _engine(checkpoint: Path, num_blocks: int) -> tuple[PrefillEngine, Recording
     pool = KvPool(config.num_layers, config.num_kv_heads, config.head_dim, BLOCK_SIZE,
                   num_blocks, torch.float32)
     sender = RecordingSender()
-    engine = PrefillEngine(model, pool, wire.KvLayout.of_pool(pool, config.fingerprint), sender)
+    engine = PrefillEngine(model, pool, KvLayout.of_pool(pool, config.fingerprint), sender)
     engine.start()
     return engine, sender
 

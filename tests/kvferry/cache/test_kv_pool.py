@@ -3,7 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvferry.cache.pool import BlockAllocator, KvPool, blocks_for_tokens
+from kvferry.cache.layout import blocks_for_tokens
+from kvferry.cache.pool import BlockAllocator, KvPool
 from kvferry.errors import ResourceExhausted
 
 

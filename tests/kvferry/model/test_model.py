@@ -9,7 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kernels.dispatch import get_attention_backend
-from kvferry.cache.pool import KvPool, blocks_for_tokens
+from kvferry.cache.layout import blocks_for_tokens
+from kvferry.cache.pool import KvPool
 from kvferry.model.config import load_model_config
 from kvferry.model.transformer import Transformer
 

@@ -10,6 +10,7 @@ import grpc
 import pytest
 import torch
 
+from kvferry.cache.layout import KvLayout
 from kvferry.cache.pool import KvPool
 from kvferry.errors import Remote
 from kvferry.rpc import chunk_codec
@@ -33,7 +34,7 @@ class _FakePushKv:
 def test_layer_groups_leave_as_soon_as_written() -> None:
     pool = KvPool(num_layers=8, num_kv_heads=2, head_dim=8, block_size=4, num_blocks=16,
                   dtype=torch.float32)
-    layout = wire.KvLayout.of_pool(pool, "fp")
+    layout = KvLayout.of_pool(pool, "fp")
     released = [0]
     log: list[tuple[int, int]] = []
     sender = GrpcKvSender()
@@ -92,7 +93,7 @@ def _push(answers: list[tuple[grpc.StatusCode, str] | None],
     pool = KvPool(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, num_blocks=4,
                   dtype=torch.float32)
     pool.cache.normal_()
-    layout = wire.KvLayout.of_pool(pool, "fp")
+    layout = KvLayout.of_pool(pool, "fp")
     sender = sender or GrpcKvSender()
     fake = fake or _RefusingPushKv(answers)
     sender._push_kv = lambda address: fake  # type: ignore[method-assign]

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvferry.cache.layout import KvLayout
 from kvferry.cache.pool import KvPool
 from kvferry.errors import InvalidArgument
 from kvferry.transfer import wire
@@ -19,7 +20,7 @@ def _pool(num_blocks: int = 32, dtype: torch.dtype = torch.float32) -> KvPool:
     (17, 700, 1 << 20)])
 def test_plan_covers_every_page_once(num_tokens: int, target: int, min_group: int) -> None:
     pool = _pool()
-    layout = wire.KvLayout.of_pool(pool, "fp")
+    layout = KvLayout.of_pool(pool, "fp")
     seen = wire.coverage(layout, num_tokens).astype(int)
     for span in wire.plan_chunks(layout, num_tokens, target, min_group):
         seen[span.layer_start:span.layer_end,
@@ -29,7 +30,7 @@ def test_plan_covers_every_page_once(num_tokens: int, target: int, min_group: in
 
 @pytest.mark.parametrize("min_group_kib,num_groups", [(0, 4), (8, 4), (16, 2), (1024, 1)])
 def test_small_pushes_go_in_fewer_layer_groups(min_group_kib: int, num_groups: int) -> None:
-    layout = wire.KvLayout(16, 2, 8, 4, "float32", "fp")  # 2 KiB per layer for 16 tokens
+    layout = KvLayout(16, 2, 8, 4, "float32", "fp")  # 2 KiB per layer for 16 tokens
     spans = wire.plan_chunks(layout, 16, 1 << 20, min_group_kib << 10)
     assert len(spans) == num_groups
     assert {s.layer_end - s.layer_start for s in spans} == {16 // num_groups}
@@ -39,7 +40,7 @@ def test_small_pushes_go_in_fewer_layer_groups(min_group_kib: int, num_groups: i
 def test_pack_unpack_roundtrip_between_pools(dtype: torch.dtype) -> None:
     src, dst = _pool(dtype=dtype), _pool(dtype=dtype)
     src.cache.copy_(torch.randn(src.cache.shape).to(dtype))
-    layout = wire.KvLayout.of_pool(src, "fp")
+    layout = KvLayout.of_pool(src, "fp")
     src_table, dst_table = [3, 7, 1, 9, 4], [20, 2, 11, 5, 30]
     num_tokens = 18
     for span in wire.plan_chunks(layout, num_tokens, 600):
@@ -52,7 +53,7 @@ def test_pack_unpack_roundtrip_between_pools(dtype: torch.dtype) -> None:
 
 
 def test_check_span_rejects_out_of_range_and_bad_sizes() -> None:
-    layout = wire.KvLayout.of_pool(_pool(), "fp")
+    layout = KvLayout.of_pool(_pool(), "fp")
     ok = wire.ChunkSpan(0, 1, 0, 2)
     size = layout.bytes_per_layer_block * 2
     wire.check_span(layout, 8, ok, size)
@@ -68,11 +69,11 @@ def test_check_span_rejects_out_of_range_and_bad_sizes() -> None:
 
 
 def test_layout_mismatch_names_the_field() -> None:
-    a = wire.KvLayout(2, 2, 8, 16, "float32", "abc")
+    a = KvLayout(2, 2, 8, 16, "float32", "abc")
     assert a.mismatch(a) is None
-    b = wire.KvLayout(2, 2, 8, 32, "float32", "abc")
+    b = KvLayout(2, 2, 8, 32, "float32", "abc")
     assert "block_size" in (a.mismatch(b) or "")
-    c = wire.KvLayout(2, 2, 8, 16, "float32", "xyz")
+    c = KvLayout(2, 2, 8, 16, "float32", "xyz")
     assert "model_fingerprint" in (a.mismatch(c) or "")
     assert isinstance(wire.coverage(a, 17), np.ndarray)
 

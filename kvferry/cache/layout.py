@@ -1,0 +1,150 @@
+"""The K/V layout: the one definition of how big a worker's K/V pages are.
+
+`KvShape` is the geometry a model fixes (layers, kv heads, head dim, dtype) and owns the
+arithmetic: bytes per token = 2 (K and V) x layers x kv_heads x head_dim x bytes per element.
+`KvLayout` is that geometry plus what a running pool adds (block size, model fingerprint):
+what two workers must share to exchange pages (mirrors proto `KvLayout`). `kvferry plan` and
+the router's headroom use the shape; pools, the wire format and the peers' handshake use the
+layout. The dtype table and the token -> block rounding live here too, once.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+if TYPE_CHECKING:
+    from kvferry.cache.pool import KvPool
+
+
+class KvDtype(NamedTuple):
+    """One element type K/V may be stored in."""
+
+    torch_dtype: torch.dtype | None  # None: sized for `kvferry plan` only; no pool holds it
+    size_bytes: int
+
+
+DTYPES: dict[str, KvDtype] = {
+    "float32": KvDtype(torch.float32, 4),
+    "float16": KvDtype(torch.float16, 2),
+    "bfloat16": KvDtype(torch.bfloat16, 2),
+    # Quantized caches: `kvferry plan` sizes them, the pool and the kernels do not store them.
+    "fp8": KvDtype(None, 1),
+    "int8": KvDtype(None, 1),
+}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype a pool stores `name` in; ValueError naming `dtype` when it has none."""
+    entry = DTYPES.get(name)
+    if entry is None or entry.torch_dtype is None:
+        pool_names = sorted(n for n, e in DTYPES.items() if e.torch_dtype is not None)
+        raise ValueError(f"dtype: no K/V pool stores {name!r}; one of {pool_names}")
+    return entry.torch_dtype
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The table's name of a pool's torch dtype (the inverse of `torch_dtype`)."""
+    for name, entry in DTYPES.items():
+        if entry.torch_dtype == dtype:
+            return name
+    raise ValueError(f"unsupported dtype {dtype}")
+
+
+def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
+    """Blocks needed to hold `num_tokens` positions."""
+    return (num_tokens + block_size - 1) // block_size
+
+
+def blocks_needed(prompt_tokens: int, max_tokens: int, block_size: int) -> int:
+    """Blocks a request may occupy at its longest: ceil((prompt + max_tokens) / block_size)."""
+    return blocks_for_tokens(prompt_tokens + max_tokens, block_size)
+
+
+@dataclass(frozen=True)
+class KvShape:
+    """The K/V geometry of a model at one dtype, and all the byte arithmetic on it."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: unknown {self.dtype!r}; one of {sorted(DTYPES)}")
+        for name in ("num_layers", "num_kv_heads", "head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1")
+
+    @property
+    def bytes_per_token_layer(self) -> int:
+        """K and V of one token in one layer."""
+        return 2 * self.num_kv_heads * self.head_dim * DTYPES[self.dtype].size_bytes
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.num_layers * self.bytes_per_token_layer
+
+    def bytes_per_block(self, block_size: int) -> int:
+        """K and V of one block in every layer: the unit a pool is carved into."""
+        return block_size * self.bytes_per_token
+
+    @staticmethod
+    def from_config(path: str | Path, dtype: str = "bfloat16") -> KvShape:
+        """From a checkpoint directory or a config.json file (no weights needed)."""
+        config_path = Path(path)
+        if config_path.is_dir():
+            config_path = config_path / "config.json"
+        raw = json.loads(config_path.read_text())
+        heads = raw["num_attention_heads"]
+        return KvShape(
+            num_layers=raw["num_hidden_layers"],
+            num_kv_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            dtype=dtype,
+        )
+
+
+@dataclass(frozen=True)
+class KvLayout:
+    """A pool's layout: its shape, block size and model. Two workers exchange pages only when
+    their layouts are equal. Built from a peer's message without validation, so that
+    `mismatch` can name what differs; only a validated layout's sizes are asked for."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str
+    model_fingerprint: str = ""  # empty when only sizes matter (`kvferry plan`)
+
+    @staticmethod
+    def of_pool(pool: KvPool, model_fingerprint: str) -> KvLayout:
+        return KvLayout(
+            pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.block_size,
+            dtype_name(pool.dtype), model_fingerprint,
+        )
+
+    @cached_property
+    def shape(self) -> KvShape:
+        """The geometry part (validated here: ValueError on a bad dtype or size)."""
+        return KvShape(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
+
+    @property
+    def bytes_per_layer_block(self) -> int:
+        """K and V of one block in one layer."""
+        return self.block_size * self.shape.bytes_per_token_layer
+
+    def mismatch(self, other: KvLayout) -> str | None:
+        """Name the first field that differs, or None when the layouts match."""
+        for field in fields(self):
+            mine, theirs = getattr(self, field.name), getattr(other, field.name)
+            if mine != theirs:
+                return f"layout.{field.name}: sender has {theirs!r}, receiver has {mine!r}"
+        return None
