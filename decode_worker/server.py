@@ -12,7 +12,7 @@ from decode_worker.sequence import DecodeEvent, ErrorEvent, FinishedEvent, Token
 from kvferry import logs
 from kvferry.errors import InvalidArgument, KvferryError
 from kvferry.rpc import chunk_codec, convert, grpc_util
-from kvferry.rpc.worker_servicer import AbortAndStats
+from kvferry.rpc.worker_servicer import PrefillStreamServicer, WorkerServicer, first_token
 from kvferry.transfer import wire
 from kvferry.v1 import worker_pb2, worker_pb2_grpc
 
@@ -45,11 +45,9 @@ def _drain(first: DecodeEvent, events: asyncio.Queue[DecodeEvent]) -> list[Decod
     return batch
 
 
-class DecodeServicer(AbortAndStats, worker_pb2_grpc.DecodeServiceServicer):
+class DecodeServicer(WorkerServicer[DecodeEngine], worker_pb2_grpc.DecodeServiceServicer):
     def __init__(self, engine: DecodeEngine, role: str = "decode") -> None:
-        self.engine = engine
-        self.role = role
-        self.layout_msg = convert.layout_to_proto(engine.layout)
+        super().__init__(engine, role, engine.layout)
 
     async def Reserve(self, request: worker_pb2.ReserveRequest,
                       context: grpc.aio.ServicerContext) -> worker_pb2.ReserveResponse:
@@ -158,35 +156,27 @@ class KvTransferServicer(worker_pb2_grpc.KvTransferServiceServicer):
         return worker_pb2.PushKvResponse(bytes_written=written)
 
 
-class LocalPrefillServicer(AbortAndStats, worker_pb2_grpc.PrefillServiceServicer):
+class LocalPrefillServicer(PrefillStreamServicer[DecodeEngine],
+                           worker_pb2_grpc.PrefillServiceServicer):
     """PrefillService of a decode (or colocated) worker: prompts are prefilled into this
     worker's own reservations, interleaved with decode steps in one loop; nothing is shipped.
     Colocated workers get every prompt this way; decode workers get the short ones
     (conditional disaggregation)."""
 
     def __init__(self, engine: DecodeEngine, role: str) -> None:
-        self.engine = engine
-        self.role = role
-        self.layout_msg = convert.layout_to_proto(engine.layout)
+        super().__init__(engine, role, engine.layout)
 
-    async def Prefill(self, request: worker_pb2.PrefillRequest,
-                      context: grpc.aio.ServicerContext
-                      ) -> AsyncIterator[worker_pb2.PrefillResponse]:
-        logs.request_id.set(request.request_id)
-        try:
-            if not request.is_local_decode:
-                raise InvalidArgument("a decode worker prefills only its own reservations",
-                                      "is_local_decode")
-            params = convert.sampling_from_proto(request.sampling)
-            token, prefill_s = await self.engine.prefill_local(
-                request.request_id, list(request.prompt_token_ids), params,
-                request.num_generated)
-        except Exception as exc:
-            await grpc_util.abort_with(context, exc, request.request_id)
-            return
-        yield worker_pb2.PrefillResponse(
-            first_token=worker_pb2.FirstToken(token_id=token, prefill_s=prefill_s))
-        yield worker_pb2.PrefillResponse(done=worker_pb2.PrefillDone())
+    async def _responses(self, request: worker_pb2.PrefillRequest,
+                         context: grpc.aio.ServicerContext
+                         ) -> AsyncIterator[worker_pb2.PrefillResponse]:
+        if not request.is_local_decode:
+            raise InvalidArgument("a decode worker prefills only its own reservations",
+                                  "is_local_decode")
+        token, prefill_s = await self.engine.prefill_local(
+            request.request_id, list(request.prompt_token_ids),
+            convert.sampling_from_proto(request.sampling), request.num_generated)
+        yield first_token(token, prefill_s)
+        yield worker_pb2.PrefillResponse(done=worker_pb2.PrefillDone())  # nothing shipped
 
 
 

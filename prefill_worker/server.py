@@ -7,43 +7,34 @@ from contextlib import aclosing
 
 import grpc
 
-from kvferry import logs
 from kvferry.rpc import convert, grpc_util
-from kvferry.rpc.worker_servicer import AbortAndStats
+from kvferry.rpc.worker_servicer import PrefillStreamServicer, first_token
 from kvferry.v1 import worker_pb2, worker_pb2_grpc
 from prefill_worker.engine import FirstTokenEvent, PrefillEngine
 
 
-class PrefillServicer(AbortAndStats, worker_pb2_grpc.PrefillServiceServicer):
-    role = "prefill"
-
+class PrefillServicer(PrefillStreamServicer[PrefillEngine],
+                      worker_pb2_grpc.PrefillServiceServicer):
     def __init__(self, engine: PrefillEngine) -> None:
-        self.engine = engine
-        self.layout_msg = convert.layout_to_proto(engine.layout)
+        super().__init__(engine, "prefill", engine.layout)
 
-    async def Prefill(self, request: worker_pb2.PrefillRequest,
-                      context: grpc.aio.ServicerContext
-                      ) -> AsyncIterator[worker_pb2.PrefillResponse]:
-        logs.request_id.set(request.request_id)
-        try:
-            params = convert.sampling_from_proto(request.sampling)
-            events = self.engine.prefill(
-                request.request_id, list(request.prompt_token_ids), params,
-                request.decode_address, context.time_remaining(), request.num_generated,
-                request.defer_push,
-            )
-            # aclosing: if we are cancelled while suspended at our own yield, the engine's
-            # generator still runs its cleanup (frees the blocks) right away.
-            async with aclosing(events):
-                async for event in events:
-                    if isinstance(event, FirstTokenEvent):
-                        yield worker_pb2.PrefillResponse(first_token=worker_pb2.FirstToken(
-                            token_id=event.token_id, prefill_s=event.prefill_s))
-                    else:
-                        yield worker_pb2.PrefillResponse(done=worker_pb2.PrefillDone(
-                            kv_transfer_s=event.kv_transfer_s, kv_bytes=event.kv_bytes))
-        except Exception as exc:
-            await grpc_util.abort_with(context, exc, request.request_id)
+    async def _responses(self, request: worker_pb2.PrefillRequest,
+                         context: grpc.aio.ServicerContext
+                         ) -> AsyncIterator[worker_pb2.PrefillResponse]:
+        events = self.engine.prefill(
+            request.request_id, list(request.prompt_token_ids),
+            convert.sampling_from_proto(request.sampling), request.decode_address,
+            context.time_remaining(), request.num_generated, request.defer_push,
+        )
+        # aclosing: if we are cancelled while suspended at our own yield, the engine's
+        # generator still runs its cleanup (frees the blocks) right away.
+        async with aclosing(events):
+            async for event in events:
+                if isinstance(event, FirstTokenEvent):
+                    yield first_token(event.token_id, event.prefill_s)
+                else:
+                    yield worker_pb2.PrefillResponse(done=worker_pb2.PrefillDone(
+                        kv_transfer_s=event.kv_transfer_s, kv_bytes=event.kv_bytes))
 
     async def Ship(self, request: worker_pb2.ShipRequest,
                    context: grpc.aio.ServicerContext) -> worker_pb2.ShipResponse:

@@ -1,29 +1,41 @@
-"""Abort and GetStats, the same on every worker servicer (prefill, decode, local prefill)."""
+"""What every worker servicer shares: Abort and GetStats over an engine (prefill, decode and
+local prefill servicers alike), and the edge of a Prefill stream (request id in the logs,
+sampling parameters, one status mapping) for the two PrefillService servicers."""
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Generic, Protocol, TypeVar
 
 import grpc
 
+from kvferry import logs
+from kvferry.cache.layout import KvLayout
 from kvferry.cache.stats import PoolStats
 from kvferry.rpc import convert, grpc_util
 from kvferry.v1 import generation_pb2, worker_pb2
 
 
-class _Engine(Protocol):
+class WorkerEngine(Protocol):
+    """What a worker servicer needs of its engine."""
+
     def abort(self, request_id: str) -> None: ...
 
     def stats(self, check_integrity: bool = False) -> PoolStats: ...
 
 
-class AbortAndStats:
-    """Mixin: list it before the generated servicer base. Needs `engine`, `role` and
-    `layout_msg` attributes."""
+EngineT = TypeVar("EngineT", bound=WorkerEngine)
 
-    engine: _Engine
-    role: str
-    layout_msg: worker_pb2.KvLayout
+
+class WorkerServicer(Generic[EngineT]):
+    """Abort and GetStats over `engine`. A servicer lists it before the generated servicer
+    base, whose methods answer UNIMPLEMENTED."""
+
+    def __init__(self, engine: EngineT, role: str, layout: KvLayout) -> None:
+        self.engine = engine
+        self.role = role  # WorkerStats.role: "prefill", "decode" or "colocated"
+        self.layout_msg = convert.layout_to_proto(layout)
 
     async def Abort(self, request: generation_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> generation_pb2.AbortResponse:
@@ -37,3 +49,33 @@ class AbortAndStats:
                        context: grpc.aio.ServicerContext) -> worker_pb2.WorkerStats:
         return convert.stats_to_proto(self.role, self.engine.stats(request.check_integrity),
                                       self.layout_msg)
+
+
+class PrefillStreamServicer(WorkerServicer[EngineT]):
+    """PrefillService's Prefill, once: a subclass turns one request into its responses
+    (`_responses`); errors it raises end the call with their status code."""
+
+    async def _responses(self, request: worker_pb2.PrefillRequest,
+                         context: grpc.aio.ServicerContext
+                         ) -> AsyncIterator[worker_pb2.PrefillResponse]:
+        raise NotImplementedError
+        yield  # an async generator, like its overrides
+
+    async def Prefill(self, request: worker_pb2.PrefillRequest,
+                      context: grpc.aio.ServicerContext
+                      ) -> AsyncIterator[worker_pb2.PrefillResponse]:
+        logs.request_id.set(request.request_id)
+        try:
+            responses = self._responses(request, context)
+            # aclosing: if we are cancelled while suspended at our own yield, the responses
+            # (and the engine generator they close in turn) run their cleanup right away.
+            async with aclosing(responses):
+                async for response in responses:
+                    yield response
+        except Exception as exc:
+            await grpc_util.abort_with(context, exc, request.request_id)
+
+
+def first_token(token_id: int, prefill_s: float) -> worker_pb2.PrefillResponse:
+    return worker_pb2.PrefillResponse(
+        first_token=worker_pb2.FirstToken(token_id=token_id, prefill_s=prefill_s))
