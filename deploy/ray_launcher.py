@@ -18,7 +18,7 @@ import ray
 
 from deploy.launcher import Deployment
 from kvferry.cache.layout import KvLayout
-from kvferry.transfer.ray_push import NAMESPACE, ChunkAck
+from kvferry.transfer.ray_push import NAMESPACE, ChunkAck, PushBegun
 from kvferry.transfer.wire import ChunkSpan
 
 log = logging.getLogger("kvferry.ray")
@@ -30,8 +30,11 @@ class ServerActor:
     """One kvferry server (router or worker) inside a Ray actor, on the actor's event loop."""
 
     def __init__(self) -> None:
+        from decode_worker.ray_receiver import RayKvReceiver
+
         self._built = None
-        self._engine = None  # a DecodeEngine when this actor decodes: it receives pushes
+        # The decode worker's end of Ray K/V pushes; refuses them unless this actor decodes.
+        self._receiver = RayKvReceiver(None)
         self._address = ""
 
     async def start(self, argv: list[str]) -> str:
@@ -49,7 +52,9 @@ class ServerActor:
             settings = cli.worker_settings(args)
             self._built, engine = processes.build_worker(settings)
             if settings.role != "prefill":
-                self._engine = engine
+                from decode_worker.ray_receiver import RayKvReceiver
+
+                self._receiver = RayKvReceiver(engine.receiver)
         await processes.start(self._built)
         host = settings.host
         if host in ("0.0.0.0", "::", ""):
@@ -68,35 +73,20 @@ class ServerActor:
             await processes.stop(self._built)
             self._built = None
 
+    # K/V push methods (kvferry.transfer.ray_push calls them): the receiver holds the epochs.
+    async def begin_push(self, request_id: str) -> PushBegun:
+        return self._receiver.begin(request_id)
+
     async def push_chunk(self, request_id: str, layout: KvLayout, num_tokens: int,
-                         span: ChunkSpan, data: object, crc32: int) -> ChunkAck:
-        """Validate one chunk against the reservation and write it (decode actors)."""
-        from kvferry.errors import InvalidArgument, KvferryError
-        from kvferry.rpc import grpc_util
+                         span: ChunkSpan, data: bytes, crc32: int, epoch: int) -> ChunkAck:
+        return self._receiver.push_chunk(request_id, layout, num_tokens, span, data, crc32,
+                                         epoch)
 
-        try:
-            if self._engine is None:
-                raise InvalidArgument("this actor does not decode", "request_id")
-            return ChunkAck(self._engine.receiver.receive_chunk(request_id, layout, num_tokens,
-                                                                span, data, crc32))
-        except KvferryError as exc:
-            code, message = grpc_util.describe(exc)
-            return ChunkAck(0, code.value[0], message, exc.field or "")
+    async def finish_push(self, request_id: str, epoch: int) -> ChunkAck:
+        return self._receiver.finish(request_id, epoch)
 
-    async def finish_push(self, request_id: str) -> ChunkAck:
-        from kvferry.errors import KvferryError
-        from kvferry.rpc import grpc_util
-
-        try:
-            self._engine.receiver.finish_push(request_id)
-        except KvferryError as exc:
-            code, message = grpc_util.describe(exc)
-            return ChunkAck(0, code.value[0], message, exc.field or "")
-        return ChunkAck(0)
-
-    async def fail_push(self, request_id: str) -> None:
-        if self._engine is not None:
-            self._engine.receiver.fail_push(request_id)
+    async def fail_push(self, request_id: str, epoch: int) -> None:
+        self._receiver.fail(request_id, epoch)
 
 
 @dataclass

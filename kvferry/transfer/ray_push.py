@@ -5,7 +5,10 @@ The prefill worker (a Ray actor) packs each layer group of a request's pages int
 (zero-copy from shared memory on the same node, through Ray's object manager across nodes)
 before the decode worker validates it and copies it into its blocks: the same checks and the
 same single copy as a gRPC chunk. Layer groups go as soon as the prefill forward has written
-them, so the transfer overlaps the later layers' compute.
+them, so the transfer overlaps the later layers' compute. Each push first opens an epoch on
+the decode actor (`begin_push`) that its chunks, finish and fail carry, as a gRPC PushKv
+stream does: a newer push for the same request fences off a superseded one's late chunks.
+The receiving side is decode_worker.ray_receiver.
 
 Decode actors are found by the gRPC address the router gives the prefill worker: every
 kvferry actor answers `address()`, and the sender keeps the mapping.
@@ -39,6 +42,14 @@ class ChunkAck(NamedTuple):
     error_code: int = 0  # a grpc.StatusCode number; 0: accepted
     error_message: str = ""
     error_field: str = ""
+
+
+class PushBegun(NamedTuple):
+    """The decode actor's answer to opening a push: the epoch its chunks, finish and fail
+    carry (a newer push for the same request supersedes it), or why it refused."""
+
+    epoch: int | None  # None: refused, see `refusal`
+    refusal: ChunkAck = ChunkAck(0)
 
 
 # Bigger chunks than gRPC's 1 MiB: each chunk is one `ray.put` and one actor call, ~3 ms of
@@ -87,7 +98,7 @@ class RayKvSender:
             corrupt = self._corrupt_left > 0
             self._corrupt_left -= corrupt
             try:
-                acks, started = await asyncio.wait_for(
+                epoch, acks, started = await asyncio.wait_for(
                     self._send(actor, request_id, layout, num_tokens, pool, block_table, spans,
                                ready, corrupt), timeout_s)
             except ray.exceptions.RayActorError as exc:
@@ -100,7 +111,8 @@ class RayKvSender:
             if refused.error_code == grpc.StatusCode.ALREADY_EXISTS.value[0]:
                 log.info("request %s: K/V already complete on the decode worker", request_id)
                 return PushResult(0, time.perf_counter() - started)  # see grpc_push.py
-            await actor.fail_push.remote(request_id)
+            if epoch is not None:  # an unopened push has no pages to forget
+                await actor.fail_push.remote(request_id, epoch)
             if refused.error_field != "crc32":
                 raise Remote(refused.error_message, refused.error_code)
             self.num_corrupt_pushes += 1
@@ -112,9 +124,13 @@ class RayKvSender:
     async def _send(self, actor: ray.actor.ActorHandle, request_id: str, layout: KvLayout,
                     num_tokens: int, pool: KvPool, block_table: list[int],
                     spans: list[wire.ChunkSpan], ready: LayersReady | None,
-                    corrupt: bool) -> tuple[list[ChunkAck], float]:
-        """Every chunk in flight at once (one actor call each), then the closing call.
-        Also returns when the first chunk went out (its layers ready)."""
+                    corrupt: bool) -> tuple[int | None, list[ChunkAck], float]:
+        """Open a push (its epoch fences a superseded one), every chunk in flight at once (one
+        actor call each), then the closing call. Returns the epoch (None: the actor refused
+        to open the push), the acks, and when the first chunk went out (its layers ready)."""
+        begun: PushBegun = await actor.begin_push.remote(request_id)
+        if begun.epoch is None:
+            return None, [begun.refusal], time.perf_counter()
         pending = []
         started = 0.0
         for i, span in enumerate(spans):
@@ -126,11 +142,11 @@ class RayKvSender:
             if corrupt and i == 0:
                 data[0] ^= 0xFF  # fault injection: after the checksum was taken
             pending.append(actor.push_chunk.remote(request_id, layout, num_tokens, span,
-                                                   ray.put(data), crc))
+                                                   ray.put(data), crc, begun.epoch))
         acks: list[ChunkAck] = list(await asyncio.gather(*pending))
         if not any(a.error_code for a in acks):
-            acks.append(await actor.finish_push.remote(request_id))
-        return acks, started
+            acks.append(await actor.finish_push.remote(request_id, begun.epoch))
+        return begun.epoch, acks, started
 
     async def close(self) -> None:
         self._actors.clear()

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from decode_worker.engine import DecodeEngine
+from decode_worker.ray_receiver import RayKvReceiver
 from decode_worker.server import KvTransferServicer
 from kernels.dispatch import get_attention_backend
 from kvferry.cache.layout import KvLayout, blocks_for_tokens
@@ -236,3 +237,35 @@ def test_a_newer_push_supersedes_an_unfinished_one(engine: DecodeEngine) -> None
     table = engine._seqs["A"].block_table[:blocks_for_tokens(PROMPT, BLOCK_SIZE)]
     assert torch.equal(engine.pool.cache[:, :, table],
                        new.pool.cache[:, :, new.block_table])
+
+
+def test_a_superseded_ray_push_is_refused(engine: DecodeEngine) -> None:
+    """The Ray receiver fences pushes with the same epochs as gRPC: once a second push has
+    begun, the first one's chunks and finish are refused with ABORTED and its failure does
+    not wipe the new pages."""
+    receiver = RayKvReceiver(engine.receiver)
+    _reserve(engine, "A")
+    old, new = Push(engine.layout, PROMPT, seed=2), Push(engine.layout, PROMPT, seed=3)
+    half = wire.ChunkSpan(0, 1, 0, blocks_for_tokens(PROMPT, BLOCK_SIZE))
+    first = receiver.begin("A").epoch
+    assert first is not None
+    assert not receiver.push_chunk("A", engine.layout, PROMPT, *old.chunk(half), first).error_code
+    second = receiver.begin("A").epoch
+    assert second is not None and second != first
+    ack = receiver.push_chunk("A", engine.layout, PROMPT, *old.chunk(half), first)
+    assert ack.error_code == grpc.StatusCode.ABORTED.value[0]
+    assert "superseded" in ack.error_message
+    assert receiver.finish("A", first).error_code == grpc.StatusCode.ABORTED.value[0]
+    receiver.fail("A", first)  # the stale push ends: no effect on the new one
+    assert not receiver.push_chunk("A", engine.layout, PROMPT, *new.chunk(new.whole()),
+                                   second).error_code
+    assert not receiver.finish("A", second).error_code
+    table = engine._seqs["A"].block_table[:blocks_for_tokens(PROMPT, BLOCK_SIZE)]
+    assert torch.equal(engine.pool.cache[:, :, table],
+                       new.pool.cache[:, :, new.block_table])
+
+
+def test_a_ray_push_to_an_actor_that_does_not_decode_is_refused() -> None:
+    begun = RayKvReceiver(None).begin("A")
+    assert begun.epoch is None
+    assert begun.refusal.error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
