@@ -37,12 +37,11 @@ async def _print_stream(address: str, prompt: str, sampling: dict[str, object],
 
     from deploy import client
     from kvferry.rpc import security
-    from kvferry.v1 import generation_pb2, generation_pb2_grpc
 
     request = client.make_request(prompt, **sampling)
     creds = security.load(tls)._replace(token=None)  # the public port takes no cluster token
     async with security.channel(address, creds) as chan:
-        stub = generation_pb2_grpc.GenerationServiceStub(chan)
+        stub = client.public_stub(chan)
         completion = client.Completion()
         try:
             async for msg, latest in client.stream(stub, request):
@@ -52,8 +51,7 @@ async def _print_stream(address: str, prompt: str, sampling: dict[str, object],
         except grpc.aio.AioRpcError as exc:
             print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
-    finished = completion.finished
-    reason = generation_pb2.FinishReason.Name(finished.reason) if finished else "none"
+    reason = client.finish_reason_name(completion.finished)
     print(f"\n\n[{len(completion.token_ids)} tokens, finish {reason}] "
           f"TTFT {completion.ttft_s * 1000:.1f} ms, "
           f"mean ITL {completion.mean_itl_s * 1000:.2f} ms")

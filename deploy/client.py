@@ -7,6 +7,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import grpc
+
 from kvferry.rpc import grpc_util
 from kvferry.v1 import generation_pb2, generation_pb2_grpc
 
@@ -36,6 +38,22 @@ def make_request(prompt: str | list[int], request_id: str = "",
     else:
         request.token_ids.ids.extend(prompt)
     return request
+
+
+def public_stub(chan: grpc.aio.Channel) -> generation_pb2_grpc.GenerationServiceStub:
+    """The public GenerationService on an open channel."""
+    return generation_pb2_grpc.GenerationServiceStub(chan)
+
+
+async def model_info(chan: grpc.aio.Channel, timeout_s: float | None = 30.0
+                     ) -> generation_pb2.ModelInfo:
+    return await public_stub(chan).GetModelInfo(generation_pb2.GetModelInfoRequest(),
+                                                timeout=timeout_s)
+
+
+def finish_reason_name(finished: generation_pb2.Finished | None) -> str:
+    """STOP, LENGTH, ABORT; "none" for a stream that ended without its final message."""
+    return generation_pb2.FinishReason.Name(finished.reason) if finished else "none"
 
 
 async def stream(stub: generation_pb2_grpc.GenerationServiceStub,
@@ -82,4 +100,5 @@ async def generate_many(address: str, requests: list[generation_pb2.GenerateRequ
     return await asyncio.gather(*(generate(address, r, timeout_s) for r in requests))
 
 
-__all__ = ["Completion", "collect", "generate", "generate_many", "make_request", "stream"]
+__all__ = ["Completion", "collect", "finish_reason_name", "generate", "generate_many",
+           "make_request", "model_info", "public_stub", "stream"]

@@ -39,17 +39,17 @@ class ServerActor:
 
     async def start(self, argv: list[str]) -> str:
         """Build and start the server a `kvferry ARGV` command would run; its address."""
-        from deploy import args as cli  # the command line's parser and settings builders
+        from deploy import args as command_line
         from deploy import processes
         from kvferry import logs
 
-        args = cli.build_parser().parse_args(argv)
+        args = command_line.build_parser().parse_args(argv)
         logs.setup(args.log_level, args.log_format)
         if args.command == "router":
-            settings = cli.router_settings(args)
+            settings = command_line.router_settings(args)
             self._built = await processes.build_router(settings)
         else:
-            settings = cli.worker_settings(args)
+            settings = command_line.worker_settings(args)
             self._built, engine = processes.build_worker(settings)
             if settings.role != "prefill":
                 from decode_worker.ray_receiver import RayKvReceiver

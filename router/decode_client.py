@@ -21,8 +21,8 @@ from kvferry.errors import Unavailable
 from kvferry.model.sampling import FinishReason
 from kvferry.rpc import convert
 from kvferry.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
-from router.prefill_client import stats_from_reply
-from router.records import DecodeFinished, DecodeStart, DecodeUpdate, WorkerStats
+from router.records import DecodeFinished, DecodeStart, DecodeUpdate
+from router.worker_client import WorkerClient
 
 
 class StreamBroken(Unavailable):
@@ -42,9 +42,10 @@ def _update_from_proto(msg: worker_pb2.DecodeUpdate) -> DecodeUpdate:
                         msg.error_code or None, msg.error_message)
 
 
-class DecodeClient:
+class DecodeClient(WorkerClient):
     def __init__(self, channel: grpc.aio.Channel) -> None:
-        self._stub = worker_pb2_grpc.DecodeServiceStub(channel)
+        super().__init__(worker_pb2_grpc.DecodeServiceStub(channel))
+        self._stub: worker_pb2_grpc.DecodeServiceStub
         self._queues: dict[str, asyncio.Queue[MuxItem]] = {}
         self._commands: asyncio.Queue[worker_pb2.DecodeCommand] | None = None
         self._reader: asyncio.Task[None] | None = None
@@ -57,13 +58,6 @@ class DecodeClient:
             max_tokens=max_tokens, lease_s=lease_s,
         ), timeout=timeout_s)
 
-    async def abort(self, request_id: str, timeout_s: float | None) -> None:
-        await self._stub.Abort(generation_pb2.AbortRequest(request_id=request_id),
-                               timeout=timeout_s)
-
-    async def get_stats(self, timeout_s: float | None) -> WorkerStats:
-        return stats_from_reply(await self._stub.GetStats(worker_pb2.GetStatsRequest(),
-                                                          timeout=timeout_s))
 
     # ---- the shared DecodeStream ---------------------------------------------------------
     def _ensure_stream(self) -> asyncio.Queue[worker_pb2.DecodeCommand]:

@@ -10,12 +10,9 @@ from __future__ import annotations
 import grpc
 
 from kvferry.rpc import convert
-from kvferry.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
-from router.records import FirstToken, PrefillDone, PrefillStart, WorkerStats
-
-
-def stats_from_reply(msg: worker_pb2.WorkerStats) -> WorkerStats:
-    return WorkerStats(convert.stats_from_proto(msg), convert.layout_from_proto(msg.layout))
+from kvferry.v1 import worker_pb2, worker_pb2_grpc
+from router.records import FirstToken, PrefillDone, PrefillStart
+from router.worker_client import WorkerClient
 
 
 class PrefillCall:
@@ -41,9 +38,10 @@ class PrefillCall:
         return self._call.done()
 
 
-class PrefillClient:
+class PrefillClient(WorkerClient):
     def __init__(self, channel: grpc.aio.Channel) -> None:
-        self._stub = worker_pb2_grpc.PrefillServiceStub(channel)
+        super().__init__(worker_pb2_grpc.PrefillServiceStub(channel))
+        self._stub: worker_pb2_grpc.PrefillServiceStub
 
     def prefill(self, start: PrefillStart, timeout_s: float | None) -> PrefillCall:
         request = worker_pb2.PrefillRequest(
@@ -60,10 +58,3 @@ class PrefillClient:
                                                      decode_address=decode_address),
                               timeout=timeout_s)
 
-    async def abort(self, request_id: str, timeout_s: float | None) -> None:
-        await self._stub.Abort(generation_pb2.AbortRequest(request_id=request_id),
-                               timeout=timeout_s)
-
-    async def get_stats(self, timeout_s: float | None) -> WorkerStats:
-        return stats_from_reply(await self._stub.GetStats(worker_pb2.GetStatsRequest(),
-                                                          timeout=timeout_s))

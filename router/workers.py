@@ -1,5 +1,5 @@
 """The router's view of its workers: channels and their RPC clients (`router.prefill_client`,
-`router.decode_client`, `router.health_client`), layouts, load telemetry, in-flight accounting.
+`router.decode_client`, `router.worker_client`), layouts, load telemetry, in-flight accounting.
 
 Telemetry (GetStats) is refreshed periodically and is always a little stale, so the router
 also counts what it sent each worker since: a request's projected blocks and prompt tokens are
@@ -21,7 +21,7 @@ from kvferry.cache.layout import KvLayout
 from kvferry.cache.stats import PoolStats
 from kvferry.errors import Unavailable
 from kvferry.rpc import security
-from router import health_client
+from router import worker_client
 from router.decode_client import DecodeClient
 from router.prefill_client import PrefillClient
 
@@ -163,7 +163,7 @@ class WorkerSet:
             return
         issued_at = time.monotonic()
         try:
-            if not await health_client.is_serving(worker.channel, timeout_s, wait_for_ready):
+            if not await worker_client.is_serving(worker.channel, timeout_s, wait_for_ready):
                 if worker.is_healthy:
                     log.warning("%s worker %s is not serving (draining)", worker.role,
                                 worker.address)

@@ -17,14 +17,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from deploy import client
 from deploy.launcher import Deployment
 from deploy.loadgen.arrivals import arrival_offsets_s
 from deploy.loadgen.metrics import BenchmarkMetrics, RequestRecord, Slo, calculate_metrics
-from deploy.loadgen.runner import SendOptions, run_requests
+from deploy.loadgen.runner import GenerateStub, SendOptions, run_requests
 from deploy.loadgen.targets import Target, open_target, parse_target
 from deploy.loadgen.workload import BenchRequest, Workload
 from kvferry.rpc import grpc_util
-from kvferry.v1 import generation_pb2, generation_pb2_grpc
 
 if TYPE_CHECKING:
     from tqdm import tqdm
@@ -72,8 +72,7 @@ class BenchmarkResult:
 
 async def _vocab_size(address: str) -> int:
     async with grpc_util.channel(address) as chan:
-        stub = generation_pb2_grpc.GenerationServiceStub(chan)
-        info = await stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=30)
+        info = await client.model_info(chan)
     if info.vocab_size < 1:
         raise ValueError(f"{address}: GetModelInfo reports vocab_size {info.vocab_size}")
     return info.vocab_size
@@ -87,7 +86,7 @@ def _progress(total: int, label: str, enabled: bool) -> tqdm | None:
     return tqdm(total=total, desc=label, unit="req", leave=False)
 
 
-async def _warm_up(stub: generation_pb2_grpc.GenerationServiceStub, request: BenchRequest,
+async def _warm_up(stub: GenerateStub, request: BenchRequest,
                    config: BenchConfig, name: str) -> None:
     outcome = await run_requests(stub, [request] * config.num_warmups,
                                  [0.0] * config.num_warmups, config.send,
@@ -103,7 +102,7 @@ async def run_target(name: str, address: str, requests: Sequence[BenchRequest],
     """Every configured rate against one running router, over one channel."""
     results = []
     async with grpc_util.channel(address) as chan:
-        stub = generation_pb2_grpc.GenerationServiceStub(chan)
+        stub = client.public_stub(chan)
         if config.num_warmups:
             await _warm_up(stub, requests[0], config, name)
         for rate in config.request_rates:

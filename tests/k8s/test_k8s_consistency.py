@@ -28,7 +28,7 @@ from k8s_manifests import (
     pod_templates,
 )
 
-from deploy.cli import build_parser
+from deploy.args import build_parser
 from kvferry.rpc import grpc_util
 
 REPO = K8S_DIR.parent

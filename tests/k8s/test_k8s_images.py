@@ -86,11 +86,12 @@ class Block(importlib.abc.MetaPathFinder):
         if name.split(".")[0] in BLOCKED:
             raise ImportError(f"{name} is not in the CPU image")
 sys.meta_path.insert(0, Block())
-import deploy.cli, deploy.processes, kvferry.model.checkpoint, kvferry.transfer.grpc_push
+import deploy.args, deploy.cli, deploy.processes
+import kvferry.model.checkpoint, kvferry.transfer.grpc_push
 import router.server, router.discovery, prefill_worker.server, decode_worker.server
 from kernels.dispatch import get_attention_backend
 get_attention_backend("torch")
-deploy.cli.build_parser()
+deploy.args.build_parser()
 print("ok")
 """
 

@@ -14,8 +14,8 @@ from kvferry.v1 import worker_pb2
 from router.decode_client import _update_from_proto
 from router.downstream import Downstream
 from router.policy import HeadroomPolicy
-from router.prefill_client import stats_from_reply
 from router.records import DecodeFinished, DecodeUpdate
+from router.worker_client import stats_from_reply
 from router.workers import Worker, WorkerSet
 
 
