@@ -1,0 +1,225 @@
+"""The layout's rules, read from the code's own imports (ast): arrows point down only, no
+cycle, protobuf only at the server edges and the client adapters, files of a readable size,
+and a module map in docs/architecture.md that names only paths that exist."""
+
+from __future__ import annotations
+
+import ast
+import re
+from fnmatch import fnmatch
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Lower layers never import higher ones. Role packages sit side by side: none imports another.
+LAYERS = {
+    "kernels": 0,  # attention kernels and their dispatch
+    "kvferry": 1,  # the library core: model, cache, transfer, rpc
+    "router": 2,
+    "prefill_worker": 2,
+    "decode_worker": 2,
+    "deploy": 3,  # CLI, launchers, process bootstrap, client, load generator
+}
+GENERATED = "kvferry/v1/*"
+
+# Where protobuf messages may be built or read: the gRPC edges of the servers, the shared RPC
+# plumbing, and the client-side adapters that turn them into kvferry's own records.
+PROTOBUF_HOMES = (
+    "router/server.py", "prefill_worker/server.py", "decode_worker/server.py",
+    "kvferry/rpc/*",  # conversions, chunk codec, shared servicer, health, security
+    "kvferry/transfer/grpc_push.py",  # client of KvTransferService.PushKv
+    "router/*_client.py",  # the router's clients of PrefillService and DecodeService
+    "deploy/client.py",  # client of the public GenerationService
+    "deploy/loadgen/runner.py",  # the load generator's GenerationService client
+)
+MAX_LINES = 300
+LONG_FILES = {"kernels/triton_paged_attention.py"}  # one Triton kernel and its launcher
+
+
+class Import(NamedTuple):
+    importer: str  # module name
+    target: str  # module name (or package.name for `from package import name`)
+    line: int
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _sources() -> dict[str, Path]:
+    found = {}
+    for package in LAYERS:
+        for path in sorted((REPO / package).rglob("*.py")):
+            rel = path.relative_to(REPO).as_posix()
+            if not fnmatch(rel, GENERATED):
+                found[_module_name(path)] = path
+    return found
+
+
+def _imports(name: str, path: Path) -> list[Import]:
+    """Every import of the module, at any depth (inside functions too: a lazy import is
+    still an arrow)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [Import(name, alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            found += [Import(name, f"{base}.{alias.name}", node.lineno) for alias in node.names]
+            found.append(Import(name, base, node.lineno))
+    return found
+
+
+SOURCES = _sources()
+IMPORTS = {name: _imports(name, path) for name, path in SOURCES.items()}
+
+
+def _resolve(target: str) -> str | None:
+    """The project module an import names (`from pkg import mod` names pkg.mod)."""
+    while target:
+        if target in SOURCES:
+            return target
+        target = target.rpartition(".")[0]
+    return None
+
+
+def _rel(name: str) -> str:
+    return SOURCES[name].relative_to(REPO).as_posix()
+
+
+def test_the_walk_sees_every_package() -> None:
+    tops = {name.split(".")[0] for name in SOURCES}
+    assert tops == set(LAYERS)
+    assert len(SOURCES) > 50
+
+
+def test_no_import_points_upward_or_sideways() -> None:
+    bad = []
+    for name, imports in IMPORTS.items():
+        top = name.split(".")[0]
+        for imp in imports:
+            target = _resolve(imp.target)
+            if target is None:
+                continue
+            other = target.split(".")[0]
+            if other == top:
+                continue
+            if LAYERS[other] >= LAYERS[top]:
+                bad.append(f"{_rel(name)}:{imp.line} imports {target}")
+    assert bad == []
+
+
+def _graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {name: set() for name in SOURCES}
+    for name, imports in IMPORTS.items():
+        for imp in imports:
+            target = _resolve(imp.target)
+            if target is not None and target != name and not _is_package_of(target, name):
+                graph[name].add(target)
+    return graph
+
+
+def _is_package_of(package: str, module: str) -> bool:
+    """`from kvferry.rpc import convert` inside kvferry/rpc/x.py names the package first."""
+    return module.startswith(package + ".") and SOURCES[package].name == "__init__.py"
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_import_cycle() -> None:
+    assert _cycles(_graph()) == []
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(graph) == [["a", "b", "c"]]
+
+
+def test_protobuf_only_at_edges_and_client_adapters() -> None:
+    bad = []
+    for name, imports in IMPORTS.items():
+        rel = _rel(name)
+        if any(fnmatch(rel, home) for home in PROTOBUF_HOMES):
+            continue
+        for imp in imports:
+            leaf = imp.target.rpartition(".")[2]
+            if re.search(r"_pb2(_grpc)?$", leaf):
+                bad.append(f"{rel}:{imp.line} imports {imp.target}")
+    assert bad == []
+
+
+def test_files_stay_readable() -> None:
+    long = {}
+    for path in SOURCES.values():
+        rel = path.relative_to(REPO).as_posix()
+        lines = len(path.read_text().splitlines())
+        if lines > MAX_LINES and rel not in LONG_FILES:
+            long[rel] = lines
+    assert long == {}
+
+
+def _doc_paths() -> list[str]:
+    text = (REPO / "docs" / "architecture.md").read_text()
+    spans = re.findall(r"`([^`\s]+)`", text)
+    paths = []
+    for span in spans:
+        for part in re.split(r",\s*", span):
+            if re.fullmatch(r"[\w.-]+(/[\w.*-]+)+/?", part):  # a path with a folder
+                paths.append(part)
+    return paths
+
+
+def test_the_module_map_names_only_paths_that_exist() -> None:
+    paths = _doc_paths()
+    assert len(paths) > 30  # the map is there, and read
+    missing = [p for p in paths if not list(REPO.glob(p.rstrip("/")))]
+    assert missing == []
+
+
+@pytest.mark.parametrize("package", sorted(LAYERS))
+def test_the_module_map_names_every_package(package: str) -> None:
+    assert any(p.startswith(f"{package}/") for p in _doc_paths()), package
