@@ -38,11 +38,10 @@ from kvferry.errors import Aborted, InvalidArgument, ResourceExhausted, Unavaila
 from kvferry.model.prefill_batch import PrefillJob
 from kvferry.model.sampling import FinishReason, SamplingParams
 from kvferry.model.transformer import Transformer
+from kvferry.settings import DEFAULT_MAX_WAITING
 from kvferry.transfer import wire
 
 log = logging.getLogger("kvferry.decode")
-
-DEFAULT_MAX_WAITING = 256
 
 
 class DecodeEngine:

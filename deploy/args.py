@@ -10,8 +10,12 @@ from deploy.default_model import ensure_default_model
 from kvferry.settings import (
     ATTENTION_BACKENDS,
     DEFAULT_BLOCK_SIZE,
+    DEFAULT_DECODE_STAGE_MIB,
+    DEFAULT_DNS_INTERVAL_S,
     DEFAULT_DRAIN_TIMEOUT_S,
+    DEFAULT_KV_MAX_RESENDS,
     DEFAULT_KV_POOL_SIZE,
+    DEFAULT_LEASE_S,
     DEFAULT_MAX_WAITING,
     DEFAULT_MODEL_DIR,
     DEFAULT_PREFILL_CHUNK_SIZE,
@@ -107,11 +111,11 @@ def _worker_parser(sub: argparse._SubParsersAction, role: str) -> None:
                    help="reservations that may wait for K/V blocks before RESOURCE_EXHAUSTED")
     p.add_argument("--prefill-token-budget", type=int, default=DEFAULT_PREFILL_TOKEN_BUDGET)
     p.add_argument("--prefill-chunk-size", type=int, default=DEFAULT_PREFILL_CHUNK_SIZE)
-    p.add_argument("--decode-stage-mib", type=int, default=256,
+    p.add_argument("--decode-stage-mib", type=int, default=DEFAULT_DECODE_STAGE_MIB,
                    help="torch attention backend: memory for the running batch's K/V kept "
                         "densely beside the pages, so decode steps need not gather them; "
                         "0: gather pages every step")
-    p.add_argument("--kv-max-resends", type=int, default=2,
+    p.add_argument("--kv-max-resends", type=int, default=DEFAULT_KV_MAX_RESENDS,
                    help="resend a K/V push the receiver found corrupted; 0: fail (DATA_LOSS)")
     p.add_argument("--kv-transport", default=KV_TRANSPORTS[0], choices=KV_TRANSPORTS,
                    help="how prefill ships K/V pages: gRPC streams, or Ray object refs "
@@ -204,8 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="HOST:PORT of a headless Service resolving to prefill workers")
     p.add_argument("--decode-dns", default="",
                    help="HOST:PORT of a headless Service resolving to decode workers")
-    p.add_argument("--dns-interval-s", type=float, default=5.0)
-    p.add_argument("--lease-s", type=float, default=30.0)
+    p.add_argument("--dns-interval-s", type=float, default=DEFAULT_DNS_INTERVAL_S)
+    p.add_argument("--lease-s", type=float, default=DEFAULT_LEASE_S)
     p.add_argument("--policy", default=POLICIES[0], choices=POLICIES)
     p.add_argument("--local-prefill-threshold", type=int, default=0,
                    help="prompts shorter than this many tokens are prefilled on the decode "

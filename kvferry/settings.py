@@ -18,13 +18,19 @@ DEFAULT_PREFILL_TOKEN_BUDGET = 2048  # prompt tokens per prefill forward
 DEFAULT_PREFILL_CHUNK_SIZE = 512
 DEFAULT_MAX_WAITING = 256
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
+DEFAULT_DECODE_STAGE_MIB = 256
+DEFAULT_KV_MAX_RESENDS = 2
+DEFAULT_LEASE_S = 30.0  # a decode reservation waits this long for its K/V
+DEFAULT_DNS_INTERVAL_S = 5.0
 DEFAULT_TORCH_THREADS = 0  # 0: torch's default (every core)
 # A deployment starts several workers on one machine; one thread each keeps them from
 # oversubscribing the cores (torch's default would give every worker all of them).
 DEPLOYMENT_TORCH_THREADS = 1
 # Name tuples: the first one is the default, where the setting has one.
 ROLES = ("prefill", "decode", "colocated")
-DTYPES = ("auto", "float32", "float16", "bfloat16")  # auto: see WorkerSettings.dtype
+# The pool dtypes of kvferry/cache/layout.py (those with a torch dtype; a test keeps them
+# equal), plus auto: see WorkerSettings.dtype.
+DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # auto: triton on CUDA, torch on CPU
 KV_TRANSPORTS = ("grpc", "ray")
 POLICIES = ("headroom", "round_robin", "least_requests")  # router/policy.py
@@ -110,8 +116,9 @@ class WorkerSettings:
     prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE
     # Torch attention backend: MiB for the running batch's K/V mirrored densely beside the
     # pages (decode_worker/kv_stage.py); 0: gather pages every step instead.
-    decode_stage_mib: int = 256
-    kv_max_resends: int = 2  # resend a K/V push corrupted in flight; 0: fail with DATA_LOSS
+    decode_stage_mib: int = DEFAULT_DECODE_STAGE_MIB
+    # Resend a K/V push corrupted in flight this many times; 0: fail with DATA_LOSS.
+    kv_max_resends: int = DEFAULT_KV_MAX_RESENDS
     kv_transport: str = KV_TRANSPORTS[0]  # how a prefill worker ships pages (ray: Ray actors)
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S  # SIGTERM: to finish in-flight requests
     metrics_port: int | None = None  # Prometheus /metrics on this HTTP port (0: any free)
@@ -150,10 +157,10 @@ class RouterSettings:
     colocated: tuple[str, ...] = ()  # workers serving both roles
     prefill_dns: str = ""  # HOST:PORT of a headless Service: one prefill worker per address
     decode_dns: str = ""  # likewise for decode workers
-    dns_interval_s: float = 5.0
+    dns_interval_s: float = DEFAULT_DNS_INTERVAL_S
     host: str = "127.0.0.1"
     port: int = 0
-    lease_s: float = 30.0
+    lease_s: float = DEFAULT_LEASE_S
     policy: str = POLICIES[0]
     local_prefill_threshold: int = 0  # prompts shorter than this prefill on the decode worker
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S  # SIGTERM: to finish in-flight streams

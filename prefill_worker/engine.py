@@ -26,14 +26,14 @@ from kvferry.cache.layout import KvLayout, blocks_for_tokens
 from kvferry.cache.pool import IntegrityReport, KvPool
 from kvferry.cache.stats import PoolStats
 from kvferry.errors import Aborted, InvalidArgument, NotFound, Unavailable
-from kvferry.model.prefill_batch import (
-    DEFAULT_CHUNK_SIZE,
-    DEFAULT_TOKEN_BUDGET,
-    PrefillBatcher,
-    PrefillJob,
-)
+from kvferry.model.prefill_batch import PrefillBatcher, PrefillJob
 from kvferry.model.sampling import SamplingParams, validate_prompt
 from kvferry.model.transformer import Transformer
+from kvferry.settings import (
+    DEFAULT_MAX_WAITING,
+    DEFAULT_PREFILL_CHUNK_SIZE,
+    DEFAULT_PREFILL_TOKEN_BUDGET,
+)
 from kvferry.transfer.sender import KvSender, PushResult
 
 log = logging.getLogger("kvferry.prefill")
@@ -62,8 +62,9 @@ class PrefillEngine:
     """Validates prompts, queues them on the batcher, pushes each one's pages when done."""
 
     def __init__(self, model: Transformer, pool: KvPool, layout: KvLayout,
-                 sender: KvSender, token_budget: int = DEFAULT_TOKEN_BUDGET,
-                 chunk_size: int = DEFAULT_CHUNK_SIZE, max_waiting: int = 256) -> None:
+                 sender: KvSender, token_budget: int = DEFAULT_PREFILL_TOKEN_BUDGET,
+                 chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE,
+                 max_waiting: int = DEFAULT_MAX_WAITING) -> None:
         self.model = model
         self.pool = pool
         self.layout = layout

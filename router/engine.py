@@ -23,6 +23,7 @@ from kvferry.errors import (
 )
 from kvferry.model.config import ModelConfig
 from kvferry.model.sampling import FinishReason, SamplingParams
+from kvferry.settings import DEFAULT_LEASE_S
 from router import validation
 from router.decode_client import MuxItem, StreamBroken
 from router.detok import IncrementalDetokenizer
@@ -78,7 +79,7 @@ async def _next_update(updates: asyncio.Queue[MuxItem], deadline: float | None
 
 class Router:
     def __init__(self, config: ModelConfig, tokenizer: object, workers: WorkerSet,
-                 lease_s: float = 30.0, policy: Policy | None = None,
+                 lease_s: float = DEFAULT_LEASE_S, policy: Policy | None = None,
                  local_prefill_threshold: int = 0, admission_timeout_s: float = 30.0,
                  max_migrations: int = 2) -> None:
         self.config = config

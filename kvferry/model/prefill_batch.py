@@ -22,11 +22,10 @@ from kvferry.cache.pool import KvPool
 from kvferry.model.executor import run_to_completion
 from kvferry.model.sampling import SamplingParams, sample_tokens
 from kvferry.model.transformer import Transformer
+from kvferry.settings import DEFAULT_PREFILL_CHUNK_SIZE, DEFAULT_PREFILL_TOKEN_BUDGET
 
 log = logging.getLogger("kvferry.prefill")
 
-DEFAULT_TOKEN_BUDGET = 2048
-DEFAULT_CHUNK_SIZE = 512
 
 
 @dataclass(slots=True)
@@ -67,8 +66,8 @@ class PrefillBatcher:
     """FIFO queue of prefill jobs; `run_once` runs one budgeted batch on the executor."""
 
     def __init__(self, model: Transformer, pool: KvPool, executor: Executor,
-                 on_submit: Callable[[], None], token_budget: int = DEFAULT_TOKEN_BUDGET,
-                 chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
+                 on_submit: Callable[[], None], token_budget: int = DEFAULT_PREFILL_TOKEN_BUDGET,
+                 chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE) -> None:
         if token_budget < 1 or chunk_size < 1:
             raise ValueError("prefill token_budget and chunk_size must be >= 1")
         self.model = model

@@ -36,3 +36,10 @@ def test_unvalidated_peer_layout_still_names_its_mismatch() -> None:
     mine = KvLayout(2, 2, 8, 16, "float32", "abc")
     theirs = KvLayout(2, 2, 8, 16, "float64", "abc")  # a peer's message: not validated
     assert "layout.dtype" in (mine.mismatch(theirs) or "")
+
+
+def test_the_dtype_flag_offers_exactly_the_pool_dtypes() -> None:
+    from kvferry import settings
+
+    pool_dtypes = {name for name, entry in DTYPES.items() if entry.torch_dtype is not None}
+    assert set(settings.DTYPES) - {"auto"} == pool_dtypes
