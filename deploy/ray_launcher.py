@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import ray
 
-from deploy.launcher import Deployment
+from deploy.launcher import Deployment, serves
 from kvferry.cache.layout import KvLayout
 from kvferry.transfer.ray_push import NAMESPACE, ChunkAck, PushBegun
 from kvferry.transfer.wire import ChunkSpan
@@ -121,19 +121,13 @@ class RayDeployment(Deployment):
             self._owns_ray = True
         try:
             gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
-            decode_role = "colocated" if self.is_colocated else "decode"
-            roles = ["prefill"] * (0 if self.is_colocated else self.num_prefill)
-            roles += [decode_role] * self.num_decode
-            workers = [self._actor(f"{role}-{i}", gpus) for i, role in enumerate(roles)]
+            workers = [self._actor(name, gpus) for name in self._worker_names()]
             self.actors = list(workers)
             starts = [w.handle.start.remote(self._worker_args(w.name.rsplit("-", 1)[0]))
                       for w in workers]
             for worker, address in zip(workers, ray.get(starts, timeout=timeout_s)):
                 worker.address = address
-            args = ["--log-format", self.log_format, "router", "--model", self.model,
-                    "--host", self.host, "--port", str(self.router_port), *self.router_args]
-            for worker in workers:
-                args += [f"--{worker.name.rsplit('-', 1)[0]}", worker.address]
+            args = self._router_args(self.host, {w.name: w.address for w in workers})
             router = self._actor("router", 0.0)
             self.actors.append(router)
             router.address = ray.get(router.handle.start.remote(args), timeout=timeout_s)
@@ -151,8 +145,7 @@ class RayDeployment(Deployment):
         return self.actors[-1].address
 
     def addresses(self, role: str) -> list[str]:
-        return [a.address for a in self.actors
-                if a.name.startswith(role) or (role == "decode" and a.name.startswith("colocated"))]
+        return [a.address for a in self.actors if serves(a.name, role)]
 
     def dead(self) -> list[str]:
         """Names of actors that no longer answer."""
