@@ -36,6 +36,8 @@ USAGE = """The `kvferry` command line.
   kvferry make-certs --out DIR                           test CA, cluster cert, token
   kvferry serve [--model DIR] [--num-prefill P] ...      router + workers on localhost
   kvferry generate --address HOST:PORT PROMPT            stream a completion
+  kvferry generate --address HOST:PORT --chat MESSAGE    one user message, chat template
+  kvferry chat HOST:PORT                                 conversation in the terminal
   kvferry demo                                           serve + one Generate + shut down
   kvferry serve --colocated                              the non-disaggregated baseline
   kvferry bench [--address HOST:PORT | --compare T ...]  load test: TTFT/TPOT/ITL, goodput
@@ -223,8 +225,18 @@ def build_parser() -> argparse.ArgumentParser:
     _deployment_args(p)
 
     p = sub.add_parser("generate", help="stream one completion from a running deployment")
-    p.add_argument("prompt")
+    p.add_argument("prompt", nargs="?", default=None, help="prompt text (or give --chat)")
+    p.add_argument("--chat", default=None, metavar="MESSAGE",
+                   help="send MESSAGE as one user chat message (the model's chat template "
+                        "applies) instead of a prompt")
     p.add_argument("--address", default="127.0.0.1:50051")
+    _tls_args(p, is_member=False)
+    _sampling_args(p)
+
+    p = sub.add_parser("chat", help="interactive conversation with a running deployment "
+                                    "(Ctrl-C stops an answer, Ctrl-D exits)")
+    p.add_argument("address", help="the router's public HOST:PORT")
+    p.add_argument("--system", default=None, help="system message that opens the conversation")
     _tls_args(p, is_member=False)
     _sampling_args(p)
 

@@ -31,14 +31,15 @@ def _sampling_kwargs(args: argparse.Namespace) -> dict[str, object]:
     return kwargs
 
 
-async def _print_stream(address: str, prompt: str, sampling: dict[str, object],
-                        tls: SecuritySettings) -> int:
+async def _print_stream(address: str, prompt: str | None, sampling: dict[str, object],
+                        tls: SecuritySettings, chat: str | None = None) -> int:
     import grpc
 
     from deploy import client
     from kvferry.rpc import security
 
-    request = client.make_request(prompt, **sampling)
+    request = (client.make_request(prompt, **sampling) if chat is None
+               else client.make_request(messages=[("user", chat)], **sampling))
     creds = security.load(tls)._replace(token=None)  # the public port takes no cluster token
     async with security.channel(address, creds) as chan:
         stub = client.public_stub(chan)
@@ -150,8 +151,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         return _serve(args)
     if args.command == "generate":
+        if (args.prompt is None) == (args.chat is None):
+            print("generate: give exactly one of PROMPT and --chat", file=sys.stderr)
+            return 2
         return asyncio.run(_print_stream(args.address, args.prompt, _sampling_kwargs(args),
-                                         security_settings(args)))
+                                         security_settings(args), chat=args.chat))
+    if args.command == "chat":
+        from deploy.chat import run_chat
+
+        return run_chat(args.address, _sampling_kwargs(args), security_settings(args),
+                        system=args.system)
     if args.command == "demo":
         return _demo(args)
     if args.command == "bench":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -28,12 +28,21 @@ class Completion:
         return sum(gaps) / len(gaps) if gaps else 0.0
 
 
-def make_request(prompt: str | list[int], request_id: str = "",
+def make_request(prompt: str | list[int] | None = None, request_id: str = "", *,
+                 messages: Sequence[tuple[str, str]] | None = None,
                  **sampling: object) -> generation_pb2.GenerateRequest:
+    """A Generate request for text, token ids, or chat `messages` as (role, content) pairs
+    (give either a prompt or messages)."""
+    if (prompt is None) == (messages is None):
+        raise ValueError("make_request: give exactly one of prompt and messages")
     request = generation_pb2.GenerateRequest(
         request_id=request_id, sampling=generation_pb2.SamplingParams(**sampling)
     )
-    if isinstance(prompt, str):
+    if messages is not None:
+        request.messages.SetInParent()  # set the oneof even for an empty conversation
+        request.messages.messages.extend(
+            generation_pb2.ChatMessage(role=role, content=content) for role, content in messages)
+    elif isinstance(prompt, str):
         request.text = prompt
     else:
         request.token_ids.ids.extend(prompt)

@@ -16,7 +16,7 @@ from kvferry.rpc import convert, grpc_util
 from kvferry.rpc.metrics import RouterMetrics
 from kvferry.v1 import generation_pb2, generation_pb2_grpc
 from router.engine import ChunkEvent, DoneEvent, Router
-from router.validation import GenerateInput
+from router.validation import ChatMessage, GenerateInput
 
 log = logging.getLogger("kvferry.router")
 
@@ -27,6 +27,8 @@ def _input(request: generation_pb2.GenerateRequest) -> GenerateInput:
         request_id=request.request_id,
         text=request.text if which == "text" else None,
         token_ids=list(request.token_ids.ids) if which == "token_ids" else None,
+        messages=(tuple(ChatMessage(m.role, m.content) for m in request.messages.messages)
+                  if which == "messages" else None),
         params=convert.sampling_from_proto(request.sampling),
         is_max_tokens_set=request.sampling.HasField("max_tokens"),
     )

@@ -10,21 +10,61 @@ from kvferry.errors import InvalidArgument
 from kvferry.model.config import ModelConfig
 from kvferry.model.sampling import DEFAULT_MAX_TOKENS, SamplingParams
 
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    """One turn of a conversation; `role` is one of CHAT_ROLES once validated."""
+
+    role: str
+    content: str
+
 
 @dataclass(frozen=True)
 class GenerateInput:
-    """A Generate request as the router engine sees it."""
+    """A Generate request as the router engine sees it: exactly one of text, token_ids and
+    messages is set (or none, which is refused as an empty prompt)."""
 
     request_id: str
     text: str | None
     token_ids: list[int] | None
     params: SamplingParams
     is_max_tokens_set: bool
+    messages: tuple[ChatMessage, ...] | None = None
+
+
+def chat_prompt_ids(messages: tuple[ChatMessage, ...], tokenizer: object) -> list[int]:
+    """The conversation rendered by the checkpoint's own chat template, with the generation
+    prompt for the assistant's next turn, as token ids."""
+    if not messages:
+        raise InvalidArgument("input.messages: the conversation is empty", "input.messages")
+    for i, message in enumerate(messages):
+        if message.role not in CHAT_ROLES:
+            field = f"input.messages[{i}].role"
+            raise InvalidArgument(
+                f"{field}: {message.role!r} is not one of {', '.join(CHAT_ROLES)}", field)
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidArgument("input.messages: the model has no chat template; send text or "
+                              "token_ids", "input.messages")
+    from jinja2 import TemplateError
+
+    conversation = [{"role": m.role, "content": m.content} for m in messages]
+    try:
+        ids = tokenizer.apply_chat_template(  # type: ignore[attr-defined]
+            conversation, add_generation_prompt=True, tokenize=True, return_dict=False)
+    except TemplateError as exc:  # the template itself refused the conversation
+        raise InvalidArgument(f"input.messages: the chat template refused it: {exc}",
+                              "input.messages") from exc
+    return [int(t) for t in ids]
 
 
 def prompt_ids(inp: GenerateInput, config: ModelConfig, tokenizer: object) -> list[int]:
-    """The prompt's token ids: given ones checked against the vocabulary, or text encoded."""
-    if inp.token_ids is not None:
+    """The prompt's token ids: given ones checked against the vocabulary, text encoded, or
+    chat messages rendered by the chat template."""
+    if inp.messages is not None:
+        prompt = chat_prompt_ids(inp.messages, tokenizer)
+    elif inp.token_ids is not None:
         prompt = list(inp.token_ids)
         vocab = config.vocab_size
         bad = [t for t in prompt if not 0 <= t < vocab]

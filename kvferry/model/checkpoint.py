@@ -29,6 +29,15 @@ _CORPUS = [
 ]
 
 
+# A ChatML template (Qwen's format) over the special tokens above, for chat tests.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """Shape of a generated checkpoint."""
@@ -44,6 +53,10 @@ class ModelSpec:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = True
     seed: int = 0
+    # Jinja chat template saved with the tokenizer; None (the default) writes none, and the
+    # files are byte-identical to a checkpoint made before this field existed. With one,
+    # generation_config.json also lists <|im_end|> as end-of-sequence (the end of a turn).
+    chat_template: str | None = None
 
 
 LLAMA_SPEC = ModelSpec(
@@ -128,7 +141,11 @@ def make_model(out_dir: str | Path, spec: ModelSpec = ModelSpec()) -> Path:
     torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _seeded_init(model, spec.seed)
-    model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=eos_id)
+    gen_eos: int | list[int] = eos_id
+    if spec.chat_template is not None:
+        tokenizer.chat_template = spec.chat_template
+        gen_eos = [eos_id, tokenizer.convert_tokens_to_ids(SPECIAL_TOKENS[2])]
+    model.generation_config = GenerationConfig(eos_token_id=gen_eos, pad_token_id=eos_id)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
