@@ -2,7 +2,7 @@
 paged pool (pages gathered every step) and over the dense K/V stage (decode_worker/kv_stage.py)
 in the same run: what the engine's batching can gain at most, with no serving around it.
 
-Each round times `--steps` consecutive steps of each (mode, batch) on the default model, one
+Each round times `--steps` consecutive steps of each (mode, batch) on the tiny model, one
 torch thread, contexts starting at `--context` tokens, block tables shuffled as a busy pool
 leaves them; the figure is the median over rounds of the per-round median step time. Usage:
 
@@ -23,7 +23,7 @@ import torch
 
 from decode_worker.kv_stage import KvStage
 from decode_worker.sequence import step_inputs
-from deploy.default_model import ensure_default_model
+from deploy.default_model import tiny_model
 from deploy.processes import tune_malloc
 from kernels.dispatch import get_attention_backend
 from kvferry.cache.pool import KvPool
@@ -71,7 +71,7 @@ def main() -> None:
     args = parser.parse_args()
     tune_malloc()
     torch.set_num_threads(1)
-    config = load_model_config(ensure_default_model())
+    config = load_model_config(tiny_model())
     model = Transformer(config, get_attention_backend("torch"))
     blocks = max(args.batches) * (-(-(args.context + args.steps + 1) // BLOCK_SIZE)) + 1
     pool = KvPool(config.num_layers, config.num_kv_heads, config.head_dim, BLOCK_SIZE, blocks,

@@ -1,7 +1,7 @@
 """Decode throughput (generated tokens/s) at several concurrencies, in one run.
 
 Starts one deployment (router + 1 prefill + 1 decode worker, or one colocated worker with
---colocated) on the default model, then for each concurrency C runs C clients in a closed
+--colocated) on the tiny model, then for each concurrency C runs C clients in a closed
 loop, each sending enough requests of `--prompt-tokens` prompt tokens and exactly
 `--max-tokens` output tokens (ignore_eos) for at least `--min-requests` requests in all (and
 2 per client). The levels run interleaved for `--rounds` rounds; reported per level: the
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from deploy import client
-from deploy.default_model import ensure_default_model
+from deploy.default_model import tiny_model
 from deploy.launcher import Deployment
 
 
@@ -71,7 +71,7 @@ def main() -> None:
                         help="pin the decode worker to the last core, the rest elsewhere")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    model = args.model or ensure_default_model()
+    model = args.model or tiny_model()
     results = []
     worker_args = ([] if args.decode_stage_mib is None
                    else ["--decode-stage-mib", str(args.decode_stage_mib)])

@@ -1,7 +1,7 @@
 """Headline scenario (issue 7): long prompts arriving among steady short decodes, disaggregated
 against colocated, on the same machine, in one run.
 
-Two deployments of the default model, started one after the other: disaggregated (one
+Two deployments of the tiny model, started one after the other: disaggregated (one
 prefill and one decode worker, one torch thread each) and colocated (one worker serving both
 roles with two threads: the same cores). Each gets the same two seeded, open-loop workloads
 through `kvferry bench`'s engine:
@@ -24,7 +24,7 @@ import os
 import platform
 from pathlib import Path
 
-from deploy.default_model import ensure_default_model
+from deploy.default_model import tiny_model
 from deploy.launcher import Deployment
 from deploy.loadgen import BenchConfig, MixedWorkload, RandomWorkload, calculate_metrics
 from deploy.loadgen.bench import run_target
@@ -63,7 +63,7 @@ def main() -> None:
                         help="do not pin prefill and decode workers to one core each")
     parser.add_argument("--out-dir", type=Path, default=None)
     args = parser.parse_args()
-    model = ensure_default_model()
+    model = tiny_model()
     short = RandomWorkload(input_len=args.short_input, output_len=args.short_output,
                            range_ratio=0.0)
     long = RandomWorkload(input_len=args.long_input, output_len=args.long_output,

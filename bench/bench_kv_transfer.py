@@ -23,7 +23,7 @@ import grpc
 import torch
 
 from deploy import client
-from deploy.default_model import ensure_default_model
+from deploy.default_model import tiny_model
 from deploy.launcher import Deployment
 from deploy.processes import tune_malloc
 from kvferry.cache.layout import KvLayout, blocks_for_tokens
@@ -148,11 +148,11 @@ async def _first_two_tokens(address: str, prompt: list[int]) -> tuple[float, flo
 
 
 def ttft_rows(prompt_tokens: int, reps: int, transports: list[str]) -> list[dict[str, object]]:
-    """Median TTFT and time to the 2nd token of one long prompt on the default model: a
+    """Median TTFT and time to the 2nd token of one long prompt on the tiny model: a
     colocated worker (prefill compute alone, no transfer) against disaggregated deployments
     whose K/V push is pipelined with the prefill. The 2nd token needs the K/V to have landed
     on the decode worker, so it shows what the transfer adds to the critical path."""
-    model = ensure_default_model()
+    model = tiny_model()
     prompt = torch.randint(1, 500, (prompt_tokens,),
                            generator=torch.Generator().manual_seed(0)).tolist()
     setups = [("colocated (compute alone)", Deployment(model=model, is_colocated=True))]
@@ -278,7 +278,7 @@ def main() -> None:
     if ray_up:
         ray.shutdown()
     if ttft:
-        print(f"\n{args.ttft_prompt_tokens}-token prompt, default model (median of {args.reps})")
+        print(f"\n{args.ttft_prompt_tokens}-token prompt, tiny model (median of {args.reps})")
         print(f"{'setup':<28} {'TTFT ms':>8} {'x':>6} {'2nd token ms':>13} {'x':>6}")
         for r in ttft:
             print(f"{r['setup']:<28} {r['ttft_s'] * 1e3:>8.1f} {r['ttft_ratio']:>6.2f} "

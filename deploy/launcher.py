@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 from deploy import netns
 from deploy.default_model import ensure_default_model
+from kvferry.model.gguf import ensure_converted, is_gguf
 from kvferry.rpc.grpc_util import READY_PREFIX
 from kvferry.settings import (
     ATTENTION_BACKENDS,
@@ -102,7 +103,8 @@ class Deployment:
     """A deployment's shape and, once started, its processes. Not started, it is also the
     template of the deployments a benchmark launches (deploy/loadgen/targets.py)."""
 
-    model: str | None = None  # None: the default seeded model, made when started if missing
+    # A checkpoint directory or a .gguf file; None: the default model (deploy/default_model.py)
+    model: str | None = None
     num_prefill: int = 1
     num_decode: int = 1
     router_port: int = 0
@@ -136,6 +138,12 @@ class Deployment:
                 "--torch-threads", str(self.torch_threads),
                 "--attention-backend", self.attention_backend, *self.worker_args,
                 *self.role_args.get(role, [])]
+
+    def _convert_gguf_once(self) -> None:
+        """Convert a `.gguf` model here, before its processes start: each would otherwise
+        find the cache empty and convert it at the same time (safe, but N times the work)."""
+        if self.model and is_gguf(self.model):
+            ensure_converted(self.model)
 
     def _start_network(self) -> None:
         if self.isolation not in ISOLATIONS:
@@ -174,6 +182,7 @@ class Deployment:
     def start(self, timeout_s: float = 180.0) -> Deployment:
         try:
             self._start_network()
+            self._convert_gguf_once()
             for name in self._worker_names():
                 place = self._place(name)
                 role = name.rsplit("-", 1)[0]

