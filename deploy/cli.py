@@ -7,18 +7,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import signal
 import sys
 from pathlib import Path
 
 from deploy.args import (
     build_parser,
-    router_settings,
     security_argv,
     security_settings,
-    worker_settings,
 )
 from deploy.default_model import ensure_default_model
+from deploy.preflight import check_inputs
 from kvferry.settings import SecuritySettings
 
 
@@ -122,6 +122,36 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+# Bad input, reported in one line with exit status 2: settings raise ValueError naming the
+# field (json.JSONDecodeError and UnicodeDecodeError are ValueErrors too), files OSError,
+# configs KeyError. Caught only while inputs are checked and loaded (deploy/preflight.py), and
+# around commands that do nothing else (plan, make-certs, make-model), never mid-serving.
+INPUT_ERRORS = (ValueError, OSError, KeyError)
+
+
+def _one_line(exc: BaseException) -> str:
+    if isinstance(exc, KeyError):
+        return f"missing key {exc}"
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def _make_files(args: argparse.Namespace) -> int:
+    """`make-certs` and `make-model`: write files under --out."""
+    if args.command == "make-certs":
+        if importlib.util.find_spec("cryptography") is None:
+            raise ValueError("make-certs: needs the cryptography package: "
+                             "pip install cryptography")
+        from deploy.certs import DEFAULT_NAMES, make_certs
+
+        files = make_certs(Path(args.out), tuple(args.name) or DEFAULT_NAMES)
+        print("\n".join(str(path) for path in files))
+        return 0
+    from kvferry.model.checkpoint import SPECS, make_model
+
+    print(make_model(Path(args.out), SPECS[args.arch]))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from kvferry import logs
@@ -129,24 +159,20 @@ def main(argv: list[str] | None = None) -> int:
     logs.setup(args.log_level, args.log_format)
     from deploy import processes
 
-    if args.command == "plan":
-        return _plan(args)
-    if args.command == "make-certs":
-        from deploy.certs import DEFAULT_NAMES, make_certs
-
-        files = make_certs(Path(args.out), tuple(args.name) or DEFAULT_NAMES)
-        print("\n".join(str(path) for path in files))
-        return 0
-    if args.command == "make-model":
-        from kvferry.model.checkpoint import SPECS, make_model
-
-        print(make_model(Path(args.out), SPECS[args.arch]))
-        return 0
+    try:
+        if args.command == "plan":
+            return _plan(args)
+        if args.command in ("make-certs", "make-model"):
+            return _make_files(args)
+        settings = check_inputs(args)
+    except INPUT_ERRORS as exc:
+        print(f"kvferry: {_one_line(exc)}", file=sys.stderr)
+        return 2
     if args.command in ("prefill-worker", "decode-worker", "colocated-worker"):
-        asyncio.run(processes.run_worker(worker_settings(args)))
+        asyncio.run(processes.run_worker(settings))
         return 0
     if args.command == "router":
-        asyncio.run(processes.run_router(router_settings(args)))
+        asyncio.run(processes.run_router(settings))
         return 0
     if args.command == "serve":
         return _serve(args)

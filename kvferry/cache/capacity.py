@@ -23,7 +23,15 @@ class Plan(NamedTuple):
 def plan(shape: KvShape, prompt_tokens: int, output_tokens: int, batch: int,
          pool_bytes: int, block_size: int) -> Plan:
     """What `batch` requests of prompt + output tokens cost, and how many fit in the pool
-    (whole blocks: a request's last block is allocated in full)."""
+    (whole blocks: a request's last block is allocated in full). ValueError naming a bad
+    argument (block_size: a power of two, as pools require)."""
+    if block_size < 1 or block_size & (block_size - 1):
+        raise ValueError(f"block_size: must be a power of two, got {block_size}")
+    for name, value in (("prompt_tokens", prompt_tokens), ("output_tokens", output_tokens)):
+        if value < 0:
+            raise ValueError(f"{name}: must be >= 0, got {value}")
+    if batch < 1:
+        raise ValueError(f"batch: must be >= 1, got {batch}")
     tokens = prompt_tokens + output_tokens
     per_request = shape.bytes_per_token * tokens
     blocks = blocks_needed(prompt_tokens, output_tokens, block_size)

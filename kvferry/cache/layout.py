@@ -10,7 +10,7 @@ layout. The dtype table and the token -> block rounding live here too, once.
 
 from __future__ import annotations
 
-import json
+import importlib.util
 from dataclasses import dataclass, fields
 from functools import cached_property
 from pathlib import Path
@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
     from kvferry.cache.pool import KvPool
 
 
@@ -97,18 +99,78 @@ class KvShape:
 
     @staticmethod
     def from_config(path: str | Path, dtype: str = "bfloat16") -> KvShape:
-        """From a checkpoint directory or a config.json file (no weights needed)."""
-        config_path = Path(path)
-        if config_path.is_dir():
-            config_path = config_path / "config.json"
-        raw = json.loads(config_path.read_text())
-        heads = raw["num_attention_heads"]
+        """From a checkpoint directory, a config.json or a .gguf file (no weights needed), in
+        any architecture's field names: see `read_hf_config`. ValueError naming what is
+        missing when the config describes no attention K/V."""
+        hf = read_hf_config(path)
+        heads = _config_int(hf, "num_attention_heads", path)
+        head_dim = getattr(hf, "head_dim", None) or _config_int(hf, "hidden_size", path) // heads
         return KvShape(
-            num_layers=raw["num_hidden_layers"],
-            num_kv_heads=raw.get("num_key_value_heads") or heads,
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            num_layers=_config_int(hf, "num_hidden_layers", path),
+            num_kv_heads=_kv_heads(hf, heads),
+            head_dim=head_dim,
             dtype=dtype,
         )
+
+
+def read_hf_config(path: str | Path) -> PretrainedConfig:
+    """A model's config through transformers' AutoConfig (local files only), so each
+    architecture's own field names (GPT-2's `n_layer`, `n_head`, `n_embd`) answer to the
+    standard ones (`num_hidden_layers`...) through its config class's `attribute_map`.
+
+    `path`: a checkpoint directory, a config.json file or a .gguf file. A config without
+    `model_type` is read as written, in the standard names. Errors are one-line ValueErrors
+    (FileNotFoundError for a missing path) naming the path and the problem."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    source, kwargs = _config_source(Path(path))
+    try:
+        raw, _ = PretrainedConfig.get_config_dict(source, local_files_only=True, **kwargs)
+        if "model_type" not in raw:
+            return PretrainedConfig.from_dict(raw)
+        return AutoConfig.from_pretrained(source, local_files_only=True, **kwargs)
+    except (OSError, ValueError, KeyError) as exc:
+        # transformers' messages run to several lines; the first one names the problem.
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ValueError(f"model: cannot read the config of {path}: {first_line}") from exc
+
+
+def _config_source(path: Path) -> tuple[str, dict[str, str]]:
+    """What AutoConfig is given for `path`: a directory or a file, and `gguf_file` for GGUF."""
+    if not path.exists():
+        raise FileNotFoundError(f"model: no such file or directory: {path}")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model: no config.json in {path}")
+        return str(path), {}
+    if path.suffix == ".gguf":
+        if importlib.util.find_spec("gguf") is None:
+            raise ValueError(f"model: reading {path} needs the gguf package: pip install gguf")
+        return str(path.parent), {"gguf_file": path.name}
+    if path.suffix != ".json":
+        raise ValueError(f"model: {path} is neither a checkpoint directory, a config.json "
+                         "nor a .gguf file")
+    return str(path), {}
+
+
+def _config_int(hf: PretrainedConfig, name: str, path: str | Path) -> int:
+    value = getattr(hf, name, None)
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"model: the config of {path} has no {name} (got {value!r}); "
+                         "kvferry sizes attention K/V only")
+    return value
+
+
+def _kv_heads(hf: PretrainedConfig, num_heads: int) -> int:
+    """K/V heads: 1 for multi-query configs (GPT-BigCode, early Falcon), else the config's
+    own count (`num_key_value_heads`, or Falcon's `num_kv_heads`), else one per query head."""
+    if getattr(hf, "multi_query", False) and not getattr(hf, "new_decoder_architecture", False):
+        return 1
+    for name in ("num_key_value_heads", "num_kv_heads"):
+        value = getattr(hf, name, None)
+        if isinstance(value, int) and value >= 1:
+            return value
+    return num_heads
 
 
 @dataclass(frozen=True)

@@ -66,3 +66,70 @@ def test_plan_command_reads_a_checkpoint(qwen3_checkpoint: Path,
 def test_bad_dtype_is_named() -> None:
     with pytest.raises(ValueError, match="dtype"):
         KvShape(1, 1, 1, "float64")
+
+
+# Other architectures' field names, read through transformers' AutoConfig (issue 15).
+GPT2_SMALL = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_layer": 12,
+              "n_head": 12, "n_embd": 768}
+LLAMA3_8B_GQA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], **LLAMA3_8B}
+FALCON_7B_MQA = {"model_type": "falcon", "num_hidden_layers": 32, "num_attention_heads": 71,
+                 "hidden_size": 4544, "multi_query": True}
+
+
+@pytest.mark.parametrize("config,expected", [
+    # 2 x n_layer x n_head x (n_embd / n_head) x 2 bytes
+    (GPT2_SMALL, 2 * 12 * 12 * (768 // 12) * 2),
+    # 2 x 32 layers x 8 kv heads x (4096 / 32) x 2 bytes
+    (LLAMA3_8B_GQA, 2 * 32 * 8 * 128 * 2),
+    # multi-query: one K/V head
+    (FALCON_7B_MQA, 2 * 32 * 1 * (4544 // 71) * 2),
+])
+@pytest.mark.parametrize("as_directory", [False, True])
+def test_plan_reads_any_architectures_field_names(
+        config: dict, expected: int, as_directory: bool, tmp_path: Path,
+        capsys: pytest.CaptureFixture) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    model = tmp_path if as_directory else path
+    assert main(["plan", "--model", str(model), "--dtype", "bfloat16"]) == 0
+    assert f"bytes per token: {expected:,}" in capsys.readouterr().out
+    assert KvShape.from_config(model).bytes_per_token == expected
+
+
+@pytest.mark.parametrize("block_size,batch,match", [
+    (3, 1, "block_size"), (0, 1, "block_size"), (16, 0, "batch"),
+])
+def test_plan_refuses_bad_arguments(block_size: int, batch: int, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        plan(KvShape(1, 1, 1), 10, 0, batch, 1 << 20, block_size)
+
+
+def test_a_config_without_attention_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"num_hidden_layers": 4, "hidden_size": 64}))
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        KvShape.from_config(path)
+
+
+def test_plan_reads_a_gguf_files_metadata(tmp_path: Path,
+                                          capsys: pytest.CaptureFixture) -> None:
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(4)
+    writer.add_context_length(128)
+    writer.add_embedding_length(64)
+    writer.add_feed_forward_length(128)
+    writer.add_head_count(8)
+    writer.add_head_count_kv(2)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_tensor("token_embd.weight", np.zeros((16, 64), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert main(["plan", "--model", str(path), "--dtype", "bfloat16"]) == 0
+    # 2 x 4 layers x 2 kv heads x (64 / 8) x 2 bytes
+    assert f"bytes per token: {2 * 4 * 2 * 8 * 2:,}" in capsys.readouterr().out

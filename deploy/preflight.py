@@ -1,0 +1,57 @@
+"""Checks of a `kvferry` command line's flags, files and model before anything starts, so
+that bad input fails fast (workers and the router before binding ports, `serve` and `demo`
+before launching processes) and deploy/cli.py can report it in one line."""
+
+from __future__ import annotations
+
+import argparse
+
+from deploy.args import router_settings, security_settings, worker_settings
+from deploy.default_model import ensure_default_model
+from kvferry.settings import RouterSettings, WorkerSettings, parse_pool_size
+
+
+def _check_model(model: str | None) -> None:
+    from kvferry.model.config import load_model_config
+
+    load_model_config(model or ensure_default_model())
+
+
+def _check_deployment(args: argparse.Namespace) -> None:
+    """What `serve` and `demo` would hand their processes, refused here before any starts."""
+    if args.num_decode < 1 or (args.num_prefill < 1 and not args.colocated):
+        raise ValueError(f"num_prefill/num_decode: need >= 1 of each (--colocated: >= 1 decode), "
+                         f"got {args.num_prefill}/{args.num_decode}")
+    parse_pool_size(args.kv_pool_size, total_memory_bytes=1)
+    WorkerSettings(role="colocated", model=args.model or "", host=args.host, port=args.port,
+                   block_size=args.block_size, kv_pool_size=args.kv_pool_size,
+                   attention_backend=args.attention_backend, metrics_port=args.metrics_port,
+                   security=security_settings(args))
+    _check_model(args.model)  # last: without --model, the default model may be converted
+
+
+def check_inputs(args: argparse.Namespace) -> WorkerSettings | RouterSettings | None:
+    """Refuse bad flags, files and models before anything starts (ValueError naming the
+    field, OSError naming the file); the settings a worker or the router runs on."""
+
+    if args.command in ("prefill-worker", "decode-worker", "colocated-worker"):
+        settings = worker_settings(args)
+        parse_pool_size(settings.kv_pool_size, total_memory_bytes=1)
+        _check_model(settings.model)
+        return settings
+    if args.command == "router":
+        settings = router_settings(args)
+        _check_model(settings.model)
+        return settings
+    if args.command in ("serve", "demo"):
+        _check_deployment(args)
+    elif args.command in ("generate", "chat"):
+        security_settings(args)
+    elif args.command == "bench":
+        for path in (args.dataset_path, args.tokenizer):
+            if path is not None and not path.exists():
+                raise FileNotFoundError(f"no such file or directory: {path}")
+        parse_pool_size(args.kv_pool_size, total_memory_bytes=1)
+        if args.model is not None:
+            _check_model(args.model)
+    return None

@@ -1,0 +1,112 @@
+"""Bad input to any `kvferry` command: one line on stderr naming the problem, exit status 2,
+no traceback (issue 15, acceptance 4). Each command runs as a subprocess on input that fails
+before any model loads, port binds or process starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+GPT2 = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_layer": 2, "n_head": 2,
+        "n_embd": 8}
+
+
+@pytest.fixture(scope="module")
+def bad(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Named bad inputs: paths that are missing, empty, garbage or of an unservable model."""
+    root = tmp_path_factory.mktemp("bad")
+    (root / "empty").mkdir()
+    (root / "garbage.gguf").write_bytes(bytes(range(256)) * 8)
+    binary = root / "binary"
+    binary.mkdir()
+    (binary / "config.json").write_bytes(b"GGUF\x03\x00\x00\x00\xff\xfe\x00\x81" * 64)
+    unknown = root / "unknown"
+    unknown.mkdir()
+    (unknown / "config.json").write_text(json.dumps({"model_type": "no-such-architecture"}))
+    gpt2 = root / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps(GPT2))
+    (root / "weights.bin").write_bytes(b"\x00\x01")
+    return {"missing": root / "missing", "empty": root / "empty",
+            "garbage_gguf": root / "garbage.gguf", "binary": binary, "unknown": unknown,
+            "gpt2": gpt2, "weights": root / "weights.bin", "root": root}
+
+
+def _run(argv: list[str], home: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "KVFERRY_HOME": str(home)}  # where a .gguf would be converted
+    return subprocess.run([sys.executable, "-m", "deploy.cli", *argv], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def _assert_one_line(result: subprocess.CompletedProcess, *names: str) -> None:
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert "Traceback" not in result.stdout + result.stderr, result.stderr
+    assert result.returncode == 2, result.stderr
+    assert len(lines) == 1 and lines[0].startswith("kvferry: "), result.stderr
+    assert any(name in lines[0] for name in names), lines[0]
+
+
+# (command line with {placeholders} for the bad inputs, words one of which the line must name)
+PLAN_CASES = [
+    ("plan --model {missing}", ["no such file"]),
+    ("plan --model {empty}", ["no config.json"]),
+    ("plan --model {garbage_gguf}", ["garbage.gguf"]),
+    ("plan --model {binary}/config.json", ["not a valid JSON"]),
+    ("plan --model {binary}", ["not a valid JSON"]),
+    ("plan --model {unknown}", ["no-such-architecture"]),
+    ("plan --model {weights}", ["neither a checkpoint directory"]),
+    ("plan --layers 2 --kv-heads 1 --head-dim 8 --block-size 3", ["block_size"]),
+    ("plan --layers 2 --kv-heads 1 --head-dim 8 --pool-size -1", ["pool_size"]),
+    ("plan --layers 2 --kv-heads 1 --head-dim 8 --dtype float64", ["dtype"]),
+]
+SERVE_CASES = [
+    ("serve --model {missing}", ["missing"]),
+    ("serve --model {gpt2}", ["architecture"]),
+    ("serve --model {missing} --kv-pool-size -1", ["kv_pool_size"]),
+    ("serve --model {missing} --block-size 3", ["block_size"]),
+    ("serve --model {missing} --port 99999", ["port"]),
+    ("demo --model {binary}", ["not a valid JSON"]),
+    ("demo --model {missing} --num-decode 0", ["num_decode"]),
+]
+PROCESS_CASES = [
+    ("prefill-worker --model {missing}", ["missing"]),
+    ("decode-worker --model {empty}", ["no config.json"]),
+    ("colocated-worker --model {gpt2}", ["architecture"]),
+    ("prefill-worker --model {unknown}", ["no-such-architecture"]),
+    ("--log-level WARNING decode-worker --model {garbage_gguf}", ["garbage.gguf"]),
+    ("decode-worker --model {missing} --kv-pool-size -1", ["kv_pool_size"]),
+    ("prefill-worker --model {missing} --block-size 3", ["block_size"]),
+    ("colocated-worker --model {missing} --port 99999", ["port"]),
+    ("router --model {missing} --prefill 127.0.0.1:1 --decode 127.0.0.1:2", ["missing"]),
+    ("router --model {gpt2} --prefill 127.0.0.1:1 --decode 127.0.0.1:2", ["architecture"]),
+    ("router --model {missing}", ["prefill/decode"]),
+]
+OTHER_CASES = [
+    ("generate hello --tls-cert {missing} --tls-key {missing}", ["no such file"]),
+    ("make-model --out {weights}/model", ["weights.bin"]),
+    ("make-certs --out {weights}/certs", ["weights.bin", "cryptography"]),
+    ("bench --dataset-name jsonl --dataset-path {missing}", ["missing"]),
+    ("bench --model {gpt2}", ["architecture"]),
+]
+
+
+# One case of each kind runs by default; every case with -m slow (each subprocess imports
+# torch and transformers: seconds apiece).
+QUICK = {"plan --model {garbage_gguf}", "serve --model {missing} --port 99999",
+         "prefill-worker --model {missing}", "router --model {gpt2} --prefill 127.0.0.1:1 "
+         "--decode 127.0.0.1:2"}
+CASES = [pytest.param(command, names, marks=() if command in QUICK else pytest.mark.slow)
+         for command, names in PLAN_CASES + SERVE_CASES + PROCESS_CASES + OTHER_CASES]
+
+
+@pytest.mark.parametrize("command,names", CASES)
+def test_bad_input_is_one_line_and_status_2(command: str, names: list[str],
+                                            bad: dict[str, Path]) -> None:
+    argv = [part.format(**{k: str(v) for k, v in bad.items()}) for part in command.split()]
+    _assert_one_line(_run(argv, bad["root"] / "home"), *names)
