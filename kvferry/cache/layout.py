@@ -163,10 +163,11 @@ def _config_int(hf: PretrainedConfig, name: str, path: str | Path) -> int:
 
 def _kv_heads(hf: PretrainedConfig, num_heads: int) -> int:
     """K/V heads: 1 for multi-query configs (GPT-BigCode, early Falcon), else the config's
-    own count (`num_key_value_heads`, or Falcon's `num_kv_heads`), else one per query head."""
+    own count (`num_key_value_heads`; Falcon's `num_kv_heads`, in older configs `n_head_kv`),
+    else one per query head."""
     if getattr(hf, "multi_query", False) and not getattr(hf, "new_decoder_architecture", False):
         return 1
-    for name in ("num_key_value_heads", "num_kv_heads"):
+    for name in ("num_key_value_heads", "num_kv_heads", "n_head_kv"):
         value = getattr(hf, name, None)
         if isinstance(value, int) and value >= 1:
             return value

@@ -72,6 +72,9 @@ def test_bad_dtype_is_named() -> None:
 GPT2_SMALL = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_layer": 12,
               "n_head": 12, "n_embd": 768}
 LLAMA3_8B_GQA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], **LLAMA3_8B}
+# No model_type: read as written; older Falcon configs name their K/V heads `n_head_kv`.
+FALCON_40B_RAW = {"num_hidden_layers": 60, "num_attention_heads": 128, "n_head_kv": 8,
+                  "hidden_size": 8192}
 FALCON_7B_MQA = {"model_type": "falcon", "num_hidden_layers": 32, "num_attention_heads": 71,
                  "hidden_size": 4544, "multi_query": True}
 
@@ -83,6 +86,7 @@ FALCON_7B_MQA = {"model_type": "falcon", "num_hidden_layers": 32, "num_attention
     (LLAMA3_8B_GQA, 2 * 32 * 8 * 128 * 2),
     # multi-query: one K/V head
     (FALCON_7B_MQA, 2 * 32 * 1 * (4544 // 71) * 2),
+    (FALCON_40B_RAW, 2 * 60 * 8 * 64 * 2),
 ])
 @pytest.mark.parametrize("as_directory", [False, True])
 def test_plan_reads_any_architectures_field_names(
