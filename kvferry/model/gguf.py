@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 # Converted checkpoints live beside the tiny default one: KVFERRY_HOME/models/.
 MODELS_DIR = DEFAULT_MODEL_DIR.parent
 GGUF_SUFFIX = ".gguf"
+GGUF_MAGIC = b"GGUF"
 # Written last, inside the temporary directory: a directory without it is not a checkpoint.
 _COMPLETE_MARKER = "kvferry-converted.txt"
 
@@ -60,6 +61,9 @@ def ensure_converted(path: str | Path, models_dir: Path | None = None) -> Path:
     source = Path(path)
     if not is_gguf(source):
         raise ValueError(f"model: {source} is not a GGUF file")
+    with source.open("rb") as f:
+        if f.read(len(GGUF_MAGIC)) != GGUF_MAGIC:
+            raise ValueError(f"model: {source} does not start with the GGUF magic bytes")
     target = converted_dir(source, models_dir)
     if is_converted(target):
         return target
@@ -67,7 +71,10 @@ def ensure_converted(path: str | Path, models_dir: Path | None = None) -> Path:
     scratch = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     log.info("converting %s into %s (once)", source, target)
     try:
-        convert_gguf(source, scratch)
+        try:
+            convert_gguf(source, scratch)
+        except (ValueError, OSError, KeyError) as exc:  # what transformers/gguf raise on a bad file
+            raise ValueError(f"model: cannot convert GGUF file {source}: {exc}") from exc
         (scratch / _COMPLETE_MARKER).write_text(f"{source.resolve()}\n")
         try:
             os.rename(scratch, target)

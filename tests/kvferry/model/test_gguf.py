@@ -38,7 +38,7 @@ def test_gguf_path_loads_the_cached_directory_without_converting(
     assert config.fingerprint == load_model_config(smollm2_checkpoint).fingerprint
 
 
-def _fake_gguf(tmp_path: Path, content: bytes = b"GGUF fake") -> Path:
+def _fake_gguf(tmp_path: Path, content: bytes = b"GGUF\x03\x00\x00\x00 fake") -> Path:
     path = tmp_path / "tiny.gguf"
     path.write_bytes(content)
     return path
@@ -70,7 +70,7 @@ def test_a_changed_file_is_converted_again(tmp_path: Path,
     monkeypatch.setattr(gguf, "convert_gguf", _fake_convert(calls))
     source, models = _fake_gguf(tmp_path), tmp_path / "models"
     first = gguf.ensure_converted(source, models)
-    source.write_bytes(b"GGUF another, longer file")
+    source.write_bytes(b"GGUF\x03\x00\x00\x00 another, longer file")
     assert gguf.ensure_converted(source, models) != first and len(calls) == 2
 
 
@@ -96,6 +96,15 @@ def test_a_directory_is_not_gguf(tmp_path: Path) -> None:
     assert not gguf.is_gguf(tmp_path)
     with pytest.raises(ValueError, match="not a GGUF file"):
         gguf.ensure_converted(tmp_path)
+
+
+def test_a_bad_gguf_file_is_a_value_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="GGUF magic bytes"):
+        gguf.ensure_converted(_fake_gguf(tmp_path, b"not a GGUF file at all"), tmp_path / "m")
+    with pytest.raises(ValueError, match="cannot convert GGUF file"):
+        gguf.ensure_converted(_fake_gguf(tmp_path, b"GGUF\x03\x00\x00\x00" + bytes(64)),
+                              tmp_path / "m")
+    assert list((tmp_path / "m").iterdir()) == []  # the temporary directory is gone
 
 
 _WITHOUT_PACKAGE = """
