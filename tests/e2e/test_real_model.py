@@ -1,0 +1,118 @@
+"""The real default model (SmolLM2-135M-Instruct) end to end: greedy output through router +
+prefill + decode processes is token-identical to transformers `generate` (fp32), for plain
+and chat-templated prompts of 1 to ~500 tokens; and `--model FILE.gguf` serves the same
+tokens as the directory it is converted into."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from deploy import client
+from deploy.launcher import Deployment
+from tests.conftest import assert_alive, assert_pools_clean
+
+pytestmark = pytest.mark.slow
+
+MAX_NEW_TOKENS = 32
+_PARAGRAPH = ("Disaggregated serving runs the prompt on one machine and the generation on "
+              "another, so that long prompts do not stall the tokens of running requests. ")
+_CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You are a concise assistant."},
+     {"role": "user", "content": "Explain in two sentences why the sky is blue."}],
+    [{"role": "user", "content": "Summarize this text in one sentence:\n" + _PARAGRAPH * 8}],
+]
+
+
+def _prompts(tokenizer) -> list[list[int]]:
+    """Plain text (1 token, a sentence, ~500 tokens) and chat-templated conversations."""
+    long_text = tokenizer.encode(_PARAGRAPH * 30)[:500]
+    plain = [tokenizer.encode("The")[:1], tokenizer.encode("The capital of France is"),
+             long_text]
+    chats = [list(tokenizer.apply_chat_template(chat, add_generation_prompt=True,
+                                                tokenize=True, return_dict=False))
+             for chat in _CHATS]
+    return plain + chats
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_checkpoint: Path):
+    return AutoTokenizer.from_pretrained(smollm2_checkpoint)
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer) -> list[list[int]]:
+    return _prompts(tokenizer)
+
+
+def _deploy(model: Path, logs: Path) -> Iterator[Deployment]:
+    deployment = Deployment(model=str(model), log_dir=logs).start()
+    try:
+        yield deployment
+    finally:
+        deployment.stop()
+
+
+@pytest.fixture(scope="module")
+def dir_deployment(smollm2_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+                   ) -> Iterator[Deployment]:
+    yield from _deploy(smollm2_checkpoint, tmp_path_factory.mktemp("smollm2-dir-logs"))
+
+
+@pytest.fixture(scope="module")
+def served(dir_deployment: Deployment, prompts: list[list[int]]) -> list[list[int]]:
+    """The directory deployment's greedy tokens for every prompt, one request at a time."""
+    return [_serve(dir_deployment, prompt) for prompt in prompts]
+
+
+def _serve(deployment: Deployment, prompt: list[int]) -> list[int]:
+    request = client.make_request(prompt, temperature=0.0, max_tokens=MAX_NEW_TOKENS)
+    completion = asyncio.run(client.generate(deployment.router_address, request, 300))
+    assert completion.finished is not None
+    return list(completion.token_ids)
+
+
+def test_prompts_cover_plain_and_chat_and_1_to_500_tokens(prompts: list[list[int]],
+                                                          tokenizer) -> None:
+    lengths = [len(p) for p in prompts]
+    assert min(lengths) == 1 and max(lengths) >= 450 and len(prompts) >= 5
+    im_start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    assert sum(im_start in p for p in prompts) == len(_CHATS)
+
+
+def test_greedy_matches_transformers(smollm2_checkpoint: Path, prompts: list[list[int]],
+                                     served: list[list[int]],
+                                     dir_deployment: Deployment) -> None:
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_checkpoint, dtype=torch.float32).eval()
+    for prompt, got in zip(prompts, served):
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
+                              dtype=torch.long), do_sample=False, max_new_tokens=MAX_NEW_TOKENS)
+        expected = out[0, len(prompt):].tolist()
+        assert got == expected, f"prompt of {len(prompt)} tokens"
+        assert len(got) == MAX_NEW_TOKENS or got[-1] == 2  # a full answer, or one that ended
+    assert_pools_clean(dir_deployment)
+    assert_alive(dir_deployment)
+
+
+def test_chat_answer_is_sensible(served: list[list[int]], tokenizer) -> None:
+    """A real model, not noise: the greedy answer names Paris."""
+    answer = tokenizer.decode(served[3], skip_special_tokens=True)
+    assert "Paris" in answer, answer
+
+
+def test_gguf_file_serves_the_same_tokens(smollm2_gguf: Path, prompts: list[list[int]],
+                                          served: list[list[int]],
+                                          tmp_path_factory: pytest.TempPathFactory) -> None:
+    """One deployment given the .gguf file: its processes load the cached conversion."""
+    logs = tmp_path_factory.mktemp("smollm2-gguf-logs")
+    with Deployment(model=str(smollm2_gguf), log_dir=logs) as deployment:
+        for prompt, expected in zip(prompts[1:], served[1:]):
+            assert _serve(deployment, prompt) == expected
+        assert_alive(deployment)
