@@ -30,6 +30,8 @@ from kvferry.settings import (
     WorkerSettings,
 )
 
+DEMO_QUESTION = "What is the capital of France?"  # kvferry demo's default
+
 USAGE = """The `kvferry` command line.
 
   kvferry make-model [--out DIR] [--arch qwen3|llama]   seeded checkpoint (HF format)
@@ -243,9 +245,15 @@ def build_parser() -> argparse.ArgumentParser:
     _tls_args(p, is_member=False)
     _sampling_args(p)
 
-    p = sub.add_parser("demo", help="serve, send one Generate, print TTFT/ITL, shut down")
+    p = sub.add_parser("demo", help="serve, ask one question, print TTFT/ITL, shut down")
     _deployment_args(p)
-    p.add_argument("--prompt", default="The quick brown fox")
+    p.add_argument("--chat", default=None, metavar="MESSAGE",
+                   help=f"the user message to send (default: {DEMO_QUESTION!r}); the "
+                        "model's chat template applies")
+    p.add_argument("--prompt", default=None, help="send plain prompt text instead of --chat")
+    p.add_argument("--log-dir", default=None,
+                   help="where the processes' logs go (default: a new folder under "
+                        "KVFERRY_HOME/logs)")
     _sampling_args(p)
     p.set_defaults(port=0)
 

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from deploy.args import (
+    DEMO_QUESTION,
     build_parser,
     security_argv,
     security_settings,
@@ -97,10 +98,29 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    with _deployment(args) as deployment:
+    """One question through the whole path. The processes log to files, so that only the
+    answer streams here; where they are is printed last."""
+    import time
+
+    from kvferry.settings import KVFERRY_HOME
+
+    if args.prompt is not None and args.chat is not None:
+        print("kvferry: demo: give --prompt or --chat, not both", file=sys.stderr)
+        return 2
+    chat = None if args.prompt is not None else (args.chat or DEMO_QUESTION)
+    log_dir = Path(args.log_dir or KVFERRY_HOME / "logs" / time.strftime("demo-%Y%m%d-%H%M%S"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    deployment = _deployment(args)
+    deployment.log_dir = log_dir
+    with deployment:
         print(f"deployment up: router {deployment.router_address}", file=sys.stderr)
-        return asyncio.run(_print_stream(deployment.router_address, args.prompt,
-                                         _sampling_kwargs(args), security_settings(args)))
+        if chat is not None:
+            print(f"> {chat}", flush=True)
+        sampling = {"temperature": 0.0, **_sampling_kwargs(args)}  # greedy unless told
+        code = asyncio.run(_print_stream(deployment.router_address, args.prompt, sampling,
+                                         security_settings(args), chat))
+    print(f"logs: {log_dir}")
+    return code
 
 
 def _plan(args: argparse.Namespace) -> int:

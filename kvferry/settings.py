@@ -7,9 +7,9 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-DEFAULT_MODEL_DIR = Path(
-    os.environ.get("KVFERRY_HOME", Path.home() / ".cache" / "kvferry")
-) / "models" / "qwen3-tiny"
+# Where kvferry keeps what it makes: converted and seeded models, demo logs.
+KVFERRY_HOME = Path(os.environ.get("KVFERRY_HOME", Path.home() / ".cache" / "kvferry"))
+DEFAULT_MODEL_DIR = KVFERRY_HOME / "models" / "qwen3-tiny"
 
 # The one place for defaults and names shared by settings, flags and launchers.
 DEFAULT_BLOCK_SIZE = 16  # tokens per K/V block

@@ -20,12 +20,12 @@ import shutil
 import uuid
 from pathlib import Path
 
-from kvferry.settings import DEFAULT_MODEL_DIR
+from kvferry.settings import KVFERRY_HOME
 
 log = logging.getLogger(__name__)
 
-# Converted checkpoints live beside the tiny default one: KVFERRY_HOME/models/.
-MODELS_DIR = DEFAULT_MODEL_DIR.parent
+# Converted checkpoints live beside the tiny default one.
+MODELS_DIR = KVFERRY_HOME / "models"
 GGUF_SUFFIX = ".gguf"
 GGUF_MAGIC = b"GGUF"
 # Written last, inside the temporary directory: a directory without it is not a checkpoint.

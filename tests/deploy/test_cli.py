@@ -111,3 +111,23 @@ def test_demo_on_ray_starts_and_stops_its_own_ray(qwen3_checkpoint: Path, tmp_pa
         time.sleep(0.2)
     assert _processes_mentioning(ray_tmp) == []  # no raylet or actor left behind
     shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def test_demo_asks_the_real_model_and_keeps_logs_apart(smollm2_checkpoint: Path,
+                                                       tmp_path: Path) -> None:
+    """`kvferry demo`: a chat question to the real model, answered greedily; the answer, the
+    finish reason and the timings stream on stdout, the processes' logs go to files."""
+    log_dir = tmp_path / "logs"
+    out = subprocess.run(
+        [sys.executable, "-m", "deploy.cli", "demo", "--model", str(smollm2_checkpoint),
+         "--log-dir", str(log_dir)],
+        capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "> What is the capital of France?" in out.stdout
+    assert "Paris" in out.stdout
+    assert "finish FINISH_REASON_STOP]" in out.stdout
+    assert f"logs: {log_dir}" in out.stdout
+    assert " INFO " not in out.stdout and " INFO " not in out.stderr
+    logs = {path.name: path.read_text() for path in log_dir.iterdir()}
+    assert {"router.log", "prefill-0.log", "decode-0.log"} <= set(logs)
+    assert " INFO " in logs["router.log"]
