@@ -6,97 +6,32 @@ as Ray actors, deploy/ray_launcher.py), checked against the Ray worker nodes it 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import contextlib
-import inspect
-import io
 import re
-import shlex
 from pathlib import Path
 
-import pytest
 import yaml
+from conftest import selects, service_names
 from k8s_manifests import (
     K8S_DIR,
-    TREES,
     VAR_REF,
     Container,
     config_maps,
     containers,
-    expand,
     pod_templates,
 )
 
-from deploy.args import build_parser
 from kvferry.rpc import grpc_util
 
 REPO = K8S_DIR.parent
-SOURCE_DIRS = ("kvferry", "router", "prefill_worker", "decode_worker", "kernels")
+SOURCE_DIRS = ("kvferry", "router", "prefill_worker", "decode_worker", "kernels", "deploy")
 GPU_TREES = ("base", "overlays/gpu", "overlays/ray", "overlays/autoscale", "overlays/tls")
 WORKER_COMMANDS = ("prefill-worker", "decode-worker", "colocated-worker")
-
-
-def _subcommands() -> dict[str, argparse.ArgumentParser]:
-    parser = build_parser()
-    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return dict(action.choices)
-
-
-def _service_names(command: str) -> list[str]:
-    if command in ("router", "serve"):  # serve's entry point is its router
-        from router.server import SERVICE_NAMES
-    elif command == "prefill-worker":
-        from prefill_worker.server import SERVICE_NAMES
-    else:
-        from decode_worker.server import SERVICE_NAMES
-    return list(SERVICE_NAMES)
-
-
-class Parsed:
-    """One container's kvferry command line, parsed by the real CLI parser."""
-
-    def __init__(self, container: Container, env: dict[str, str | None]) -> None:
-        argv = container.argv()
-        assert argv is not None
-        self.argv = expand(argv, env)
-        unresolved = [a for a in self.argv if VAR_REF.search(a)]
-        assert unresolved == [], f"{container.name}: no literal value for {unresolved}"
-        self.command = next(a for a in self.argv if not a.startswith("-")
-                            and a in _subcommands())
-        stderr = io.StringIO()
-        try:
-            with contextlib.redirect_stderr(stderr):
-                self.args = build_parser().parse_args(self.argv)
-        except SystemExit:
-            pytest.fail(f"{container.name}: kvferry rejects {self.argv}:\n{stderr.getvalue()}")
-
-    def value(self, flag: str) -> object:
-        """A flag's parsed value (None when the subcommand has no such flag)."""
-        return getattr(self.args, flag.lstrip("-").replace("-", "_"), None)
-
-
-def _kvferry_containers(tree: str, resources: list[dict]) -> list[tuple[Container, Parsed]]:
-    maps = config_maps(resources)
-    found = []
-    for container in containers(tree, resources):
-        if container.argv() is not None:
-            found.append((container, Parsed(container, container.env_names(maps))))
-    return found
-
-
-@pytest.fixture(scope="module")
-def parsed(rendered: dict[str, list[dict]]) -> dict[str, list[tuple[Container, Parsed]]]:
-    return {tree: _kvferry_containers(tree, rendered[tree]) for tree in TREES}
 
 
 def _port(container: Container, name: str) -> int | None:
     return next((p["containerPort"] for p in container.spec.get("ports", [])
                  if p.get("name") == name), None)
-
-
-def _selects(selector: dict, labels: dict) -> bool:
-    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
 
 
 def test_every_tree_runs_router_prefill_and_decode(parsed) -> None:
@@ -120,7 +55,7 @@ def test_ports_and_probes_match_the_processes(parsed) -> None:
             assert p.value("--host") == "0.0.0.0", container.name
             assert _port(container, "grpc") == p.value("--port"), container.name
             assert _port(container, "metrics") == int(p.value("--metrics-port")), container.name
-            names = _service_names(p.command)
+            names = service_names(p.command)
             # With TLS, probes use the plaintext health-only port (they cannot speak TLS).
             probe_port = p.value("--health-port") or p.value("--port")
             if p.value("--health-port") is not None:
@@ -159,7 +94,7 @@ def test_router_discovery_names_headless_services(rendered, parsed) -> None:
                 assert service is not None, f"{tree}: no Service {host}"
                 assert service["spec"].get("clusterIP") == "None", f"{tree}: {host} not headless"
                 selected = [(c, p) for c, p in workers
-                            if _selects(service["spec"]["selector"], c.labels)]
+                            if selects(service["spec"]["selector"], c.labels)]
                 assert selected, f"{tree}: {host} selects no worker pod"
                 for c, p in selected:
                     assert p.command == f"{role}-worker", (tree, host, c.name)
@@ -172,7 +107,7 @@ def test_service_target_ports_exist(rendered) -> None:
     for tree, resources in rendered.items():
         pods = containers(tree, resources)
         for service in (r for r in resources if r["kind"] == "Service"):
-            selected = [c for c in pods if _selects(service["spec"]["selector"], c.labels)]
+            selected = [c for c in pods if selects(service["spec"]["selector"], c.labels)]
             assert selected, (tree, service["metadata"]["name"])
             for port in service["spec"]["ports"]:
                 assert any(_port(c, port["targetPort"]) for c in selected), (tree, port)
@@ -252,7 +187,7 @@ def test_pods_run_as_non_root_and_workers_spread(rendered) -> None:
                     term = spec["affinity"]["podAntiAffinity"][
                         "preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]
                     assert term["topologyKey"] == "kubernetes.io/hostname"
-                    assert _selects(term["labelSelector"]["matchLabels"],
+                    assert selects(term["labelSelector"]["matchLabels"],
                                     template["metadata"]["labels"])
 
 
@@ -265,7 +200,7 @@ def test_disruption_budgets_cover_every_role(rendered) -> None:
                 if owner.endswith("[head]"):
                     continue
                 labels = template["metadata"]["labels"]
-                assert sum(_selects(b, labels) for b in budgets) == 1, (tree, owner)
+                assert sum(selects(b, labels) for b in budgets) == 1, (tree, owner)
 
 
 def test_images_are_pinned_outside_cpu_dev(rendered) -> None:
@@ -293,7 +228,7 @@ def test_autoscale_metric_matches_the_adapter_rules(rendered) -> None:
             assert metric["pods"]["metric"]["name"] in served
     monitor = next(r for r in resources if r["kind"] == "PodMonitor")
     scraped = [c for c in containers("overlays/autoscale", resources)
-               if _selects(monitor["spec"]["selector"]["matchLabels"], c.labels)
+               if selects(monitor["spec"]["selector"]["matchLabels"], c.labels)
                and not c.is_init]
     assert scraped and all(_port(c, "metrics") for c in scraped)
 
@@ -301,120 +236,6 @@ def test_autoscale_metric_matches_the_adapter_rules(rendered) -> None:
 # The ray overlay: `kvferry serve --kv-transport=ray` on the RayCluster's head creates the
 # router and every worker as Ray actors (deploy/ray_launcher.py); the worker groups are plain
 # Ray nodes where the GPU worker actors land.
-
-_QUANTITY = re.compile(r"^(\d+)(Ki|Mi|Gi|Ti)?$")
-
-
-def _bytes(quantity: str) -> int:
-    number, unit = _QUANTITY.match(str(quantity)).groups()
-    return int(number) * 1024 ** ("", "Ki", "Mi", "Gi", "Ti").index(unit or "")
-
-
-def _ray(rendered, parsed) -> tuple[dict, Container, Parsed, list[Container]]:
-    """The RayCluster, its head container with serve parsed, and the worker node containers."""
-    resources = rendered["overlays/ray"]
-    cluster = next(r for r in resources if r["kind"] == "RayCluster")
-    head = [(c, p) for c, p in parsed["overlays/ray"] if c.owner.endswith("[head]")]
-    assert len(head) == 1
-    workers = [c for c in containers("overlays/ray", resources)
-               if c.owner.startswith("RayCluster/") and not c.owner.endswith("[head]")]
-    assert workers
-    return cluster, *head[0], workers
-
-
-def _script(container: Container) -> str:
-    assert container.spec["command"] == ["/bin/bash", "-lc", "--"], container.name
-    (script,) = container.spec["args"]
-    return script
-
-
-def test_ray_head_starts_ray_then_execs_serve(rendered, parsed) -> None:
-    cluster, head, serve, _ = _ray(rendered, parsed)
-    assert serve.command == "serve"
-    assert serve.value("--kv-transport") == "ray"
-    assert serve.value("--ray-address") == "auto"  # the Ray head this pod just started
-    assert re.search(r"/kvferry/worker:[\w.-]+$", head.spec["image"]), "serve needs Ray"
-    assert cluster["spec"]["headGroupSpec"]["rayStartParams"]["num-gpus"] == "0"
-    script = _script(head)
-    before, _, rest = script.partition("exec kvferry ")
-    # Ray in the background (KubeRay's line minus --block), then serve as PID 1: SIGTERM
-    # reaches it and it drains the actors.
-    assert "${KUBERAY_GEN_RAY_START_CMD/ --block/}" in before
-    assert not re.search(r"[;&|]", rest), "exec kvferry must be the script's last command"
-    env = head.env_names(config_maps(rendered["overlays/ray"]))
-    assert [v for v in VAR_REF.findall(script) if env.get(v) is None] == []
-    # It waits for a GPU per worker actor: serve asks Ray for GPUs only if some are there.
-    raw = dict(arg.partition("=")[::2] for arg in shlex.split(rest) if arg.startswith("--"))
-    assert "GPU" in before
-    assert raw["--num-prefill"] in before and raw["--num-decode"] in before
-
-
-def test_ray_worker_nodes_hold_every_worker_actor(rendered, parsed) -> None:
-    cluster, head, serve, workers = _ray(rendered, parsed)
-    needed = serve.value("--num-prefill") + serve.value("--num-decode")
-    groups = {g["groupName"]: g for g in cluster["spec"]["workerGroupSpecs"]}
-    offered = 0
-    for container in workers:
-        assert container.argv() is None, f"{container.name}: a plain Ray node runs no kvferry"
-        assert "KUBERAY_GEN_RAY_START_CMD/" not in _script(container), "keep ray start --block"
-        resources = container.spec["resources"]
-        gpus = resources["limits"]["nvidia.com/gpu"]
-        assert resources["requests"]["nvidia.com/gpu"] == gpus >= 1, container.name
-        group = groups[container.owner.rpartition("[")[2].rstrip("]")]
-        assert group["rayStartParams"].get("num-gpus", str(gpus)) == str(gpus)
-        offered += gpus * group["minReplicas"]
-    assert offered >= needed, f"{offered} GPUs for {needed} worker actors"
-
-
-def test_ray_nodes_mount_the_model_and_fit_the_object_store(rendered, parsed) -> None:
-    cluster, head, serve, workers = _ray(rendered, parsed)
-    model = serve.value("--model")
-
-    def model_volume(container: Container) -> tuple[str, dict]:
-        mount = next((m for m in container.spec["volumeMounts"]
-                      if model.startswith(m["mountPath"].rstrip("/") + "/")), None)
-        assert mount is not None, f"{container.name}: {model} is on no volume"
-        assert mount.get("readOnly") is True, container.name
-        volume = next(v for v in container.pod_spec["volumes"] if v["name"] == mount["name"])
-        return mount["mountPath"], volume["persistentVolumeClaim"]
-
-    # worker actors load --model on whichever node they land: the same path everywhere
-    assert {model_volume(c)[0] for c in [head, *workers]} == {model_volume(head)[0]}
-    for container in [head, *workers]:
-        assert model_volume(container)[1] == {"claimName": "kvferry-models", "readOnly": True}
-    params = [cluster["spec"]["headGroupSpec"]["rayStartParams"],
-              *(g["rayStartParams"] for g in cluster["spec"]["workerGroupSpecs"])]
-    for container, start in zip([head, *workers], params, strict=True):
-        shm = next(m for m in container.spec["volumeMounts"] if m["mountPath"] == "/dev/shm")
-        volume = next(v for v in container.pod_spec["volumes"] if v["name"] == shm["name"])
-        assert volume["emptyDir"]["medium"] == "Memory", container.name
-        assert int(start["object-store-memory"]) <= _bytes(volume["emptyDir"]["sizeLimit"])
-
-
-def test_ray_head_grace_covers_stopping_every_actor(rendered, parsed) -> None:
-    """serve stops the actors one by one, router first, each within RayDeployment.stop's
-    grace_s; the kubelet must not SIGKILL it before, nor liveness kill a draining router."""
-    from deploy.ray_launcher import RayDeployment
-
-    _, head, serve, _ = _ray(rendered, parsed)
-    per_actor_s = inspect.signature(RayDeployment.stop).parameters["grace_s"].default
-    actors = 1 + serve.value("--num-prefill") + serve.value("--num-decode")
-    grace_s = head.pod_spec["terminationGracePeriodSeconds"]
-    assert per_actor_s * actors < grace_s <= per_actor_s * actors + 30
-    liveness = head.spec["livenessProbe"]
-    assert liveness["periodSeconds"] * liveness["failureThreshold"] > grace_s
-
-
-def test_ray_overlay_keeps_only_what_selects_the_cluster(rendered, parsed) -> None:
-    resources = rendered["overlays/ray"]
-    assert [r for r in resources if r["kind"] == "Deployment"] == []
-    _, head, _, workers = _ray(rendered, parsed)
-    services = {r["metadata"]["name"]: r for r in resources if r["kind"] == "Service"}
-    assert set(services) == {"kvferry-router"}  # headless worker Services are gone
-    selector = services["kvferry-router"]["spec"]["selector"]
-    assert _selects(selector, head.labels)
-    assert not any(_selects(selector, c.labels) for c in workers)
-
 
 TLS_FLAGS = ("--tls-cert", "--tls-key", "--tls-ca", "--cluster-token-file")
 
