@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -40,9 +39,8 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench import paged_attention_checks as checks  # noqa: E402
 from kernels import triton_paged_attention as tpa  # noqa: E402
-from kernels.paged_attention_ref import paged_decode_attention_ref  # noqa: E402
-from kernels.triton_kv_append import write_kv_triton  # noqa: E402
 
 DRY = ARGS.dry_run
 DEVICE = torch.device("cpu" if DRY else "cuda")
@@ -159,120 +157,6 @@ def run_config(hq: int, hkv: int, batch: int, ctx: int) -> dict[str, Any]:
     return row
 
 
-def check_native_dtype() -> None:
-    """Ragged batches in the bench dtype against the fp32 reference (GQA, MQA, D=80)."""
-    cases = [
-        ((32, 8, 128, 16), [1, 300, 1000, 4097]),
-        ((10, 2, 80, 64), [65, 197, 2000]),
-        ((16, 1, 128, 1), [130, 7]),
-        ((32, 8, 128, 16), [0, 17]),
-    ]
-    for (hq, hkv, d, p), lens in cases:
-        lens = [min(n, 150) for n in lens] if DRY else lens
-        pages = [math.ceil(n / p) for n in lens]
-        num_blocks = sum(pages) + 1
-        k = torch.randn(num_blocks, p, hkv, d, device=DEVICE).to(DTYPE)  # [N, P, Hkv, D]
-        v = torch.randn(num_blocks, p, hkv, d, device=DEVICE).to(DTYPE)
-        k[0], v[0] = float("nan"), float("nan")  # padding entries point at block 0
-        bt = torch.zeros(len(lens), max(pages) + 1, dtype=torch.int32, device=DEVICE)
-        ids = (torch.randperm(num_blocks - 1, device=DEVICE) + 1).to(torch.int32).tolist()
-        for b, n in enumerate(pages):
-            bt[b, :n] = torch.tensor(ids[:n], dtype=torch.int32)
-            ids = ids[n:]
-        sl = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
-        q = torch.randn(len(lens), hq, d, device=DEVICE).to(DTYPE)
-        ref = paged_decode_attention_ref(q.float(), k, v, bt, sl, d**-0.5)
-        for splits in (None, 1, 4):
-            got = tpa.paged_decode_attention_triton(q, k, v, bt, sl, d**-0.5, num_splits=splits)
-            err = (got.float() - ref).abs().max().item()
-            ok = bool(torch.allclose(got.float(), ref, atol=1e-2, rtol=2e-2))
-            REPORT["correctness"].append(
-                {
-                    "check": "native dtype vs fp32 ref",
-                    "dtype": str(DTYPE),
-                    "heads": [hq, hkv],
-                    "head_dim": d,
-                    "block_size": p,
-                    "lens": lens,
-                    "num_splits": splits,
-                    "max_abs_err": err,
-                    "ok": ok,
-                }
-            )
-
-
-def check_large_cache() -> None:
-    """Pages past element 2^31 of the pool: any int32 offset overflow shows up here."""
-    hkv, p = 8, BLOCK_SIZE
-    per_block = p * hkv * HEAD_DIM
-    num_blocks = (1 << 31) // per_block + 64
-    k = torch.empty(num_blocks, p, hkv, HEAD_DIM, dtype=DTYPE, device=DEVICE)
-    v = torch.empty_like(k)
-    high = torch.arange(num_blocks - 64, num_blocks, device=DEVICE)  # offsets >= 2^31
-    k[high] = torch.randn(64, p, hkv, HEAD_DIM, device=DEVICE).to(DTYPE)
-    v[high] = torch.randn(64, p, hkv, HEAD_DIM, device=DEVICE).to(DTYPE)
-    bt = high.flip(0).view(2, 32).to(torch.int32)  # [2, 32]
-    sl = torch.tensor([512, 300], dtype=torch.int32, device=DEVICE)
-    q = torch.randn(2, 32, HEAD_DIM, device=DEVICE).to(DTYPE)
-    ref = paged_decode_attention_ref(q.float(), k, v, bt, sl, HEAD_DIM**-0.5)
-    got = tpa.paged_decode_attention_triton(q, k, v, bt, sl, HEAD_DIM**-0.5, num_splits=4)
-    err = (got.float() - ref).abs().max().item()
-    slots = high[-3:] * p + torch.tensor([0, 5, 15], device=DEVICE)  # last pages
-    new_k = torch.randn(3, hkv, HEAD_DIM, device=DEVICE)
-    write_kv_triton(new_k, new_k, k, v, slots)
-    appended = k.view(-1, hkv, HEAD_DIM)[slots]
-    REPORT["correctness"].append(
-        {
-            "check": "cache > 2^31 elements",
-            "numel": k.numel(),
-            "max_abs_err": err,
-            "append_exact": bool(torch.equal(appended, new_k.to(DTYPE))),
-            "ok": bool(torch.allclose(got.float(), ref, atol=1e-2, rtol=2e-2))
-            and bool(torch.equal(appended, new_k.to(DTYPE))),
-        }
-    )
-    del k, v
-    torch.cuda.empty_cache()
-
-
-def check_cuda_graph() -> None:
-    """Capture one step with fixed buffers, then replay it with new lengths and queries."""
-    hq, hkv, batch, max_ctx = 32, 8, 8, 2048
-    pool = make_pool(batch, max_ctx, hkv)
-    q = torch.randn(batch, hq, HEAD_DIM, dtype=DTYPE, device=DEVICE)
-    splits = tpa.choose_num_splits(batch, hkv, max_ctx, 64, DEVICE)
-    ws = tpa.alloc_decode_workspace(batch, hq, HEAD_DIM, splits, DEVICE)
-    out = torch.empty_like(q)
-    args = (q, pool["k_cache"], pool["v_cache"], pool["block_table"], pool["seq_lens"])
-
-    def step() -> None:
-        tpa.paged_decode_attention_triton(*args, HEAD_DIM**-0.5, workspace=ws, out=out)
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    worst = 0.0
-    for lens in ([2048] * 8, [1, 17, 500, 2047, 0, 1024, 3, 64]):
-        pool["seq_lens"].copy_(torch.tensor(lens, dtype=torch.int32))
-        q.copy_(torch.randn_like(q))
-        graph.replay()
-        ref = paged_decode_attention_ref(q.float(), *args[1:], HEAD_DIM**-0.5)
-        worst = max(worst, (out.float() - ref).abs().max().item())
-    REPORT["correctness"].append(
-        {
-            "check": "cuda graph replay",
-            "num_splits": splits,
-            "max_abs_err": worst,
-            "ok": worst < 2e-2,
-        }
-    )
-
-
 def sweep_shape(hq: int, hkv: int, batch: int, ctx: int) -> None:
     pool = make_pool(batch, ctx, hkv)
     q = torch.randn(batch, hq, HEAD_DIM, dtype=DTYPE, device=DEVICE)  # [B, Hq, D]
@@ -326,10 +210,11 @@ def main() -> None:
     }
     REPORT["copy_bandwidth_gbps"] = copy_bandwidth_gbps()
     save()
-    check_native_dtype()
+    report = REPORT["correctness"]
+    report += checks.native_dtype(DEVICE, DTYPE, DRY)
     if not DRY:
-        check_large_cache()
-        check_cuda_graph()
+        report += checks.large_cache(DEVICE, DTYPE, BLOCK_SIZE, HEAD_DIM)
+        report += checks.cuda_graph(DEVICE, DTYPE, HEAD_DIM, make_pool(8, 2048, 8))
     save()
     for hq, hkv in HEAD_PAIRS:
         for batch in BATCHES:
