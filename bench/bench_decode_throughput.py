@@ -1,14 +1,16 @@
 """Decode throughput (generated tokens/s) at several concurrencies, in one run.
 
 Starts one deployment (router + 1 prefill + 1 decode worker, or one colocated worker with
---colocated) on the tiny model, then for each concurrency C runs C clients in a closed
+--colocated) on `--model` (the tiny seeded model unless told; `--model default` is the real
+default model), then for each concurrency C runs C clients in a closed
 loop, each sending enough requests of `--prompt-tokens` prompt tokens and exactly
 `--max-tokens` output tokens (ignore_eos) for at least `--min-requests` requests in all (and
 2 per client). The levels run interleaved for `--rounds` rounds; reported per level: the
 median tokens/s and the median over rounds of its ratio to the first level in the same round
 (machines here are noisy). Usage:
 
-    .venv/bin/python bench/bench_decode_throughput.py [--concurrency 1 8 32] [--out FILE]
+    .venv/bin/python bench/bench_decode_throughput.py [--model tiny|default|PATH]
+        [--concurrency 1 8 32] [--out FILE]
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from pathlib import Path
 import torch
 
 from deploy import client
-from deploy.default_model import tiny_model
+from deploy.default_model import BENCH_MODEL_HELP, bench_model
 from deploy.launcher import Deployment
 
 
@@ -56,7 +58,7 @@ async def measure(address: str, concurrency: int, prompt_tokens: int, max_tokens
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None)
+    parser.add_argument("--model", default="tiny", help=BENCH_MODEL_HELP)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -71,7 +73,7 @@ def main() -> None:
                         help="pin the decode worker to the last core, the rest elsewhere")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    model = args.model or tiny_model()
+    model = bench_model(args.model)
     results = []
     worker_args = ([] if args.decode_stage_mib is None
                    else ["--decode-stage-mib", str(args.decode_stage_mib)])
@@ -109,7 +111,7 @@ def main() -> None:
         print(f"{r['concurrency']:>11} {r['median_tokens_per_s']:>12.1f} "
               f"{r['min_tokens_per_s']:>8.1f} {r['max_tokens_per_s']:>8.1f} "
               f"{r['ratio_to_first']:>27.2f}x {spread:>20}")
-    report = {"machine": platform.machine(), "cpus": torch.get_num_threads(),
+    report = {"machine": platform.machine(), "cpus": torch.get_num_threads(), "model": model,
               "colocated": args.colocated, "decode_stage_mib": args.decode_stage_mib,
               "prompt_tokens": args.prompt_tokens,
               "max_tokens": args.max_tokens, "results": results}

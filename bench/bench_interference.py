@@ -1,18 +1,21 @@
 """Headline scenario (issue 7): long prompts arriving among steady short decodes, disaggregated
 against colocated, on the same machine, in one run.
 
-Two deployments of the tiny model, started one after the other: disaggregated (one
-prefill and one decode worker, one torch thread each) and colocated (one worker serving both
-roles with two threads: the same cores). Each gets the same two seeded, open-loop workloads
-through `kvferry bench`'s engine:
+Two deployments of `--model` (the tiny seeded model unless told; `--model default` is the
+real default model), started one after the other: disaggregated (one prefill and one decode
+worker, one torch thread each) and colocated (one worker serving both roles with two threads:
+the same cores). Each gets the same two seeded, open-loop workloads through `kvferry bench`'s
+engine:
   unloaded: short requests only (--short-input / --short-output tokens) at --rate req/s;
   loaded:   the same stream with long prompts (--long-input tokens, --long-output tokens)
             mixed in as --long-fraction of the requests.
-Reported for the short requests: ITL p50/p99 unloaded and loaded, TTFT; the target is
-disaggregated loaded p99 ITL <= 1.5x its unloaded p50 while colocated's is >= 3x. Writes a
-JSON and a PNG (ITL percentiles, and every short request's token gaps over time). Usage:
+The pair runs --repeats times (the deployments alternate, each started afresh). Reported for
+the short requests, per deployment, median [min-max] over the repetitions: ITL p50/p99
+unloaded and loaded, loaded TTFT p99, and the ratio loaded p99 ITL / unloaded p50 ITL; the
+target is disaggregated <= 1.5x while colocated's is >= 3x. Writes a JSON (every repetition)
+and a PNG (the first repetition's ITL percentiles and token gaps over time). Usage:
 
-    .venv/bin/python bench/bench_interference.py --out-dir docs
+    .venv/bin/python bench/bench_interference.py [--model tiny|default|PATH] --out-dir docs
 """
 
 from __future__ import annotations
@@ -22,9 +25,10 @@ import asyncio
 import json
 import os
 import platform
+import statistics
 from pathlib import Path
 
-from deploy.default_model import tiny_model
+from deploy.default_model import BENCH_MODEL_HELP, bench_model
 from deploy.launcher import Deployment
 from deploy.loadgen import BenchConfig, MixedWorkload, RandomWorkload, calculate_metrics
 from deploy.loadgen.bench import run_target
@@ -51,6 +55,9 @@ def _times(record) -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny", help=BENCH_MODEL_HELP)
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="repetitions of the pair of deployments (default 5)")
     parser.add_argument("--num-requests", type=int, default=80)
     parser.add_argument("--rate", type=float, default=4.0, help="requests/s, Poisson")
     parser.add_argument("--short-input", type=int, default=32)
@@ -63,7 +70,7 @@ def main() -> None:
                         help="do not pin prefill and decode workers to one core each")
     parser.add_argument("--out-dir", type=Path, default=None)
     args = parser.parse_args()
-    model = tiny_model()
+    model = bench_model(args.model)
     short = RandomWorkload(input_len=args.short_input, output_len=args.short_output,
                            range_ratio=0.0)
     long = RandomWorkload(input_len=args.long_input, output_len=args.long_output,
@@ -74,40 +81,67 @@ def main() -> None:
     config = BenchConfig(num_requests=args.num_requests, request_rates=(args.rate,),
                          num_warmups=2, seed=args.seed, vocab_size=512)
     setups = {
-        "disaggregated": Deployment(model=model, torch_threads=1),
-        "colocated": Deployment(model=model, torch_threads=2, is_colocated=True),
+        "disaggregated": dict(model=model, torch_threads=1),
+        "colocated": dict(model=model, torch_threads=2, is_colocated=True),
     }
-    results: dict[str, dict[str, dict[str, object]]] = {}
     cores = sorted(os.sched_getaffinity(0))
     pinning = {"disaggregated": {"prefill": {cores[0]}, "decode": {cores[-1]}},
                "colocated": {"colocated": set(cores[:2])}}
-    for name, deployment in setups.items():
-        with deployment:
-            if args.pin:
-                for role, cpus in pinning[name].items():
-                    deployment.pin(role, cpus)
-            results[name] = {
-                phase: _phase(deployment.router_address, f"{name}-{phase}",
-                              workload.build(args.num_requests, 512, args.seed), config)
-                for phase, workload in (("unloaded", unloaded), ("loaded", loaded))
-            }
+    runs: dict[str, list[dict[str, dict[str, object]]]] = {name: [] for name in setups}
+    for repeat in range(args.repeats):
+        for name, kwargs in setups.items():
+            with Deployment(**kwargs) as deployment:
+                if args.pin:
+                    for role, cpus in pinning[name].items():
+                        deployment.pin(role, cpus)
+                run = {phase: _phase(deployment.router_address, f"{name}-{phase}",
+                                     workload.build(args.num_requests, 512, args.seed), config)
+                       for phase, workload in (("unloaded", unloaded), ("loaded", loaded))}
+            run["ratio_loaded_p99_to_unloaded_p50"] = (run["loaded"]["itl_p99_ms"]
+                                                       / run["unloaded"]["itl_p50_ms"])
+            runs[name].append(run)
+            print(f"repetition {repeat + 1}/{args.repeats} {name}: loaded p99 / unloaded p50 "
+                  f"{run['ratio_loaded_p99_to_unloaded_p50']:.2f}x", flush=True)
+    summary = {name: _summarize(r) for name, r in runs.items()}
+    print(f"model {model}; {args.repeats} repetitions, median [min-max]")
     print(f"{args.num_requests} requests at {args.rate:g}/s; short {args.short_input}->"
           f"{args.short_output} tokens; {args.long_fraction:.0%} long {args.long_input}->"
           f"{args.long_output}; ITL/TTFT of the short requests, ms")
-    print(f"{'deployment':<15} {'unloaded ITL p50':>17} {'p99':>7} {'loaded ITL p50':>15} "
-          f"{'p99':>7} {'p99 / unloaded p50':>19} {'loaded TTFT p99':>16} {'failed':>7}")
-    for name, r in results.items():
-        u, lo = r["unloaded"], r["loaded"]
-        r["ratio_loaded_p99_to_unloaded_p50"] = lo["itl_p99_ms"] / u["itl_p50_ms"]
-        print(f"{name:<15} {u['itl_p50_ms']:>17.1f} {u['itl_p99_ms']:>7.1f} "
-              f"{lo['itl_p50_ms']:>15.1f} {lo['itl_p99_ms']:>7.1f} "
-              f"{r['ratio_loaded_p99_to_unloaded_p50']:>18.2f}x {lo['ttft_p99_ms']:>16.1f} "
-              f"{u['num_failed'] + lo['num_failed']:>7}")
+    for name, stats in summary.items():
+        print(name)
+        for key, label in SUMMARY_COLUMNS:
+            lo, mid, hi = stats[key]
+            print(f"  {label:<32} {mid:>8.2f}  [{lo:.2f}-{hi:.2f}]")
+        print(f"  {'failed requests (all runs)':<32} {stats['failed']:>8}")
     if args.out_dir:
-        _write(args, results)
+        _write(args, model, runs, summary)
 
 
-def _write(args: argparse.Namespace, results: dict[str, dict[str, dict[str, object]]]) -> None:
+SUMMARY_COLUMNS = (("unloaded.itl_p50_ms", "unloaded ITL p50"),
+                   ("unloaded.itl_p99_ms", "unloaded ITL p99"),
+                   ("loaded.itl_p50_ms", "loaded ITL p50"),
+                   ("loaded.itl_p99_ms", "loaded ITL p99"),
+                   ("loaded.ttft_p50_ms", "loaded TTFT p50"),
+                   ("loaded.ttft_p99_ms", "loaded TTFT p99"),
+                   ("ratio_loaded_p99_to_unloaded_p50", "loaded p99 ITL / unloaded p50"))
+
+
+def _summarize(runs: list[dict[str, object]]) -> dict[str, object]:
+    """(min, median, max) of each SUMMARY_COLUMNS value over the repetitions."""
+    def value(run: dict[str, object], key: str) -> float:
+        phase, _, field = key.partition(".")
+        return run[phase][field] if field else run[phase]
+    out: dict[str, object] = {}
+    for key, _ in SUMMARY_COLUMNS:
+        values = sorted(value(r, key) for r in runs)
+        out[key] = (values[0], statistics.median(values), values[-1])
+    out["failed"] = sum(r[p]["num_failed"] for r in runs for p in ("unloaded", "loaded"))
+    return out
+
+
+def _write(args: argparse.Namespace, model: str, runs: dict[str, list[dict[str, object]]],
+           summary: dict[str, object]) -> None:
+    results = {name: r[0] for name, r in runs.items()}  # the picture: the first repetition
     plt = _pyplot()
     fig, (bars, timeline) = plt.subplots(1, 2, figsize=(13, 4.5))
     names = list(results)
@@ -132,13 +166,15 @@ def _write(args: argparse.Namespace, results: dict[str, dict[str, dict[str, obje
     timeline.legend()
     fig.tight_layout()
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    fig.savefig(args.out_dir / "bench_interference.png", dpi=110)
-    for r in results.values():
-        for phase in ("unloaded", "loaded"):
-            r[phase].pop("gaps")
-    payload = {"args": {k: str(v) for k, v in vars(args).items()},
-               "machine": platform.platform(), "results": results}
-    (args.out_dir / "bench_interference.json").write_text(json.dumps(payload, indent=2))
+    stem = "bench_interference" + ("" if args.model == "tiny" else f"_{Path(args.model).stem}")
+    fig.savefig(args.out_dir / f"{stem}.png", dpi=110)
+    for name_runs in runs.values():
+        for r in name_runs:
+            for phase in ("unloaded", "loaded"):
+                r[phase].pop("gaps")
+    payload = {"args": {k: str(v) for k, v in vars(args).items()}, "model": model,
+               "machine": platform.platform(), "summary": summary, "runs": runs}
+    (args.out_dir / f"{stem}.json").write_text(json.dumps(payload, indent=2))
 
 
 if __name__ == "__main__":

@@ -64,3 +64,16 @@ def tiny_model() -> str:
         print(f"creating the tiny model in {DEFAULT_MODEL_DIR}", file=sys.stderr)
         make_model(DEFAULT_MODEL_DIR)
     return str(DEFAULT_MODEL_DIR)
+
+
+BENCH_MODEL_HELP = ("'tiny' (the seeded tiny model, default), 'default' (the real default "
+                    "model, SmolLM2-135M-Instruct) or a checkpoint directory / .gguf file")
+
+
+def bench_model(name: str) -> str:
+    """A benchmark's `--model` value as a checkpoint path: see BENCH_MODEL_HELP."""
+    if name == "tiny":
+        return tiny_model()
+    if name == "default":
+        return ensure_default_model()
+    return name
