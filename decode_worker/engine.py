@@ -19,6 +19,7 @@ import asyncio
 import itertools
 import logging
 import time
+from collections.abc import Callable
 
 from decode_worker.kv_receiver import KvReceiver
 from decode_worker.sequence import (
@@ -67,6 +68,7 @@ class DecodeEngine:
         self._prefill_jobs: dict[str, PrefillJob] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self.is_draining = False  # SIGTERM: no new reservations; the ones here run to the end
+        self._on_fatal: Callable[[], None] = lambda: None
 
     @property
     def kv_bytes_received(self) -> int:
@@ -75,6 +77,20 @@ class DecodeEngine:
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self.steps.run()), asyncio.create_task(self._leases())]
+        for task in self._tasks:
+            task.add_done_callback(self._task_ended)
+
+    def set_on_fatal(self, on_fatal: Callable[[], None]) -> None:
+        """What to call when this worker can no longer serve (decode steps keep failing, a
+        loop died): the process reports NOT_SERVING and drains."""
+        self.steps.on_fatal = on_fatal
+        self._on_fatal = on_fatal
+
+    def _task_ended(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled():
+            return  # stop()
+        log.error("decode engine loop ended: %r", task.exception(), exc_info=task.exception())
+        self._on_fatal()
 
     def drain(self) -> None:
         self.is_draining = True

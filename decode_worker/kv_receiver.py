@@ -3,7 +3,9 @@
 A push is one stream of chunks for one reservation. `begin_push` opens it and returns its
 epoch; a newer push for the same reservation supersedes it, so a silent sender's late chunks
 are refused instead of mixing two pushes' pages. Each chunk is validated (layout, prompt
-length, span, checksum, overlap) before one copy into the reservation's blocks.
+length, span, checksum, overlap, finite values) before one copy into the reservation's
+blocks: a chunk holding inf or NaN is refused with DATA_LOSS and nothing of it is written
+(attention would spread it: 0 x NaN is NaN).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from collections.abc import Callable, Mapping
 from decode_worker.sequence import DecodeSeq, Phase, lookup
 from kvferry.cache.layout import KvLayout
 from kvferry.cache.pool import KvPool
-from kvferry.errors import Aborted, AlreadyExists, InvalidArgument
+from kvferry.errors import Aborted, AlreadyExists, DataLoss, InvalidArgument
 from kvferry.transfer import wire
 
 
@@ -74,6 +76,8 @@ class KvReceiver:
         wire.check_span(self.layout, num_tokens, span, len(data))
         if wire.crc32(data) != crc32:
             raise InvalidArgument("chunk checksum mismatch: corrupted in flight", "crc32")
+        if not wire.is_finite(data, self.pool.dtype):
+            raise DataLoss("chunk holds non-finite K/V (inf or NaN); nothing written", "data")
         rows = slice(span.layer_start, span.layer_end)
         cols = slice(span.block_start, span.block_start + span.num_blocks)
         if seq.received[rows, cols].any():

@@ -122,7 +122,16 @@ class KvStage:
         n = self._valid[src]
         self._k[:, dst, :, :n] = self._k[:, src, :, :n]
         self._v[:, dst, :, :n] = self._v[:, src, :, :n]
+        self._clear_tail(dst, n)
         self._seqs[dst], self._valid[dst] = self._seqs[src], n
+
+    def _clear_tail(self, row: int, n: int) -> None:
+        """Zero `row` past position `n`: attention gives those positions probability 0, which
+        cancels only finite values (0 x NaN is NaN), and the row's previous holder may have
+        left anything there."""
+        assert self._k is not None and self._v is not None  # noqa: S101 - rows exist
+        self._k[:, row, :, n:] = 0
+        self._v[:, row, :, n:] = 0
 
     def _gather(self, row: int, seq: PagedSeq) -> None:
         """Copy positions [0, next_position) of `seq` from its pages into `row`."""
@@ -135,6 +144,7 @@ class KvStage:
         pages = p.cache.index_select(2, ids).flatten(2, 3)[:, :, :n].transpose(2, 3)
         self._k[:, row, :, :n] = pages[:, 0]
         self._v[:, row, :, :n] = pages[:, 1]
+        self._clear_tail(row, n)
         self._valid[row] = n
         self.num_gathered_tokens += n
 

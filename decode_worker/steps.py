@@ -4,12 +4,20 @@
 arrival and request lifecycles. Everything here runs on the event loop except `_run_steps`
 and `_step`, which run on the single executor thread (forward passes only touch the pool
 rows of the batch's own blocks).
+
+A step that raises (NaN logits under sampling, out of memory, a bug) fails the requests of
+its batch with INTERNAL, their blocks freed, and the loop goes on with everyone else. After
+MAX_CONSECUTIVE_FAILURES failed iterations in a row the worker is broken, not unlucky: the
+loop calls `on_fatal` (the process then reports NOT_SERVING and drains) and keeps failing
+what reaches it. Fault injection for tests: KVFERRY_FAULT_DECODE_STEPS lists step numbers
+(counted from 1) whose forward raises, as "3,7", or "3-" for every step from the third on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -21,6 +29,7 @@ from decode_worker.kv_stage import KvStage
 from decode_worker.sequence import (
     DecodeEvent,
     DecodeSeq,
+    ErrorEvent,
     FinishedEvent,
     Phase,
     TokensEvent,
@@ -28,6 +37,7 @@ from decode_worker.sequence import (
 )
 from kvferry.cache.block_queue import BlockQueue
 from kvferry.cache.pool import KvPool
+from kvferry.errors import Internal
 from kvferry.model.executor import run_to_completion
 from kvferry.model.prefill_batch import PrefillBatcher
 from kvferry.model.sampling import FinishReason, SamplingParams, sample_tokens
@@ -37,6 +47,24 @@ log = logging.getLogger("kvferry.decode")
 
 
 Finish = Callable[[DecodeSeq, DecodeEvent], None]
+
+MAX_CONSECUTIVE_FAILURES = 3
+FAULT_ENV = "KVFERRY_FAULT_DECODE_STEPS"
+
+
+class InjectedFault(RuntimeError):
+    """Raised by a step named in KVFERRY_FAULT_DECODE_STEPS."""
+
+
+def _fault_steps(spec: str) -> Callable[[int], bool]:
+    """KVFERRY_FAULT_DECODE_STEPS ("3,7" or "3-") as a predicate on step numbers."""
+    if not spec:
+        return lambda step: False
+    if spec.endswith("-"):
+        first = int(spec[:-1])
+        return lambda step: step >= first
+    steps = {int(x) for x in spec.split(",")}
+    return lambda step: step in steps
 
 
 class StepLoop:
@@ -58,6 +86,11 @@ class StepLoop:
         self.num_preemptions = 0
         self.num_steps = 0  # incremented by the executor thread only
         self.max_abort_delay_steps = 0
+        self.num_failed_steps = 0
+        self.consecutive_failures = 0
+        self.on_fatal: Callable[[], None] = lambda: None  # set by the process: drain
+        self._is_faulty = _fault_steps(os.environ.get(FAULT_ENV, ""))
+        self._num_attempts = 0  # steps started (executor thread), for fault injection
         # CPU decode: mirror the batch's K/V densely (kv_stage) instead of gathering pages.
         self.stage = KvStage(pool, stage_bytes) if stage_bytes > 0 else None
         self._wake = asyncio.Event()
@@ -147,15 +180,46 @@ class StepLoop:
             await self._wake.wait()
             self._wake.clear()
             while True:
-                ran_prefill = await self.batcher.run_once()
-                self._admit_and_reap()
-                self._swap_in()
-                self.blocks.grant()
-                self._grow()
-                if self.running:
-                    await self._decode_step()
-                elif not ran_prefill:
-                    break
+                try:
+                    if not await self._iteration():
+                        break
+                except Exception as exc:  # the step's requests fail; the loop goes on
+                    self._fail_running(exc)
+                else:
+                    self.consecutive_failures = 0
+
+    async def _iteration(self) -> bool:
+        """One pass: prefill batch, admissions, swaps, growth, decode steps. Returns whether
+        there may be more to do right away."""
+        ran_prefill = await self.batcher.run_once()
+        self._admit_and_reap()
+        self._swap_in()
+        self.blocks.grant()
+        self._grow()
+        if self.running:
+            await self._decode_step()
+            return True
+        return ran_prefill
+
+    def _fail_running(self, exc: Exception) -> None:
+        """A step (or the bookkeeping around it) raised: end every running sequence with
+        INTERNAL (the engine frees its blocks and tells its stream); sequences swapped out or
+        still reserved are untouched."""
+        self.num_failed_steps += 1
+        self.consecutive_failures += 1
+        log.error("decode step failed (%d in a row); failing its %d requests: %r",
+                  self.consecutive_failures, len(self.running), exc,
+                  exc_info=not isinstance(exc, InjectedFault))
+        if self.stage is not None:
+            self.stage.clear()  # rows may be half-written: rebuild from the pages
+        for seq in list(self.running):
+            self._finish(seq, ErrorEvent(seq.request_id,
+                                         Internal("decode step failed on the decode worker")))
+        self.running.clear()
+        if self.consecutive_failures == MAX_CONSECUTIVE_FAILURES:
+            log.error("%d decode steps failed in a row: reporting NOT_SERVING and draining",
+                      self.consecutive_failures)
+            self.on_fatal()
 
     async def _decode_step(self) -> None:
         self._needs_loop.clear()
@@ -189,6 +253,9 @@ class StepLoop:
     def _step(self, batch: list[DecodeSeq], is_staged: bool = False) -> list[int]:
         """One forward for the whole ragged batch (executor thread); `is_staged`: the stage
         holds the batch's K/V, rows in batch order."""
+        self._num_attempts += 1
+        if self._is_faulty(self._num_attempts):
+            raise InjectedFault(f"injected fault in decode step {self._num_attempts}")
         inputs = step_inputs(batch, self.pool.block_size)
         device = self.model.device
         logits = self.model.decode(

@@ -134,6 +134,9 @@ async def _serve(built: Built) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
+    set_on_fatal = getattr(built.engine, "set_on_fatal", None)
+    if set_on_fatal is not None:  # a worker that can no longer serve drains and exits
+        set_on_fatal(stopping.set)
     await stopping.wait()
     await stop(built)
 

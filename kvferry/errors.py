@@ -40,6 +40,16 @@ class DeadlineExceeded(KvferryError):
     """The request's deadline passed (DEADLINE_EXCEEDED)."""
 
 
+class DataLoss(KvferryError):
+    """Data that arrived intact but cannot be right: pushed K/V holding inf or NaN
+    (DATA_LOSS)."""
+
+
+class Internal(KvferryError):
+    """A failure of kvferry itself, not of the request (INTERNAL); the message is meant for
+    clients and carries no internals (those go to the log)."""
+
+
 class Remote(KvferryError):
     """A downstream worker reported this request failed with gRPC status number `code`."""
 

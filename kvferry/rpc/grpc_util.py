@@ -77,6 +77,8 @@ _STATUS = {
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
     errors.Aborted: grpc.StatusCode.ABORTED,
     errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+    errors.DataLoss: grpc.StatusCode.DATA_LOSS,
+    errors.Internal: grpc.StatusCode.INTERNAL,
 }
 
 

@@ -94,6 +94,17 @@ def check_span(layout: KvLayout, num_tokens: int, span: ChunkSpan, data_len: int
         raise InvalidArgument(f"chunk data is {data_len} bytes, expected {expected}", "data")
 
 
+def is_finite(data: bytes | np.ndarray, dtype: torch.dtype) -> bool:
+    """Whether a chunk's values (of the pool's `dtype`) are all finite. Floating dtypes
+    only: integer (quantized) payloads have no inf or NaN."""
+    if not dtype.is_floating_point:
+        return True
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only buffer: we only read it
+        values = torch.frombuffer(data, dtype=torch.uint8).view(dtype)
+    return bool(torch.isfinite(values).all())
+
+
 def unpack_into(pool: KvPool, block_table: list[int], span: ChunkSpan,
                 data: bytes | np.ndarray) -> None:
     """Write a validated chunk into the request's blocks: one copy from the wire buffer."""

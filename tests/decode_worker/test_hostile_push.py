@@ -13,13 +13,15 @@ import pytest
 import torch
 
 from decode_worker.engine import DecodeEngine
+from decode_worker.sequence import FinishedEvent, TokensEvent
 from decode_worker.ray_receiver import RayKvReceiver
 from decode_worker.server import KvTransferServicer
 from kernels.dispatch import get_attention_backend
 from kvferry.cache.layout import KvLayout, blocks_for_tokens
 from kvferry.cache.pool import KvPool
-from kvferry.errors import Aborted, AlreadyExists, InvalidArgument, NotFound
+from kvferry.errors import Aborted, AlreadyExists, DataLoss, InvalidArgument, NotFound
 from kvferry.model.config import load_model_config
+from kvferry.model.sampling import SamplingParams
 from kvferry.model.transformer import Transformer
 from kvferry.rpc import convert
 from kvferry.transfer import wire
@@ -100,6 +102,15 @@ def _sized(layout: KvLayout, span: wire.ChunkSpan) -> tuple[wire.ChunkSpan, byte
     return span, data, wire.crc32(data)
 
 
+def _with_nan(push: Push, value: float = float("nan")) -> tuple[wire.ChunkSpan, bytes, int]:
+    """An honest chunk with one value replaced, checksummed after: only the content is bad."""
+    span, data, _ = push.chunk(push.whole())
+    values = torch.frombuffer(bytearray(data), dtype=torch.float32)
+    values[len(values) // 2] = value
+    raw = values.numpy().tobytes()
+    return span, raw, wire.crc32(raw)
+
+
 HOSTILE: dict[str, Case] = {
     "more blocks than reserved": lambda lay, a: (
         "A", lay, PROMPT, *_sized(lay, wire.ChunkSpan(0, lay.num_layers, 0, 4))),
@@ -131,6 +142,9 @@ HOSTILE: dict[str, Case] = {
         "A", lay, PROMPT, a.whole(), a.chunk(a.whole())[1][:-64],
         wire.crc32(a.chunk(a.whole())[1][:-64])),
     "checksum": lambda lay, a: ("A", lay, PROMPT, a.whole(), a.chunk(a.whole())[1], 1),
+    "NaN in the K/V, checksum right": lambda lay, a: ("A", lay, PROMPT, *_with_nan(a)),
+    "inf in the K/V, checksum right": lambda lay, a: ("A", lay, PROMPT,
+                                                      *_with_nan(a, float("inf"))),
     "victim's complete K/V": lambda lay, a: ("B", lay, PROMPT, *a.chunk(a.whole())),
     "unknown request": lambda lay, a: ("C", lay, PROMPT, *a.chunk(a.whole())),
 }
@@ -143,7 +157,7 @@ def test_hostile_chunk_changes_no_byte(name: str, engine: DecodeEngine) -> None:
     attacker = Push(engine.layout, PROMPT, seed=2)
     before = engine.pool.cache.clone()
     request_id, layout, num_tokens, span, data, crc = HOSTILE[name](engine.layout, attacker)
-    with pytest.raises((InvalidArgument, NotFound, AlreadyExists)):
+    with pytest.raises((InvalidArgument, NotFound, AlreadyExists, DataLoss)):
         engine.receiver.receive_chunk(request_id, layout, num_tokens, span, data, crc)
     assert torch.equal(engine.pool.cache, before), "a refused chunk wrote to the pool"
     # B still holds exactly what its own push delivered.
@@ -217,6 +231,50 @@ def test_push_switching_to_another_request_is_refused(engine: DecodeEngine) -> N
     engine.receiver.receive_chunk("A", engine.layout, PROMPT, *attacker.chunk(attacker.whole()))
     engine.receiver.finish_push("A")
 
+
+
+def test_nan_push_is_data_loss_and_others_decode_unchanged(engine: DecodeEngine) -> None:
+    """Through PushKv: a push holding NaN ends with DATA_LOSS naming the data, nothing of it
+    is written, and the victim's decode gives the same tokens as on an engine that never saw
+    the hostile push."""
+    def victim_tokens(eng: DecodeEngine) -> list[int]:
+        async def run() -> list[int]:
+            eng.start()
+            try:
+                events = eng.attach("B", 7, SamplingParams(temperature=0.0), MAX_TOKENS - 1, [])
+                tokens: list[int] = []
+                while True:
+                    event = await asyncio.wait_for(events.get(), 30)
+                    if isinstance(event, TokensEvent):
+                        tokens += event.token_ids
+                    else:
+                        assert isinstance(event, FinishedEvent), event
+                        return tokens
+            finally:
+                await eng.stop()
+        return asyncio.run(run())
+
+    _victim(engine)
+    _reserve(engine, "A")
+    before = engine.pool.cache.clone()
+
+    async def push() -> None:
+        async def stream() -> AsyncIterator[worker_pb2.KvChunk]:
+            yield _to_proto("A", engine.layout, PROMPT,
+                            _with_nan(Push(engine.layout, PROMPT, seed=2)))
+        await KvTransferServicer(engine).PushKv(stream(), _Context())
+
+    with pytest.raises(_Aborted) as exc:
+        asyncio.run(push())
+    assert exc.value.code == grpc.StatusCode.DATA_LOSS
+    assert "data" in str(exc.value) and "non-finite" in str(exc.value)
+    assert torch.equal(engine.pool.cache, before)
+    got = victim_tokens(engine)
+    clean = DecodeEngine(engine.model, KvPool(
+        engine.pool.num_layers, engine.pool.num_kv_heads, engine.pool.head_dim, BLOCK_SIZE, 32,
+        torch.float32, torch.device("cpu")), engine.layout)
+    _victim(clean)
+    assert got == victim_tokens(clean) and len(got) == MAX_TOKENS - 1
 
 
 def test_a_newer_push_supersedes_an_unfinished_one(engine: DecodeEngine) -> None:

@@ -107,6 +107,29 @@ def test_over_budget_falls_back_then_rebuilds() -> None:
     _step(pool, stage, batch, free, gen)
 
 
+def test_a_reused_row_keeps_nothing_of_its_previous_holder() -> None:
+    """A sequence whose K/V went NaN leaves the batch; a shorter one takes its row while a
+    long one keeps the batch's length past it. Attention masks the positions past the
+    newcomer's length, which cancels only finite values, so the row must hold none of the
+    old NaN there (issue 16): the newcomer's attention stays exact."""
+    pool = _pool()
+    free = list(range(pool.num_blocks - 1))
+    gen = torch.Generator().manual_seed(3)
+    long, poisoned = _new_seq(pool, free, 40), _new_seq(pool, free, 40)
+    for block in poisoned.block_table:
+        pool.cache[:, :, block] = float("nan")
+    stage = KvStage(pool, budget_bytes=1 << 30)
+    assert stage.arrange([long, poisoned]) == [long, poisoned]
+    short = _new_seq(pool, free, 5)
+    batch = stage.arrange([long, short])  # `short` takes the poisoned sequence's row
+    assert batch == [long, short]
+    _step(pool, stage, batch, free, gen)  # compares with the reference over the pages
+    extra = _new_seq(pool, free, 3)  # `long` leaves: the last row moves into its place
+    batch = stage.arrange([short, extra])
+    assert batch is not None
+    _step(pool, stage, batch, free, gen)
+
+
 @pytest.mark.parametrize("num_tokens", [1, 37])
 def test_decode_with_stage_matches_decode_over_pages(num_tokens: int, qwen3_checkpoint
                                                      ) -> None:
