@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from decode_worker.engine import DecodeEngine
-from decode_worker.sequence import FinishedEvent, TokensEvent
 from decode_worker.ray_receiver import RayKvReceiver
+from decode_worker.sequence import FinishedEvent, TokensEvent
 from decode_worker.server import KvTransferServicer
 from kernels.dispatch import get_attention_backend
 from kvferry.cache.layout import KvLayout, blocks_for_tokens
