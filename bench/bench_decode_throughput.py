@@ -111,7 +111,8 @@ def main() -> None:
         print(f"{r['concurrency']:>11} {r['median_tokens_per_s']:>12.1f} "
               f"{r['min_tokens_per_s']:>8.1f} {r['max_tokens_per_s']:>8.1f} "
               f"{r['ratio_to_first']:>27.2f}x {spread:>20}")
-    report = {"machine": platform.machine(), "cpus": torch.get_num_threads(), "model": model,
+    report = {"machine": platform.machine(), "cpus": torch.get_num_threads(),
+              "model": Path(model).name,
               "colocated": args.colocated, "decode_stage_mib": args.decode_stage_mib,
               "prompt_tokens": args.prompt_tokens,
               "max_tokens": args.max_tokens, "results": results}

@@ -172,7 +172,7 @@ def _write(args: argparse.Namespace, model: str, runs: dict[str, list[dict[str, 
         for r in name_runs:
             for phase in ("unloaded", "loaded"):
                 r[phase].pop("gaps")
-    payload = {"args": {k: str(v) for k, v in vars(args).items()}, "model": model,
+    payload = {"args": {k: str(v) for k, v in vars(args).items()}, "model": Path(model).name,
                "machine": platform.platform(), "summary": summary, "runs": runs}
     (args.out_dir / f"{stem}.json").write_text(json.dumps(payload, indent=2))
 
