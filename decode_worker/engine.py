@@ -81,8 +81,7 @@ class DecodeEngine:
             task.add_done_callback(self._task_ended)
 
     def set_on_fatal(self, on_fatal: Callable[[], None]) -> None:
-        """What to call when this worker can no longer serve (decode steps keep failing, a
-        loop died): the process reports NOT_SERVING and drains."""
+        """Called when this worker can no longer serve (steps keep failing, a loop died)."""
         self.steps.on_fatal = on_fatal
         self._on_fatal = on_fatal
 
@@ -147,11 +146,19 @@ class DecodeEngine:
             raise InvalidArgument(f"request_id {request_id!r} already reserved", "request_id")
         self._seqs[request_id] = DecodeSeq(
             request_id=request_id, num_prompt_tokens=num_prompt_tokens, max_tokens=max_tokens,
-            block_table=blocks, lease_deadline=time.monotonic() + lease_s,
+            block_table=blocks, lease_deadline=time.monotonic() + lease_s, lease_s=lease_s,
             received=wire.coverage(self.layout, num_prompt_tokens),
             arrival=next(self._arrivals),
         )
         return len(blocks)
+
+    def renew_leases(self, request_ids: list[str], lease_s: float) -> list[str]:
+        """Restart the leases of these reservations; returns the ids not held here."""
+        if lease_s <= 0:
+            raise InvalidArgument("lease_s must be > 0", "lease_s")
+        for seq in filter(None, map(self._seqs.get, request_ids)):
+            seq.renew_lease(lease_s)
+        return [r for r in request_ids if r not in self._seqs]
 
     def _get(self, request_id: str) -> DecodeSeq:
         return lookup(self._seqs, request_id)
@@ -262,7 +269,8 @@ class DecodeEngine:
             for seq in list(self._seqs.values()):
                 if seq.phase is Phase.RESERVED and not seq.is_aborted and (
                         now > seq.lease_deadline):
-                    log.warning("request %s: lease expired before decoding began", seq.request_id,
+                    log.warning("request %s: lease expired before decoding began (nothing "
+                                "renewed it for %.1f s)", seq.request_id, seq.lease_s,
                                 extra={"request_id": seq.request_id})
                     self._finish(seq, ErrorEvent(seq.request_id,
                                                  Aborted("lease expired before K/V arrived")))

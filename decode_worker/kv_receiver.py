@@ -39,6 +39,7 @@ class KvReceiver:
         seq = self._check_incomplete(lookup(self._seqs, request_id))
         seq.push_epoch += 1
         seq.received[:] = False
+        seq.renew_lease()  # a prefill worker is at work on it
         return seq.push_epoch
 
     def _check_incomplete(self, seq: DecodeSeq) -> DecodeSeq:
@@ -84,6 +85,7 @@ class KvReceiver:
             raise InvalidArgument("chunk overlaps pages already received", "block_start")
         wire.unpack_into(self.pool, seq.block_table, span, data)
         seq.received[rows, cols] = True
+        seq.renew_lease()
         self.kv_bytes_received += len(data)
         return len(data)
 

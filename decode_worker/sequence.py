@@ -4,6 +4,7 @@ paging inputs of one decode step."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -48,7 +49,7 @@ class DecodeSeq:
     num_prompt_tokens: int
     max_tokens: int  # first token included
     block_table: list[int]
-    lease_deadline: float
+    lease_deadline: float  # monotonic; restarted by renew_lease while the request is alive
     received: np.ndarray  # [layers, prompt blocks] pages delivered so far
     arrival: int  # admission order: preemption takes the newest first
     is_kv_complete: bool = False
@@ -64,6 +65,13 @@ class DecodeSeq:
     output_offset: int = 0  # outputs generated before tokens[0] (after a migration)
     abort_step: int = 0  # the engine's step count when its abort arrived
     swapped_kv: torch.Tensor | None = None  # [layers, 2, blocks, block_size, kv_heads, D]
+    lease_s: float = 0.0  # the lease's length, from Reserve or the latest renewal
+
+    def renew_lease(self, lease_s: float | None = None) -> None:
+        """Restart the lease (for `lease_s` seconds from now; default: its last length)."""
+        if lease_s is not None:
+            self.lease_s = lease_s
+        self.lease_deadline = time.monotonic() + self.lease_s
 
     @property
     def next_position(self) -> int:

@@ -61,6 +61,14 @@ class DecodeServicer(WorkerServicer[DecodeEngine], worker_pb2_grpc.DecodeService
             await grpc_util.abort_with(context, exc, request.request_id)
         return worker_pb2.ReserveResponse(num_blocks=num_blocks)
 
+    async def RenewLeases(self, request: worker_pb2.RenewLeasesRequest,
+                          context: grpc.aio.ServicerContext) -> worker_pb2.RenewLeasesResponse:
+        try:
+            unknown = self.engine.renew_leases(list(request.request_ids), request.lease_s)
+        except Exception as exc:
+            await grpc_util.abort_with(context, exc, "")
+        return worker_pb2.RenewLeasesResponse(unknown_ids=unknown)
+
     def _attach(self, request: worker_pb2.DecodeRequest,
                 events: asyncio.Queue[DecodeEvent] | None = None) -> asyncio.Queue[DecodeEvent]:
         return self.engine.attach(

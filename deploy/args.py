@@ -25,6 +25,7 @@ from kvferry.settings import (
     DTYPES,
     KV_TRANSPORTS,
     POLICIES,
+    PublicLimits,
     RouterSettings,
     SecuritySettings,
     WorkerSettings,
@@ -225,6 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--public-client-auth", action="store_true",
                    help="the public port also requires client certificates (verified with "
                         "--tls-ca)")
+    for flag, default, help_text in PublicLimits.flags():  # public input limits
+        p.add_argument(flag, type=int, default=default, help=help_text)
 
     p = sub.add_parser("serve", help="start router + workers on localhost until Ctrl-C")
     _deployment_args(p)
@@ -290,6 +293,7 @@ def router_settings(args: argparse.Namespace) -> RouterSettings:
         local_prefill_threshold=args.local_prefill_threshold,
         drain_timeout_s=args.drain_timeout_s, metrics_port=args.metrics_port,
         security=security_settings(args), is_public_client_auth=args.public_client_auth,
+        limits=PublicLimits.from_flags(args),
     )
 
 

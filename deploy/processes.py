@@ -150,8 +150,9 @@ def _make_sender(settings: WorkerSettings, creds: security.Credentials) -> KvSen
     from kvferry.transfer.grpc_push import GrpcKvSender
 
     delay_s = float(os.environ.get("KVFERRY_FAULT_PUSH_CHUNK_DELAY_S", "0"))
+    done_delay_s = float(os.environ.get("KVFERRY_FAULT_PUSH_DONE_DELAY_S", "0"))
     return GrpcKvSender(max_resends=settings.kv_max_resends, corrupt_pushes=corrupt,
-                        chunk_delay_s=delay_s, credentials=creds)
+                        chunk_delay_s=delay_s, done_delay_s=done_delay_s, credentials=creds)
 
 
 def build_worker(settings: WorkerSettings) -> tuple[Built, object]:
@@ -222,6 +223,7 @@ async def build_router(settings: RouterSettings) -> Built:
 
     from router import server as router_server
     from router.engine import Router
+    from router.leases import renew_loop
     from router.policy import make_policy
     from router.workers import WorkerSet
 
@@ -241,8 +243,9 @@ async def build_router(settings: RouterSettings) -> Built:
             discovery_loop(workers, dns_names, settings.dns_interval_s)))
     await workers.refresh_all()
     router = Router(config, tokenizer, workers, settings.lease_s, make_policy(settings.policy),
-                    settings.local_prefill_threshold)
+                    settings.local_prefill_threshold, limits=settings.limits)
     tasks.append(asyncio.create_task(_refresh_loop(workers)))
+    tasks.append(asyncio.create_task(renew_loop(router.requests, settings.lease_s)))
     # Public: a smaller receive cap, no token check (clients are not cluster members).
     server = grpc_util.make_server(max_receive_bytes=grpc_util.PUBLIC_MAX_RECEIVE_BYTES)
     health = grpc_util.add_health(server)
@@ -252,6 +255,7 @@ async def build_router(settings: RouterSettings) -> Built:
 
         registry = metrics.CollectorRegistry()
         router_metrics = metrics.RouterMetrics(registry)
+        router.downstream.on_prefill_retry = router_metrics.prefill_retries.inc
         metrics_port = metrics.serve(settings.metrics_port, settings.host, registry)
     router_server.add_to_server(server, router, router_metrics)
     grpc_util.add_reflection(server, router_server.SERVICE_NAMES)

@@ -148,6 +148,47 @@ class WorkerSettings:
 
 
 @dataclass(frozen=True)
+class PublicLimits:
+    """What one public request may carry, and how many Generate streams may be open at once.
+    Past a limit a request gets INVALID_ARGUMENT naming the field (RESOURCE_EXHAUSTED for
+    streams) before anything is tokenized or sent downstream. Each is a router flag of the
+    same name (--max-request-id-bytes, ...), documented in LIMIT_HELP."""
+
+    max_request_id_bytes: int = 128
+    max_stop_strings: int = 16
+    max_stop_bytes: int = 4096  # all stop strings together, UTF-8
+    max_prompt_bytes: int = 1 << 20  # prompt text, or all chat messages' content, UTF-8
+    max_streams: int = 1024  # open Generate streams on the public port
+
+    def __post_init__(self) -> None:
+        for name in self.__dataclass_fields__:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+
+    @classmethod
+    def flags(cls) -> list[tuple[str, int, str]]:
+        """(flag, default, help) of each limit, for the router's command line."""
+        defaults = cls()
+        return [("--" + name.replace("_", "-"), getattr(defaults, name), LIMIT_HELP[name])
+                for name in cls.__dataclass_fields__]
+
+    @classmethod
+    def from_flags(cls, args: object) -> PublicLimits:
+        """From parsed flags (an argparse.Namespace) named as in `flags()`."""
+        return cls(**{name: getattr(args, name) for name in cls.__dataclass_fields__})
+
+
+LIMIT_HELP = {
+    "max_request_id_bytes": "longest request_id a client may choose (UTF-8 bytes)",
+    "max_stop_strings": "most stop strings per request",
+    "max_stop_bytes": "most UTF-8 bytes of all stop strings of a request together",
+    "max_prompt_bytes": "most UTF-8 bytes of prompt text (or of all chat messages' content)",
+    "max_streams": "most Generate streams open at once on the public port; more get "
+                   "RESOURCE_EXHAUSTED",
+}
+
+
+@dataclass(frozen=True)
 class RouterSettings:
     """The router process."""
 
@@ -167,6 +208,7 @@ class RouterSettings:
     metrics_port: int | None = None  # Prometheus /metrics on this HTTP port (0: any free)
     security: SecuritySettings = field(default_factory=SecuritySettings)
     is_public_client_auth: bool = False  # the public port also requires client certificates
+    limits: PublicLimits = field(default_factory=PublicLimits)
 
     def __post_init__(self) -> None:
         if self.is_public_client_auth and self.security.tls_ca is None:

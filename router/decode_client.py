@@ -58,6 +58,12 @@ class DecodeClient(WorkerClient):
             max_tokens=max_tokens, lease_s=lease_s,
         ), timeout=timeout_s)
 
+    async def renew_leases(self, request_ids: list[str], lease_s: float,
+                           timeout_s: float) -> list[str]:
+        """Restart these reservations' leases; returns the ids the worker no longer holds."""
+        response = await self._stub.RenewLeases(worker_pb2.RenewLeasesRequest(
+            request_ids=request_ids, lease_s=lease_s), timeout=timeout_s)
+        return list(response.unknown_ids)
 
     # ---- the shared DecodeStream ---------------------------------------------------------
     def _ensure_stream(self) -> asyncio.Queue[worker_pb2.DecodeCommand]:

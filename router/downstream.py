@@ -12,15 +12,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import TypeVar
 
 import grpc
 
 from kvferry.cache.layout import blocks_needed
-from kvferry.errors import (
-    ResourceExhausted,
-    Unavailable,
-)
+from kvferry.errors import ResourceExhausted, Unavailable
 from kvferry.model.sampling import SamplingParams
 from router.decode_client import StreamBroken
 from router.policy import HeadroomPolicy, Policy
@@ -64,6 +62,7 @@ class Downstream:
         # worker itself (no K/V transfer); 0 turns it off.
         self.local_prefill_threshold = local_prefill_threshold
         self.admission_timeout_s = admission_timeout_s
+        self.on_prefill_retry: Callable[[], None] = lambda: None  # metrics: count retries
 
     async def reserve(self, state: RouterRequest, num_prompt: int, max_tokens: int,
                       deadline: float | None) -> float:
@@ -147,8 +146,8 @@ class Downstream:
                  state.request_id, worker.address, why)
         if state.prefill_call is not None:
             state.prefill_call.cancel()
-        worker.done(state.request_id)
-        state.prefill_worker = state.prefill_call = None
+        state.drop_prefill_worker()
+        state.prefill_call = None
 
     def _start_prefill(self, state: RouterRequest, prompt: list[int], params: SamplingParams,
                        deadline: float | None, num_generated: int) -> PrefillCall:
@@ -194,7 +193,7 @@ class Downstream:
         while True:
             if state.prefill_worker is not None:  # None: lost while it held deferred K/V
                 try:
-                    return _expect(PrefillDone, await self._prefill_read(state, None))
+                    done = _expect(PrefillDone, await self._prefill_read(state, None))
                 except grpc.aio.AioRpcError as exc:
                     if await self._lose_prefill(state, exc):
                         pass  # prefill it again below
@@ -203,6 +202,10 @@ class Downstream:
                                            f"{exc.details()}") from exc
                     else:
                         raise
+                else:
+                    if done is not None:  # the K/V is in the reservation: the prefill is over
+                        state.drop_prefill_worker()
+                    return done
             state.is_push_deferred = False  # the reservation exists now: push straight to it
             if await self.first_token(state, prompt, params, deadline, num_generated) is None:
                 return None
@@ -221,9 +224,9 @@ class Downstream:
         log.warning("request %s: prefill worker %s unavailable (%s); retrying",
                     state.request_id, worker.address, exc.details())
         worker.is_healthy = False
-        worker.done(state.request_id)
         state.failed_prefill.add(worker.address)
-        state.prefill_worker = None
+        state.drop_prefill_worker()
+        self.on_prefill_retry()
         return True
 
     async def _decode_lost(self, state: RouterRequest, exc: grpc.aio.AioRpcError) -> bool:
@@ -280,8 +283,7 @@ class Downstream:
         call = state.prefill_call
         if call is not None and not call.done():
             call.cancel()
-        if state.prefill_worker is not None and state.prefill_worker is not state.decode_worker:
-            state.prefill_worker.done(state.request_id)
+        state.drop_prefill_worker()
         if state.decode_worker is not None:
             state.decode_worker.done(state.request_id)
             # Idempotent: NOT_FOUND (already released by the worker) is fine.

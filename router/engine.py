@@ -12,6 +12,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 from kvferry.errors import (
@@ -23,7 +24,7 @@ from kvferry.errors import (
 )
 from kvferry.model.config import ModelConfig
 from kvferry.model.sampling import FinishReason, SamplingParams
-from kvferry.settings import DEFAULT_LEASE_S
+from kvferry.settings import DEFAULT_LEASE_S, PublicLimits
 from router import validation
 from router.decode_client import MuxItem, StreamBroken
 from router.detok import IncrementalDetokenizer
@@ -78,17 +79,29 @@ async def _next_update(updates: asyncio.Queue[MuxItem], deadline: float | None
 
 
 class Router:
+    """One router instance. A request keeps the id its client chose (or a random one) in
+    public; downstream it is `<id>@<instance_id>`, so that two routers sharing workers never
+    collide on an id, and an Abort reaches only the requests of the router that got it."""
+
     def __init__(self, config: ModelConfig, tokenizer: object, workers: WorkerSet,
                  lease_s: float = DEFAULT_LEASE_S, policy: Policy | None = None,
                  local_prefill_threshold: int = 0, admission_timeout_s: float = 30.0,
-                 max_migrations: int = 2) -> None:
+                 max_migrations: int = 2, limits: PublicLimits | None = None) -> None:
         self.config = config
         self.tokenizer = tokenizer
+        self.limits = limits or PublicLimits()
+        self.instance_id = uuid.uuid4().hex[:12]
+        # Tokenization and chat templates run here, one at a time, off the event loop.
+        self._tokenize = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self.workers = workers
         self.downstream = Downstream(workers, policy or HeadroomPolicy(), lease_s,
                                      local_prefill_threshold, admission_timeout_s)
         self.max_migrations = max_migrations
         self._running: dict[str, RouterRequest] = {}
+
+    def requests(self) -> list[RouterRequest]:
+        """The requests running now (their state)."""
+        return list(self._running.values())
 
     # ---- the request ---------------------------------------------------------------------
     async def generate(self, inp: GenerateInput, timeout_s: float | None
@@ -96,12 +109,17 @@ class Router:
         """Yields the request id first, then chunks, then exactly one DoneEvent."""
         received = time.perf_counter()
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        prompt = validation.prompt_ids(inp, self.config, self.tokenizer)
+        validation.check_limits(inp, self.config, self.limits)
+        if inp.token_ids is not None:  # no tokenizer work: checked right here
+            prompt = validation.prompt_ids(inp, self.config, self.tokenizer)
+        else:
+            prompt = await asyncio.get_running_loop().run_in_executor(
+                self._tokenize, validation.prompt_ids, inp, self.config, self.tokenizer)
         params = validation.resolve_sampling(inp, self.config, len(prompt))
         request_id = inp.request_id or uuid.uuid4().hex
         if request_id in self._running:
             raise InvalidArgument(f"request_id {request_id!r} is already running", "request_id")
-        state = RouterRequest(request_id)
+        state = RouterRequest(f"{request_id}@{self.instance_id}")
         self._running[request_id] = state
         yield request_id
         try:
@@ -272,7 +290,7 @@ class Router:
         worker = state.decode_worker
         if state.is_decoding and worker is not None and worker.decode_client is not None:
             # On the DecodeStream that carried the start: the abort cannot overtake it.
-            worker.decode_client.abort_on_stream(request_id)
+            worker.decode_client.abort_on_stream(state.request_id)
             return None
         if state.prefill_call is not None:
             state.prefill_call.cancel()

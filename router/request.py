@@ -25,6 +25,14 @@ class RouterRequest:
     # same, so the release sends an Abort there.
     unanswered_reserve: Worker | None = None
 
+    def drop_prefill_worker(self) -> None:
+        """The prefill worker owes this request nothing more (its K/V is pushed, or it failed
+        or lost it): the prompt leaves that worker's in-flight count now, and only once."""
+        worker = self.prefill_worker
+        if worker is not None and worker is not self.decode_worker:
+            worker.done(self.request_id)
+        self.prefill_worker = None
+
 
 def remaining_s(deadline: float | None) -> float | None:
     """Seconds left before a monotonic `deadline` (None: no deadline), never zero."""

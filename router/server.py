@@ -1,21 +1,29 @@
-"""gRPC edge of the router: the public GenerationService."""
+"""gRPC edge of the router: the public GenerationService.
+
+Requests are parsed here (a string field with invalid UTF-8 is answered INVALID_ARGUMENT
+naming it, kvferry.rpc.proto_utf8), open Generate streams are capped (PublicLimits.max_streams,
+RESOURCE_EXHAUSTED past it), and failures reach clients through router.public_errors."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
+from typing import NamedTuple
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from kvferry import logs
-from kvferry.errors import KvferryError
+from kvferry.errors import InvalidArgument, KvferryError, ResourceExhausted
 from kvferry.rpc import convert, grpc_util
 from kvferry.rpc.metrics import RouterMetrics
+from kvferry.rpc.proto_utf8 import Malformed, invalid_utf8_field
 from kvferry.v1 import generation_pb2, generation_pb2_grpc
 from router.engine import ChunkEvent, DoneEvent, Router
+from router.public_errors import public_status
 from router.validation import ChatMessage, GenerateInput
 
 log = logging.getLogger("kvferry.router")
@@ -105,14 +113,53 @@ class _StreamClock:
             self.metrics = None
 
 
+class Unparsable(NamedTuple):
+    """A request protobuf refused; `error` says why, naming the field where it can."""
+
+    error: InvalidArgument
+
+
+def _parser(message: type) -> Callable[[bytes], object]:
+    def parse(data: bytes) -> object:
+        try:
+            return message.FromString(data)
+        except DecodeError:
+            try:
+                field = invalid_utf8_field(data, message.DESCRIPTOR)
+            except Malformed:
+                field = None
+            if field is None:
+                return Unparsable(InvalidArgument(f"not a valid {message.__name__}"))
+            return Unparsable(InvalidArgument(f"{field}: not valid UTF-8", field))
+    return parse
+
+
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     def __init__(self, router: Router, metrics: RouterMetrics | None = None) -> None:
         self.router = router
         self.metrics = metrics
+        self.num_streams = 0  # open Generate streams
 
-    async def Generate(self, request: generation_pb2.GenerateRequest,
+    async def Generate(self, request: generation_pb2.GenerateRequest | Unparsable,
                        context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        if isinstance(request, Unparsable):
+            await context.abort(*grpc_util.describe(request.error))
+        limit = self.router.limits.max_streams
+        if self.num_streams >= limit:
+            await context.abort(*grpc_util.describe(ResourceExhausted(
+                f"the router has {limit} Generate streams open (its --max-streams); retry "
+                "later")))
+        self.num_streams += 1
+        try:
+            async for response in self._generate(request, context):
+                yield response
+        finally:
+            self.num_streams -= 1
+
+    async def _generate(self, request: generation_pb2.GenerateRequest,
+                        context: grpc.aio.ServicerContext
+                        ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         request_id = request.request_id
         logs.request_id.set(request_id)
         clock = _StreamClock(self.metrics)
@@ -143,16 +190,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             raise
         except Exception as exc:
             clock.failed(_status_of(exc))
-            await grpc_util.abort_with(context, exc, request_id)
+            await context.abort(*public_status(exc, request_id))
 
-    async def Abort(self, request: generation_pb2.AbortRequest,
+    async def Abort(self, request: generation_pb2.AbortRequest | Unparsable,
                     context: grpc.aio.ServicerContext) -> generation_pb2.AbortResponse:
+        if isinstance(request, Unparsable):
+            await context.abort(*grpc_util.describe(request.error))
         try:
             pending = self.router.abort(request.request_id)
             if pending is not None:
                 await pending
         except Exception as exc:
-            await grpc_util.abort_with(context, exc, request.request_id)
+            await context.abort(*public_status(exc, request.request_id))
         return generation_pb2.AbortResponse()
 
     async def GetModelInfo(self, request: generation_pb2.GetModelInfoRequest,
@@ -173,5 +222,20 @@ SERVICE_NAMES = ["kvferry.v1.GenerationService"]
 
 def add_to_server(server: grpc.aio.Server, router: Router,
                   metrics: RouterMetrics | None = None) -> None:
-    generation_pb2_grpc.add_GenerationServiceServicer_to_server(
-        GenerationServicer(router, metrics), server)
+    """GenerationService with the parsers above (the generated registration would answer an
+    unparsable request with a bare INTERNAL)."""
+    servicer = GenerationServicer(router, metrics)
+    pb = generation_pb2
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate, request_deserializer=_parser(pb.GenerateRequest),
+            response_serializer=pb.GenerateResponse.SerializeToString),
+        "Abort": grpc.unary_unary_rpc_method_handler(
+            servicer.Abort, request_deserializer=_parser(pb.AbortRequest),
+            response_serializer=pb.AbortResponse.SerializeToString),
+        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+            servicer.GetModelInfo, request_deserializer=pb.GetModelInfoRequest.FromString,
+            response_serializer=pb.ModelInfo.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        SERVICE_NAMES[0], handlers),))

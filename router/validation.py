@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from kvferry.errors import InvalidArgument
 from kvferry.model.config import ModelConfig
 from kvferry.model.sampling import DEFAULT_MAX_TOKENS, SamplingParams
+from kvferry.settings import PublicLimits
 
 CHAT_ROLES = ("system", "user", "assistant")
 
@@ -80,6 +81,33 @@ def prompt_ids(inp: GenerateInput, config: ModelConfig, tokenizer: object) -> li
     if not prompt:
         raise InvalidArgument("input: the prompt is empty", "input")
     return prompt
+
+
+def check_limits(inp: GenerateInput, config: ModelConfig, limits: PublicLimits) -> None:
+    """Sizes only, before any work: the request id, stop strings and prompt are within the
+    router's PublicLimits (and token ids within the context), each named when not."""
+    def refuse(field: str, what: str, size: int, limit: int, flag: str) -> None:
+        if size > limit:
+            raise InvalidArgument(f"{field}: {what} {size}, more than the router's limit of "
+                                  f"{limit} ({flag})", field)
+
+    refuse("request_id", "UTF-8 bytes", len(inp.request_id.encode()),
+           limits.max_request_id_bytes, "--max-request-id-bytes")
+    stop = inp.params.stop
+    refuse("sampling.stop", "stop strings", len(stop), limits.max_stop_strings,
+           "--max-stop-strings")
+    refuse("sampling.stop", "UTF-8 bytes of stop strings", sum(len(x.encode()) for x in stop),
+           limits.max_stop_bytes, "--max-stop-bytes")
+    if inp.text is not None:
+        refuse("input.text", "UTF-8 bytes", len(inp.text.encode()), limits.max_prompt_bytes,
+               "--max-prompt-bytes")
+    if inp.messages is not None:
+        refuse("input.messages", "UTF-8 bytes of content",
+               sum(len(m.content.encode()) + len(m.role.encode()) for m in inp.messages),
+               limits.max_prompt_bytes, "--max-prompt-bytes")
+    if inp.token_ids is not None:
+        refuse("input.token_ids", "tokens", len(inp.token_ids),
+               config.max_position_embeddings, "the model's context")
 
 
 def resolve_sampling(inp: GenerateInput, config: ModelConfig, num_prompt: int

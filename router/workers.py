@@ -5,7 +5,9 @@ Telemetry (GetStats) is refreshed periodically and is always a little stale, so 
 also counts what it sent each worker since: a request's projected blocks and prompt tokens are
 added when the worker is picked and dropped once a stats snapshot taken after the worker
 accepted it has been read. A burst of requests routed within one refresh interval therefore
-sees each other and spreads out.
+sees each other and spreads out. A prefill worker's entry goes as soon as its prefill ends
+(the K/V pushed, or the prefill failed), not when the request does: a decoding request is no
+pending work for it (`RouterRequest.drop_prefill_worker`).
 """
 
 from __future__ import annotations

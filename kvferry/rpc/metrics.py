@@ -2,10 +2,10 @@
 
 The router measures what clients see (TTFT, ITL, TPOT, end-to-end latency), the per-request
 breakdown it gets from the workers (queue, prefill, K/V transfer, admission wait), outcomes,
-failures by gRPC status and migrations. Workers export their pool and queue state at scrape
-time (a collector over the engine's stats, so the numbers are never stale) and the K/V bytes
-they shipped or received. Names follow vLLM's where one exists (`kv_cache_usage_perc` is a
-fraction, as there).
+failures by gRPC status, migrations and prefill retries. Workers export their pool and queue
+state at scrape time (a collector over the engine's stats, so the numbers are never stale) and
+the K/V bytes they shipped or received. Names follow vLLM's where one exists
+(`kv_cache_usage_perc` is a fraction, as there).
 """
 
 from __future__ import annotations
@@ -60,6 +60,10 @@ class RouterMetrics:
         self.migrations = Counter("kvferry_migrations_total",
                                   "Decode legs re-prefilled on another worker mid-stream.",
                                   registry=r)
+        self.prefill_retries = Counter(
+            "kvferry_prefill_retries_total",
+            "Prefills sent again because their prefill worker became unavailable under them "
+            "(before the first token, mid push, or with its done still on the way).", registry=r)
         self.prompt_tokens = Counter("kvferry_prompt_tokens_total", "Prompt tokens served.",
                                      registry=r)
         self.generation_tokens = Counter("kvferry_generation_tokens_total",

@@ -11,6 +11,7 @@ Who checks what:
 - Internal channels (router -> workers, prefill -> decode K/V pushes) verify the server with
   the CA, present this process's certificate as their client certificate, and attach the token.
 Everything off (no files given) is plaintext without a token: tests and local development.
+A token without TLS is refused (`refuse_plaintext_token`): it would cross the network in clear.
 """
 
 from __future__ import annotations
@@ -53,10 +54,19 @@ def read_token(path: str | Path) -> str:
     return token
 
 
+def refuse_plaintext_token(settings: SecuritySettings) -> None:
+    """A cluster token on a plaintext channel is readable by anyone on the path, and then
+    opens every internal service: refused, as a ValueError naming the flags."""
+    if settings.cluster_token_file is not None and not settings.is_tls:
+        raise ValueError("cluster_token_file: the token would travel in plaintext: give "
+                         "--tls-cert and --tls-key (and --tls-ca) with --cluster-token-file")
+
+
 def load(settings: SecuritySettings) -> Credentials:
     def read(path: str | None) -> bytes | None:
         return None if path is None else Path(path).read_bytes()
 
+    refuse_plaintext_token(settings)
     token = None if settings.cluster_token_file is None else read_token(
         settings.cluster_token_file)
     return Credentials(read(settings.tls_cert), read(settings.tls_key), read(settings.tls_ca),

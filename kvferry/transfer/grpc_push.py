@@ -56,11 +56,14 @@ class GrpcKvSender:
     A push the receiver refuses for a checksum mismatch (corrupted in flight) is sent again,
     whole, up to `max_resends` times (the receiver forgets a broken push's pages); then it
     fails with DATA_LOSS. `corrupt_pushes` is fault injection for tests: the first N pushes
-    have one byte of their first chunk flipped after its checksum was taken, and
-    `chunk_delay_s` sleeps before every chunk but the first (a push a test can interrupt)."""
+    have one byte of their first chunk flipped after its checksum was taken,
+    `chunk_delay_s` sleeps before every chunk but the first (a push a test can interrupt), and
+    `done_delay_s` sleeps once the receiver has accepted a push, before it counts as done (a
+    worker a test can kill after its K/V was delivered, before the router hears of it)."""
 
     def __init__(self, chunk_bytes: int = wire.CHUNK_TARGET_BYTES, max_resends: int = 2,
                  corrupt_pushes: int = 0, chunk_delay_s: float = 0.0,
+                 done_delay_s: float = 0.0,
                  credentials: security.Credentials = security.PLAINTEXT) -> None:
         self.chunk_bytes = chunk_bytes
         self.max_resends = max_resends
@@ -68,6 +71,7 @@ class GrpcKvSender:
         self.num_corrupt_pushes = 0  # refused by the receiver's checksum check
         self.num_lost_statuses = 0  # pushes sent again after grpc.aio lost their status
         self.chunk_delay_s = chunk_delay_s
+        self.done_delay_s = done_delay_s
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._credentials = credentials  # TLS and token of the decode workers' K/V service
 
@@ -120,7 +124,12 @@ class GrpcKvSender:
             is_lost = False
             try:
                 await self._push_kv(address)(chunks(corrupt), timeout=timeout_s)
-                return PushResult(sent, time.perf_counter() - started[0])
+                result = PushResult(sent, time.perf_counter() - started[0])
+                if self.done_delay_s:
+                    log.info("request %s: K/V push accepted; holding its done %.1f s (fault "
+                             "injection)", request_id, self.done_delay_s)
+                    await asyncio.sleep(self.done_delay_s)
+                return result
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.ALREADY_EXISTS:
                     return _already_there(request_id, started)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvferry.v1 import generation_pb2 as kvferry_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvferry/v1/worker.proto\x12\nkvferry.v1\x1a\x1bkvferry/v1/generation.proto\"\x84\x01\n\x08KvLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\x05\x12\x10\n\x08head_dim\x18\x03 \x01(\x05\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x06 \x01(\t\"\xc8\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.kvferry.v1.SamplingParams\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x04 \x01(\t\x12\x17\n\x0fis_local_decode\x18\x05 \x01(\x08\x12\x15\n\rnum_generated\x18\x06 \x01(\x05\x12\x12\n\ndefer_push\x18\x07 \x01(\x08\"9\n\x0bShipRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x02 \x01(\t\"\x0e\n\x0cShipResponse\"1\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\"6\n\x0bPrefillDone\x12\x15\n\rkv_transfer_s\x18\x01 \x01(\x01\x12\x10\n\x08kv_bytes\x18\x02 \x01(\x03\"q\n\x0fPrefillResponse\x12-\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x16.kvferry.v1.FirstTokenH\x00\x12\'\n\x04\x64one\x18\x02 \x01(\x0b\x32\x17.kvferry.v1.PrefillDoneH\x00\x42\x06\n\x04kind\"d\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\x05\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12\x0f\n\x07lease_s\x18\x04 \x01(\x01\"%\n\x0fReserveResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\x05\"\xb0\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.kvferry.v1.SamplingParams\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x15\n\rnum_generated\x18\x06 \x01(\x05\"W\n\x0e\x44\x65\x63odeFinished\x12(\n\x06reason\x18\x01 \x01(\x0e\x32\x18.kvferry.v1.FinishReason\x12\x1b\n\x13\x66irst_decode_step_s\x18\x02 \x01(\x01\"n\n\rDecodeCommand\x12*\n\x05start\x18\x01 \x01(\x0b\x32\x19.kvferry.v1.DecodeRequestH\x00\x12)\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x18.kvferry.v1.AbortRequestH\x00\x42\x06\n\x04kind\"\x8e\x01\n\x0c\x44\x65\x63odeUpdate\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12,\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x1a.kvferry.v1.DecodeFinished\x12\x12\n\nerror_code\x18\x04 \x01(\x05\x12\x15\n\rerror_message\x18\x05 \x01(\t\"8\n\x0b\x44\x65\x63odeBatch\x12)\n\x07updates\x18\x01 \x03(\x0b\x32\x18.kvferry.v1.DecodeUpdate\"\xc5\x01\n\x07KvChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.kvferry.v1.KvLayout\x12\x12\n\nnum_tokens\x18\x03 \x01(\x05\x12\x13\n\x0blayer_start\x18\x04 \x01(\x05\x12\x11\n\tlayer_end\x18\x05 \x01(\x05\x12\x13\n\x0b\x62lock_start\x18\x06 \x01(\x05\x12\x12\n\nnum_blocks\x18\x07 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x08 \x01(\x0c\x12\r\n\x05\x63rc32\x18\t \x01(\r\"\'\n\x0ePushKvResponse\x12\x15\n\rbytes_written\x18\x01 \x01(\x03\"*\n\x0fGetStatsRequest\x12\x17\n\x0f\x63heck_integrity\x18\x01 \x01(\x08\"\xbc\x03\n\x0bWorkerStats\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x14\n\x0ctotal_blocks\x18\x02 \x01(\x03\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\x03\x12\x17\n\x0freserved_blocks\x18\x04 \x01(\x03\x12\x13\n\x0bnum_running\x18\x05 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\x05\x12$\n\x06layout\x18\x07 \x01(\x0b\x32\x14.kvferry.v1.KvLayout\x12\x14\n\x0cintegrity_ok\x18\x08 \x01(\x08\x12\x17\n\x0fintegrity_error\x18\t \x01(\t\x12\x17\n\x0fnum_preemptions\x18\n \x01(\x03\x12\"\n\x1anum_pending_prefill_tokens\x18\x0b \x01(\x03\x12\x18\n\x10num_decode_steps\x18\x0c \x01(\x03\x12\x1d\n\x15max_abort_delay_steps\x18\r \x01(\x03\x12\x18\n\x10projected_blocks\x18\x0e \x01(\x03\x12\x1a\n\x12num_corrupt_pushes\x18\x0f \x01(\x03\x12\x12\n\nnum_parked\x18\x10 \x01(\x05\x12\x1c\n\x14num_parked_evictions\x18\x11 \x01(\x03\x32\x91\x02\n\x0ePrefillService\x12\x44\n\x07Prefill\x12\x1a.kvferry.v1.PrefillRequest\x1a\x1b.kvferry.v1.PrefillResponse0\x01\x12\x39\n\x04Ship\x12\x17.kvferry.v1.ShipRequest\x1a\x18.kvferry.v1.ShipResponse\x12<\n\x05\x41\x62ort\x12\x18.kvferry.v1.AbortRequest\x1a\x19.kvferry.v1.AbortResponse\x12@\n\x08GetStats\x12\x1b.kvferry.v1.GetStatsRequest\x1a\x17.kvferry.v1.WorkerStats2\x9b\x02\n\rDecodeService\x12\x42\n\x07Reserve\x12\x1a.kvferry.v1.ReserveRequest\x1a\x1b.kvferry.v1.ReserveResponse\x12\x46\n\x0c\x44\x65\x63odeStream\x12\x19.kvferry.v1.DecodeCommand\x1a\x17.kvferry.v1.DecodeBatch(\x01\x30\x01\x12<\n\x05\x41\x62ort\x12\x18.kvferry.v1.AbortRequest\x1a\x19.kvferry.v1.AbortResponse\x12@\n\x08GetStats\x12\x1b.kvferry.v1.GetStatsRequest\x1a\x17.kvferry.v1.WorkerStats2P\n\x11KvTransferService\x12;\n\x06PushKv\x12\x13.kvferry.v1.KvChunk\x1a\x1a.kvferry.v1.PushKvResponse(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvferry/v1/worker.proto\x12\nkvferry.v1\x1a\x1bkvferry/v1/generation.proto\"\x84\x01\n\x08KvLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\x05\x12\x10\n\x08head_dim\x18\x03 \x01(\x05\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x06 \x01(\t\"\xc8\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.kvferry.v1.SamplingParams\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x04 \x01(\t\x12\x17\n\x0fis_local_decode\x18\x05 \x01(\x08\x12\x15\n\rnum_generated\x18\x06 \x01(\x05\x12\x12\n\ndefer_push\x18\x07 \x01(\x08\"9\n\x0bShipRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x02 \x01(\t\"\x0e\n\x0cShipResponse\"1\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\"6\n\x0bPrefillDone\x12\x15\n\rkv_transfer_s\x18\x01 \x01(\x01\x12\x10\n\x08kv_bytes\x18\x02 \x01(\x03\"q\n\x0fPrefillResponse\x12-\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x16.kvferry.v1.FirstTokenH\x00\x12\'\n\x04\x64one\x18\x02 \x01(\x0b\x32\x17.kvferry.v1.PrefillDoneH\x00\x42\x06\n\x04kind\"d\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\x05\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12\x0f\n\x07lease_s\x18\x04 \x01(\x01\":\n\x12RenewLeasesRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x0f\n\x07lease_s\x18\x02 \x01(\x01\"*\n\x13RenewLeasesResponse\x12\x13\n\x0bunknown_ids\x18\x01 \x03(\t\"%\n\x0fReserveResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\x05\"\xb0\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.kvferry.v1.SamplingParams\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x15\n\rnum_generated\x18\x06 \x01(\x05\"W\n\x0e\x44\x65\x63odeFinished\x12(\n\x06reason\x18\x01 \x01(\x0e\x32\x18.kvferry.v1.FinishReason\x12\x1b\n\x13\x66irst_decode_step_s\x18\x02 \x01(\x01\"n\n\rDecodeCommand\x12*\n\x05start\x18\x01 \x01(\x0b\x32\x19.kvferry.v1.DecodeRequestH\x00\x12)\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x18.kvferry.v1.AbortRequestH\x00\x42\x06\n\x04kind\"\x8e\x01\n\x0c\x44\x65\x63odeUpdate\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12,\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x1a.kvferry.v1.DecodeFinished\x12\x12\n\nerror_code\x18\x04 \x01(\x05\x12\x15\n\rerror_message\x18\x05 \x01(\t\"8\n\x0b\x44\x65\x63odeBatch\x12)\n\x07updates\x18\x01 \x03(\x0b\x32\x18.kvferry.v1.DecodeUpdate\"\xc5\x01\n\x07KvChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.kvferry.v1.KvLayout\x12\x12\n\nnum_tokens\x18\x03 \x01(\x05\x12\x13\n\x0blayer_start\x18\x04 \x01(\x05\x12\x11\n\tlayer_end\x18\x05 \x01(\x05\x12\x13\n\x0b\x62lock_start\x18\x06 \x01(\x05\x12\x12\n\nnum_blocks\x18\x07 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x08 \x01(\x0c\x12\r\n\x05\x63rc32\x18\t \x01(\r\"\'\n\x0ePushKvResponse\x12\x15\n\rbytes_written\x18\x01 \x01(\x03\"*\n\x0fGetStatsRequest\x12\x17\n\x0f\x63heck_integrity\x18\x01 \x01(\x08\"\xbc\x03\n\x0bWorkerStats\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x14\n\x0ctotal_blocks\x18\x02 \x01(\x03\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\x03\x12\x17\n\x0freserved_blocks\x18\x04 \x01(\x03\x12\x13\n\x0bnum_running\x18\x05 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\x05\x12$\n\x06layout\x18\x07 \x01(\x0b\x32\x14.kvferry.v1.KvLayout\x12\x14\n\x0cintegrity_ok\x18\x08 \x01(\x08\x12\x17\n\x0fintegrity_error\x18\t \x01(\t\x12\x17\n\x0fnum_preemptions\x18\n \x01(\x03\x12\"\n\x1anum_pending_prefill_tokens\x18\x0b \x01(\x03\x12\x18\n\x10num_decode_steps\x18\x0c \x01(\x03\x12\x1d\n\x15max_abort_delay_steps\x18\r \x01(\x03\x12\x18\n\x10projected_blocks\x18\x0e \x01(\x03\x12\x1a\n\x12num_corrupt_pushes\x18\x0f \x01(\x03\x12\x12\n\nnum_parked\x18\x10 \x01(\x05\x12\x1c\n\x14num_parked_evictions\x18\x11 \x01(\x03\x32\x91\x02\n\x0ePrefillService\x12\x44\n\x07Prefill\x12\x1a.kvferry.v1.PrefillRequest\x1a\x1b.kvferry.v1.PrefillResponse0\x01\x12\x39\n\x04Ship\x12\x17.kvferry.v1.ShipRequest\x1a\x18.kvferry.v1.ShipResponse\x12<\n\x05\x41\x62ort\x12\x18.kvferry.v1.AbortRequest\x1a\x19.kvferry.v1.AbortResponse\x12@\n\x08GetStats\x12\x1b.kvferry.v1.GetStatsRequest\x1a\x17.kvferry.v1.WorkerStats2\xeb\x02\n\rDecodeService\x12\x42\n\x07Reserve\x12\x1a.kvferry.v1.ReserveRequest\x1a\x1b.kvferry.v1.ReserveResponse\x12\x46\n\x0c\x44\x65\x63odeStream\x12\x19.kvferry.v1.DecodeCommand\x1a\x17.kvferry.v1.DecodeBatch(\x01\x30\x01\x12<\n\x05\x41\x62ort\x12\x18.kvferry.v1.AbortRequest\x1a\x19.kvferry.v1.AbortResponse\x12@\n\x08GetStats\x12\x1b.kvferry.v1.GetStatsRequest\x1a\x17.kvferry.v1.WorkerStats\x12N\n\x0bRenewLeases\x12\x1e.kvferry.v1.RenewLeasesRequest\x1a\x1f.kvferry.v1.RenewLeasesResponse2P\n\x11KvTransferService\x12;\n\x06PushKv\x12\x13.kvferry.v1.KvChunk\x1a\x1a.kvferry.v1.PushKvResponse(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -48,30 +48,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLRESPONSE']._serialized_end=701
   _globals['_RESERVEREQUEST']._serialized_start=703
   _globals['_RESERVEREQUEST']._serialized_end=803
-  _globals['_RESERVERESPONSE']._serialized_start=805
-  _globals['_RESERVERESPONSE']._serialized_end=842
-  _globals['_DECODEREQUEST']._serialized_start=845
-  _globals['_DECODEREQUEST']._serialized_end=1021
-  _globals['_DECODEFINISHED']._serialized_start=1023
-  _globals['_DECODEFINISHED']._serialized_end=1110
-  _globals['_DECODECOMMAND']._serialized_start=1112
-  _globals['_DECODECOMMAND']._serialized_end=1222
-  _globals['_DECODEUPDATE']._serialized_start=1225
-  _globals['_DECODEUPDATE']._serialized_end=1367
-  _globals['_DECODEBATCH']._serialized_start=1369
-  _globals['_DECODEBATCH']._serialized_end=1425
-  _globals['_KVCHUNK']._serialized_start=1428
-  _globals['_KVCHUNK']._serialized_end=1625
-  _globals['_PUSHKVRESPONSE']._serialized_start=1627
-  _globals['_PUSHKVRESPONSE']._serialized_end=1666
-  _globals['_GETSTATSREQUEST']._serialized_start=1668
-  _globals['_GETSTATSREQUEST']._serialized_end=1710
-  _globals['_WORKERSTATS']._serialized_start=1713
-  _globals['_WORKERSTATS']._serialized_end=2157
-  _globals['_PREFILLSERVICE']._serialized_start=2160
-  _globals['_PREFILLSERVICE']._serialized_end=2433
-  _globals['_DECODESERVICE']._serialized_start=2436
-  _globals['_DECODESERVICE']._serialized_end=2719
-  _globals['_KVTRANSFERSERVICE']._serialized_start=2721
-  _globals['_KVTRANSFERSERVICE']._serialized_end=2801
+  _globals['_RENEWLEASESREQUEST']._serialized_start=805
+  _globals['_RENEWLEASESREQUEST']._serialized_end=863
+  _globals['_RENEWLEASESRESPONSE']._serialized_start=865
+  _globals['_RENEWLEASESRESPONSE']._serialized_end=907
+  _globals['_RESERVERESPONSE']._serialized_start=909
+  _globals['_RESERVERESPONSE']._serialized_end=946
+  _globals['_DECODEREQUEST']._serialized_start=949
+  _globals['_DECODEREQUEST']._serialized_end=1125
+  _globals['_DECODEFINISHED']._serialized_start=1127
+  _globals['_DECODEFINISHED']._serialized_end=1214
+  _globals['_DECODECOMMAND']._serialized_start=1216
+  _globals['_DECODECOMMAND']._serialized_end=1326
+  _globals['_DECODEUPDATE']._serialized_start=1329
+  _globals['_DECODEUPDATE']._serialized_end=1471
+  _globals['_DECODEBATCH']._serialized_start=1473
+  _globals['_DECODEBATCH']._serialized_end=1529
+  _globals['_KVCHUNK']._serialized_start=1532
+  _globals['_KVCHUNK']._serialized_end=1729
+  _globals['_PUSHKVRESPONSE']._serialized_start=1731
+  _globals['_PUSHKVRESPONSE']._serialized_end=1770
+  _globals['_GETSTATSREQUEST']._serialized_start=1772
+  _globals['_GETSTATSREQUEST']._serialized_end=1814
+  _globals['_WORKERSTATS']._serialized_start=1817
+  _globals['_WORKERSTATS']._serialized_end=2261
+  _globals['_PREFILLSERVICE']._serialized_start=2264
+  _globals['_PREFILLSERVICE']._serialized_end=2537
+  _globals['_DECODESERVICE']._serialized_start=2540
+  _globals['_DECODESERVICE']._serialized_end=2903
+  _globals['_KVTRANSFERSERVICE']._serialized_start=2905
+  _globals['_KVTRANSFERSERVICE']._serialized_end=2985
 # @@protoc_insertion_point(module_scope)

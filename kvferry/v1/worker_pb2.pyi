@@ -89,6 +89,20 @@ class ReserveRequest(_message.Message):
     lease_s: float
     def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., lease_s: _Optional[float] = ...) -> None: ...
 
+class RenewLeasesRequest(_message.Message):
+    __slots__ = ("request_ids", "lease_s")
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    lease_s: float
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., lease_s: _Optional[float] = ...) -> None: ...
+
+class RenewLeasesResponse(_message.Message):
+    __slots__ = ("unknown_ids",)
+    UNKNOWN_IDS_FIELD_NUMBER: _ClassVar[int]
+    unknown_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, unknown_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class ReserveResponse(_message.Message):
     __slots__ = ("num_blocks",)
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]

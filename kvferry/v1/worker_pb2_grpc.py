@@ -267,6 +267,11 @@ class DecodeServiceStub:
                 request_serializer=kvferry_dot_v1_dot_worker__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=kvferry_dot_v1_dot_worker__pb2.WorkerStats.FromString,
                 _registered_method=True)
+        self.RenewLeases = channel.unary_unary(
+                '/kvferry.v1.DecodeService/RenewLeases',
+                request_serializer=kvferry_dot_v1_dot_worker__pb2.RenewLeasesRequest.SerializeToString,
+                response_deserializer=kvferry_dot_v1_dot_worker__pb2.RenewLeasesResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeServiceServicer:
@@ -307,6 +312,14 @@ class DecodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RenewLeases(self, request, context):
+        """Restart the leases of reservations still waiting for K/V or their decode start: the
+        router sends this while their requests are alive, so only abandoned ones expire.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -329,6 +342,11 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=kvferry_dot_v1_dot_worker__pb2.GetStatsRequest.FromString,
                     response_serializer=kvferry_dot_v1_dot_worker__pb2.WorkerStats.SerializeToString,
+            ),
+            'RenewLeases': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewLeases,
+                    request_deserializer=kvferry_dot_v1_dot_worker__pb2.RenewLeasesRequest.FromString,
+                    response_serializer=kvferry_dot_v1_dot_worker__pb2.RenewLeasesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -440,6 +458,33 @@ class DecodeService:
             '/kvferry.v1.DecodeService/GetStats',
             kvferry_dot_v1_dot_worker__pb2.GetStatsRequest.SerializeToString,
             kvferry_dot_v1_dot_worker__pb2.WorkerStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewLeases(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvferry.v1.DecodeService/RenewLeases',
+            kvferry_dot_v1_dot_worker__pb2.RenewLeasesRequest.SerializeToString,
+            kvferry_dot_v1_dot_worker__pb2.RenewLeasesResponse.FromString,
             options,
             channel_credentials,
             insecure,
