@@ -125,3 +125,16 @@ def test_ray_overlay_keeps_only_what_selects_the_cluster(rendered, parsed) -> No
     assert not any(selects(selector, c.labels) for c in workers)
 
 
+
+
+def test_ray_dashboard_is_not_on_the_pod_network(rendered, parsed) -> None:
+    """Ray's dashboard runs submitted jobs without authentication: loopback only (KubeRay
+    binds 0.0.0.0 when `dashboard-host` is absent), and no port of the pod names it."""
+    cluster, head, _, workers = _ray(rendered, parsed)
+    start = cluster["spec"]["headGroupSpec"]["rayStartParams"]
+    assert (start.get("include-dashboard") == "false"
+            or start.get("dashboard-host") in ("127.0.0.1", "localhost")), start
+    for container in [head, *workers]:
+        ports = container.spec.get("ports", [])
+        assert not [p for p in ports if p.get("name") == "dashboard"
+                    or p["containerPort"] == 8265], container.name
