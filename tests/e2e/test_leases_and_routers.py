@@ -118,7 +118,7 @@ def test_abort_through_one_router_spares_the_other(two_routers: tuple[Deployment
             return aborted, finished
 
     aborted, finished = asyncio.run(run())
-    assert client.finish_reason_name(aborted.finished) == "ABORT"
-    assert client.finish_reason_name(finished.finished) == "LENGTH"
+    assert client.finish_reason_name(aborted.finished) == "FINISH_REASON_ABORT"
+    assert client.finish_reason_name(finished.finished) == "FINISH_REASON_LENGTH"
     assert finished.token_ids == _expected(qwen3_deployment, survivor)
     assert_pools_clean(deployment)
