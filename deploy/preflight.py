@@ -8,6 +8,7 @@ import argparse
 
 from deploy.args import router_settings, security_settings, worker_settings
 from deploy.default_model import ensure_default_model
+from kvferry.rpc.security import refuse_plaintext_token
 from kvferry.settings import RouterSettings, WorkerSettings, parse_pool_size
 
 
@@ -23,10 +24,12 @@ def _check_deployment(args: argparse.Namespace) -> None:
         raise ValueError(f"num_prefill/num_decode: need >= 1 of each (--colocated: >= 1 decode), "
                          f"got {args.num_prefill}/{args.num_decode}")
     parse_pool_size(args.kv_pool_size, total_memory_bytes=1)
-    WorkerSettings(role="colocated", model=args.model or "", host=args.host, port=args.port,
-                   block_size=args.block_size, kv_pool_size=args.kv_pool_size,
-                   attention_backend=args.attention_backend, metrics_port=args.metrics_port,
-                   security=security_settings(args))
+    settings = WorkerSettings(
+        role="colocated", model=args.model or "", host=args.host, port=args.port,
+        block_size=args.block_size, kv_pool_size=args.kv_pool_size,
+        attention_backend=args.attention_backend, metrics_port=args.metrics_port,
+        security=security_settings(args))
+    refuse_plaintext_token(settings.security)
     _check_model(args.model)  # last: without --model, the default model may be converted
 
 
@@ -36,11 +39,13 @@ def check_inputs(args: argparse.Namespace) -> WorkerSettings | RouterSettings | 
 
     if args.command in ("prefill-worker", "decode-worker", "colocated-worker"):
         settings = worker_settings(args)
+        refuse_plaintext_token(settings.security)
         parse_pool_size(settings.kv_pool_size, total_memory_bytes=1)
         _check_model(settings.model)
         return settings
     if args.command == "router":
         settings = router_settings(args)
+        refuse_plaintext_token(settings.security)
         _check_model(settings.model)
         return settings
     if args.command in ("serve", "demo"):

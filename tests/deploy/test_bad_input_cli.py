@@ -33,9 +33,11 @@ def bad(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     gpt2.mkdir()
     (gpt2 / "config.json").write_text(json.dumps(GPT2))
     (root / "weights.bin").write_bytes(b"\x00\x01")
+    (root / "token").write_text("not-sent-in-clear\n")
     return {"missing": root / "missing", "empty": root / "empty",
             "garbage_gguf": root / "garbage.gguf", "binary": binary, "unknown": unknown,
-            "gpt2": gpt2, "weights": root / "weights.bin", "root": root}
+            "gpt2": gpt2, "weights": root / "weights.bin", "token": root / "token",
+            "root": root}
 
 
 def _run(argv: list[str], home: Path) -> subprocess.CompletedProcess:
@@ -87,6 +89,14 @@ PROCESS_CASES = [
     ("router --model {gpt2} --prefill 127.0.0.1:1 --decode 127.0.0.1:2", ["architecture"]),
     ("router --model {missing}", ["prefill/decode"]),
 ]
+# A cluster token without TLS would cross the network in clear (issue 16): refused before the
+# model is even looked at, naming the flags to add.
+TOKEN_CASES = [
+    ("prefill-worker --model {missing} --cluster-token-file {token}", ["--tls-cert"]),
+    ("router --model {missing} --prefill 127.0.0.1:1 --decode 127.0.0.1:2 "
+     "--cluster-token-file {token}", ["--tls-cert"]),
+    ("serve --model {missing} --cluster-token-file {token}", ["--tls-cert"]),
+]
 OTHER_CASES = [
     ("generate hello --tls-cert {missing} --tls-key {missing}", ["no such file"]),
     ("make-model --out {weights}/model", ["weights.bin"]),
@@ -100,9 +110,10 @@ OTHER_CASES = [
 # torch and transformers: seconds apiece).
 QUICK = {"plan --model {garbage_gguf}", "serve --model {missing} --port 99999",
          "prefill-worker --model {missing}", "router --model {gpt2} --prefill 127.0.0.1:1 "
-         "--decode 127.0.0.1:2"}
+         "--decode 127.0.0.1:2", "serve --model {missing} --cluster-token-file {token}"}
 CASES = [pytest.param(command, names, marks=() if command in QUICK else pytest.mark.slow)
-         for command, names in PLAN_CASES + SERVE_CASES + PROCESS_CASES + OTHER_CASES]
+         for command, names in
+         PLAN_CASES + SERVE_CASES + PROCESS_CASES + TOKEN_CASES + OTHER_CASES]
 
 
 @pytest.mark.parametrize("command,names", CASES)

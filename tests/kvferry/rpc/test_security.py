@@ -34,6 +34,15 @@ def test_settings_name_the_bad_field(certs: CertFiles, tmp_path: Path) -> None:
     assert ok.is_tls and not SecuritySettings().is_tls
 
 
+def test_a_token_without_tls_is_refused(certs: CertFiles) -> None:
+    """It would be sent in plaintext (issue 16); with TLS it loads."""
+    with pytest.raises(ValueError, match="--tls-cert"):
+        security.load(SecuritySettings(cluster_token_file=str(certs.token)))
+    creds = security.load(SecuritySettings(str(certs.cert), str(certs.key),
+                                           cluster_token_file=str(certs.token)))
+    assert creds.is_tls and creds.token
+
+
 def test_empty_token_file_is_refused(tmp_path: Path) -> None:
     (tmp_path / "token").write_text("\n")
     with pytest.raises(ValueError, match="empty"):
