@@ -163,8 +163,7 @@ def _make_files(args: argparse.Namespace) -> int:
                              "pip install cryptography")
         from deploy.certs import DEFAULT_NAMES, make_certs
 
-        files = make_certs(Path(args.out), tuple(args.name) or DEFAULT_NAMES)
-        print("\n".join(str(path) for path in files))
+        print(make_certs(Path(args.out), tuple(args.name) or DEFAULT_NAMES).summary())
         return 0
     from kvferry.model.checkpoint import SPECS, make_model
 
