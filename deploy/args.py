@@ -191,7 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("make-certs", help="write a test CA, a cluster certificate and a token "
                                           "(needs the cryptography package)")
-    p.add_argument("--out", required=True, help="directory for ca.crt, tls.crt, tls.key, token (CA key: private/)")
+    p.add_argument("--out", required=True,
+                   help="directory for ca.crt, tls.crt, tls.key, token (CA key: private/)")
     p.add_argument("--name", action="append", default=[],
                    help="subject alternative name (DNS name or IP); default: localhost, "
                         "127.0.0.1")
