@@ -1,6 +1,7 @@
 """Router behaviour across workers (issue 5): conditional disaggregation takes the local
 path below the threshold and the remote path above it; a prefill worker that dies before
-the first token is retried on another, transparently."""
+the first token is retried on another, transparently, as the router's
+`kvferry_prefill_retries_total` shows."""
 
 from __future__ import annotations
 
@@ -13,28 +14,34 @@ from pathlib import Path
 import pytest
 
 from deploy import client
-from deploy.launcher import Deployment
-from tests.conftest import assert_pools_clean
+from deploy.launcher import Deployment, Process
+from kvferry.rpc import grpc_util
+from kvferry.v1 import generation_pb2, generation_pb2_grpc
+from tests.conftest import METRICS, assert_pools_clean
+from tests.e2e.test_metrics import scrape, value
 
 pytestmark = pytest.mark.slow
 
 THRESHOLD = 32
+RETRIES = "kvferry_prefill_retries_total"
 
 
 @pytest.fixture(scope="module")
 def two_prefill_deployment(qwen3_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
                            ) -> Iterator[Deployment]:
     deployment = Deployment(model=str(qwen3_checkpoint), num_prefill=2,
-                            router_args=["--local-prefill-threshold", str(THRESHOLD)],
+                            router_args=["--local-prefill-threshold", str(THRESHOLD), *METRICS],
                             log_dir=tmp_path_factory.mktemp("routing-logs")).start()
     yield deployment
     deployment.stop()
 
 
+def _request(prompt: list[int]) -> generation_pb2.GenerateRequest:
+    return client.make_request(prompt, temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
 def _generate(address: str, prompts: list[list[int]]) -> list[client.Completion]:
-    requests = [client.make_request(p, temperature=0.0, max_tokens=12, ignore_eos=True)
-                for p in prompts]
-    return asyncio.run(client.generate_many(address, requests, 120))
+    return asyncio.run(client.generate_many(address, [_request(p) for p in prompts], 120))
 
 
 def test_conditional_disaggregation_paths(two_prefill_deployment: Deployment,
@@ -49,15 +56,55 @@ def test_conditional_disaggregation_paths(two_prefill_deployment: Deployment,
     assert_pools_clean(two_prefill_deployment)
 
 
+async def _stream_then_kill(address: str, prompts: list[list[int]], victim: Process
+                           ) -> tuple[list[client.Completion], int]:
+    """Stream every prompt at once (the victim is stopped, so the ones sent to it wait there
+    for their first token); once the others' first tokens are out, kill -9 the victim.
+    Returns the completions and how many streams had no token yet at the kill."""
+    async with grpc_util.channel(address) as chan:
+        stub = generation_pb2_grpc.GenerationServiceStub(chan)
+        progress = [client.Completion() for _ in prompts]
+        any_token = asyncio.Event()
+
+        async def one(i: int, prompt: list[int]) -> client.Completion:
+            async for _, latest in client.stream(stub, _request(prompt), timeout_s=120):
+                progress[i] = latest
+                any_token.set()
+            return progress[i]
+
+        streams = [asyncio.ensure_future(one(i, p)) for i, p in enumerate(prompts)]
+        await asyncio.wait_for(any_token.wait(), 60)  # the live worker serves its share
+        await asyncio.sleep(1.0)
+        num_waiting = sum(not c.token_ids for c in progress)
+        os.kill(victim.popen.pid, signal.SIGKILL)
+        return list(await asyncio.gather(*streams)), num_waiting
+
+
 def test_dead_prefill_worker_is_retried_transparently(two_prefill_deployment: Deployment,
                                                       qwen3_deployment: Deployment) -> None:
-    victim = next(p for p in two_prefill_deployment.processes if p.name == "prefill-0")
-    os.kill(victim.popen.pid, signal.SIGKILL)
-    victim.popen.wait(10)
+    """prefill-0 is stopped with requests on their way to it, then killed before their first
+    token: the router sends each of them to prefill-1 (its retry counter moves by as many),
+    and every client gets its exact stream."""
+    deployment = two_prefill_deployment
     prompts = [list(range(100 + i, 100 + i + 60)) for i in range(6)]  # all above threshold
-    got = _generate(two_prefill_deployment.router_address, prompts)
     expected = _generate(qwen3_deployment.router_address, prompts)
+    victim = next(p for p in deployment.processes if p.name == "prefill-0")
+    router_port = next(p.metrics_port for p in deployment.processes if p.name == "router")
+    before = value(scrape(router_port), RETRIES)
+    os.kill(victim.popen.pid, signal.SIGSTOP)  # healthy to the router for ~2 s more
+    try:
+        got, num_waiting = asyncio.run(_stream_then_kill(deployment.router_address, prompts,
+                                                         victim))
+    finally:
+        if victim.popen.poll() is None:
+            os.kill(victim.popen.pid, signal.SIGKILL)
+        victim.popen.wait(10)
+        deployment.processes.remove(victim)
+    retries = value(scrape(router_port), RETRIES) - before
+    assert num_waiting >= 1, "no request reached the stopped prefill worker"
+    assert 1 <= retries <= num_waiting
     assert [c.token_ids for c in got] == [c.token_ids for c in expected]
+    assert all(c.finished.reason == generation_pb2.FINISH_REASON_LENGTH for c in got)
     assert all(c.finished.timing.kv_transfer_s > 0 for c in got)
-    two_prefill_deployment.processes.remove(victim)
-    assert_pools_clean(two_prefill_deployment)
+    assert "retrying" in (deployment.log_dir / "router.log").read_text()
+    assert_pools_clean(deployment)
