@@ -36,7 +36,9 @@ def test_json_logs_carry_the_request_id_through_every_process(qwen3_checkpoint: 
         records = _records(tmp_path / f"{name}.log")
         assert records, f"{name} wrote no JSON lines"
         assert all({"time", "level", "logger", "message"} <= r.keys() for r in records)
-        mine = [r for r in records if r.get("request_id") == "trace-me-42"]
+        # Workers know the request as `<id>@<router instance>` (ids are scoped per router).
+        mine = [r for r in records
+                if str(r.get("request_id", "")).partition("@")[0] == "trace-me-42"]
         assert mine, f"{name} logged nothing with the request id"
         assert all("trace-me-42" in str(r["message"]) for r in mine)
 
