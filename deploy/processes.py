@@ -244,6 +244,8 @@ async def build_router(settings: RouterSettings) -> Built:
     await workers.refresh_all()
     router = Router(config, tokenizer, workers, settings.lease_s, make_policy(settings.policy),
                     settings.local_prefill_threshold, limits=settings.limits)
+    log.info("router instance %s: downstream request ids are <id>@%s", router.instance_id,
+             router.instance_id)
     tasks.append(asyncio.create_task(_refresh_loop(workers)))
     tasks.append(asyncio.create_task(renew_loop(router.requests, settings.lease_s)))
     # Public: a smaller receive cap, no token check (clients are not cluster members).

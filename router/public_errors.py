@@ -19,7 +19,8 @@ log = logging.getLogger("kvferry.router")
 _OPAQUE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
            grpc.StatusCode.CANCELLED)
 # host:port or bare IPv4/IPv6 addresses that a message may still carry.
-_ADDRESS = re.compile(r"(ipv[46]:)?(\[[0-9a-fA-F:]+\]|\b\d{1,3}(\.\d{1,3}){3}\b)(:\d+)?"
+_ADDRESS = re.compile(r"(ipv[46]:)?(\[[0-9a-fA-F]*:[0-9a-fA-F:]*\]|\b\d{1,3}(\.\d{1,3}){3}\b)"
+                      r"(:\d+)?"
                       r"|\b[\w.-]+:\d{2,5}\b")
 
 

@@ -10,6 +10,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import re  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -106,6 +107,16 @@ def assert_pools_clean(deployment: Deployment, timeout_s: float = 10.0,
         assert s.integrity_ok, f"{s.role}: {s.integrity_error}"
         assert s.free_blocks == s.total_blocks, f"{s.role} leaked blocks: {s}"
         assert s.num_running == 0 and s.num_waiting == 0, f"{s.role} still busy: {s}"
+
+
+def downstream_id(deployment: Deployment, public_id: str) -> str:
+    """The id the workers know a request by: `<id>@<router instance>` (router/engine.py),
+    the instance read from the router's log (the deployment must have a log_dir)."""
+    assert deployment.log_dir is not None
+    text = (deployment.log_dir / "router.log").read_text()
+    match = re.search(r"router instance (\w+):", text)
+    assert match, "the router logged no instance id"
+    return f"{public_id}@{match.group(1)}"
 
 
 def assert_alive(deployment: Deployment) -> None:

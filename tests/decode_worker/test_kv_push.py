@@ -8,6 +8,7 @@ import time
 
 import crc32c
 import grpc
+import numpy as np
 import pytest
 import torch
 
@@ -35,7 +36,7 @@ def _chunk(stats: worker_pb2.WorkerStats, request_id: str, num_tokens: int,
     lay = stats.layout
     element = 4  # float32 pool
     size = lay.num_layers * 2 * 1 * lay.block_size * lay.num_kv_heads * lay.head_dim * element
-    data = bytes(range(256)) * (size // 256)
+    data = np.arange(size // element, dtype=np.float32).tobytes()  # finite: NaN is refused
     fields = dict(request_id=request_id, layout=layout, num_tokens=num_tokens, layer_start=0,
                   layer_end=lay.num_layers, block_start=0, num_blocks=1, data=data,
                   crc32=crc32c.crc32c(data))

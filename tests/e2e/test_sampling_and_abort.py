@@ -13,7 +13,7 @@ from deploy import client
 from deploy.launcher import Deployment
 from kvferry.rpc import grpc_util
 from kvferry.v1 import generation_pb2, generation_pb2_grpc, worker_pb2_grpc
-from tests.conftest import assert_alive, assert_pools_clean, worker_stats
+from tests.conftest import assert_alive, assert_pools_clean, downstream_id, worker_stats
 
 pytestmark = pytest.mark.slow
 
@@ -145,8 +145,8 @@ def test_abort_releases_a_running_request_within_one_step(qwen3_deployment: Depl
                 async for msg in call:
                     seen += len(msg.chunk.token_ids)
                     if seen >= 3 + i:
-                        await decode.Abort(generation_pb2.AbortRequest(request_id=request_id),
-                                           timeout=10)
+                        await decode.Abort(generation_pb2.AbortRequest(
+                            request_id=downstream_id(qwen3_deployment, request_id)), timeout=10)
                         break
                 call.cancel()
 

@@ -57,3 +57,11 @@ def test_unexpected_exceptions_say_nothing_of_themselves() -> None:
                                          grpc.StatusCode.INTERNAL.value[0]), "r5")
     assert code == grpc.StatusCode.INTERNAL and "decode step failed" in message
     assert public_status(Internal("boom"), "r6")[0] == grpc.StatusCode.INTERNAL
+
+
+@pytest.mark.parametrize("message", [
+    "input.messages[1].role: 'narrator' is not one of system, user, assistant",
+    "sampling.stop[12]: too long", "prompt 12 + max_tokens 5 exceeds the context of 4096",
+])
+def test_field_names_and_numbers_survive(message: str) -> None:
+    assert scrub(message) == message
