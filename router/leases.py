@@ -17,8 +17,8 @@ from router.request import RouterRequest
 log = logging.getLogger("kvferry.router")
 
 
-async def renew_once(requests: Iterable[RouterRequest], lease_s: float) -> int:
-    """One round over `requests`; returns how many leases were renewed."""
+async def renew_once(requests: Iterable[RouterRequest], lease_s: float) -> None:
+    """One round over `requests`."""
     waiting: dict[str, tuple[object, list[str]]] = {}
     for state in requests:
         worker = state.decode_worker
@@ -27,21 +27,18 @@ async def renew_once(requests: Iterable[RouterRequest], lease_s: float) -> int:
             waiting.setdefault(worker.address, (worker.decode_client, []))[1].append(
                 state.request_id)
 
-    async def renew(address: str, client: object, ids: list[str]) -> int:
-        try:
-            unknown = await client.renew_leases(ids, lease_s, timeout_s=lease_s / 3)
+    async def renew(address: str, client: object, ids: list[str]) -> None:
+        try:  # ids the worker no longer holds were released: nothing to do for them
+            await client.renew_leases(ids, lease_s, timeout_s=lease_s / 3)
         except grpc.aio.AioRpcError as exc:  # the request's own calls will see it too
             log.warning("lease renewal on %s failed: %s", address, exc.code().name)
-            return 0
-        return len(ids) - len(unknown)
 
-    counts = await asyncio.gather(*(renew(address, client, ids)
-                                    for address, (client, ids) in waiting.items()))
-    return sum(counts)
+    await asyncio.gather(*(renew(address, client, ids)
+                           for address, (client, ids) in waiting.items()))
 
 
 async def renew_loop(requests: Callable[[], Iterable[RouterRequest]], lease_s: float) -> None:
     """Forever: renew_once every third of a lease."""
     while True:
         await asyncio.sleep(lease_s / 3)
-        await renew_once(list(requests()), lease_s)
+        await renew_once(requests(), lease_s)

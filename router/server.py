@@ -17,7 +17,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from kvferry import logs
-from kvferry.errors import InvalidArgument, KvferryError, ResourceExhausted
+from kvferry.errors import InvalidArgument, ResourceExhausted
 from kvferry.rpc import convert, grpc_util
 from kvferry.rpc.metrics import RouterMetrics
 from kvferry.rpc.proto_utf8 import Malformed, invalid_utf8_field
@@ -58,14 +58,6 @@ def _done_to_proto(request_id: str, event: DoneEvent) -> generation_pb2.Generate
             ),
         ),
     )
-
-
-def _status_of(exc: Exception) -> grpc.StatusCode:
-    if isinstance(exc, KvferryError):
-        return grpc_util.status_for(exc)
-    if isinstance(exc, grpc.aio.AioRpcError):
-        return exc.code()
-    return grpc.StatusCode.INTERNAL
 
 
 class _StreamClock:
@@ -189,8 +181,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             clock.failed(grpc.StatusCode.CANCELLED)
             raise
         except Exception as exc:
-            clock.failed(_status_of(exc))
-            await context.abort(*public_status(exc, request_id))
+            code, message = public_status(exc, request_id)
+            clock.failed(code)
+            await context.abort(code, message)
 
     async def Abort(self, request: generation_pb2.AbortRequest | Unparsable,
                     context: grpc.aio.ServicerContext) -> generation_pb2.AbortResponse:
