@@ -68,7 +68,6 @@ class DecodeEngine:
         self._prefill_jobs: dict[str, PrefillJob] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self.is_draining = False  # SIGTERM: no new reservations; the ones here run to the end
-        self._on_fatal: Callable[[], None] = lambda: None
 
     @property
     def kv_bytes_received(self) -> int:
@@ -83,13 +82,12 @@ class DecodeEngine:
     def set_on_fatal(self, on_fatal: Callable[[], None]) -> None:
         """Called when this worker can no longer serve (steps keep failing, a loop died)."""
         self.steps.on_fatal = on_fatal
-        self._on_fatal = on_fatal
 
     def _task_ended(self, task: asyncio.Task[None]) -> None:
         if task.cancelled():
             return  # stop()
         log.error("decode engine loop ended: %r", task.exception(), exc_info=task.exception())
-        self._on_fatal()
+        self.steps.on_fatal()
 
     def drain(self) -> None:
         self.is_draining = True

@@ -86,7 +86,6 @@ class StepLoop:
         self.num_preemptions = 0
         self.num_steps = 0  # incremented by the executor thread only
         self.max_abort_delay_steps = 0
-        self.num_failed_steps = 0
         self.consecutive_failures = 0
         self.on_fatal: Callable[[], None] = lambda: None  # set by the process: drain
         self._is_faulty = _fault_steps(os.environ.get(FAULT_ENV, ""))
@@ -205,7 +204,6 @@ class StepLoop:
         """A step (or the bookkeeping around it) raised: end every running sequence with
         INTERNAL (the engine frees its blocks and tells its stream); sequences swapped out or
         still reserved are untouched."""
-        self.num_failed_steps += 1
         self.consecutive_failures += 1
         log.error("decode step failed (%d in a row); failing its %d requests: %r",
                   self.consecutive_failures, len(self.running), exc,
