@@ -6,10 +6,11 @@ profiled; the table gives each operator's share of a profiled step's wall time (
 time, summed over the step's calls), and what no operator accounts for: Python and dispatch
 overhead between operators. The profiler adds its own cost to every operator call, so the
 shares of small, frequent operators read high; the unprofiled step time is printed too.
+The whole measurement repeats `--repeats` times; every figure is median [min-max].
 One torch thread, as a deployment's workers run. Usage:
 
     .venv/bin/python bench/profile_decode_step.py [--model tiny|default|PATH]
-        [--batches 1 8 32] [--context 128] [--top 12] [--out FILE]
+        [--batches 1 8 32] [--context 128] [--top 12] [--repeats 3] [--out FILE]
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     tune_malloc()
@@ -98,33 +100,41 @@ def main() -> None:
     pool = KvPool(config.num_layers, config.num_kv_heads, config.head_dim, BLOCK_SIZE,
                   max(args.batches) * per_seq, torch.float32, torch.device("cpu"))
     pool.cache.normal_()
-    results = [_profile(model, pool, b, args.context, args.steps) for b in args.batches]
-    for r in results:
+    runs = [[_profile(model, pool, b, args.context, args.steps) for b in args.batches]
+            for _ in range(args.repeats)]  # runs[repeat][batch index]
+    for r in (r for run in runs for r in run):
         r["share"] = {n: ms / r["profiled_step_ms"] for n, ms in r["op_ms"].items()}
-    names = sorted({n for r in results for n in r["op_ms"]},
-                   key=lambda n: -max(r["share"].get(n, 0.0) for r in results))
-    print(f"model {Path(config.path).name}, context {args.context}, one thread; share of a "
-          "profiled step's wall time (ms per step in brackets)")
-    print(f"{'operator':<30}" + "".join(f"{'batch ' + str(r['batch']):>19}" for r in results))
-
-    def row(label: str, values: list[tuple[float, float]]) -> None:
-        print(f"{label:<30}" + "".join(f"{100 * share:>9.1f}% [{ms:>6.2f}]"
-                                        for share, ms in values))
-
+    names = sorted({n for run in runs for r in run for n in r["op_ms"]},
+                   key=lambda n: -max(r["share"].get(n, 0.0) for run in runs for r in run))
     top = names[:args.top]
-    for name in top:
-        row(name, [(r["share"].get(name, 0.0), r["op_ms"].get(name, 0.0)) for r in results])
-    others = [r["ops_total_ms"] - sum(r["op_ms"].get(n, 0.0) for n in top) for r in results]
-    row("other operators", [(ms / r["profiled_step_ms"], ms) for ms, r in zip(others, results)])
-    outside = [r["profiled_step_ms"] - r["ops_total_ms"] for r in results]
-    row("outside operators (Python)", [(ms / r["profiled_step_ms"], ms)
-                                       for ms, r in zip(outside, results)])
+
+    def rows(r: dict[str, object]) -> dict[str, float]:
+        """One profiled run of one batch size: each table row's share of the step."""
+        out = {name: r["share"].get(name, 0.0) for name in top}
+        out["other operators"] = (r["ops_total_ms"] - sum(r["op_ms"].get(n, 0.0) for n in top)
+                                  ) / r["profiled_step_ms"]
+        out["outside operators (Python)"] = 1 - r["ops_total_ms"] / r["profiled_step_ms"]
+        return out
+
+    table = [[rows(run[i]) for run in runs] for i in range(len(args.batches))]
+    print(f"model {Path(config.path).name}, context {args.context}, one thread, "
+          f"{args.repeats} repetitions; share of a profiled step's wall time, median [min-max]")
+    print(f"{'operator':<30}" + "".join(f"{'batch ' + str(b):>22}" for b in args.batches))
+
+    def cell(values: list[float], scale: float, unit: str) -> str:
+        lo, mid, hi = min(values) * scale, statistics.median(values) * scale, max(values) * scale
+        return f"{mid:>8.1f}{unit} [{lo:.1f}-{hi:.1f}]".rjust(22)
+
+    for label in table[0][0]:
+        print(f"{label:<30}" + "".join(cell([rep[label] for rep in per_batch], 100, "%")
+                                        for per_batch in table))
     for key, label in (("profiled_step_ms", "profiled step (ms)"),
-                       ("step_ms", "unprofiled step, median (ms)")):
-        print(f"{label:<30}" + "".join(f"{r[key]:>19.2f}" for r in results))
+                       ("step_ms", "unprofiled step (ms)")):
+        print(f"{label:<30}" + "".join(cell([run[i][key] for run in runs], 1, "")
+                                        for i in range(len(args.batches))))
     if args.out:
         args.out.write_text(json.dumps({"model": Path(config.path).name, "context": args.context,
-                                        "steps": args.steps, "results": results}, indent=2))
+                                        "steps": args.steps, "runs": runs}, indent=2))
 
 
 if __name__ == "__main__":
