@@ -10,7 +10,9 @@ its batch with INTERNAL, their blocks freed, and the loop goes on with everyone 
 MAX_CONSECUTIVE_FAILURES failed iterations in a row the worker is broken, not unlucky: the
 loop calls `on_fatal` (the process then reports NOT_SERVING and drains) and keeps failing
 what reaches it. Fault injection for tests: KVFERRY_FAULT_DECODE_STEPS lists step numbers
-(counted from 1) whose forward raises, as "3,7", or "3-" for every step from the third on.
+(counted from 1) whose forward raises, as "3,7", or "3-" for every step from the third on;
+KVFERRY_FAULT_DECODE_STEP_DELAY_S makes every step that long slower (a slow worker, so tests
+can order events without racing the machine's speed).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ Finish = Callable[[DecodeSeq, DecodeEvent], None]
 
 MAX_CONSECUTIVE_FAILURES = 3
 FAULT_ENV = "KVFERRY_FAULT_DECODE_STEPS"
+DELAY_ENV = "KVFERRY_FAULT_DECODE_STEP_DELAY_S"
 
 
 class InjectedFault(RuntimeError):
@@ -90,6 +93,7 @@ class StepLoop:
         self.on_fatal: Callable[[], None] = lambda: None  # set by the process: drain
         self._is_faulty = _fault_steps(os.environ.get(FAULT_ENV, ""))
         self._num_attempts = 0  # steps started (executor thread), for fault injection
+        self._step_delay_s = float(os.environ.get(DELAY_ENV, "0"))
         # CPU decode: mirror the batch's K/V densely (kv_stage) instead of gathering pages.
         self.stage = KvStage(pool, stage_bytes) if stage_bytes > 0 else None
         self._wake = asyncio.Event()
@@ -254,6 +258,8 @@ class StepLoop:
         self._num_attempts += 1
         if self._is_faulty(self._num_attempts):
             raise InjectedFault(f"injected fault in decode step {self._num_attempts}")
+        if self._step_delay_s > 0:
+            time.sleep(self._step_delay_s)
         inputs = step_inputs(batch, self.pool.block_size)
         device = self.model.device
         logits = self.model.decode(

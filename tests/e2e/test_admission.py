@@ -144,7 +144,10 @@ def test_prefill_worker_lost_while_holding_deferred_kv(full_pool_deployment: Dep
 
 # Parked K/V against a reservation: LONG leaves the decode pool 1 block of headroom, so the
 # two 6-block prompts are deferred and their K/V fills the prefill worker's 12-block pool;
-# TINY then fits the headroom, is reserved at once, and needs 1 prefill block.
+# TINY then fits the headroom, is reserved at once, and needs 1 prefill block. Decode steps
+# are slowed (STEP_DELAY_S) so LONG's 150 steps outlast the parked prefills and TINY on any
+# machine: unpaced, a loaded CI machine once let LONG end first, and the ordering proved nothing.
+STEP_DELAY_S = 0.03
 LONG = client.make_request(list(range(200, 220)), temperature=0.0, max_tokens=150,
                            ignore_eos=True)  # 170 tokens: 11 of the decode pool's 12 blocks
 PARKED = [client.make_request(list(range(300 + 7 * i, 390 + 7 * i)), temperature=0.0,
@@ -157,7 +160,9 @@ TINY = client.make_request(list(range(500, 510)), temperature=0.0, max_tokens=6,
 def small_pools_deployment(qwen3_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
                            ) -> Iterator[Deployment]:
     deployment = Deployment(model=str(qwen3_checkpoint), kv_pool_size=f"{12 * BLOCK_BYTES}B",
-                            log_dir=tmp_path_factory.mktemp("parked-logs")).start()
+                            log_dir=tmp_path_factory.mktemp("parked-logs"),
+                            env={"KVFERRY_FAULT_DECODE_STEP_DELAY_S": str(STEP_DELAY_S)}
+                            ).start()
     yield deployment
     deployment.stop()
 
