@@ -8,7 +8,7 @@ decoding in fp32 is token-identical to `transformers` `generate`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Protocol
 
@@ -19,6 +19,8 @@ from safetensors.torch import load_file
 from kernels.dispatch import AttentionBackend
 from kvferry.cache.pool import KvPool
 from kvferry.model.config import ModelConfig
+
+Weights = Mapping[str, torch.Tensor]  # checkpoint names (q/k/v and gate/up fused) -> tensors
 
 
 def _rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
@@ -47,9 +49,32 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * (x32 * torch.rsqrt(variance + eps)).to(dtype)
 
 
+def _linear(w: Weights, x: torch.Tensor, prefix: str) -> torch.Tensor:
+    return F.linear(x, w[prefix + ".weight"], w.get(prefix + ".bias"))
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _fuse(weights: dict[str, torch.Tensor], parts: list[str], fused: str) -> None:
+    """Replace the `parts` projections (weight and, when every part has one, bias) by one
+    projection `fused` whose output rows are theirs, in order: one GEMM instead of several."""
+    for kind in ("weight", "bias"):
+        names = [f"{part}.{kind}" for part in parts]
+        if all(name in weights for name in names):
+            weights[f"{fused}.{kind}"] = torch.cat([weights.pop(name) for name in names])
+        elif kind == "bias" and any(name in weights for name in names):
+            raise ValueError(f"model: only some of {names} exist; expected all or none")
+
+
+def _fuse_projections(weights: dict[str, torch.Tensor], num_layers: int) -> None:
+    """q/k/v into qkv_proj and gate/up into gate_up_proj, as vLLM and SGLang load them."""
+    for layer in range(num_layers):
+        p = f"model.layers.{layer}"
+        _fuse(weights, [f"{p}.self_attn.{x}_proj" for x in "qkv"], f"{p}.self_attn.qkv_proj")
+        _fuse(weights, [f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"], f"{p}.mlp.gate_up_proj")
 
 
 class DenseKv(Protocol):
@@ -98,65 +123,83 @@ class Transformer:
             if not self.config.tie_word_embeddings:
                 raise ValueError("model: lm_head.weight missing and embeddings are not tied")
             weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+        _fuse_projections(weights, self.config.num_layers)
         return weights
 
-    def _w(self, name: str) -> torch.Tensor:
-        return self.weights[name]
-
-    def _linear(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
-        return F.linear(x, self.weights[prefix + ".weight"], self.weights.get(prefix + ".bias"))
-
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, D/2]
+    def _rope(self, positions: torch.Tensor, inv_freq: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None].float() * inv_freq[None, :]  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
         cos = (emb.cos() * self.rope_scaling).to(self.dtype)[:, None, :]  # [T, 1, D]
         sin = (emb.sin() * self.rope_scaling).to(self.dtype)[:, None, :]
         return cos, sin
 
     def _attention_block(
-        self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-        slot_mapping: torch.Tensor, pool: KvPool, attend: AttendFn,
+        self, w: Weights, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        attend: AttendFn,
     ) -> torch.Tensor:
         cfg = self.config
         p = f"model.layers.{layer}.self_attn"
         num_tokens = x.shape[0]
-        q = self._linear(x, p + ".q_proj").view(num_tokens, cfg.num_heads, cfg.head_dim)
-        k = self._linear(x, p + ".k_proj").view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-        v = self._linear(x, p + ".v_proj").view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        qkv = _linear(w, x, p + ".qkv_proj")
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
         if cfg.has_qk_norm:
-            q = _rms_norm(q, self._w(p + ".q_norm.weight"), cfg.rms_norm_eps)
-            k = _rms_norm(k, self._w(p + ".k_norm.weight"), cfg.rms_norm_eps)
+            q = _rms_norm(q, w[p + ".q_norm.weight"], cfg.rms_norm_eps)
+            k = _rms_norm(k, w[p + ".k_norm.weight"], cfg.rms_norm_eps)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        self.backend.write_kv(k, v, pool.k_cache(layer), pool.v_cache(layer), slot_mapping)
-        out = attend(layer, q, k, v)  # [T, Hq, D]
-        return self._linear(out.reshape(num_tokens, -1), p + ".o_proj")
+        out = attend(layer, q, k, v)  # writes k, v to the pool; [T, Hq, D]
+        return _linear(w, out.reshape(num_tokens, -1), p + ".o_proj")
 
-    def _mlp(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, w: Weights, layer: int, x: torch.Tensor) -> torch.Tensor:
         p = f"model.layers.{layer}.mlp"
-        gate = F.silu(self._linear(x, p + ".gate_proj"))
-        return self._linear(gate * self._linear(x, p + ".up_proj"), p + ".down_proj")
+        gate, up = _linear(w, x, p + ".gate_up_proj").chunk(2, dim=-1)
+        return _linear(w, F.silu(gate) * up, p + ".down_proj")
+
+    def forward_tokens(
+        self, w: Weights, inv_freq: torch.Tensor, token_ids: torch.Tensor,
+        positions: torch.Tensor, attend: AttendFn, logit_rows: torch.Tensor | None = None,
+        on_layer_done: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        """The whole decoder over `token_ids` at `positions`; `attend` writes each layer's K/V
+        and attends. Pure in `w` and `inv_freq` (the compiled decode step passes its own
+        registered copies of the same tensors, kvferry.model.compiled)."""
+        cfg = self.config
+        x = w["model.embed_tokens.weight"][token_ids]  # [T, hidden]
+        cos, sin = self._rope(positions, inv_freq)
+        for layer in range(cfg.num_layers):
+            p = f"model.layers.{layer}"
+            h = _rms_norm(x, w[p + ".input_layernorm.weight"], cfg.rms_norm_eps)
+            x = x + self._attention_block(w, layer, h, cos, sin, attend)
+            if on_layer_done is not None:
+                on_layer_done(layer)  # this layer's K/V is in the pool: it may ship now
+            h = _rms_norm(x, w[p + ".post_attention_layernorm.weight"], cfg.rms_norm_eps)
+            x = x + self._mlp(w, layer, h)
+        if logit_rows is not None:
+            x = x[logit_rows]
+        x = _rms_norm(x, w["model.norm.weight"], cfg.rms_norm_eps)
+        return F.linear(x, w["lm_head.weight"]).float()  # [rows, vocab]
 
     def _forward(
         self, token_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
         pool: KvPool, attend: AttendFn, logit_rows: torch.Tensor | None,
         on_layer_done: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
-        cfg = self.config
-        x = self._w("model.embed_tokens.weight")[token_ids]  # [T, hidden]
-        cos, sin = self._rope(positions)
-        for layer in range(cfg.num_layers):
-            p = f"model.layers.{layer}"
-            h = _rms_norm(x, self._w(p + ".input_layernorm.weight"), cfg.rms_norm_eps)
-            x = x + self._attention_block(layer, h, cos, sin, slot_mapping, pool, attend)
-            if on_layer_done is not None:
-                on_layer_done(layer)  # this layer's K/V is in the pool: it may ship now
-            h = _rms_norm(x, self._w(p + ".post_attention_layernorm.weight"), cfg.rms_norm_eps)
-            x = x + self._mlp(layer, h)
-        if logit_rows is not None:
-            x = x[logit_rows]
-        x = _rms_norm(x, self._w("model.norm.weight"), cfg.rms_norm_eps)
-        return F.linear(x, self._w("lm_head.weight")).float()  # [rows, vocab]
+        return self.forward_tokens(self.weights, self.inv_freq, token_ids, positions,
+                                   self.writing(attend, slot_mapping, pool), logit_rows,
+                                   on_layer_done)
+
+    def writing(self, attend: AttendFn, slot_mapping: torch.Tensor, pool: KvPool) -> AttendFn:
+        """`attend`, after writing the layer's new K/V to the pool slots `slot_mapping`."""
+        def write_then_attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                              ) -> torch.Tensor:
+            self.backend.write_kv(k, v, pool.k_cache(layer), pool.v_cache(layer), slot_mapping)
+            return attend(layer, q, k, v)
+        return write_then_attend
 
     @torch.inference_mode()
     def prefill(
