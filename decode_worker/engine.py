@@ -288,6 +288,7 @@ class DecodeEngine:
             integrity_ok=report.ok,
             integrity_error=report.error,
             num_preemptions=self.steps.num_preemptions,
+            num_compiles=getattr(self.model.compiled, "num_compiles", 0),
             num_decode_steps=self.steps.num_steps,
             max_abort_delay_steps=self.steps.max_abort_delay_steps,
             projected_blocks=sum(blocks_needed(s.num_prompt_tokens, s.max_tokens,

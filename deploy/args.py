@@ -9,7 +9,9 @@ import argparse
 from deploy.default_model import ensure_default_model
 from kvferry.settings import (
     ATTENTION_BACKENDS,
+    COMPILE_MODES,
     DEFAULT_BLOCK_SIZE,
+    DEFAULT_COMPILE_BATCH_SIZES,
     DEFAULT_DECODE_STAGE_MIB,
     DEFAULT_DNS_INTERVAL_S,
     DEFAULT_DRAIN_TIMEOUT_S,
@@ -123,6 +125,13 @@ def _worker_parser(sub: argparse._SubParsersAction, role: str) -> None:
                    help="torch attention backend: memory for the running batch's K/V kept "
                         "densely beside the pages, so decode steps need not gather them; "
                         "0: gather pages every step")
+    p.add_argument("--compile", default=COMPILE_MODES[0], choices=COMPILE_MODES,
+                   help="decode and colocated workers: torch.compile the decode step, one "
+                        "graph per batch-size bucket, all compiled before the worker serves "
+                        "(max-autotune also tunes the GEMMs; slower to start); off: eager")
+    p.add_argument("--compile-batch-sizes", default=DEFAULT_COMPILE_BATCH_SIZES,
+                   help="--compile: the batch-size buckets, comma-separated (a batch runs "
+                        "padded to the next one; larger batches run eagerly)")
     p.add_argument("--kv-max-resends", type=int, default=DEFAULT_KV_MAX_RESENDS,
                    help="resend a K/V push the receiver found corrupted; 0: fail (DATA_LOSS)")
     p.add_argument("--kv-transport", default=KV_TRANSPORTS[0], choices=KV_TRANSPORTS,
@@ -146,6 +155,11 @@ def _deployment_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-pool-size", default=DEFAULT_KV_POOL_SIZE)
     p.add_argument("--torch-threads", type=int, default=DEPLOYMENT_TORCH_THREADS,
                    help="per worker process")
+    p.add_argument("--compile", default=COMPILE_MODES[0], choices=COMPILE_MODES,
+                   help="decode/colocated workers: torch.compile the decode step "
+                        "(see `kvferry decode-worker --help`); off: eager")
+    p.add_argument("--compile-batch-sizes", default=DEFAULT_COMPILE_BATCH_SIZES,
+                   help="--compile: batch-size buckets, comma-separated")
     p.add_argument("--attention-backend", default=ATTENTION_BACKENDS[0],
                    choices=ATTENTION_BACKENDS)
     p.add_argument("--colocated", action="store_true",
@@ -277,6 +291,7 @@ def worker_settings(args: argparse.Namespace) -> WorkerSettings:
         torch_threads=args.torch_threads, max_waiting=args.max_waiting,
         prefill_token_budget=args.prefill_token_budget,
         prefill_chunk_size=args.prefill_chunk_size, decode_stage_mib=args.decode_stage_mib,
+        compile=args.compile, compile_batch_sizes=args.compile_batch_sizes,
         kv_max_resends=args.kv_max_resends,
         kv_transport=args.kv_transport, drain_timeout_s=args.drain_timeout_s,
         metrics_port=args.metrics_port, security=security_settings(args),

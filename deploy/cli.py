@@ -68,6 +68,7 @@ def _deployment(args: argparse.Namespace):
         num_decode=args.num_decode, router_port=args.port, block_size=args.block_size,
         kv_pool_size=args.kv_pool_size, torch_threads=args.torch_threads,
         attention_backend=args.attention_backend, is_colocated=args.colocated, host=args.host,
+        compile=args.compile, compile_batch_sizes=args.compile_batch_sizes,
         router_args=([] if args.metrics_port is None else ["--metrics-port",
                                                             str(args.metrics_port)])
         + security_argv(args), worker_args=security_argv(args),

@@ -30,7 +30,9 @@ from kvferry.model.gguf import ensure_converted, is_gguf
 from kvferry.rpc.grpc_util import READY_PREFIX
 from kvferry.settings import (
     ATTENTION_BACKENDS,
+    COMPILE_MODES,
     DEFAULT_BLOCK_SIZE,
+    DEFAULT_COMPILE_BATCH_SIZES,
     DEFAULT_KV_POOL_SIZE,
     DEPLOYMENT_TORCH_THREADS,
 )
@@ -112,6 +114,8 @@ class Deployment:
     kv_pool_size: str = DEFAULT_KV_POOL_SIZE
     torch_threads: int = DEPLOYMENT_TORCH_THREADS  # per worker: they share the machine
     attention_backend: str = ATTENTION_BACKENDS[0]
+    compile: str = COMPILE_MODES[0]  # decode and colocated workers' --compile
+    compile_batch_sizes: str = DEFAULT_COMPILE_BATCH_SIZES
     host: str = "127.0.0.1"  # what every server binds; 0.0.0.0 for other hosts to reach it
     is_colocated: bool = False  # num_decode workers each serving both roles; no prefill ones
     worker_args: list[str] = field(default_factory=list)  # extra flags for every worker
@@ -136,8 +140,10 @@ class Deployment:
                 "--host", host or self.host, "--port", "0",
                 "--block-size", str(self.block_size), "--kv-pool-size", self.kv_pool_size,
                 "--torch-threads", str(self.torch_threads),
-                "--attention-backend", self.attention_backend, *self.worker_args,
-                *self.role_args.get(role, [])]
+                "--attention-backend", self.attention_backend,
+                *(["--compile", self.compile, "--compile-batch-sizes", self.compile_batch_sizes]
+                  if role != "prefill" else []),
+                *self.worker_args, *self.role_args.get(role, [])]
 
     def _convert_gguf_once(self) -> None:
         """Convert a `.gguf` model here, before its processes start: each would otherwise
@@ -179,7 +185,11 @@ class Deployment:
             args += [f"--{name.rsplit('-', 1)[0]}", address]
         return args
 
-    def start(self, timeout_s: float = 180.0) -> Deployment:
+    def start(self, timeout_s: float | None = None) -> Deployment:
+        """Start every process; each must be ready within `timeout_s` (default 180 s, 1800 s
+        where decode workers compile their step first)."""
+        if timeout_s is None:
+            timeout_s = 180.0 if self.compile == "off" else 1800.0
         try:
             self._start_network()
             self._convert_gguf_once()

@@ -9,7 +9,7 @@ import argparse
 from deploy.args import router_settings, security_settings, worker_settings
 from deploy.default_model import ensure_default_model
 from kvferry.rpc.security import refuse_plaintext_token
-from kvferry.settings import RouterSettings, WorkerSettings, parse_pool_size
+from kvferry.settings import RouterSettings, WorkerSettings, parse_batch_sizes, parse_pool_size
 
 
 def _check_model(model: str | None) -> None:
@@ -28,6 +28,7 @@ def _check_deployment(args: argparse.Namespace) -> None:
         role="colocated", model=args.model or "", host=args.host, port=args.port,
         block_size=args.block_size, kv_pool_size=args.kv_pool_size,
         attention_backend=args.attention_backend, metrics_port=args.metrics_port,
+        compile=args.compile, compile_batch_sizes=args.compile_batch_sizes,
         security=security_settings(args))
     refuse_plaintext_token(settings.security)
     _check_model(args.model)  # last: without --model, the default model may be converted
@@ -57,6 +58,7 @@ def check_inputs(args: argparse.Namespace) -> WorkerSettings | RouterSettings | 
             if path is not None and not path.exists():
                 raise FileNotFoundError(f"no such file or directory: {path}")
         parse_pool_size(args.kv_pool_size, total_memory_bytes=1)
+        parse_batch_sizes(args.compile_batch_sizes)
         if args.model is not None:
             _check_model(args.model)
     return None

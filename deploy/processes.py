@@ -17,7 +17,14 @@ from kvferry.cache.layout import KvLayout, KvShape, dtype_name, torch_dtype
 from kvferry.cache.pool import KvPool
 from kvferry.model.config import load_model_config
 from kvferry.rpc import grpc_util, security
-from kvferry.settings import RouterSettings, SecuritySettings, WorkerSettings, parse_pool_size
+from kvferry.settings import (
+    KVFERRY_HOME,
+    RouterSettings,
+    SecuritySettings,
+    WorkerSettings,
+    parse_batch_sizes,
+    parse_pool_size,
+)
 from kvferry.transfer.sender import KvSender
 
 log = logging.getLogger("kvferry")
@@ -176,6 +183,11 @@ def build_worker(settings: WorkerSettings) -> tuple[Built, object]:
         from decode_worker.engine import DecodeEngine
 
         stage_mib = settings.decode_stage_mib if backend_name == "torch" else 0
+        if settings.compile != "off":  # before the server exists: it reports SERVING after
+            from kvferry.model.compiled import compile_decode
+
+            compile_decode(model, settings.compile, parse_batch_sizes(settings.compile_batch_sizes),
+                           KVFERRY_HOME / "compile-cache")
         engine = DecodeEngine(model, pool, layout, settings.max_waiting,
                               stage_bytes=stage_mib << 20,
                               token_budget=settings.prefill_token_budget,

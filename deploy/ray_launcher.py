@@ -114,7 +114,9 @@ class RayDeployment(Deployment):
             options["runtime_env"] = {"env_vars": dict(self.env)}
         return RayActor(name, ray.remote(ServerActor).options(**options).remote())
 
-    def start(self, timeout_s: float = 180.0) -> RayDeployment:
+    def start(self, timeout_s: float | None = None) -> RayDeployment:
+        if timeout_s is None:
+            timeout_s = 180.0 if self.compile == "off" else 1800.0
         if not ray.is_initialized():
             ray.init(address=self.ray_address, namespace=NAMESPACE, include_dashboard=False,
                      log_to_driver=False)

@@ -33,6 +33,9 @@ ROLES = ("prefill", "decode", "colocated")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # auto: triton on CUDA, torch on CPU
 KV_TRANSPORTS = ("grpc", "ray")
+# Decode step: eager, or torch.compile'd per batch-size bucket (kvferry/model/compiled.py).
+COMPILE_MODES = ("off", "default", "max-autotune")
+DEFAULT_COMPILE_BATCH_SIZES = "1,2,4,8,16,32"
 POLICIES = ("headroom", "round_robin", "least_requests")  # router/policy.py
 
 _SIZE = re.compile(r"^\s*([0-9.]+)\s*(B|KB|KiB|MB|MiB|GB|GiB)?\s*$", re.IGNORECASE)
@@ -95,6 +98,18 @@ class SecuritySettings:
         return self.tls_cert is not None
 
 
+def parse_batch_sizes(text: str) -> tuple[int, ...]:
+    """"1,2,4,8" -> (1, 2, 4, 8), sorted, distinct; ValueError naming the flag otherwise."""
+    try:
+        sizes = tuple(sorted({int(part) for part in text.split(",") if part.strip()}))
+    except ValueError:
+        raise ValueError("compile_batch_sizes: expected comma-separated integers, "
+                         f"got {text!r}") from None
+    if not sizes or sizes[0] < 1 or sizes[-1] > 4096:
+        raise ValueError(f"compile_batch_sizes: expected integers in [1, 4096], got {text!r}")
+    return sizes
+
+
 @dataclass(frozen=True)
 class WorkerSettings:
     """A prefill or decode worker process."""
@@ -117,6 +132,8 @@ class WorkerSettings:
     # Torch attention backend: MiB for the running batch's K/V mirrored densely beside the
     # pages (decode_worker/kv_stage.py); 0: gather pages every step instead.
     decode_stage_mib: int = DEFAULT_DECODE_STAGE_MIB
+    compile: str = COMPILE_MODES[0]  # decode/colocated: compile the decode step
+    compile_batch_sizes: str = DEFAULT_COMPILE_BATCH_SIZES  # buckets; larger batches: eager
     # Resend a K/V push corrupted in flight this many times; 0: fail with DATA_LOSS.
     kv_max_resends: int = DEFAULT_KV_MAX_RESENDS
     kv_transport: str = KV_TRANSPORTS[0]  # how a prefill worker ships pages (ray: Ray actors)
@@ -130,6 +147,10 @@ class WorkerSettings:
         _check_common(self.drain_timeout_s, self.metrics_port)
         if self.kv_transport not in KV_TRANSPORTS:
             raise ValueError(f"kv_transport: expected grpc or ray, got {self.kv_transport!r}")
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"compile: expected one of {', '.join(COMPILE_MODES)}, "
+                             f"got {self.compile!r}")
+        parse_batch_sizes(self.compile_batch_sizes)
         if self.decode_stage_mib < 0:
             raise ValueError(f"decode_stage_mib: must be >= 0, got {self.decode_stage_mib}")
         if self.kv_max_resends < 0:

@@ -18,7 +18,12 @@ from deploy.loadgen.workload import (
     TokenCounter,
     Workload,
 )
-from kvferry.settings import DEFAULT_KV_POOL_SIZE, DEPLOYMENT_TORCH_THREADS
+from kvferry.settings import (
+    COMPILE_MODES,
+    DEFAULT_COMPILE_BATCH_SIZES,
+    DEFAULT_KV_POOL_SIZE,
+    DEPLOYMENT_TORCH_THREADS,
+)
 
 DATASETS = ("random", "shared-prefix", "jsonl", "sharegpt")
 
@@ -36,6 +41,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--kv-pool-size", default=DEFAULT_KV_POOL_SIZE, help="launch: per worker")
     t.add_argument("--torch-threads", type=int, default=DEPLOYMENT_TORCH_THREADS,
                    help="launch: per worker")
+    t.add_argument("--compile", default=COMPILE_MODES[0], choices=COMPILE_MODES,
+                   help="launch: decode/colocated workers compile their decode step")
+    t.add_argument("--compile-batch-sizes", default=DEFAULT_COMPILE_BATCH_SIZES,
+                   help="launch: --compile batch-size buckets")
     t.add_argument("--launch-log-dir", type=Path, default=None)
 
     w = p.add_argument_group("workload")
@@ -138,7 +147,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     launch = Deployment(model=args.model, num_prefill=args.num_prefill,
                         num_decode=args.num_decode, kv_pool_size=args.kv_pool_size,
-                        torch_threads=args.torch_threads, log_dir=args.launch_log_dir)
+                        torch_threads=args.torch_threads, log_dir=args.launch_log_dir,
+                        compile=args.compile, compile_batch_sizes=args.compile_batch_sizes)
     targets = args.compare or [args.address]
     result = run_benchmark(targets, workload, config, launch)
     _write_outputs(result, args)

@@ -24,3 +24,4 @@ class PoolStats:
     num_corrupt_pushes: int = 0
     num_parked: int = 0
     num_evictions: int = 0
+    num_compiles: int = 0  # decode-step graphs compiled (--compile)

@@ -14,11 +14,11 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 
 from kernels.dispatch import AttentionBackend
 from kvferry.cache.pool import KvPool
 from kvferry.model.config import ModelConfig
+from kvferry.model.weights import load_weights
 
 Weights = Mapping[str, torch.Tensor]  # checkpoint names (q/k/v and gate/up fused) -> tensors
 
@@ -58,25 +58,6 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _fuse(weights: dict[str, torch.Tensor], parts: list[str], fused: str) -> None:
-    """Replace the `parts` projections (weight and, when every part has one, bias) by one
-    projection `fused` whose output rows are theirs, in order: one GEMM instead of several."""
-    for kind in ("weight", "bias"):
-        names = [f"{part}.{kind}" for part in parts]
-        if all(name in weights for name in names):
-            weights[f"{fused}.{kind}"] = torch.cat([weights.pop(name) for name in names])
-        elif kind == "bias" and any(name in weights for name in names):
-            raise ValueError(f"model: only some of {names} exist; expected all or none")
-
-
-def _fuse_projections(weights: dict[str, torch.Tensor], num_layers: int) -> None:
-    """q/k/v into qkv_proj and gate/up into gate_up_proj, as vLLM and SGLang load them."""
-    for layer in range(num_layers):
-        p = f"model.layers.{layer}"
-        _fuse(weights, [f"{p}.self_attn.{x}_proj" for x in "qkv"], f"{p}.self_attn.qkv_proj")
-        _fuse(weights, [f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"], f"{p}.mlp.gate_up_proj")
-
-
 class DenseKv(Protocol):
     """The running batch's K/V kept densely beside the pages (decode_worker.kv_stage)."""
 
@@ -90,6 +71,14 @@ class DenseKv(Protocol):
 
 # attend(layer, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, Hq, D]
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class CompiledStep(Protocol):
+    """A compiled decode forward (kvferry.model.compiled): logits [B, vocab], or None where
+    it does not cover batch B (the step then runs eagerly)."""
+
+    def __call__(self, token_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn
+                 ) -> torch.Tensor | None: ...
 
 
 class Transformer:
@@ -106,25 +95,11 @@ class Transformer:
         self.backend = backend
         self.dtype = dtype
         self.device = torch.device(device)
-        self.weights = self._load_weights(Path(config.path))
+        self.weights = load_weights(Path(config.path), config, self.device, dtype)
         inv_freq, self.rope_scaling = _rope_inv_freq(config)
         self.inv_freq = inv_freq.to(self.device)
         self.sm_scale = config.head_dim**-0.5
-
-    def _load_weights(self, checkpoint: Path) -> dict[str, torch.Tensor]:
-        files = sorted(checkpoint.glob("*.safetensors"))
-        if not files:
-            raise ValueError(f"model: no *.safetensors in {checkpoint}")
-        weights: dict[str, torch.Tensor] = {}
-        for path in files:
-            for name, tensor in load_file(str(path)).items():
-                weights[name] = tensor.to(device=self.device, dtype=self.dtype)
-        if "lm_head.weight" not in weights:
-            if not self.config.tie_word_embeddings:
-                raise ValueError("model: lm_head.weight missing and embeddings are not tied")
-            weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
-        _fuse_projections(weights, self.config.num_layers)
-        return weights
+        self.compiled: CompiledStep | None = None  # set by kvferry.model.compiled
 
     def _rope(self, positions: torch.Tensor, inv_freq: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -284,7 +259,12 @@ class Transformer:
 
         if stage is not None:
             stage.begin_step(positions)
-        logits = self._forward(token_ids, positions, slot_mapping, pool, attend, None)
+        logits = None
+        if self.compiled is not None:
+            logits = self.compiled(token_ids, positions, self.writing(attend, slot_mapping, pool))
+        if logits is None:  # eager, or a batch above every compiled bucket
+            logits = self._forward(token_ids, positions, slot_mapping, pool, attend, None)
         if stage is not None:
             stage.end_step()
         return logits
+

@@ -47,6 +47,7 @@ def stats_to_proto(role: str, stats: PoolStats, layout: worker_pb2.KvLayout
         projected_blocks=stats.projected_blocks,
         num_corrupt_pushes=stats.num_corrupt_pushes,
         num_parked=stats.num_parked, num_parked_evictions=stats.num_evictions,
+        num_compiles=stats.num_compiles,
     )
 
 
@@ -77,4 +78,5 @@ def stats_from_proto(msg: worker_pb2.WorkerStats) -> PoolStats:
         projected_blocks=msg.projected_blocks,
         num_corrupt_pushes=msg.num_corrupt_pushes,
         num_parked=msg.num_parked, num_evictions=msg.num_parked_evictions,
+        num_compiles=msg.num_compiles,
     )

@@ -196,7 +196,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self, check_integrity: _Optional[bool] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("role", "total_blocks", "free_blocks", "reserved_blocks", "num_running", "num_waiting", "layout", "integrity_ok", "integrity_error", "num_preemptions", "num_pending_prefill_tokens", "num_decode_steps", "max_abort_delay_steps", "projected_blocks", "num_corrupt_pushes", "num_parked", "num_parked_evictions")
+    __slots__ = ("role", "total_blocks", "free_blocks", "reserved_blocks", "num_running", "num_waiting", "layout", "integrity_ok", "integrity_error", "num_preemptions", "num_pending_prefill_tokens", "num_decode_steps", "max_abort_delay_steps", "projected_blocks", "num_corrupt_pushes", "num_parked", "num_parked_evictions", "num_compiles")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -214,6 +214,7 @@ class WorkerStats(_message.Message):
     NUM_CORRUPT_PUSHES_FIELD_NUMBER: _ClassVar[int]
     NUM_PARKED_FIELD_NUMBER: _ClassVar[int]
     NUM_PARKED_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPILES_FIELD_NUMBER: _ClassVar[int]
     role: str
     total_blocks: int
     free_blocks: int
@@ -231,4 +232,5 @@ class WorkerStats(_message.Message):
     num_corrupt_pushes: int
     num_parked: int
     num_parked_evictions: int
-    def __init__(self, role: _Optional[str] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., reserved_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., integrity_ok: _Optional[bool] = ..., integrity_error: _Optional[str] = ..., num_preemptions: _Optional[int] = ..., num_pending_prefill_tokens: _Optional[int] = ..., num_decode_steps: _Optional[int] = ..., max_abort_delay_steps: _Optional[int] = ..., projected_blocks: _Optional[int] = ..., num_corrupt_pushes: _Optional[int] = ..., num_parked: _Optional[int] = ..., num_parked_evictions: _Optional[int] = ...) -> None: ...
+    num_compiles: int
+    def __init__(self, role: _Optional[str] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., reserved_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., integrity_ok: _Optional[bool] = ..., integrity_error: _Optional[str] = ..., num_preemptions: _Optional[int] = ..., num_pending_prefill_tokens: _Optional[int] = ..., num_decode_steps: _Optional[int] = ..., max_abort_delay_steps: _Optional[int] = ..., projected_blocks: _Optional[int] = ..., num_corrupt_pushes: _Optional[int] = ..., num_parked: _Optional[int] = ..., num_parked_evictions: _Optional[int] = ..., num_compiles: _Optional[int] = ...) -> None: ...

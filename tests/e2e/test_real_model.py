@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from deploy import client
 from deploy.launcher import Deployment
-from tests.conftest import assert_alive, assert_pools_clean
+from tests.conftest import assert_alive, assert_pools_clean, worker_stats
 
 pytestmark = pytest.mark.slow
 
@@ -115,4 +115,25 @@ def test_gguf_file_serves_the_same_tokens(smollm2_gguf: Path, prompts: list[list
     with Deployment(model=str(smollm2_gguf), log_dir=logs) as deployment:
         for prompt, expected in zip(prompts[1:], served[1:]):
             assert _serve(deployment, prompt) == expected
+        assert_alive(deployment)
+
+
+def test_compiled_decode_serves_the_same_tokens(smollm2_checkpoint: Path,
+                                                prompts: list[list[int]],
+                                                served: list[list[int]],
+                                                tmp_path_factory: pytest.TempPathFactory
+                                                ) -> None:
+    """The real model with its decode step compiled (--compile default), every prompt at once
+    (batches of 1 to 6; above the largest bucket, 4, eager): the tokens the eager deployment
+    served (which match transformers, above), and no compile after start-up."""
+    logs = tmp_path_factory.mktemp("smollm2-compiled-logs")
+    with Deployment(model=str(smollm2_checkpoint), compile="default", compile_batch_sizes="1,4",
+                    log_dir=logs) as deployment:
+        requests = [client.make_request(p, temperature=0.0, max_tokens=MAX_NEW_TOKENS)
+                    for p in prompts]
+        results = asyncio.run(client.generate_many(deployment.router_address, requests, 300))
+        assert [list(r.token_ids) for r in results] == served
+        decode = [s for s in worker_stats(deployment) if s.role == "decode"]
+        assert [s.num_compiles for s in decode] == [2]
+        assert_pools_clean(deployment)
         assert_alive(deployment)

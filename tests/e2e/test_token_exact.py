@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from deploy import client
 from deploy.launcher import Deployment
 from kvferry.v1 import generation_pb2
-from tests.conftest import assert_alive, assert_pools_clean
+from tests.conftest import assert_alive, assert_pools_clean, worker_stats
 
 pytestmark = pytest.mark.slow
 
@@ -90,3 +90,30 @@ def test_text_prompt_streams_the_decoded_completion(qwen3_checkpoint: Path,
     assert got.finished.timing.time_to_first_token_s > 0
     assert got.finished.timing.prefill_s > 0 and got.finished.timing.kv_transfer_s > 0
     assert_pools_clean(qwen3_deployment)
+
+
+def test_compiled_decode_matches_transformers(qwen3_checkpoint: Path,
+                                              tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Decode steps compiled (--compile default) through the processes: the same tokens, and
+    no graph compiled after start-up although the batch runs 1 to 20 requests (above the
+    largest bucket: eager) and contexts grow from 1 to 364 tokens."""
+    buckets = "1,4,16"
+    deployment = Deployment(model=str(qwen3_checkpoint), compile="default",
+                            compile_batch_sizes=buckets, env={"TORCH_LOGS": "recompiles"},
+                            log_dir=tmp_path_factory.mktemp("compiled-logs")).start()
+    try:
+        vocab = _hf_model(qwen3_checkpoint).config.vocab_size
+        prompts = _prompts(vocab)
+        max_tokens = [MAX_TOKENS[i % len(MAX_TOKENS)] for i in range(len(prompts))]
+        requests = [client.make_request(p, temperature=0.0, max_tokens=m)
+                    for p, m in zip(prompts, max_tokens)]
+        results = asyncio.run(client.generate_many(deployment.router_address, requests, 300))
+        for prompt, limit, got in zip(prompts, max_tokens, results):
+            assert got.token_ids == _reference(qwen3_checkpoint, prompt, limit), \
+                f"prompt of {len(prompt)} tokens"
+        decode = [s for s in worker_stats(deployment) if s.role == "decode"]
+        assert [s.num_compiles for s in decode] == [len(buckets.split(","))]
+        assert_pools_clean(deployment)
+        assert_alive(deployment)
+    finally:
+        deployment.stop()

@@ -1,0 +1,91 @@
+"""The compiled decode step (kvferry.model.compiled): the same tokens as the eager step and as
+transformers, over batches that grow, shrink and outgrow the buckets, with one compile per
+bucket and none after warm-up."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from kernels.dispatch import get_attention_backend
+from kvferry.cache.layout import blocks_for_tokens
+from kvferry.cache.pool import KvPool
+from kvferry.model.compiled import compile_decode
+from kvferry.model.config import load_model_config
+from kvferry.model.transformer import Transformer
+from kvferry.settings import parse_batch_sizes
+
+BUCKETS = (1, 2)
+STEPS = 10
+# (prompt, first step it decodes in): batches of 1, 2, 3 (above every bucket: eager), then 2
+# and 1 as the shorter ones finish; contexts cross block boundaries on the way.
+PROMPTS = [(list(range(10, 27)), 0), ([5, 9, 200], 2), (list(range(40, 71)), 4)]
+
+
+def _decode_all(model: Transformer, pool: KvPool) -> list[list[int]]:
+    """Greedy tokens of every PROMPT, each joining the batch at its step and running STEPS."""
+    tables = [pool.allocator.alloc(blocks_for_tokens(len(p) + STEPS + 1, 16))[::-1]
+              for p, _ in PROMPTS]
+    tokens: list[list[int]] = []
+    for (prompt, _), table in zip(PROMPTS, tables):
+        logits = model.prefill(torch.tensor(prompt), [len(prompt)],
+                               pool.slots(table, 0, len(prompt)), pool)
+        tokens.append([int(logits[0].argmax())])
+    for step in range(max(start for _, start in PROMPTS) + STEPS):
+        rows = [i for i, (_, start) in enumerate(PROMPTS) if start <= step < start + STEPS]
+        positions = [len(PROMPTS[i][0]) + len(tokens[i]) - 1 for i in rows]
+        width = max(len(tables[i]) for i in rows)
+        block_tables = torch.tensor([tables[i] + [0] * (width - len(tables[i])) for i in rows],
+                                    dtype=torch.int32)
+        slots = torch.cat([pool.slots(tables[i], pos, pos + 1) for i, pos in zip(rows, positions)])
+        logits = model.decode(torch.tensor([tokens[i][-1] for i in rows]),
+                              torch.tensor(positions), slots, block_tables, pool)
+        for row, i in enumerate(rows):
+            tokens[i].append(int(logits[row].argmax()))
+    for table in tables:
+        pool.allocator.free(table)
+    return tokens
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_compiled_decode_matches_eager_and_transformers(arch: str, tmp_path: Path,
+                                                        request: pytest.FixtureRequest) -> None:
+    checkpoint: Path = request.getfixturevalue(f"{arch}_checkpoint")
+    config = load_model_config(checkpoint)
+    model = Transformer(config, get_attention_backend("torch"))
+    pool = KvPool(config.num_layers, config.num_kv_heads, config.head_dim, 16, 64, torch.float32)
+    eager = _decode_all(model, pool)
+
+    compiled = compile_decode(model, "default", BUCKETS, tmp_path / "cache")
+    assert compiled is not None and model.compiled is compiled
+    assert compiled.num_compiles == len(BUCKETS)  # warm-up: one graph per bucket
+    got = _decode_all(model, pool)
+    assert got == eager
+    assert compiled.num_compiles == len(BUCKETS)  # batches 1-3, contexts 3-41: no recompile
+
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    for (prompt, _), tokens in zip(PROMPTS, got):
+        expected = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=STEPS + 1,
+                               eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert tokens == expected
+
+
+def test_compile_off_is_eager(qwen3_checkpoint: Path) -> None:
+    model = Transformer(load_model_config(qwen3_checkpoint), get_attention_backend("torch"))
+    assert compile_decode(model, "off") is None and model.compiled is None
+
+
+@pytest.mark.parametrize("text, error", [
+    ("1,x", "comma-separated integers"), ("0,4", "in [1, 4096]"), ("", "in [1, 4096]"),
+    ("8192", "in [1, 4096]")])
+def test_bad_batch_sizes_are_refused_naming_the_flag(text: str, error: str) -> None:
+    with pytest.raises(ValueError, match=f"compile_batch_sizes: .*{re.escape(error)}"):
+        parse_batch_sizes(text)
+
+
+def test_batch_sizes_are_sorted_and_distinct() -> None:
+    assert parse_batch_sizes("8, 1,4,4") == (1, 4, 8)
