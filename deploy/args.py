@@ -10,6 +10,7 @@ from deploy.default_model import ensure_default_model
 from kvferry.settings import (
     ATTENTION_BACKENDS,
     COMPILE_MODES,
+    CUDA_GRAPH_MODES,
     DEFAULT_BLOCK_SIZE,
     DEFAULT_COMPILE_BATCH_SIZES,
     DEFAULT_DECODE_STAGE_MIB,
@@ -132,6 +133,10 @@ def _worker_parser(sub: argparse._SubParsersAction, role: str) -> None:
     p.add_argument("--compile-batch-sizes", default=DEFAULT_COMPILE_BATCH_SIZES,
                    help="--compile: the batch-size buckets, comma-separated (a batch runs "
                         "padded to the next one; larger batches run eagerly)")
+    p.add_argument("--cuda-graphs", default=CUDA_GRAPH_MODES[0], choices=CUDA_GRAPH_MODES,
+                   help="decode/colocated workers on CUDA with Triton attention: replay the "
+                        "decode step from CUDA graphs captured before serving, one per "
+                        "--compile-batch-sizes bucket; off: eager (ignored on CPU)")
     p.add_argument("--kv-max-resends", type=int, default=DEFAULT_KV_MAX_RESENDS,
                    help="resend a K/V push the receiver found corrupted; 0: fail (DATA_LOSS)")
     p.add_argument("--kv-transport", default=KV_TRANSPORTS[0], choices=KV_TRANSPORTS,
@@ -292,7 +297,7 @@ def worker_settings(args: argparse.Namespace) -> WorkerSettings:
         prefill_token_budget=args.prefill_token_budget,
         prefill_chunk_size=args.prefill_chunk_size, decode_stage_mib=args.decode_stage_mib,
         compile=args.compile, compile_batch_sizes=args.compile_batch_sizes,
-        kv_max_resends=args.kv_max_resends,
+        cuda_graphs=args.cuda_graphs, kv_max_resends=args.kv_max_resends,
         kv_transport=args.kv_transport, drain_timeout_s=args.drain_timeout_s,
         metrics_port=args.metrics_port, security=security_settings(args),
     )

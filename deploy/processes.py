@@ -188,6 +188,10 @@ def build_worker(settings: WorkerSettings) -> tuple[Built, object]:
 
             compile_decode(model, settings.compile, parse_batch_sizes(settings.compile_batch_sizes),
                            KVFERRY_HOME / "compile-cache")
+        if settings.cuda_graphs == "on":  # CUDA + Triton only (else None); before SERVING too
+            from kvferry.model.cuda_graphs import capture_decode
+
+            capture_decode(model, pool, parse_batch_sizes(settings.compile_batch_sizes))
         engine = DecodeEngine(model, pool, layout, settings.max_waiting,
                               stage_bytes=stage_mib << 20,
                               token_budget=settings.prefill_token_budget,

@@ -104,6 +104,16 @@ def choose_num_splits(
     return max(1, min(wanted, max_tiles // _MIN_TILES_PER_SPLIT, _MAX_SPLITS))
 
 
+def default_num_splits(
+    batch: int, num_kv_heads: int, max_seq_len: int, dtype: torch.dtype, device: torch.device
+) -> int:
+    """The split count a call given neither `num_splits` nor `workspace` uses, for a block
+    table of `max_seq_len` tokens: size a fixed workspace (alloc_decode_workspace) with it."""
+    on_gpu = device.type == "cuda" and not _INTERPRET
+    block_n = _pick_config(dtype, on_gpu).block_n
+    return choose_num_splits(batch, num_kv_heads, max_seq_len, block_n, device)
+
+
 @triton.jit
 def _decode_stage1_kernel(
     q_ptr,
@@ -374,8 +384,8 @@ def paged_decode_attention_triton(
         num_splits = (
             workspace.partial_max.shape[2]
             if workspace is not None
-            else choose_num_splits(
-                batch, num_kv_heads, block_table.shape[1] * page_size, cfg.block_n, q.device
+            else default_num_splits(
+                batch, num_kv_heads, block_table.shape[1] * page_size, q.dtype, q.device
             )
         )
     if num_splits < 1:
@@ -451,5 +461,6 @@ __all__ = [
     "DecodeWorkspace",
     "alloc_decode_workspace",
     "choose_num_splits",
+    "default_num_splits",
     "paged_decode_attention_triton",
 ]

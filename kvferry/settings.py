@@ -36,6 +36,9 @@ KV_TRANSPORTS = ("grpc", "ray")
 # Decode step: eager, or torch.compile'd per batch-size bucket (kvferry/model/compiled.py).
 COMPILE_MODES = ("off", "default", "max-autotune")
 DEFAULT_COMPILE_BATCH_SIZES = "1,2,4,8,16,32"
+# Decode step on CUDA with Triton attention: replayed from CUDA graphs per bucket (the same
+# buckets), or eager ("off", vLLM's --enforce-eager); kvferry/model/cuda_graphs.py.
+CUDA_GRAPH_MODES = ("on", "off")
 POLICIES = ("headroom", "round_robin", "least_requests")  # router/policy.py
 
 _SIZE = re.compile(r"^\s*([0-9.]+)\s*(B|KB|KiB|MB|MiB|GB|GiB)?\s*$", re.IGNORECASE)
@@ -134,6 +137,7 @@ class WorkerSettings:
     decode_stage_mib: int = DEFAULT_DECODE_STAGE_MIB
     compile: str = COMPILE_MODES[0]  # decode/colocated: compile the decode step
     compile_batch_sizes: str = DEFAULT_COMPILE_BATCH_SIZES  # buckets; larger batches: eager
+    cuda_graphs: str = CUDA_GRAPH_MODES[0]  # decode/colocated, CUDA + Triton only; else moot
     # Resend a K/V push corrupted in flight this many times; 0: fail with DATA_LOSS.
     kv_max_resends: int = DEFAULT_KV_MAX_RESENDS
     kv_transport: str = KV_TRANSPORTS[0]  # how a prefill worker ships pages (ray: Ray actors)
@@ -151,6 +155,8 @@ class WorkerSettings:
             raise ValueError(f"compile: expected one of {', '.join(COMPILE_MODES)}, "
                              f"got {self.compile!r}")
         parse_batch_sizes(self.compile_batch_sizes)
+        if self.cuda_graphs not in CUDA_GRAPH_MODES:
+            raise ValueError(f"cuda_graphs: expected on or off, got {self.cuda_graphs!r}")
         if self.decode_stage_mib < 0:
             raise ValueError(f"decode_stage_mib: must be >= 0, got {self.decode_stage_mib}")
         if self.kv_max_resends < 0:

@@ -81,6 +81,15 @@ class CompiledStep(Protocol):
                  ) -> torch.Tensor | None: ...
 
 
+class GraphStep(Protocol):
+    """The decode step replayed from CUDA graphs (kvferry.model.cuda_graphs): logits
+    [B, vocab], or None where no graph covers the step (it then runs compiled or eagerly)."""
+
+    def __call__(self, token_ids: torch.Tensor, positions: torch.Tensor,
+                 slot_mapping: torch.Tensor, block_tables: torch.Tensor, pool: KvPool
+                 ) -> torch.Tensor | None: ...
+
+
 class Transformer:
     """Inference-only decoder. Not an nn.Module: weights are a flat dict of tensors."""
 
@@ -100,6 +109,7 @@ class Transformer:
         self.inv_freq = inv_freq.to(self.device)
         self.sm_scale = config.head_dim**-0.5
         self.compiled: CompiledStep | None = None  # set by kvferry.model.compiled
+        self.graphs: GraphStep | None = None  # set by kvferry.model.cuda_graphs
 
     def _rope(self, positions: torch.Tensor, inv_freq: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -247,6 +257,10 @@ class Transformer:
         """One decode step for a ragged batch over the paged cache. With `stage` (the batch's
         K/V mirrored densely, rows in batch order) attention reads it instead of the pages;
         the pages are written all the same."""
+        if self.graphs is not None and stage is None:
+            logits = self.graphs(token_ids, positions, slot_mapping, block_tables, pool)
+            if logits is not None:
+                return logits
         seq_lens = (positions + 1).to(torch.int32)
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ BAD_WORKER_FIELDS = {
     "block_size": {"block_size": 24},
     "kv_transport": {"kv_transport": "rdma"},
     "attention_backend": {"attention_backend": "flash"},
+    "cuda_graphs": {"cuda_graphs": "auto"},
 }
 
 
