@@ -25,7 +25,7 @@ import torch
 from deploy import client
 from deploy.default_model import tiny_model
 from deploy.launcher import Deployment
-from deploy.processes import tune_malloc
+from deploy.worker_model import tune_malloc
 from kvferry.cache.layout import KvLayout, blocks_for_tokens
 from kvferry.cache.pool import KvPool
 from kvferry.model.checkpoint import ModelSpec, make_model

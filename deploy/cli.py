@@ -12,14 +12,10 @@ import signal
 import sys
 from pathlib import Path
 
-from deploy.args import (
-    DEMO_QUESTION,
-    build_parser,
-    security_argv,
-    security_settings,
-)
+from deploy.args import DEMO_QUESTION, build_parser
 from deploy.default_model import ensure_default_model
 from deploy.preflight import check_inputs
+from deploy.security_args import security_argv, security_settings
 from kvferry.settings import SecuritySettings
 
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import argparse
 
-from deploy.args import router_settings, security_settings, worker_settings
+from deploy.args import router_settings, worker_settings
 from deploy.default_model import ensure_default_model
+from deploy.security_args import security_settings
 from kvferry.rpc.security import refuse_plaintext_token
 from kvferry.settings import RouterSettings, WorkerSettings, parse_batch_sizes, parse_pool_size
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import os
 import signal
@@ -11,72 +10,15 @@ from collections.abc import Awaitable, Callable
 from typing import NamedTuple, Protocol
 
 import grpc
-import torch
 
-from kvferry.cache.layout import KvLayout, KvShape, dtype_name, torch_dtype
-from kvferry.cache.pool import KvPool
+from deploy.worker_model import build_model
+from kvferry.cache.layout import KvLayout
 from kvferry.model.config import load_model_config
 from kvferry.rpc import grpc_util, security
-from kvferry.settings import (
-    KVFERRY_HOME,
-    RouterSettings,
-    SecuritySettings,
-    WorkerSettings,
-    parse_batch_sizes,
-    parse_pool_size,
-)
+from kvferry.settings import RouterSettings, SecuritySettings, WorkerSettings
 from kvferry.transfer.sender import KvSender
 
 log = logging.getLogger("kvferry")
-
-
-def tune_malloc() -> None:
-    """Keep freed tensor memory in glibc's heap instead of returning it to the OS.
-
-    Every decode step allocates a few MiB of gathered K/V per layer; with glibc's default
-    mmap threshold each allocation is a fresh mmap whose pages fault in on first touch, which
-    cost more than the gather itself (measured: a batch-32 step went from ~20 ms to ~12 ms).
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc: nothing to tune
-        return
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    libc.mallopt(m_mmap_threshold, 256 << 20)
-    libc.mallopt(m_trim_threshold, 1 << 30)
-
-
-def _device_and_dtype(settings: WorkerSettings) -> tuple[torch.device, torch.dtype, str]:
-    device = settings.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
-    if settings.dtype != "auto":
-        dtype = torch_dtype(settings.dtype)
-    else:
-        dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
-    backend = settings.attention_backend
-    if backend == "auto":
-        backend = "triton" if dev.type == "cuda" else "torch"
-    return dev, dtype, backend
-
-
-def _memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def build_pool(settings: WorkerSettings, config, device: torch.device,
-               dtype: torch.dtype) -> KvPool:
-    size = parse_pool_size(settings.kv_pool_size, _memory_bytes(device))
-    shape = KvShape(config.num_layers, config.num_kv_heads, config.head_dim, dtype_name(dtype))
-    per_block = shape.bytes_per_block(settings.block_size)
-    num_blocks = size // per_block
-    if num_blocks < 1:
-        raise ValueError(f"kv_pool_size: {size} bytes holds no {per_block}-byte block")
-    return KvPool(config.num_layers, config.num_kv_heads, config.head_dim, settings.block_size,
-                  num_blocks, dtype, device)
 
 
 class Drainable(Protocol):
@@ -164,17 +106,8 @@ def _make_sender(settings: WorkerSettings, creds: security.Credentials) -> KvSen
 
 def build_worker(settings: WorkerSettings) -> tuple[Built, object]:
     """The worker's server (not started) and its engine (started: needs a running loop)."""
-    from kernels.dispatch import get_attention_backend
-    from kvferry.model.transformer import Transformer
-
-    tune_malloc()
-    if settings.torch_threads > 0:
-        torch.set_num_threads(settings.torch_threads)
-    config = load_model_config(settings.model)
-    device, dtype, backend_name = _device_and_dtype(settings)
-    model = Transformer(config, get_attention_backend(backend_name), dtype, device)
-    pool = build_pool(settings, config, device, dtype)
-    layout = KvLayout.of_pool(pool, config.fingerprint)
+    model, pool, backend_name = build_model(settings)
+    layout = KvLayout.of_pool(pool, model.config.fingerprint)
     creds = security.load(settings.security)
     server = grpc_util.make_server(interceptors=security.server_interceptors(creds))
     health = grpc_util.add_health(server)
@@ -183,15 +116,6 @@ def build_worker(settings: WorkerSettings) -> tuple[Built, object]:
         from decode_worker.engine import DecodeEngine
 
         stage_mib = settings.decode_stage_mib if backend_name == "torch" else 0
-        if settings.compile != "off":  # before the server exists: it reports SERVING after
-            from kvferry.model.compiled import compile_decode
-
-            compile_decode(model, settings.compile, parse_batch_sizes(settings.compile_batch_sizes),
-                           KVFERRY_HOME / "compile-cache")
-        if settings.cuda_graphs == "on":  # CUDA + Triton only (else None); before SERVING too
-            from kvferry.model.cuda_graphs import capture_decode
-
-            capture_decode(model, pool, parse_batch_sizes(settings.compile_batch_sizes))
         engine = DecodeEngine(model, pool, layout, settings.max_waiting,
                               stage_bytes=stage_mib << 20,
                               token_budget=settings.prefill_token_budget,
@@ -213,7 +137,8 @@ def build_worker(settings: WorkerSettings) -> tuple[Built, object]:
     port = security.add_port(server, f"{settings.host}:{settings.port}", creds,
                              require_client_auth=settings.security.tls_ca is not None)
     log.info("%s worker on %s:%d: %d blocks of %d tokens, %s, %s, backend %s, %s K/V transport",
-             settings.role, settings.host, port, pool.num_blocks, pool.block_size, dtype, device,
+             settings.role, settings.host, port, pool.num_blocks, pool.block_size, model.dtype,
+             model.device,
              backend_name, settings.kv_transport)
     metrics_port = 0
     if settings.metrics_port is not None:

@@ -50,7 +50,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: i
     `rows` rows are real (their K/V is written, then attended); padded rows give zeros."""
     rows: int = _step.rows
     out = q.new_zeros(q.shape)
-    out[:rows] = _step.attend(layer, q[:rows], k[:rows], v[:rows])
+    with torch.inference_mode():  # as the eager step: the pool and the stage may be written
+        out[:rows] = _step.attend(layer, q[:rows], k[:rows], v[:rows])
     return out
 
 
@@ -65,15 +66,16 @@ def _graph_attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 
 class _Graph(torch.nn.Module):
-    """The weights as buffers (the Transformer's tensors, not copies), so inductor can freeze
-    them, and the Transformer's own layer math as forward."""
+    """The weights as parameters (the Transformer's tensors, not copies), so inductor can
+    freeze them, and the Transformer's own layer math as forward."""
 
     def __init__(self, model: Transformer) -> None:
         super().__init__()
         self._model = model
         self._names = list(model.weights)
-        for i, name in enumerate(self._names):
-            self.register_buffer(f"w{i}", model.weights[name], persistent=False)
+        for i, name in enumerate(self._names):  # parameters: what inductor's freezing folds
+            self.register_parameter(f"w{i}", torch.nn.Parameter(model.weights[name],
+                                                                requires_grad=False))
         self.register_buffer("inv_freq", model.inv_freq, persistent=False)
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -93,6 +95,7 @@ class CompiledDecode:
         if cache_dir is not None:  # read by inductor when it first compiles
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir))
         import torch._dynamo
+        import torch._inductor.config
         from torch._inductor import list_mode_options
         from torch._inductor.compile_fx import compile_fx
 
@@ -106,12 +109,14 @@ class CompiledDecode:
         torch._dynamo.config.accumulated_cache_size_limit = max(
             torch._dynamo.config.accumulated_cache_size_limit, limit)
         tuned = list_mode_options("max-autotune-no-cudagraphs") if mode == "max-autotune" else {}
-        patches = {**tuned, "freezing": True}
+        # Patched around every call, not passed to compile_fx alone: freezing is read before
+        # the backend runs too (passed only to compile_fx, no weight is ever packed).
+        self._config = {**tuned, "freezing": True}
 
         def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]
                     ) -> Callable[..., object]:
             self.num_compiles += 1
-            return compile_fx(gm, example_inputs, config_patches=patches)
+            return compile_fx(gm, example_inputs)
 
         self._graph = _Graph(model).eval()
         self._compiled = torch.compile(self._graph, backend=backend, dynamic=False)
@@ -133,9 +138,11 @@ class CompiledDecode:
             return None
         _step.attend, _step.rows = attend, batch
         try:
-            with torch.inference_mode():
-                # Fresh int64 inference tensors every time: the graph's guards check dtype and
-                # dispatch keys too, and a tensor made outside inference mode would recompile.
+            with torch.inference_mode(False), torch.no_grad(), \
+                    torch._inductor.config.patch(self._config):
+                # Outside inference mode (inductor freezes weights only under no_grad), with
+                # fresh int64 inputs every time: the graph's guards check dtype and dispatch
+                # keys too, and an inference tensor from the caller would recompile.
                 padded = torch.zeros(2, size, dtype=torch.int64, device=token_ids.device)
                 padded[0, :batch] = token_ids
                 padded[1, :batch] = positions
