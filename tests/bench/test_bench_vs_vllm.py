@@ -18,6 +18,7 @@ from bench.bench_vs_vllm import (
     Spread,
     format_table,
     kvferry_bench_command,
+    kvferry_deployment,
     num_prompts_at,
     parse_args,
     read_figures,
@@ -126,9 +127,9 @@ def test_without_vllm_there_are_no_ratios() -> None:
 def test_command_lines_carry_the_same_workload() -> None:
     args = parse_args(["--kvferry-args", "--torch-threads 2 --compile", "--num-warmups", "2"])
     result = Path("/tmp/r/x.json")
-    kvferry = kvferry_bench_command("disagg", "/m", args, 8, 32, 1, result)
+    kvferry = kvferry_bench_command("127.0.0.1:5", "/m", args, 8, 32, 1, result)
     assert kvferry[-3:] == ["--torch-threads", "2", "--compile"]  # appended last
-    for flag, value in (("--address", "launch:disagg"), ("--model", "/m"),
+    for flag, value in (("--address", "127.0.0.1:5"), ("--model", "/m"),
                         ("--input-len", "64"), ("--output-len", "128"),
                         ("--max-concurrency", "8"), ("--num-prompts", "32"),
                         ("--temperature", "0"), ("--num-warmups", "2"),
@@ -143,7 +144,7 @@ def test_command_lines_carry_the_same_workload() -> None:
                         ("--temperature", "0"), ("--num-warmups", "2"),
                         ("--result-dir", "/tmp/r"), ("--result-filename", "x.json")):
         assert vllm[vllm.index(flag) + 1] == value, flag
-    default = kvferry_bench_command("colocated", "/m", parse_args([]), 32, 128, 0, result)
+    default = kvferry_bench_command("127.0.0.1:5", "/m", parse_args([]), 32, 128, 0, result)
     assert default[default.index("--num-warmups") + 1] == "32"  # warm-up fills batch C
 
 
@@ -159,3 +160,24 @@ def test_report_is_json_without_absolute_paths(capsys: pytest.CaptureFixture[str
     assert disagg["engine"] == "disagg"
     assert disagg["tok_s_vs_vllm"] == {"median": 1.0, "min": 1.0, "max": 1.0}
     assert "concurrency 1: 8 prompts, 2 repetition(s)" in capsys.readouterr().out
+
+
+def test_kvferry_deployments_carry_the_compile_flags(tmp_path: Path) -> None:
+    args = parse_args(["--kvferry-compile", "default", "--kvferry-compile-batch-sizes", "1,8",
+                       "--kvferry-torch-threads", "2"])
+    disagg = kvferry_deployment("disagg", "/m", args, tmp_path)
+    colocated = kvferry_deployment("colocated", "/m", args, tmp_path)
+    assert not disagg.is_colocated and colocated.is_colocated
+    for deployment in (disagg, colocated):
+        worker = deployment._worker_args("decode")
+        assert worker[worker.index("--compile") + 1] == "default"
+        assert worker[worker.index("--compile-batch-sizes") + 1] == "1,8"
+        assert worker[worker.index("--torch-threads") + 1] == "2"
+    assert "--compile" not in disagg._worker_args("prefill")
+
+
+def test_bad_compile_batch_sizes_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--kvferry-compile-batch-sizes", "0"])
+    assert exit_info.value.code == 2
+    assert "--kvferry-compile-batch-sizes" in capsys.readouterr().err
