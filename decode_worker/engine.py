@@ -124,9 +124,9 @@ class DecodeEngine:
         if lease_s <= 0:
             raise InvalidArgument("lease_s must be > 0", "lease_s")
         most = blocks_for_tokens(num_prompt_tokens + max_tokens, self.pool.block_size)
-        if most > self.pool.num_blocks:
+        if most > self.pool.num_usable_blocks:
             raise ResourceExhausted(
-                f"request needs up to {most} K/V blocks; the pool has {self.pool.num_blocks}"
+                f"request needs up to {most} K/V blocks; the pool has {self.pool.num_usable_blocks}"
             )
 
     async def reserve(self, request_id: str, num_prompt_tokens: int, max_tokens: int,
@@ -279,7 +279,7 @@ class DecodeEngine:
         report = (self.pool.allocator.check_integrity() if check_integrity
                   else IntegrityReport(False, "not checked"))
         return PoolStats(
-            total_blocks=self.pool.num_blocks,
+            total_blocks=self.pool.num_usable_blocks,
             free_blocks=self.pool.allocator.num_free,
             reserved_blocks=sum(len(s.block_table) for s in reserved),
             num_running=len(self.steps.running),

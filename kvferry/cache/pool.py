@@ -113,6 +113,12 @@ class KvPool:
             dtype=dtype, device=device,
         )
         self.allocator = BlockAllocator(num_blocks)
+        self.num_internal_blocks = 0  # held by the worker itself (CUDA graphs' scratch block)
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks requests may hold: all but the worker's own."""
+        return self.num_blocks - self.num_internal_blocks
 
     def k_cache(self, layer: int) -> torch.Tensor:  # [num_blocks, block_size, kv_heads, D]
         return self.cache[layer, 0]

@@ -88,6 +88,7 @@ class CudaGraphDecode:
 
             self._fixed_attention = paged_decode_attention_triton
         self.scratch_block: int | None = pool.allocator.alloc(1)[0]
+        pool.num_internal_blocks += 1  # no request's: stats and admission leave it out
         self.scratch_slot = self.scratch_block * pool.block_size
         self._static = {size: self._alloc(size) for size in self.buckets}
         self._captured: dict[int, _Captured] = {}
@@ -238,6 +239,7 @@ class CudaGraphDecode:
         self._captured.clear()
         if self.scratch_block is not None:
             self.pool.allocator.free([self.scratch_block])
+            self.pool.num_internal_blocks -= 1
             self.scratch_block = None
 
 

@@ -75,11 +75,13 @@ def test_the_scratch_block_is_reserved_until_released(tiny: tuple[Transformer, K
     graphs = CudaGraphDecode(model, pool, BUCKETS)
     scratch = graphs.scratch_block
     assert scratch is not None and pool.allocator.num_used == 1
+    assert pool.num_usable_blocks == pool.num_blocks - 1  # what stats and admission count
     assert scratch not in pool.allocator.alloc(pool.allocator.num_free)  # never handed out
     assert graphs.scratch_slot == scratch * BLOCK_SIZE
     graphs.release()
     graphs.release()  # idempotent
     assert graphs.scratch_block is None and pool.allocator.num_free == 1
+    assert pool.num_usable_blocks == pool.num_blocks
     assert pool.allocator.check_integrity().ok
 
 
