@@ -256,6 +256,7 @@ def _engine(engine: str, vllm: Path | None, model: str, args: argparse.Namespace
     compiling kvferry worker compiles once for every concurrency); yields its address."""
     if engine != "vllm":
         logs = log_dir / f"{engine}-r{repeat}"
+        logs.mkdir(parents=True, exist_ok=True)
         print(f"starting kvferry {engine} (logs {logs})", flush=True)
         with kvferry_deployment(engine, model, args, logs) as deployment:
             yield deployment.router_address
