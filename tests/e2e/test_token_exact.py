@@ -44,6 +44,17 @@ def _hf_model(checkpoint: Path) -> torch.nn.Module:
     return _HF[checkpoint]
 
 
+def _generate_all(checkpoint: Path, deployment: Deployment
+                  ) -> list[tuple[list[int], int, client.Completion]]:
+    """Every test prompt at once, greedy: (prompt, max_tokens, completion) each."""
+    prompts = _prompts(_hf_model(checkpoint).config.vocab_size)
+    max_tokens = [MAX_TOKENS[i % len(MAX_TOKENS)] for i in range(len(prompts))]
+    requests = [client.make_request(p, temperature=0.0, max_tokens=m)
+                for p, m in zip(prompts, max_tokens)]
+    results = asyncio.run(client.generate_many(deployment.router_address, requests, 300))
+    return list(zip(prompts, max_tokens, results))
+
+
 @pytest.mark.parametrize("transport", ["grpc", pytest.param("ray", marks=pytest.mark.ray)])
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 def test_greedy_matches_transformers(arch: str, transport: str,
@@ -52,13 +63,7 @@ def test_greedy_matches_transformers(arch: str, transport: str,
     checkpoint: Path = request.getfixturevalue(f"{arch}_checkpoint")
     fixture = f"{arch}_deployment" if transport == "grpc" else f"{arch}_ray_deployment"
     deployment: Deployment = request.getfixturevalue(fixture)
-    vocab = _hf_model(checkpoint).config.vocab_size
-    prompts = _prompts(vocab)
-    max_tokens = [MAX_TOKENS[i % len(MAX_TOKENS)] for i in range(len(prompts))]
-    requests = [client.make_request(p, temperature=0.0, max_tokens=m)
-                for p, m in zip(prompts, max_tokens)]
-    results = asyncio.run(client.generate_many(deployment.router_address, requests, 300))
-    for prompt, limit, got in zip(prompts, max_tokens, results):
+    for prompt, limit, got in _generate_all(checkpoint, deployment):
         expected = _reference(checkpoint, prompt, limit)
         assert got.token_ids == expected, f"prompt of {len(prompt)} tokens"
         assert got.finished is not None
@@ -102,13 +107,7 @@ def test_compiled_decode_matches_transformers(qwen3_checkpoint: Path,
                             compile_batch_sizes=buckets, env={"TORCH_LOGS": "recompiles"},
                             log_dir=tmp_path_factory.mktemp("compiled-logs")).start()
     try:
-        vocab = _hf_model(qwen3_checkpoint).config.vocab_size
-        prompts = _prompts(vocab)
-        max_tokens = [MAX_TOKENS[i % len(MAX_TOKENS)] for i in range(len(prompts))]
-        requests = [client.make_request(p, temperature=0.0, max_tokens=m)
-                    for p, m in zip(prompts, max_tokens)]
-        results = asyncio.run(client.generate_many(deployment.router_address, requests, 300))
-        for prompt, limit, got in zip(prompts, max_tokens, results):
+        for prompt, limit, got in _generate_all(qwen3_checkpoint, deployment):
             assert got.token_ids == _reference(qwen3_checkpoint, prompt, limit), \
                 f"prompt of {len(prompt)} tokens"
         decode = [s for s in worker_stats(deployment) if s.role == "decode"]
