@@ -60,6 +60,11 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Te
     return torch.empty_like(q)
 
 
+def smallest_bucket(buckets: Sequence[int], batch: int) -> int | None:
+    """The smallest of the sorted `buckets` that holds `batch` rows; None when none does."""
+    return next((size for size in buckets if size >= batch), None)
+
+
 def _graph_attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                   ) -> torch.Tensor:
     return torch.ops.kvferry.decode_attention(q, k, v, layer)
@@ -123,10 +128,7 @@ class CompiledDecode:
 
     def bucket(self, batch: int) -> int | None:
         """The smallest bucket that holds `batch` rows, or None (run eagerly)."""
-        for size in self.buckets:
-            if size >= batch:
-                return size
-        return None
+        return smallest_bucket(self.buckets, batch)
 
     def __call__(self, token_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn
                  ) -> torch.Tensor | None:

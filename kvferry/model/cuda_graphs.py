@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from kvferry.cache.pool import KvPool
+from kvferry.model.compiled import smallest_bucket
 
 if TYPE_CHECKING:
     from kernels.triton_paged_attention import DecodeWorkspace
@@ -125,7 +126,7 @@ class CudaGraphDecode:
 
     def bucket(self, batch: int) -> int | None:
         """The smallest bucket that holds `batch` rows, or None."""
-        return next((size for size in self.buckets if size >= batch), None)
+        return smallest_bucket(self.buckets, batch)
 
     def covers(self, batch: int, width: int) -> int | None:
         """The bucket a step of `batch` rows with `width`-block tables runs in, or None
