@@ -20,6 +20,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 from decode_worker.kv_receiver import KvReceiver
 from decode_worker.sequence import (
@@ -34,6 +35,7 @@ from decode_worker.steps import StepLoop
 from kvferry.cache.block_queue import BlockQueue
 from kvferry.cache.layout import KvLayout, blocks_for_tokens, blocks_needed
 from kvferry.cache.pool import IntegrityReport, KvPool
+from kvferry.cache.prefix import block_keys, cache_seed, check_cache_salt, max_shared_blocks
 from kvferry.cache.stats import PoolStats
 from kvferry.errors import Aborted, InvalidArgument, ResourceExhausted, Unavailable
 from kvferry.model.prefill_batch import PrefillJob
@@ -43,6 +45,11 @@ from kvferry.settings import DEFAULT_MAX_WAITING
 from kvferry.transfer import wire
 
 log = logging.getLogger("kvferry.decode")
+
+
+class Reservation(NamedTuple):
+    num_blocks: int  # blocks the reservation holds
+    num_cached_blocks: int  # of those, leading prompt blocks shared from the prefix cache
 
 
 class DecodeEngine:
@@ -64,7 +71,7 @@ class DecodeEngine:
         self.steps = StepLoop(model, pool, self.blocks, self._seqs, self._finish, stage_bytes,
                               **prefill_options)
         self.batcher = self.steps.batcher  # colocated prefill, run by the step loop
-        self.receiver = KvReceiver(layout, pool, self._seqs, self.steps.poke)
+        self.receiver = KvReceiver(layout, pool, self._seqs, self._kv_complete)
         self._prefill_jobs: dict[str, PrefillJob] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self.is_draining = False  # SIGTERM: no new reservations; the ones here run to the end
@@ -130,25 +137,60 @@ class DecodeEngine:
             )
 
     async def reserve(self, request_id: str, num_prompt_tokens: int, max_tokens: int,
-                      lease_s: float) -> int:
+                      lease_s: float, prompt_token_ids: list[int] | None = None,
+                      cache_salt: str = "") -> Reservation:
         """Allocate the prompt's blocks (and the first decode slot), waiting in a bounded FIFO
-        queue while the pool is full. Returns the number of blocks allocated."""
+        queue while the pool is full. Given the prompt's tokens, its leading full blocks
+        found in the prefix cache are shared instead (no push carries them)."""
         if self.is_draining:
             raise Unavailable("draining: this worker is shutting down")
         self._check_reserve(request_id, num_prompt_tokens, max_tokens, lease_s)
-        blocks = await self.blocks.alloc(
-            blocks_for_tokens(num_prompt_tokens + 1, self.pool.block_size)
-        )
+        prompt = list(prompt_token_ids or [])
+        if prompt and len(prompt) != num_prompt_tokens:
+            raise InvalidArgument(f"prompt_token_ids has {len(prompt)} tokens, "
+                                  f"num_prompt_tokens says {num_prompt_tokens}",
+                                  "prompt_token_ids")
+        check_cache_salt(cache_salt)
+        allocator = self.pool.allocator
+        block_size = self.pool.block_size
+        seed = cache_seed(self.layout.model_fingerprint, self.layout.dtype, cache_salt)
+        cached: list[int] = []
+        if prompt and allocator.prefix_caching:
+            keys = block_keys(prompt, block_size, seed,
+                              max_shared_blocks(num_prompt_tokens, block_size))
+            cached = allocator.match(keys, num_prompt_tokens)
+        try:
+            blocks = cached + await self.blocks.alloc(
+                blocks_for_tokens(num_prompt_tokens + 1, block_size) - len(cached))
+        except BaseException:
+            allocator.free(cached)
+            raise
         if request_id in self._seqs:  # a twin arrived while we waited
-            self.pool.allocator.free(blocks)
+            allocator.free(blocks)
             raise InvalidArgument(f"request_id {request_id!r} already reserved", "request_id")
-        self._seqs[request_id] = DecodeSeq(
+        seq = DecodeSeq(
             request_id=request_id, num_prompt_tokens=num_prompt_tokens, max_tokens=max_tokens,
             block_table=blocks, lease_deadline=time.monotonic() + lease_s, lease_s=lease_s,
             received=wire.coverage(self.layout, num_prompt_tokens),
-            arrival=next(self._arrivals),
+            arrival=next(self._arrivals), prompt_token_ids=prompt, cache_seed=seed,
+            num_cached_blocks=len(cached),
         )
-        return len(blocks)
+        seq.reset_received()
+        self._seqs[request_id] = seq
+        return Reservation(len(blocks), len(cached))
+
+    def _kv_complete(self, seq: DecodeSeq) -> None:
+        """A reservation's prompt K/V is all in place: index its full blocks, and step."""
+        self._index_blocks(seq, seq.num_prompt_tokens)
+        self.steps.poke()
+
+    def _index_blocks(self, seq: DecodeSeq, num_written: int) -> None:
+        """Index the full blocks of positions [0, num_written), whose K/V is final."""
+        if not seq.prompt_token_ids or not self.pool.allocator.prefix_caching:
+            return
+        tokens = seq.prompt_token_ids + seq.tokens[:max(num_written - seq.num_prompt_tokens, 0)]
+        keys = block_keys(tokens[:num_written], self.pool.block_size, seq.cache_seed)
+        self.pool.allocator.register(keys, seq.block_table)
 
     def renew_leases(self, request_ids: list[str], lease_s: float) -> list[str]:
         """Restart the leases of these reservations; returns the ids not held here."""
@@ -162,17 +204,23 @@ class DecodeEngine:
         return lookup(self._seqs, request_id)
 
     async def prefill_local(self, request_id: str, prompt: list[int], params: SamplingParams,
-                            output_index: int = 0) -> tuple[int, float]:
+                            output_index: int = 0) -> tuple[int, float, int]:
         """Colocated mode: prefill a reserved request's prompt into its own blocks, in the
-        step loop. Returns the first token and the prefill time."""
+        step loop, from the end of its cached prefix. Returns the first token, the prefill
+        time and the prompt tokens the cache held."""
         seq = self._get(request_id)
         if seq.is_kv_complete or request_id in self._prefill_jobs:
             raise InvalidArgument(f"K/V for {request_id!r} is already complete", "request_id")
         if len(prompt) != seq.num_prompt_tokens:
             raise InvalidArgument("prompt length differs from the reservation",
                                   "prompt_token_ids")
+        if seq.num_cached_blocks and prompt != seq.prompt_token_ids:
+            raise InvalidArgument("prompt differs from the one reserved (whose cached prefix "
+                                  "the reservation shares)", "prompt_token_ids")
+        num_cached = seq.num_cached_blocks * self.pool.block_size
         job = PrefillJob(request_id, prompt, params, seq.block_table,
-                         asyncio.get_running_loop().create_future(), output_index)
+                         asyncio.get_running_loop().create_future(), output_index,
+                         num_computed=num_cached)
         self._prefill_jobs[request_id] = job
         self.batcher.submit(job)
         try:
@@ -186,8 +234,10 @@ class DecodeEngine:
             await self.batcher.release(job)
         seq.received[:] = True
         seq.is_kv_complete = True
-        self.steps.poke()
-        return token, time.perf_counter() - job.started_at
+        if not seq.prompt_token_ids:
+            seq.prompt_token_ids = list(prompt)
+        self._kv_complete(seq)
+        return token, time.perf_counter() - job.started_at, num_cached
 
     # ---- decoding ----------------------------------------------------------------------------
     def attach(self, request_id: str, first_token_id: int, params: SamplingParams,
@@ -242,6 +292,10 @@ class DecodeEngine:
         if job is not None:
             asyncio.get_running_loop().create_task(self.batcher.release(job))
         self.steps.discard(seq)
+        if seq.is_kv_complete and not isinstance(event, ErrorEvent):
+            # Prompt and generated tokens' full blocks stay for the next turn to reuse.
+            self._index_blocks(seq, seq.next_position if seq.phase is Phase.RUNNING
+                               else seq.num_prompt_tokens)
         seq.phase = Phase.DONE
         outcome = event.reason.name.lower() if isinstance(event, FinishedEvent) else "error"
         log.info("request %s done (%s) after %d tokens, %d blocks freed", seq.request_id,
@@ -294,4 +348,7 @@ class DecodeEngine:
             projected_blocks=sum(blocks_needed(s.num_prompt_tokens, s.max_tokens,
                                                self.pool.block_size)
                                  for s in self._seqs.values()),
+            prefix_cache_queries=self.pool.allocator.num_query_tokens,
+            prefix_cache_hits=self.pool.allocator.num_hit_tokens,
+            cached_blocks=self.pool.allocator.num_cached,
         )

@@ -24,7 +24,7 @@ class KvReceiver:
     creates and releases them). Calls `on_complete` once a reservation's K/V is all in."""
 
     def __init__(self, layout: KvLayout, pool: KvPool, seqs: Mapping[str, DecodeSeq],
-                 on_complete: Callable[[], None]) -> None:
+                 on_complete: Callable[[DecodeSeq], None]) -> None:
         self.layout = layout
         self.pool = pool
         self._seqs = seqs
@@ -38,7 +38,7 @@ class KvReceiver:
         push's epoch, which its chunks carry."""
         seq = self._check_incomplete(lookup(self._seqs, request_id))
         seq.push_epoch += 1
-        seq.received[:] = False
+        seq.reset_received()
         seq.renew_lease()  # a prefill worker is at work on it
         return seq.push_epoch
 
@@ -96,11 +96,11 @@ class KvReceiver:
         if missing:
             raise InvalidArgument(f"push ended with {missing} pages missing", "data")
         seq.is_kv_complete = True
-        self._on_complete()
+        self._on_complete(seq)
 
     def fail_push(self, request_id: str, epoch: int | None = None) -> None:
         """A push broke off: forget partial pages so the prompt can be pushed again (unless
         a newer push has taken over the reservation)."""
         seq = self._seqs.get(request_id)
         if seq is not None and not seq.is_kv_complete and epoch in (None, seq.push_epoch):
-            seq.received[:] = False
+            seq.reset_received()

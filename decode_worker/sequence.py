@@ -66,6 +66,16 @@ class DecodeSeq:
     abort_step: int = 0  # the engine's step count when its abort arrived
     swapped_kv: torch.Tensor | None = None  # [layers, 2, blocks, block_size, kv_heads, D]
     lease_s: float = 0.0  # the lease's length, from Reserve or the latest renewal
+    # Prefix caching: the prompt (as Reserve gave it; [] when it did not), the seed of its
+    # block keys, and the leading blocks shared from the cache (whose pages no push carries).
+    prompt_token_ids: list[int] = field(default_factory=list)
+    cache_seed: bytes = b""
+    num_cached_blocks: int = 0
+
+    def reset_received(self) -> None:
+        """Nothing pushed yet: only the pages shared from the prefix cache are in place."""
+        self.received[:] = False
+        self.received[:, :self.num_cached_blocks] = True
 
     def renew_lease(self, lease_s: float | None = None) -> None:
         """Restart the lease (for `lease_s` seconds from now; default: its last length)."""

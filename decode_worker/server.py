@@ -53,13 +53,14 @@ class DecodeServicer(WorkerServicer[DecodeEngine], worker_pb2_grpc.DecodeService
                       context: grpc.aio.ServicerContext) -> worker_pb2.ReserveResponse:
         logs.request_id.set(request.request_id)
         try:
-            num_blocks = await self.engine.reserve(
+            granted = await self.engine.reserve(
                 request.request_id, request.num_prompt_tokens, request.max_tokens,
-                request.lease_s,
+                request.lease_s, list(request.prompt_token_ids), request.cache_salt,
             )
         except Exception as exc:
             await grpc_util.abort_with(context, exc, request.request_id)
-        return worker_pb2.ReserveResponse(num_blocks=num_blocks)
+        return worker_pb2.ReserveResponse(num_blocks=granted.num_blocks,
+                                          num_cached_blocks=granted.num_cached_blocks)
 
     async def RenewLeases(self, request: worker_pb2.RenewLeasesRequest,
                           context: grpc.aio.ServicerContext) -> worker_pb2.RenewLeasesResponse:
@@ -180,10 +181,10 @@ class LocalPrefillServicer(PrefillStreamServicer[DecodeEngine],
         if not request.is_local_decode:
             raise InvalidArgument("a decode worker prefills only its own reservations",
                                   "is_local_decode")
-        token, prefill_s = await self.engine.prefill_local(
+        token, prefill_s, num_cached = await self.engine.prefill_local(
             request.request_id, list(request.prompt_token_ids),
             convert.sampling_from_proto(request.sampling), request.num_generated)
-        yield first_token(token, prefill_s)
+        yield first_token(token, prefill_s, num_cached)
         yield worker_pb2.PrefillResponse(done=worker_pb2.PrefillDone())  # nothing shipped
 
 

@@ -96,6 +96,9 @@ def _worker_parser(sub: argparse._SubParsersAction, role: str) -> None:
                    help="decode/colocated workers on CUDA with Triton attention: replay the "
                         "decode step from CUDA graphs captured before serving, one per "
                         "--compile-batch-sizes bucket; off: eager (ignored on CPU)")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="do not keep finished requests' full K/V blocks for reuse by later "
+                        "prompts with the same prefix (prefix caching is on by default)")
     p.add_argument("--kv-max-resends", type=int, default=DEFAULT_KV_MAX_RESENDS,
                    help="resend a K/V push the receiver found corrupted; 0: fail (DATA_LOSS)")
     p.add_argument("--kv-transport", default=KV_TRANSPORTS[0], choices=KV_TRANSPORTS,
@@ -256,7 +259,8 @@ def worker_settings(args: argparse.Namespace) -> WorkerSettings:
         prefill_token_budget=args.prefill_token_budget,
         prefill_chunk_size=args.prefill_chunk_size, decode_stage_mib=args.decode_stage_mib,
         compile=args.compile, compile_batch_sizes=args.compile_batch_sizes,
-        cuda_graphs=args.cuda_graphs, kv_max_resends=args.kv_max_resends,
+        cuda_graphs=args.cuda_graphs, prefix_caching=args.prefix_caching,
+        kv_max_resends=args.kv_max_resends,
         kv_transport=args.kv_transport, drain_timeout_s=args.drain_timeout_s,
         metrics_port=args.metrics_port, security=security_settings(args),
     )

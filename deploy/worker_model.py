@@ -63,7 +63,7 @@ def build_pool(settings: WorkerSettings, config, device: torch.device,
     if num_blocks < 1:
         raise ValueError(f"kv_pool_size: {size} bytes holds no {per_block}-byte block")
     return KvPool(config.num_layers, config.num_kv_heads, config.head_dim, settings.block_size,
-                  num_blocks, dtype, device)
+                  num_blocks, dtype, device, prefix_caching=settings.prefix_caching)
 
 
 def build_model(settings: WorkerSettings) -> tuple[Transformer, KvPool, str]:

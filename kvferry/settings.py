@@ -138,6 +138,8 @@ class WorkerSettings:
     compile: str = COMPILE_MODES[0]  # decode/colocated: compile the decode step
     compile_batch_sizes: str = DEFAULT_COMPILE_BATCH_SIZES  # buckets; larger batches: eager
     cuda_graphs: str = CUDA_GRAPH_MODES[0]  # decode/colocated, CUDA + Triton only; else moot
+    # Keep finished requests' full K/V blocks indexed for reuse (kvferry/cache/prefix.py).
+    prefix_caching: bool = True
     # Resend a K/V push corrupted in flight this many times; 0: fail with DATA_LOSS.
     kv_max_resends: int = DEFAULT_KV_MAX_RESENDS
     kv_transport: str = KV_TRANSPORTS[0]  # how a prefill worker ships pages (ray: Ray actors)

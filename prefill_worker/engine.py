@@ -24,6 +24,7 @@ from typing import NamedTuple
 from kvferry.cache.block_queue import BlockQueue
 from kvferry.cache.layout import KvLayout, blocks_for_tokens
 from kvferry.cache.pool import IntegrityReport, KvPool
+from kvferry.cache.prefix import block_keys, cache_seed, check_skip_blocks, max_shared_blocks
 from kvferry.cache.stats import PoolStats
 from kvferry.errors import Aborted, InvalidArgument, NotFound, Unavailable
 from kvferry.model.prefill_batch import PrefillBatcher, PrefillJob
@@ -42,6 +43,7 @@ log = logging.getLogger("kvferry.prefill")
 class FirstTokenEvent(NamedTuple):
     token_id: int
     prefill_s: float
+    num_cached_tokens: int = 0  # leading prompt tokens the prefix cache held
 
 
 class PushedEvent(NamedTuple):
@@ -54,7 +56,7 @@ class Parked:
     """A deferred prefill's K/V, complete, waiting for Ship to name its decode worker."""
 
     job: PrefillJob
-    ship: asyncio.Future[str]
+    ship: asyncio.Future[tuple[str, int]]  # decode address, blocks it holds already
     is_evicted: bool = False  # its blocks were freed to make room: the router prefills again
 
 
@@ -115,7 +117,7 @@ class PrefillEngine:
     async def prefill(
         self, request_id: str, prompt: list[int], params: SamplingParams,
         decode_address: str, timeout_s: float | None, output_index: int = 0,
-        defer_push: bool = False,
+        defer_push: bool = False, cache_salt: str = "", skip_blocks: int = 0,
     ) -> AsyncIterator[FirstTokenEvent | PushedEvent]:
         """Yield the first token as soon as it exists, then the push's completion.
 
@@ -125,17 +127,24 @@ class PrefillEngine:
         if defer_push and decode_address:
             raise InvalidArgument("defer_push needs an empty decode_address", "defer_push")
         self._validate(request_id, prompt, params)
+        check_skip_blocks(skip_blocks, len(prompt), self.pool.block_size)
         task = asyncio.current_task()
         if task is not None:
             self._active[request_id] = task
+        block_size = self.pool.block_size
+        keys = self._block_keys(prompt, cache_salt)
+        allocator = self.pool.allocator
+        cached = allocator.match(keys[:max_shared_blocks(len(prompt), block_size)], len(prompt))
         try:
-            blocks = await self.blocks.alloc(
-                blocks_for_tokens(len(prompt), self.pool.block_size), deferrable=defer_push)
+            blocks = cached + await self.blocks.alloc(
+                blocks_for_tokens(len(prompt), block_size) - len(cached), deferrable=defer_push)
         except BaseException:
+            allocator.free(cached)
             self._active.pop(request_id, None)
             raise
         job = PrefillJob(request_id, prompt, params, blocks,
-                         asyncio.get_running_loop().create_future(), output_index)
+                         asyncio.get_running_loop().create_future(), output_index,
+                         num_computed=len(cached) * block_size)
         push: asyncio.Future[PushResult] | None = None
         parked: Parked | None = None
         try:
@@ -145,18 +154,21 @@ class PrefillEngine:
                 # as the prompt's last forward has written it.
                 push = asyncio.ensure_future(self.sender.push(
                     decode_address, request_id, self.layout, len(prompt), self.pool, blocks,
-                    timeout_s, ready=job.wait_layers,
+                    timeout_s, ready=job.wait_layers, first_block=skip_blocks,
                 ))
             token = await job.first_token
+            allocator.register(keys, blocks)  # every full prompt block is final now
             if defer_push:
                 parked = Parked(job, asyncio.get_running_loop().create_future())
                 self._parked[request_id] = parked
                 self._evict_parked()  # a prefill with a reservation may wait for blocks
-            yield FirstTokenEvent(token, time.perf_counter() - job.started_at)
+            yield FirstTokenEvent(token, time.perf_counter() - job.started_at,
+                                  len(cached) * block_size)
             if parked is not None:
-                address = await parked.ship
+                address, skip = await parked.ship
                 push = asyncio.ensure_future(self.sender.push(
-                    address, request_id, self.layout, len(prompt), self.pool, blocks, timeout_s))
+                    address, request_id, self.layout, len(prompt), self.pool, blocks, timeout_s,
+                    first_block=skip))
             if push is not None:
                 pushed = await push
                 self.kv_bytes_sent += pushed.num_bytes
@@ -195,14 +207,24 @@ class PrefillEngine:
                 Aborted(f"parked K/V of {request_id!r} evicted to make room", "request_id"))
         self.blocks.grant()
 
-    def ship(self, request_id: str, decode_address: str) -> None:
-        """Name the decode worker a deferred prefill pushes its K/V to."""
+    def _block_keys(self, prompt: list[int], cache_salt: str) -> list[bytes]:
+        """Keys of the prompt's full blocks ([] with prefix caching off)."""
+        if not self.pool.allocator.prefix_caching:
+            return []
+        seed = cache_seed(self.layout.model_fingerprint, self.layout.dtype, cache_salt)
+        return block_keys(prompt, self.pool.block_size, seed)
+
+    def ship(self, request_id: str, decode_address: str, skip_blocks: int = 0) -> None:
+        """Name the decode worker a deferred prefill pushes its K/V to, and the leading
+        blocks its reservation holds already (not pushed)."""
         if not decode_address:
             raise InvalidArgument("decode_address must be non-empty", "decode_address")
-        parked = self._parked.pop(request_id, None)
+        parked = self._parked.get(request_id)
         if parked is None:  # never parked, evicted, or this worker restarted since
             raise NotFound(f"no deferred prefill {request_id!r} waits here", "request_id")
-        parked.ship.set_result(decode_address)
+        check_skip_blocks(skip_blocks, len(parked.job.prompt), self.pool.block_size)
+        del self._parked[request_id]
+        parked.ship.set_result((decode_address, skip_blocks))
 
     def abort(self, request_id: str) -> None:
         task = self._active.get(request_id)
@@ -222,4 +244,7 @@ class PrefillEngine:
             integrity_ok=report.ok, integrity_error=report.error,
             num_corrupt_pushes=self.sender.num_corrupt_pushes,
             num_parked=len(self._parked), num_evictions=self.num_evictions,
+            prefix_cache_queries=self.pool.allocator.num_query_tokens,
+            prefix_cache_hits=self.pool.allocator.num_hit_tokens,
+            cached_blocks=self.pool.allocator.num_cached,
         )

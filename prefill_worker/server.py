@@ -25,13 +25,14 @@ class PrefillServicer(PrefillStreamServicer[PrefillEngine],
             request.request_id, list(request.prompt_token_ids),
             convert.sampling_from_proto(request.sampling), request.decode_address,
             context.time_remaining(), request.num_generated, request.defer_push,
+            request.cache_salt, request.skip_blocks,
         )
         # aclosing: if we are cancelled while suspended at our own yield, the engine's
         # generator still runs its cleanup (frees the blocks) right away.
         async with aclosing(events):
             async for event in events:
                 if isinstance(event, FirstTokenEvent):
-                    yield first_token(event.token_id, event.prefill_s)
+                    yield first_token(event.token_id, event.prefill_s, event.num_cached_tokens)
                 else:
                     yield worker_pb2.PrefillResponse(done=worker_pb2.PrefillDone(
                         kv_transfer_s=event.kv_transfer_s, kv_bytes=event.kv_bytes))
@@ -39,7 +40,7 @@ class PrefillServicer(PrefillStreamServicer[PrefillEngine],
     async def Ship(self, request: worker_pb2.ShipRequest,
                    context: grpc.aio.ServicerContext) -> worker_pb2.ShipResponse:
         try:
-            self.engine.ship(request.request_id, request.decode_address)
+            self.engine.ship(request.request_id, request.decode_address, request.skip_blocks)
         except Exception as exc:
             await grpc_util.abort_with(context, exc, request.request_id)
         return worker_pb2.ShipResponse()

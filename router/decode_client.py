@@ -51,12 +51,16 @@ class DecodeClient(WorkerClient):
         self._reader: asyncio.Task[None] | None = None
 
     # ---- unary calls ---------------------------------------------------------------------
-    async def reserve(self, request_id: str, num_prompt_tokens: int, max_tokens: int,
-                      lease_s: float, timeout_s: float | None) -> None:
-        await self._stub.Reserve(worker_pb2.ReserveRequest(
-            request_id=request_id, num_prompt_tokens=num_prompt_tokens,
-            max_tokens=max_tokens, lease_s=lease_s,
+    async def reserve(self, request_id: str, prompt_token_ids: list[int], max_tokens: int,
+                      lease_s: float, timeout_s: float | None, cache_salt: str = "") -> int:
+        """Reserve blocks for the prompt; returns how many leading prompt blocks the
+        worker's prefix cache shared into the reservation."""
+        response = await self._stub.Reserve(worker_pb2.ReserveRequest(
+            request_id=request_id, num_prompt_tokens=len(prompt_token_ids),
+            max_tokens=max_tokens, lease_s=lease_s, prompt_token_ids=prompt_token_ids,
+            cache_salt=cache_salt,
         ), timeout=timeout_s)
+        return response.num_cached_blocks
 
     async def renew_leases(self, request_ids: list[str], lease_s: float,
                            timeout_s: float) -> list[str]:

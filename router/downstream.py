@@ -64,18 +64,19 @@ class Downstream:
         self.admission_timeout_s = admission_timeout_s
         self.on_prefill_retry: Callable[[], None] = lambda: None  # metrics: count retries
 
-    async def reserve(self, state: RouterRequest, num_prompt: int, max_tokens: int,
+    async def reserve(self, state: RouterRequest, prompt: list[int], max_tokens: int,
                       deadline: float | None) -> float:
         """Reserve on the best decode worker; returns seconds spent waiting for headroom."""
-        need = blocks_needed(num_prompt, max_tokens, self.workers.block_size())
+        need = blocks_needed(len(prompt), max_tokens, self.workers.block_size())
         candidates, waited = await self._admit(state, need, deadline)
         last_error = ""
         for worker in candidates:
             worker.add_in_flight(state.request_id, need, 0)
             state.unanswered_reserve = worker
             try:
-                await worker.decode.reserve(state.request_id, num_prompt, max_tokens,
-                                            self.lease_s, remaining_s(deadline))
+                state.decode_cached_blocks = await worker.decode.reserve(
+                    state.request_id, prompt, max_tokens, self.lease_s, remaining_s(deadline),
+                    state.cache_salt)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in _UNANSWERED:
                     state.unanswered_reserve = None  # the worker refused it: nothing held
@@ -126,7 +127,8 @@ class Downstream:
             raise Unavailable("deferred prefill lost")
         try:
             await state.prefill_worker.prefill.ship(
-                state.request_id, state.decode_worker.address, remaining_s(deadline))
+                state.request_id, state.decode_worker.address, state.decode_cached_blocks,
+                remaining_s(deadline))
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 self._forget_parked(state, exc.details())
@@ -152,17 +154,24 @@ class Downstream:
     def _start_prefill(self, state: RouterRequest, prompt: list[int], params: SamplingParams,
                        deadline: float | None, num_generated: int) -> PrefillCall:
         decode = state.decode_worker
+        # Conditional disaggregation on what is left to compute: a new chat turn whose
+        # history the decode worker holds prefills there, with no transfer.
+        uncached = len(prompt)
+        if decode is not None and decode.layout is not None:
+            uncached -= state.decode_cached_blocks * decode.layout.block_size
         is_local = decode is not None and (
-            decode.role == "colocated" or len(prompt) < self.local_prefill_threshold)
+            decode.role == "colocated" or uncached < self.local_prefill_threshold)
         if is_local and decode is not None:
             worker = decode
         else:
             worker = self._next_prefill(state, len(prompt))
+        is_push = decode is not None and not is_local
         start = PrefillStart(
             request_id=state.request_id, prompt_token_ids=prompt, sampling=params,
-            decode_address=decode.address if decode is not None and not is_local else "",
+            decode_address=decode.address if is_push and decode is not None else "",
             is_local_decode=is_local, num_generated=num_generated,
-            defer_push=state.is_push_deferred,
+            defer_push=state.is_push_deferred, cache_salt=state.cache_salt,
+            skip_blocks=state.decode_cached_blocks if is_push else 0,
         )
         if worker is not decode:
             worker.add_in_flight(state.request_id, 0, len(prompt))
@@ -204,11 +213,23 @@ class Downstream:
                         raise
                 else:
                     if done is not None:  # the K/V is in the reservation: the prefill is over
+                        self._count_skipped(state)
                         state.drop_prefill_worker()
                     return done
             state.is_push_deferred = False  # the reservation exists now: push straight to it
             if await self.first_token(state, prompt, params, deadline, num_generated) is None:
                 return None
+
+    @staticmethod
+    def _count_skipped(state: RouterRequest) -> None:
+        """A push ended: what it did not carry because the decode cache held it."""
+        decode = state.decode_worker
+        if (decode is None or decode.layout is None or state.prefill_worker is decode
+                or not state.decode_cached_blocks):
+            return
+        layout = decode.layout
+        state.kv_bytes_not_shipped += (state.decode_cached_blocks * layout.num_layers
+                                       * layout.bytes_per_layer_block)
 
     async def _lose_prefill(self, state: RouterRequest, exc: grpc.aio.AioRpcError) -> bool:
         """Forget a remote prefill worker that became unavailable under a request. False

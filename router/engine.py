@@ -58,6 +58,8 @@ class DoneEvent(NamedTuple):
     prompt_tokens: int
     completion_tokens: int
     timing: Timing
+    cached_prompt_tokens: int = 0  # found in the first prefill's prefix cache
+    kv_bytes_not_shipped: int = 0  # K/V the decode worker's prefix cache held already
 
 
 async def _next_update(updates: asyncio.Queue[MuxItem], deadline: float | None
@@ -119,12 +121,15 @@ class Router:
         request_id = inp.request_id or uuid.uuid4().hex
         if request_id in self._running:
             raise InvalidArgument(f"request_id {request_id!r} is already running", "request_id")
-        state = RouterRequest(f"{request_id}@{self.instance_id}")
+        state = RouterRequest(f"{request_id}@{self.instance_id}", cache_salt=inp.cache_salt)
         self._running[request_id] = state
         yield request_id
         try:
             await self.workers.revive()
             async for event in self._run(state, prompt, params, received, deadline):
+                if isinstance(event, DoneEvent):
+                    event = event._replace(cached_prompt_tokens=state.num_cached_tokens,
+                                           kv_bytes_not_shipped=state.kv_bytes_not_shipped)
                 yield event
         finally:
             self._running.pop(request_id, None)
@@ -157,7 +162,7 @@ class Router:
                                           len(context), remaining))
             if not state.is_push_deferred and (remaining > 1
                                                or not self.workers.has_prefill_workers()):
-                waited = await self.downstream.reserve(state, len(context), remaining, deadline)
+                waited = await self.downstream.reserve(state, context, remaining, deadline)
                 timing = timing._replace(admission_wait_s=timing.admission_wait_s + waited)
             if not generated:
                 timing = timing._replace(queue_s=time.perf_counter() - received)
@@ -171,6 +176,7 @@ class Router:
             if not generated:
                 timing = timing._replace(prefill_s=first_msg.prefill_s,
                                          time_to_first_token_s=time.perf_counter() - received)
+                state.num_cached_tokens = first_msg.num_cached_tokens
             generated.append(first)
             step = detok.add([first])
             reason: FinishReason | None = None
@@ -184,7 +190,7 @@ class Router:
                 return
             yield ChunkEvent([first], step.text)
             if state.is_push_deferred:
-                waited = await self.downstream.reserve(state, len(context), remaining, deadline)
+                waited = await self.downstream.reserve(state, context, remaining, deadline)
                 timing = timing._replace(admission_wait_s=timing.admission_wait_s + waited)
                 if state.is_aborted:
                     yield ChunkEvent([], detok.finish())
@@ -223,6 +229,7 @@ class Router:
             state.prefill_worker.done(state.request_id)
         state.decode_worker = state.prefill_worker = state.prefill_call = None
         state.holds_decode = state.is_decoding = False
+        state.decode_cached_blocks = 0
 
     async def _decode(self, state: RouterRequest, params: SamplingParams,
                       stop_ids: list[int], detok: IncrementalDetokenizer,

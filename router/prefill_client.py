@@ -29,7 +29,8 @@ class PrefillCall:
             return None
         if msg.WhichOneof("kind") == "done":
             return PrefillDone(msg.done.kv_transfer_s, msg.done.kv_bytes)
-        return FirstToken(msg.first_token.token_id, msg.first_token.prefill_s)
+        return FirstToken(msg.first_token.token_id, msg.first_token.prefill_s,
+                          msg.first_token.num_cached_tokens)
 
     def cancel(self) -> bool:
         return self._call.cancel()
@@ -49,12 +50,13 @@ class PrefillClient(WorkerClient):
             sampling=convert.sampling_to_proto(start.sampling),
             decode_address=start.decode_address, is_local_decode=start.is_local_decode,
             num_generated=start.num_generated, defer_push=start.defer_push,
+            cache_salt=start.cache_salt, skip_blocks=start.skip_blocks,
         )
         return PrefillCall(self._stub.Prefill(request, timeout=timeout_s))
 
-    async def ship(self, request_id: str, decode_address: str, timeout_s: float | None
-                   ) -> None:
-        await self._stub.Ship(worker_pb2.ShipRequest(request_id=request_id,
-                                                     decode_address=decode_address),
-                              timeout=timeout_s)
+    async def ship(self, request_id: str, decode_address: str, skip_blocks: int,
+                   timeout_s: float | None) -> None:
+        await self._stub.Ship(worker_pb2.ShipRequest(
+            request_id=request_id, decode_address=decode_address, skip_blocks=skip_blocks),
+            timeout=timeout_s)
 

@@ -22,6 +22,7 @@ class FirstToken(NamedTuple):
 
     token_id: int
     prefill_s: float
+    num_cached_tokens: int = 0  # prompt tokens its prefix cache held
 
 
 class PrefillDone(NamedTuple):
@@ -41,6 +42,8 @@ class PrefillStart(NamedTuple):
     is_local_decode: bool
     num_generated: int  # output number of the token it samples (non-zero after a migration)
     defer_push: bool  # park the K/V until a Ship names its decode worker
+    cache_salt: str = ""
+    skip_blocks: int = 0  # leading blocks the decode reservation holds already: not pushed
 
 
 class DecodeStart(NamedTuple):

@@ -24,6 +24,10 @@ class RouterRequest:
     # A Reserve whose answer never came (cancelled, deadline): it may have landed all the
     # same, so the release sends an Abort there.
     unanswered_reserve: Worker | None = None
+    cache_salt: str = ""  # prefix-cache namespace, from the public request
+    decode_cached_blocks: int = 0  # leading prompt blocks the decode reservation shares
+    num_cached_tokens: int = 0  # prompt tokens the first prefill found cached (Usage)
+    kv_bytes_not_shipped: int = 0  # K/V bytes pushes skipped: the decode cache held them
 
     def drop_prefill_worker(self) -> None:
         """The prefill worker owes this request nothing more (its K/V is pushed, or it failed

@@ -39,6 +39,7 @@ def _input(request: generation_pb2.GenerateRequest) -> GenerateInput:
                   if which == "messages" else None),
         params=convert.sampling_from_proto(request.sampling),
         is_max_tokens_set=request.sampling.HasField("max_tokens"),
+        cache_salt=request.cache_salt,
     )
 
 
@@ -49,7 +50,9 @@ def _done_to_proto(request_id: str, event: DoneEvent) -> generation_pb2.Generate
         finished=generation_pb2.Finished(
             reason=event.reason.value,
             usage=generation_pb2.Usage(prompt_tokens=event.prompt_tokens,
-                                       completion_tokens=event.completion_tokens),
+                                       completion_tokens=event.completion_tokens,
+                                       cached_prompt_tokens=event.cached_prompt_tokens,
+                                       kv_bytes_not_shipped=event.kv_bytes_not_shipped),
             timing=generation_pb2.Timing(
                 queue_s=t.queue_s, prefill_s=t.prefill_s, kv_transfer_s=t.kv_transfer_s,
                 first_decode_step_s=t.first_decode_step_s,

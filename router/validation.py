@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from kvferry.cache.prefix import check_cache_salt
 from kvferry.errors import InvalidArgument
 from kvferry.model.config import ModelConfig
 from kvferry.model.sampling import DEFAULT_MAX_TOKENS, SamplingParams
@@ -33,6 +34,7 @@ class GenerateInput:
     params: SamplingParams
     is_max_tokens_set: bool
     messages: tuple[ChatMessage, ...] | None = None
+    cache_salt: str = ""  # prefix-cache namespace (kvferry/cache/prefix.py)
 
 
 def chat_prompt_ids(messages: tuple[ChatMessage, ...], tokenizer: object) -> list[int]:
@@ -93,6 +95,7 @@ def check_limits(inp: GenerateInput, config: ModelConfig, limits: PublicLimits) 
 
     refuse("request_id", "UTF-8 bytes", len(inp.request_id.encode()),
            limits.max_request_id_bytes, "--max-request-id-bytes")
+    check_cache_salt(inp.cache_salt)
     stop = inp.params.stop
     refuse("sampling.stop", "stop strings", len(stop), limits.max_stop_strings,
            "--max-stop-strings")

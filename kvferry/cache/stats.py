@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvferry.cache.prefix import EventsSince
+
 
 @dataclass(frozen=True)
 class PoolStats:
@@ -25,3 +27,8 @@ class PoolStats:
     num_parked: int = 0
     num_evictions: int = 0
     num_compiles: int = 0  # decode-step graphs compiled (--compile)
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, found
+    cached_blocks: int = 0  # held by the prefix cache alone (reclaimable; counted free)
+    # Prefix-cache index changes since the caller's cursor (GetStats answers only).
+    cache_events: EventsSince | None = None

@@ -148,7 +148,7 @@ class PrefillBatcher:
         now = time.perf_counter()
         for it in items:
             it.job.is_in_batch = True
-            if it.start == 0:
+            if not it.job.started_at:  # its first chunk (after any cached prefix)
                 it.job.started_at = now
         try:
             tokens = await run_to_completion(self.executor, self._forward, items)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kvferry.cache.layout import KvLayout
+from kvferry.cache.prefix import CacheEvent, EventsSince
 from kvferry.cache.stats import PoolStats
 from kvferry.model.sampling import DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, SamplingParams
 from kvferry.v1 import generation_pb2, worker_pb2
@@ -47,8 +48,16 @@ def stats_to_proto(role: str, stats: PoolStats, layout: worker_pb2.KvLayout
         projected_blocks=stats.projected_blocks,
         num_corrupt_pushes=stats.num_corrupt_pushes,
         num_parked=stats.num_parked, num_parked_evictions=stats.num_evictions,
-        num_compiles=stats.num_compiles,
+        num_compiles=stats.num_compiles, prefix_cache_queries=stats.prefix_cache_queries,
+        prefix_cache_hits=stats.prefix_cache_hits, cached_blocks=stats.cached_blocks,
     )
+
+
+def add_cache_events(msg: worker_pb2.WorkerStats, events: EventsSince) -> None:
+    msg.cache_event_seq = events.seq
+    msg.cache_snapshot = events.is_snapshot
+    msg.cache_events.extend(worker_pb2.CacheEvent(stored=e.stored, removed=e.removed)
+                            for e in events.events)
 
 
 def layout_to_proto(layout: KvLayout) -> worker_pb2.KvLayout:
@@ -78,5 +87,10 @@ def stats_from_proto(msg: worker_pb2.WorkerStats) -> PoolStats:
         projected_blocks=msg.projected_blocks,
         num_corrupt_pushes=msg.num_corrupt_pushes,
         num_parked=msg.num_parked, num_evictions=msg.num_parked_evictions,
-        num_compiles=msg.num_compiles,
+        num_compiles=msg.num_compiles, prefix_cache_queries=msg.prefix_cache_queries,
+        prefix_cache_hits=msg.prefix_cache_hits, cached_blocks=msg.cached_blocks,
+        cache_events=EventsSince(
+            msg.cache_event_seq,
+            [CacheEvent(0, list(e.stored), list(e.removed)) for e in msg.cache_events],
+            msg.cache_snapshot),
     )

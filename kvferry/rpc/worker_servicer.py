@@ -12,6 +12,7 @@ import grpc
 
 from kvferry import logs
 from kvferry.cache.layout import KvLayout
+from kvferry.cache.pool import KvPool
 from kvferry.cache.stats import PoolStats
 from kvferry.rpc import convert, grpc_util
 from kvferry.v1 import generation_pb2, worker_pb2
@@ -23,6 +24,9 @@ class WorkerEngine(Protocol):
     def abort(self, request_id: str) -> None: ...
 
     def stats(self, check_integrity: bool = False) -> PoolStats: ...
+
+    @property
+    def pool(self) -> KvPool: ...
 
 
 EngineT = TypeVar("EngineT", bound=WorkerEngine)
@@ -47,8 +51,11 @@ class WorkerServicer(Generic[EngineT]):
 
     async def GetStats(self, request: worker_pb2.GetStatsRequest,
                        context: grpc.aio.ServicerContext) -> worker_pb2.WorkerStats:
-        return convert.stats_to_proto(self.role, self.engine.stats(request.check_integrity),
-                                      self.layout_msg)
+        msg = convert.stats_to_proto(self.role, self.engine.stats(request.check_integrity),
+                                     self.layout_msg)
+        convert.add_cache_events(msg, self.engine.pool.allocator.events_since(
+            request.cache_events_after))
+        return msg
 
 
 class PrefillStreamServicer(WorkerServicer[EngineT]):
@@ -76,6 +83,7 @@ class PrefillStreamServicer(WorkerServicer[EngineT]):
             await grpc_util.abort_with(context, exc, request.request_id)
 
 
-def first_token(token_id: int, prefill_s: float) -> worker_pb2.PrefillResponse:
-    return worker_pb2.PrefillResponse(
-        first_token=worker_pb2.FirstToken(token_id=token_id, prefill_s=prefill_s))
+def first_token(token_id: int, prefill_s: float, num_cached_tokens: int = 0
+                ) -> worker_pb2.PrefillResponse:
+    return worker_pb2.PrefillResponse(first_token=worker_pb2.FirstToken(
+        token_id=token_id, prefill_s=prefill_s, num_cached_tokens=num_cached_tokens))

@@ -86,12 +86,12 @@ class GrpcKvSender:
     async def push(
         self, address: str, request_id: str, layout: KvLayout, num_tokens: int,
         pool: KvPool, block_table: list[int], timeout_s: float | None,
-        ready: LayersReady | None = None,
+        ready: LayersReady | None = None, first_block: int = 0,
     ) -> PushResult:
         """Stream the pages in layer order; with `ready`, each layer group goes as soon as
         the prefill forward has written it, overlapping the transfer with later layers."""
         layout_msg = convert.layout_to_proto(layout)
-        spans = wire.plan_chunks(layout, num_tokens, self.chunk_bytes)
+        spans = wire.plan_chunks(layout, num_tokens, self.chunk_bytes, first_block=first_block)
         sent = 0
         started: list[float] = []  # when the first chunk went out (after its layers were ready)
 

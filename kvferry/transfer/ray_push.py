@@ -90,10 +90,11 @@ class RayKvSender:
     async def push(
         self, address: str, request_id: str, layout: KvLayout, num_tokens: int,
         pool: KvPool, block_table: list[int], timeout_s: float | None,
-        ready: LayersReady | None = None,
+        ready: LayersReady | None = None, first_block: int = 0,
     ) -> PushResult:
         actor = await self._actor(address)
-        spans = wire.plan_chunks(layout, num_tokens, self.chunk_bytes, RAY_MIN_GROUP_BYTES)
+        spans = wire.plan_chunks(layout, num_tokens, self.chunk_bytes, RAY_MIN_GROUP_BYTES,
+                                 first_block)
         for attempt in range(self.max_resends + 1):
             corrupt = self._corrupt_left > 0
             self._corrupt_left -= corrupt

@@ -26,10 +26,11 @@ LayersReady = Callable[[int], Awaitable[None]]
 class KvSender(Protocol):
     num_corrupt_pushes: int  # pushes the receiver refused as corrupted in flight
 
+    # first_block: the receiver's prefix cache holds the blocks before it; they are not sent.
     async def push(
         self, address: str, request_id: str, layout: KvLayout, num_tokens: int,
         pool: KvPool, block_table: list[int], timeout_s: float | None,
-        ready: LayersReady | None = None,
+        ready: LayersReady | None = None, first_block: int = 0,
     ) -> PushResult: ...
 
     async def close(self) -> None: ...

@@ -35,11 +35,16 @@ class ChunkSpan(NamedTuple):
 
 
 def plan_chunks(layout: KvLayout, num_tokens: int, target_bytes: int = CHUNK_TARGET_BYTES,
-                min_group_bytes: int = 0) -> list[ChunkSpan]:
-    """Cover every (layer, block) of a `num_tokens` prompt exactly once, in layer order.
+                min_group_bytes: int = 0, first_block: int = 0) -> list[ChunkSpan]:
+    """Cover every (layer, block) of a `num_tokens` prompt from block `first_block` on (the
+    receiver's prefix cache holds the ones before) exactly once, in layer order.
     `min_group_bytes`: fewer layer groups rather than smaller ones, for transports with a
     high fixed cost per chunk."""
-    num_blocks = blocks_for_tokens(num_tokens, layout.block_size)
+    end_block = blocks_for_tokens(num_tokens, layout.block_size)
+    if not 0 <= first_block < end_block:
+        raise InvalidArgument(f"skip_blocks {first_block} outside [0, {end_block})",
+                              "skip_blocks")
+    num_blocks = end_block - first_block
     per_layer = layout.bytes_per_layer_block * num_blocks
     spans: list[ChunkSpan] = []
     if per_layer <= target_bytes:
@@ -49,13 +54,13 @@ def plan_chunks(layout: KvLayout, num_tokens: int, target_bytes: int = CHUNK_TAR
         layers_per_chunk = max(1, min(target_bytes // max(per_layer, 1), group_cap))
         for start in range(0, layout.num_layers, layers_per_chunk):
             end = min(start + layers_per_chunk, layout.num_layers)
-            spans.append(ChunkSpan(start, end, 0, num_blocks))
+            spans.append(ChunkSpan(start, end, first_block, num_blocks))
         return spans
     blocks_per_chunk = max(1, target_bytes // layout.bytes_per_layer_block)
     for layer in range(layout.num_layers):
-        for start in range(0, num_blocks, blocks_per_chunk):
+        for start in range(first_block, end_block, blocks_per_chunk):
             spans.append(ChunkSpan(layer, layer + 1, start, min(blocks_per_chunk,
-                                                                num_blocks - start)))
+                                                                end_block - start)))
     return spans
 
 

@@ -24,7 +24,7 @@ class KvLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_address", "is_local_decode", "num_generated", "defer_push")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_address", "is_local_decode", "num_generated", "defer_push", "cache_salt", "skip_blocks")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,8 @@ class PrefillRequest(_message.Message):
     IS_LOCAL_DECODE_FIELD_NUMBER: _ClassVar[int]
     NUM_GENERATED_FIELD_NUMBER: _ClassVar[int]
     DEFER_PUSH_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    SKIP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _generation_pb2.SamplingParams
@@ -39,27 +41,33 @@ class PrefillRequest(_message.Message):
     is_local_decode: bool
     num_generated: int
     defer_push: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., is_local_decode: _Optional[bool] = ..., num_generated: _Optional[int] = ..., defer_push: _Optional[bool] = ...) -> None: ...
+    cache_salt: str
+    skip_blocks: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., is_local_decode: _Optional[bool] = ..., num_generated: _Optional[int] = ..., defer_push: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., skip_blocks: _Optional[int] = ...) -> None: ...
 
 class ShipRequest(_message.Message):
-    __slots__ = ("request_id", "decode_address")
+    __slots__ = ("request_id", "decode_address", "skip_blocks")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SKIP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     decode_address: str
-    def __init__(self, request_id: _Optional[str] = ..., decode_address: _Optional[str] = ...) -> None: ...
+    skip_blocks: int
+    def __init__(self, request_id: _Optional[str] = ..., decode_address: _Optional[str] = ..., skip_blocks: _Optional[int] = ...) -> None: ...
 
 class ShipResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class FirstToken(_message.Message):
-    __slots__ = ("token_id", "prefill_s")
+    __slots__ = ("token_id", "prefill_s", "num_cached_tokens")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     prefill_s: float
-    def __init__(self, token_id: _Optional[int] = ..., prefill_s: _Optional[float] = ...) -> None: ...
+    num_cached_tokens: int
+    def __init__(self, token_id: _Optional[int] = ..., prefill_s: _Optional[float] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillDone(_message.Message):
     __slots__ = ("kv_transfer_s", "kv_bytes")
@@ -78,16 +86,20 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., done: _Optional[_Union[PrefillDone, _Mapping]] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "num_prompt_tokens", "max_tokens", "lease_s")
+    __slots__ = ("request_id", "num_prompt_tokens", "max_tokens", "lease_s", "prompt_token_ids", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_prompt_tokens: int
     max_tokens: int
     lease_s: float
-    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., lease_s: _Optional[float] = ...) -> None: ...
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., lease_s: _Optional[float] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class RenewLeasesRequest(_message.Message):
     __slots__ = ("request_ids", "lease_s")
@@ -104,10 +116,12 @@ class RenewLeasesResponse(_message.Message):
     def __init__(self, unknown_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("num_blocks",)
+    __slots__ = ("num_blocks", "num_cached_blocks")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
-    def __init__(self, num_blocks: _Optional[int] = ...) -> None: ...
+    num_cached_blocks: int
+    def __init__(self, num_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "first_token_id", "sampling", "max_new_tokens", "stop_token_ids", "num_generated")
@@ -190,13 +204,23 @@ class PushKvResponse(_message.Message):
     def __init__(self, bytes_written: _Optional[int] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
-    __slots__ = ("check_integrity",)
+    __slots__ = ("check_integrity", "cache_events_after")
     CHECK_INTEGRITY_FIELD_NUMBER: _ClassVar[int]
+    CACHE_EVENTS_AFTER_FIELD_NUMBER: _ClassVar[int]
     check_integrity: bool
-    def __init__(self, check_integrity: _Optional[bool] = ...) -> None: ...
+    cache_events_after: int
+    def __init__(self, check_integrity: _Optional[bool] = ..., cache_events_after: _Optional[int] = ...) -> None: ...
+
+class CacheEvent(_message.Message):
+    __slots__ = ("stored", "removed")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    stored: _containers.RepeatedScalarFieldContainer[bytes]
+    removed: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("role", "total_blocks", "free_blocks", "reserved_blocks", "num_running", "num_waiting", "layout", "integrity_ok", "integrity_error", "num_preemptions", "num_pending_prefill_tokens", "num_decode_steps", "max_abort_delay_steps", "projected_blocks", "num_corrupt_pushes", "num_parked", "num_parked_evictions", "num_compiles")
+    __slots__ = ("role", "total_blocks", "free_blocks", "reserved_blocks", "num_running", "num_waiting", "layout", "integrity_ok", "integrity_error", "num_preemptions", "num_pending_prefill_tokens", "num_decode_steps", "max_abort_delay_steps", "projected_blocks", "num_corrupt_pushes", "num_parked", "num_parked_evictions", "num_compiles", "cache_event_seq", "cache_events", "cache_snapshot", "prefix_cache_queries", "prefix_cache_hits", "cached_blocks")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -215,6 +239,12 @@ class WorkerStats(_message.Message):
     NUM_PARKED_FIELD_NUMBER: _ClassVar[int]
     NUM_PARKED_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPILES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_EVENT_SEQ_FIELD_NUMBER: _ClassVar[int]
+    CACHE_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     role: str
     total_blocks: int
     free_blocks: int
@@ -233,4 +263,10 @@ class WorkerStats(_message.Message):
     num_parked: int
     num_parked_evictions: int
     num_compiles: int
-    def __init__(self, role: _Optional[str] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., reserved_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., integrity_ok: _Optional[bool] = ..., integrity_error: _Optional[str] = ..., num_preemptions: _Optional[int] = ..., num_pending_prefill_tokens: _Optional[int] = ..., num_decode_steps: _Optional[int] = ..., max_abort_delay_steps: _Optional[int] = ..., projected_blocks: _Optional[int] = ..., num_corrupt_pushes: _Optional[int] = ..., num_parked: _Optional[int] = ..., num_parked_evictions: _Optional[int] = ..., num_compiles: _Optional[int] = ...) -> None: ...
+    cache_event_seq: int
+    cache_events: _containers.RepeatedCompositeFieldContainer[CacheEvent]
+    cache_snapshot: bool
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    cached_blocks: int
+    def __init__(self, role: _Optional[str] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., reserved_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., integrity_ok: _Optional[bool] = ..., integrity_error: _Optional[str] = ..., num_preemptions: _Optional[int] = ..., num_pending_prefill_tokens: _Optional[int] = ..., num_decode_steps: _Optional[int] = ..., max_abort_delay_steps: _Optional[int] = ..., projected_blocks: _Optional[int] = ..., num_corrupt_pushes: _Optional[int] = ..., num_parked: _Optional[int] = ..., num_parked_evictions: _Optional[int] = ..., num_compiles: _Optional[int] = ..., cache_event_seq: _Optional[int] = ..., cache_events: _Optional[_Iterable[_Union[CacheEvent, _Mapping]]] = ..., cache_snapshot: _Optional[bool] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., cached_blocks: _Optional[int] = ...) -> None: ...

@@ -37,7 +37,8 @@ class RecordingSender:
 
     async def push(self, address: str, request_id: str, layout: KvLayout,
                    num_tokens: int, pool: KvPool, block_table: list[int],
-                   timeout_s: float | None, ready: LayersReady | None = None) -> PushResult:
+                   timeout_s: float | None, ready: LayersReady | None = None,
+                   first_block: int = 0) -> PushResult:
         if ready is not None:
             await ready(layout.num_layers)
         pages = pool.cache[:, :, block_table].clone()
@@ -51,8 +52,9 @@ class RecordingSender:
 def _engine(checkpoint: Path, num_blocks: int) -> tuple[PrefillEngine, RecordingSender]:
     config = load_model_config(checkpoint)
     model = Transformer(config, get_attention_backend("torch"), torch.float32, "cpu")
+    # No prefix cache: every call parks its own blocks (they all send the same prompt).
     pool = KvPool(config.num_layers, config.num_kv_heads, config.head_dim, BLOCK_SIZE,
-                  num_blocks, torch.float32)
+                  num_blocks, torch.float32, prefix_caching=False)
     sender = RecordingSender()
     engine = PrefillEngine(model, pool, KvLayout.of_pool(pool, config.fingerprint), sender)
     engine.start()

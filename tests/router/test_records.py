@@ -3,9 +3,12 @@ the client adapters turn stats and decode updates into records faithfully."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from kvferry.cache.layout import KvLayout
+from kvferry.cache.prefix import CacheEvent, EventsSince
 from kvferry.cache.stats import PoolStats
 from kvferry.errors import Unavailable
 from kvferry.model.sampling import FinishReason
@@ -54,9 +57,19 @@ def test_stats_round_trip_through_the_proto() -> None:
                       num_waiting=1, integrity_ok=False, integrity_error="bad",
                       num_preemptions=5, num_pending_prefill_tokens=6, num_decode_steps=7,
                       max_abort_delay_steps=8, projected_blocks=9, num_corrupt_pushes=11,
-                      num_parked=12, num_evictions=13)
+                      num_parked=12, num_evictions=13, num_compiles=14,
+                      prefix_cache_queries=15, prefix_cache_hits=16, cached_blocks=17)
     msg = convert.stats_to_proto("decode", stats, convert.layout_to_proto(_layout(16)))
-    assert stats_from_reply(msg) == (stats, _layout(16))
+    events = EventsSince(20, [CacheEvent(19, [b"a" * 16], []), CacheEvent(20, [], [b"a" * 16])],
+                         False)
+    convert.add_cache_events(msg, events)
+    pool, layout = stats_from_reply(msg)
+    assert layout == _layout(16)
+    assert pool.cache_events is not None
+    assert pool.cache_events.seq == 20 and not pool.cache_events.is_snapshot
+    assert [(e.stored, e.removed) for e in pool.cache_events.events] == [
+        ([b"a" * 16], []), ([], [b"a" * 16])]
+    assert dataclasses.replace(pool, cache_events=None) == stats
 
 
 def test_decode_updates_become_records() -> None:
