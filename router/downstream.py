@@ -213,6 +213,7 @@ class Downstream:
                         raise
                 else:
                     if done is not None:  # the K/V is in the reservation: the prefill is over
+                        state.kv_bytes_shipped += done.kv_bytes
                         self._count_skipped(state)
                         state.drop_prefill_worker()
                     return done

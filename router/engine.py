@@ -60,6 +60,7 @@ class DoneEvent(NamedTuple):
     timing: Timing
     cached_prompt_tokens: int = 0  # found in the first prefill's prefix cache
     kv_bytes_not_shipped: int = 0  # K/V the decode worker's prefix cache held already
+    kv_bytes_shipped: int = 0  # K/V pushed to decode workers, every leg
 
 
 async def _next_update(updates: asyncio.Queue[MuxItem], deadline: float | None
@@ -129,7 +130,8 @@ class Router:
             async for event in self._run(state, prompt, params, received, deadline):
                 if isinstance(event, DoneEvent):
                     event = event._replace(cached_prompt_tokens=state.num_cached_tokens,
-                                           kv_bytes_not_shipped=state.kv_bytes_not_shipped)
+                                           kv_bytes_not_shipped=state.kv_bytes_not_shipped,
+                                           kv_bytes_shipped=state.kv_bytes_shipped)
                 yield event
         finally:
             self._running.pop(request_id, None)

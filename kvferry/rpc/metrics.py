@@ -100,6 +100,15 @@ class WorkerCollector(Collector):
         yield CounterMetricFamily("kvferry_kv_corrupt_pushes",
                                   "K/V pushes refused by the receiver as corrupted in flight.",
                                   s.num_corrupt_pushes)
+        yield CounterMetricFamily("kvferry_prefix_cache_queries",
+                                  "Prompt tokens looked up in the prefix cache.",
+                                  s.prefix_cache_queries)
+        yield CounterMetricFamily("kvferry_prefix_cache_hits",
+                                  "Prompt tokens found in the prefix cache (not computed, or "
+                                  "not received).", s.prefix_cache_hits)
+        yield GaugeMetricFamily("kvferry_prefix_cache_blocks",
+                                "Blocks only the prefix cache holds (reclaimable).",
+                                s.cached_blocks)
         if self.role == "prefill":
             yield GaugeMetricFamily("kvferry_kv_parked_requests",
                                     "Deferred prefills whose K/V waits here to be shipped.",
