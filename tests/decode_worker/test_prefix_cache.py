@@ -1,0 +1,177 @@
+"""Prefix caching on an in-process decode engine (the colocated path: reserve, local prefill,
+decode): tokens are the same as without the cache, shared blocks are never written, eviction
+under a small pool keeps every held block, salts never share, and a push skips the blocks a
+reservation took from the cache."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from decode_worker.engine import DecodeEngine
+from decode_worker.sequence import FinishedEvent, TokensEvent
+from kernels.dispatch import get_attention_backend
+from kvferry.cache.layout import KvLayout, blocks_for_tokens
+from kvferry.cache.pool import KvPool
+from kvferry.errors import InvalidArgument
+from kvferry.model.config import load_model_config
+from kvferry.model.sampling import SamplingParams
+from kvferry.model.transformer import Transformer
+from kvferry.transfer import wire
+
+BLOCK_SIZE = 4
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def model(qwen3_checkpoint: Path) -> Transformer:
+    return Transformer(load_model_config(qwen3_checkpoint), get_attention_backend("torch"),
+                       torch.float32, torch.device("cpu"))
+
+
+def _engine(model: Transformer, num_blocks: int, caching: bool = True) -> DecodeEngine:
+    config = model.config
+    pool = KvPool(config.num_layers, config.num_kv_heads, config.head_dim, BLOCK_SIZE,
+                  num_blocks, torch.float32, torch.device("cpu"), prefix_caching=caching)
+    return DecodeEngine(model, pool, KvLayout.of_pool(pool, config.fingerprint))
+
+
+async def _generate(engine: DecodeEngine, request_id: str, prompt: list[int],
+                    max_tokens: int, salt: str = "") -> tuple[list[int], int]:
+    """Reserve, prefill locally, decode greedily: (tokens, prompt tokens found cached)."""
+    await engine.reserve(request_id, len(prompt), max_tokens, 30.0, prompt, salt)
+    first, _, num_cached = await engine.prefill_local(request_id, prompt, GREEDY)
+    queue = engine.attach(request_id, first, GREEDY, max_tokens - 1, [])
+    tokens = [first]
+    while True:
+        event = await asyncio.wait_for(queue.get(), 60)
+        if isinstance(event, TokensEvent):
+            tokens += event.token_ids
+            continue
+        assert isinstance(event, FinishedEvent), event
+        return tokens, num_cached
+
+
+def _run(engine: DecodeEngine, batches: list[list[tuple[list[int], int]]], salt: str = "",
+         after_batch: Callable[[int], None] = lambda b: None) -> list[tuple[list[int], int]]:
+    """Each batch's requests concurrently, batch after batch; results in order."""
+    async def run() -> list[tuple[list[int], int]]:
+        engine.start()
+        results: list[tuple[list[int], int]] = []
+        try:
+            for b, batch in enumerate(batches):
+                results += await asyncio.gather(*(
+                    _generate(engine, f"r{b}.{i}", prompt, n, salt)
+                    for i, (prompt, n) in enumerate(batch)))
+                report = engine.pool.allocator.check_integrity()
+                assert report.ok, report.error
+                after_batch(b)
+            return results
+        finally:
+            await engine.stop()
+    return asyncio.run(run())
+
+
+def _tokens(seed: int, n: int, vocab: int) -> list[int]:
+    return torch.randint(1, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_shared_blocks_are_never_written_and_tokens_match(model: Transformer) -> None:
+    vocab = model.config.vocab_size
+    prefix = _tokens(1, 13, vocab)  # 3 full blocks and one token
+    first = [(prefix, 6)]
+    # On a block boundary (12 tokens shared) and off it (13), decoding long on top of them.
+    followers = [(prefix[:12] + _tokens(2, 5, vocab), 20), (prefix + _tokens(3, 9, vocab), 20),
+                 (prefix, 20)]
+    cached = _engine(model, 64)
+    allocator = cached.pool.allocator
+    seen: dict[int, torch.Tensor] = {}
+
+    def snapshot(batch: int) -> None:
+        if batch == 0:  # the first request's blocks, before anything decodes on top of them
+            for block_id in allocator._block_of.values():
+                seen[block_id] = cached.pool.cache[:, :, block_id].clone()
+
+    results = _run(cached, [first, followers], after_batch=snapshot)
+    assert len(seen) >= 3
+    for block_id, before in seen.items():
+        if block_id in allocator._key_of:  # still indexed: the same bytes, bit for bit
+            after = cached.pool.cache[:, :, block_id]
+            assert torch.equal(after.view(torch.int32), before.view(torch.int32)), block_id
+    plain = _run(_engine(model, 64, caching=False), [first, followers])
+    assert [t for t, _ in results] == [t for t, _ in plain]
+    assert [c for _, c in results] == [0, 12, 12, 12]  # the last prompt block is recomputed
+    assert [c for _, c in plain] == [0, 0, 0, 0]
+
+
+def test_eviction_under_a_small_pool_keeps_tokens_and_integrity(model: Transformer) -> None:
+    vocab = model.config.vocab_size
+    prefixes = [_tokens(10 + p, 16, vocab) for p in range(4)]
+    batches = [[(prefixes[(b + i) % 4] + _tokens(100 * b + i, 3, vocab), 8) for i in range(2)]
+               for b in range(6)]
+    small = _engine(model, 16)  # two requests of up to 7 blocks: the cache must give way
+    results = _run(small, batches)
+    assert small.pool.allocator.events.seq > 0
+    evicted = sum(len(e.removed) for e in small.pool.allocator.events._log)
+    assert evicted > 0, "the pool never had to evict: the test does not test eviction"
+    assert any(c for _, c in results), "nothing was ever found in the cache"
+    plain = _run(_engine(model, 64, caching=False), batches)
+    assert [t for t, _ in results] == [t for t, _ in plain]
+    assert small.pool.allocator.num_free == 16
+
+
+def test_different_salts_never_share(model: Transformer) -> None:
+    prompt = _tokens(5, 20, model.config.vocab_size)
+    engine = _engine(model, 64)
+    async def run() -> list[int]:
+        engine.start()
+        try:
+            counts = []
+            for i, salt in enumerate(["a", "b", "a", ""]):
+                _, num_cached = await _generate(engine, f"s{i}", prompt, 4, salt)
+                counts.append(num_cached)
+            return counts
+        finally:
+            await engine.stop()
+    assert asyncio.run(run()) == [0, 0, 16, 0]
+
+
+def test_a_push_carries_only_the_blocks_the_cache_lacks(model: Transformer) -> None:
+    engine = _engine(model, 64)
+    prompt = _tokens(6, 18, model.config.vocab_size)  # 4 full blocks and 2 tokens
+    layout = engine.layout
+    num_blocks = blocks_for_tokens(len(prompt), BLOCK_SIZE)
+    sender = KvPool(layout.num_layers, layout.num_kv_heads, layout.head_dim, BLOCK_SIZE,
+                    num_blocks, torch.float32)
+    sender.cache.normal_(generator=torch.Generator().manual_seed(0))
+
+    def chunk(span: wire.ChunkSpan) -> bytes:
+        return wire.pack_array(sender, list(range(num_blocks)), span).tobytes()
+
+    async def run() -> None:
+        engine.start()
+        try:
+            await _generate(engine, "first", prompt, 4)
+            granted = await engine.reserve("second", len(prompt), 4, 30.0, prompt)
+            assert granted.num_cached_blocks == 4  # max_shared_blocks(18, 4)
+            overlap = wire.ChunkSpan(0, layout.num_layers, 3, 2)
+            with pytest.raises(InvalidArgument, match="overlaps"):
+                data = chunk(overlap)
+                engine.receiver.receive_chunk("second", layout, len(prompt), overlap, data,
+                                              wire.crc32(data))
+            spans = wire.plan_chunks(layout, len(prompt), first_block=4)
+            assert {(s.block_start, s.num_blocks) for s in spans} == {(4, 1)}
+            for span in spans:
+                data = chunk(span)
+                engine.receiver.receive_chunk("second", layout, len(prompt), span, data,
+                                              wire.crc32(data))
+            engine.receiver.finish_push("second")
+            engine.abort("second")
+            assert engine.pool.allocator.check_integrity().ok
+        finally:
+            await engine.stop()
+    asyncio.run(run())
