@@ -20,10 +20,12 @@ from kvferry.settings import (
     DEFAULT_KV_MAX_RESENDS,
     DEFAULT_KV_POOL_SIZE,
     DEFAULT_LEASE_S,
+    DEFAULT_LOAD_WEIGHT,
     DEFAULT_MAX_WAITING,
     DEFAULT_MODEL_DIR,
     DEFAULT_PREFILL_CHUNK_SIZE,
     DEFAULT_PREFILL_TOKEN_BUDGET,
+    DEFAULT_PREFIX_WEIGHT,
     DEFAULT_TORCH_THREADS,
     DEPLOYMENT_TORCH_THREADS,
     DTYPES,
@@ -201,6 +203,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dns-interval-s", type=float, default=DEFAULT_DNS_INTERVAL_S)
     p.add_argument("--lease-s", type=float, default=DEFAULT_LEASE_S)
     p.add_argument("--policy", default=POLICIES[0], choices=POLICIES)
+    p.add_argument("--prefix-weight", type=float, default=DEFAULT_PREFIX_WEIGHT,
+                   help="prefix policy: cost of each prompt block not cached on a worker")
+    p.add_argument("--load-weight", type=float, default=DEFAULT_LOAD_WEIGHT,
+                   help="prefix policy: cost of each block of load on a worker (K/V blocks "
+                        "in use on decode, pending prompt tokens per block on prefill)")
     p.add_argument("--local-prefill-threshold", type=int, default=0,
                    help="prompts shorter than this many tokens are prefilled on the decode "
                         "worker itself (conditional disaggregation); 0: off")
@@ -272,6 +279,7 @@ def router_settings(args: argparse.Namespace) -> RouterSettings:
         model=args.model or ensure_default_model(), prefill=tuple(args.prefill),
         decode=tuple(args.decode), colocated=tuple(args.colocated), host=args.host,
         port=args.port, lease_s=args.lease_s, policy=args.policy,
+        prefix_weight=args.prefix_weight, load_weight=args.load_weight,
         prefill_dns=args.prefill_dns, decode_dns=args.decode_dns,
         dns_interval_s=args.dns_interval_s,
         local_prefill_threshold=args.local_prefill_threshold,

@@ -183,7 +183,8 @@ async def build_router(settings: RouterSettings) -> Built:
         tasks.append(asyncio.create_task(
             discovery_loop(workers, dns_names, settings.dns_interval_s)))
     await workers.refresh_all()
-    router = Router(config, tokenizer, workers, settings.lease_s, make_policy(settings.policy),
+    policy = make_policy(settings.policy, settings.prefix_weight, settings.load_weight)
+    router = Router(config, tokenizer, workers, settings.lease_s, policy,
                     settings.local_prefill_threshold, limits=settings.limits)
     log.info("router instance %s: downstream request ids are <id>@%s", router.instance_id,
              router.instance_id)

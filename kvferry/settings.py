@@ -39,7 +39,12 @@ DEFAULT_COMPILE_BATCH_SIZES = "1,2,4,8,16,32"
 # Decode step on CUDA with Triton attention: replayed from CUDA graphs per bucket (the same
 # buckets), or eager ("off", vLLM's --enforce-eager); kvferry/model/cuda_graphs.py.
 CUDA_GRAPH_MODES = ("on", "off")
-POLICIES = ("headroom", "round_robin", "least_requests")  # router/policy.py
+# router/policy.py; the first is the default
+POLICIES = ("prefix", "headroom", "round_robin", "least_requests")
+# The prefix policy's cost weights (router/policy.py): per prompt block not cached on a worker,
+# and per block of load there (K/V blocks in use on decode, pending prompt tokens on prefill).
+DEFAULT_PREFIX_WEIGHT = 1.0
+DEFAULT_LOAD_WEIGHT = 1.0
 
 _SIZE = re.compile(r"^\s*([0-9.]+)\s*(B|KB|KiB|MB|MiB|GB|GiB)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "kib": 2**10, "mb": 10**6, "mib": 2**20, "gb": 10**9,
@@ -232,6 +237,8 @@ class RouterSettings:
     port: int = 0
     lease_s: float = DEFAULT_LEASE_S
     policy: str = POLICIES[0]
+    prefix_weight: float = DEFAULT_PREFIX_WEIGHT  # the prefix policy's cost weights
+    load_weight: float = DEFAULT_LOAD_WEIGHT
     local_prefill_threshold: int = 0  # prompts shorter than this prefill on the decode worker
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S  # SIGTERM: to finish in-flight streams
     metrics_port: int | None = None  # Prometheus /metrics on this HTTP port (0: any free)
@@ -244,6 +251,10 @@ class RouterSettings:
             raise ValueError("is_public_client_auth: needs tls_ca to verify client certificates")
         if self.policy not in POLICIES:
             raise ValueError(f"policy: unknown {self.policy!r}")
+        for name in ("prefix_weight", "load_weight"):
+            weight = getattr(self, name)
+            if not weight >= 0:  # NaN too
+                raise ValueError(f"{name}: must be >= 0, got {weight}")
         _check_common(self.drain_timeout_s, self.metrics_port)
         if self.local_prefill_threshold < 0:
             raise ValueError("local_prefill_threshold: must be >= 0")

@@ -18,6 +18,7 @@ from typing import TypeVar
 import grpc
 
 from kvferry.cache.layout import blocks_needed
+from kvferry.cache.prefix import block_keys, cache_seed, max_shared_blocks
 from kvferry.errors import ResourceExhausted, Unavailable
 from kvferry.model.sampling import SamplingParams
 from router.decode_client import StreamBroken
@@ -64,6 +65,17 @@ class Downstream:
         self.admission_timeout_s = admission_timeout_s
         self.on_prefill_retry: Callable[[], None] = lambda: None  # metrics: count retries
 
+    def key_prompt(self, state: RouterRequest, prompt: list[int]) -> None:
+        """Compute the keys of the prompt's shareable blocks, as the workers' caches key them
+        (`kvferry.cache.prefix`), when the policy routes on them; each leg, before routing."""
+        state.block_keys = []
+        layout = self.workers.layout()
+        if not self.policy.uses_keys or layout is None:
+            return
+        seed = cache_seed(layout.model_fingerprint, layout.dtype, state.cache_salt)
+        state.block_keys = block_keys(prompt, layout.block_size, seed,
+                                      max_shared_blocks(len(prompt), layout.block_size))
+
     async def reserve(self, state: RouterRequest, prompt: list[int], max_tokens: int,
                       deadline: float | None) -> float:
         """Reserve on the best decode worker; returns seconds spent waiting for headroom."""
@@ -71,7 +83,7 @@ class Downstream:
         candidates, waited = await self._admit(state, need, deadline)
         last_error = ""
         for worker in candidates:
-            worker.add_in_flight(state.request_id, need, 0)
+            worker.add_in_flight(state.request_id, need, 0, state.block_keys)
             state.unanswered_reserve = worker
             try:
                 state.decode_cached_blocks = await worker.decode.reserve(
@@ -94,10 +106,11 @@ class Downstream:
 
     async def _admit(self, state: RouterRequest, need: int, deadline: float | None
                      ) -> tuple[list[Worker], float]:
-        """Decode candidates in policy order, and seconds waited. The headroom policy waits
-        (bounded) until a worker has room for the request at its longest, so that nothing
-        gets preempted."""
-        candidates = self.policy.order_decode(self.workers.decode_workers(), need)
+        """Decode candidates in policy order, and seconds waited. A headroom policy (prefix
+        included) waits (bounded) until a worker has room for the request at its longest, so
+        that nothing gets preempted."""
+        candidates = self.policy.order_decode(self.workers.decode_workers(), need,
+                                              state.block_keys)
         if not isinstance(self.policy, HeadroomPolicy):
             return candidates, 0.0
         start = time.perf_counter()
@@ -109,7 +122,8 @@ class Downstream:
                 break  # let the worker queue it: it may still fit by the time it runs
             await asyncio.sleep(0.02)
             await self.workers.refresh_shared()
-            candidates = self.policy.order_decode(self.workers.decode_workers(), need)
+            candidates = self.policy.order_decode(self.workers.decode_workers(), need,
+                                                  state.block_keys)
         return candidates, time.perf_counter() - start
 
     def admission_would_wait(self, num_prompt: int, max_tokens: int) -> bool:
@@ -174,7 +188,7 @@ class Downstream:
             skip_blocks=state.decode_cached_blocks if is_push else 0,
         )
         if worker is not decode:
-            worker.add_in_flight(state.request_id, 0, len(prompt))
+            worker.add_in_flight(state.request_id, 0, len(prompt), state.block_keys)
         state.prefill_worker = worker
         state.prefill_call = worker.prefill.prefill(start, remaining_s(deadline))
         return state.prefill_call
@@ -264,7 +278,8 @@ class Downstream:
     def _next_prefill(self, state: RouterRequest, num_prompt: int) -> Worker:
         """Best prefill worker by policy, skipping those that already failed this request."""
         tried = state.failed_prefill
-        ordered = self.policy.order_prefill(self.workers.prefill_workers(), num_prompt)
+        ordered = self.policy.order_prefill(self.workers.prefill_workers(), num_prompt,
+                                            state.block_keys)
         fresh = [w for w in ordered if w.address not in tried]
         if not fresh:
             raise Unavailable(f"no healthy prefill worker left (tried {sorted(tried)})")

@@ -157,6 +157,7 @@ class Router:
         while True:
             context = prompt + generated
             remaining = params.max_tokens - len(generated)
+            self.downstream.key_prompt(state, context)
             # No decode worker has room for it now: prefill anyway and stream the first token;
             # the K/V waits in the prefill worker's pool until a reservation is made.
             state.is_push_deferred = (not generated and remaining > 1

@@ -26,6 +26,9 @@ class RouterRequest:
     unanswered_reserve: Worker | None = None
     cache_salt: str = ""  # prefix-cache namespace, from the public request
     decode_cached_blocks: int = 0  # leading prompt blocks the decode reservation shares
+    # The leg's prompt block keys, up to `max_shared_blocks`, for a policy routing on the
+    # workers' prefix caches ([] for the others); recomputed for each leg (migration).
+    block_keys: list[bytes] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens the first prefill found cached (Usage)
     kv_bytes_not_shipped: int = 0  # K/V bytes pushes skipped: the decode cache held them
     kv_bytes_shipped: int = 0  # K/V bytes pushed, every leg

@@ -41,9 +41,12 @@ class WorkerClient:
         await self._stub.Abort(generation_pb2.AbortRequest(request_id=request_id),
                                timeout=timeout_s)
 
-    async def get_stats(self, timeout_s: float | None) -> WorkerStats:
-        return stats_from_reply(await self._stub.GetStats(worker_pb2.GetStatsRequest(),
-                                                          timeout=timeout_s))
+    async def get_stats(self, timeout_s: float | None, cache_events_after: int = 0
+                        ) -> WorkerStats:
+        """Stats, with the prefix-cache events after the cursor `cache_events_after` (0: a
+        snapshot of every key the worker holds)."""
+        request = worker_pb2.GetStatsRequest(cache_events_after=cache_events_after)
+        return stats_from_reply(await self._stub.GetStats(request, timeout=timeout_s))
 
 
 async def is_serving(channel: grpc.aio.Channel, timeout_s: float, wait_for_ready: bool) -> bool:

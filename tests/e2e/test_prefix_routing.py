@@ -1,0 +1,94 @@
+"""Routing on the prefix cache (issue 18, acceptance 3): after one request leaves a long
+prefix in a decode worker's cache, requests sharing that prefix all go to that worker (its
+`kvferry_prefix_cache_hits_total` grows by the prefix each time, the other worker's not at
+all), even while a long request there makes the other worker the emptier one (headroom alone
+would send them there), and, with conditional disaggregation, each prefills there without a
+K/V transfer: only its short uncached suffix is left to compute."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from deploy import client
+from deploy.launcher import Deployment
+from kvferry.settings import DEFAULT_BLOCK_SIZE
+from kvferry.v1 import generation_pb2
+from tests.conftest import METRICS, assert_pools_clean
+from tests.e2e.test_metrics import scrape, value
+
+pytestmark = pytest.mark.slow
+
+PREFIX = list(range(200, 200 + 8 * DEFAULT_BLOCK_SIZE))  # 8 full blocks
+THRESHOLD = 32  # prompts with fewer uncached tokens prefill on the decode worker
+HITS = "kvferry_prefix_cache_hits_total"
+CACHED = "kvferry_prefix_cache_blocks"
+
+
+@pytest.fixture(scope="module")
+def prefix_deployment(qwen3_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+                      ) -> Iterator[Deployment]:
+    # Prefix weight 8: the 8 cached blocks (64) outweigh the long request's 34 blocks there
+    # plus the few a finished request's stats may still show (9).
+    deployment = Deployment(
+        model=str(qwen3_checkpoint), num_prefill=1, num_decode=2, worker_args=METRICS,
+        router_args=["--policy", "prefix", "--prefix-weight", "8",
+                     "--local-prefill-threshold", str(THRESHOLD)],
+        log_dir=tmp_path_factory.mktemp("prefix-routing-logs")).start()
+    yield deployment
+    deployment.stop()
+
+
+def _request(suffix: list[int], max_tokens: int = 4) -> generation_pb2.GenerateRequest:
+    return client.make_request(PREFIX + suffix, temperature=0.0, max_tokens=max_tokens,
+                               ignore_eos=True)
+
+
+def _decode_metrics(deployment: Deployment) -> dict[str, tuple[float, float]]:
+    """Each decode worker's (prefix-cache hits, cached blocks)."""
+    samples = {p.name: scrape(p.metrics_port) for p in deployment.processes
+               if p.name.startswith("decode")}
+    return {name: (value(s, HITS), value(s, CACHED)) for name, s in samples.items()}
+
+
+async def _follow_ups(deployment: Deployment, holder: str, before: float
+                      ) -> tuple[list[client.Completion], client.Completion]:
+    """A long request sharing the prefix (it goes to the holder and keeps it the fuller
+    worker), then, while it decodes, four short ones, one after another."""
+    address = deployment.router_address
+    long = asyncio.ensure_future(client.generate(address, _request([9, 9, 9], 400), 120))
+    deadline = time.monotonic() + 30
+    while (await asyncio.to_thread(_decode_metrics, deployment))[holder][0] == before:
+        assert time.monotonic() < deadline and not long.done(), "the long request went astray"
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.5)  # the router's next stats refresh sees it running there
+    short = [await client.generate(address, _request([300 + i, 301 + i, 302 + i]), 60)
+             for i in range(4)]
+    return short, await long
+
+
+def test_requests_sharing_a_prefix_go_where_it_is_cached(prefix_deployment: Deployment
+                                                         ) -> None:
+    deployment = prefix_deployment
+    first = asyncio.run(client.generate(deployment.router_address, _request([5, 6, 7]), 60))
+    assert first.finished.timing.kv_transfer_s > 0  # nothing cached yet: pushed
+    deadline = time.monotonic() + 10
+    while not any(cached for _, cached in _decode_metrics(deployment).values()):
+        assert time.monotonic() < deadline, "no decode worker cached the prefix"
+        time.sleep(0.1)
+    before = _decode_metrics(deployment)
+    holder = next(name for name, (_, cached) in before.items() if cached)
+    time.sleep(1.0)  # a few of the router's stats refreshes (every 0.2 s): its events too
+    short, long = asyncio.run(_follow_ups(deployment, holder, before[holder][0]))
+    after = _decode_metrics(deployment)
+    hits = {name: after[name][0] - before[name][0] for name in after}
+    assert hits[holder] >= 5 * len(PREFIX), hits
+    assert all(hits[name] == 0 for name in hits if name != holder), hits
+    # The decode worker held all but 3 tokens: prefilled there, nothing shipped.
+    assert all(c.finished.timing.kv_transfer_s == 0.0 for c in [*short, long])
+    assert [len(c.token_ids) for c in [*short, long]] == [4, 4, 4, 4, 400]
+    assert_pools_clean(deployment)
