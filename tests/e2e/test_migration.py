@@ -29,6 +29,10 @@ def test_decode_worker_killed_mid_stream(seed: int | None, qwen3_checkpoint: Pat
     undisturbed = asyncio.run(client.generate(qwen3_deployment.router_address, request, 120))
 
     with Deployment(model=str(qwen3_checkpoint), num_decode=2, log_dir=tmp_path) as deployment:
+        # The same request once undisturbed here first: the prefix caches hold its K/V, so
+        # the migrated leg's prefill starts from cached blocks (issue 18, acceptance 1).
+        warm = asyncio.run(client.generate(deployment.router_address, request, 120))
+        assert warm.token_ids == undisturbed.token_ids
         async def run() -> client.Completion:
             async with grpc_util.channel(deployment.router_address) as chan:
                 stub = generation_pb2_grpc.GenerationServiceStub(chan)
@@ -51,4 +55,5 @@ def test_decode_worker_killed_mid_stream(seed: int | None, qwen3_checkpoint: Pat
         assert got.text == undisturbed.text
         assert got.finished.usage.completion_tokens == 300
         assert "migrating" in (tmp_path / "router.log").read_text()
+        assert got.finished.usage.cached_prompt_tokens > 0
         assert_pools_clean(deployment)
