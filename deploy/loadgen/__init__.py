@@ -13,16 +13,18 @@ from deploy.loadgen.runner import SendOptions
 from deploy.loadgen.targets import Target
 from deploy.loadgen.workload import (
     BenchRequest,
+    Conversation,
     JsonlWorkload,
     MixedWorkload,
+    MultiTurnWorkload,
     RandomWorkload,
     SharedPrefixWorkload,
     ShareGptWorkload,
 )
 
 __all__ = [
-    "BenchConfig", "BenchRequest", "BenchmarkMetrics", "BenchmarkResult", "JsonlWorkload",
-    "MixedWorkload", "RandomWorkload", "RequestRecord", "RunResult", "SendOptions",
-    "ShareGptWorkload", "SharedPrefixWorkload", "Slo", "Target", "calculate_metrics",
-    "run_benchmark",
+    "BenchConfig", "BenchRequest", "BenchmarkMetrics", "BenchmarkResult", "Conversation",
+    "JsonlWorkload", "MixedWorkload", "MultiTurnWorkload", "RandomWorkload", "RequestRecord",
+    "RunResult", "SendOptions", "ShareGptWorkload", "SharedPrefixWorkload", "Slo", "Target",
+    "calculate_metrics", "run_benchmark",
 ]

@@ -7,6 +7,8 @@
 
 Every target gets the same requests (same seed and vocabulary) at the same arrival times for
 each rate. Targets run one after another; a launched one is stopped before the next starts.
+A conversation workload (MultiTurnWorkload) is sent the same way, with conversations in place
+of requests: num_requests and the rates count conversations, the records every turn.
 """
 
 from __future__ import annotations
@@ -21,9 +23,16 @@ from deploy import client
 from deploy.launcher import Deployment
 from deploy.loadgen.arrivals import arrival_offsets_s
 from deploy.loadgen.metrics import BenchmarkMetrics, RequestRecord, Slo, calculate_metrics
-from deploy.loadgen.runner import GenerateStub, SendOptions, run_requests
+from deploy.loadgen.runner import (
+    GenerateStub,
+    OnDone,
+    RunOutcome,
+    SendOptions,
+    run_conversations,
+    run_requests,
+)
 from deploy.loadgen.targets import Target, open_target, parse_target
-from deploy.loadgen.workload import BenchRequest, Workload
+from deploy.loadgen.workload import BenchRequest, Conversation, ConversationWorkload, Workload
 from kvferry.rpc import grpc_util
 
 if TYPE_CHECKING:
@@ -34,7 +43,7 @@ if TYPE_CHECKING:
 class BenchConfig:
     """Load shape and reporting; the same for every target."""
 
-    num_requests: int = 100
+    num_requests: int = 100  # conversations, for a conversation workload
     request_rates: tuple[float, ...] = (math.inf,)
     burstiness: float = 1.0
     max_concurrency: int | None = None
@@ -97,22 +106,41 @@ async def _warm_up(stub: GenerateStub, request: BenchRequest,
                            f"{failed[0].error}")
 
 
-async def run_target(name: str, address: str, requests: Sequence[BenchRequest],
+def _first_request(item: BenchRequest | Conversation) -> BenchRequest:
+    if isinstance(item, BenchRequest):
+        return item
+    return BenchRequest(item.messages[0], item.output_len, len(item.messages[0]))
+
+
+async def _run_rate(stub: GenerateStub, items: Sequence[BenchRequest] | Sequence[Conversation],
+                    offsets: Sequence[float], config: BenchConfig, on_done: OnDone | None,
+                    id_prefix: str) -> RunOutcome:
+    if items and isinstance(items[0], Conversation):
+        return await run_conversations(stub, items, offsets, config.send,
+                                       config.max_concurrency, on_done=on_done,
+                                       id_prefix=id_prefix)
+    return await run_requests(stub, items, offsets, config.send, config.max_concurrency,
+                              on_done=on_done, id_prefix=id_prefix)
+
+
+async def run_target(name: str, address: str,
+                     requests: Sequence[BenchRequest] | Sequence[Conversation],
                      config: BenchConfig) -> list[RunResult]:
-    """Every configured rate against one running router, over one channel."""
+    """Every configured rate against one running router, over one channel. `requests` may
+    be conversations (each starting at its arrival time, its turns one after another)."""
     results = []
+    total = sum(r.num_turns if isinstance(r, Conversation) else 1 for r in requests)
     async with grpc_util.channel(address) as chan:
         stub = client.public_stub(chan)
         if config.num_warmups:
-            await _warm_up(stub, requests[0], config, name)
+            await _warm_up(stub, _first_request(requests[0]), config, name)
         for rate in config.request_rates:
             offsets = arrival_offsets_s(len(requests), rate, config.burstiness, config.seed)
-            bar = _progress(len(requests), f"{name} @ {rate:g} req/s", config.show_progress)
+            bar = _progress(total, f"{name} @ {rate:g} req/s", config.show_progress)
             on_done = None if bar is None else (lambda _, b=bar: b.update(1))
             try:
-                outcome = await run_requests(stub, requests, offsets, config.send,
-                                             config.max_concurrency, on_done=on_done,
-                                             id_prefix=f"bench-{name}-{rate:g}")
+                outcome = await _run_rate(stub, requests, offsets, config, on_done,
+                                          f"bench-{name}-{rate:g}")
             finally:
                 if bar is not None:
                     bar.close()
@@ -122,7 +150,7 @@ async def run_target(name: str, address: str, requests: Sequence[BenchRequest],
     return results
 
 
-def run_benchmark(targets: Sequence[Target | str], workload: Workload,
+def run_benchmark(targets: Sequence[Target | str], workload: Workload | ConversationWorkload,
                   config: BenchConfig | None = None,
                   launch: Deployment | None = None) -> BenchmarkResult:
     """Run the workload against every target at every rate; blocking (starts its own loop).
@@ -134,7 +162,7 @@ def run_benchmark(targets: Sequence[Target | str], workload: Workload,
     names = [t.name for t in parsed]
     if len(set(names)) != len(names):
         raise ValueError(f"targets: names must differ, got {names}")
-    built: dict[int, list[BenchRequest]] = {}
+    built: dict[int, list[BenchRequest] | list[Conversation]] = {}
     runs: list[RunResult] = []
     for target in parsed:
         with open_target(target, launch) as address:

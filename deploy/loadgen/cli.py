@@ -11,7 +11,9 @@ from deploy.loadgen.bench import BenchConfig, BenchmarkResult, run_benchmark
 from deploy.loadgen.metrics import Slo
 from deploy.loadgen.runner import SendOptions
 from deploy.loadgen.workload import (
+    ConversationWorkload,
     JsonlWorkload,
+    MultiTurnWorkload,
     RandomWorkload,
     SharedPrefixWorkload,
     ShareGptWorkload,
@@ -25,7 +27,7 @@ from kvferry.settings import (
     DEPLOYMENT_TORCH_THREADS,
 )
 
-DATASETS = ("random", "shared-prefix", "jsonl", "sharegpt")
+DATASETS = ("random", "shared-prefix", "multi-turn", "jsonl", "sharegpt")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -50,8 +52,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w = p.add_argument_group("workload")
     w.add_argument("--dataset-name", default="random", choices=DATASETS)
     w.add_argument("--dataset-path", type=Path, default=None, help="jsonl / sharegpt file")
-    w.add_argument("--num-prompts", type=int, default=100, help="requests per run")
-    w.add_argument("--input-len", type=int, default=128, help="random: prompt tokens")
+    w.add_argument("--num-prompts", type=int, default=100,
+                   help="requests per run; multi-turn: conversations per run")
+    w.add_argument("--input-len", type=int, default=128,
+                   help="random: prompt tokens; multi-turn: turn 1's prompt tokens")
     w.add_argument("--output-len", type=int, default=None,
                    help="tokens to generate (max_tokens, ignore_eos); default 32, "
                         "sharegpt: the reply's length")
@@ -62,13 +66,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "tokens per prefix (default 256)")
     w.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix")
     w.add_argument("--suffix-len", type=int, default=32, help="shared-prefix")
+    w.add_argument("--num-turns", type=int, default=4, help="multi-turn: turns per conversation")
+    w.add_argument("--turn-len", type=int, default=32,
+                   help="multi-turn: tokens of each later turn's new user message")
+    w.add_argument("--think-time-s", type=float, default=0.0,
+                   help="multi-turn: pause between an answer and the next turn")
     w.add_argument("--tokenizer", type=Path, default=None,
                    help="tokenizer.json or its directory: counts text prompt lengths")
     w.add_argument("--vocab-size", type=int, default=None, help="default: GetModelInfo")
 
     g = p.add_argument_group("load")
     g.add_argument("--request-rate", type=float, nargs="+", default=[float("inf")],
-                   help="requests/s; several values sweep (inf: all at once)")
+                   help="requests/s (multi-turn: conversations/s); several values sweep "
+                        "(inf: all at once)")
     g.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape: 1 Poisson, <1 burstier, >1 more even")
     g.add_argument("--max-concurrency", type=int, default=None)
@@ -96,7 +106,7 @@ def _token_counter(path: Path | None) -> TokenCounter | None:
     return lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids)
 
 
-def make_workload(args: argparse.Namespace) -> Workload:
+def make_workload(args: argparse.Namespace) -> Workload | ConversationWorkload:
     output_len = args.output_len or 32
     if args.dataset_name == "random":
         return RandomWorkload(args.input_len, output_len, args.range_ratio,
@@ -104,6 +114,9 @@ def make_workload(args: argparse.Namespace) -> Workload:
     if args.dataset_name == "shared-prefix":
         return SharedPrefixWorkload(args.num_prefixes, args.prefix_len or 256,
                                     args.suffix_len, output_len)
+    if args.dataset_name == "multi-turn":
+        return MultiTurnWorkload(args.num_turns, args.input_len, args.turn_len, output_len,
+                                 args.think_time_s)
     if args.dataset_path is None:
         raise ValueError(f"--dataset-path is required for {args.dataset_name}")
     counter = _token_counter(args.tokenizer)

@@ -9,6 +9,9 @@
   an empty list counts as [0], as vLLM's `values or 0` does.
 - Throughputs and goodput divide by the run's duration; only completed requests count.
   Goodput counts completed requests meeting every SLO given (a one-token request's TPOT is 0).
+- Prefix cache (from each request's usage, completed requests only): hit rate =
+  sum(cached_prompt_tokens) / sum(prompt_tokens); K/V bytes shipped (and not shipped, the
+  decode side's cache hits) per request are means over requests.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 OK = "OK"
+ABANDONED = "ABANDONED"  # a conversation's turn never sent: an earlier turn failed
 METRIC_NAMES = ("ttft", "tpot", "itl", "e2el")
 SLO_NAMES = ("ttft", "tpot", "e2el")
 
@@ -38,6 +42,9 @@ class RequestRecord:
     status: str = OK  # OK or the gRPC status code's name
     error: str = ""
     tag: str = ""  # the request's tag (BenchRequest.tag)
+    cached_prompt_tokens: int = 0  # usage: prompt tokens the prefill worker had cached
+    kv_bytes_shipped: int = 0  # usage: K/V bytes pushed to decode workers for it
+    kv_bytes_not_shipped: int = 0  # usage: K/V bytes the decode worker already held
 
     @property
     def is_success(self) -> bool:
@@ -120,6 +127,10 @@ class BenchmarkMetrics:
     request_goodput: float | None  # None when no SLO was given
     output_throughput: float
     total_token_throughput: float
+    total_cached_prompt_tokens: int
+    prefix_cache_hit_rate: float  # cached / prompt tokens; 0 when no prompt token completed
+    mean_kv_bytes_shipped: float
+    mean_kv_bytes_not_shipped: float
     ttft: Stats
     tpot: Stats
     itl: Stats
@@ -130,6 +141,10 @@ class BenchmarkMetrics:
 
     def stats(self, name: str) -> Stats:
         return {"ttft": self.ttft, "tpot": self.tpot, "itl": self.itl, "e2el": self.e2el}[name]
+
+
+def _mean(values: Sequence[int]) -> float:
+    return float(np.mean(values)) if values else 0.0
 
 
 def _token_times(record: RequestRecord) -> list[float]:
@@ -170,6 +185,7 @@ def calculate_metrics(records: Sequence[RequestRecord], duration_s: float, slo: 
     total_input = sum(r.prompt_len for r in done)
     total_output = sum(r.output_len for r in done)
     good = sum(1 for r in done if slo.is_met(r))
+    total_cached = sum(r.cached_prompt_tokens for r in done)
     max_tokens_per_s, max_concurrent = _peaks(done)
     return BenchmarkMetrics(
         duration_s=duration_s, completed=len(done), failed=len(records) - len(done),
@@ -178,6 +194,10 @@ def calculate_metrics(records: Sequence[RequestRecord], duration_s: float, slo: 
         request_goodput=good / duration_s if slo.is_set else None,
         output_throughput=total_output / duration_s,
         total_token_throughput=(total_input + total_output) / duration_s,
+        total_cached_prompt_tokens=total_cached,
+        prefix_cache_hit_rate=total_cached / total_input if total_input else 0.0,
+        mean_kv_bytes_shipped=_mean([r.kv_bytes_shipped for r in done]),
+        mean_kv_bytes_not_shipped=_mean([r.kv_bytes_not_shipped for r in done]),
         ttft=Stats.of([r.ttft_s for r in done], percentiles),
         tpot=Stats.of([r.tpot_s for r in done if r.output_len > 1], percentiles),
         itl=Stats.of([gap for r in done for gap in r.itls_s], percentiles),

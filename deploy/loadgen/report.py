@@ -3,8 +3,11 @@
 JSON layout: {"date", "config", "workload", "runs": [run, ...]}; each run has vLLM's keys
 (duration, completed, failed, request_throughput, request_goodput, mean_ttft_ms,
 p99_itl_ms, ..., input_lens, output_lens, ttfts, itls, latencies, start_times, errors) plus
-target, request_rate, statuses, tags and failures_by_status. With a single run, its keys are also
-copied to the top level, so tools that read vLLM's result files read this one.
+target, request_rate, statuses, tags and failures_by_status, and the prefix cache's figures:
+total_cached_prompt_tokens, prefix_cache_hit_rate, mean_kv_bytes_shipped,
+mean_kv_bytes_not_shipped, and per request cached_prompt_tokens, kv_bytes_shipped,
+kv_bytes_not_shipped. With a single run, its keys are also copied to the top level, so tools
+that read vLLM's result files read this one.
 """
 
 from __future__ import annotations
@@ -43,6 +46,10 @@ def run_to_dict(run: RunResult) -> dict[str, Any]:
         "total_token_throughput": m.total_token_throughput,
         "max_output_tokens_per_s": m.max_output_tokens_per_s,
         "max_concurrent_requests": m.max_concurrent_requests,
+        "total_cached_prompt_tokens": m.total_cached_prompt_tokens,
+        "prefix_cache_hit_rate": m.prefix_cache_hit_rate,
+        "mean_kv_bytes_shipped": m.mean_kv_bytes_shipped,
+        "mean_kv_bytes_not_shipped": m.mean_kv_bytes_not_shipped,
     }
     for name in METRIC_NAMES:
         stats = m.stats(name)
@@ -59,6 +66,9 @@ def run_to_dict(run: RunResult) -> dict[str, Any]:
         "start_times": [r.start_s for r in records],
         "statuses": [r.status for r in records], "errors": [r.error for r in records],
         "tags": [r.tag for r in records],
+        "cached_prompt_tokens": [r.cached_prompt_tokens for r in records],
+        "kv_bytes_shipped": [r.kv_bytes_shipped for r in records],
+        "kv_bytes_not_shipped": [r.kv_bytes_not_shipped for r in records],
     })
     return out
 
@@ -106,7 +116,12 @@ def format_run(run: RunResult) -> str:
     if m.request_goodput is not None:
         lines.append(_row("Request goodput (req/s):", m.request_goodput))
     lines += [_row("Output token throughput (tok/s):", m.output_throughput),
-              _row("Total token throughput (tok/s):", m.total_token_throughput)]
+              _row("Total token throughput (tok/s):", m.total_token_throughput),
+              " Prefix cache ".center(50, "-"),
+              _row("Cached prompt tokens:", m.total_cached_prompt_tokens),
+              _row("Prefix cache hit rate (%):", 100 * m.prefix_cache_hit_rate),
+              _row("K/V bytes shipped per request:", m.mean_kv_bytes_shipped),
+              _row("K/V bytes not shipped per request:", m.mean_kv_bytes_not_shipped)]
     for name in METRIC_NAMES:
         stats, label = m.stats(name), _LABELS[name]
         lines.append(f" {label} ".center(50, "-"))
@@ -123,8 +138,9 @@ def format_comparison(result: BenchmarkResult) -> str:
     p = max(result.config.percentiles)
     word = percentile_word(p)
     header = (f"| target | rate | done | failed | req/s | goodput | p50 TTFT | p{word} TTFT "
-              f"| p50 ITL | p{word} ITL | p50 TPOT | p{word} TPOT |")
-    lines = [header, "|---" + "|---:" * 11 + "|"]
+              f"| p50 ITL | p{word} ITL | p50 TPOT | p{word} TPOT | cache hits "
+              "| K/V KiB/req |")
+    lines = [header, "|---" + "|---:" * 13 + "|"]
     for run in result.runs:
         m = run.metrics
         goodput = "-" if m.request_goodput is None else f"{m.request_goodput:.2f}"
@@ -133,6 +149,8 @@ def format_comparison(result: BenchmarkResult) -> str:
         for name in ("ttft", "itl", "tpot"):
             stats = m.stats(name)
             cells += [f"{stats.median_ms:.1f}", f"{stats.percentile_ms(p):.1f}"]
+        cells += [f"{100 * m.prefix_cache_hit_rate:.1f}%",
+                  f"{m.mean_kv_bytes_shipped / 1024:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -2,6 +2,8 @@
 
 Requests go out on schedule whether or not earlier ones have finished (open loop); an
 optional max_concurrency holds a request back until a slot frees, as vLLM's semaphore does.
+Conversations start on the same schedule, and within one the turns are a closed loop: a turn
+is sent when the previous one has finished (and its think time passed).
 Timestamps come from an injectable clock, so tests can script them exactly.
 """
 
@@ -12,14 +14,15 @@ import contextlib
 import time
 from collections.abc import AsyncIterable, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import grpc
 
-from deploy.loadgen.metrics import OK, RequestRecord
-from deploy.loadgen.workload import BenchRequest
+from deploy.loadgen.metrics import ABANDONED, OK, RequestRecord
+from deploy.loadgen.workload import BenchRequest, Conversation
 from kvferry.v1 import generation_pb2
 
+T = TypeVar("T")
 Clock = Callable[[], float]
 Sleep = Callable[[float], Awaitable[None]]
 OnDone = Callable[[RequestRecord], None]
@@ -67,13 +70,15 @@ def to_proto(request: BenchRequest, request_id: str, options: SendOptions,
 
 
 async def send_one(stub: GenerateStub, request: BenchRequest, proto: generation_pb2.
-                   GenerateRequest, options: SendOptions, clock: Clock, origin_s: float
-                   ) -> RequestRecord:
-    """Stream one request; every failure becomes a record carrying its status code."""
+                   GenerateRequest, options: SendOptions, clock: Clock, origin_s: float,
+                   answer: list[int] | None = None) -> RequestRecord:
+    """Stream one request; every failure becomes a record carrying its status code.
+    `answer`, when given, receives the generated token ids."""
     start = clock()
     ttft, last, itls, num_tokens = 0.0, start, [], 0
     prompt_len = request.prompt_len
     status, error = OK, ""
+    usage = generation_pb2.Usage()
     try:
         finished = None
         async for msg in stub.Generate(proto, timeout=options.timeout_s):
@@ -87,16 +92,45 @@ async def send_one(stub: GenerateStub, request: BenchRequest, proto: generation_
                     itls.append(now - last)
                 last = now
                 num_tokens += len(msg.chunk.token_ids)
+                if answer is not None:
+                    answer.extend(msg.chunk.token_ids)
         if finished is None:
             status, error = "INCOMPLETE", "stream ended without a finished message"
-        elif finished.usage.prompt_tokens:
-            prompt_len = finished.usage.prompt_tokens
+        else:
+            usage = finished.usage
+            prompt_len = usage.prompt_tokens or prompt_len
     except grpc.aio.AioRpcError as exc:
         status, error = exc.code().name, exc.details() or ""
     return RequestRecord(
         prompt_len=prompt_len or 0, output_len=num_tokens, start_s=start - origin_s,
         ttft_s=ttft, itls_s=tuple(itls), latency_s=last - start, status=status, error=error,
-        tag=request.tag)
+        tag=request.tag, cached_prompt_tokens=usage.cached_prompt_tokens,
+        kv_bytes_shipped=usage.kv_bytes_shipped,
+        kv_bytes_not_shipped=usage.kv_bytes_not_shipped)
+
+
+def _check_load(num_items: int, offsets_s: Sequence[float], max_concurrency: int | None
+                ) -> asyncio.Semaphore | contextlib.nullcontext[None]:
+    """The concurrency limit every request is sent under."""
+    if len(offsets_s) != num_items:
+        raise ValueError("offsets_s: one offset per request is needed")
+    if max_concurrency is not None and max_concurrency < 1:
+        raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+    return asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
+
+
+async def _on_schedule(offsets_s: Sequence[float], start: Callable[[int, float], Awaitable[T]],
+                       clock: Clock, sleep: Sleep) -> tuple[list[T], float]:
+    """Call start(i, origin) at offsets_s[i] after origin; every result, and the duration."""
+    origin = clock()
+    tasks = []
+    for index, offset in enumerate(offsets_s):
+        delay = origin + offset - clock()
+        if delay > 0:
+            await sleep(delay)
+        tasks.append(asyncio.create_task(start(index, origin)))
+    results = await asyncio.gather(*tasks)
+    return list(results), clock() - origin
 
 
 async def run_requests(stub: GenerateStub, requests: Sequence[BenchRequest],
@@ -105,14 +139,9 @@ async def run_requests(stub: GenerateStub, requests: Sequence[BenchRequest],
                        sleep: Sleep = asyncio.sleep, on_done: OnDone | None = None,
                        id_prefix: str = "bench") -> RunOutcome:
     """Send requests[i] at offsets_s[i] after the start; wait for all; time the run."""
-    if len(offsets_s) != len(requests):
-        raise ValueError("offsets_s: one offset per request is needed")
-    if max_concurrency is not None and max_concurrency < 1:
-        raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
-    limit = (asyncio.Semaphore(max_concurrency) if max_concurrency
-             else contextlib.nullcontext())
+    limit = _check_load(len(requests), offsets_s, max_concurrency)
 
-    async def limited(index: int) -> RequestRecord:
+    async def limited(index: int, origin: float) -> RequestRecord:
         request = requests[index]
         proto = to_proto(request, f"{id_prefix}-{index}", options, index)
         async with limit:
@@ -121,12 +150,55 @@ async def run_requests(stub: GenerateStub, requests: Sequence[BenchRequest],
             on_done(record)
         return record
 
-    origin = clock()
-    tasks = []
-    for index, offset in enumerate(offsets_s):
-        delay = origin + offset - clock()
-        if delay > 0:
-            await sleep(delay)
-        tasks.append(asyncio.create_task(limited(index)))
-    records = await asyncio.gather(*tasks)
-    return RunOutcome(tuple(records), clock() - origin)
+    records, duration_s = await _on_schedule(offsets_s, limited, clock, sleep)
+    return RunOutcome(tuple(records), duration_s)
+
+
+def _abandoned(turn: int, start_s: float) -> RequestRecord:
+    """The record of a turn never sent because an earlier turn of its conversation failed."""
+    return RequestRecord(prompt_len=0, output_len=0, start_s=start_s, status=ABANDONED,
+                         error="an earlier turn of the conversation failed",
+                         tag=f"turn-{turn + 1}")
+
+
+async def run_conversations(stub: GenerateStub, conversations: Sequence[Conversation],
+                            offsets_s: Sequence[float], options: SendOptions = SendOptions(),
+                            max_concurrency: int | None = None,
+                            clock: Clock = time.perf_counter, sleep: Sleep = asyncio.sleep,
+                            on_done: OnDone | None = None, id_prefix: str = "bench"
+                            ) -> RunOutcome:
+    """Start conversations[i] at offsets_s[i]; its turns go one after another, each tagged
+    "turn-K". Records: conversation by conversation, turn by turn. A failed turn ends its
+    conversation: the turns after it are recorded as ABANDONED. max_concurrency counts
+    requests in flight, not conversations."""
+    limit = _check_load(len(conversations), offsets_s, max_concurrency)
+    first_index = [0]
+    for conversation in conversations:
+        first_index.append(first_index[-1] + conversation.num_turns)
+
+    async def converse(index: int, origin: float) -> list[RequestRecord]:
+        conversation, records = conversations[index], []
+        prompt: tuple[int, ...] = ()
+        answer: list[int] = []
+        for turn in range(conversation.num_turns):
+            if records and not records[-1].is_success:
+                record = _abandoned(turn, clock() - origin)
+            else:
+                if turn and conversation.think_time_s > 0:
+                    await sleep(conversation.think_time_s)
+                prompt = conversation.next_prompt(prompt, answer, turn)
+                answer = []
+                request = BenchRequest(prompt, conversation.output_len, len(prompt),
+                                       tag=f"turn-{turn + 1}")
+                proto = to_proto(request, f"{id_prefix}-{index}-{turn + 1}", options,
+                                 first_index[index] + turn)
+                async with limit:
+                    record = await send_one(stub, request, proto, options, clock, origin,
+                                            answer)
+            if on_done is not None:
+                on_done(record)
+            records.append(record)
+        return records
+
+    per_conversation, duration_s = await _on_schedule(offsets_s, converse, clock, sleep)
+    return RunOutcome(tuple(r for records in per_conversation for r in records), duration_s)

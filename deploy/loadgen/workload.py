@@ -3,6 +3,8 @@
 Synthetic prompts are token ids drawn from [0, vocab_size), so input lengths are exact
 without a tokenizer; the server's vocabulary size comes from GetModelInfo. Every request
 carries its output length, sent as max_tokens with ignore_eos so runs are comparable.
+A multi-turn workload builds conversations instead of requests: a turn's prompt holds the
+previous turn's answer, so it is only complete once that answer has come back.
 """
 
 from __future__ import annotations
@@ -32,10 +34,38 @@ class BenchRequest:
     tag: str = ""  # a label carried into the request's record (e.g. "short", "long")
 
 
+@dataclass(frozen=True)
+class Conversation:
+    """A chat whose turns are sent one after another. Turn 1's prompt is messages[0]; turn
+    k + 1's prompt is turn k's prompt, the token ids turn k generated, then messages[k]."""
+
+    messages: tuple[tuple[int, ...], ...]  # each turn's new tokens; the first: system + user
+    output_len: int  # every turn's max_tokens, with ignore_eos
+    think_time_s: float = 0.0  # after an answer, before the next turn is sent
+
+    @property
+    def num_turns(self) -> int:
+        return len(self.messages)
+
+    def next_prompt(self, prompt: tuple[int, ...], answer: Sequence[int],
+                    turn: int) -> tuple[int, ...]:
+        """Turn `turn`'s prompt (0-based) from the previous turn's prompt and answer."""
+        if turn == 0:
+            return self.messages[0]
+        return prompt + tuple(answer) + self.messages[turn]
+
+
 class Workload(Protocol):
     """A recipe for requests: the same arguments always give the same requests."""
 
     def build(self, num_requests: int, vocab_size: int, seed: int) -> list[BenchRequest]: ...
+
+
+class ConversationWorkload(Protocol):
+    """A recipe for conversations: the same arguments always give the same conversations."""
+
+    def build(self, num_conversations: int, vocab_size: int, seed: int
+              ) -> list[Conversation]: ...
 
 
 def _check_positive(name: str, value: int) -> None:
@@ -104,6 +134,33 @@ class SharedPrefixWorkload:
             prompt = prefixes[index] + _tokens(rng, vocab_size, self.suffix_len)
             requests.append(BenchRequest(prompt, self.output_len, len(prompt)))
         return requests
+
+
+@dataclass(frozen=True)
+class MultiTurnWorkload:
+    """Chats of num_turns turns: turn 1 sends input_len random tokens (system prompt and first
+    user message); every later turn adds the answer and a new message of turn_len tokens, so
+    turn k's prompt is input_len + (k - 1) x (output_len + turn_len) tokens long."""
+
+    num_turns: int = 4
+    input_len: int = 256
+    turn_len: int = 32
+    output_len: int = 32
+    think_time_s: float = 0.0
+
+    def build(self, num_conversations: int, vocab_size: int, seed: int) -> list[Conversation]:
+        for name in ("num_turns", "input_len", "turn_len", "output_len"):
+            _check_positive(name, getattr(self, name))
+        if not self.think_time_s >= 0:
+            raise ValueError(f"think_time_s must be >= 0, got {self.think_time_s}")
+        rng = np.random.default_rng(seed)
+        conversations = []
+        for _ in range(num_conversations):
+            first = _tokens(rng, vocab_size, self.input_len)
+            later = [_tokens(rng, vocab_size, self.turn_len) for _ in range(self.num_turns - 1)]
+            conversations.append(Conversation((first, *later), self.output_len,
+                                              self.think_time_s))
+        return conversations
 
 
 def _take(items: Sequence[BenchRequest], num_requests: int, seed: int) -> list[BenchRequest]:

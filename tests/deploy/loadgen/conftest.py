@@ -16,6 +16,7 @@ from kvferry.v1 import generation_pb2, generation_pb2_grpc
 
 FAIL_TOKEN = 999_999  # a prompt starting with this id is refused: RESOURCE_EXHAUSTED
 VOCAB_SIZE = 1000
+KV_BYTES_PER_TOKEN = 10  # what the scripted usage reports per prompt token
 
 
 @dataclass(frozen=True)
@@ -37,8 +38,13 @@ def responses(request: generation_pb2.GenerateRequest, script: tuple[Step, ...]
         chunk = generation_pb2.TokenChunk(token_ids=[7] * step.num_tokens, text="x")
         yield step.delay_s, generation_pb2.GenerateResponse(request_id=request.request_id,
                                                             chunk=chunk)
-    usage = generation_pb2.Usage(prompt_tokens=len(request.token_ids.ids),
-                                 completion_tokens=sum(s.num_tokens for s in script))
+    num_prompt = len(request.token_ids.ids)
+    num_cached = num_prompt // 2  # a scripted prefix cache: half of every prompt hits
+    usage = generation_pb2.Usage(prompt_tokens=num_prompt,
+                                 completion_tokens=sum(s.num_tokens for s in script),
+                                 cached_prompt_tokens=num_cached,
+                                 kv_bytes_shipped=KV_BYTES_PER_TOKEN * (num_prompt - num_cached),
+                                 kv_bytes_not_shipped=KV_BYTES_PER_TOKEN * num_cached)
     finished = generation_pb2.Finished(reason=generation_pb2.FINISH_REASON_LENGTH, usage=usage)
     yield 0.0, generation_pb2.GenerateResponse(request_id=request.request_id, finished=finished)
 

@@ -92,3 +92,26 @@ def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--goodput", "speed:1", "--disable-tqdm"]) == 2
     assert main(["bench", "--dataset-name", "sharegpt"]) == 2
     assert "dataset-path" in capsys.readouterr().err
+
+
+def test_cli_multi_turn_reports_hit_rates(fake_server: FakeServer, tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    result_file = tmp_path / "out.json"
+    code = main(["bench", "--address", fake_server.address, "--dataset-name", "multi-turn",
+                 "--num-prompts", "2", "--num-turns", "3", "--input-len", "10",
+                 "--turn-len", "4", "--output-len", "5", "--request-rate", "inf",
+                 "--disable-tqdm", "--result-file", str(result_file)])
+    assert code == 0
+    data = json.loads(result_file.read_text())
+    assert data["completed"] == 6 and data["failed"] == 0
+    # Turn k: 10 + (k - 1) x (5 answer + 4 message) tokens; per conversation, turn by turn.
+    assert data["input_lens"] == [10, 19, 28] * 2
+    assert data["tags"] == ["turn-1", "turn-2", "turn-3"] * 2
+    assert data["cached_prompt_tokens"] == [5, 9, 14] * 2  # the scripted half
+    assert data["prefix_cache_hit_rate"] == pytest.approx(56 / 114)
+    assert data["mean_kv_bytes_shipped"] == pytest.approx(10 * (114 - 56) / 6)
+    assert data["mean_kv_bytes_not_shipped"] == pytest.approx(10 * 56 / 6)
+    prompts = {tuple(r.token_ids.ids) for r in fake_server.servicer.requests}
+    assert len(prompts) == 6
+    out = capsys.readouterr().out
+    assert "Prefix cache hit rate (%):" in out and "K/V bytes shipped per request:" in out

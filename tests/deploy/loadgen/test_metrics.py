@@ -113,3 +113,25 @@ def test_bad_goodput_is_a_value_error(bad: list[str]) -> None:
 def test_bad_duration() -> None:
     with pytest.raises(ValueError, match="duration_s"):
         calculate_metrics(RECORDS, 0.0)
+
+
+def test_prefix_cache_hit_rate_and_kv_bytes_per_request() -> None:
+    records = [
+        RequestRecord(100, 4, 0.0, cached_prompt_tokens=64, kv_bytes_shipped=1000,
+                      kv_bytes_not_shipped=3000),
+        RequestRecord(60, 4, 0.1, cached_prompt_tokens=16, kv_bytes_shipped=2000),
+        RequestRecord(40, 4, 0.2),  # a miss everywhere
+        RequestRecord(500, 0, 0.3, status="UNAVAILABLE", cached_prompt_tokens=500,
+                      kv_bytes_shipped=10**9),  # failed: not counted
+    ]
+    m = calculate_metrics(records, 1.0)
+    assert m.total_cached_prompt_tokens == 80
+    assert m.prefix_cache_hit_rate == approx(80 / 200)
+    assert m.mean_kv_bytes_shipped == approx(1000)
+    assert m.mean_kv_bytes_not_shipped == approx(1000)
+
+
+def test_no_completed_request_has_no_hits() -> None:
+    m = calculate_metrics([RequestRecord(3, 0, 0.0, status="UNAVAILABLE")], 1.0)
+    assert (m.prefix_cache_hit_rate, m.mean_kv_bytes_shipped) == (0.0, 0.0)
+    assert m.mean_kv_bytes_not_shipped == 0.0

@@ -9,11 +9,17 @@ import grpc
 import pytest
 
 from deploy.loadgen.metrics import Slo, calculate_metrics
-from deploy.loadgen.runner import SendOptions, run_requests
-from deploy.loadgen.workload import BenchRequest
+from deploy.loadgen.runner import SendOptions, run_conversations, run_requests
+from deploy.loadgen.workload import BenchRequest, Conversation
 from kvferry.rpc import grpc_util
 from kvferry.v1 import generation_pb2_grpc
-from tests.deploy.loadgen.conftest import FAIL_TOKEN, FakeServer, FakeStub, VirtualClock
+from tests.deploy.loadgen.conftest import (
+    FAIL_TOKEN,
+    KV_BYTES_PER_TOKEN,
+    FakeServer,
+    FakeStub,
+    VirtualClock,
+)
 
 approx = pytest.approx
 REQUESTS = [BenchRequest((1, 2, 3), 5, 3, tag="a"), BenchRequest((FAIL_TOKEN, 2), 5, 2),
@@ -88,3 +94,71 @@ def test_over_real_grpc(fake_server: FakeServer) -> None:
     assert 0.189 <= ok.latency_s <= 0.300
     assert ok.output_len == 5 and ok.prompt_len == 3
     assert len(fake_server.servicer.requests) == 3
+
+
+def _recording(stub: FakeStub) -> list:
+    seen = []
+    original = stub.Generate
+    stub.Generate = lambda request, timeout=None: seen.append(request) or original(request)
+    return seen
+
+
+def test_conversation_turns_carry_the_answers_one_after_another() -> None:
+    clock = VirtualClock()
+    stub = FakeStub(clock)
+    seen = _recording(stub)
+    chats = [Conversation(((1, 2), (3,), (4, 5)), output_len=5),
+             Conversation(((6,), (7,)), output_len=5)]
+    outcome = asyncio.run(run_conversations(stub, chats, [0.0, 5.0], SendOptions(seed=100),
+                                            clock=clock, sleep=clock.sleep, id_prefix="mt"))
+    # The scripted server answers five 7s in 190 ms; a turn is sent when the one before it
+    # has finished.
+    by_id = {r.request_id: r for r in seen}
+    answer = (7,) * 5
+    assert tuple(by_id["mt-0-1"].token_ids.ids) == (1, 2)
+    assert tuple(by_id["mt-0-2"].token_ids.ids) == (1, 2, *answer, 3)
+    assert tuple(by_id["mt-0-3"].token_ids.ids) == (1, 2, *answer, 3, *answer, 4, 5)
+    assert tuple(by_id["mt-1-2"].token_ids.ids) == (6, *answer, 7)
+    assert [by_id[f"mt-0-{k}"].sampling.seed for k in (1, 2, 3)] == [100, 101, 102]
+    assert [by_id[f"mt-1-{k}"].sampling.seed for k in (1, 2)] == [103, 104]
+    records = outcome.records
+    assert [r.tag for r in records] == ["turn-1", "turn-2", "turn-3", "turn-1", "turn-2"]
+    assert [r.prompt_len for r in records] == [2, 8, 15, 1, 7]
+    assert [r.start_s for r in records] == approx([0.0, 0.19, 0.38, 5.0, 5.19])
+    assert all(r.is_success and r.ttft_s == approx(0.040) for r in records)
+    assert [r.cached_prompt_tokens for r in records] == [1, 4, 7, 0, 3]  # scripted: half
+    assert records[2].kv_bytes_shipped == KV_BYTES_PER_TOKEN * 8
+    assert records[2].kv_bytes_not_shipped == KV_BYTES_PER_TOKEN * 7
+    assert outcome.duration_s == approx(5.38)
+
+
+def test_think_time_comes_between_an_answer_and_the_next_turn() -> None:
+    clock = VirtualClock()
+    chat = Conversation(((1,), (2,), (3,)), output_len=5, think_time_s=1.0)
+    outcome = asyncio.run(run_conversations(FakeStub(clock), [chat], [0.0], clock=clock,
+                                            sleep=clock.sleep))
+    assert [r.start_s for r in outcome.records] == approx([0.0, 1.19, 2.38])
+    assert outcome.duration_s == approx(2.57)
+
+
+def test_a_failed_turn_abandons_the_rest_of_its_conversation() -> None:
+    clock = VirtualClock()
+    stub = FakeStub(clock)
+    seen = _recording(stub)
+    chats = [Conversation(((FAIL_TOKEN,), (3,), (4,)), output_len=5),
+             Conversation(((6,), (7,)), output_len=5)]
+    done = []
+    outcome = asyncio.run(run_conversations(stub, chats, [0.0, 0.0], clock=clock,
+                                            sleep=clock.sleep, on_done=done.append))
+    assert [r.status for r in outcome.records] == ["RESOURCE_EXHAUSTED", "ABANDONED",
+                                                   "ABANDONED", "OK", "OK"]
+    assert len(seen) == 3 and len(done) == 5  # abandoned turns are never sent, but counted
+    m = calculate_metrics(outcome.records, outcome.duration_s)
+    assert m.completed == 2 and m.failures_by_status == {"RESOURCE_EXHAUSTED": 1,
+                                                         "ABANDONED": 2}
+
+
+def test_conversations_need_one_offset_each() -> None:
+    with pytest.raises(ValueError, match="offsets_s"):
+        asyncio.run(run_conversations(FakeStub(VirtualClock()),
+                                      [Conversation(((1,),), 1)], [0.0, 1.0]))

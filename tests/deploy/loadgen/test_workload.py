@@ -9,8 +9,10 @@ import pytest
 
 from deploy.loadgen.workload import (
     BenchRequest,
+    Conversation,
     JsonlWorkload,
     MixedWorkload,
+    MultiTurnWorkload,
     RandomWorkload,
     SharedPrefixWorkload,
     ShareGptWorkload,
@@ -96,3 +98,36 @@ def test_mixed_workload_interleaves_tagged_parts() -> None:
     assert workload.build(400, 1000, seed=2) == requests
     with pytest.raises(ValueError, match="parts"):
         MixedWorkload((("x", RandomWorkload(), 0.0),)).build(1, 10, 0)
+
+
+def test_multi_turn_conversations_are_seeded() -> None:
+    workload = MultiTurnWorkload(num_turns=3, input_len=20, turn_len=6, output_len=4,
+                                 think_time_s=0.5)
+    conversations = workload.build(5, 100, seed=3)
+    assert len(conversations) == 5
+    for c in conversations:
+        assert [len(m) for m in c.messages] == [20, 6, 6]
+        assert (c.num_turns, c.output_len, c.think_time_s) == (3, 4, 0.5)
+        assert all(0 <= t < 100 for m in c.messages for t in m)
+    assert len({c.messages[0] for c in conversations}) == 5  # every chat its own
+    assert workload.build(5, 100, seed=3) == conversations
+    assert workload.build(5, 100, seed=4) != conversations
+    assert workload.build(2, 100, seed=3) == conversations[:2]  # more chats extend the list
+
+
+def test_a_turn_extends_the_previous_prompt_and_answer() -> None:
+    conversation = Conversation(((1, 2, 3), (8, 9), (5,)), output_len=2)
+    first = conversation.next_prompt((), [], 0)
+    second = conversation.next_prompt(first, [40, 41], 1)
+    third = conversation.next_prompt(second, [50, 51], 2)
+    assert first == (1, 2, 3)
+    assert second == (1, 2, 3, 40, 41, 8, 9)
+    assert third == (1, 2, 3, 40, 41, 8, 9, 50, 51, 5)
+
+
+@pytest.mark.parametrize("field", ["num_turns", "input_len", "turn_len", "output_len"])
+def test_bad_multi_turn_arguments(field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        MultiTurnWorkload(**{field: 0}).build(1, 10, 0)
+    with pytest.raises(ValueError, match="think_time_s"):
+        MultiTurnWorkload(think_time_s=-1.0).build(1, 10, 0)
