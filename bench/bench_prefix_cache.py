@@ -17,6 +17,13 @@ workload, then sent one seeded workload through `kvferry bench`'s engine (Poisso
                  its K/V whatever the routing, so even against a baseline that never hits
                  (ships the mean prompt, 512 + 3.5 x 64 = 736 tokens), the best case ships
                  (512 + 7 x ~72) / 8 = ~127 tokens a turn: ~5.8x; 4 turns cap it at ~3.3x.
+                 Both policies run with the router's --local-prefill-threshold (default
+                 128): a turn whose uncached suffix on its decode worker is shorter
+                 prefills there and ships nothing, which is what keeping a conversation's
+                 history on one decode worker buys in disaggregated serving. 16
+                 conversations starting at 4/s overlap, so both decode workers are busy
+                 (at a lower load headroom routing breaks every tie on the same worker and
+                 keeps conversations together by accident).
 A policy this tree's router does not know is skipped, with a note; `--runs` picks some of the
 four runs. Each run is repeated --repeats times (interleaved); reported: median [min-max] of
 each figure and of the ratios taken within each repetition. SIGTERM unwinds like Ctrl-C:
@@ -59,8 +66,8 @@ from kvferry.settings import POLICIES  # noqa: E402
 
 # Flag defaults: the full benchmark, and --quick (a smoke run for tests).
 FULL = dict(repeats=3, num_prefixes=4, prefix_len=1000, suffix_len=32, sp_output_len=16,
-            sp_requests=48, sp_rate=2.0, conversations=8, num_turns=8, input_len=512,
-            turn_len=32, mt_output_len=32, mt_rate=1.0)
+            sp_requests=48, sp_rate=2.0, conversations=16, num_turns=8, input_len=512,
+            turn_len=32, mt_output_len=32, mt_rate=4.0)
 QUICK = dict(repeats=1, num_prefixes=2, prefix_len=128, suffix_len=16, sp_output_len=4,
              sp_requests=6, sp_rate=20.0, conversations=2, num_turns=2, input_len=64,
              turn_len=16, mt_output_len=4, mt_rate=20.0)
@@ -110,11 +117,13 @@ def ratio(numerator: float, denominator: float) -> float:
     return numerator / denominator
 
 
-def setups(policies: Sequence[str]) -> list[Setup]:
+def setups(policies: Sequence[str], local_prefill_threshold: int = 0) -> list[Setup]:
     headroom = ("--policy", "headroom")
     out = [Setup("cache-on", "shared-prefix", (), headroom),
            Setup("cache-off", "shared-prefix", ("--no-prefix-caching",), headroom)]
-    out += [Setup(f"{p}-routing", "multi-turn", (), ("--policy", p)) for p in policies]
+    # The policy's name stays last (run_all checks it).
+    local = ("--local-prefill-threshold", str(local_prefill_threshold))
+    out += [Setup(f"{p}-routing", "multi-turn", (), (*local, "--policy", p)) for p in policies]
     return out
 
 
@@ -135,7 +144,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                  "conversations", "num_turns", "input_len", "turn_len", "mt_output_len"):
         p.add_argument(f"--{name.replace('_', '-')}", type=int, help=f"default {FULL[name]}")
     p.add_argument("--sp-rate", type=float, help="shared-prefix requests/s (default 2)")
-    p.add_argument("--mt-rate", type=float, help="multi-turn conversations/s (default 1)")
+    p.add_argument("--mt-rate", type=float, help="multi-turn conversations/s (default 4)")
+    p.add_argument("--local-prefill-threshold", type=int, default=128,
+                   help="multi-turn, both policies: the router's conditional disaggregation "
+                        "(a turn whose uncached suffix on the chosen decode worker is shorter "
+                        "prefills there, with no transfer); 0: always a prefill worker")
     p.add_argument("--log-dir", type=Path, default=None, help="default: a new temporary one")
     p.add_argument("--out", type=Path, default=None, help="write every run as JSON here")
     args = p.parse_args(argv)
@@ -204,7 +217,7 @@ def run_once(setup: Setup, model: str, args: argparse.Namespace, log_dir: Path) 
 
 def run_all(args: argparse.Namespace, model: str, log_dir: Path) -> dict[str, list[Figures]]:
     runs: dict[str, list[Figures]] = {}
-    chosen = [setup for setup in setups(args.policies)
+    chosen = [setup for setup in setups(args.policies, args.local_prefill_threshold)
               if setup.name in args.runs and setup.router_args[-1] in POLICIES]
     for repeat in range(args.repeats):
         for setup in chosen:

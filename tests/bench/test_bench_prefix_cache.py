@@ -100,7 +100,7 @@ def test_runs_interleave_and_skip_unknown_policies(monkeypatch: pytest.MonkeyPat
     runs = run_all(args, "/m", tmp_path)
     assert [name for name, _, _ in seen] == ["cache-on", "cache-off", "headroom-routing"] * 2
     assert seen[1][1] == ("--no-prefix-caching",) and seen[0][1] == ()
-    assert seen[2][2] == ("--policy", "headroom")
+    assert seen[2][2] == ("--local-prefill-threshold", "128", "--policy", "headroom")
     assert set(runs) == {"cache-on", "cache-off", "headroom-routing"}
     assert "not measured" in format_report(args, runs)
 
