@@ -133,6 +133,8 @@ def _deployment_args(p: argparse.ArgumentParser) -> None:
                    choices=ATTENTION_BACKENDS)
     p.add_argument("--colocated", action="store_true",
                    help="baseline: --num-decode workers each serving prefill and decode")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="every worker: no prefix cache (see `kvferry decode-worker --help`)")
     p.add_argument("--kv-transport", default=KV_TRANSPORTS[0], choices=KV_TRANSPORTS,
                    help="ray: router and workers run as Ray actors and K/V pages travel as "
                         "Ray object refs")

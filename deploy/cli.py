@@ -67,7 +67,9 @@ def _deployment(args: argparse.Namespace):
         compile=args.compile, compile_batch_sizes=args.compile_batch_sizes,
         router_args=([] if args.metrics_port is None else ["--metrics-port",
                                                             str(args.metrics_port)])
-        + security_argv(args), worker_args=security_argv(args),
+        + security_argv(args),
+        worker_args=security_argv(args) + ([] if args.prefix_caching
+                                           else ["--no-prefix-caching"]),
     )
     if args.kv_transport == "ray":
         from deploy.ray_launcher import RayDeployment
