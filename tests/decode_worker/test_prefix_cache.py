@@ -175,3 +175,36 @@ def test_a_push_carries_only_the_blocks_the_cache_lacks(model: Transformer) -> N
         finally:
             await engine.stop()
     asyncio.run(run())
+
+
+def test_preempting_a_request_on_shared_blocks_keeps_tokens(model: Transformer) -> None:
+    """B shares A's prompt blocks; growth fills the pool and B (the newest) is swapped out:
+    its references go, A keeps the shared blocks, and B comes back into private blocks."""
+    vocab = model.config.vocab_size
+    prefix = _tokens(20, 12, vocab)  # 3 full blocks
+    prompts = {"A": prefix + [7], "B": prefix + [8]}
+
+    def run(engine: DecodeEngine) -> tuple[dict[str, tuple[list[int], int]], int]:
+        async def go() -> dict[str, tuple[list[int], int]]:
+            engine.start()
+            try:
+                a = asyncio.ensure_future(_generate(engine, "A", prompts["A"], 16))
+                while not engine.pool.allocator.events.seq and not a.done():
+                    await asyncio.sleep(0.005)  # until A's prompt blocks are indexed
+                b = asyncio.ensure_future(_generate(engine, "B", prompts["B"], 16))
+                return {"A": await a, "B": await b}
+            finally:
+                await engine.stop()
+        results = asyncio.run(go())
+        report = engine.pool.allocator.check_integrity()
+        assert report.ok, report.error
+        assert engine.pool.allocator.num_free == engine.pool.num_blocks
+        return results, engine.steps.num_preemptions
+
+    # A holds 4 blocks and B 1 more at first; each grows to 8 (29 positions): 9 cannot hold
+    # both, so B is preempted.
+    got, preemptions = run(_engine(model, 9))
+    assert preemptions >= 1, "nothing was preempted: the test does not test preemption"
+    assert got["B"][1] == 12  # B's reservation shared A's three prompt blocks
+    plain, _ = run(_engine(model, 64, caching=False))
+    assert {k: t for k, (t, _) in got.items()} == {k: t for k, (t, _) in plain.items()}
