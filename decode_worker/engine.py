@@ -23,21 +23,23 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from decode_worker.kv_receiver import KvReceiver
+from decode_worker.leases import LeaseKeeper
+from decode_worker.prefix_cache import DecodePrefixCache
 from decode_worker.sequence import (
     DecodeEvent,
     DecodeSeq,
     ErrorEvent,
     FinishedEvent,
     Phase,
+    check_reservation,
     lookup,
 )
 from decode_worker.steps import StepLoop
 from kvferry.cache.block_queue import BlockQueue
 from kvferry.cache.layout import KvLayout, blocks_for_tokens, blocks_needed
 from kvferry.cache.pool import IntegrityReport, KvPool
-from kvferry.cache.prefix import block_keys, cache_seed, check_cache_salt, max_shared_blocks
 from kvferry.cache.stats import PoolStats
-from kvferry.errors import Aborted, InvalidArgument, ResourceExhausted, Unavailable
+from kvferry.errors import Aborted, InvalidArgument, Unavailable
 from kvferry.model.prefill_batch import PrefillJob
 from kvferry.model.sampling import FinishReason, SamplingParams
 from kvferry.model.transformer import Transformer
@@ -72,6 +74,8 @@ class DecodeEngine:
                               **prefill_options)
         self.batcher = self.steps.batcher  # colocated prefill, run by the step loop
         self.receiver = KvReceiver(layout, pool, self._seqs, self._kv_complete)
+        self.prefix_cache = DecodePrefixCache(pool, layout)
+        self.leases = LeaseKeeper(self._seqs, self._finish)
         self._prefill_jobs: dict[str, PrefillJob] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self.is_draining = False  # SIGTERM: no new reservations; the ones here run to the end
@@ -82,7 +86,8 @@ class DecodeEngine:
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
-        self._tasks = [asyncio.create_task(self.steps.run()), asyncio.create_task(self._leases())]
+        self._tasks = [asyncio.create_task(self.steps.run()),
+                       asyncio.create_task(self.leases.run())]
         for task in self._tasks:
             task.add_done_callback(self._task_ended)
 
@@ -112,30 +117,6 @@ class DecodeEngine:
         self.steps.executor.shutdown(wait=True)
 
     # ---- reservations ----------------------------------------------------------------------
-    def _check_reserve(self, request_id: str, num_prompt_tokens: int, max_tokens: int,
-                       lease_s: float) -> None:
-        if not request_id:
-            raise InvalidArgument("request_id must be non-empty", "request_id")
-        if request_id in self._seqs:
-            raise InvalidArgument(f"request_id {request_id!r} already reserved", "request_id")
-        if num_prompt_tokens < 1:
-            raise InvalidArgument("num_prompt_tokens must be >= 1", "num_prompt_tokens")
-        if max_tokens < 1:
-            raise InvalidArgument("max_tokens must be >= 1", "max_tokens")
-        context = self.model.config.max_position_embeddings
-        if num_prompt_tokens + max_tokens > context:
-            raise InvalidArgument(
-                f"prompt {num_prompt_tokens} + max_tokens {max_tokens} exceeds the "
-                f"context of {context}", "max_tokens",
-            )
-        if lease_s <= 0:
-            raise InvalidArgument("lease_s must be > 0", "lease_s")
-        most = blocks_for_tokens(num_prompt_tokens + max_tokens, self.pool.block_size)
-        if most > self.pool.num_usable_blocks:
-            raise ResourceExhausted(
-                f"request needs up to {most} K/V blocks; the pool has {self.pool.num_usable_blocks}"
-            )
-
     async def reserve(self, request_id: str, num_prompt_tokens: int, max_tokens: int,
                       lease_s: float, prompt_token_ids: list[int] | None = None,
                       cache_salt: str = "") -> Reservation:
@@ -144,24 +125,14 @@ class DecodeEngine:
         found in the prefix cache are shared instead (no push carries them)."""
         if self.is_draining:
             raise Unavailable("draining: this worker is shutting down")
-        self._check_reserve(request_id, num_prompt_tokens, max_tokens, lease_s)
+        check_reservation(request_id, num_prompt_tokens, max_tokens, lease_s, self._seqs,
+                          self.model.config.max_position_embeddings, self.pool)
         prompt = list(prompt_token_ids or [])
-        if prompt and len(prompt) != num_prompt_tokens:
-            raise InvalidArgument(f"prompt_token_ids has {len(prompt)} tokens, "
-                                  f"num_prompt_tokens says {num_prompt_tokens}",
-                                  "prompt_token_ids")
-        check_cache_salt(cache_salt)
+        seed, cached = self.prefix_cache.lookup(prompt, num_prompt_tokens, cache_salt)
         allocator = self.pool.allocator
-        block_size = self.pool.block_size
-        seed = cache_seed(self.layout.model_fingerprint, self.layout.dtype, cache_salt)
-        cached: list[int] = []
-        if prompt and allocator.prefix_caching:
-            keys = block_keys(prompt, block_size, seed,
-                              max_shared_blocks(num_prompt_tokens, block_size))
-            cached = allocator.match(keys, num_prompt_tokens)
         try:
             blocks = cached + await self.blocks.alloc(
-                blocks_for_tokens(num_prompt_tokens + 1, block_size) - len(cached))
+                blocks_for_tokens(num_prompt_tokens + 1, self.pool.block_size) - len(cached))
         except BaseException:
             allocator.free(cached)
             raise
@@ -181,24 +152,12 @@ class DecodeEngine:
 
     def _kv_complete(self, seq: DecodeSeq) -> None:
         """A reservation's prompt K/V is all in place: index its full blocks, and step."""
-        self._index_blocks(seq, seq.num_prompt_tokens)
+        self.prefix_cache.index(seq, seq.num_prompt_tokens)
         self.steps.poke()
-
-    def _index_blocks(self, seq: DecodeSeq, num_written: int) -> None:
-        """Index the full blocks of positions [0, num_written), whose K/V is final."""
-        if not seq.prompt_token_ids or not self.pool.allocator.prefix_caching:
-            return
-        tokens = seq.prompt_token_ids + seq.tokens[:max(num_written - seq.num_prompt_tokens, 0)]
-        keys = block_keys(tokens[:num_written], self.pool.block_size, seq.cache_seed)
-        self.pool.allocator.register(keys, seq.block_table)
 
     def renew_leases(self, request_ids: list[str], lease_s: float) -> list[str]:
         """Restart the leases of these reservations; returns the ids not held here."""
-        if lease_s <= 0:
-            raise InvalidArgument("lease_s must be > 0", "lease_s")
-        for seq in filter(None, map(self._seqs.get, request_ids)):
-            seq.renew_lease(lease_s)
-        return [r for r in request_ids if r not in self._seqs]
+        return self.leases.renew(request_ids, lease_s)
 
     def _get(self, request_id: str) -> DecodeSeq:
         return lookup(self._seqs, request_id)
@@ -294,8 +253,8 @@ class DecodeEngine:
         self.steps.discard(seq)
         if seq.is_kv_complete and not isinstance(event, ErrorEvent):
             # Prompt and generated tokens' full blocks stay for the next turn to reuse.
-            self._index_blocks(seq, seq.next_position if seq.phase is Phase.RUNNING
-                               else seq.num_prompt_tokens)
+            self.prefix_cache.index(seq, seq.next_position if seq.phase is Phase.RUNNING
+                                    else seq.num_prompt_tokens)
         seq.phase = Phase.DONE
         outcome = event.reason.name.lower() if isinstance(event, FinishedEvent) else "error"
         log.info("request %s done (%s) after %d tokens, %d blocks freed", seq.request_id,
@@ -313,19 +272,6 @@ class DecodeEngine:
         await self.batcher.release(job)
         self._prefill_jobs.pop(seq.request_id, None)
         self._finish(seq, event)
-
-    async def _leases(self) -> None:
-        while True:
-            await asyncio.sleep(0.25)
-            now = time.monotonic()
-            for seq in list(self._seqs.values()):
-                if seq.phase is Phase.RESERVED and not seq.is_aborted and (
-                        now > seq.lease_deadline):
-                    log.warning("request %s: lease expired before decoding began (nothing "
-                                "renewed it for %.1f s)", seq.request_id, seq.lease_s,
-                                extra={"request_id": seq.request_id})
-                    self._finish(seq, ErrorEvent(seq.request_id,
-                                                 Aborted("lease expired before K/V arrived")))
 
     # ---- stats -------------------------------------------------------------------------------
     def stats(self, check_integrity: bool = False) -> PoolStats:

@@ -13,7 +13,9 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import torch
 
-from kvferry.errors import NotFound
+from kvferry.cache.layout import blocks_for_tokens
+from kvferry.cache.pool import KvPool
+from kvferry.errors import InvalidArgument, NotFound, ResourceExhausted
 from kvferry.model.sampling import FinishReason, SamplingParams
 
 
@@ -87,6 +89,29 @@ class DecodeSeq:
     def next_position(self) -> int:
         """Position of the token the next step feeds (its K/V slot)."""
         return self.num_prompt_tokens + len(self.tokens) - 1
+
+
+def check_reservation(request_id: str, num_prompt_tokens: int, max_tokens: int, lease_s: float,
+                      seqs: Mapping[str, DecodeSeq], context: int, pool: KvPool) -> None:
+    """A Reserve's fields, each named when wrong; RESOURCE_EXHAUSTED when the request could
+    not fit in `pool` even alone."""
+    if not request_id:
+        raise InvalidArgument("request_id must be non-empty", "request_id")
+    if request_id in seqs:
+        raise InvalidArgument(f"request_id {request_id!r} already reserved", "request_id")
+    if num_prompt_tokens < 1:
+        raise InvalidArgument("num_prompt_tokens must be >= 1", "num_prompt_tokens")
+    if max_tokens < 1:
+        raise InvalidArgument("max_tokens must be >= 1", "max_tokens")
+    if num_prompt_tokens + max_tokens > context:
+        raise InvalidArgument(f"prompt {num_prompt_tokens} + max_tokens {max_tokens} exceeds "
+                              f"the context of {context}", "max_tokens")
+    if lease_s <= 0:
+        raise InvalidArgument("lease_s must be > 0", "lease_s")
+    most = blocks_for_tokens(num_prompt_tokens + max_tokens, pool.block_size)
+    if most > pool.num_usable_blocks:
+        raise ResourceExhausted(f"request needs up to {most} K/V blocks; the pool has "
+                                f"{pool.num_usable_blocks}")
 
 
 def lookup(seqs: Mapping[str, DecodeSeq], request_id: str) -> DecodeSeq:
