@@ -13,7 +13,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import NamedTuple
 
 from kvferry.errors import (
     DeadlineExceeded,
@@ -29,6 +28,7 @@ from router import validation
 from router.decode_client import MuxItem, StreamBroken
 from router.detok import IncrementalDetokenizer
 from router.downstream import Downstream
+from router.events import ChunkEvent, DoneEvent, Timing
 from router.policy import HeadroomPolicy, Policy
 from router.records import DecodeStart, DecodeUpdate
 from router.request import RouterRequest, remaining_s
@@ -36,31 +36,6 @@ from router.validation import GenerateInput
 from router.workers import WorkerSet
 
 log = logging.getLogger("kvferry.router")
-
-
-class ChunkEvent(NamedTuple):
-    token_ids: list[int]
-    text: str
-
-
-class Timing(NamedTuple):
-    queue_s: float
-    prefill_s: float
-    kv_transfer_s: float
-    first_decode_step_s: float
-    time_to_first_token_s: float
-    admission_wait_s: float = 0.0
-    num_migrations: int = 0
-
-
-class DoneEvent(NamedTuple):
-    reason: FinishReason
-    prompt_tokens: int
-    completion_tokens: int
-    timing: Timing
-    cached_prompt_tokens: int = 0  # found in the first prefill's prefix cache
-    kv_bytes_not_shipped: int = 0  # K/V the decode worker's prefix cache held already
-    kv_bytes_shipped: int = 0  # K/V pushed to decode workers, every leg
 
 
 async def _next_update(updates: asyncio.Queue[MuxItem], deadline: float | None

@@ -87,14 +87,14 @@ class PrefixPolicy(HeadroomPolicy):
         self.load_weight = load_weight
 
     def decode_cost(self, worker: Worker, keys: Sequence[bytes]) -> float:
-        uncached = len(keys) - worker.num_cached_blocks(keys)
+        uncached = len(keys) - worker.cache.num_cached_blocks(keys)
         used = worker.total_blocks - worker.headroom
         return self.prefix_weight * uncached + self.load_weight * used
 
     def prefill_cost(self, worker: Worker, prompt_tokens: int, keys: Sequence[bytes]) -> float:
         # A healthy worker has reported its layout; a fake one without counts tokens.
         block_size = worker.layout.block_size if worker.layout is not None else 1
-        uncached = prompt_tokens / block_size - worker.num_cached_blocks(keys)
+        uncached = prompt_tokens / block_size - worker.cache.num_cached_blocks(keys)
         return (self.prefix_weight * uncached
                 + self.load_weight * worker.pending_tokens / block_size)
 

@@ -22,7 +22,8 @@ from kvferry.rpc import convert, grpc_util
 from kvferry.rpc.metrics import RouterMetrics
 from kvferry.rpc.proto_utf8 import Malformed, invalid_utf8_field
 from kvferry.v1 import generation_pb2, generation_pb2_grpc
-from router.engine import ChunkEvent, DoneEvent, Router
+from router.engine import Router
+from router.events import ChunkEvent, DoneEvent
 from router.public_errors import public_status
 from router.validation import ChatMessage, GenerateInput
 

@@ -9,15 +9,9 @@ sees each other and spreads out. A prefill worker's entry goes as soon as its pr
 (the K/V pushed, or the prefill failed), not when the request does: a decoding request is no
 pending work for it (`RouterRequest.drop_prefill_worker`).
 
-Each worker's prefix-cache index is mirrored here as a set of block keys (`Worker.cached_keys`)
-for the `prefix` policy. Every GetStats sends the cursor of the last cache event applied and
-gets the events after it (keys stored, keys evicted), or a snapshot of every key when the
-worker no longer has them all (it restarted, or the router fell behind); a worker that was
-unhealthy is asked for a snapshot. Between refreshes the router also predicts: a request's
-prompt keys count as cached on the worker it was sent to for `PREDICTED_KEY_TTL_S` (Dynamo's
-approximate mode, SGLang's router tree), so a burst of requests sharing a prefix lands on one
-worker before any event reports it; the worker's events confirm them (stored) or retract them
-(evicted), and unconfirmed ones lapse.
+Each worker's prefix-cache index is mirrored here for the `prefix` policy, by a
+`router.cache_mirror.CacheMirror` per worker (`Worker.cache`): the keys its cache events
+reported, the cursor every GetStats sends, and the keys predicted from requests sent there.
 """
 
 from __future__ import annotations
@@ -31,19 +25,15 @@ from dataclasses import dataclass, field
 import grpc
 
 from kvferry.cache.layout import KvLayout
-from kvferry.cache.prefix import EventsSince
 from kvferry.cache.stats import PoolStats
 from kvferry.errors import Unavailable
 from kvferry.rpc import security
 from router import worker_client
+from router.cache_mirror import CacheMirror
 from router.decode_client import DecodeClient
 from router.prefill_client import PrefillClient
 
 log = logging.getLogger("kvferry.router")
-
-# How long a key predicted on a worker (a request sent there) counts as cached without the
-# worker's events confirming it: a long prefill and push, plus a few stats refreshes.
-PREDICTED_KEY_TTL_S = 10.0
 
 
 @dataclass(slots=True)
@@ -70,11 +60,7 @@ class Worker:
     in_flight: dict[str, InFlight] = field(default_factory=dict)
     is_healthy: bool = False
     refuse_reason: str = ""
-    # The worker's prefix-cache index, from its cache events; the cursor is the sequence
-    # number of the last event applied (0: none, the next answer is a snapshot).
-    cached_keys: set[bytes] = field(default_factory=set)
-    cache_event_seq: int = 0
-    predicted_keys: dict[bytes, float] = field(default_factory=dict)  # key -> expiry
+    cache: CacheMirror = field(default_factory=CacheMirror)  # its prefix-cache index
     # Every worker serves Prefill (a decode worker prefills short prompts locally); decode
     # and colocated workers also serve Decode, over one shared DecodeStream.
     prefill_client: PrefillClient | None = None
@@ -107,20 +93,7 @@ class Worker:
         """Count a request sent here; its prompt block `keys` are predicted cached here."""
         self.in_flight[request_id] = InFlight(blocks, prompt_tokens)
         self.num_in_flight += 1
-        if keys:
-            expiry = time.monotonic() + PREDICTED_KEY_TTL_S
-            self.predicted_keys.update(dict.fromkeys(keys, expiry))
-
-    def num_cached_blocks(self, keys: Sequence[bytes]) -> int:
-        """How many leading `keys` this worker holds, as far as the router knows (reported,
-        or predicted and not lapsed)."""
-        now = time.monotonic()
-        count = 0
-        for key in keys:
-            if key not in self.cached_keys and self.predicted_keys.get(key, 0.0) <= now:
-                break
-            count += 1
-        return count
+        self.cache.predict(keys)
 
     def accepted(self, request_id: str) -> None:
         entry = self.in_flight.get(request_id)
@@ -146,34 +119,13 @@ class Worker:
             if entry.accepted_at is not None and entry.accepted_at < issued_at:
                 del self.in_flight[request_id]  # the snapshot counts it now
         if stats.cache_events is not None:
-            self._apply_cache_events(stats.cache_events)
-
-    def _apply_cache_events(self, since: EventsSince) -> None:
-        """Apply the events of one answer, in order. An answer issued later than the one
-        applied last but asked with an older cursor replays events already applied: replaying
-        an ordered log from an earlier point ends in the same state, so that is harmless, and
-        the cursor never goes back (answers issued earlier are refused by apply_stats)."""
-        if since.is_snapshot:
-            self.cached_keys.clear()
-        for event in since.events:
-            self.cached_keys.difference_update(event.removed)
-            self.cached_keys.update(event.stored)
-            for key in event.removed:
-                self.predicted_keys.pop(key, None)
-            for key in event.stored:
-                self.predicted_keys.pop(key, None)
-        self.cache_event_seq = since.seq
-        now = time.monotonic()
-        for key in [k for k, expiry in self.predicted_keys.items() if expiry <= now]:
-            del self.predicted_keys[key]
+            self.cache.apply(stats.cache_events)
 
     def forget_cache(self, now: float) -> None:
         """The worker is unhealthy (unreachable, draining, refused, perhaps restarting):
         forget its index, so the next answer is a snapshot. Answers to stats asked for before
         `now` are refused from here on: they describe the worker as it was."""
-        self.cached_keys.clear()
-        self.predicted_keys.clear()
-        self.cache_event_seq = 0
+        self.cache.forget()
         self.stats_issued_at = max(self.stats_issued_at, now)
 
 
@@ -240,7 +192,7 @@ class WorkerSet:
                                 worker.address)
                 worker.is_healthy = False
                 return
-            stats = await client.get_stats(timeout_s, worker.cache_event_seq)
+            stats = await client.get_stats(timeout_s, worker.cache.event_seq)
         except grpc.aio.AioRpcError as exc:
             if worker.is_healthy:
                 log.warning("%s worker %s unreachable: %s", worker.role, worker.address,

@@ -23,7 +23,7 @@ from kvferry.cache.stats import PoolStats
 from kvferry.rpc import convert
 from kvferry.settings import RouterSettings
 from kvferry.v1 import worker_pb2
-from router import workers as workers_module
+from router import cache_mirror
 from router.downstream import Downstream
 from router.policy import HeadroomPolicy, PrefixPolicy, make_policy
 from router.request import RouterRequest
@@ -91,7 +91,7 @@ def test_when_no_worker_has_room_the_cost_still_orders_them() -> None:
 
 def test_only_a_leading_run_of_keys_counts() -> None:
     gap = _worker("a", cached=KEYS[:3] + KEYS[4:])  # block 3 evicted: 3 usable, not 7
-    assert gap.num_cached_blocks(KEYS) == 3
+    assert gap.cache.num_cached_blocks(KEYS) == 3
     assert PrefixPolicy().decode_cost(gap, KEYS) == 5
 
 
@@ -151,24 +151,24 @@ def test_events_apply_in_order_and_move_the_cursor() -> None:
     k = KEYS
     worker.apply_stats(_stats(events=EventsSince(3, [CacheEvent(0, k[:3], []),
                                                      CacheEvent(0, [], k[:1])], False)), 1.0)
-    assert worker.cached_keys == set(k[1:3]) and worker.cache_event_seq == 3
+    assert worker.cache.keys == set(k[1:3]) and worker.cache.event_seq == 3
     worker.apply_stats(_stats(events=EventsSince(4, [CacheEvent(0, [], k[2:3])], False)), 2.0)
-    assert worker.cached_keys == {k[1]} and worker.cache_event_seq == 4
+    assert worker.cache.keys == {k[1]} and worker.cache.event_seq == 4
     worker.apply_stats(_stats(events=EventsSince(4, [], False)), 3.0)  # nothing new
-    assert worker.cached_keys == {k[1]} and worker.cache_event_seq == 4
+    assert worker.cache.keys == {k[1]} and worker.cache.event_seq == 4
 
 
 def test_a_snapshot_replaces_the_set() -> None:
     worker = _worker("a", cached=KEYS[:4])
     worker.apply_stats(_stats(events=_stored(9, KEYS[6:], snapshot=True)), 1.0)
-    assert worker.cached_keys == set(KEYS[6:]) and worker.cache_event_seq == 9
+    assert worker.cache.keys == set(KEYS[6:]) and worker.cache.event_seq == 9
 
 
 def test_an_older_answer_applies_no_events_and_keeps_the_cursor() -> None:
     worker = _worker("a")
     worker.apply_stats(_stats(events=_stored(5, KEYS[:2])), issued_at=2.0)
     worker.apply_stats(_stats(events=_stored(3, KEYS[2:4])), issued_at=1.0)  # issued before
-    assert worker.cached_keys == set(KEYS[:2]) and worker.cache_event_seq == 5
+    assert worker.cache.keys == set(KEYS[:2]) and worker.cache.event_seq == 5
 
 
 def test_a_later_answer_from_an_older_cursor_replays_to_the_same_state() -> None:
@@ -179,34 +179,34 @@ def test_a_later_answer_from_an_older_cursor_replays_to_the_same_state() -> None
     worker.apply_stats(_stats(events=EventsSince(3, [store, evict], False)), issued_at=1.0)
     worker.apply_stats(_stats(events=EventsSince(
         4, [store, evict, CacheEvent(0, KEYS[5:6], [])], False)), issued_at=2.0)
-    assert worker.cached_keys == {KEYS[1], KEYS[5]} and worker.cache_event_seq == 4
+    assert worker.cache.keys == {KEYS[1], KEYS[5]} and worker.cache.event_seq == 4
 
 
 def test_an_unhealthy_worker_is_forgotten_and_older_answers_refused() -> None:
     worker = _worker("a", cached=KEYS)
     worker.add_in_flight("r", 1, 0, KEYS[:2])
     worker.forget_cache(now=5.0)
-    assert not worker.cached_keys and not worker.predicted_keys
-    assert worker.cache_event_seq == 0  # the next GetStats asks for a snapshot
+    assert not worker.cache.keys and not worker.cache.predicted
+    assert worker.cache.event_seq == 0  # the next GetStats asks for a snapshot
     worker.apply_stats(_stats(events=_stored(7, KEYS)), issued_at=4.0)  # asked before
-    assert not worker.cached_keys
+    assert not worker.cache.keys
     worker.apply_stats(_stats(events=_stored(2, KEYS[:1], snapshot=True)), issued_at=5.0)
-    assert worker.cached_keys == {KEYS[0]} and worker.cache_event_seq == 2
+    assert worker.cache.keys == {KEYS[0]} and worker.cache.event_seq == 2
 
 
 def test_predicted_keys_count_until_events_retract_them_or_they_lapse(
         monkeypatch: pytest.MonkeyPatch) -> None:
     worker = _worker("a")
     worker.add_in_flight("r", 1, 0, KEYS)
-    assert worker.num_cached_blocks(KEYS) == 8
+    assert worker.cache.num_cached_blocks(KEYS) == 8
     worker.apply_stats(_stats(events=EventsSince(2, [CacheEvent(0, KEYS[:6], []),
                                                      CacheEvent(0, [], KEYS[3:4])], False)),
                        1.0)
-    assert worker.num_cached_blocks(KEYS) == 3  # evicted, and no longer predicted
-    monkeypatch.setattr(workers_module, "PREDICTED_KEY_TTL_S", 0.0)
+    assert worker.cache.num_cached_blocks(KEYS) == 3  # evicted, and no longer predicted
+    monkeypatch.setattr(cache_mirror, "PREDICTED_KEY_TTL_S", 0.0)
     lapsing = _worker("b")
     lapsing.add_in_flight("r", 1, 0, KEYS)
-    assert lapsing.num_cached_blocks(KEYS) == 0
+    assert lapsing.cache.num_cached_blocks(KEYS) == 0
 
 
 def test_get_stats_sends_the_cursor() -> None:
@@ -239,21 +239,21 @@ def test_a_workers_allocator_reaches_the_router_through_the_proto() -> None:
 
     def poll(issued_at: float) -> None:
         msg = worker_pb2.WorkerStats(total_blocks=64)
-        convert.add_cache_events(msg, allocator.events_since(worker.cache_event_seq))
+        convert.add_cache_events(msg, allocator.events_since(worker.cache.event_seq))
         worker.apply_stats(convert.stats_from_proto(msg), issued_at)
 
     blocks = allocator.alloc(9)
     allocator.register(block_keys(PROMPT, BLOCK, seed), blocks)
     allocator.free(blocks)
     poll(1.0)  # cursor 0: a snapshot
-    assert worker.cached_keys == set(allocator.cached_keys()) and worker.cache_event_seq > 0
+    assert worker.cache.keys == set(allocator.cached_keys()) and worker.cache.event_seq > 0
     state = RouterRequest("r", cache_salt="t")
     downstream.key_prompt(state, PROMPT)
-    assert worker.num_cached_blocks(state.block_keys) == 8
+    assert worker.cache.num_cached_blocks(state.block_keys) == 8
     allocator.alloc(64 - 8 + 2)  # evicts the two least recently released blocks
     poll(2.0)  # events after the cursor
-    assert worker.cached_keys == set(allocator.cached_keys())
-    assert worker.num_cached_blocks(state.block_keys) == 6
+    assert worker.cache.keys == set(allocator.cached_keys())
+    assert worker.cache.num_cached_blocks(state.block_keys) == 6
 
 
 # ---- plumbing: keys, admission, settings --------------------------------------------------

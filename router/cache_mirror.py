@@ -1,0 +1,78 @@
+"""The router's mirror of one worker's prefix-cache index, for the `prefix` policy.
+
+A `CacheMirror` is owned by its `router.workers.Worker`; it holds the block keys the worker
+reported (from its cache events), the cursor of the last event applied, and the keys the
+router predicts the worker holds. Every GetStats sends the cursor and gets the events after
+it (keys stored, keys evicted), or a snapshot of every key when the worker no longer has them
+all (it restarted, or the router fell behind); a worker that was unhealthy is forgotten
+(`forget`), so it is asked for a snapshot. Between refreshes the router also predicts: a
+request's prompt keys count as cached on the worker it was sent to for `PREDICTED_KEY_TTL_S`
+(Dynamo's approximate mode, SGLang's router tree), so a burst of requests sharing a prefix
+lands on one worker before any event reports it; the worker's events confirm them (stored)
+or retract them (evicted), and unconfirmed ones lapse.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvferry.cache.prefix import EventsSince
+
+# How long a key predicted on a worker (a request sent there) counts as cached without the
+# worker's events confirming it: a long prefill and push, plus a few stats refreshes.
+PREDICTED_KEY_TTL_S = 10.0
+
+
+@dataclass(slots=True)
+class CacheMirror:
+    """One worker's prefix-cache index as the router knows it."""
+
+    keys: set[bytes] = field(default_factory=set)  # reported by the worker's events
+    # Sequence number of the last event applied (0: none, the next answer is a snapshot).
+    event_seq: int = 0
+    predicted: dict[bytes, float] = field(default_factory=dict)  # key -> monotonic expiry
+
+    def predict(self, keys: Sequence[bytes]) -> None:
+        """A request with these prompt block keys was sent to the worker."""
+        if keys:
+            expiry = time.monotonic() + PREDICTED_KEY_TTL_S
+            self.predicted.update(dict.fromkeys(keys, expiry))
+
+    def num_cached_blocks(self, keys: Sequence[bytes]) -> int:
+        """How many leading `keys` the worker holds, as far as the router knows (reported,
+        or predicted and not lapsed)."""
+        now = time.monotonic()
+        count = 0
+        for key in keys:
+            if key not in self.keys and self.predicted.get(key, 0.0) <= now:
+                break
+            count += 1
+        return count
+
+    def apply(self, since: EventsSince) -> None:
+        """Apply the events of one answer, in order. An answer issued later than the one
+        applied last but asked with an older cursor replays events already applied: replaying
+        an ordered log from an earlier point ends in the same state, so that is harmless, and
+        the cursor never goes back (answers issued earlier are refused by
+        `Worker.apply_stats`)."""
+        if since.is_snapshot:
+            self.keys.clear()
+        for event in since.events:
+            self.keys.difference_update(event.removed)
+            self.keys.update(event.stored)
+            for key in event.removed:
+                self.predicted.pop(key, None)
+            for key in event.stored:
+                self.predicted.pop(key, None)
+        self.event_seq = since.seq
+        now = time.monotonic()
+        for key in [k for k, expiry in self.predicted.items() if expiry <= now]:
+            del self.predicted[key]
+
+    def forget(self) -> None:
+        """Drop everything known, so that the next answer is a snapshot."""
+        self.keys.clear()
+        self.predicted.clear()
+        self.event_seq = 0
