@@ -24,9 +24,12 @@ workload, then sent one seeded workload through `kvferry bench`'s engine (Poisso
                  conversations starting at 4/s overlap, so both decode workers are busy
                  (at a lower load headroom routing breaks every tie on the same worker and
                  keeps conversations together by accident).
-A policy this tree's router does not know is skipped, with a note; `--runs` picks some of the
-four runs. Each run is repeated --repeats times (interleaved); reported: median [min-max] of
-each figure and of the ratios taken within each repetition. SIGTERM unwinds like Ctrl-C:
+A fifth run, BASELINE-no-cache, is the multi-turn workload on workers without a prefix cache
+(kvferry before it had one), for the same ratios against the candidate. A policy this tree's
+router does not know is skipped, with a note; `--runs` picks some of the runs. Each run is
+repeated --repeats times (interleaved); reported: median [min-max] of each figure and of the
+ratios taken within each repetition.
+SIGTERM unwinds like Ctrl-C:
 deployments always stop. `--quick` shrinks everything (one repetition) for tests. Usage:
 
     .venv/bin/python bench/bench_prefix_cache.py [--model tiny|default|PATH] [--repeats 3]
@@ -124,6 +127,9 @@ def setups(policies: Sequence[str], local_prefill_threshold: int = 0) -> list[Se
     # The policy's name stays last (run_all checks it).
     local = ("--local-prefill-threshold", str(local_prefill_threshold))
     out += [Setup(f"{p}-routing", "multi-turn", (), (*local, "--policy", p)) for p in policies]
+    # The baseline policy with no cache at all: kvferry before prefix caching.
+    out.append(Setup(f"{policies[1]}-no-cache", "multi-turn", ("--no-prefix-caching",),
+                     (*local, "--policy", policies[1])))
     return out
 
 
@@ -132,12 +138,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny", help=BENCH_MODEL_HELP)
     p.add_argument("--quick", action="store_true", help="small everything, for tests")
-    p.add_argument("--repeats", type=int, help="repetitions of the four runs (default 3)")
+    p.add_argument("--repeats", type=int, help="repetitions of the runs (default 3)")
     p.add_argument("--policies", default="prefix,headroom",
                    help="multi-turn: CANDIDATE,BASELINE router policies")
     p.add_argument("--runs", default=None,
                    help="a comma-separated subset of cache-on, cache-off, CANDIDATE-routing, "
-                        "BASELINE-routing (default: all four)")
+                        "BASELINE-routing, BASELINE-no-cache (default: all five)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--torch-threads", type=int, default=1, help="per worker")
     for name in ("num_prefixes", "prefix_len", "suffix_len", "sp_output_len", "sp_requests",
@@ -253,10 +259,15 @@ class Ratio(NamedTuple):
 
 def ratios(policies: Sequence[str]) -> list[Ratio]:
     candidate, baseline = (f"{p}-routing" for p in policies)
+    no_cache = f"{policies[1]}-no-cache"
     return [Ratio("median TTFT, cache off / on", "cache-off", "cache-on", "ttft_p50_ms", 3.0),
             Ratio(f"K/V bytes shipped per request, {baseline} / {candidate}", baseline,
                   candidate, "kv_bytes_shipped", 5.0),
             Ratio(f"TTFT p50, {baseline} / {candidate}", baseline, candidate, "ttft_p50_ms",
+                  1.0, is_strict=True),
+            Ratio(f"K/V bytes shipped per request, {no_cache} / {candidate}", no_cache,
+                  candidate, "kv_bytes_shipped", 5.0),
+            Ratio(f"TTFT p50, {no_cache} / {candidate}", no_cache, candidate, "ttft_p50_ms",
                   1.0, is_strict=True)]
 
 

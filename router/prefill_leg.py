@@ -158,9 +158,11 @@ class PrefillLeg:
 
     @staticmethod
     def _count_skipped(state: RouterRequest) -> None:
-        """A push ended: what it did not carry because the decode cache held it."""
+        """The K/V is in place: what no push carried because the decode worker's cache held
+        it (whether the rest was pushed or prefilled there; a colocated worker ships
+        nothing in any case, so it is not counted there)."""
         decode = state.decode_worker
-        if (decode is None or decode.layout is None or state.prefill_worker is decode
+        if (decode is None or decode.layout is None or decode.role != "decode"
                 or not state.decode_cached_blocks):
             return
         layout = decode.layout

@@ -37,7 +37,8 @@ def _figures(ttft_ms: float, kv_bytes: float, failed: int = 0) -> Figures:
 def test_defaults_and_quick_mode() -> None:
     args = parse_args([])
     assert args.repeats == 3 and args.policies == ["prefix", "headroom"]
-    assert args.runs == ["cache-on", "cache-off", "prefix-routing", "headroom-routing"]
+    assert args.runs == ["cache-on", "cache-off", "prefix-routing", "headroom-routing",
+                         "headroom-no-cache"]
     assert all(getattr(args, name) == value for name, value in FULL.items())
     assert (args.prefix_len, args.num_prefixes) == (1000, 4)  # the shared prefixes
     quick = parse_args(["--quick", "--prefix-len", "32"])
@@ -59,7 +60,10 @@ def test_ratios_pair_runs_of_the_same_repetition() -> None:
             "cache-off": [_figures(40, 100), _figures(50, 100), _figures(20, 100)],
             "prefix-routing": [_figures(10, 100), _figures(10, 0)],
             "headroom-routing": [_figures(12, 600), _figures(9, 800)]}
-    ttft, kv, routed_ttft = ratios(["prefix", "headroom"])
+    ttft, kv, routed_ttft, kv_no_cache, ttft_no_cache = ratios(["prefix", "headroom"])
+    assert (kv_no_cache.numerator, kv_no_cache.denominator) == ("headroom-no-cache",
+                                                                "prefix-routing")
+    assert ttft_no_cache.is_strict and kv_no_cache.target == 5.0
     assert ttft.values(runs) == [4.0, 2.5, 2.0]  # off / on, repetition by repetition
     assert kv.values(runs) == [6.0, math.inf]  # nothing shipped with prefix routing: inf
     assert routed_ttft.values(runs) == [1.2, 0.9]
@@ -98,10 +102,12 @@ def test_runs_interleave_and_skip_unknown_policies(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(bench, "POLICIES", ("headroom", "round_robin"))
     args = parse_args(["--repeats", "2", "--policies", "prefix,headroom"])
     runs = run_all(args, "/m", tmp_path)
-    assert [name for name, _, _ in seen] == ["cache-on", "cache-off", "headroom-routing"] * 2
+    names = ["cache-on", "cache-off", "headroom-routing", "headroom-no-cache"]
+    assert [name for name, _, _ in seen] == names * 2
     assert seen[1][1] == ("--no-prefix-caching",) and seen[0][1] == ()
     assert seen[2][2] == ("--local-prefill-threshold", "128", "--policy", "headroom")
-    assert set(runs) == {"cache-on", "cache-off", "headroom-routing"}
+    assert seen[3][1] == ("--no-prefix-caching",) and seen[3][2] == seen[2][2]
+    assert set(runs) == set(names)
     assert "not measured" in format_report(args, runs)
 
 

@@ -66,7 +66,7 @@ def _names(workers: list[Worker]) -> list[str]:
 def test_cached_worker_is_chosen_when_its_headroom_allows() -> None:
     cached = _worker("a", projected=5, cached=KEYS)  # a little busier, but holds the prefix
     empty = _worker("b")
-    policy = PrefixPolicy()
+    policy = PrefixPolicy(prefix_weight=1.0)
     assert policy.decode_cost(cached, KEYS) == 0 + 5
     assert policy.decode_cost(empty, KEYS) == 8 + 0
     assert _names(policy.order_decode([empty, cached], need_blocks=10, keys=KEYS)) == ["a", "b"]
@@ -74,10 +74,20 @@ def test_cached_worker_is_chosen_when_its_headroom_allows() -> None:
     assert _names(HeadroomPolicy().order_decode([empty, cached], 10, KEYS)) == ["b", "a"]
 
 
+def test_by_default_a_turn_stays_with_its_history_against_a_request_more_of_load() -> None:
+    """The default weights (a held block worth 4 blocks of load): the worker holding all 8
+    blocks of history keeps the next turn although it carries 20 blocks more (one more
+    request's worth); with weights 1:1 the turn would move and ship its history."""
+    holder = _worker("a", total=200, projected=60, cached=KEYS)
+    other = _worker("b", total=200, projected=40)
+    assert PrefixPolicy().order_decode([other, holder], 10, KEYS)[0] is holder
+    assert PrefixPolicy(prefix_weight=1.0).order_decode([other, holder], 10, KEYS)[0] is other
+
+
 def test_cached_worker_without_room_goes_after_one_with_room() -> None:
     cached = _worker("a", projected=92, cached=KEYS)  # headroom 8, cost 0 + 92
     other = _worker("b", projected=88)  # headroom 12, cost 8 + 88
-    policy = PrefixPolicy()
+    policy = PrefixPolicy(prefix_weight=1.0)
     assert _names(policy.order_decode([cached, other], need_blocks=10, keys=KEYS)) == ["b", "a"]
     # Where both have room, the cache wins.
     assert _names(policy.order_decode([cached, other], need_blocks=8, keys=KEYS)) == ["a", "b"]
@@ -86,25 +96,26 @@ def test_cached_worker_without_room_goes_after_one_with_room() -> None:
 def test_when_no_worker_has_room_the_cost_still_orders_them() -> None:
     cached = _worker("a", projected=95, cached=KEYS)
     other = _worker("b", projected=96)
-    assert _names(PrefixPolicy().order_decode([other, cached], 10, KEYS)) == ["a", "b"]
+    policy = PrefixPolicy(prefix_weight=1.0)
+    assert _names(policy.order_decode([other, cached], 10, KEYS)) == ["a", "b"]
 
 
 def test_only_a_leading_run_of_keys_counts() -> None:
     gap = _worker("a", cached=KEYS[:3] + KEYS[4:])  # block 3 evicted: 3 usable, not 7
     assert gap.cache.num_cached_blocks(KEYS) == 3
-    assert PrefixPolicy().decode_cost(gap, KEYS) == 5
+    assert PrefixPolicy(prefix_weight=1.0).decode_cost(gap, KEYS) == 5
 
 
 def test_weights_change_the_decision_as_the_formula_says() -> None:
     cached = _worker("a", projected=6, cached=KEYS)  # cost 1*0 + 1*6 = 6
     empty = _worker("b")  # cost 1*8 + 1*0 = 8
-    assert PrefixPolicy().order_decode([empty, cached], 1, KEYS)[0] is cached
+    assert PrefixPolicy(prefix_weight=1.0).order_decode([empty, cached], 1, KEYS)[0] is cached
     heavy_load = PrefixPolicy(prefix_weight=1.0, load_weight=2.0)  # a: 12, b: 8
     assert heavy_load.decode_cost(cached, KEYS) == 12
     assert heavy_load.order_decode([empty, cached], 1, KEYS)[0] is empty
     load_only = PrefixPolicy(prefix_weight=0.0)  # the cache does not count at all
     assert load_only.order_decode([empty, cached], 1, KEYS)[0] is empty
-    cache_only = PrefixPolicy(load_weight=0.0)
+    cache_only = PrefixPolicy(prefix_weight=1.0, load_weight=0.0)
     cached.projected_blocks = 90  # still room for 1 block
     assert cache_only.order_decode([empty, cached], 1, KEYS)[0] is cached
 
@@ -112,13 +123,14 @@ def test_weights_change_the_decision_as_the_formula_says() -> None:
 def test_ties_go_to_fewest_in_flight_then_address() -> None:
     a, b, c = _worker("a"), _worker("b"), _worker("c")
     a.num_in_flight = 2
-    assert _names(PrefixPolicy().order_decode([a, c, b], 1, KEYS)) == ["b", "c", "a"]
+    policy = PrefixPolicy(prefix_weight=1.0)
+    assert _names(policy.order_decode([a, c, b], 1, KEYS)) == ["b", "c", "a"]
 
 
 def test_prefill_goes_where_the_prompt_is_cached_unless_its_queue_outweighs_it() -> None:
     cached = _worker("p1", cached=KEYS, role="prefill")
     empty = _worker("p2", role="prefill")
-    policy = PrefixPolicy()
+    policy = PrefixPolicy(prefix_weight=1.0)
     n = len(PROMPT)  # 133 tokens: 8.3 blocks, 8 of them cached on p1
     assert policy.prefill_cost(cached, n, KEYS) == pytest.approx(n / BLOCK - 8)
     assert policy.order_prefill([empty, cached], n, KEYS)[0] is cached
@@ -133,7 +145,7 @@ def test_a_burst_sharing_a_prefix_stays_together_until_load_outweighs_it() -> No
     of requests it just sent) keeps a same-prefix burst on one worker, while the load term
     grows by each request's blocks."""
     workers = [_worker("a"), _worker("b")]
-    policy = PrefixPolicy()
+    policy = PrefixPolicy(prefix_weight=1.0)
     placed: list[str] = []
     for i in range(5):
         best = policy.order_decode(workers, 2, KEYS)[0]
@@ -234,7 +246,7 @@ def test_a_workers_allocator_reaches_the_router_through_the_proto() -> None:
     and the router's own keys for the prompt find it all."""
     allocator = BlockAllocator(64, BLOCK, prefix_caching=True)
     worker = _worker("a")
-    downstream = _downstream(PrefixPolicy(), worker)
+    downstream = _downstream(PrefixPolicy(prefix_weight=1.0), worker)
     seed = cache_seed(LAYOUT.model_fingerprint, LAYOUT.dtype, "t")
 
     def poll(issued_at: float) -> None:
@@ -265,7 +277,7 @@ def _downstream(policy: object, *workers: Worker) -> Downstream:
 
 def test_the_router_keys_prompts_as_the_workers_do() -> None:
     state = RouterRequest("r", cache_salt="tenant")
-    _downstream(PrefixPolicy(), _worker("a")).key_prompt(state, PROMPT)
+    _downstream(PrefixPolicy(prefix_weight=1.0), _worker("a")).key_prompt(state, PROMPT)
     seed = cache_seed(LAYOUT.model_fingerprint, LAYOUT.dtype, "tenant")
     assert state.block_keys == block_keys(PROMPT, BLOCK, seed)[:8]
     assert state.block_keys != KEYS  # the salt changes every key
@@ -275,7 +287,7 @@ def test_the_router_keys_prompts_as_the_workers_do() -> None:
 
 def test_admission_orders_decode_workers_on_the_request_keys() -> None:
     cached, empty = _worker("a", projected=3, cached=KEYS), _worker("b")
-    downstream = _downstream(PrefixPolicy(), empty, cached)
+    downstream = _downstream(PrefixPolicy(prefix_weight=1.0), empty, cached)
     state = RouterRequest("r")
     downstream.key_prompt(state, PROMPT)
     candidates, _ = asyncio.run(downstream._admit(state, need=10, deadline=None))
