@@ -21,9 +21,11 @@ workload, then sent one seeded workload through `kvferry bench`'s engine (Poisso
                  128): a turn whose uncached suffix on its decode worker is shorter
                  prefills there and ships nothing, which is what keeping a conversation's
                  history on one decode worker buys in disaggregated serving. 16
-                 conversations starting at 4/s overlap, so both decode workers are busy
-                 (at a lower load headroom routing breaks every tie on the same worker and
-                 keeps conversations together by accident).
+                 conversations start at 4/s and each user thinks --think-time-s (2 s)
+                 before the next turn. Headroom routing breaks ties (idle workers) on the
+                 first address and sends a finished turn's successor back to the worker it
+                 just freed, so it keeps most histories together by accident; the table's
+                 "not shipped" column shows how much.
 A fifth run, BASELINE-no-cache, is the multi-turn workload on workers without a prefix cache
 (kvferry before it had one), for the same ratios against the candidate. A policy this tree's
 router does not know is skipped, with a note; `--runs` picks some of the runs. Each run is
@@ -70,10 +72,10 @@ from kvferry.settings import POLICIES  # noqa: E402
 # Flag defaults: the full benchmark, and --quick (a smoke run for tests).
 FULL = dict(repeats=3, num_prefixes=4, prefix_len=1000, suffix_len=32, sp_output_len=16,
             sp_requests=48, sp_rate=2.0, conversations=16, num_turns=8, input_len=512,
-            turn_len=32, mt_output_len=32, mt_rate=4.0)
+            turn_len=32, mt_output_len=32, mt_rate=4.0, think_time_s=2.0)
 QUICK = dict(repeats=1, num_prefixes=2, prefix_len=128, suffix_len=16, sp_output_len=4,
              sp_requests=6, sp_rate=20.0, conversations=2, num_turns=2, input_len=64,
-             turn_len=16, mt_output_len=4, mt_rate=20.0)
+             turn_len=16, mt_output_len=4, mt_rate=20.0, think_time_s=0.0)
 NUM_WARMUPS = 4
 
 
@@ -151,6 +153,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.add_argument(f"--{name.replace('_', '-')}", type=int, help=f"default {FULL[name]}")
     p.add_argument("--sp-rate", type=float, help="shared-prefix requests/s (default 2)")
     p.add_argument("--mt-rate", type=float, help="multi-turn conversations/s (default 4)")
+    p.add_argument("--think-time-s", type=float, default=None,
+                   help="multi-turn: pause between an answer and the next turn (default "
+                        f"{FULL['think_time_s']:g} s; --quick: 0)")
     p.add_argument("--local-prefill-threshold", type=int, default=128,
                    help="multi-turn, both policies: the router's conditional disaggregation "
                         "(a turn whose uncached suffix on the chosen decode worker is shorter "
@@ -179,7 +184,7 @@ def workloads(args: argparse.Namespace) -> dict[str, tuple[Any, BenchConfig]]:
     shared = SharedPrefixWorkload(args.num_prefixes, args.prefix_len, args.suffix_len,
                                   args.sp_output_len)
     chats = MultiTurnWorkload(args.num_turns, args.input_len, args.turn_len,
-                              args.mt_output_len)
+                              args.mt_output_len, args.think_time_s)
     load = dict(seed=args.seed, percentiles=(50.0, 99.0))
     return {"shared-prefix": (shared, BenchConfig(num_requests=args.sp_requests,
                                                   request_rates=(args.sp_rate,), **load)),
