@@ -156,6 +156,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--think-time-s", type=float, default=None,
                    help="multi-turn: pause between an answer and the next turn (default "
                         f"{FULL['think_time_s']:g} s; --quick: 0)")
+    p.add_argument("--prefix-weight", type=float, default=None,
+                   help="the prefix policy's --prefix-weight in every run (default: the "
+                        "router's)")
     p.add_argument("--local-prefill-threshold", type=int, default=128,
                    help="multi-turn, both policies: the router's conditional disaggregation "
                         "(a turn whose uncached suffix on the chosen decode worker is shorter "
@@ -170,6 +173,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if len(names) != 2 or len(set(names)) != 2 or not all(names):
         p.error(f"--policies: expected CANDIDATE,BASELINE, got {args.policies!r}")
     args.policies = names
+    args.router_args = ([] if args.prefix_weight is None
+                        else ["--prefix-weight", str(args.prefix_weight)])
     known = [setup.name for setup in setups(names)]
     args.runs = known if args.runs is None else [x.strip() for x in args.runs.split(",")]
     if not args.runs or any(name not in known for name in args.runs):
@@ -215,7 +220,8 @@ def run_once(setup: Setup, model: str, args: argparse.Namespace, log_dir: Path) 
     deployment = Deployment(model=model, num_prefill=2, num_decode=2,
                             torch_threads=args.torch_threads,
                             worker_args=list(setup.worker_args),
-                            router_args=list(setup.router_args), log_dir=run_log_dir)
+                            router_args=[*args.router_args, *setup.router_args],
+                            log_dir=run_log_dir)
     with deployment:
         address = deployment.router_address
         vocab = asyncio.run(_vocab_and_warm_up(address, args.seed))

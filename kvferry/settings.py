@@ -44,9 +44,9 @@ POLICIES = ("prefix", "headroom", "round_robin", "least_requests")
 # The prefix policy's cost weights (router/policy.py): per prompt block not cached on a worker,
 # and per block of load there (K/V blocks in use on decode, pending prompt tokens on prefill).
 # 4: a block held is worth 4 blocks of load. With 1, a conversation's next turn left the
-# decode worker holding its history whenever the other had one request less: 166 K/V tokens
-# shipped per request against 76 with 4 (16 chats x 8 turns, 2+2 workers, tiny model;
-# bench/bench_prefix_cache.py). Headroom for the request stays a hard constraint.
+# decode worker holding its history whenever the other had one request less: 651 KiB of K/V
+# shipped per request against 368 with 4 (docs/benchmarks.md, issue 18). Headroom for the
+# request stays a hard constraint.
 DEFAULT_PREFIX_WEIGHT = 4.0
 DEFAULT_LOAD_WEIGHT = 1.0
 
