@@ -115,8 +115,10 @@ def test_runs_interleave_and_skip_unknown_policies(monkeypatch: pytest.MonkeyPat
 def test_quick_run_on_the_tiny_model(tmp_path: Path) -> None:
     out = tmp_path / "result.json"
     result = subprocess.run(
+        # Threshold 0: every turn is prefilled on a prefill worker and pushed (the quick
+        # prompts are shorter than the default threshold, which would keep them local).
         [sys.executable, "bench/bench_prefix_cache.py", "--quick", "--runs", "headroom-routing",
-         "--out", str(out), "--log-dir", str(tmp_path / "logs")],
+         "--local-prefill-threshold", "0", "--out", str(out), "--log-dir", str(tmp_path / "logs")],
         cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     data = json.loads(out.read_text())
