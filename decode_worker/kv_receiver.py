@@ -27,7 +27,7 @@ class KvReceiver:
                  on_complete: Callable[[DecodeSeq], None]) -> None:
         self.layout = layout
         self.pool = pool
-        self._seqs = seqs
+        self.seqs = seqs
         self._on_complete = on_complete
         self.kv_bytes_received = 0
 
@@ -36,7 +36,7 @@ class KvReceiver:
         prefill worker that went silent mid-push while the router had another one push
         again), whose pages are forgotten and whose later chunks are refused. Returns the
         push's epoch, which its chunks carry."""
-        seq = self._check_incomplete(lookup(self._seqs, request_id))
+        seq = self._check_incomplete(lookup(self.seqs, request_id))
         seq.push_epoch += 1
         seq.reset_received()
         seq.renew_lease()  # a prefill worker is at work on it
@@ -58,14 +58,18 @@ class KvReceiver:
         if epoch is not None and epoch != seq.push_epoch:
             raise Aborted(f"push for {seq.request_id!r} superseded by a newer one")
 
+    def check_writable(self, seq: DecodeSeq, epoch: int | None) -> None:
+        """Push `epoch` may still write into `seq`'s pages."""
+        self._check_epoch(seq, epoch)
+        self._check_incomplete(seq)
+
     def receive_chunk(self, request_id: str, layout: KvLayout, num_tokens: int,
                       span: wire.ChunkSpan, data: bytes, crc32: int,
                       epoch: int | None = None) -> int:
         """Validate one chunk against layout and reservation, then write it. Returns bytes.
         `epoch`: from begin_push; None for a caller that opened no push."""
-        seq = lookup(self._seqs, request_id)
-        self._check_epoch(seq, epoch)
-        self._check_incomplete(seq)
+        seq = lookup(self.seqs, request_id)
+        self.check_writable(seq, epoch)
         problem = self.layout.mismatch(layout)
         if problem:
             raise InvalidArgument(problem, "layout")
@@ -90,7 +94,7 @@ class KvReceiver:
         return len(data)
 
     def finish_push(self, request_id: str, epoch: int | None = None) -> None:
-        seq = lookup(self._seqs, request_id)
+        seq = lookup(self.seqs, request_id)
         self._check_epoch(seq, epoch)
         missing = int((~seq.received).sum())
         if missing:
@@ -101,6 +105,6 @@ class KvReceiver:
     def fail_push(self, request_id: str, epoch: int | None = None) -> None:
         """A push broke off: forget partial pages so the prompt can be pushed again (unless
         a newer push has taken over the reservation)."""
-        seq = self._seqs.get(request_id)
+        seq = self.seqs.get(request_id)
         if seq is not None and not seq.is_kv_complete and epoch in (None, seq.push_epoch):
             seq.reset_received()

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from decode_worker.engine import DecodeEngine
+from decode_worker.nixl_puller import NixlPuller, Pull
 from decode_worker.sequence import DecodeEvent, ErrorEvent, FinishedEvent, TokensEvent
 from kvferry import logs
 from kvferry.errors import InvalidArgument, KvferryError
@@ -125,8 +126,41 @@ class DecodeServicer(WorkerServicer[DecodeEngine], worker_pb2_grpc.DecodeService
 
 
 class KvTransferServicer(worker_pb2_grpc.KvTransferServiceServicer):
-    def __init__(self, engine: DecodeEngine) -> None:
+    def __init__(self, engine: DecodeEngine, puller: NixlPuller | None = None) -> None:
         self.engine = engine
+        self.puller = puller  # --kv-transport nixl
+
+    async def PullKv(self, request_iterator: AsyncIterator[worker_pb2.KvPullMessage],
+                     context: grpc.aio.ServicerContext) -> worker_pb2.PushKvResponse:
+        """A NIXL push (decode_worker/nixl_puller.py): `begin`, then groups to read."""
+        pull: Pull | None = None
+        written = 0
+        try:
+            if self.puller is None:
+                raise InvalidArgument("this worker does not run --kv-transport nixl",
+                                      "kv_transport")
+            async for message in request_iterator:
+                if message.HasField("begin"):
+                    if pull is not None:
+                        raise InvalidArgument("one push has one begin", "begin")
+                    logs.request_id.set(message.begin.request_id)
+                    pull = await self.puller.begin(message.begin)
+                elif pull is None:
+                    raise InvalidArgument("a push starts with begin", "begin")
+                else:
+                    written += await self.puller.group(pull, message.group)
+            if pull is None:
+                raise InvalidArgument("empty push", "request_id")
+            self.engine.receiver.finish_push(pull.request_id, pull.epoch)
+        except asyncio.CancelledError:
+            if pull is not None:
+                self.engine.receiver.fail_push(pull.request_id, pull.epoch)
+            raise
+        except Exception as exc:
+            if pull is not None:
+                self.engine.receiver.fail_push(pull.request_id, pull.epoch)
+            await grpc_util.abort_with(context, exc, pull.request_id if pull else "")
+        return worker_pb2.PushKvResponse(bytes_written=written)
 
     async def PushKv(
         self, request_iterator: AsyncIterator[chunk_codec.ReceivedChunk | worker_pb2.KvChunk],
@@ -193,12 +227,17 @@ SERVICE_NAMES = ["kvferry.v1.DecodeService", "kvferry.v1.KvTransferService",
                  "kvferry.v1.PrefillService"]
 
 
-def add_to_server(server: grpc.aio.Server, engine: DecodeEngine, role: str = "decode") -> None:
+def add_to_server(server: grpc.aio.Server, engine: DecodeEngine, role: str = "decode",
+                  puller: NixlPuller | None = None) -> None:
     worker_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(engine, role), server)
+    transfer = KvTransferServicer(engine, puller)
     push_kv = grpc.stream_unary_rpc_method_handler(
-        KvTransferServicer(engine).PushKv, request_deserializer=chunk_codec.decode,
+        transfer.PushKv, request_deserializer=chunk_codec.decode,
+        response_serializer=worker_pb2.PushKvResponse.SerializeToString)
+    pull_kv = grpc.stream_unary_rpc_method_handler(
+        transfer.PullKv, request_deserializer=worker_pb2.KvPullMessage.FromString,
         response_serializer=worker_pb2.PushKvResponse.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-        chunk_codec.KV_TRANSFER_SERVICE, {"PushKv": push_kv}),))
+        chunk_codec.KV_TRANSFER_SERVICE, {"PushKv": push_kv, "PullKv": pull_kv}),))
     worker_pb2_grpc.add_PrefillServiceServicer_to_server(LocalPrefillServicer(engine, role),
                                                          server)

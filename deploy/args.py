@@ -104,8 +104,10 @@ def _worker_parser(sub: argparse._SubParsersAction, role: str) -> None:
     p.add_argument("--kv-max-resends", type=int, default=DEFAULT_KV_MAX_RESENDS,
                    help="resend a K/V push the receiver found corrupted; 0: fail (DATA_LOSS)")
     p.add_argument("--kv-transport", default=KV_TRANSPORTS[0], choices=KV_TRANSPORTS,
-                   help="how prefill ships K/V pages: gRPC streams, or Ray object refs "
-                        "(workers running as Ray actors)")
+                   help="how prefill ships K/V pages: gRPC streams, Ray object refs "
+                        "(workers running as Ray actors), or nixl: the decode worker reads "
+                        "them from the prefill worker's pool with NIXL (UCX); every worker "
+                        "of a deployment must use the same one")
     _server_process_args(p)
     p.set_defaults(role=role)
 
@@ -137,7 +139,8 @@ def _deployment_args(p: argparse.ArgumentParser) -> None:
                    help="every worker: no prefix cache (see `kvferry decode-worker --help`)")
     p.add_argument("--kv-transport", default=KV_TRANSPORTS[0], choices=KV_TRANSPORTS,
                    help="ray: router and workers run as Ray actors and K/V pages travel as "
-                        "Ray object refs")
+                        "Ray object refs; nixl: decode workers read K/V pages from prefill "
+                        "workers' pools with NIXL")
     p.add_argument("--ray-address", default=None,
                    help="with --kv-transport ray: an existing cluster (auto, ray://HOST:PORT); "
                         "default: start a local Ray instance")

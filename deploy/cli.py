@@ -69,7 +69,8 @@ def _deployment(args: argparse.Namespace):
                                                             str(args.metrics_port)])
         + security_argv(args),
         worker_args=security_argv(args) + ([] if args.prefix_caching
-                                           else ["--no-prefix-caching"]),
+                                           else ["--no-prefix-caching"])
+        + (["--kv-transport", "nixl"] if args.kv_transport == "nixl" else []),
     )
     if args.kv_transport == "ray":
         from deploy.ray_launcher import RayDeployment

@@ -97,11 +97,22 @@ def _make_sender(settings: WorkerSettings, creds: security.Credentials) -> KvSen
 
         return RayKvSender(max_resends=settings.kv_max_resends, corrupt_pushes=corrupt)
     from kvferry.transfer.grpc_push import GrpcKvSender
+    from kvferry.transfer.nixl_push import NixlKvSender
 
     delay_s = float(os.environ.get("KVFERRY_FAULT_PUSH_CHUNK_DELAY_S", "0"))
     done_delay_s = float(os.environ.get("KVFERRY_FAULT_PUSH_DONE_DELAY_S", "0"))
-    return GrpcKvSender(max_resends=settings.kv_max_resends, corrupt_pushes=corrupt,
-                        chunk_delay_s=delay_s, done_delay_s=done_delay_s, credentials=creds)
+    sender = NixlKvSender if settings.kv_transport == "nixl" else GrpcKvSender
+    return sender(max_resends=settings.kv_max_resends, corrupt_pushes=corrupt,
+                  chunk_delay_s=delay_s, done_delay_s=done_delay_s, credentials=creds)
+
+
+def _then(stop: Callable[[], Awaitable[None]], close: Callable[[], None]
+          ) -> Callable[[], Awaitable[None]]:
+    async def both() -> None:
+        await stop()
+        close()
+
+    return both
 
 
 def build_worker(settings: WorkerSettings) -> tuple[Built, object]:
@@ -111,6 +122,7 @@ def build_worker(settings: WorkerSettings) -> tuple[Built, object]:
     creds = security.load(settings.security)
     server = grpc_util.make_server(interceptors=security.server_interceptors(creds))
     health = grpc_util.add_health(server)
+    on_stop: Callable[[], Awaitable[None]]
     if settings.role in ("decode", "colocated"):
         from decode_worker import server as decode_server
         from decode_worker.engine import DecodeEngine
@@ -120,7 +132,14 @@ def build_worker(settings: WorkerSettings) -> tuple[Built, object]:
                               stage_bytes=stage_mib << 20,
                               token_budget=settings.prefill_token_budget,
                               chunk_size=settings.prefill_chunk_size)
-        decode_server.add_to_server(server, engine, settings.role)
+        on_stop, puller = engine.stop, None
+        if settings.kv_transport == "nixl":
+            from decode_worker.nixl_puller import NixlPuller
+
+            puller = NixlPuller(engine.receiver, pool, read_delay_s=float(
+                os.environ.get("KVFERRY_FAULT_NIXL_READ_DELAY_S", "0")))
+            on_stop = _then(engine.stop, puller.close)
+        decode_server.add_to_server(server, engine, settings.role, puller)
         names = decode_server.SERVICE_NAMES
     else:
         from prefill_worker import server as prefill_server
@@ -130,6 +149,7 @@ def build_worker(settings: WorkerSettings) -> tuple[Built, object]:
                                settings.prefill_token_budget, settings.prefill_chunk_size,
                                settings.max_waiting)
         prefill_server.add_to_server(server, engine)
+        on_stop = engine.stop
         names = prefill_server.SERVICE_NAMES
     engine.start()
     grpc_util.add_reflection(server, names)
@@ -149,7 +169,7 @@ def build_worker(settings: WorkerSettings) -> tuple[Built, object]:
                     else (lambda: engine.kv_bytes_received))
         registry.register(metrics.WorkerCollector(settings.role, engine.stats, kv_bytes))
         metrics_port = metrics.serve(settings.metrics_port, settings.host, registry)
-    return Built(server, health, names, port, engine.stop, settings.drain_timeout_s,
+    return Built(server, health, names, port, on_stop, settings.drain_timeout_s,
                  engine, metrics_port, _health_server(health, settings.host,
                                                       settings.security)), engine
 

@@ -32,7 +32,7 @@ ROLES = ("prefill", "decode", "colocated")
 # equal), plus auto: see WorkerSettings.dtype.
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # auto: triton on CUDA, torch on CPU
-KV_TRANSPORTS = ("grpc", "ray")
+KV_TRANSPORTS = ("grpc", "ray", "nixl")
 # Decode step: eager, or torch.compile'd per batch-size bucket (kvferry/model/compiled.py).
 COMPILE_MODES = ("off", "default", "max-autotune")
 DEFAULT_COMPILE_BATCH_SIZES = "1,2,4,8,16,32"
@@ -151,7 +151,7 @@ class WorkerSettings:
     prefix_caching: bool = True
     # Resend a K/V push corrupted in flight this many times; 0: fail with DATA_LOSS.
     kv_max_resends: int = DEFAULT_KV_MAX_RESENDS
-    kv_transport: str = KV_TRANSPORTS[0]  # how a prefill worker ships pages (ray: Ray actors)
+    kv_transport: str = KV_TRANSPORTS[0]  # how pages move (ray: Ray actors; nixl: NIXL reads)
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S  # SIGTERM: to finish in-flight requests
     metrics_port: int | None = None  # Prometheus /metrics on this HTTP port (0: any free)
     security: SecuritySettings = field(default_factory=SecuritySettings)
@@ -161,7 +161,8 @@ class WorkerSettings:
             raise ValueError(f"role: expected prefill, decode or colocated, got {self.role!r}")
         _check_common(self.drain_timeout_s, self.metrics_port)
         if self.kv_transport not in KV_TRANSPORTS:
-            raise ValueError(f"kv_transport: expected grpc or ray, got {self.kv_transport!r}")
+            raise ValueError(f"kv_transport: expected {', '.join(KV_TRANSPORTS)}, got "
+                             f"{self.kv_transport!r}")
         if self.compile not in COMPILE_MODES:
             raise ValueError(f"compile: expected one of {', '.join(COMPILE_MODES)}, "
                              f"got {self.compile!r}")

@@ -157,6 +157,28 @@ def colocated_deployment(qwen3_checkpoint: Path, tmp_path_factory: pytest.TempPa
     deployment.stop()
 
 
+NIXL = ["--kv-transport", "nixl"]
+
+
+@pytest.fixture(scope="session")
+def qwen3_nixl_deployment(qwen3_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+                          ) -> Iterator[Deployment]:
+    """K/V read by the decode worker from the prefill worker's pool with NIXL."""
+    deployment = _start(qwen3_checkpoint, tmp_path_factory.mktemp("qwen3-nixl-logs"),
+                        worker_args=NIXL)
+    yield deployment
+    deployment.stop()
+
+
+@pytest.fixture(scope="session")
+def llama_nixl_deployment(llama_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+                          ) -> Iterator[Deployment]:
+    deployment = _start(llama_checkpoint, tmp_path_factory.mktemp("llama-nixl-logs"),
+                        worker_args=NIXL)
+    yield deployment
+    deployment.stop()
+
+
 @pytest.fixture(scope="session")
 def ray_session() -> Iterator[None]:
     """One local Ray instance for the whole test session (Ray deployments share it)."""

@@ -10,6 +10,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
@@ -40,6 +41,18 @@ MAX_LOST_STATUS_RESENDS = 3
 
 def _is_lost_status(exc: grpc.aio.AioRpcError) -> bool:
     return exc.code() == grpc.StatusCode.INTERNAL and exc.details() == LOST_STATUS_DETAILS
+
+
+class Progress:
+    """How far a push got: bytes sent, and when its first chunk went out (its layers ready)."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+        self.started: list[float] = []
+
+    def start(self) -> None:
+        if not self.started:
+            self.started.append(time.perf_counter())
 
 
 def _already_there(request_id: str, started: list[float]) -> PushResult:
@@ -77,11 +90,40 @@ class GrpcKvSender:
 
     def _push_kv(self, address: str) -> grpc.aio.StreamUnaryMultiCallable:
         """KvTransferService.PushKv taking chunks already serialized by chunk_codec."""
-        if address not in self._channels:
-            self._channels[address] = security.channel(address, self._credentials)
-        return self._channels[address].stream_unary(
+        return self._channel(address).stream_unary(
             chunk_codec.PUSH_KV_METHOD, request_serializer=None,
             response_deserializer=worker_pb2.PushKvResponse.FromString)
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        if address not in self._channels:
+            self._channels[address] = security.channel(address, self._credentials)
+        return self._channels[address]
+
+    def _plan(self, layout: KvLayout, num_tokens: int, first_block: int) -> list[wire.ChunkSpan]:
+        return wire.plan_chunks(layout, num_tokens, self.chunk_bytes, first_block=first_block)
+
+    async def _messages(self, request_id: str, layout: KvLayout, num_tokens: int, pool: KvPool,
+                        block_table: list[int], spans: list[wire.ChunkSpan],
+                        ready: LayersReady | None, corrupt: bool, progress: Progress
+                        ) -> AsyncIterator[Any]:
+        """The push's stream: one chunk per span, each once its layers are ready."""
+        layout_msg = convert.layout_to_proto(layout)
+        for i, span in enumerate(spans):
+            if i and self.chunk_delay_s:
+                await asyncio.sleep(self.chunk_delay_s)
+            if ready is not None:
+                await ready(span.layer_end)
+            progress.start()
+            data = wire.pack_array(pool, block_table, span)
+            crc = wire.crc32(data)
+            if corrupt and i == 0:
+                data[0] ^= 0xFF  # fault injection: after the checksum was taken
+            progress.sent += data.nbytes
+            yield chunk_codec.encode(worker_pb2.KvChunk(
+                request_id=request_id, layout=layout_msg, num_tokens=num_tokens,
+                layer_start=span.layer_start, layer_end=span.layer_end,
+                block_start=span.block_start, num_blocks=span.num_blocks, crc32=crc,
+            ), data)
 
     async def push(
         self, address: str, request_id: str, layout: KvLayout, num_tokens: int,
@@ -90,31 +132,9 @@ class GrpcKvSender:
     ) -> PushResult:
         """Stream the pages in layer order; with `ready`, each layer group goes as soon as
         the prefill forward has written it, overlapping the transfer with later layers."""
-        layout_msg = convert.layout_to_proto(layout)
-        spans = wire.plan_chunks(layout, num_tokens, self.chunk_bytes, first_block=first_block)
-        sent = 0
-        started: list[float] = []  # when the first chunk went out (after its layers were ready)
-
-        async def chunks(corrupt: bool) -> AsyncIterator[bytes]:
-            nonlocal sent
-            for i, span in enumerate(spans):
-                if i and self.chunk_delay_s:
-                    await asyncio.sleep(self.chunk_delay_s)
-                if ready is not None:
-                    await ready(span.layer_end)
-                if not started:
-                    started.append(time.perf_counter())
-                data = wire.pack_array(pool, block_table, span)
-                crc = wire.crc32(data)
-                if corrupt and i == 0:
-                    data[0] ^= 0xFF  # fault injection: after the checksum was taken
-                sent += data.nbytes
-                yield chunk_codec.encode(worker_pb2.KvChunk(
-                    request_id=request_id, layout=layout_msg, num_tokens=num_tokens,
-                    layer_start=span.layer_start, layer_end=span.layer_end,
-                    block_start=span.block_start, num_blocks=span.num_blocks, crc32=crc,
-                ), data)
-
+        spans = self._plan(layout, num_tokens, first_block)
+        progress = Progress()
+        started = progress.started
         num_corrupt = num_lost = 0
         is_lost = False
         while True:
@@ -123,8 +143,11 @@ class GrpcKvSender:
                 self._corrupt_left -= corrupt
             is_lost = False
             try:
-                await self._push_kv(address)(chunks(corrupt), timeout=timeout_s)
-                result = PushResult(sent, time.perf_counter() - started[0])
+                progress.sent = 0
+                await self._push_kv(address)(
+                    self._messages(request_id, layout, num_tokens, pool, block_table, spans,
+                                   ready, corrupt, progress), timeout=timeout_s)
+                result = PushResult(progress.sent, time.perf_counter() - started[0])
                 if self.done_delay_s:
                     log.info("request %s: K/V push accepted; holding its done %.1f s (fault "
                              "injection)", request_id, self.done_delay_s)

@@ -511,6 +511,11 @@ class KvTransferServiceStub:
                 request_serializer=kvferry_dot_v1_dot_worker__pb2.KvChunk.SerializeToString,
                 response_deserializer=kvferry_dot_v1_dot_worker__pb2.PushKvResponse.FromString,
                 _registered_method=True)
+        self.PullKv = channel.stream_unary(
+                '/kvferry.v1.KvTransferService/PullKv',
+                request_serializer=kvferry_dot_v1_dot_worker__pb2.KvPullMessage.SerializeToString,
+                response_deserializer=kvferry_dot_v1_dot_worker__pb2.PushKvResponse.FromString,
+                _registered_method=True)
 
 
 class KvTransferServiceServicer:
@@ -525,12 +530,28 @@ class KvTransferServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullKv(self, request_iterator, context):
+        """NIXL data plane (--kv-transport nixl): the prefill worker announces its registered pool
+        and then each layer group as soon as its forward pass has written it; the decode worker
+        READs every group from the prefill worker's pages straight into the reserved blocks with
+        NIXL, checks its CRC-32C and answers once the prompt's K/V is complete. The prefill
+        worker keeps its pages until this call returns. No page travels on this stream.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KvTransferServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'PushKv': grpc.stream_unary_rpc_method_handler(
                     servicer.PushKv,
                     request_deserializer=kvferry_dot_v1_dot_worker__pb2.KvChunk.FromString,
+                    response_serializer=kvferry_dot_v1_dot_worker__pb2.PushKvResponse.SerializeToString,
+            ),
+            'PullKv': grpc.stream_unary_rpc_method_handler(
+                    servicer.PullKv,
+                    request_deserializer=kvferry_dot_v1_dot_worker__pb2.KvPullMessage.FromString,
                     response_serializer=kvferry_dot_v1_dot_worker__pb2.PushKvResponse.SerializeToString,
             ),
     }
@@ -561,6 +582,33 @@ class KvTransferService:
             target,
             '/kvferry.v1.KvTransferService/PushKv',
             kvferry_dot_v1_dot_worker__pb2.KvChunk.SerializeToString,
+            kvferry_dot_v1_dot_worker__pb2.PushKvResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullKv(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/kvferry.v1.KvTransferService/PullKv',
+            kvferry_dot_v1_dot_worker__pb2.KvPullMessage.SerializeToString,
             kvferry_dot_v1_dot_worker__pb2.PushKvResponse.FromString,
             options,
             channel_credentials,

@@ -55,13 +55,15 @@ def _generate_all(checkpoint: Path, deployment: Deployment
     return list(zip(prompts, max_tokens, results))
 
 
-@pytest.mark.parametrize("transport", ["grpc", pytest.param("ray", marks=pytest.mark.ray)])
+@pytest.mark.parametrize("transport", ["grpc", "nixl",
+                                       pytest.param("ray", marks=pytest.mark.ray)])
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 def test_greedy_matches_transformers(arch: str, transport: str,
                                      request: pytest.FixtureRequest) -> None:
-    """Both K/V transports: gRPC streams between processes, Ray object refs between actors."""
+    """Every K/V transport: gRPC streams between processes, NIXL reads of the prefill
+    worker's pool, Ray object refs between actors."""
     checkpoint: Path = request.getfixturevalue(f"{arch}_checkpoint")
-    fixture = f"{arch}_deployment" if transport == "grpc" else f"{arch}_ray_deployment"
+    fixture = f"{arch}_deployment" if transport == "grpc" else f"{arch}_{transport}_deployment"
     deployment: Deployment = request.getfixturevalue(fixture)
     for prompt, limit, got in _generate_all(checkpoint, deployment):
         expected = _reference(checkpoint, prompt, limit)

@@ -1,0 +1,213 @@
+"""The decode worker's end of the NIXL K/V transport (kvferry/transfer/nixl_push.py).
+
+A PullKv stream announces a prefill worker's registered pool, then layer groups as they
+become final. For each group the puller READs the pages straight into the reservation's
+blocks, then checks them where they landed (CRC-32C against the announced one, finite
+values), all on one thread of its own: the event loop and the step loop do no per-byte work
+for incoming K/V. Only then are the pages marked received.
+
+Fences: a block a READ writes into holds one extra reference from before the READ starts
+until the thread knows it finished or was cancelled (`release_xfer_handle` succeeded). An
+abort, an expired lease, a drain or a cancelled stream may free the reservation meanwhile;
+its blocks go back to the pool only when the fence drops, so no late write can land in a
+block given to another request. A READ NIXL cannot cancel keeps its fence for good: the
+blocks leak (logged), which is the safe failure. A group that failed its checks, or whose
+read failed, is zeroed before its fence drops: the pool never keeps non-finite pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, NamedTuple
+
+import torch
+
+from decode_worker.kv_receiver import KvReceiver
+from decode_worker.sequence import lookup
+from kvferry.cache.layout import blocks_for_tokens
+from kvferry.cache.pool import KvPool
+from kvferry.errors import DataLoss, InvalidArgument, KvferryError, Unavailable
+from kvferry.rpc import convert
+from kvferry.transfer import nixl_pages, wire
+from kvferry.v1 import worker_pb2
+
+log = logging.getLogger("kvferry.transport")
+
+READ_TIMEOUT_S = 60.0
+_POLL_S = 0.0002
+
+
+class Pull(NamedTuple):
+    """One PullKv stream's push, once begun."""
+
+    request_id: str
+    epoch: int
+    num_tokens: int
+    peer: str  # the prefill worker's agent name
+    remote: nixl_pages.PoolMemory
+    remote_table: list[int]
+
+
+class _Leaked(Exception):
+    """NIXL could not cancel a READ: its blocks stay fenced for good."""
+
+
+class NixlPuller:
+    """Reads pushed groups into `receiver`'s reservations. Owns a NIXL agent (the pool
+    registered with it) and one thread for everything NIXL and per-byte."""
+
+    def __init__(self, receiver: KvReceiver, pool: KvPool, agent: Any = None,
+                 read_timeout_s: float = READ_TIMEOUT_S, read_delay_s: float = 0.0) -> None:
+        self.receiver = receiver
+        self.pool = pool
+        self.agent = agent if agent is not None else nixl_pages.make_agent("decode")
+        self._reg = self.agent.register_memory(pool.cache)
+        self.local = nixl_pages.PoolMemory.of(pool)
+        self._page = nixl_pages.page_bytes(pool)
+        self._peers: set[str] = set()
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvferry-nixl")
+        self.read_timeout_s = read_timeout_s
+        self.read_delay_s = read_delay_s  # fault injection: a READ that takes this long
+        self.num_fenced_blocks = 0  # block references held by READs in flight
+        self.num_leaked_blocks = 0  # fenced for good: READs NIXL could not cancel
+
+    async def _run(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.wrap_future(self._thread.submit(fn, *args))
+
+    async def begin(self, msg: worker_pb2.KvPullBegin) -> Pull:
+        problem = self.receiver.layout.mismatch(convert.layout_from_proto(msg.layout))
+        if problem:
+            raise InvalidArgument(problem, "layout")
+        seq = lookup(self.receiver.seqs, msg.request_id)
+        if msg.num_tokens != seq.num_prompt_tokens:
+            raise InvalidArgument(f"num_tokens {msg.num_tokens} != reserved prompt length "
+                                  f"{seq.num_prompt_tokens}", "num_tokens")
+        if msg.memory_type not in ("DRAM", "VRAM"):
+            raise InvalidArgument(f"memory_type {msg.memory_type!r}: expected DRAM or VRAM",
+                                  "memory_type")
+        table = list(msg.block_table)
+        if len(table) != blocks_for_tokens(msg.num_tokens, self.pool.block_size):
+            raise InvalidArgument(f"block_table has {len(table)} blocks for "
+                                  f"{msg.num_tokens} tokens", "block_table")
+        if msg.pool_blocks < 1 or any(not 0 <= b < msg.pool_blocks for b in table):
+            raise InvalidArgument("block_table names blocks outside the sender's pool",
+                                  "block_table")
+        if not msg.agent_name or not msg.agent_metadata:
+            raise InvalidArgument("agent_name and agent_metadata are required", "agent_name")
+        if msg.agent_name not in self._peers:
+            loaded = await self._run(self.agent.add_remote_agent, msg.agent_metadata)
+            name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+            if name != msg.agent_name:
+                raise InvalidArgument(f"agent_metadata is for {name!r}, not "
+                                      f"{msg.agent_name!r}", "agent_metadata")
+            self._peers.add(name)
+        epoch = self.receiver.begin_push(msg.request_id)
+        remote = nixl_pages.PoolMemory(msg.pool_address, msg.pool_blocks, msg.memory_type,
+                                       msg.device_id)
+        return Pull(msg.request_id, epoch, msg.num_tokens, msg.agent_name, remote, table)
+
+    async def group(self, pull: Pull, msg: worker_pb2.KvPullGroup) -> int:
+        """Read one group into the reservation and check it. Returns its bytes."""
+        seq = lookup(self.receiver.seqs, pull.request_id)
+        self.receiver.check_writable(seq, pull.epoch)
+        span = wire.ChunkSpan(msg.layer_start, msg.layer_end, msg.block_start, msg.num_blocks)
+        layout = self.receiver.layout
+        nbytes = ((span.layer_end - span.layer_start) * span.num_blocks
+                  * layout.bytes_per_layer_block)
+        wire.check_span(layout, pull.num_tokens, span, nbytes)
+        rows = slice(span.layer_start, span.layer_end)
+        cols = slice(span.block_start, span.block_start + span.num_blocks)
+        if seq.received[rows, cols].any():
+            raise InvalidArgument("group overlaps pages already received", "block_start")
+        table = list(seq.block_table)
+        dest = nixl_pages.span_ids(table, span)
+        self.pool.allocator.incref(dest)  # the fence: see the module docstring
+        self.num_fenced_blocks += len(dest)
+        loop = asyncio.get_running_loop()
+        job = self._thread.submit(self._read_and_check, pull, table, span, msg.crc32)
+        job.add_done_callback(lambda done: self._unfence(loop, done, dest))
+        try:
+            error = await asyncio.wrap_future(job)
+        except _Leaked as exc:
+            raise Unavailable(f"NIXL read could not be cancelled: {exc}", "data") from exc
+        if error is not None:
+            raise error
+        seq = lookup(self.receiver.seqs, pull.request_id)  # still ours after the wait?
+        self.receiver.check_writable(seq, pull.epoch)
+        seq.received[rows, cols] = True
+        seq.renew_lease()
+        self.receiver.kv_bytes_received += nbytes
+        return nbytes
+
+    def _unfence(self, loop: asyncio.AbstractEventLoop, done: Future[Any],
+                 dest: list[int]) -> None:
+        """Runs on the puller's thread when a READ job ends: drop its fence on the loop."""
+        if not done.cancelled() and isinstance(done.exception(), _Leaked):
+            log.error("a NIXL read could not be cancelled: %d blocks stay fenced", len(dest))
+            loop.call_soon_threadsafe(self._count_leak, len(dest))
+            return
+        try:
+            loop.call_soon_threadsafe(self._release, dest)
+        except RuntimeError:
+            pass  # the loop is gone: the worker is stopping and its pool with it
+
+    def _release(self, dest: list[int]) -> None:
+        self.num_fenced_blocks -= len(dest)
+        self.pool.allocator.free(dest)
+
+    def _count_leak(self, n: int) -> None:
+        self.num_fenced_blocks -= n
+        self.num_leaked_blocks += n
+
+    # ---- on the puller's thread ------------------------------------------------------------
+    def _read_and_check(self, pull: Pull, table: list[int], span: wire.ChunkSpan,
+                        crc: int) -> KvferryError | None:
+        """READ the span's pages, then check them in place. Returns the error, if any; the
+        pages of a failed group are zeroed."""
+        local, remote = nixl_pages.descriptors(
+            self.local, nixl_pages.span_ids(table, span), pull.remote,
+            nixl_pages.span_ids(pull.remote_table, span), span, self._page)
+        try:
+            self._read(pull, local, remote)
+        except KvferryError as exc:
+            self._zero(table, span)
+            return exc
+        if nixl_pages.crc32_pages(self.pool, table, span) != crc:
+            self._zero(table, span)
+            return InvalidArgument("group checksum mismatch: corrupted in flight", "crc32")
+        if not nixl_pages.pages_finite(self.pool, table, span):
+            self._zero(table, span)
+            return DataLoss("group holds non-finite K/V (inf or NaN); zeroed", "data")
+        return None
+
+    def _read(self, pull: Pull, local: Any, remote: Any) -> None:
+        if self.read_delay_s:
+            time.sleep(self.read_delay_s)
+        agent = self.agent
+        handle = agent.initialize_xfer(
+            "READ", agent.get_xfer_descs(local, self.local.memory_type),
+            agent.get_xfer_descs(remote, pull.remote.memory_type), pull.peer)
+        state = "ERR"
+        try:
+            state = agent.transfer(handle)
+            deadline = time.monotonic() + self.read_timeout_s
+            while state not in ("DONE", "ERR") and time.monotonic() < deadline:
+                time.sleep(_POLL_S)
+                state = agent.check_xfer_state(handle)
+        finally:
+            try:
+                agent.release_xfer_handle(handle)  # cancels a READ still in flight
+            except Exception as exc:
+                raise _Leaked(str(exc)) from exc
+        if state != "DONE":
+            raise Unavailable(f"NIXL read from {pull.peer} ended {state}", "data")
+
+    def _zero(self, table: list[int], span: wire.ChunkSpan) -> None:
+        ids = torch.tensor(nixl_pages.span_ids(table, span), device=self.pool.cache.device)
+        self.pool.cache[span.layer_start: span.layer_end, :, ids] = 0
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=True)

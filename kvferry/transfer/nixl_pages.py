@@ -1,0 +1,133 @@
+"""What both ends of the NIXL K/V transport share: the agent, and where pages lie in a pool.
+
+A pool is one C-order tensor [layers, 2 (K, V), blocks, block_size, kv_heads, head_dim], so
+the page of (layer, K or V, block) starts at `base + ((layer * 2 + kv) * blocks + block) *
+page_bytes`, and consecutive block ids of one (layer, K or V) are one contiguous region.
+A transfer names one descriptor per run of logical blocks that is consecutive on both sides
+(block-sized descriptors fragment transfers: vLLM #50913), for every layer and K/V of a
+group. Each side checksums its own pages in wire order (`kvferry.transfer.wire`: layer, K
+then V, block), chaining CRC-32C over its own contiguous runs: the result equals the CRC of
+the packed chunk a gRPC push would carry, without packing anything.
+
+`nixl` (PyPI; `nixl-cu12` carries the library and UCX) is imported only here and only when a
+worker runs with `--kv-transport nixl`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from typing import Any, NamedTuple
+
+import crc32c
+import numpy as np
+import torch
+
+from kvferry.cache.pool import KvPool
+from kvferry.transfer.wire import ChunkSpan
+
+NIXL_INSTALL = "pip install nixl-cu12==1.5.1 (or nixl==1.5.1, which picks the CUDA build)"
+
+
+class NixlMissing(RuntimeError):
+    """The nixl package is not installed."""
+
+
+def make_agent(role: str) -> Any:
+    """A NIXL agent with the UCX backend and no listener of its own (metadata travels on the
+    authenticated gRPC control plane). Its name is unique per process start, so a restarted
+    peer is never confused with its predecessor."""
+    try:  # the meta-package picks the build for the node's CUDA; else the one installed
+        from nixl._api import nixl_agent, nixl_agent_config
+    except ImportError:
+        try:
+            from nixl_cu12._api import nixl_agent, nixl_agent_config
+        except ImportError as exc:
+            raise NixlMissing(f"--kv-transport nixl needs NIXL: {NIXL_INSTALL}") from exc
+    name = f"kvferry-{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    return nixl_agent(name, nixl_agent_config(enable_listen_thread=False, backends=["UCX"]))
+
+
+class PoolMemory(NamedTuple):
+    """Where a pool lies, as NIXL names memory."""
+
+    address: int
+    num_blocks: int
+    memory_type: str  # DRAM or VRAM
+    device_id: int
+
+    @classmethod
+    def of(cls, pool: KvPool) -> PoolMemory:
+        cache = pool.cache
+        if not cache.is_contiguous():
+            raise ValueError("the K/V pool must be one contiguous tensor")
+        is_cuda = cache.device.type == "cuda"
+        device_id = (cache.device.index or 0) if is_cuda else 0
+        return cls(cache.data_ptr(), pool.num_blocks, "VRAM" if is_cuda else "DRAM", device_id)
+
+
+def page_bytes(pool: KvPool) -> int:
+    return pool.block_size * pool.num_kv_heads * pool.head_dim * pool.cache.element_size()
+
+
+def _runs(*tables: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Starts and lengths of the runs of positions where every table's ids go up by one."""
+    n = len(tables[0])
+    breaks = np.zeros(n, dtype=bool)
+    breaks[0] = True
+    for ids in tables:
+        breaks[1:] |= np.diff(ids) != 1
+    starts = np.flatnonzero(breaks)
+    return starts, np.diff(np.append(starts, n))
+
+
+def descriptors(local: PoolMemory, local_ids: list[int], remote: PoolMemory,
+                remote_ids: list[int], span: ChunkSpan, page: int
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """Matching [N, 3] (address, bytes, device) descriptor arrays, local and remote, for the
+    span's pages: one per (layer, K/V, run of blocks consecutive on both sides). `*_ids`: each
+    side's block ids of the span's logical blocks, in order."""
+    lids = np.asarray(local_ids, dtype=np.int64)
+    rids = np.asarray(remote_ids, dtype=np.int64)
+    starts, lengths = _runs(lids, rids)
+    planes = np.arange(span.layer_start * 2, span.layer_end * 2, dtype=np.int64)[:, None]
+
+    def table(mem: PoolMemory, ids: np.ndarray) -> np.ndarray:
+        offsets = (planes * mem.num_blocks + ids[starts][None, :]) * page
+        out = np.empty((offsets.size, 3), dtype=np.uint64)
+        out[:, 0] = (mem.address + offsets).reshape(-1)
+        out[:, 1] = np.broadcast_to(lengths * page, offsets.shape).reshape(-1)
+        out[:, 2] = mem.device_id
+        return out
+
+    return table(local, lids), table(remote, rids)
+
+
+def _regions(pool: KvPool, ids: list[int], span: ChunkSpan) -> list[torch.Tensor]:
+    """The span's pages as contiguous views of the pool, in wire order."""
+    table = np.asarray(ids, dtype=np.int64)
+    starts, lengths = _runs(table)
+    return [pool.cache[layer, kv, int(table[s]): int(table[s]) + int(n)]
+            for layer in range(span.layer_start, span.layer_end) for kv in (0, 1)
+            for s, n in zip(starts, lengths)]
+
+
+def span_ids(block_table: list[int], span: ChunkSpan) -> list[int]:
+    return block_table[span.block_start: span.block_start + span.num_blocks]
+
+
+def crc32_pages(pool: KvPool, block_table: list[int], span: ChunkSpan) -> int:
+    """CRC-32C of the span's pages in wire order (equal to wire.crc32(wire.pack_array(...))),
+    read in place. The crc32c library releases the GIL on large buffers."""
+    crc = 0
+    for region in _regions(pool, span_ids(block_table, span), span):
+        crc = crc32c.crc32c(region.cpu().reshape(-1).view(torch.uint8).numpy(), crc)
+    return crc
+
+
+def pages_finite(pool: KvPool, block_table: list[int], span: ChunkSpan) -> bool:
+    if not pool.dtype.is_floating_point:
+        return True
+    return all(bool(torch.isfinite(region).all())
+               for region in _regions(pool, span_ids(block_table, span), span))

@@ -1,0 +1,105 @@
+"""`NixlKvSender`: the prefill worker's end of the NIXL K/V transport (`--kv-transport nixl`).
+
+Pull, as vLLM's NIXL connector does: the prefill worker registers its pool with a NIXL agent
+and opens a PullKv stream to the decode worker (the authenticated gRPC control plane),
+announcing its agent metadata and the request's block table, then each layer group with its
+CRC-32C as soon as the forward pass has written it. The decode worker READs every group
+straight from these pages into its reserved blocks (decode_worker/nixl_puller.py). The push
+returns when the decode worker has checked every group; the caller keeps the pages until
+then. Why pull rather than push:
+- Nothing outside a decode worker ever writes into its pool: every write into a reserved
+  block is the decode worker's own READ, which holds the block (a fence) until NIXL reports
+  it finished or cancelled, so an abort, an expired lease or a dead prefill worker cannot
+  let a late write land in a block given to another request.
+- The decode worker's metadata never leaves it; only the prefill pool is reachable remotely.
+- Layer pipelining stays: a group is announced as soon as its layers are final.
+
+Resends and errors follow `GrpcKvSender` (a checksum mismatch is sent again, ALREADY_EXISTS
+means an earlier push delivered the K/V). Fault injection `corrupt_pushes` announces a wrong
+checksum for the first group, which the decode worker must catch after its read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from kvferry.cache.layout import KvLayout
+from kvferry.cache.pool import KvPool
+from kvferry.rpc import chunk_codec, convert, security
+from kvferry.transfer import nixl_pages, wire
+from kvferry.transfer.grpc_push import GrpcKvSender, Progress
+from kvferry.transfer.sender import LayersReady
+from kvferry.v1 import worker_pb2
+
+log = logging.getLogger("kvferry.transport")
+
+PULL_KV_METHOD = f"/{chunk_codec.KV_TRANSFER_SERVICE}/PullKv"
+# A group is one READ and one CRC pass on each side: ~1 ms of fixed cost, no payload copy on
+# the control plane, so groups are whole layers (at least 4 groups for pipelining) and never
+# smaller than this unless the prompt is.
+NIXL_MIN_GROUP_BYTES = 1 << 20
+
+
+class NixlKvSender(GrpcKvSender):
+    """`KvSender` whose pages the decode worker reads with NIXL; one agent per process."""
+
+    def __init__(self, max_resends: int = 2, corrupt_pushes: int = 0,
+                 chunk_delay_s: float = 0.0, done_delay_s: float = 0.0,
+                 credentials: security.Credentials = security.PLAINTEXT,
+                 agent: Any = None) -> None:
+        super().__init__(1 << 62, max_resends, corrupt_pushes, chunk_delay_s, done_delay_s,
+                         credentials)
+        self.agent = agent if agent is not None else nixl_pages.make_agent("prefill")
+        self._registered: dict[int, tuple[Any, nixl_pages.PoolMemory]] = {}
+        self._metadata = b""
+
+    def register(self, pool: KvPool) -> nixl_pages.PoolMemory:
+        """Register `pool` with the agent (once): remote agents may then read it."""
+        key = pool.cache.data_ptr()
+        if key not in self._registered:
+            descs = self.agent.register_memory(pool.cache)
+            self._registered[key] = (descs, nixl_pages.PoolMemory.of(pool))
+            self._metadata = self.agent.get_agent_metadata()
+            log.info("NIXL agent %s: registered a %d MiB K/V pool", self.agent.name,
+                     pool.cache.numel() * pool.cache.element_size() >> 20)
+        return self._registered[key][1]
+
+    def _push_kv(self, address: str) -> grpc.aio.StreamUnaryMultiCallable:
+        return self._channel(address).stream_unary(
+            PULL_KV_METHOD, request_serializer=worker_pb2.KvPullMessage.SerializeToString,
+            response_deserializer=worker_pb2.PushKvResponse.FromString)
+
+    def _plan(self, layout: KvLayout, num_tokens: int, first_block: int) -> list[wire.ChunkSpan]:
+        return wire.plan_chunks(layout, num_tokens, self.chunk_bytes, NIXL_MIN_GROUP_BYTES,
+                                first_block)
+
+    async def _messages(self, request_id: str, layout: KvLayout, num_tokens: int, pool: KvPool,
+                        block_table: list[int], spans: list[wire.ChunkSpan],
+                        ready: LayersReady | None, corrupt: bool, progress: Progress
+                        ) -> AsyncIterator[Any]:
+        memory = self.register(pool)
+        yield worker_pb2.KvPullMessage(begin=worker_pb2.KvPullBegin(
+            request_id=request_id, layout=convert.layout_to_proto(layout),
+            num_tokens=num_tokens, agent_name=self.agent.name, agent_metadata=self._metadata,
+            pool_address=memory.address, pool_blocks=memory.num_blocks,
+            memory_type=memory.memory_type, device_id=memory.device_id,
+            block_table=block_table))
+        for i, span in enumerate(spans):
+            if i and self.chunk_delay_s:
+                await asyncio.sleep(self.chunk_delay_s)
+            if ready is not None:
+                await ready(span.layer_end)
+            progress.start()
+            crc = await asyncio.to_thread(nixl_pages.crc32_pages, pool, block_table, span)
+            if corrupt and i == 0:
+                crc ^= 0xFFFFFFFF  # fault injection: the pages no longer match their checksum
+            progress.sent += ((span.layer_end - span.layer_start) * span.num_blocks
+                              * layout.bytes_per_layer_block)
+            yield worker_pb2.KvPullMessage(group=worker_pb2.KvPullGroup(
+                layer_start=span.layer_start, layer_end=span.layer_end,
+                block_start=span.block_start, num_blocks=span.num_blocks, crc32=crc))
