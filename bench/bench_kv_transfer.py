@@ -1,12 +1,19 @@
-"""K/V transfer throughput: gRPC push into a decode worker against an in-process memcpy of the
-same bytes, for 4, 64 and 256 MiB of K/V per request, in one run.
+"""K/V transfer throughput: gRPC and NIXL pushes into a decode worker process (and Ray, on
+request) against an in-process memcpy of the same bytes, for 4, 64 and 256 MiB of K/V per
+request, in one run.
 
 The pushing side is this process (a pool filled with random pages, the project's
-GrpcKvSender); the receiving side is a real decode worker process validating every chunk and
-writing it into its pool. Uses a seeded checkpoint with 64 KiB of K/V per token (16 layers x
-8 KV heads x 64 x fp32 x 2), so 256 MiB is 4096 tokens. Usage:
+GrpcKvSender or NixlKvSender); the receiving side is a real decode worker process, started
+with `--kv-transport nixl` for NIXL, which validates every group and writes (gRPC) or READs
+(NIXL) it into its pool. Each size: one untimed push (connection, NIXL registration and
+metadata exchange), then `--reps` timed ones, reported as median [min-max] GB/s and as a
+ratio to the fastest memcpy of the size in the run (bench/kv_transfer_report.py). The run
+ends with the NIXL target: at or above 0.4x of memcpy for pushes of 64 MiB and more. Uses a
+seeded checkpoint with 64 KiB of K/V per token (16 layers x 8 KV heads x 64 x fp32 x 2), so
+256 MiB is 4096 tokens. Usage:
 
-    .venv/bin/python bench/bench_kv_transfer.py [--sizes-mib 4 64 256] [--out FILE]
+    .venv/bin/python bench/bench_kv_transfer.py [--sizes-mib 4 64 256] [--reps 3]
+        [--transports grpc nixl ray] [--ttft-prompt-tokens 0] [--out FILE]
 """
 
 from __future__ import annotations
@@ -14,39 +21,49 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import multiprocessing
-import statistics
+import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
-import grpc
 import torch
 
-from deploy import client
-from deploy.default_model import tiny_model
-from deploy.launcher import Deployment
-from deploy.worker_model import tune_malloc
-from kvferry.cache.layout import KvLayout, blocks_for_tokens
-from kvferry.cache.pool import KvPool
-from kvferry.model.checkpoint import ModelSpec, make_model
-from kvferry.rpc import grpc_util
-from kvferry.transfer import wire
-from kvferry.transfer.grpc_push import GrpcKvSender
-from kvferry.transfer.sender import KvSender
-from kvferry.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script too
+from bench.kv_transfer_ceiling import bare_grpc_gbps  # noqa: E402
+from bench.kv_transfer_ray import ray_stage_gbps  # noqa: E402
+from bench.kv_transfer_report import (  # noqa: E402
+    SizeFigures,
+    format_table,
+    ratio_summary,
+    target_verdict,
+)
+from bench.kv_transfer_ttft import NIXL_WORKER_ARGS, print_ttft, ttft_rows  # noqa: E402
+from deploy.launcher import Deployment  # noqa: E402
+from deploy.worker_model import tune_malloc  # noqa: E402
+from kvferry.cache.layout import KvLayout, blocks_for_tokens  # noqa: E402
+from kvferry.cache.pool import KvPool  # noqa: E402
+from kvferry.model.checkpoint import ModelSpec, make_model  # noqa: E402
+from kvferry.rpc import grpc_util  # noqa: E402
+from kvferry.transfer import nixl_pages, wire  # noqa: E402
+from kvferry.transfer.grpc_push import GrpcKvSender  # noqa: E402
+from kvferry.transfer.nixl_push import NIXL_MIN_GROUP_BYTES, NixlKvSender  # noqa: E402
+from kvferry.transfer.sender import KvSender  # noqa: E402
+from kvferry.v1 import generation_pb2, worker_pb2, worker_pb2_grpc  # noqa: E402
 
 SPEC = ModelSpec(vocab_size=512, hidden_size=512, intermediate_size=512, num_layers=16,
                  num_heads=8, num_kv_heads=8, head_dim=64, max_position_embeddings=4097,
                  seed=5)
 BYTES_PER_TOKEN = 2 * 16 * 8 * 64 * 4
+TRANSPORTS = ("grpc", "nixl", "ray")
+MEMCPY_REPS = 5  # per size, before and after the transports
 
 
-def memcpy_gbps(num_bytes: int, reps: int = 5) -> float:
+def memcpy_gbps(num_bytes: int, reps: int = MEMCPY_REPS) -> list[float]:
+    """GB/s of `reps` in-process copies of `num_bytes`, after one untimed copy."""
     src = torch.empty(num_bytes // 4, dtype=torch.float32).uniform_()
     dst = torch.empty_like(src)
     dst.copy_(src)
-    best = min(_time(lambda: dst.copy_(src)) for _ in range(reps))
-    return num_bytes / best / 1e9
+    return [num_bytes / _time(lambda: dst.copy_(src)) / 1e9 for _ in range(reps)]
 
 
 def _time(fn) -> float:
@@ -55,172 +72,126 @@ def _time(fn) -> float:
     return time.perf_counter() - start
 
 
-async def push_gbps(sender: KvSender, address: str, pool: KvPool, layout: KvLayout,
-                    num_tokens: int, reps: int) -> float:
+def tokens_of(size_mib: int) -> int:
+    return size_mib * (1 << 20) // BYTES_PER_TOKEN
+
+
+async def _push_once(decode: worker_pb2_grpc.DecodeServiceStub, sender: KvSender,
+                     address: str, request_id: str, layout: KvLayout, num_tokens: int,
+                     pool: KvPool) -> float:
+    """GB/s of one push into a fresh reservation (released after)."""
     table = list(range(blocks_for_tokens(num_tokens, pool.block_size)))
-    best = float("inf")
+    await decode.Reserve(worker_pb2.ReserveRequest(
+        request_id=request_id, num_prompt_tokens=num_tokens, max_tokens=1, lease_s=120),
+        timeout=60)
+    start = time.perf_counter()
+    result = await sender.push(address, request_id, layout, num_tokens, pool, table, 600)
+    seconds = time.perf_counter() - start
+    await decode.Abort(generation_pb2.AbortRequest(request_id=request_id), timeout=60)
+    return result.num_bytes / seconds / 1e9
+
+
+async def push_gbps(sender: KvSender, address: str, pool: KvPool, layout: KvLayout,
+                    sizes_mib: list[int], reps: int) -> list[list[float]]:
+    """Per size, GB/s of `reps` timed pushes after one untimed one, all with one sender."""
+    samples = []
     async with grpc_util.channel(address) as chan:
         decode = worker_pb2_grpc.DecodeServiceStub(chan)
-        for rep in range(reps):
-            request_id = f"bench-{num_tokens}-{rep}"
-            await decode.Reserve(worker_pb2.ReserveRequest(
-                request_id=request_id, num_prompt_tokens=num_tokens, max_tokens=1,
-                lease_s=120), timeout=60)
-            start = time.perf_counter()
-            result = await sender.push(address, request_id, layout, num_tokens, pool, table, 600)
-            best = min(best, time.perf_counter() - start)
-            await decode.Abort(generation_pb2.AbortRequest(request_id=request_id), timeout=60)
+        for size in sizes_mib:
+            rates = [await _push_once(decode, sender, address, f"bench-{size}-{rep}", layout,
+                                      tokens_of(size), pool) for rep in range(reps + 1)]
+            samples.append(rates[1:])
     await sender.close()
-    return result.num_bytes / best / 1e9
+    return samples
 
 
-def measure(deployment: Deployment, make_sender, sizes_mib: list[int], reps: int,
-            pool: KvPool) -> list[float]:
-    """GB/s of pushes of each size from this process into the deployment's decode worker."""
+def measure(deployment: Deployment, sender: KvSender, sizes_mib: list[int], reps: int,
+            pool: KvPool) -> list[list[float]]:
+    """GB/s samples of pushes of each size from this process into the deployment's decode
+    worker."""
     address = deployment.addresses("decode")[0]
     with grpc_util_sync_stats(address) as fingerprint:
         layout = KvLayout.of_pool(pool, fingerprint)
-    rates = []
-    for size in sizes_mib:
-        tokens = size * (1 << 20) // BYTES_PER_TOKEN
-        rates.append(asyncio.run(push_gbps(make_sender(), address, pool, layout, tokens, reps)))
-    return rates
+    return asyncio.run(push_gbps(sender, address, pool, layout, sizes_mib, reps))
 
 
-def _bare_sink(conn) -> None:
-    """A gRPC server whose one method reads a stream of bytes messages and does nothing else."""
-
-    async def sink(messages, context) -> bytes:
-        async for _ in messages:
-            pass
-        return b""
-
-    async def serve() -> None:
-        server = grpc_util.make_server()
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-            "bench.Sink", {"Push": grpc.stream_unary_rpc_method_handler(sink)}),))
-        conn.send(server.add_insecure_port("127.0.0.1:0"))
-        await server.start()
-        await server.wait_for_termination()
-
-    asyncio.run(serve())
+def nixl_descriptors(pool: KvPool, num_tokens: int, chunk_bytes: int) -> int:
+    """NIXL descriptors one push of `num_tokens` names (one per layer, K/V and run of blocks
+    consecutive on both sides), counting the decode worker's blocks as consecutive, as a
+    fresh pool hands them out."""
+    layout = KvLayout.of_pool(pool, "bench")
+    table = list(range(blocks_for_tokens(num_tokens, pool.block_size)))
+    memory, page = nixl_pages.PoolMemory.of(pool), nixl_pages.page_bytes(pool)
+    spans = wire.plan_chunks(layout, num_tokens, chunk_bytes, NIXL_MIN_GROUP_BYTES)
+    return sum(len(nixl_pages.descriptors(memory, ids, memory, ids, span, page)[0])
+               for span in spans for ids in [nixl_pages.span_ids(table, span)])
 
 
-async def _bare_push_gbps(address: str, num_bytes: int, reps: int) -> float:
-    best = float("inf")
-    message = bytes(wire.CHUNK_TARGET_BYTES)
-
-    async def messages():
-        for _ in range(num_bytes // len(message)):
-            yield message
-
-    async with grpc_util.channel(address) as chan:
-        push = chan.stream_unary("/bench.Sink/Push")
-        await push(messages(), timeout=600)  # warm-up
-        for _ in range(reps):
-            start = time.perf_counter()
-            await push(messages(), timeout=600)
-            best = min(best, time.perf_counter() - start)
-    return num_bytes / best / 1e9
-
-
-def bare_grpc_gbps(sizes_mib: list[int], reps: int) -> list[float]:
-    """The ceiling of any byte stream over Python gRPC here: the same bytes in 1 MiB messages
-    over the same channel options into a server that only reads them. No packing, checksum,
-    parsing or writing on either side."""
-    ctx = multiprocessing.get_context("spawn")
-    ours, theirs = ctx.Pipe()
-    server = ctx.Process(target=_bare_sink, args=(theirs,), daemon=True)
-    server.start()
-    try:
-        port = ours.recv()
-        return [asyncio.run(_bare_push_gbps(f"127.0.0.1:{port}", size << 20, reps))
-                for size in sizes_mib]
-    finally:
-        server.kill()
-
-
-async def _first_two_tokens(address: str, prompt: list[int]) -> tuple[float, float]:
-    """Client-side seconds to the first and to the second token of one request."""
-    request = client.make_request(prompt, temperature=0.0, max_tokens=2, ignore_eos=True)
-    got = await client.generate(address, request, timeout_s=600)
-    return got.token_times_s[0], got.token_times_s[-1]
-
-
-def ttft_rows(prompt_tokens: int, reps: int, transports: list[str]) -> list[dict[str, object]]:
-    """Median TTFT and time to the 2nd token of one long prompt on the tiny model: a
-    colocated worker (prefill compute alone, no transfer) against disaggregated deployments
-    whose K/V push is pipelined with the prefill. The 2nd token needs the K/V to have landed
-    on the decode worker, so it shows what the transfer adds to the critical path."""
-    model = tiny_model()
-    prompt = torch.randint(1, 500, (prompt_tokens,),
-                           generator=torch.Generator().manual_seed(0)).tolist()
-    setups = [("colocated (compute alone)", Deployment(model=model, is_colocated=True))]
-    if "grpc" in transports:
-        setups.append(("disaggregated, gRPC", Deployment(model=model)))
-    if "ray" in transports:
-        from deploy.ray_launcher import RayDeployment
-
-        setups.append(("disaggregated, Ray", RayDeployment(model=model)))
-    rows = []
-    for name, deployment in setups:
-        with deployment:
-            asyncio.run(_first_two_tokens(deployment.router_address, prompt))  # warm-up
-            times = [asyncio.run(_first_two_tokens(deployment.router_address, prompt))
-                     for _ in range(reps)]
-        rows.append({"setup": name, "ttft_s": statistics.median(t[0] for t in times),
-                     "second_token_s": statistics.median(t[1] for t in times)})
-    for row in rows:
-        row["ttft_ratio"] = row["ttft_s"] / rows[0]["ttft_s"]
-        row["second_token_ratio"] = row["second_token_s"] / rows[0]["second_token_s"]
-    return rows
-
-
-def ray_stage_gbps(pool: KvPool, size_mib: int, chunk_bytes: int) -> dict[str, float]:
-    """Each stage of a Ray push on its own, in this process, over `size_mib` of pages in the
-    Ray transport's chunks: gather out of the pool, checksum, `ray.put`, `ray.get` (a
-    zero-copy map on one node), and the write into a second pool. GB/s of each."""
+def run_ray(options: dict[str, str], sizes_mib: list[int], reps: int, pool: KvPool,
+            pool_bytes: int) -> tuple[list[list[float]], dict[str, float]]:
+    """Ray pushes into a decode worker running as a Ray actor, then each stage alone. Ray
+    stays up (the TTFT part may need it); the caller shuts it down."""
     import ray
 
-    layout = KvLayout.of_pool(pool, "bench")
-    tokens = size_mib * (1 << 20) // BYTES_PER_TOKEN
-    table = list(range(blocks_for_tokens(tokens, pool.block_size)))
-    spans = wire.plan_chunks(layout, tokens, chunk_bytes)
-    target = KvPool(pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.block_size,
-                    len(table), pool.dtype)
-    seconds = dict.fromkeys(("gather", "checksum", "ray.put", "ray.get", "write"), 0.0)
-    for _ in range(2):  # the second pass counts: first-touch page faults stay out
-        seconds = dict.fromkeys(seconds, 0.0)
-        for span in spans:
-            marks = [time.perf_counter()]
-            data = wire.pack_array(pool, table, span)
-            marks.append(time.perf_counter())
-            wire.crc32(data)
-            marks.append(time.perf_counter())
-            ref = ray.put(data)
-            marks.append(time.perf_counter())
-            got = ray.get(ref)
-            marks.append(time.perf_counter())
-            wire.unpack_into(target, table, span, got)
-            marks.append(time.perf_counter())
-            for name, start, end in zip(seconds, marks, marks[1:]):
-                seconds[name] += end - start
-            del ref, got
-    return {name: tokens * BYTES_PER_TOKEN / t / 1e9 for name, t in seconds.items()}
+    from deploy.ray_launcher import RayDeployment
+    from kvferry.transfer.ray_push import NAMESPACE, RAY_CHUNK_TARGET_BYTES, RayKvSender
+
+    ray.init(namespace=NAMESPACE, include_dashboard=False, log_to_driver=False,
+             object_store_memory=max(3 * pool_bytes, 256 << 20))
+    with RayDeployment(**options) as deployment:
+        samples = measure(deployment, RayKvSender(), sizes_mib, reps, pool)
+    return samples, ray_stage_gbps(pool, tokens_of(max(sizes_mib)), RAY_CHUNK_TARGET_BYTES)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes-mib", type=int, nargs="+", default=[4, 64, 256])
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--transports", nargs="+", default=["grpc", "ray"],
-                        choices=["grpc", "ray"])
+    parser.add_argument("--reps", type=int, default=3, help="timed pushes per size")
+    parser.add_argument("--transports", nargs="+", default=["grpc", "nixl"],
+                        choices=TRANSPORTS)
     parser.add_argument("--model-dir", type=Path, default=Path("/tmp/kvferry-bench-transfer"))
     parser.add_argument("--ttft-prompt-tokens", type=int, default=4000,
                         help="long prompt for the TTFT comparison (0: skip it)")
     parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.reps < 1:
+        parser.error("--reps: at least 1")
+    if min(args.sizes_mib) < 1:
+        parser.error("--sizes-mib: each at least 1")
+    return args
+
+
+class Pushed(NamedTuple):
+    """Every transport's samples, per transport then per size."""
+
+    gbps: dict[str, list[list[float]]]
+    nixl_descriptors: list[int | None]  # per size; None where NIXL did not run
+    ray_stages_gbps: dict[str, float]
+
+
+def run_transports(args: argparse.Namespace, pool: KvPool, pool_bytes: int) -> Pushed:
+    sizes, reps = args.sizes_mib, args.reps
+    options = dict(model=str(args.model_dir), kv_pool_size=f"{pool_bytes}B")
+    pushed = Pushed({}, [None] * len(sizes), {})
+    if "grpc" in args.transports:
+        with Deployment(**options) as deployment:
+            pushed.gbps["grpc"] = measure(deployment, GrpcKvSender(), sizes, reps, pool)
+        pushed.gbps["grpc_bare"] = bare_grpc_gbps(sizes, reps)
+    if "nixl" in args.transports:
+        sender = NixlKvSender()
+        with Deployment(**options, worker_args=NIXL_WORKER_ARGS) as deployment:
+            pushed.gbps["nixl"] = measure(deployment, sender, sizes, reps, pool)
+        pushed.nixl_descriptors[:] = [nixl_descriptors(pool, tokens_of(s), sender.chunk_bytes)
+                                      for s in sizes]
+    if "ray" in args.transports:
+        pushed.gbps["ray"], stages = run_ray(options, sizes, reps, pool, pool_bytes)
+        pushed.ray_stages_gbps.update(stages)
+    return pushed
+
+
+def main() -> None:
+    args = parse_args()
     # This process stands in for a prefill worker: tuned malloc and one torch thread, as
     # `kvferry up` and the Deployment launcher run workers on a small machine (a second
     # thread here spins in OpenMP and takes the receiver's core).
@@ -228,64 +199,36 @@ def main() -> None:
     torch.set_num_threads(1)
     if not (args.model_dir / "config.json").exists():
         make_model(args.model_dir, SPEC)
-    max_tokens = max(args.sizes_mib) * (1 << 20) // BYTES_PER_TOKEN
-    pool_bytes = (max_tokens + 64) * BYTES_PER_TOKEN
+    sizes = args.sizes_mib
+    max_tokens = tokens_of(max(sizes))
     pool = KvPool(16, 8, 64, 16, blocks_for_tokens(max_tokens, 16), torch.float32)
     pool.cache.uniform_()
-    options = dict(model=str(args.model_dir), kv_pool_size=f"{pool_bytes}B")
-    copy_before = [memcpy_gbps(size << 20) for size in args.sizes_mib]
-    rates: dict[str, list[float]] = {}
-    if "grpc" in args.transports:
-        with Deployment(**options) as deployment:
-            rates["grpc"] = measure(deployment, GrpcKvSender, args.sizes_mib, args.reps, pool)
-        rates["grpc_bare"] = bare_grpc_gbps(args.sizes_mib, args.reps)
-    ray_up = False
-    ray_stages: dict[str, float] = {}
+    copies = [memcpy_gbps(size << 20) for size in sizes]
+    pushed = run_transports(args, pool, (max_tokens + 64) * BYTES_PER_TOKEN)
+    # memcpy before and after the transports; ratios are over the fastest sample.
+    copies = [before + memcpy_gbps(size << 20) for before, size in zip(copies, sizes)]
+    figures = [SizeFigures(size, tuple(copies[i]), {t: tuple(r[i]) for t, r in pushed.gbps.items()},
+                           pushed.nixl_descriptors[i]) for i, size in enumerate(sizes)]
+    verdict = target_verdict(figures)
+    print(format_table(figures, args.reps) + "\n\n" + ratio_summary(figures) + "\n\n"
+          + verdict.text)
+    if pushed.ray_stages_gbps:
+        print(f"\nRay push stages alone, {max(sizes)} MiB (GB/s; memcpy "
+              f"{figures[-1].memcpy_ref_gbps:.2f}):")
+        print("  " + "  ".join(f"{n} {gbps:.2f}" for n, gbps in pushed.ray_stages_gbps.items()))
+    ttft = ttft_rows(args.ttft_prompt_tokens, args.reps, args.transports) \
+        if args.ttft_prompt_tokens else []
     if "ray" in args.transports:
         import ray
 
-        from deploy.ray_launcher import RayDeployment
-        from kvferry.transfer.ray_push import NAMESPACE, RayKvSender
-
-        ray.init(namespace=NAMESPACE, include_dashboard=False, log_to_driver=False,
-                 object_store_memory=max(3 * pool_bytes, 256 << 20))
-        with RayDeployment(**options) as deployment:
-            rates["ray"] = measure(deployment, RayKvSender, args.sizes_mib, args.reps, pool)
-        ray_up = True
-        from kvferry.transfer.ray_push import RAY_CHUNK_TARGET_BYTES
-
-        ray_stages = ray_stage_gbps(pool, max(args.sizes_mib), RAY_CHUNK_TARGET_BYTES)
-    # memcpy before and after the transports, the faster of the two: on a shared VM memory
-    # bandwidth drifts by 2x within minutes, and the ratios should not flatter the transports.
-    copy = [max(before, memcpy_gbps(size << 20))
-            for before, size in zip(copy_before, args.sizes_mib)]
-    rows = [{"mib": size, "memcpy_gbps": copy[i],
-             **{f"{t}_gbps": rates[t][i] for t in rates},
-             **{f"{t}_ratio": rates[t][i] / copy[i] for t in rates}}
-            for i, size in enumerate(args.sizes_mib)]
-    names = list(rates)
-    print(f"{'MiB':>5} {'memcpy GB/s':>12}" + "".join(f" {t + ' GB/s':>10} {t + '/memcpy':>12}"
-                                                   for t in names))
-    for r in rows:
-        print(f"{r['mib']:>5} {r['memcpy_gbps']:>12.3f}" + "".join(
-            f" {r[t + '_gbps']:>10.3f} {r[t + '_ratio']:>12.1%}" for t in names))
-    if ray_stages:
-        print(f"\nRay push stages alone, {max(args.sizes_mib)} MiB in "
-              f"{RAY_CHUNK_TARGET_BYTES >> 20} MiB chunks (GB/s; memcpy {copy[-1]:.2f}):")
-        print("  " + "  ".join(f"{name} {gbps:.2f}" for name, gbps in ray_stages.items()))
-    ttft = ttft_rows(args.ttft_prompt_tokens, args.reps, args.transports) \
-        if args.ttft_prompt_tokens else []
-    if ray_up:
         ray.shutdown()
     if ttft:
-        print(f"\n{args.ttft_prompt_tokens}-token prompt, tiny model (median of {args.reps})")
-        print(f"{'setup':<28} {'TTFT ms':>8} {'x':>6} {'2nd token ms':>13} {'x':>6}")
-        for r in ttft:
-            print(f"{r['setup']:<28} {r['ttft_s'] * 1e3:>8.1f} {r['ttft_ratio']:>6.2f} "
-                  f"{r['second_token_s'] * 1e3:>13.1f} {r['second_token_ratio']:>6.2f}")
+        print_ttft(ttft, args.ttft_prompt_tokens, args.reps)
     if args.out:
-        args.out.write_text(json.dumps({"rows": rows, "ray_stages_gbps": ray_stages,
-                                        "ttft": ttft}, indent=2))
+        args.out.write_text(json.dumps({
+            "reps": args.reps, "rows": [f.to_json() for f in figures],
+            "target": verdict.to_json(), "ray_stages_gbps": pushed.ray_stages_gbps,
+            "ttft": ttft}, indent=2))
 
 
 class grpc_util_sync_stats:  # noqa: N801 - a tiny context manager
