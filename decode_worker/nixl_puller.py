@@ -100,10 +100,10 @@ class NixlPuller:
         if msg.agent_name not in self._peers:
             loaded = await self._run(self.agent.add_remote_agent, msg.agent_metadata)
             name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+            self._peers.add(name)  # loaded: never add it twice
             if name != msg.agent_name:
                 raise InvalidArgument(f"agent_metadata is for {name!r}, not "
                                       f"{msg.agent_name!r}", "agent_metadata")
-            self._peers.add(name)
         epoch = self.receiver.begin_push(msg.request_id)
         remote = nixl_pages.PoolMemory(msg.pool_address, msg.pool_blocks, msg.memory_type,
                                        msg.device_id)

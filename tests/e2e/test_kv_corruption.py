@@ -1,6 +1,7 @@
 """A K/V chunk corrupted in flight is caught by its checksum before any byte is decoded on:
 the push is sent again and the request completes with the right tokens, or, with resends
-disabled, the request fails with DATA_LOSS. No block leaks either way (issue 6, point 3)."""
+disabled, the request fails with DATA_LOSS. No block leaks either way (issue 6, point 3). On
+NIXL the decode worker checks each group where its READ put it (issue 19)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 
 from deploy import client
 from deploy.launcher import Deployment
-from tests.conftest import assert_alive, assert_pools_clean, worker_stats
+from tests.conftest import NIXL, assert_alive, assert_pools_clean, worker_stats
 
 pytestmark = pytest.mark.slow
 
@@ -32,14 +33,18 @@ def _deployment(transport: str, checkpoint: Path, log_dir: Path, request: pytest
     env = {"KVFERRY_FAULT_CORRUPT_PUSHES": "1"}
     if transport == "grpc":
         return Deployment(model=str(checkpoint), log_dir=log_dir, env=env, **kwargs)
+    if transport == "nixl":  # the first group's announced checksum does not match its pages
+        worker_args = [*NIXL, *kwargs.pop("worker_args", [])]  # type: ignore[misc]
+        return Deployment(model=str(checkpoint), log_dir=log_dir, env=env,
+                          worker_args=worker_args, **kwargs)
     from deploy.ray_launcher import RayDeployment
 
     request.getfixturevalue("ray_session")
     return RayDeployment(model=str(checkpoint), env=env, **kwargs)
 
 
-TRANSPORTS = pytest.mark.parametrize("transport", ["grpc", pytest.param("ray",
-                                                                       marks=pytest.mark.ray)])
+TRANSPORTS = pytest.mark.parametrize("transport", ["grpc", "nixl", pytest.param(
+    "ray", marks=pytest.mark.ray)])
 
 
 @TRANSPORTS

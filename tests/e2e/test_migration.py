@@ -20,15 +20,17 @@ from tests.conftest import assert_pools_clean, busy_process
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("seed", [None, 11])
-def test_decode_worker_killed_mid_stream(seed: int | None, qwen3_checkpoint: Path,
-                                         qwen3_deployment: Deployment, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("seed", "transport"), [(None, "grpc"), (11, "grpc"), (None, "nixl")])
+def test_decode_worker_killed_mid_stream(seed: int | None, transport: str,
+                                         qwen3_checkpoint: Path, qwen3_deployment: Deployment,
+                                         tmp_path: Path) -> None:
     prompt = list(range(60, 140))
     sampling = {"temperature": 0.0} if seed is None else {"temperature": 1.0, "seed": seed}
     request = client.make_request(prompt, max_tokens=300, ignore_eos=True, **sampling)
     undisturbed = asyncio.run(client.generate(qwen3_deployment.router_address, request, 120))
 
-    with Deployment(model=str(qwen3_checkpoint), num_decode=2, log_dir=tmp_path) as deployment:
+    with Deployment(model=str(qwen3_checkpoint), num_decode=2, log_dir=tmp_path,
+                    worker_args=["--kv-transport", transport]) as deployment:
         # The same request once undisturbed here first: the prefix caches hold its K/V, so
         # the migrated leg's prefill starts from cached blocks (issue 18, acceptance 1).
         warm = asyncio.run(client.generate(deployment.router_address, request, 120))

@@ -1,0 +1,218 @@
+"""The decode worker's NIXL end, in one process with two NIXL agents (UCX): groups are read
+into the reservation and checked in place; a bad group is refused and zeroed; and a block
+freed while a READ is writing into it goes back to the pool only once the READ is over."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from decode_worker.kv_receiver import KvReceiver
+from decode_worker.nixl_puller import NixlPuller
+from decode_worker.sequence import DecodeSeq
+from kvferry.cache.layout import KvLayout, blocks_for_tokens
+from kvferry.cache.pool import KvPool
+from kvferry.errors import DataLoss, InvalidArgument, NotFound
+from kvferry.rpc import convert
+from kvferry.transfer import nixl_pages, wire
+from kvferry.transfer.nixl_push import NixlKvSender
+from kvferry.v1 import worker_pb2
+
+NUM_TOKENS = 45  # 3 blocks of 16
+
+
+def _pool(seed: int | None) -> KvPool:
+    pool = KvPool(num_layers=4, num_kv_heads=2, head_dim=8, block_size=16, num_blocks=16,
+                  dtype=torch.float32)
+    if seed is not None:
+        pool.cache.copy_(torch.randn(pool.cache.shape,
+                                     generator=torch.Generator().manual_seed(seed)))
+    return pool
+
+
+class Pair:
+    """A prefill pool registered with one agent, a decode pool and its puller."""
+
+    def __init__(self, read_delay_s: float = 0.0) -> None:
+        self.src = _pool(seed=3)
+        self.dst = _pool(seed=None)
+        self.layout = KvLayout.of_pool(self.dst, "fp")
+        self.sender = NixlKvSender()
+        self.remote = self.sender.register(self.src)
+        self.seqs: dict[str, DecodeSeq] = {}
+        self.completed: list[str] = []
+        self.receiver = KvReceiver(self.layout, self.dst, self.seqs,
+                                   lambda seq: self.completed.append(seq.request_id))
+        self.puller = NixlPuller(self.receiver, self.dst, read_delay_s=read_delay_s)
+        self.src_table = [9, 10, 2]
+        self.seq = self.reserve("r1")
+
+    def reserve(self, request_id: str) -> DecodeSeq:
+        blocks = self.dst.allocator.alloc(blocks_for_tokens(NUM_TOKENS + 1, 16))
+        seq = DecodeSeq(request_id, NUM_TOKENS, 4, blocks, time.monotonic() + 60,
+                        wire.coverage(self.layout, NUM_TOKENS), arrival=0, lease_s=60)
+        self.seqs[request_id] = seq
+        return seq
+
+    def begin_msg(self, request_id: str = "r1") -> worker_pb2.KvPullBegin:
+        return worker_pb2.KvPullBegin(
+            request_id=request_id, layout=convert.layout_to_proto(self.layout),
+            num_tokens=NUM_TOKENS, agent_name=self.sender.agent.name,
+            agent_metadata=self.sender.agent.get_agent_metadata(),
+            pool_address=self.remote.address, pool_blocks=self.remote.num_blocks,
+            memory_type=self.remote.memory_type, device_id=0, block_table=self.src_table)
+
+    def group(self, span: wire.ChunkSpan, crc: int | None = None) -> worker_pb2.KvPullGroup:
+        if crc is None:
+            crc = nixl_pages.crc32_pages(self.src, self.src_table, span)
+        return worker_pb2.KvPullGroup(layer_start=span.layer_start, layer_end=span.layer_end,
+                                      block_start=span.block_start,
+                                      num_blocks=span.num_blocks, crc32=crc)
+
+    def dst_pages(self, span: wire.ChunkSpan) -> torch.Tensor:
+        return torch.from_numpy(wire.pack_array(self.dst, self.seq.block_table, span).copy())
+
+    def src_pages(self, span: wire.ChunkSpan) -> torch.Tensor:
+        return torch.from_numpy(wire.pack_array(self.src, self.src_table, span).copy())
+
+    def close(self) -> None:
+        self.puller.close()
+
+
+@pytest.fixture
+def pair():
+    made = Pair()
+    yield made
+    made.close()
+
+
+SPANS = wire.plan_chunks(KvLayout(4, 2, 8, 16, "float32", "fp"), NUM_TOKENS, 1 << 40)
+
+
+def test_groups_are_read_into_the_reservation(pair: Pair) -> None:
+    async def run() -> int:
+        pull = await pair.puller.begin(pair.begin_msg())
+        written = 0
+        for span in SPANS:
+            written += await pair.puller.group(pull, pair.group(span))
+        pair.receiver.finish_push("r1", pull.epoch)
+        return written
+
+    written = asyncio.run(run())
+    whole = wire.ChunkSpan(0, 4, 0, 3)
+    assert torch.equal(pair.dst_pages(whole), pair.src_pages(whole))
+    assert written == pair.layout.bytes_per_layer_block * 4 * 3
+    assert pair.completed == ["r1"] and pair.seq.is_kv_complete
+    assert pair.puller.num_fenced_blocks == 0
+    assert pair.dst.allocator.check_integrity().ok
+
+
+def test_a_checksum_mismatch_is_refused_and_the_pages_zeroed(pair: Pair) -> None:
+    span = SPANS[0]
+
+    async def run() -> None:
+        pull = await pair.puller.begin(pair.begin_msg())
+        await pair.puller.group(pull, pair.group(span, crc=123))
+
+    with pytest.raises(InvalidArgument) as exc:
+        asyncio.run(run())
+    assert exc.value.field == "crc32"
+    assert not pair.dst_pages(span).any()
+    assert not pair.seq.received.any()
+
+
+def test_non_finite_pages_are_refused_and_zeroed(pair: Pair) -> None:
+    span = SPANS[1]
+    pair.src.cache[span.layer_start, 1, pair.src_table[0], 0, 0, 0] = float("inf")
+
+    async def run() -> None:
+        pull = await pair.puller.begin(pair.begin_msg())
+        await pair.puller.group(pull, pair.group(span))
+
+    with pytest.raises(DataLoss):
+        asyncio.run(run())
+    assert not pair.dst_pages(span).any()
+
+
+def test_blocks_freed_mid_read_wait_for_the_read() -> None:
+    """The reservation is released (abort, lease expiry) while a READ writes into its blocks:
+    they stay out of the pool until the READ is over, then come back; the group fails."""
+    pair = Pair(read_delay_s=0.6)
+    try:
+        allocator = pair.dst.allocator
+        blocks = list(pair.seq.block_table)
+        span = SPANS[0]
+
+        async def run() -> None:
+            pull = await pair.puller.begin(pair.begin_msg())
+            reading = asyncio.create_task(pair.puller.group(pull, pair.group(span)))
+            await asyncio.sleep(0.2)  # the READ is under way
+            del pair.seqs["r1"]
+            allocator.free(blocks)  # what abort and lease expiry do
+            fenced = blocks[:span.num_blocks]
+            assert pair.puller.num_fenced_blocks == span.num_blocks
+            assert allocator.num_free == allocator.num_blocks - span.num_blocks
+            taken = allocator.alloc(allocator.num_free)  # everything the pool will give
+            assert not set(taken) & set(fenced)
+            allocator.free(taken)
+            assert allocator.check_integrity().ok
+            with pytest.raises(NotFound):
+                await reading
+            await asyncio.sleep(0.05)  # the fence drops on the loop after the read
+            assert pair.puller.num_fenced_blocks == 0
+            assert allocator.num_free == allocator.num_blocks
+
+        asyncio.run(run())
+        assert allocator.check_integrity().ok
+    finally:
+        pair.close()
+
+
+def test_a_stream_cancelled_mid_read_keeps_the_fence_until_the_read_ends() -> None:
+    pair = Pair(read_delay_s=0.6)
+    try:
+        span = SPANS[0]
+
+        async def run() -> None:
+            pull = await pair.puller.begin(pair.begin_msg())
+            reading = asyncio.create_task(pair.puller.group(pull, pair.group(span)))
+            await asyncio.sleep(0.2)
+            reading.cancel()  # the prefill worker's stream broke
+            with pytest.raises(asyncio.CancelledError):
+                await reading
+            assert pair.puller.num_fenced_blocks == span.num_blocks  # READ still running
+            await asyncio.sleep(0.8)
+            assert pair.puller.num_fenced_blocks == 0
+
+        asyncio.run(run())
+        pair.dst.allocator.free(pair.seq.block_table)
+        assert pair.dst.allocator.num_free == pair.dst.allocator.num_blocks
+    finally:
+        pair.close()
+
+
+def test_a_begin_that_does_not_fit_is_refused_naming_the_field(pair: Pair) -> None:
+    cases = {
+        "block_table": dict(block_table=[1, 2]),
+        "num_tokens": dict(num_tokens=44 - 16),
+        "memory_type": dict(memory_type="DISK"),
+        "agent_metadata": dict(agent_name="someone-else"),
+    }
+    for field, change in cases.items():
+        msg = pair.begin_msg()
+        for name, value in change.items():
+            if name == "block_table":
+                del msg.block_table[:]
+                msg.block_table.extend(value)
+            else:
+                setattr(msg, name, value)
+        with pytest.raises(InvalidArgument) as exc:
+            asyncio.run(pair.puller.begin(msg))
+        assert exc.value.field == field, field
+    outside = pair.begin_msg()
+    outside.block_table[0] = 99
+    with pytest.raises(InvalidArgument, match="outside"):
+        asyncio.run(pair.puller.begin(outside))
