@@ -1,15 +1,16 @@
 """Headline scenario (issue 7): long prompts arriving among steady short decodes, disaggregated
 against colocated, on the same machine, in one run.
 
-Two deployments of `--model` (the tiny seeded model unless told; `--model default` is the
-real default model), started one after the other: disaggregated (one prefill and one decode
-worker, one torch thread each) and colocated (one worker serving both roles with two threads:
-the same cores). Each gets the same two seeded, open-loop workloads through `kvferry bench`'s
+Deployments of `--model` (the tiny seeded model unless told; `--model default` is the real
+default model), started one after the other: disaggregated (one prefill and one decode
+worker, one torch thread each), once per K/V transport of --kv-transports (gRPC streams;
+NIXL: the decode worker reads the pages from the prefill worker's pool), and colocated (one
+worker serving both roles with two threads: the same cores). Each gets the same two seeded, open-loop workloads through `kvferry bench`'s
 engine:
   unloaded: short requests only (--short-input / --short-output tokens) at --rate req/s;
   loaded:   the same stream with long prompts (--long-input tokens, --long-output tokens)
             mixed in as --long-fraction of the requests.
-The pair runs --repeats times (the deployments alternate, each started afresh). Reported for
+The set runs --repeats times (the deployments alternate, each started afresh). Reported for
 the short requests, per deployment, median [min-max] over the repetitions: ITL p50/p99
 unloaded and loaded, loaded TTFT p99, and the ratio loaded p99 ITL / unloaded p50 ITL; the
 target is disaggregated <= 1.5x while colocated's is >= 3x. Writes a JSON (every repetition)
@@ -52,6 +53,10 @@ def _times(record) -> list[float]:
     return [record.ttft_s + sum(record.itls_s[:i]) for i in range(len(record.itls_s) + 1)]
 
 
+def _disaggregated(transport: str) -> str:
+    return "disaggregated" if transport == "grpc" else f"disaggregated-{transport}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -66,6 +71,9 @@ def main() -> None:
     parser.add_argument("--long-output", type=int, default=4)
     parser.add_argument("--long-fraction", type=float, default=0.15)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kv-transports", nargs="+", default=["grpc", "nixl"],
+                        choices=["grpc", "nixl"],
+                        help="one disaggregated deployment per K/V transport")
     parser.add_argument("--no-pin", dest="pin", action="store_false",
                         help="do not pin prefill and decode workers to one core each")
     parser.add_argument("--out-dir", type=Path, default=None)
@@ -80,13 +88,13 @@ def main() -> None:
                             ("long", long, args.long_fraction)))
     config = BenchConfig(num_requests=args.num_requests, request_rates=(args.rate,),
                          num_warmups=2, seed=args.seed, vocab_size=512)
-    setups = {
-        "disaggregated": dict(model=model, torch_threads=1),
-        "colocated": dict(model=model, torch_threads=2, is_colocated=True),
-    }
+    setups = {_disaggregated(t): dict(model=model, torch_threads=1,
+                                      worker_args=["--kv-transport", t])
+              for t in args.kv_transports}
+    setups["colocated"] = dict(model=model, torch_threads=2, is_colocated=True)
     cores = sorted(os.sched_getaffinity(0))
-    pinning = {"disaggregated": {"prefill": {cores[0]}, "decode": {cores[-1]}},
-               "colocated": {"colocated": set(cores[:2])}}
+    pinning = {name: {"prefill": {cores[0]}, "decode": {cores[-1]}} for name in setups}
+    pinning["colocated"] = {"colocated": set(cores[:2])}
     runs: dict[str, list[dict[str, dict[str, object]]]] = {name: [] for name in setups}
     for repeat in range(args.repeats):
         for name, kwargs in setups.items():

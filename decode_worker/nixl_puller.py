@@ -27,17 +27,27 @@ import torch
 
 from decode_worker.kv_receiver import KvReceiver
 from decode_worker.sequence import lookup
-from kvferry.cache.layout import blocks_for_tokens
+from kvferry.cache.layout import KvLayout, blocks_for_tokens
 from kvferry.cache.pool import KvPool
 from kvferry.errors import DataLoss, InvalidArgument, KvferryError, Unavailable
-from kvferry.rpc import convert
 from kvferry.transfer import nixl_pages, wire
-from kvferry.v1 import worker_pb2
 
 log = logging.getLogger("kvferry.transport")
 
 READ_TIMEOUT_S = 60.0
 _POLL_S = 0.0002
+
+
+class PullOffer(NamedTuple):
+    """A PullKv stream's `begin`: where the request's pages lie in the sender's pool."""
+
+    request_id: str
+    layout: KvLayout
+    num_tokens: int
+    agent_name: str
+    agent_metadata: bytes
+    remote: nixl_pages.PoolMemory
+    block_table: list[int]
 
 
 class Pull(NamedTuple):
@@ -77,22 +87,23 @@ class NixlPuller:
     async def _run(self, fn: Any, *args: Any) -> Any:
         return await asyncio.wrap_future(self._thread.submit(fn, *args))
 
-    async def begin(self, msg: worker_pb2.KvPullBegin) -> Pull:
-        problem = self.receiver.layout.mismatch(convert.layout_from_proto(msg.layout))
+    async def begin(self, msg: PullOffer) -> Pull:
+        problem = self.receiver.layout.mismatch(msg.layout)
         if problem:
             raise InvalidArgument(problem, "layout")
         seq = lookup(self.receiver.seqs, msg.request_id)
         if msg.num_tokens != seq.num_prompt_tokens:
             raise InvalidArgument(f"num_tokens {msg.num_tokens} != reserved prompt length "
                                   f"{seq.num_prompt_tokens}", "num_tokens")
-        if msg.memory_type not in ("DRAM", "VRAM"):
-            raise InvalidArgument(f"memory_type {msg.memory_type!r}: expected DRAM or VRAM",
+        remote = msg.remote
+        if remote.memory_type not in ("DRAM", "VRAM"):
+            raise InvalidArgument(f"memory_type {remote.memory_type!r}: expected DRAM or VRAM",
                                   "memory_type")
         table = list(msg.block_table)
         if len(table) != blocks_for_tokens(msg.num_tokens, self.pool.block_size):
             raise InvalidArgument(f"block_table has {len(table)} blocks for "
                                   f"{msg.num_tokens} tokens", "block_table")
-        if msg.pool_blocks < 1 or any(not 0 <= b < msg.pool_blocks for b in table):
+        if remote.num_blocks < 1 or any(not 0 <= b < remote.num_blocks for b in table):
             raise InvalidArgument("block_table names blocks outside the sender's pool",
                                   "block_table")
         if not msg.agent_name or not msg.agent_metadata:
@@ -105,15 +116,13 @@ class NixlPuller:
                 raise InvalidArgument(f"agent_metadata is for {name!r}, not "
                                       f"{msg.agent_name!r}", "agent_metadata")
         epoch = self.receiver.begin_push(msg.request_id)
-        remote = nixl_pages.PoolMemory(msg.pool_address, msg.pool_blocks, msg.memory_type,
-                                       msg.device_id)
         return Pull(msg.request_id, epoch, msg.num_tokens, msg.agent_name, remote, table)
 
-    async def group(self, pull: Pull, msg: worker_pb2.KvPullGroup) -> int:
-        """Read one group into the reservation and check it. Returns its bytes."""
+    async def group(self, pull: Pull, span: wire.ChunkSpan, crc: int) -> int:
+        """Read one group into the reservation and check it against `crc`. Returns its
+        bytes."""
         seq = lookup(self.receiver.seqs, pull.request_id)
         self.receiver.check_writable(seq, pull.epoch)
-        span = wire.ChunkSpan(msg.layer_start, msg.layer_end, msg.block_start, msg.num_blocks)
         layout = self.receiver.layout
         nbytes = ((span.layer_end - span.layer_start) * span.num_blocks
                   * layout.bytes_per_layer_block)
@@ -127,7 +136,7 @@ class NixlPuller:
         self.pool.allocator.incref(dest)  # the fence: see the module docstring
         self.num_fenced_blocks += len(dest)
         loop = asyncio.get_running_loop()
-        job = self._thread.submit(self._read_and_check, pull, table, span, msg.crc32)
+        job = self._thread.submit(self._read_and_check, pull, table, span, crc)
         job.add_done_callback(lambda done: self._unfence(loop, done, dest))
         try:
             error = await asyncio.wrap_future(job)

@@ -8,13 +8,14 @@ from collections.abc import AsyncIterator
 import grpc
 
 from decode_worker.engine import DecodeEngine
-from decode_worker.nixl_puller import NixlPuller, Pull
+from decode_worker.nixl_puller import NixlPuller, Pull, PullOffer
 from decode_worker.sequence import DecodeEvent, ErrorEvent, FinishedEvent, TokensEvent
 from kvferry import logs
 from kvferry.errors import InvalidArgument, KvferryError
 from kvferry.rpc import chunk_codec, convert, grpc_util
 from kvferry.rpc.worker_servicer import PrefillStreamServicer, WorkerServicer, first_token
 from kvferry.transfer import wire
+from kvferry.transfer.nixl_pages import PoolMemory
 from kvferry.v1 import worker_pb2, worker_pb2_grpc
 
 
@@ -125,6 +126,13 @@ class DecodeServicer(WorkerServicer[DecodeEngine], worker_pb2_grpc.DecodeService
 
 
 
+def _offer(begin: worker_pb2.KvPullBegin) -> PullOffer:
+    return PullOffer(begin.request_id, convert.layout_from_proto(begin.layout),
+                     begin.num_tokens, begin.agent_name, begin.agent_metadata,
+                     PoolMemory(begin.pool_address, begin.pool_blocks, begin.memory_type,
+                                begin.device_id), list(begin.block_table))
+
+
 class KvTransferServicer(worker_pb2_grpc.KvTransferServiceServicer):
     def __init__(self, engine: DecodeEngine, puller: NixlPuller | None = None) -> None:
         self.engine = engine
@@ -144,11 +152,14 @@ class KvTransferServicer(worker_pb2_grpc.KvTransferServiceServicer):
                     if pull is not None:
                         raise InvalidArgument("one push has one begin", "begin")
                     logs.request_id.set(message.begin.request_id)
-                    pull = await self.puller.begin(message.begin)
+                    pull = await self.puller.begin(_offer(message.begin))
                 elif pull is None:
                     raise InvalidArgument("a push starts with begin", "begin")
                 else:
-                    written += await self.puller.group(pull, message.group)
+                    group = message.group
+                    written += await self.puller.group(pull, wire.ChunkSpan(
+                        group.layer_start, group.layer_end, group.block_start,
+                        group.num_blocks), group.crc32)
             if pull is None:
                 raise InvalidArgument("empty push", "request_id")
             self.engine.receiver.finish_push(pull.request_id, pull.epoch)

@@ -31,6 +31,7 @@ PROTOBUF_HOMES = (
     "router/server.py", "prefill_worker/server.py", "decode_worker/server.py",
     "kvferry/rpc/*",  # conversions, chunk codec, shared servicer, health, security
     "kvferry/transfer/grpc_push.py",  # client of KvTransferService.PushKv
+    "kvferry/transfer/nixl_push.py",  # client of KvTransferService.PullKv
     "router/*_client.py",  # the router's clients of PrefillService and DecodeService
     "deploy/client.py",  # client of the public GenerationService
     "deploy/loadgen/runner.py",  # the load generator's GenerationService client

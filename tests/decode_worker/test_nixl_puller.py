@@ -5,21 +5,20 @@ freed while a READ is writing into it goes back to the pool only once the READ i
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
 import torch
 
 from decode_worker.kv_receiver import KvReceiver
-from decode_worker.nixl_puller import NixlPuller
+from decode_worker.nixl_puller import NixlPuller, PullOffer
 from decode_worker.sequence import DecodeSeq
 from kvferry.cache.layout import KvLayout, blocks_for_tokens
 from kvferry.cache.pool import KvPool
 from kvferry.errors import DataLoss, InvalidArgument, NotFound
-from kvferry.rpc import convert
 from kvferry.transfer import nixl_pages, wire
 from kvferry.transfer.nixl_push import NixlKvSender
-from kvferry.v1 import worker_pb2
 
 NUM_TOKENS = 45  # 3 blocks of 16
 
@@ -57,20 +56,16 @@ class Pair:
         self.seqs[request_id] = seq
         return seq
 
-    def begin_msg(self, request_id: str = "r1") -> worker_pb2.KvPullBegin:
-        return worker_pb2.KvPullBegin(
-            request_id=request_id, layout=convert.layout_to_proto(self.layout),
-            num_tokens=NUM_TOKENS, agent_name=self.sender.agent.name,
-            agent_metadata=self.sender.agent.get_agent_metadata(),
-            pool_address=self.remote.address, pool_blocks=self.remote.num_blocks,
-            memory_type=self.remote.memory_type, device_id=0, block_table=self.src_table)
+    def begin_msg(self, **changes: object) -> PullOffer:
+        offer = PullOffer("r1", self.layout, NUM_TOKENS, self.sender.agent.name,
+                          self.sender.agent.get_agent_metadata(), self.remote,
+                          list(self.src_table))
+        return offer._replace(**changes)
 
-    def group(self, span: wire.ChunkSpan, crc: int | None = None) -> worker_pb2.KvPullGroup:
+    def group(self, span: wire.ChunkSpan, crc: int | None = None) -> tuple[wire.ChunkSpan, int]:
         if crc is None:
             crc = nixl_pages.crc32_pages(self.src, self.src_table, span)
-        return worker_pb2.KvPullGroup(layer_start=span.layer_start, layer_end=span.layer_end,
-                                      block_start=span.block_start,
-                                      num_blocks=span.num_blocks, crc32=crc)
+        return span, crc
 
     def dst_pages(self, span: wire.ChunkSpan) -> torch.Tensor:
         return torch.from_numpy(wire.pack_array(self.dst, self.seq.block_table, span).copy())
@@ -97,7 +92,7 @@ def test_groups_are_read_into_the_reservation(pair: Pair) -> None:
         pull = await pair.puller.begin(pair.begin_msg())
         written = 0
         for span in SPANS:
-            written += await pair.puller.group(pull, pair.group(span))
+            written += await pair.puller.group(pull, *pair.group(span))
         pair.receiver.finish_push("r1", pull.epoch)
         return written
 
@@ -115,7 +110,7 @@ def test_a_checksum_mismatch_is_refused_and_the_pages_zeroed(pair: Pair) -> None
 
     async def run() -> None:
         pull = await pair.puller.begin(pair.begin_msg())
-        await pair.puller.group(pull, pair.group(span, crc=123))
+        await pair.puller.group(pull, *pair.group(span, crc=123))
 
     with pytest.raises(InvalidArgument) as exc:
         asyncio.run(run())
@@ -130,7 +125,7 @@ def test_non_finite_pages_are_refused_and_zeroed(pair: Pair) -> None:
 
     async def run() -> None:
         pull = await pair.puller.begin(pair.begin_msg())
-        await pair.puller.group(pull, pair.group(span))
+        await pair.puller.group(pull, *pair.group(span))
 
     with pytest.raises(DataLoss):
         asyncio.run(run())
@@ -148,7 +143,7 @@ def test_blocks_freed_mid_read_wait_for_the_read() -> None:
 
         async def run() -> None:
             pull = await pair.puller.begin(pair.begin_msg())
-            reading = asyncio.create_task(pair.puller.group(pull, pair.group(span)))
+            reading = asyncio.create_task(pair.puller.group(pull, *pair.group(span)))
             await asyncio.sleep(0.2)  # the READ is under way
             del pair.seqs["r1"]
             allocator.free(blocks)  # what abort and lease expiry do
@@ -178,7 +173,7 @@ def test_a_stream_cancelled_mid_read_keeps_the_fence_until_the_read_ends() -> No
 
         async def run() -> None:
             pull = await pair.puller.begin(pair.begin_msg())
-            reading = asyncio.create_task(pair.puller.group(pull, pair.group(span)))
+            reading = asyncio.create_task(pair.puller.group(pull, *pair.group(span)))
             await asyncio.sleep(0.2)
             reading.cancel()  # the prefill worker's stream broke
             with pytest.raises(asyncio.CancelledError):
@@ -198,21 +193,13 @@ def test_a_begin_that_does_not_fit_is_refused_naming_the_field(pair: Pair) -> No
     cases = {
         "block_table": dict(block_table=[1, 2]),
         "num_tokens": dict(num_tokens=44 - 16),
-        "memory_type": dict(memory_type="DISK"),
+        "memory_type": dict(remote=pair.remote._replace(memory_type="DISK")),
         "agent_metadata": dict(agent_name="someone-else"),
+        "layout": dict(layout=dataclasses.replace(pair.layout, block_size=32)),
     }
     for field, change in cases.items():
-        msg = pair.begin_msg()
-        for name, value in change.items():
-            if name == "block_table":
-                del msg.block_table[:]
-                msg.block_table.extend(value)
-            else:
-                setattr(msg, name, value)
         with pytest.raises(InvalidArgument) as exc:
-            asyncio.run(pair.puller.begin(msg))
+            asyncio.run(pair.puller.begin(pair.begin_msg(**change)))
         assert exc.value.field == field, field
-    outside = pair.begin_msg()
-    outside.block_table[0] = 99
     with pytest.raises(InvalidArgument, match="outside"):
-        asyncio.run(pair.puller.begin(outside))
+        asyncio.run(pair.puller.begin(pair.begin_msg(block_table=[99, 1, 2])))
