@@ -4,7 +4,9 @@
 # The router imports torch (K/V wire layout, sampling parameters), so this image has the CPU
 # build of torch, but neither CUDA nor Triton nor Ray: cpu_requirements.py drops those from
 # the project's dependencies, and tests/k8s checks the router and the CPU worker path import
-# without them. The model is mounted at /models; no HEALTHCHECK (Kubernetes probes gRPC health).
+# without them. NIXL stays (nixl-cu12, UCX bundled; runs without CUDA): the cpu-dev and nixl
+# overlays run their workers on this image, nixl's with --kv-transport nixl.
+# The model is mounted at /models; no HEALTHCHECK (Kubernetes probes gRPC health).
 ARG PYTHON_IMAGE=python:3.12-slim-bookworm
 FROM ${PYTHON_IMAGE}
 

@@ -4,6 +4,10 @@
 # The model is not baked in: pods mount it read-only at /models. Kubernetes probes the gRPC
 # health service, so there is no HEALTHCHECK. Everything writable lives under /tmp (an
 # emptyDir in the manifests), so the root filesystem can be read-only.
+# NIXL (--kv-transport nixl) comes with the project's dependencies: nixl-cu12, built for CUDA 12
+# like this image, with UCX and its InfiniBand/RoCE (mlx5) and CUDA transports bundled. On a
+# CUDA 13 base and torch, also `pip install nixl==1.5.1`: that meta-package picks nixl-cu13 at
+# import, and kvferry imports `nixl` before `nixl_cu12`.
 ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
 FROM ${CUDA_IMAGE}
 

@@ -10,6 +10,7 @@ import asyncio
 import re
 from pathlib import Path
 
+import pytest
 import yaml
 from conftest import selects, service_names
 from k8s_manifests import (
@@ -25,7 +26,10 @@ from kvferry.rpc import grpc_util
 
 REPO = K8S_DIR.parent
 SOURCE_DIRS = ("kvferry", "router", "prefill_worker", "decode_worker", "kernels", "deploy")
-GPU_TREES = ("base", "overlays/gpu", "overlays/ray", "overlays/autoscale", "overlays/tls")
+GPU_TREES = ("base", "overlays/gpu", "overlays/ray", "overlays/autoscale", "overlays/tls",
+             "overlays/nixl-gpu")
+CPU_DEV_TREES = ("overlays/cpu-dev", "overlays/nixl")  # cpu-dev's locally built images
+TLS_TREES = ("overlays/tls", "overlays/nixl-gpu")
 WORKER_COMMANDS = ("prefill-worker", "decode-worker", "colocated-worker")
 
 
@@ -205,7 +209,7 @@ def test_disruption_budgets_cover_every_role(rendered) -> None:
 
 def test_images_are_pinned_outside_cpu_dev(rendered) -> None:
     for tree, resources in rendered.items():
-        if tree in ("base", "overlays/cpu-dev"):
+        if tree == "base" or tree in CPU_DEV_TREES:
             continue
         for container in containers(tree, resources):
             image = container.spec["image"]
@@ -240,10 +244,12 @@ def test_autoscale_metric_matches_the_adapter_rules(rendered) -> None:
 TLS_FLAGS = ("--tls-cert", "--tls-key", "--tls-ca", "--cluster-token-file")
 
 
-def test_tls_overlay_wires_every_process_to_read_only_secrets(parsed) -> None:
-    """overlays/tls: router and workers all get the cluster certificate, CA and token, each
-    file on a read-only Secret volume; workers then require client certificates (mTLS)."""
-    found = [(c, p) for c, p in parsed["overlays/tls"] if not c.is_init]
+@pytest.mark.parametrize("tree", TLS_TREES)
+def test_tls_overlay_wires_every_process_to_read_only_secrets(parsed, tree: str) -> None:
+    """overlays/tls (and nixl-gpu, built on it): router and workers all get the cluster
+    certificate, CA and token, each file on a read-only Secret volume; workers then require
+    client certificates (mTLS)."""
+    found = [(c, p) for c, p in parsed[tree] if not c.is_init]
     assert {p.command for _, p in found} >= {"router", "prefill-worker", "decode-worker"}
     for container, p in found:
         for flag in TLS_FLAGS:
@@ -259,6 +265,6 @@ def test_tls_overlay_wires_every_process_to_read_only_secrets(parsed) -> None:
             items = volume["secret"].get("items")
             assert items is None or key in {i["path"] for i in items}, (container.name, flag)
         assert p.value("--tls-server-name"), container.name  # pods are dialled by IP
-    for tree, trees_found in parsed.items():
-        if tree != "overlays/tls":
-            assert all(p.value("--tls-cert") is None for _, p in trees_found), tree
+    for other, trees_found in parsed.items():
+        if other not in TLS_TREES:
+            assert all(p.value("--tls-cert") is None for _, p in trees_found), other

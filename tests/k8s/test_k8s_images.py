@@ -77,7 +77,8 @@ def test_cpu_requirements_drop_only_gpu_ray_and_codegen() -> None:
         == set(EXCLUDED)
 
 
-# Imported by `kvferry router` and by CPU workers (`--attention-backend torch`).
+# Imported by `kvferry router` and by CPU workers (`--attention-backend torch`), with NIXL
+# (`--kv-transport nixl`: the overlays cpu-dev and nixl run their workers on this image).
 CPU_IMAGE_PROBE = """
 import importlib.abc, sys
 BLOCKED = ("triton", "ray", "grpc_tools")
@@ -89,6 +90,7 @@ sys.meta_path.insert(0, Block())
 import deploy.args, deploy.cli, deploy.processes
 import kvferry.model.checkpoint, kvferry.transfer.grpc_push
 import router.server, router.discovery, prefill_worker.server, decode_worker.server
+import kvferry.transfer.nixl_push, decode_worker.nixl_puller, nixl_cu12._api
 from kernels.dispatch import get_attention_backend
 get_attention_backend("torch")
 deploy.args.build_parser()
@@ -97,6 +99,7 @@ print("ok")
 
 
 def test_router_and_cpu_workers_import_without_triton_ray_or_grpc_tools() -> None:
+    """nixl_cu12 is what cpu_requirements.py installs (a project dependency, kept)."""
     result = subprocess.run([sys.executable, "-c", CPU_IMAGE_PROBE], capture_output=True,
                             text=True, timeout=120, cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
