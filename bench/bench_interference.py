@@ -5,8 +5,8 @@ Deployments of `--model` (the tiny seeded model unless told; `--model default` i
 default model), started one after the other: disaggregated (one prefill and one decode
 worker, one torch thread each), once per K/V transport of --kv-transports (gRPC streams;
 NIXL: the decode worker reads the pages from the prefill worker's pool), and colocated (one
-worker serving both roles with two threads: the same cores). Each gets the same two seeded, open-loop workloads through `kvferry bench`'s
-engine:
+worker serving both roles with two threads: the same cores). Each gets the same two seeded,
+open-loop workloads through `kvferry bench`'s engine:
   unloaded: short requests only (--short-input / --short-output tokens) at --rate req/s;
   loaded:   the same stream with long prompts (--long-input tokens, --long-output tokens)
             mixed in as --long-fraction of the requests.

@@ -1,10 +1,12 @@
 """The decode worker's end of the NIXL K/V transport (kvferry/transfer/nixl_push.py).
 
 A PullKv stream announces a prefill worker's registered pool, then layer groups as they
-become final. For each group the puller READs the pages straight into the reservation's
-blocks, then checks them where they landed (CRC-32C against the announced one, finite
-values), all on one thread of its own: the event loop and the step loop do no per-byte work
-for incoming K/V. Only then are the pages marked received.
+become final, and each group's CRC-32C, which the sender computes while the group is read.
+For each group the puller READs the pages straight into the reservation's blocks on its NIXL
+thread, then checks them where they landed (finite values, CRC-32C) on its check thread,
+while the next group is read: the event loop and
+the step loop do no per-byte work for incoming K/V. Only then are the pages marked received.
+A new push for a reservation waits until no READ of the one it supersedes can still write.
 
 Fences: a block a READ writes into holds one extra reference from before the READ starts
 until the thread knows it finished or was cancelled (`release_xfer_handle` succeeded). An
@@ -20,9 +22,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
+from collections.abc import Awaitable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from decode_worker.kv_receiver import KvReceiver
@@ -35,6 +40,7 @@ from kvferry.transfer import nixl_pages, wire
 log = logging.getLogger("kvferry.transport")
 
 READ_TIMEOUT_S = 60.0
+MAX_PEERS = 64  # prefill agents kept loaded; each restart of a prefill worker is a new one
 _POLL_S = 0.0002
 
 
@@ -59,6 +65,16 @@ class Pull(NamedTuple):
     peer: str  # the prefill worker's agent name
     remote: nixl_pages.PoolMemory
     remote_table: list[int]
+    claimed: np.ndarray  # [layers, prompt blocks]: pages a group of this pull is reading
+
+
+def _call(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:
+    """`fn(*args)` on the loop, from any thread; nothing once the loop is gone (the worker
+    is stopping, and its pool with it)."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
+        pass
 
 
 class _Leaked(Exception):
@@ -67,7 +83,7 @@ class _Leaked(Exception):
 
 class NixlPuller:
     """Reads pushed groups into `receiver`'s reservations. Owns a NIXL agent (the pool
-    registered with it) and one thread for everything NIXL and per-byte."""
+    registered with it), one thread for everything NIXL and one for the checks."""
 
     def __init__(self, receiver: KvReceiver, pool: KvPool, agent: Any = None,
                  read_timeout_s: float = READ_TIMEOUT_S, read_delay_s: float = 0.0) -> None:
@@ -77,15 +93,17 @@ class NixlPuller:
         self._reg = self.agent.register_memory(pool.cache)
         self.local = nixl_pages.PoolMemory.of(pool)
         self._page = nixl_pages.page_bytes(pool)
-        self._peers: set[str] = set()
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvferry-nixl")
+        self._peers: OrderedDict[str, None] = OrderedDict()  # loaded agents, LRU first
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="kvferry-nixl-read")
+        self._checker = ThreadPoolExecutor(1, thread_name_prefix="kvferry-nixl-check")
+        self._in_flight: dict[str, set[asyncio.Future[None]]] = {}  # fences not yet dropped
         self.read_timeout_s = read_timeout_s
         self.read_delay_s = read_delay_s  # fault injection: a READ that takes this long
         self.num_fenced_blocks = 0  # block references held by READs in flight
         self.num_leaked_blocks = 0  # fenced for good: READs NIXL could not cancel
 
     async def _run(self, fn: Any, *args: Any) -> Any:
-        return await asyncio.wrap_future(self._thread.submit(fn, *args))
+        return await asyncio.wrap_future(self._reader.submit(fn, *args))
 
     async def begin(self, msg: PullOffer) -> Pull:
         problem = self.receiver.layout.mismatch(msg.layout)
@@ -109,18 +127,28 @@ class NixlPuller:
         if not msg.agent_name or not msg.agent_metadata:
             raise InvalidArgument("agent_name and agent_metadata are required", "agent_name")
         if msg.agent_name not in self._peers:
-            loaded = await self._run(self.agent.add_remote_agent, msg.agent_metadata)
+            try:
+                loaded = await self._run(self.agent.add_remote_agent, msg.agent_metadata)
+            except Exception as exc:  # nixlBind errors: not metadata NIXL can load
+                raise InvalidArgument(f"agent_metadata: {exc}", "agent_metadata") from exc
             name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
-            self._peers.add(name)  # loaded: never add it twice
+            self._peers[name] = None  # loaded: never add it twice
+            while len(self._peers) > MAX_PEERS:  # restarted prefill workers' old agents
+                old, _ = self._peers.popitem(last=False)
+                await self._run(self.agent.remove_remote_agent, old)
             if name != msg.agent_name:
                 raise InvalidArgument(f"agent_metadata is for {name!r}, not "
                                       f"{msg.agent_name!r}", "agent_metadata")
+        self._peers.move_to_end(msg.agent_name)
+        await self.settled(msg.request_id)
         epoch = self.receiver.begin_push(msg.request_id)
-        return Pull(msg.request_id, epoch, msg.num_tokens, msg.agent_name, remote, table)
+        return Pull(msg.request_id, epoch, msg.num_tokens, msg.agent_name, remote, table,
+                    wire.coverage(self.receiver.layout, msg.num_tokens))
 
-    async def group(self, pull: Pull, span: wire.ChunkSpan, crc: int) -> int:
-        """Read one group into the reservation and check it against `crc`. Returns its
-        bytes."""
+    async def group(self, pull: Pull, span: wire.ChunkSpan, crc: Awaitable[int]) -> int:
+        """Read one group into the reservation and check it against `crc` (the sender's
+        checksum, which may arrive while the READ runs). Returns its bytes. Several groups of
+        one pull may be under way at once: one READs while the one before it is checked."""
         seq = lookup(self.receiver.seqs, pull.request_id)
         self.receiver.check_writable(seq, pull.epoch)
         layout = self.receiver.layout
@@ -129,21 +157,27 @@ class NixlPuller:
         wire.check_span(layout, pull.num_tokens, span, nbytes)
         rows = slice(span.layer_start, span.layer_end)
         cols = slice(span.block_start, span.block_start + span.num_blocks)
-        if seq.received[rows, cols].any():
+        if seq.received[rows, cols].any() or pull.claimed[rows, cols].any():
             raise InvalidArgument("group overlaps pages already received", "block_start")
+        pull.claimed[rows, cols] = True
         table = list(seq.block_table)
         dest = nixl_pages.span_ids(table, span)
         self.pool.allocator.incref(dest)  # the fence: see the module docstring
         self.num_fenced_blocks += len(dest)
         loop = asyncio.get_running_loop()
-        job = self._thread.submit(self._read_and_check, pull, table, span, crc)
-        job.add_done_callback(lambda done: self._unfence(loop, done, dest))
+        over: asyncio.Future[None] = loop.create_future()  # the fence has dropped
+        self._in_flight.setdefault(pull.request_id, set()).add(over)
+        reading = self._reader.submit(self._read_group, pull, table, span)
+        reading.add_done_callback(lambda done: self._after_read(loop, done, dest, over))
         try:
-            error = await asyncio.wrap_future(job)
+            checking = await asyncio.wrap_future(reading)
+            landed = await asyncio.wrap_future(checking)
         except _Leaked as exc:
             raise Unavailable(f"NIXL read could not be cancelled: {exc}", "data") from exc
-        if error is not None:
-            raise error
+        if isinstance(landed, KvferryError):
+            raise landed
+        if landed != await crc:  # finite pages: a resend overwrites them, no need to zero
+            raise InvalidArgument("group checksum mismatch: corrupted in flight", "crc32")
         seq = lookup(self.receiver.seqs, pull.request_id)  # still ours after the wait?
         self.receiver.check_writable(seq, pull.epoch)
         seq.received[rows, cols] = True
@@ -151,31 +185,45 @@ class NixlPuller:
         self.receiver.kv_bytes_received += nbytes
         return nbytes
 
-    def _unfence(self, loop: asyncio.AbstractEventLoop, done: Future[Any],
-                 dest: list[int]) -> None:
-        """Runs on the puller's thread when a READ job ends: drop its fence on the loop."""
+    async def settled(self, request_id: str) -> None:
+        """Until no READ of an earlier pull for `request_id` can still write: a new push
+        for a reservation waits for the one it supersedes."""
+        pending = self._in_flight.get(request_id)
+        if pending:
+            await asyncio.wait(set(pending))
+
+    def _after_read(self, loop: asyncio.AbstractEventLoop, done: Future[Any],
+                    dest: list[int], over: asyncio.Future[None]) -> None:
+        """Runs on a puller thread when a READ ends: drop the fence once its check ends
+        too (the check zeroes a bad group's pages), on the loop."""
         if not done.cancelled() and isinstance(done.exception(), _Leaked):
             log.error("a NIXL read could not be cancelled: %d blocks stay fenced", len(dest))
-            loop.call_soon_threadsafe(self._count_leak, len(dest))
+            _call(loop, self._count_leak, len(dest))
             return
-        try:
-            loop.call_soon_threadsafe(self._release, dest)
-        except RuntimeError:
-            pass  # the loop is gone: the worker is stopping and its pool with it
+        if done.cancelled() or done.exception() is not None:
+            _call(loop, self._release, dest, over)
+            return
+        done.result().add_done_callback(lambda _: _call(loop, self._release, dest, over))
 
-    def _release(self, dest: list[int]) -> None:
+    def _release(self, dest: list[int], over: asyncio.Future[None]) -> None:
         self.num_fenced_blocks -= len(dest)
         self.pool.allocator.free(dest)
+        over.set_result(None)
+        for request_id, pending in list(self._in_flight.items()):
+            pending.discard(over)
+            if not pending:
+                del self._in_flight[request_id]
 
     def _count_leak(self, n: int) -> None:
         self.num_fenced_blocks -= n
         self.num_leaked_blocks += n
 
-    # ---- on the puller's thread ------------------------------------------------------------
-    def _read_and_check(self, pull: Pull, table: list[int], span: wire.ChunkSpan,
-                        crc: int) -> KvferryError | None:
-        """READ the span's pages, then check them in place. Returns the error, if any; the
-        pages of a failed group are zeroed."""
+    # ---- on the puller's threads ------------------------------------------------------------
+    def _read_group(self, pull: Pull, table: list[int], span: wire.ChunkSpan
+                    ) -> Future[int | KvferryError]:
+        """On the NIXL thread: READ the span's pages, then queue their check on the check
+        thread. Returns the check's future (done at once, with the error, when the READ
+        failed: its pages are zeroed)."""
         local, remote = nixl_pages.descriptors(
             self.local, nixl_pages.span_ids(table, span), pull.remote,
             nixl_pages.span_ids(pull.remote_table, span), span, self._page)
@@ -183,14 +231,18 @@ class NixlPuller:
             self._read(pull, local, remote)
         except KvferryError as exc:
             self._zero(table, span)
-            return exc
-        if nixl_pages.crc32_pages(self.pool, table, span) != crc:
-            self._zero(table, span)
-            return InvalidArgument("group checksum mismatch: corrupted in flight", "crc32")
+            failed: Future[int | KvferryError] = Future()
+            failed.set_result(exc)
+            return failed
+        return self._checker.submit(self._check, table, span)
+
+    def _check(self, table: list[int], span: wire.ChunkSpan) -> int | KvferryError:
+        """On the check thread: the CRC-32C of the pages where they landed, or the error
+        when they are not all finite (then they are zeroed)."""
         if not nixl_pages.pages_finite(self.pool, table, span):
             self._zero(table, span)
             return DataLoss("group holds non-finite K/V (inf or NaN); zeroed", "data")
-        return None
+        return nixl_pages.crc32_pages(self.pool, table, span)
 
     def _read(self, pull: Pull, local: Any, remote: Any) -> None:
         if self.read_delay_s:
@@ -219,4 +271,5 @@ class NixlPuller:
         self.pool.cache[span.layer_start: span.layer_end, :, ids] = 0
 
     def close(self) -> None:
-        self._thread.shutdown(wait=True)
+        self._reader.shutdown(wait=True)
+        self._checker.shutdown(wait=True)

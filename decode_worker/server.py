@@ -126,6 +126,14 @@ class DecodeServicer(WorkerServicer[DecodeEngine], worker_pb2_grpc.DecodeService
 
 
 
+def _announce(checksums: list[asyncio.Future[int]], message: worker_pb2.KvPullChecksum) -> None:
+    """A group's checksum: for a group announced before it, once."""
+    if not 0 <= message.group < len(checksums) or checksums[message.group].done():
+        raise InvalidArgument(f"checksum for group {message.group}: no such group awaits one",
+                              "checksum")
+    checksums[message.group].set_result(message.crc32)
+
+
 def _offer(begin: worker_pb2.KvPullBegin) -> PullOffer:
     return PullOffer(begin.request_id, convert.layout_from_proto(begin.layout),
                      begin.num_tokens, begin.agent_name, begin.agent_metadata,
@@ -140,8 +148,11 @@ class KvTransferServicer(worker_pb2_grpc.KvTransferServiceServicer):
 
     async def PullKv(self, request_iterator: AsyncIterator[worker_pb2.KvPullMessage],
                      context: grpc.aio.ServicerContext) -> worker_pb2.PushKvResponse:
-        """A NIXL push (decode_worker/nixl_puller.py): `begin`, then groups to read."""
+        """A NIXL push (decode_worker/nixl_puller.py): `begin`, then groups to read, each
+        read as soon as it is announced (the next READ overlaps the last one's check)."""
         pull: Pull | None = None
+        groups: list[asyncio.Task[int]] = []
+        checksums: list[asyncio.Future[int]] = []  # each group's, once its message came
         written = 0
         try:
             if self.puller is None:
@@ -155,13 +166,22 @@ class KvTransferServicer(worker_pb2_grpc.KvTransferServiceServicer):
                     pull = await self.puller.begin(_offer(message.begin))
                 elif pull is None:
                     raise InvalidArgument("a push starts with begin", "begin")
+                elif message.HasField("checksum"):
+                    _announce(checksums, message.checksum)
                 else:
                     group = message.group
-                    written += await self.puller.group(pull, wire.ChunkSpan(
+                    checksums.append(asyncio.get_running_loop().create_future())
+                    groups.append(asyncio.ensure_future(self.puller.group(pull, wire.ChunkSpan(
                         group.layer_start, group.layer_end, group.block_start,
-                        group.num_blocks), group.crc32)
+                        group.num_blocks), checksums[-1])))
+                    for task in groups:  # a failed group ends the push at once
+                        if task.done() and task.exception() is not None:
+                            raise task.exception()  # type: ignore[misc]
             if pull is None:
                 raise InvalidArgument("empty push", "request_id")
+            if not all(crc.done() for crc in checksums):
+                raise InvalidArgument("a group's checksum never came", "checksum")
+            written = sum(await asyncio.gather(*groups))
             self.engine.receiver.finish_push(pull.request_id, pull.epoch)
         except asyncio.CancelledError:
             if pull is not None:
@@ -171,6 +191,9 @@ class KvTransferServicer(worker_pb2_grpc.KvTransferServiceServicer):
             if pull is not None:
                 self.engine.receiver.fail_push(pull.request_id, pull.epoch)
             await grpc_util.abort_with(context, exc, pull.request_id if pull else "")
+        finally:
+            for task in groups:  # their READs keep their fences until they end
+                task.cancel()
         return worker_pb2.PushKvResponse(bytes_written=written)
 
     async def PushKv(

@@ -27,12 +27,13 @@ to load scorers with weights):
   there may grow to hold; pending_prompt_tokens: prompt tokens queued or sent to prefill there.
 - Weights: `--prefix-weight` (default 4) and `--load-weight` (default 1): one cached block
   is worth four blocks of load, measured: at 1:1 a conversation's next turn left the worker
-  holding its history whenever the other carried one request less (kvferry/settings.py). A decode worker whose headroom cannot hold the request at its longest
-  goes after every one that can, whatever its cache: the cache saves a prefill, a short pool
-  costs preemptions. Its reservation shares the cached blocks, but the worker's projection
-  counts them again for this request (and evictable cached blocks it takes are headroom), so
-  the request needs its full `need_blocks` of headroom there too. Ties: fewest requests in
-  flight, then address.
+  holding its history whenever the other carried one request less (kvferry/settings.py). A
+  decode worker whose headroom cannot hold the request at its longest goes after every one
+  that can, whatever its cache: the cache saves a prefill, a short pool costs preemptions.
+  Its reservation shares the cached blocks, but the worker's projection counts them again
+  for this request (and evictable cached blocks it takes are headroom), so the request needs
+  its full `need_blocks` of headroom there too. Ties: fewest requests in flight, then
+  address.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from kvferry.cache.pool import KvPool
+from kvferry.transfer import wire
 from kvferry.transfer.wire import ChunkSpan
 
 NIXL_INSTALL = "pip install nixl-cu12==1.5.1 (or nixl==1.5.1, which picks the CUDA build)"
@@ -129,5 +130,5 @@ def crc32_pages(pool: KvPool, block_table: list[int], span: ChunkSpan) -> int:
 def pages_finite(pool: KvPool, block_table: list[int], span: ChunkSpan) -> bool:
     if not pool.dtype.is_floating_point:
         return True
-    return all(bool(torch.isfinite(region).all())
+    return all(wire.all_finite(region)
                for region in _regions(pool, span_ids(block_table, span), span))

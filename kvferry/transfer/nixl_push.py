@@ -2,16 +2,18 @@
 
 Pull, as vLLM's NIXL connector does: the prefill worker registers its pool with a NIXL agent
 and opens a PullKv stream to the decode worker (the authenticated gRPC control plane),
-announcing its agent metadata and the request's block table, then each layer group with its
-CRC-32C as soon as the forward pass has written it. The decode worker READs every group
+announcing its agent metadata and the request's block table, then each layer group as soon
+as the forward pass has written it, and the group's CRC-32C, computed while the decode
+worker reads the group. The decode worker READs every group
 straight from these pages into its reserved blocks (decode_worker/nixl_puller.py). The push
 returns when the decode worker has checked every group; the caller keeps the pages until
 then. Why pull rather than push:
-- Nothing outside a decode worker ever writes into its pool: every write into a reserved
-  block is the decode worker's own READ, which holds the block (a fence) until NIXL reports
-  it finished or cancelled, so an abort, an expired lease or a dead prefill worker cannot
-  let a late write land in a block given to another request.
-- The decode worker's metadata never leaves it; only the prefill pool is reachable remotely.
+- kvferry never writes into a decode pool from outside: every write into a reserved block
+  is the decode worker's own READ, which holds the block (a fence) until NIXL reports it
+  finished or cancelled, so an abort, an expired lease or a dead prefill worker cannot let
+  a late write land in a block given to another request.
+- The decode worker's metadata never leaves it and nothing connects to its UCX endpoint
+  (over UCX's TCP transport, network policy is what keeps others out: README, Security).
 - Layer pipelining stays: a group is announced as soon as its layers are final.
 
 Resends and errors follow `GrpcKvSender` (a checksum mismatch is sent again, ALREADY_EXISTS
@@ -95,11 +97,14 @@ class NixlKvSender(GrpcKvSender):
             if ready is not None:
                 await ready(span.layer_end)
             progress.start()
-            crc = await asyncio.to_thread(nixl_pages.crc32_pages, pool, block_table, span)
-            if corrupt and i == 0:
-                crc ^= 0xFFFFFFFF  # fault injection: the pages no longer match their checksum
             progress.sent += ((span.layer_end - span.layer_start) * span.num_blocks
                               * layout.bytes_per_layer_block)
             yield worker_pb2.KvPullMessage(group=worker_pb2.KvPullGroup(
                 layer_start=span.layer_start, layer_end=span.layer_end,
-                block_start=span.block_start, num_blocks=span.num_blocks, crc32=crc))
+                block_start=span.block_start, num_blocks=span.num_blocks))
+            # The decode worker READs the group meanwhile: both only read these pages.
+            crc = await asyncio.to_thread(nixl_pages.crc32_pages, pool, block_table, span)
+            if corrupt and i == 0:
+                crc ^= 0xFFFFFFFF  # fault injection: the pages no longer match their checksum
+            yield worker_pb2.KvPullMessage(checksum=worker_pb2.KvPullChecksum(group=i,
+                                                                              crc32=crc))

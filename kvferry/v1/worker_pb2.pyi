@@ -198,12 +198,14 @@ class KvChunk(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., num_tokens: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., block_start: _Optional[int] = ..., num_blocks: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
 
 class KvPullMessage(_message.Message):
-    __slots__ = ("begin", "group")
+    __slots__ = ("begin", "group", "checksum")
     BEGIN_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     begin: KvPullBegin
     group: KvPullGroup
-    def __init__(self, begin: _Optional[_Union[KvPullBegin, _Mapping]] = ..., group: _Optional[_Union[KvPullGroup, _Mapping]] = ...) -> None: ...
+    checksum: KvPullChecksum
+    def __init__(self, begin: _Optional[_Union[KvPullBegin, _Mapping]] = ..., group: _Optional[_Union[KvPullGroup, _Mapping]] = ..., checksum: _Optional[_Union[KvPullChecksum, _Mapping]] = ...) -> None: ...
 
 class KvPullBegin(_message.Message):
     __slots__ = ("request_id", "layout", "num_tokens", "agent_name", "agent_metadata", "pool_address", "pool_blocks", "memory_type", "device_id", "block_table")
@@ -230,18 +232,24 @@ class KvPullBegin(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., num_tokens: _Optional[int] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., pool_address: _Optional[int] = ..., pool_blocks: _Optional[int] = ..., memory_type: _Optional[str] = ..., device_id: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KvPullGroup(_message.Message):
-    __slots__ = ("layer_start", "layer_end", "block_start", "num_blocks", "crc32")
+    __slots__ = ("layer_start", "layer_end", "block_start", "num_blocks")
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
     LAYER_END_FIELD_NUMBER: _ClassVar[int]
     BLOCK_START_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    CRC32_FIELD_NUMBER: _ClassVar[int]
     layer_start: int
     layer_end: int
     block_start: int
     num_blocks: int
+    def __init__(self, layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., block_start: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+
+class KvPullChecksum(_message.Message):
+    __slots__ = ("group", "crc32")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    group: int
     crc32: int
-    def __init__(self, layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., block_start: _Optional[int] = ..., num_blocks: _Optional[int] = ..., crc32: _Optional[int] = ...) -> None: ...
+    def __init__(self, group: _Optional[int] = ..., crc32: _Optional[int] = ...) -> None: ...
 
 class PushKvResponse(_message.Message):
     __slots__ = ("bytes_written",)

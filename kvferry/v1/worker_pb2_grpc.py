@@ -532,10 +532,11 @@ class KvTransferServiceServicer:
 
     def PullKv(self, request_iterator, context):
         """NIXL data plane (--kv-transport nixl): the prefill worker announces its registered pool
-        and then each layer group as soon as its forward pass has written it; the decode worker
-        READs every group from the prefill worker's pages straight into the reserved blocks with
-        NIXL, checks its CRC-32C and answers once the prompt's K/V is complete. The prefill
-        worker keeps its pages until this call returns. No page travels on this stream.
+        and then each layer group as soon as its forward pass has written it, and the group's
+        CRC-32C once computed; the decode worker READs every group from the prefill worker's
+        pages straight into the reserved blocks with NIXL (while the sender computes the
+        checksum), checks it and answers once the prompt's K/V is complete. The prefill worker
+        keeps its pages until this call returns. No page travels on this stream.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

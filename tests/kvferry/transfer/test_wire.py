@@ -84,3 +84,17 @@ def test_chunk_checksum_is_crc32c() -> None:
     assert wire.crc32(b"123456789") == 0xE3069283
     data = bytes(range(256)) * 7
     assert wire.crc32(np.frombuffer(data, dtype=np.uint8)) == wire.crc32(data) != 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf"), None])
+def test_finite_check_finds_one_bad_value_anywhere(dtype: torch.dtype, bad: float | None) -> None:
+    values = torch.randn(4099).to(dtype)
+    for where in (0, 2048, 4098):
+        probe = values.clone()
+        if bad is not None:
+            probe[where] = bad
+        data = probe.view(torch.uint8).numpy().tobytes()
+        assert wire.is_finite(data, dtype) is (bad is None)
+        assert wire.all_finite(probe) is (bad is None)
+    assert wire.all_finite(values[:0])
