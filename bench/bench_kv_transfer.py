@@ -7,10 +7,18 @@ GrpcKvSender or NixlKvSender); the receiving side is a real decode worker proces
 with `--kv-transport nixl` for NIXL, which validates every group and writes (gRPC) or READs
 (NIXL) it into its pool. Each size: one untimed push (connection, NIXL registration and
 metadata exchange), then `--reps` timed ones, reported as median [min-max] GB/s and as a
-ratio to the fastest memcpy of the size in the run (bench/kv_transfer_report.py). The run
-ends with the NIXL target: at or above 0.4x of memcpy for pushes of 64 MiB and more. Uses a
-seeded checkpoint with 64 KiB of K/V per token (16 layers x 8 KV heads x 64 x fp32 x 2), so
-256 MiB is 4096 tokens. Usage:
+ratio to the fastest memcpy of the size in the run (bench/kv_transfer_report.py).
+
+Two ceiling rows go with the transports. "gRPC bare" (bench/kv_transfer_ceiling.py): the same
+bytes in 1 MiB messages into a process that only reads them. "NIXL bare"
+(bench/kv_transfer_nixl_bare.py): the data plane alone, what NIXL over UCX gives on this
+machine without kvferry's checks: one READ per group of the same descriptors, cross-process,
+no checksums, no finite checks, no gRPC control messages. The gap to the NIXL row is the price
+of the checks and the control plane.
+
+The run ends with the NIXL target: at or above 0.4x of memcpy for pushes of 64 MiB and more.
+Uses a seeded checkpoint with 64 KiB of K/V per token (16 layers x 8 KV heads x 64 x fp32 x
+2), so 256 MiB is 4096 tokens. Usage:
 
     .venv/bin/python bench/bench_kv_transfer.py [--sizes-mib 4 64 256] [--reps 3]
         [--transports grpc nixl ray] [--ttft-prompt-tokens 0] [--out FILE]
@@ -30,6 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script too
 from bench.kv_transfer_ceiling import bare_grpc_gbps  # noqa: E402
+from bench.kv_transfer_nixl_bare import bare_nixl_gbps  # noqa: E402
 from bench.kv_transfer_ray import ray_stage_gbps  # noqa: E402
 from bench.kv_transfer_report import (  # noqa: E402
     SizeFigures,
@@ -184,6 +193,7 @@ def run_transports(args: argparse.Namespace, pool: KvPool, pool_bytes: int) -> P
             pushed.gbps["nixl"] = measure(deployment, sender, sizes, reps, pool)
         pushed.nixl_descriptors[:] = [nixl_descriptors(pool, tokens_of(s), sender.chunk_bytes)
                                       for s in sizes]
+        pushed.gbps["nixl_bare"] = bare_nixl_gbps(pool, [tokens_of(s) for s in sizes], reps)
     if "ray" in args.transports:
         pushed.gbps["ray"], stages = run_ray(options, sizes, reps, pool, pool_bytes)
         pushed.ray_stages_gbps.update(stages)

@@ -19,7 +19,8 @@ TARGET_TRANSPORT = "nixl"
 TARGET_RATIO = 0.4
 TARGET_MIN_MIB = 64
 
-LABELS = {"grpc": "gRPC", "grpc_bare": "gRPC bare", "ray": "Ray", "nixl": "NIXL"}
+LABELS = {"grpc": "gRPC", "grpc_bare": "gRPC bare", "ray": "Ray", "nixl": "NIXL",
+          "nixl_bare": "NIXL bare"}
 
 
 class Spread(NamedTuple):

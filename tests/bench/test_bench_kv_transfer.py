@@ -1,7 +1,7 @@
 """bench/bench_kv_transfer.py: its arguments, the median and range of samples, the ratios to
-memcpy, the NIXL target's verdict, the JSON rows and the NIXL descriptor count (all without
-servers), and one small NIXL run into a real decode worker process (slow: about 40 s, 4 MiB
-pushes, no TTFT part)."""
+memcpy, the NIXL target's verdict, the JSON rows, the NIXL descriptor count and the NIXL bare
+ceiling's READ plan (all without servers), and one small NIXL run into a real decode worker
+process (slow: about 40 s, 4 MiB pushes, no TTFT part)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,19 @@ import pytest
 import torch
 
 from bench.bench_kv_transfer import BYTES_PER_TOKEN, nixl_descriptors, parse_args, tokens_of
-from bench.kv_transfer_report import SizeFigures, Spread, format_table, target_verdict
-from kvferry.cache.layout import blocks_for_tokens
+from bench.kv_transfer_nixl_bare import PoolShape, read_groups
+from bench.kv_transfer_report import (
+    SizeFigures,
+    Spread,
+    format_table,
+    ratio_summary,
+    target_verdict,
+)
+from kvferry.cache.layout import KvLayout, blocks_for_tokens
 from kvferry.cache.pool import KvPool
+from kvferry.transfer import wire
+from kvferry.transfer.nixl_pages import PoolMemory
+from kvferry.transfer.nixl_push import NIXL_MIN_GROUP_BYTES
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -61,9 +71,33 @@ def test_target_needs_every_size_of_64_mib_and_more() -> None:
 
 
 def test_table_names_every_transport_and_the_descriptors() -> None:
-    table = format_table([SizeFigures(4, (10.0,), {"grpc": (1.0,), "nixl": (5.0,)}, 32)], 1)
+    size = SizeFigures(4, (10.0,), {"grpc": (1.0,), "nixl": (5.0,), "nixl_bare": (8.0, 6.0)},
+                       32)
+    table = format_table([size], 1)
     assert "gRPC" in table and "NIXL" in table and "0.500x" in table
-    assert table.splitlines()[-1].split()[-1] == "32"
+    nixl, bare = table.splitlines()[-2:]
+    assert nixl.split()[-1] == "32"
+    assert "NIXL bare" in bare and "0.700x [0.600-0.800]" in bare and "32" not in bare
+    assert "NIXL bare/memcpy  4 MiB 0.700x" in ratio_summary([size])
+    row = size.to_json()
+    assert row["nixl_bare_gbps"] == 7.0 and row["nixl_bare_gbps_min"] == 6.0
+    assert row["nixl_bare_ratio_max"] == pytest.approx(0.8)
+    assert row["nixl_bare_samples_gbps"] == [8.0, 6.0]
+
+
+def test_nixl_bare_reads_what_a_push_names() -> None:
+    pool = KvPool(16, 8, 64, 16, blocks_for_tokens(tokens_of(4), 16) + 3, torch.float32)
+    source = PoolShape.of(pool).make()
+    local, remote = PoolMemory.of(pool), PoolMemory.of(source)
+    groups = read_groups(local, remote, pool, tokens_of(4))
+    spans = wire.plan_chunks(KvLayout.of_pool(pool, "x"), tokens_of(4), 1 << 62,
+                             NIXL_MIN_GROUP_BYTES)
+    assert len(groups) == len(spans) and source.cache.shape == pool.cache.shape
+    assert sum(len(lo) for lo, _ in groups) == nixl_descriptors(pool, tokens_of(4), 1 << 62)
+    assert sum(int(lo[:, 1].sum()) for lo, _ in groups) == 4 << 20
+    for lo, re in groups:  # the same pages on both sides, each in its own pool
+        assert (lo[:, 1] == re[:, 1]).all()
+        assert ((lo[:, 0] - local.address) == (re[:, 0] - remote.address)).all()
 
 
 def test_nixl_descriptors_one_per_layer_and_k_v_with_consecutive_blocks() -> None:
@@ -87,4 +121,5 @@ def test_small_nixl_run(tmp_path: Path) -> None:
     assert row["mib"] == 4 and row["nixl_gbps"] > 0 and "grpc_gbps" not in row
     assert row["nixl_ratio"] == pytest.approx(row["nixl_gbps"] / row["memcpy_gbps"])
     assert row["nixl_descriptors_per_push"] == 32
+    assert row["nixl_bare_gbps"] > 0 and "NIXL bare/memcpy" in result.stdout
     assert data["target"]["is_met"] is None  # 4 MiB only: the target covers 64 MiB and more
