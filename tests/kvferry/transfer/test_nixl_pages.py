@@ -3,6 +3,8 @@ consecutive on both sides, and the in-place checksum equals the packed chunk's."
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -68,3 +70,14 @@ def test_finite_check_sees_only_the_span() -> None:
     assert nixl_pages.pages_finite(pool, [0, 1], ChunkSpan(0, 3, 0, 2))
     assert not nixl_pages.pages_finite(pool, [0, 5], ChunkSpan(2, 3, 0, 2))
     assert nixl_pages.pages_finite(pool, [0, 5], ChunkSpan(0, 2, 0, 2))
+
+
+def test_an_idle_agent_does_not_spin() -> None:
+    """NIXL's wrapper would start a progress thread polling without pause (a whole core per
+    worker); ours sleeps until UCX has work."""
+    agent = nixl_pages.make_agent("idle-test")
+    pool = _pool()
+    agent.register_memory(pool.cache)
+    started = time.process_time()
+    time.sleep(1.0)
+    assert time.process_time() - started < 0.3  # CPU seconds in one second of idling
