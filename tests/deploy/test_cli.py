@@ -91,6 +91,21 @@ def test_router_refuses_a_worker_of_another_model(qwen3_checkpoint: Path, llama_
             proc.popen.wait(30)
 
 
+def test_demo_on_nixl_reads_pages_with_nixl(qwen3_checkpoint: Path, tmp_path: Path) -> None:
+    """`kvferry demo --kv-transport nixl`: every worker runs the NIXL transport, and the
+    prefill worker registered its pool with a NIXL agent for the decode worker to read."""
+    out = subprocess.run(
+        [sys.executable, "-m", "deploy.cli", "demo", "--model", str(qwen3_checkpoint),
+         "--kv-transport", "nixl", "--prompt", "hello there", "--max-tokens", "5",
+         "--temperature", "0", "--ignore-eos", "--log-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "[5 tokens, finish FINISH_REASON_LENGTH]" in out.stdout
+    for role in ("prefill", "decode"):
+        assert "nixl K/V transport" in (tmp_path / f"{role}-0.log").read_text()
+    assert "registered a" in (tmp_path / "prefill-0.log").read_text()
+
+
 @pytest.mark.ray
 def test_demo_on_ray_starts_and_stops_its_own_ray(qwen3_checkpoint: Path, tmp_path: Path) -> None:
     """`kvferry demo --kv-transport ray`: a local Ray instance, router and workers as actors,
