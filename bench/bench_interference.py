@@ -4,7 +4,8 @@ against colocated, on the same machine, in one run.
 Deployments of `--model` (the tiny seeded model unless told; `--model default` is the real
 default model), started one after the other: disaggregated (one prefill and one decode
 worker, one torch thread each), once per K/V transport of --kv-transports (gRPC streams;
-NIXL: the decode worker reads the pages from the prefill worker's pool), and colocated (one
+NIXL: the decode worker reads the pages from the prefill worker's pool, on threads pinned
+to the prefill worker's core so that the decode core only steps), and colocated (one
 worker serving both roles with two threads: the same cores). Each gets the same two seeded,
 open-loop workloads through `kvferry bench`'s engine:
   unloaded: short requests only (--short-input / --short-output tokens) at --rate req/s;
@@ -95,13 +96,17 @@ def main() -> None:
     cores = sorted(os.sched_getaffinity(0))
     pinning = {name: {"prefill": {cores[0]}, "decode": {cores[-1]}} for name in setups}
     pinning["colocated"] = {"colocated": set(cores[:2])}
+    # NIXL moves and checks K/V bytes on threads of their own: they share the prefill
+    # worker's core, and the decode core only steps (gRPC receives on the decode worker's
+    # event loop, which cannot move).
+    transfer_pinning = {name: {"decode": {cores[0]}} for name in setups if "nixl" in name}
     runs: dict[str, list[dict[str, dict[str, object]]]] = {name: [] for name in setups}
     for repeat in range(args.repeats):
         for name, kwargs in setups.items():
             with Deployment(**kwargs) as deployment:
                 if args.pin:
                     for role, cpus in pinning[name].items():
-                        deployment.pin(role, cpus)
+                        deployment.pin(role, cpus, transfer_pinning.get(name, {}).get(role))
                 run = {phase: _phase(deployment.router_address, f"{name}-{phase}",
                                      workload.build(args.num_requests, 512, args.seed), config)
                        for phase, workload in (("unloaded", unloaded), ("loaded", loaded))}

@@ -89,13 +89,19 @@ class NixlPuller:
                  read_timeout_s: float = READ_TIMEOUT_S, read_delay_s: float = 0.0) -> None:
         self.receiver = receiver
         self.pool = pool
+        before = nixl_pages.thread_ids()
         self.agent = agent if agent is not None else nixl_pages.make_agent("decode")
         self._reg = self.agent.register_memory(pool.cache)
+        nixl_pages.name_transfer_threads(nixl_pages.thread_ids() - before)
         self.local = nixl_pages.PoolMemory.of(pool)
         self._page = nixl_pages.page_bytes(pool)
         self._peers: OrderedDict[str, None] = OrderedDict()  # loaded agents, LRU first
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="kvferry-nixl-read")
-        self._checker = ThreadPoolExecutor(1, thread_name_prefix="kvferry-nixl-check")
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="kvferry-nixl-read",
+                                          initializer=nixl_pages.name_this_thread)
+        self._checker = ThreadPoolExecutor(1, thread_name_prefix="kvferry-nixl-check",
+                                           initializer=nixl_pages.name_this_thread)
+        for started in (self._reader.submit(int), self._checker.submit(int)):
+            started.result()  # both threads exist (and are named) from the start
         self._in_flight: dict[str, set[asyncio.Future[None]]] = {}  # fences not yet dropped
         self.read_timeout_s = read_timeout_s
         self.read_delay_s = read_delay_s  # fault injection: a READ that takes this long
@@ -128,7 +134,7 @@ class NixlPuller:
             raise InvalidArgument("agent_name and agent_metadata are required", "agent_name")
         if msg.agent_name not in self._peers:
             try:
-                loaded = await self._run(self.agent.add_remote_agent, msg.agent_metadata)
+                loaded = await self._run(self._load_peer, msg.agent_metadata)
             except Exception as exc:  # nixlBind errors: not metadata NIXL can load
                 raise InvalidArgument(f"agent_metadata: {exc}", "agent_metadata") from exc
             name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
@@ -219,6 +225,14 @@ class NixlPuller:
         self.num_leaked_blocks += n
 
     # ---- on the puller's threads ------------------------------------------------------------
+    def _load_peer(self, metadata: bytes) -> Any:
+        """add_remote_agent; UCX may start threads for the new peer: they move bytes too."""
+        before = nixl_pages.thread_ids()
+        try:
+            return self.agent.add_remote_agent(metadata)
+        finally:
+            nixl_pages.name_transfer_threads(nixl_pages.thread_ids() - before)
+
     def _read_group(self, pull: Pull, table: list[int], span: wire.ChunkSpan
                     ) -> Future[int | KvferryError]:
         """On the NIXL thread: READ the span's pages, then queue their check on the check

@@ -35,6 +35,7 @@ from kvferry.settings import (
     DEFAULT_COMPILE_BATCH_SIZES,
     DEFAULT_KV_POOL_SIZE,
     DEPLOYMENT_TORCH_THREADS,
+    TRANSFER_THREAD,
 )
 
 log = logging.getLogger("kvferry")
@@ -98,6 +99,14 @@ def _spawn(name: str, args: list[str], log_dir: Path | None, env: dict[str, str]
 def serves(name: str, role: str) -> bool:
     """Whether component `name` ("decode-0") serves `role`: colocated workers also decode."""
     return name.startswith(role) or (role == "decode" and name.startswith("colocated"))
+
+
+def _thread_name(pid: int, tid: str) -> str:
+    try:
+        with open(f"/proc/{pid}/task/{tid}/comm") as comm:
+            return comm.read().strip()
+    except OSError:
+        return ""
 
 
 @dataclass
@@ -219,14 +228,21 @@ class Deployment:
         """Workers serving `role`; colocated workers serve both prefill and decode."""
         return [p.address for p in self.processes if serves(p.name, role)]
 
-    def pin(self, role: str, cpus: set[int]) -> None:
+    def pin(self, role: str, cpus: set[int], transfer_cpus: set[int] | None = None) -> None:
         """Pin every thread of the `role` processes to `cpus` (threads started later inherit
-        it): benchmarks on a small machine give latency-critical workers their own core."""
+        it): benchmarks on a small machine give latency-critical workers their own core.
+        `transfer_cpus`: the threads that move and check K/V bytes (NIXL transport, named by
+        kvferry.transfer.nixl_pages) go there instead, off the core that steps decoding."""
         for proc in self.processes:
             if proc.name.rsplit("-", 1)[0] != role:
                 continue
             for tid in os.listdir(f"/proc/{proc.popen.pid}/task"):
-                os.sched_setaffinity(int(tid), cpus)
+                is_transfer = _thread_name(proc.popen.pid, tid) == TRANSFER_THREAD
+                target = transfer_cpus if is_transfer and transfer_cpus is not None else cpus
+                try:
+                    os.sched_setaffinity(int(tid), target)
+                except ProcessLookupError:
+                    continue  # the thread ended meanwhile
 
     def _process(self, name: str) -> Process:
         found = [p for p in self.processes if p.name == name]

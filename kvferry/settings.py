@@ -33,6 +33,7 @@ ROLES = ("prefill", "decode", "colocated")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # auto: triton on CUDA, torch on CPU
 KV_TRANSPORTS = ("grpc", "ray", "nixl")
+TRANSFER_THREAD = "kvferry-xfer"  # OS name of the threads that move and check K/V bytes
 # Decode step: eager, or torch.compile'd per batch-size bucket (kvferry/model/compiled.py).
 COMPILE_MODES = ("off", "default", "max-autotune")
 DEFAULT_COMPILE_BATCH_SIZES = "1,2,4,8,16,32"

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from kvferry.cache.pool import KvPool
+from kvferry.settings import TRANSFER_THREAD
 from kvferry.transfer import wire
 from kvferry.transfer.wire import ChunkSpan
 
@@ -56,6 +57,26 @@ def _nixl_api() -> Any:
     return api
 
 
+def thread_ids() -> set[int]:
+    return {int(tid) for tid in os.listdir("/proc/self/task")}
+
+
+def name_transfer_threads(tids: set[int]) -> None:
+    """Name these threads of this process TRANSFER_THREAD: they move or check K/V bytes
+    (NIXL's, UCX's, the puller's), and a deployment can keep them off the core that steps
+    decoding (deploy.launcher.Deployment.pin). Linux; a thread gone meanwhile is skipped."""
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm", "w") as comm:
+                comm.write(TRANSFER_THREAD)
+        except OSError:
+            pass
+
+
+def name_this_thread() -> None:
+    name_transfer_threads({threading.get_native_id()})
+
+
 def make_agent(role: str) -> Any:
     """A NIXL agent with the UCX backend, a progress thread that sleeps when idle, and no
     listener of its own (metadata travels on the authenticated gRPC control plane). Its name
@@ -73,12 +94,15 @@ def make_agent(role: str) -> Any:
         def __setattr__(self, field: str, value: Any) -> None:
             super().__setattr__(field, PROGRESS_DELAY_US if field == "pthrDelay" else value)
 
+    before = thread_ids()
     with _agent_lock:  # the wrapper reads the class from its bindings module
         bind.nixlAgentConfig = Config
         try:
-            return api.nixl_agent(name, config)
+            agent = api.nixl_agent(name, config)
         finally:
             bind.nixlAgentConfig = plain
+    name_transfer_threads(thread_ids() - before)  # NIXL's progress thread, UCX's async one
+    return agent
 
 
 class PoolMemory(NamedTuple):

@@ -3,12 +3,14 @@ consecutive on both sides, and the in-place checksum equals the packed chunk's."
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
 import torch
 
 from kvferry.cache.pool import KvPool
+from kvferry.settings import TRANSFER_THREAD
 from kvferry.transfer import nixl_pages, wire
 from kvferry.transfer.wire import ChunkSpan
 
@@ -81,3 +83,37 @@ def test_an_idle_agent_does_not_spin() -> None:
     started = time.process_time()
     time.sleep(1.0)
     assert time.process_time() - started < 0.3  # CPU seconds in one second of idling
+
+
+def test_transfer_threads_are_named_and_pinned_apart(tmp_path) -> None:
+    """NIXL's threads carry the transfer name, and Deployment.pin sends them to their own
+    CPUs while the rest of the process stays on the stepping core."""
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from deploy.launcher import Deployment, _thread_name
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.fail("needs 2 CPUs to pin apart")
+    child = subprocess.Popen(
+        [sys.executable, "-c", "from kvferry.transfer import nixl_pages; import time; "
+         "agent = nixl_pages.make_agent('pin-test'); print('ready', flush=True); "
+         "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        while child.stdout.readline().strip() != "ready":  # NIXL logs to stdout first
+            assert child.poll() is None, "the child died"
+        deployment = Deployment()
+        deployment.processes.append(SimpleNamespace(name="decode-0", popen=child))
+        deployment.pin("decode", {cpus[0]}, {cpus[1]})
+        tids = os.listdir(f"/proc/{child.pid}/task")
+        names = {tid: _thread_name(child.pid, tid) for tid in tids}
+        transfer = [tid for tid, name in names.items() if name == TRANSFER_THREAD]
+        assert transfer, names  # NIXL's progress thread and UCX's async thread at least
+        for tid in tids:
+            want = {cpus[1]} if tid in transfer else {cpus[0]}
+            assert os.sched_getaffinity(int(tid)) == want, (tid, names[tid])
+    finally:
+        child.kill()
+        child.wait()
