@@ -18,7 +18,6 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from decode_worker.nixl_puller import _POLL_S as POLL_S  # the puller's poll interval
 from kvferry.cache.layout import KvLayout, blocks_for_tokens
 from kvferry.cache.pool import KvPool
 from kvferry.transfer import nixl_pages, wire
@@ -77,17 +76,8 @@ def read_groups(local: nixl_pages.PoolMemory, remote: nixl_pages.PoolMemory, poo
 
 
 def _read(agent: Any, local: Any, remote: Any, peer: str) -> None:
-    """One READ, polled until it ends; released either way."""
-    handle = agent.initialize_xfer("READ", local, remote, peer)
-    state = "ERR"
-    try:
-        state = agent.transfer(handle)
-        deadline = time.monotonic() + READ_TIMEOUT_S
-        while state not in ("DONE", "ERR") and time.monotonic() < deadline:
-            time.sleep(POLL_S)
-            state = agent.check_xfer_state(handle)
-    finally:
-        agent.release_xfer_handle(handle)
+    """One READ, polled until it ends (as the puller polls); released either way."""
+    state = nixl_pages.read(agent, local, remote, peer, READ_TIMEOUT_S)
     if state != "DONE":
         raise RuntimeError(f"NIXL bare READ from {peer} ended {state}"
                            + (" (timed out)" if state not in ("DONE", "ERR") else ""))
@@ -131,8 +121,7 @@ def bare_nixl_gbps(pool: KvPool, tokens_per_size: list[int], reps: int) -> list[
         agent = nixl_pages.make_agent("bench-bare-sink")
         registered = agent.register_memory(sink.cache)
         local = nixl_pages.PoolMemory.of(sink)
-        loaded = agent.add_remote_agent(ready.agent_metadata)
-        peer = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        peer = nixl_pages.add_peer(agent, ready.agent_metadata)
         samples = []
         for num_tokens in tokens_per_size:
             arrays = read_groups(local, ready.memory, sink, num_tokens)

@@ -4,8 +4,8 @@ A PullKv stream announces a prefill worker's registered pool, then layer groups 
 become final, and each group's CRC-32C, which the sender computes while the group is read.
 For each group the puller READs the pages straight into the reservation's blocks on its NIXL
 thread, then checks them where they landed (finite values, CRC-32C) on its check thread,
-while the next group is read: the event loop and
-the step loop do no per-byte work for incoming K/V. Only then are the pages marked received.
+while the next group is read: the event loop and the step loop do no per-byte work for
+incoming K/V. Only then are the pages marked received.
 A new push for a reservation waits until no READ of the one it supersedes can still write.
 
 Fences: a block a READ writes into holds one extra reference from before the READ starts
@@ -41,7 +41,6 @@ log = logging.getLogger("kvferry.transport")
 
 READ_TIMEOUT_S = 60.0
 MAX_PEERS = 64  # prefill agents kept loaded; each restart of a prefill worker is a new one
-_POLL_S = 0.0002
 
 
 class PullOffer(NamedTuple):
@@ -75,10 +74,6 @@ def _call(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:
         loop.call_soon_threadsafe(fn, *args)
     except RuntimeError:
         pass
-
-
-class _Leaked(Exception):
-    """NIXL could not cancel a READ: its blocks stay fenced for good."""
 
 
 class NixlPuller:
@@ -134,10 +129,9 @@ class NixlPuller:
             raise InvalidArgument("agent_name and agent_metadata are required", "agent_name")
         if msg.agent_name not in self._peers:
             try:
-                loaded = await self._run(self._load_peer, msg.agent_metadata)
+                name = await self._run(self._load_peer, msg.agent_metadata)
             except Exception as exc:  # nixlBind errors: not metadata NIXL can load
                 raise InvalidArgument(f"agent_metadata: {exc}", "agent_metadata") from exc
-            name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
             self._peers[name] = None  # loaded: never add it twice
             while len(self._peers) > MAX_PEERS:  # restarted prefill workers' old agents
                 old, _ = self._peers.popitem(last=False)
@@ -158,8 +152,7 @@ class NixlPuller:
         seq = lookup(self.receiver.seqs, pull.request_id)
         self.receiver.check_writable(seq, pull.epoch)
         layout = self.receiver.layout
-        nbytes = ((span.layer_end - span.layer_start) * span.num_blocks
-                  * layout.bytes_per_layer_block)
+        nbytes = wire.span_bytes(layout, span)
         wire.check_span(layout, pull.num_tokens, span, nbytes)
         rows = slice(span.layer_start, span.layer_end)
         cols = slice(span.block_start, span.block_start + span.num_blocks)
@@ -174,11 +167,12 @@ class NixlPuller:
         over: asyncio.Future[None] = loop.create_future()  # the fence has dropped
         self._in_flight.setdefault(pull.request_id, set()).add(over)
         reading = self._reader.submit(self._read_group, pull, table, span)
-        reading.add_done_callback(lambda done: self._after_read(loop, done, dest, over))
+        reading.add_done_callback(
+            lambda done: self._after_read(loop, done, dest, pull.request_id, over))
         try:
             checking = await asyncio.wrap_future(reading)
             landed = await asyncio.wrap_future(checking)
-        except _Leaked as exc:
+        except nixl_pages.ReadNotReleased as exc:
             raise Unavailable(f"NIXL read could not be cancelled: {exc}", "data") from exc
         if isinstance(landed, KvferryError):
             raise landed
@@ -199,37 +193,38 @@ class NixlPuller:
             await asyncio.wait(set(pending))
 
     def _after_read(self, loop: asyncio.AbstractEventLoop, done: Future[Any],
-                    dest: list[int], over: asyncio.Future[None]) -> None:
+                    dest: list[int], request_id: str, over: asyncio.Future[None]) -> None:
         """Runs on a puller thread when a READ ends: drop the fence once its check ends
         too (the check zeroes a bad group's pages), on the loop."""
-        if not done.cancelled() and isinstance(done.exception(), _Leaked):
+        if not done.cancelled() and isinstance(done.exception(), nixl_pages.ReadNotReleased):
             log.error("a NIXL read could not be cancelled: %d blocks stay fenced", len(dest))
             _call(loop, self._count_leak, len(dest))
             return
         if done.cancelled() or done.exception() is not None:
-            _call(loop, self._release, dest, over)
+            _call(loop, self._release, dest, request_id, over)
             return
-        done.result().add_done_callback(lambda _: _call(loop, self._release, dest, over))
+        done.result().add_done_callback(
+            lambda _: _call(loop, self._release, dest, request_id, over))
 
-    def _release(self, dest: list[int], over: asyncio.Future[None]) -> None:
+    def _release(self, dest: list[int], request_id: str, over: asyncio.Future[None]) -> None:
         self.num_fenced_blocks -= len(dest)
         self.pool.allocator.free(dest)
         over.set_result(None)
-        for request_id, pending in list(self._in_flight.items()):
-            pending.discard(over)
-            if not pending:
-                del self._in_flight[request_id]
+        pending = self._in_flight[request_id]
+        pending.discard(over)
+        if not pending:
+            del self._in_flight[request_id]
 
     def _count_leak(self, n: int) -> None:
         self.num_fenced_blocks -= n
         self.num_leaked_blocks += n
 
     # ---- on the puller's threads ------------------------------------------------------------
-    def _load_peer(self, metadata: bytes) -> Any:
-        """add_remote_agent; UCX may start threads for the new peer: they move bytes too."""
+    def _load_peer(self, metadata: bytes) -> str:
+        """add_peer; UCX may start threads for the new peer: they move bytes too."""
         before = nixl_pages.thread_ids()
         try:
-            return self.agent.add_remote_agent(metadata)
+            return nixl_pages.add_peer(self.agent, metadata)
         finally:
             nixl_pages.name_transfer_threads(nixl_pages.thread_ids() - before)
 
@@ -262,21 +257,9 @@ class NixlPuller:
         if self.read_delay_s:
             time.sleep(self.read_delay_s)
         agent = self.agent
-        handle = agent.initialize_xfer(
-            "READ", agent.get_xfer_descs(local, self.local.memory_type),
-            agent.get_xfer_descs(remote, pull.remote.memory_type), pull.peer)
-        state = "ERR"
-        try:
-            state = agent.transfer(handle)
-            deadline = time.monotonic() + self.read_timeout_s
-            while state not in ("DONE", "ERR") and time.monotonic() < deadline:
-                time.sleep(_POLL_S)
-                state = agent.check_xfer_state(handle)
-        finally:
-            try:
-                agent.release_xfer_handle(handle)  # cancels a READ still in flight
-            except Exception as exc:
-                raise _Leaked(str(exc)) from exc
+        state = nixl_pages.read(agent, agent.get_xfer_descs(local, self.local.memory_type),
+                                agent.get_xfer_descs(remote, pull.remote.memory_type),
+                                pull.peer, self.read_timeout_s)
         if state != "DONE":
             raise Unavailable(f"NIXL read from {pull.peer} ended {state}", "data")
 

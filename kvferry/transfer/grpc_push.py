@@ -102,18 +102,25 @@ class GrpcKvSender:
     def _plan(self, layout: KvLayout, num_tokens: int, first_block: int) -> list[wire.ChunkSpan]:
         return wire.plan_chunks(layout, num_tokens, self.chunk_bytes, first_block=first_block)
 
-    async def _messages(self, request_id: str, layout: KvLayout, num_tokens: int, pool: KvPool,
-                        block_table: list[int], spans: list[wire.ChunkSpan],
-                        ready: LayersReady | None, corrupt: bool, progress: Progress
-                        ) -> AsyncIterator[Any]:
-        """The push's stream: one chunk per span, each once its layers are ready."""
-        layout_msg = convert.layout_to_proto(layout)
+    async def _ready_spans(self, spans: list[wire.ChunkSpan], ready: LayersReady | None,
+                           progress: Progress) -> AsyncIterator[tuple[int, wire.ChunkSpan]]:
+        """Each span with its index, once its layers are final (and after the fault
+        injection's delay, but for the first); the push's clock starts at the first."""
         for i, span in enumerate(spans):
             if i and self.chunk_delay_s:
                 await asyncio.sleep(self.chunk_delay_s)
             if ready is not None:
                 await ready(span.layer_end)
             progress.start()
+            yield i, span
+
+    async def _messages(self, request_id: str, layout: KvLayout, num_tokens: int, pool: KvPool,
+                        block_table: list[int], spans: list[wire.ChunkSpan],
+                        ready: LayersReady | None, corrupt: bool, progress: Progress
+                        ) -> AsyncIterator[Any]:
+        """The push's stream: one chunk per span, each once its layers are ready."""
+        layout_msg = convert.layout_to_proto(layout)
+        async for i, span in self._ready_spans(spans, ready, progress):
             data = wire.pack_array(pool, block_table, span)
             crc = wire.crc32(data)
             if corrupt and i == 0:

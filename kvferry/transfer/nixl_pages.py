@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 import uuid
 from typing import Any, NamedTuple
 
@@ -121,6 +122,39 @@ class PoolMemory(NamedTuple):
         is_cuda = cache.device.type == "cuda"
         device_id = (cache.device.index or 0) if is_cuda else 0
         return cls(cache.data_ptr(), pool.num_blocks, "VRAM" if is_cuda else "DRAM", device_id)
+
+
+POLL_S = 0.0002  # between two looks at a READ in flight
+
+
+class ReadNotReleased(RuntimeError):
+    """NIXL could not release (cancel) a READ: it may still write into its pages."""
+
+
+def read(agent: Any, local: Any, remote: Any, peer: str, timeout_s: float) -> str:
+    """One NIXL READ of `remote` descriptors (a transfer descriptor list) from agent `peer`
+    into `local`, polled until DONE or ERR or `timeout_s`, then released either way (which
+    cancels it if still in flight). Returns the last state seen: DONE on success."""
+    handle = agent.initialize_xfer("READ", local, remote, peer)
+    state = "ERR"
+    try:
+        state = agent.transfer(handle)
+        deadline = time.monotonic() + timeout_s
+        while state not in ("DONE", "ERR") and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+            state = agent.check_xfer_state(handle)
+    finally:
+        try:
+            agent.release_xfer_handle(handle)
+        except Exception as exc:
+            raise ReadNotReleased(str(exc)) from exc
+    return state
+
+
+def add_peer(agent: Any, metadata: bytes) -> str:
+    """Load a remote agent's metadata; returns its name."""
+    loaded = agent.add_remote_agent(metadata)
+    return loaded.decode() if isinstance(loaded, bytes) else str(loaded)
 
 
 def page_bytes(pool: KvPool) -> int:

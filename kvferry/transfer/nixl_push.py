@@ -93,14 +93,8 @@ class NixlKvSender(GrpcKvSender):
             pool_address=memory.address, pool_blocks=memory.num_blocks,
             memory_type=memory.memory_type, device_id=memory.device_id,
             block_table=block_table))
-        for i, span in enumerate(spans):
-            if i and self.chunk_delay_s:
-                await asyncio.sleep(self.chunk_delay_s)
-            if ready is not None:
-                await ready(span.layer_end)
-            progress.start()
-            progress.sent += ((span.layer_end - span.layer_start) * span.num_blocks
-                              * layout.bytes_per_layer_block)
+        async for i, span in self._ready_spans(spans, ready, progress):
+            progress.sent += wire.span_bytes(layout, span)
             yield worker_pb2.KvPullMessage(group=worker_pb2.KvPullGroup(
                 layer_start=span.layer_start, layer_end=span.layer_end,
                 block_start=span.block_start, num_blocks=span.num_blocks))

@@ -64,6 +64,11 @@ def plan_chunks(layout: KvLayout, num_tokens: int, target_bytes: int = CHUNK_TAR
     return spans
 
 
+def span_bytes(layout: KvLayout, span: ChunkSpan) -> int:
+    """Bytes of K/V a span covers."""
+    return (span.layer_end - span.layer_start) * span.num_blocks * layout.bytes_per_layer_block
+
+
 def pack_array(pool: KvPool, block_table: list[int], span: ChunkSpan) -> np.ndarray:
     """Copy one span of a request's pages out of the pool: a flat uint8 array, one copy
     (two from a GPU pool: the gather, then device to host)."""
@@ -94,7 +99,7 @@ def check_span(layout: KvLayout, num_tokens: int, span: ChunkSpan, data_len: int
             f"chunk blocks [{span.block_start}, {span.block_start + span.num_blocks}) outside "
             f"the prompt's {num_blocks} blocks", "block_start",
         )
-    expected = (span.layer_end - span.layer_start) * span.num_blocks * layout.bytes_per_layer_block
+    expected = span_bytes(layout, span)
     if data_len != expected:
         raise InvalidArgument(f"chunk data is {data_len} bytes, expected {expected}", "data")
 
