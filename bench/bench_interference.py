@@ -76,9 +76,8 @@ def main() -> None:
                         help="one disaggregated deployment per K/V transport")
     parser.add_argument("--pin-transfer-threads", action="store_true",
                         help="NIXL: pin the decode worker's transfer threads (kvferry-xfer) to "
-                             "the prefill worker's core, off the decode core (one run gave "
-                             "9.4x against 4.5x unpinned: a thread holding the GIL on the "
-                             "busy core stalls the stepping thread)")
+                             "the prefill worker's core, off the decode core (not yet "
+                             "measured over repetitions; a single trial looked worse)")
     parser.add_argument("--no-pin", dest="pin", action="store_false",
                         help="do not pin prefill and decode workers to one core each")
     parser.add_argument("--out-dir", type=Path, default=None)
