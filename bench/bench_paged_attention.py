@@ -4,7 +4,8 @@
     python bench/bench_paged_attention.py --out dry.json --dry-run    # CPU, TRITON_INTERPRET=1
 
 Needs only torch, triton and this repo's kernels/. For each (Hq, Hkv) x batch x context it
-reports the kernel time (triton.testing.do_bench, which flushes L2 before every run), the
+reports the kernel time (triton.testing.do_bench, which flushes L2 before every run; the
+median of --repeats calls, with their range), the
 achieved bandwidth counting K/V bytes read, that bandwidth as a fraction of the device's
 copy bandwidth measured in the same run (copy bandwidth = bytes read + written / time), and
 the speedup over a torch baseline timed in the same run (gather pages into contiguous K/V,
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -30,6 +32,8 @@ _PARSER = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 _PARSER.add_argument("--out", required=True, type=Path, help="where to write the JSON results")
 _PARSER.add_argument("--dry-run", action="store_true", help="tiny CPU run under the interpreter")
 _PARSER.add_argument("--time-budget-s", type=float, default=420.0, help="skip configs past this")
+_PARSER.add_argument("--repeats", type=int, default=3,
+                     help="do_bench calls per shape and side; figures are their median [min-max]")
 ARGS = _PARSER.parse_args()
 if ARGS.dry_run:
     os.environ["TRITON_INTERPRET"] = "1"
@@ -70,12 +74,20 @@ def bench_ms(fn: Callable[[], object]) -> float:
     return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
 
 
+def bench_reps(fn: Callable[[], object]) -> dict[str, Any]:
+    """`--repeats` calls of bench_ms, interleaving nothing: median, min, max and all."""
+    samples = [bench_ms(fn) for _ in range(ARGS.repeats)]
+    return {"median": statistics.median(samples), "min": min(samples), "max": max(samples),
+            "samples": samples}
+
+
 def copy_bandwidth_gbps() -> float:
     num_bytes = (16 << 20) if DRY else (4 << 30)
     src = torch.empty(num_bytes, dtype=torch.uint8, device=DEVICE)
     dst = torch.empty_like(src)
-    ms = bench_ms(lambda: dst.copy_(src))
-    return 2 * num_bytes / (ms * 1e-3) / 1e9  # read + write
+    timed = bench_reps(lambda: dst.copy_(src))
+    REPORT["copy_ms"] = timed
+    return 2 * num_bytes / (timed["median"] * 1e-3) / 1e9  # read + write
 
 
 def make_pool(batch: int, ctx: int, hkv: int, extra_blocks: int = 1) -> dict[str, torch.Tensor]:
@@ -134,11 +146,13 @@ def run_config(hq: int, hkv: int, batch: int, ctx: int) -> dict[str, Any]:
     ws = tpa.alloc_decode_workspace(batch, hq, HEAD_DIM, splits, DEVICE)
     out = torch.empty_like(q)
     args = (q, pool["k_cache"], pool["v_cache"], pool["block_table"], pool["seq_lens"], scale)
-    ms = bench_ms(lambda: tpa.paged_decode_attention_triton(*args, workspace=ws, out=out))
+    timed = bench_reps(lambda: tpa.paged_decode_attention_triton(*args, workspace=ws, out=out))
+    ms = timed["median"]
     gbps = kv_bytes / (ms * 1e-3) / 1e9
     row |= {
         "num_splits": splits,
         "triton_ms": ms,
+        "triton_ms_range": [timed["min"], timed["max"]],
         "triton_gbps": gbps,
         "frac_of_copy_bw": gbps / REPORT["copy_bandwidth_gbps"],
     }
@@ -150,8 +164,10 @@ def run_config(hq: int, hkv: int, batch: int, ctx: int) -> dict[str, Any]:
             base = torch_baseline(q, pool, scale)
             row["max_abs_diff_vs_torch"] = (base.float() - out.float()).abs().max().item()
             base = None  # free before timing
-            torch_ms = bench_ms(lambda: torch_baseline(q, pool, scale))
-            row |= {"torch_ms": torch_ms, "speedup_vs_torch": torch_ms / ms}
+            base_timed = bench_reps(lambda: torch_baseline(q, pool, scale))
+            torch_ms = base_timed["median"]
+            row |= {"torch_ms": torch_ms, "torch_ms_range": [base_timed["min"], base_timed["max"]],
+                    "speedup_vs_torch": torch_ms / ms}
         except torch.cuda.OutOfMemoryError:
             row["torch_skipped"] = "out of memory"
     return row

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import multiprocessing
 import time
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -36,14 +37,26 @@ class PoolShape(NamedTuple):
     block_size: int
     num_blocks: int
     dtype: torch.dtype
+    device: str = "cpu"  # "cuda:N": the pool lies in GPU memory (NIXL VRAM)
 
     @classmethod
     def of(cls, pool: KvPool) -> PoolShape:
         return cls(pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.block_size,
-                   pool.num_blocks, pool.dtype)
+                   pool.num_blocks, pool.dtype, str(pool.cache.device))
 
     def make(self) -> KvPool:
-        return KvPool(*self)
+        return KvPool(*self[:6], device=self.device)
+
+    def seeded(self, seed: int) -> torch.Tensor:
+        """Pages of uniform noise from `seed`, made on the CPU: the same in every process."""
+        shape = self.make_shape()
+        gen = torch.Generator().manual_seed(seed)
+        return torch.rand(shape, generator=gen, dtype=torch.float32).to(self.dtype)
+
+    def make_shape(self) -> tuple[int, ...]:
+        # [layers, 2, blocks, block_size, kv_heads, head_dim], as KvPool lays it out
+        return (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads,
+                self.head_dim)
 
 
 class SourceReady(NamedTuple):
@@ -53,10 +66,14 @@ class SourceReady(NamedTuple):
     memory: nixl_pages.PoolMemory
 
 
-def _bare_source(conn: Any, shape: PoolShape) -> None:
-    """A NIXL agent with a registered pool of random pages, kept until told to exit."""
+def _bare_source(conn: Any, shape: PoolShape, seed: int | None = None) -> None:
+    """A NIXL agent with a registered pool of random pages (`shape.seeded(seed)` when a
+    seed is given), kept until told to exit."""
     pool = shape.make()
-    pool.cache.uniform_()
+    if seed is None:
+        pool.cache.uniform_()
+    else:
+        pool.cache.copy_(shape.seeded(seed))
     agent = nixl_pages.make_agent("bench-bare-source")
     agent.register_memory(pool.cache)
     conn.send(SourceReady(agent.get_agent_metadata(), nixl_pages.PoolMemory.of(pool)))
@@ -107,13 +124,17 @@ def _wait_ready(conn: Any, source: Any) -> SourceReady:
     return conn.recv()
 
 
-def bare_nixl_gbps(pool: KvPool, tokens_per_size: list[int], reps: int) -> list[list[float]]:
+def bare_nixl_gbps(pool: KvPool, tokens_per_size: list[int], reps: int,
+                   seed: int | None = None,
+                   after: Callable[[KvPool, int], None] | None = None) -> list[list[float]]:
     """Per push size (in tokens), GB/s of `reps` bare READ sets from a source process whose
-    pool has `pool`'s geometry into a pool of this process."""
+    pool has `pool`'s geometry (and device) into a pool of this process. With `seed`, the
+    source's pages are `PoolShape.seeded(seed)`; `after(sink, num_tokens)` is called after
+    each size's READs (to check what landed)."""
     ctx = multiprocessing.get_context("spawn")
     ours, theirs = ctx.Pipe()
     shape = PoolShape.of(pool)
-    source = ctx.Process(target=_bare_source, args=(theirs, shape), daemon=True)
+    source = ctx.Process(target=_bare_source, args=(theirs, shape, seed), daemon=True)
     source.start()
     try:
         ready = _wait_ready(ours, source)
@@ -129,6 +150,8 @@ def bare_nixl_gbps(pool: KvPool, tokens_per_size: list[int], reps: int) -> list[
             groups = [(agent.get_xfer_descs(lo, local.memory_type),
                        agent.get_xfer_descs(re, ready.memory.memory_type)) for lo, re in arrays]
             samples.append(_push_reads_gbps(agent, peer, groups, num_bytes, reps))
+            if after is not None:
+                after(sink, num_tokens)
         agent.remove_remote_agent(peer)
         agent.deregister_memory(registered)
         return samples

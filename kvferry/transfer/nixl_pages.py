@@ -15,6 +15,7 @@ worker runs with `--kv-transport nixl`.
 
 from __future__ import annotations
 
+import importlib
 import os
 import socket
 import threading
@@ -48,14 +49,13 @@ _agent_lock = threading.Lock()
 
 
 def _nixl_api() -> Any:
-    try:  # the meta-package picks the build for the node's CUDA; else the one installed
-        import nixl._api as api
-    except ImportError:
+    # The meta-package picks the build for the node's CUDA; else a build installed directly.
+    for module in ("nixl._api", "nixl_cu13._api", "nixl_cu12._api"):
         try:
-            import nixl_cu12._api as api
-        except ImportError as exc:
-            raise NixlMissing(f"--kv-transport nixl needs NIXL: {NIXL_INSTALL}") from exc
-    return api
+            return importlib.import_module(module)
+        except ImportError:
+            continue
+    raise NixlMissing(f"--kv-transport nixl needs NIXL: {NIXL_INSTALL}")
 
 
 def thread_ids() -> set[int]:

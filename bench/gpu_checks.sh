@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Every check that needs a GPU, in one run on one GPU machine, results under $OUT (default
+# ./out). Each step has its own time limit and the script goes on after a failure; the exit
+# code is the number of steps that failed.
+#
+#   bash bench/gpu_checks.sh [graphs] [attention] [tests] [nixl]   # default: all but nixl
+#
+#   graphs     bench/cuda_graph_checks.py --models tiny: capture, replay = eager, step time
+#   attention  bench/bench_paged_attention.py: the Triton decode kernel against copy bandwidth
+#              and a torch baseline, native bf16, a cache past 2^31 elements
+#   tests      the GPU-marked tests, the kernel tests natively, the Triton and token-exact
+#              end-to-end tests (gRPC transport) with the workers on the GPU
+#   nixl       bench/nixl_vram_checks.py: NIXL READs between two processes' pools in VRAM
+#
+# Python packages the machine lacks can be carried as wheels in .whl/ (and NIXL's in
+# .whl-nixl/); they are installed under /tmp/site first (not with NO_WHEELS=1).
+set -u
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+export OUT PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+for dir in .whl .whl-nixl; do
+  if [ "${NO_WHEELS:-0}" != 1 ] && compgen -G "$dir/*.whl" >/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site "$dir"/*.whl || exit 100
+  fi
+done
+export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(graphs attention tests)
+failed=0
+
+run() {  # name, time limit (s), command...
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name: $* (limit ${limit} s) ==="
+  local start=$SECONDS
+  timeout --kill-after=10 "$limit" "$@"
+  local rc=$?
+  echo "=== $name: rc=$rc in $((SECONDS - start)) s ==="
+  [ "$rc" -eq 0 ] || failed=$((failed + 1))
+}
+
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+  "$PY" -c "import torch, triton, transformers; print('torch', torch.__version__, \
+'triton', triton.__version__, 'transformers', transformers.__version__)"
+} >"$OUT/env.txt" 2>&1
+
+for step in "${steps[@]}"; do
+  case $step in
+    graphs) run graphs 120 "$PY" bench/cuda_graph_checks.py --models tiny ;;
+    attention) run attention 270 "$PY" bench/bench_paged_attention.py \
+      --out "$OUT/paged_attention.json" --time-budget-s 170 ;;
+    tests) run tests 150 "$PY" -m pytest -p no:cacheprovider -q --timeout 120 \
+      tests/kernels tests/kvferry/model/test_cuda_graphs.py tests/e2e/test_triton_path.py \
+      "tests/e2e/test_token_exact.py::test_greedy_matches_transformers[qwen3-grpc]" \
+      "tests/e2e/test_token_exact.py::test_greedy_matches_transformers[llama-grpc]" \
+      tests/e2e/test_token_exact.py::test_text_prompt_streams_the_decoded_completion ;;
+    nixl) run nixl 150 "$PY" bench/nixl_vram_checks.py --sizes-mib 4 64 256 --reps 5 ;;
+    *) echo "unknown step $step"; failed=$((failed + 1)) ;;
+  esac
+done
+echo "steps failed: $failed"
+exit "$failed"
