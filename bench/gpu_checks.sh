@@ -49,9 +49,9 @@ run() {  # name, time limit (s), command...
 
 for step in "${steps[@]}"; do
   case $step in
-    graphs) run graphs 120 "$PY" bench/cuda_graph_checks.py --models tiny ;;
-    attention) run attention 270 "$PY" bench/bench_paged_attention.py \
-      --out "$OUT/paged_attention.json" --time-budget-s 170 ;;
+    graphs) run graphs 100 "$PY" bench/cuda_graph_checks.py --models tiny ;;
+    attention) run attention 240 "$PY" bench/bench_paged_attention.py \
+      --out "$OUT/paged_attention.json" --time-budget-s 150 ;;
     tests) run tests 150 "$PY" -m pytest -p no:cacheprovider -q --timeout 120 \
       tests/kernels tests/kvferry/model/test_cuda_graphs.py tests/e2e/test_triton_path.py \
       "tests/e2e/test_token_exact.py::test_greedy_matches_transformers[qwen3-grpc]" \
