@@ -32,6 +32,10 @@ _PARSER = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 _PARSER.add_argument("--out", required=True, type=Path, help="where to write the JSON results")
 _PARSER.add_argument("--dry-run", action="store_true", help="tiny CPU run under the interpreter")
 _PARSER.add_argument("--time-budget-s", type=float, default=420.0, help="skip configs past this")
+_PARSER.add_argument("--sections", nargs="+", default=["results", "sweep", "launch"],
+                     choices=("results", "sweep", "launch"),
+                     help="results: the table; sweep: kernel configs and split counts; launch: "
+                     "small shapes timed inside CUDA graphs (no launch overhead)")
 _PARSER.add_argument("--repeats", type=int, default=3,
                      help="do_bench calls per shape and side; figures are their median [min-max]")
 ARGS = _PARSER.parse_args()
@@ -54,7 +58,8 @@ HEAD_PAIRS = [(4, 2)] if DRY else [(32, 8), (64, 8), (32, 32)]
 BATCHES = [1, 2] if DRY else [1, 8, 32, 128]
 CONTEXTS = [32, 80] if DRY else [1024, 4096, 16384, 32768]
 START = time.perf_counter()
-REPORT: dict[str, Any] = {"results": [], "correctness": [], "config_sweep": []}
+REPORT: dict[str, Any] = {"results": [], "correctness": [], "config_sweep": [],
+                          "launch_free": []}
 
 
 def save() -> None:
@@ -178,13 +183,17 @@ def sweep_shape(hq: int, hkv: int, batch: int, ctx: int) -> None:
     q = torch.randn(batch, hq, HEAD_DIM, dtype=DTYPE, device=DEVICE)  # [B, Hq, D]
     args = (q, pool["k_cache"], pool["v_cache"], pool["block_table"], pool["seq_lens"])
     kv_bytes = 2 * batch * ctx * hkv * HEAD_DIM * DTYPE.itemsize
-    configs = [(64, 4, 3), (32, 4, 3), (64, 8, 3), (128, 8, 3), (64, 4, 2), (128, 4, 2)]
+    configs = [(64, 4, 3), (32, 4, 3), (64, 8, 3), (128, 8, 3), (64, 4, 2), (128, 4, 2),
+               (64, 4, 4), (64, 8, 2), (32, 4, 2), (128, 8, 2)]
     original = tpa._pick_config
     try:
         for block_n, warps, stages in configs[:2] if DRY else configs:
             cfg = tpa._KernelConfig(block_n, warps, stages)
             tpa._pick_config = lambda dtype, on_gpu, cfg=cfg: cfg  # noqa: E731
-            for splits in (None, 1, 4, 16, 64) if batch == 1 else (None, 1, 2):
+            max_splits = max(1, ctx // block_n)
+            for splits in (None, 32, 64, 128, 256) if batch == 1 else (None, 1, 2, 4):
+                if splits is not None and splits > max_splits:
+                    continue
                 ms = bench_ms(
                     lambda s=splits: tpa.paged_decode_attention_triton(
                         *args, HEAD_DIM**-0.5, num_splits=s
@@ -200,7 +209,8 @@ def sweep_shape(hq: int, hkv: int, batch: int, ctx: int) -> None:
 
 def sweep_configs() -> None:
     """Kernel configs and split counts on a few shapes, to inform `_pick_config` later."""
-    shapes = [(32, 8, 8, 4096), (32, 8, 128, 4096), (32, 8, 1, 32768)]
+    shapes = [(32, 8, 8, 4096), (32, 8, 1, 16384), (32, 8, 1, 32768), (32, 32, 1, 16384),
+              (32, 32, 1, 32768), (32, 8, 8, 16384)]
     for hq, hkv, batch, ctx in [(4, 2, 1, 64)] if DRY else shapes:
         if time.perf_counter() - START > ARGS.time_budget_s:
             REPORT["config_sweep"].append({"skipped": "time budget", "batch": batch})
@@ -208,6 +218,64 @@ def sweep_configs() -> None:
         sweep_shape(hq, hkv, batch, ctx)
         release_memory()
         save()
+
+
+def graph_ms(fn: Callable[[], object], iters: int = 20) -> float:
+    """GPU ms per call without launch overhead: `iters` calls captured in one CUDA graph,
+    each after an L2 flush (as do_bench flushes), minus a graph of the flushes alone; the
+    median of --repeats x 5 replays."""
+    flush = torch.empty(256 << 20, dtype=torch.int8, device=DEVICE)
+
+    def capture(body: Callable[[], object]) -> torch.cuda.CUDAGraph:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            body()  # compile and warm outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(iters):
+                body()
+        return graph
+
+    def replay_ms(graph: torch.cuda.CUDAGraph) -> float:
+        times = []
+        for _ in range(5 * ARGS.repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+
+    both = capture(lambda: (flush.zero_(), fn()))
+    flushes = capture(flush.zero_)
+    return (replay_ms(both) - replay_ms(flushes)) / iters
+
+
+def launch_free() -> None:
+    """Small batch-1 shapes, where a launch costs as much as the work: both sides inside
+    CUDA graphs (as the decode worker runs the kernel), L2 flushed before every call."""
+    for hq, hkv in HEAD_PAIRS:
+        for ctx in CONTEXTS[:2]:
+            pool = make_pool(1, ctx, hkv)
+            q = torch.randn(1, hq, HEAD_DIM, dtype=DTYPE, device=DEVICE)  # [B, Hq, D]
+            scale = HEAD_DIM**-0.5
+            splits = tpa.choose_num_splits(1, hkv, ctx, tpa._pick_config(DTYPE, True).block_n,
+                                           DEVICE)
+            ws = tpa.alloc_decode_workspace(1, hq, HEAD_DIM, splits, DEVICE)
+            out = torch.empty_like(q)
+            args = (q, pool["k_cache"], pool["v_cache"], pool["block_table"], pool["seq_lens"],
+                    scale)
+            ours = graph_ms(lambda: tpa.paged_decode_attention_triton(*args, workspace=ws,
+                                                                       out=out))
+            theirs = graph_ms(lambda: torch_baseline(q, pool, scale))
+            REPORT["launch_free"].append({
+                "heads": [hq, hkv], "batch": 1, "context": ctx, "num_splits": splits,
+                "triton_graph_ms": ours, "torch_graph_ms": theirs,
+                "speedup_vs_torch": theirs / ours})
+            save()
 
 
 def release_memory() -> None:
@@ -232,13 +300,16 @@ def main() -> None:
         report += checks.large_cache(DEVICE, DTYPE, BLOCK_SIZE, HEAD_DIM)
         report += checks.cuda_graph(DEVICE, DTYPE, HEAD_DIM, make_pool(8, 2048, 8))
     save()
-    for hq, hkv in HEAD_PAIRS:
+    for hq, hkv in HEAD_PAIRS if "results" in ARGS.sections else []:
         for batch in BATCHES:
             for ctx in CONTEXTS:
                 REPORT["results"].append(run_config(hq, hkv, batch, ctx))
                 release_memory()
                 save()
-    sweep_configs()
+    if "sweep" in ARGS.sections:
+        sweep_configs()
+    if "launch" in ARGS.sections and not DRY:  # CUDA graphs need a GPU
+        launch_free()
     save()
     failed = [c for c in REPORT["correctness"] if not c["ok"]]
     print(

@@ -8,15 +8,16 @@
 #   graphs     bench/cuda_graph_checks.py --models tiny: capture, replay = eager, step time
 #   attention  bench/bench_paged_attention.py: the Triton decode kernel against copy bandwidth
 #              and a torch baseline, native bf16, a cache past 2^31 elements
-#   tests      the GPU-marked tests, the kernel tests natively, the Triton and token-exact
+#   tests      the GPU-marked tests, the kernel tests natively (TRITON_INTERPRET=0), the Triton and token-exact
 #              end-to-end tests (gRPC transport) with the workers on the GPU
+#   tune       the kernel's configs and split counts, and small shapes inside CUDA graphs
 #   nixl       bench/nixl_vram_checks.py: NIXL READs between two processes' pools in VRAM
 #
 # Python packages the machine lacks can be carried as wheels in .whl/ (and NIXL's in
 # .whl-nixl/); they are installed under /tmp/site first (not with NO_WHEELS=1).
 set -u
-OUT=${OUT:-out}
-mkdir -p "$OUT"
+OUT=$(mkdir -p "${OUT:-out}" && cd "${OUT:-out}" && pwd)
+
 export OUT PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 for dir in .whl .whl-nixl; do
@@ -52,11 +53,15 @@ for step in "${steps[@]}"; do
     graphs) run graphs 100 "$PY" bench/cuda_graph_checks.py --models tiny ;;
     attention) run attention 240 "$PY" bench/bench_paged_attention.py \
       --out "$OUT/paged_attention.json" --time-budget-s 150 ;;
-    tests) run tests 150 "$PY" -m pytest -p no:cacheprovider -q --timeout 120 \
+    tune) run tune 200 "$PY" bench/bench_paged_attention.py --sections sweep launch \
+      --out "$OUT/paged_attention_tune.json" --time-budget-s 150 ;;
+    tests) TRITON_INTERPRET=0 run tests 150 "$PY" -m pytest -p no:cacheprovider -q \
+      --timeout 120 --basetemp=/tmp/kvferry-gpu-tests \
       tests/kernels tests/kvferry/model/test_cuda_graphs.py tests/e2e/test_triton_path.py \
       "tests/e2e/test_token_exact.py::test_greedy_matches_transformers[qwen3-grpc]" \
       "tests/e2e/test_token_exact.py::test_greedy_matches_transformers[llama-grpc]" \
-      tests/e2e/test_token_exact.py::test_text_prompt_streams_the_decoded_completion ;;
+      tests/e2e/test_token_exact.py::test_text_prompt_streams_the_decoded_completion
+      (cd /tmp/kvferry-gpu-tests && find . -name "*.log" | tar czf "$OUT/test_logs.tgz" -T -) ;;
     nixl) run nixl 150 "$PY" bench/nixl_vram_checks.py --sizes-mib 4 64 256 --reps 5 ;;
     *) echo "unknown step $step"; failed=$((failed + 1)) ;;
   esac
