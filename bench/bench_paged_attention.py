@@ -259,23 +259,22 @@ def launch_free() -> None:
     CUDA graphs (as the decode worker runs the kernel), L2 flushed before every call."""
     for hq, hkv in HEAD_PAIRS:
         for ctx in CONTEXTS[:2]:
-            pool = make_pool(1, ctx, hkv)
-            q = torch.randn(1, hq, HEAD_DIM, dtype=DTYPE, device=DEVICE)  # [B, Hq, D]
-            scale = HEAD_DIM**-0.5
-            splits = tpa.choose_num_splits(1, hkv, ctx, tpa._pick_config(DTYPE, True).block_n,
-                                           DEVICE)
-            ws = tpa.alloc_decode_workspace(1, hq, HEAD_DIM, splits, DEVICE)
-            out = torch.empty_like(q)
-            args = (q, pool["k_cache"], pool["v_cache"], pool["block_table"], pool["seq_lens"],
-                    scale)
-            ours = graph_ms(lambda: tpa.paged_decode_attention_triton(*args, workspace=ws,
-                                                                       out=out))
-            theirs = graph_ms(lambda: torch_baseline(q, pool, scale))
-            REPORT["launch_free"].append({
-                "heads": [hq, hkv], "batch": 1, "context": ctx, "num_splits": splits,
-                "triton_graph_ms": ours, "torch_graph_ms": theirs,
-                "speedup_vs_torch": theirs / ours})
+            REPORT["launch_free"].append(launch_free_shape(hq, hkv, ctx))
             save()
+
+
+def launch_free_shape(hq: int, hkv: int, ctx: int) -> dict[str, Any]:
+    pool = make_pool(1, ctx, hkv)
+    q = torch.randn(1, hq, HEAD_DIM, dtype=DTYPE, device=DEVICE)  # [B, Hq, D]
+    scale = HEAD_DIM**-0.5
+    splits = tpa.choose_num_splits(1, hkv, ctx, tpa._pick_config(DTYPE, True).block_n, DEVICE)
+    ws = tpa.alloc_decode_workspace(1, hq, HEAD_DIM, splits, DEVICE)
+    out = torch.empty_like(q)
+    args = (q, pool["k_cache"], pool["v_cache"], pool["block_table"], pool["seq_lens"], scale)
+    ours = graph_ms(lambda: tpa.paged_decode_attention_triton(*args, workspace=ws, out=out))
+    theirs = graph_ms(lambda: torch_baseline(q, pool, scale))
+    return {"heads": [hq, hkv], "batch": 1, "context": ctx, "num_splits": splits,
+            "triton_graph_ms": ours, "torch_graph_ms": theirs, "speedup_vs_torch": theirs / ours}
 
 
 def release_memory() -> None:

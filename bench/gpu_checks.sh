@@ -52,7 +52,7 @@ for step in "${steps[@]}"; do
   case $step in
     graphs) run graphs 100 "$PY" bench/cuda_graph_checks.py --models tiny ;;
     attention) run attention 240 "$PY" bench/bench_paged_attention.py \
-      --out "$OUT/paged_attention.json" --time-budget-s 150 ;;
+      --out "$OUT/paged_attention.json" --time-budget-s 150 --sections results launch ;;
     tune) run tune 200 "$PY" bench/bench_paged_attention.py --sections sweep launch \
       --out "$OUT/paged_attention_tune.json" --time-budget-s 150 ;;
     tests) TRITON_INTERPRET=0 run tests 150 "$PY" -m pytest -p no:cacheprovider -q \

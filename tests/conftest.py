@@ -123,7 +123,13 @@ def assert_alive(deployment: Deployment) -> None:
     assert deployment.dead() == [], "components died"
 
 
+# The token-exact oracle is transformers in fp32: workers run fp32 on every device (--dtype
+# auto would be bf16 on a GPU).
+ORACLE_DTYPE = ["--dtype", "float32"]
+
+
 def _start(model: Path, tmp: Path, **kwargs: object) -> Deployment:
+    kwargs["worker_args"] = [*ORACLE_DTYPE, *kwargs.get("worker_args", [])]
     return Deployment(model=str(model), log_dir=tmp, **kwargs).start()
 
 
