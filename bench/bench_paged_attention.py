@@ -48,6 +48,7 @@ import triton  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import paged_attention_checks as checks  # noqa: E402
+from bench.cuda_graph_timing import graph_ms  # noqa: E402
 from kernels import triton_paged_attention as tpa  # noqa: E402
 
 DRY = ARGS.dry_run
@@ -220,40 +221,6 @@ def sweep_configs() -> None:
         save()
 
 
-def graph_ms(fn: Callable[[], object], iters: int = 20) -> float:
-    """GPU ms per call without launch overhead: `iters` calls captured in one CUDA graph,
-    each after an L2 flush (as do_bench flushes), minus a graph of the flushes alone; the
-    median of --repeats x 5 replays."""
-    flush = torch.empty(256 << 20, dtype=torch.int8, device=DEVICE)
-
-    def capture(body: Callable[[], object]) -> torch.cuda.CUDAGraph:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            body()  # compile and warm outside the capture
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(iters):
-                body()
-        return graph
-
-    def replay_ms(graph: torch.cuda.CUDAGraph) -> float:
-        times = []
-        for _ in range(5 * ARGS.repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return statistics.median(times)
-
-    both = capture(lambda: (flush.zero_(), fn()))
-    flushes = capture(flush.zero_)
-    return (replay_ms(both) - replay_ms(flushes)) / iters
-
-
 def launch_free() -> None:
     """Small batch-1 shapes, where a launch costs as much as the work: both sides inside
     CUDA graphs (as the decode worker runs the kernel), L2 flushed before every call."""
@@ -271,8 +238,9 @@ def launch_free_shape(hq: int, hkv: int, ctx: int) -> dict[str, Any]:
     ws = tpa.alloc_decode_workspace(1, hq, HEAD_DIM, splits, DEVICE)
     out = torch.empty_like(q)
     args = (q, pool["k_cache"], pool["v_cache"], pool["block_table"], pool["seq_lens"], scale)
-    ours = graph_ms(lambda: tpa.paged_decode_attention_triton(*args, workspace=ws, out=out))
-    theirs = graph_ms(lambda: torch_baseline(q, pool, scale))
+    ours = graph_ms(lambda: tpa.paged_decode_attention_triton(*args, workspace=ws, out=out),
+                    DEVICE, ARGS.repeats)
+    theirs = graph_ms(lambda: torch_baseline(q, pool, scale), DEVICE, ARGS.repeats)
     return {"heads": [hq, hkv], "batch": 1, "context": ctx, "num_splits": splits,
             "triton_graph_ms": ours, "torch_graph_ms": theirs, "speedup_vs_torch": theirs / ours}
 

@@ -35,7 +35,10 @@ _LOG2E = 1.4426950408889634
 _CPU_NUM_SPLITS = 2  # fixed split count off-GPU: the interpreter pays per program
 _MIN_TILES_PER_SPLIT = 4  # a split shorter than this costs more in overhead than it saves
 _MAX_SPLITS = 64
-_PROGRAMS_PER_SM = 8
+# About two resident programs per SM. Measured on an H200 (docs/benchmarks.md): eight per SM
+# (64 splits where this gives 33) made batch 1 with 8 K/V heads 8-12% slower over 16-32k tokens
+# and 32 K/V heads 8-12% faster; two is kept, as 8 K/V heads is the common shape.
+_PROGRAMS_PER_SM = 2
 _MIN_DOT_ROWS = 16  # tl.dot needs M >= 16
 
 
@@ -79,10 +82,10 @@ def _pick_config(dtype: torch.dtype, on_gpu: bool) -> _KernelConfig:
     """Host-side config choice (autotune with several configs fails without a GPU)."""
     if not on_gpu:
         return _KernelConfig(block_n=64, num_warps=4, num_stages=1)
-    # Checked by compiling for sm_90 with triton 3.6 (D=128, no GPU needed): no spills
-    # (bf16: 158 registers), cp.async pipelining, 16-byte loads. Not yet timed on a GPU:
-    # bench/bench_paged_attention.py sweeps alternatives. fp32 gets a shorter tile because
-    # its exact ("ieee") dot runs on FMAs, not tensor cores.
+    # Checked by compiling for sm_90 with triton 3.6 (D=128): no spills (bf16: 158
+    # registers), cp.async pipelining, 16-byte loads. Timed on an H200 (docs/benchmarks.md):
+    # no other tile config was better on every shape of the sweep. fp32 gets a shorter tile
+    # because its exact ("ieee") dot runs on FMAs, not tensor cores.
     if dtype == torch.float32:
         return _KernelConfig(block_n=32, num_warps=4, num_stages=3)
     return _KernelConfig(block_n=64, num_warps=4, num_stages=3)
@@ -101,8 +104,6 @@ def choose_num_splits(
     num_sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
     if parallel >= num_sms:
         return 1
-    # About eight programs per SM: on an H200 (bench/bench_paged_attention.py's sweep),
-    # batch 1 over 16-32k tokens ran 10-25% faster with 32-64 splits than with two per SM.
     wanted = triton.cdiv(_PROGRAMS_PER_SM * num_sms, parallel)
     return max(1, min(wanted, max_tiles // _MIN_TILES_PER_SPLIT, _MAX_SPLITS))
 
