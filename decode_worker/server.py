@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -10,7 +11,7 @@ import grpc
 from decode_worker.engine import DecodeEngine
 from decode_worker.nixl_puller import NixlPuller, Pull, PullOffer
 from decode_worker.sequence import DecodeEvent, ErrorEvent, FinishedEvent, TokensEvent
-from kvferry import logs
+from kvferry import logs, trace
 from kvferry.errors import InvalidArgument, KvferryError
 from kvferry.rpc import chunk_codec, convert, grpc_util
 from kvferry.rpc.worker_servicer import PrefillStreamServicer, WorkerServicer, first_token
@@ -118,7 +119,11 @@ class DecodeServicer(WorkerServicer[DecodeEngine], worker_pb2_grpc.DecodeService
                 for update in updates:
                     if update.HasField("finished") or update.error_code:
                         started.discard(update.request_id)
+                written_from = time.monotonic()
                 yield worker_pb2.DecodeBatch(updates=updates)
+                if tracer := trace.get():
+                    tracer.event("write", t0=written_from, t1=time.monotonic(),
+                                 ids=[u.request_id for u in updates])
         finally:
             reader.cancel()
             for request_id in started:
@@ -215,10 +220,14 @@ class KvTransferServicer(worker_pb2_grpc.KvTransferServiceServicer):
                     epoch = self.engine.receiver.begin_push(request_id)
                 span = wire.ChunkSpan(chunk.layer_start, chunk.layer_end, chunk.block_start,
                                       chunk.num_blocks)
+                received_from = time.monotonic()
                 written += self.engine.receiver.receive_chunk(
                     request_id, convert.layout_from_proto(chunk.layout), chunk.num_tokens,
                     span, chunk.data, chunk.crc32, epoch,
                 )
+                if tracer := trace.get():
+                    tracer.event("kv", t0=received_from, t1=time.monotonic(), id=request_id,
+                                 bytes=len(chunk.data))
             if not request_id:
                 raise InvalidArgument("empty push", "request_id")
             self.engine.receiver.finish_push(request_id, epoch)

@@ -37,6 +37,7 @@ from decode_worker.sequence import (
     TokensEvent,
     step_inputs,
 )
+from kvferry import trace
 from kvferry.cache.block_queue import BlockQueue
 from kvferry.cache.pool import KvPool
 from kvferry.errors import Internal
@@ -235,11 +236,15 @@ class StepLoop:
         block_size = self.pool.block_size
         arranged = self.stage.arrange(batch) if self.stage is not None else None
         batch = arranged or batch  # the stage's row order, when it holds the batch
+        tracer = trace.get()
         while True:
             start = time.perf_counter()
+            clock = trace.StepClock.now() if tracer else None
             tokens = self._step(batch, arranged is not None)
             self.num_steps += 1
             elapsed = time.perf_counter() - start
+            if clock is not None:
+                clock.span(tracer, "step", s=self.num_steps, ids=[q.request_id for q in batch])
             finished: list[DecodeSeq] = []
             for seq, token in zip(batch, tokens):
                 if len(seq.tokens) == 1:
@@ -247,7 +252,8 @@ class StepLoop:
                 seq.tokens.append(token)
                 if token in seq.stop_token_ids or len(seq.tokens) - 1 >= seq.max_new_tokens:
                     finished.append(seq)
-            self._loop.call_soon_threadsafe(self._deliver, batch, tokens, finished)
+            self._loop.call_soon_threadsafe(self._deliver, batch, tokens, finished,
+                                            self.num_steps)
             if (finished or self._needs_loop.is_set() or any(s.is_aborted for s in batch)
                     or any(len(s.block_table) * block_size <= s.next_position for s in batch)):
                 return
@@ -274,8 +280,10 @@ class StepLoop:
         return sample_tokens(logits, params, [s.output_offset + len(s.tokens) for s in batch])
 
     def _deliver(self, batch: list[DecodeSeq], tokens: list[int],
-                 finished: list[DecodeSeq]) -> None:
+                 finished: list[DecodeSeq], step: int = 0) -> None:
         """Event loop: stream one step's tokens; release the sequences it finished."""
+        if tracer := trace.get():
+            tracer.event("deliver", t=time.monotonic(), s=step)
         for seq, token in zip(batch, tokens):
             if seq.phase is not Phase.RUNNING or seq.is_aborted or seq.events is None:
                 continue

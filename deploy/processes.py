@@ -12,6 +12,7 @@ from typing import NamedTuple, Protocol
 import grpc
 
 from deploy.worker_model import build_model
+from kvferry import trace
 from kvferry.cache.layout import KvLayout
 from kvferry.model.config import load_model_config
 from kvferry.rpc import grpc_util, security
@@ -76,8 +77,10 @@ async def stop(built: Built) -> None:
     log.info("stopped")
 
 
-async def _serve(built: Built) -> None:
+async def _serve(built: Built, role: str) -> None:
     await start(built)
+    tracer = trace.start(role)  # KVFERRY_TRACE_DIR: per-token attribution (kvferry/trace.py)
+    lag_probe = asyncio.create_task(tracer.watch_loop_lag()) if tracer else None
     grpc_util.announce_ready(built.port, built.metrics_port)
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -87,6 +90,8 @@ async def _serve(built: Built) -> None:
     if set_on_fatal is not None:  # a worker that can no longer serve drains and exits
         set_on_fatal(stopping.set)
     await stopping.wait()
+    if lag_probe is not None:
+        lag_probe.cancel()
     await stop(built)
 
 
@@ -176,7 +181,7 @@ def build_worker(settings: WorkerSettings) -> tuple[Built, object]:
 
 async def run_worker(settings: WorkerSettings) -> None:
     built, _ = build_worker(settings)
-    await _serve(built)
+    await _serve(built, settings.role)
 
 
 async def build_router(settings: RouterSettings) -> Built:
@@ -246,7 +251,7 @@ def _health_server(health: object, host: str,
 
 
 async def run_router(settings: RouterSettings) -> None:
-    await _serve(await build_router(settings))
+    await _serve(await build_router(settings), "router")
 
 
 async def _refresh_loop(workers, interval_s: float = 0.2) -> None:

@@ -13,6 +13,7 @@ surface as `grpc.aio.AioRpcError`, unchanged, because the router reads their sta
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -39,7 +40,7 @@ def _update_from_proto(msg: worker_pb2.DecodeUpdate) -> DecodeUpdate:
         finished = DecodeFinished(FinishReason(msg.finished.reason),
                                   msg.finished.first_decode_step_s)
     return DecodeUpdate(msg.request_id, list(msg.token_ids), finished,
-                        msg.error_code or None, msg.error_message)
+                        msg.error_code or None, msg.error_message, time.monotonic())
 
 
 class DecodeClient(WorkerClient):

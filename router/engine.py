@@ -14,6 +14,7 @@ import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
+from kvferry import trace
 from kvferry.errors import (
     DeadlineExceeded,
     InvalidArgument,
@@ -108,6 +109,10 @@ class Router:
                                            kv_bytes_not_shipped=state.kv_bytes_not_shipped,
                                            kv_bytes_shipped=state.kv_bytes_shipped)
                 yield event
+                if (tracer := trace.get()) and isinstance(event, ChunkEvent) and event.token_ids:
+                    tracer.event("relay", id=request_id, down=state.request_id,
+                                 n=len(event.token_ids), t_in=state.last_token_s,
+                                 t_out=time.monotonic())
         finally:
             self._running.pop(request_id, None)
             # Shielded: a second cancellation (client gone, deadline) must not cut the
@@ -151,6 +156,7 @@ class Router:
                 yield DoneEvent(FinishReason.ABORT, len(prompt), len(generated), timing)
                 return
             first = first_msg.token_id
+            state.last_token_s = time.monotonic()
             if not generated:
                 timing = timing._replace(prefill_s=first_msg.prefill_s,
                                          time_to_first_token_s=time.perf_counter() - received)
@@ -241,6 +247,7 @@ class Router:
             while True:
                 update = await _next_update(updates, deadline)
                 ids = update.token_ids
+                state.last_token_s = update.received_s
                 if ids:
                     generated.extend(ids)
                     step = detok.add(ids)

@@ -71,3 +71,4 @@ class DecodeUpdate(NamedTuple):
     finished: DecodeFinished | None = None
     error_code: int | None = None
     error_message: str = ""
+    received_s: float = 0.0  # time.monotonic() when read off the decode stream

@@ -32,6 +32,7 @@ class RouterRequest:
     num_cached_tokens: int = 0  # prompt tokens the first prefill found cached (Usage)
     kv_bytes_not_shipped: int = 0  # K/V bytes pushes skipped: the decode cache held them
     kv_bytes_shipped: int = 0  # K/V bytes pushed, every leg
+    last_token_s: float = 0.0  # time.monotonic() its latest tokens reached the router
 
     def drop_prefill_worker(self) -> None:
         """The prefill worker owes this request nothing more (its K/V is pushed, or it failed

@@ -20,6 +20,7 @@ import grpc
 
 from deploy.loadgen.metrics import ABANDONED, OK, RequestRecord
 from deploy.loadgen.workload import BenchRequest, Conversation
+from kvferry import trace
 from kvferry.v1 import generation_pb2
 
 T = TypeVar("T")
@@ -76,6 +77,7 @@ async def send_one(stub: GenerateStub, request: BenchRequest, proto: generation_
     `answer`, when given, receives the generated token ids."""
     start = clock()
     ttft, last, itls, num_tokens = 0.0, start, [], 0
+    tracer, arrivals, sizes = trace.get(), [], []  # kvferry bench --trace
     prompt_len = request.prompt_len
     status, error = OK, ""
     usage = generation_pb2.Usage()
@@ -92,6 +94,9 @@ async def send_one(stub: GenerateStub, request: BenchRequest, proto: generation_
                     itls.append(now - last)
                 last = now
                 num_tokens += len(msg.chunk.token_ids)
+                if tracer:
+                    arrivals.append(time.monotonic())
+                    sizes.append(len(msg.chunk.token_ids))
                 if answer is not None:
                     answer.extend(msg.chunk.token_ids)
         if finished is None:
@@ -101,6 +106,9 @@ async def send_one(stub: GenerateStub, request: BenchRequest, proto: generation_
             prompt_len = usage.prompt_tokens or prompt_len
     except grpc.aio.AioRpcError as exc:
         status, error = exc.code().name, exc.details() or ""
+    if tracer:
+        tracer.event("arrivals", id=proto.request_id, tag=request.tag,
+                     phase=proto.request_id.rsplit("-", 1)[0], t=arrivals, n=sizes)
     return RequestRecord(
         prompt_len=prompt_len or 0, output_len=num_tokens, start_s=start - origin_s,
         ttft_s=ttft, itls_s=tuple(itls), latency_s=last - start, status=status, error=error,

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvferry import trace
 from kvferry.cache.pool import KvPool
 from kvferry.model.executor import run_to_completion
 from kvferry.model.sampling import SamplingParams, sample_tokens
@@ -150,8 +151,13 @@ class PrefillBatcher:
             it.job.is_in_batch = True
             if not it.job.started_at:  # its first chunk (after any cached prefix)
                 it.job.started_at = now
+        tracer, traced_from = trace.get(), time.monotonic()
         try:
             tokens = await run_to_completion(self.executor, self._forward, items)
+            if tracer:
+                tracer.event("prefill", t0=traced_from, t1=time.monotonic(),
+                             ids=[it.job.request_id for it in items],
+                             tokens=sum(it.end - it.start for it in items))
         except Exception as exc:  # a failed forward fails its jobs, not the loop
             log.exception("prefill batch of %d failed", len(items))
             for it in items:

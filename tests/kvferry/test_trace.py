@@ -1,0 +1,72 @@
+"""The per-token tracer (issue 20): events land as JSON lines, garbage-collector passes and
+event-loop lags are caught, and nothing is written unless KVFERRY_TRACE_DIR asks for it."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from kvferry import trace
+
+
+def _events(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_events_and_gc_passes_are_written(tmp_path: Path) -> None:
+    tracer = trace.Tracer(tmp_path / "x.jsonl")
+    tracer.watch_gc()
+    try:
+        tracer.event("relay", id="a", n=1, t_in=1.0, t_out=2.0)
+        gc.collect()
+        clock = trace.StepClock.now()
+        sum(range(200_000))  # some CPU on this thread
+        clock.span(tracer, "step", s=1, ids=["a"])
+    finally:
+        tracer.close()
+    events = _events(tmp_path / "x.jsonl")
+    assert events[0] == {"ev": "relay", "id": "a", "n": 1, "t_in": 1.0, "t_out": 2.0}
+    passes = [e for e in events if e["ev"] == "gc"]
+    assert passes and all(e["t1"] >= e["t0"] and e["gen"] == 2 for e in passes[-1:])
+    step = events[-1]
+    assert step["ev"] == "step" and step["ids"] == ["a"] and step["t1"] >= step["t0"]
+    assert 0 < step["cpu"] <= step["pcpu"] + 1e-3  # the thread's CPU is part of the process's
+    gc.collect()  # closed: no more events
+    assert len(_events(tmp_path / "x.jsonl")) == len(events)
+
+
+def test_a_blocked_event_loop_is_traced_as_lag(tmp_path: Path) -> None:
+    tracer = trace.Tracer(tmp_path / "lag.jsonl")
+
+    async def block_the_loop() -> None:
+        probe = asyncio.create_task(tracer.watch_loop_lag())
+        await asyncio.sleep(0.02)
+        time.sleep(0.05)  # the loop cannot run the probe meanwhile
+        await asyncio.sleep(0.02)
+        probe.cancel()
+
+    asyncio.run(block_the_loop())
+    tracer.close()
+    lags = [e["lag"] for e in _events(tmp_path / "lag.jsonl") if e["ev"] == "lag"]
+    assert max(lags) >= 0.04
+
+
+def test_off_unless_asked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(trace.TRACE_ENV, raising=False)
+    monkeypatch.setattr(trace, "_tracer", None)
+    assert trace.start("decode") is None and trace.get() is None
+    monkeypatch.setenv(trace.TRACE_ENV, str(tmp_path))
+    tracer = trace.start("decode")
+    try:
+        assert tracer is trace.get() and tracer.path.parent == tmp_path
+        assert tracer.path.name.startswith("decode-")
+        other = trace.switch("client", tmp_path / "next")
+        assert other is trace.get() and other.path.parent == tmp_path / "next"
+    finally:
+        trace.switch("client", None)
+    assert trace.get() is None
