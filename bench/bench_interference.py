@@ -27,13 +27,17 @@ import json
 import os
 import platform
 import statistics
+import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.* helpers
+from bench.interference_attribution import slow_gap_table  # noqa: E402
 from deploy.default_model import BENCH_MODEL_HELP, bench_model
 from deploy.launcher import Deployment
 from deploy.loadgen import BenchConfig, MixedWorkload, RandomWorkload, calculate_metrics
 from deploy.loadgen.bench import run_target
 from deploy.loadgen.plots import _pyplot
+from kvferry import trace
 
 
 def _phase(address: str, name: str, requests, config: BenchConfig) -> dict[str, object]:
@@ -81,6 +85,9 @@ def main() -> None:
     parser.add_argument("--no-pin", dest="pin", action="store_false",
                         help="do not pin prefill and decode workers to one core each")
     parser.add_argument("--out-dir", type=Path, default=None)
+    parser.add_argument("--trace", type=Path, default=None, metavar="DIR",
+                        help="trace every token (kvferry/trace.py) into DIR/<deployment>-<n> "
+                             "and print where the slow gaps of the short requests went")
     args = parser.parse_args()
     model = bench_model(args.model)
     short = RandomWorkload(input_len=args.short_input, output_len=args.short_output,
@@ -106,13 +113,17 @@ def main() -> None:
     runs: dict[str, list[dict[str, dict[str, object]]]] = {name: [] for name in setups}
     for repeat in range(args.repeats):
         for name, kwargs in setups.items():
-            with Deployment(**kwargs) as deployment:
+            folder = None if args.trace is None else args.trace / f"{name}-{repeat + 1}"
+            traced = {} if folder is None else {"env": {trace.TRACE_ENV: str(folder)}}
+            trace.switch("client", folder)
+            with Deployment(**kwargs, **traced) as deployment:
                 if args.pin:
                     for role, cpus in pinning[name].items():
                         deployment.pin(role, cpus, transfer_pinning.get(name, {}).get(role))
                 run = {phase: _phase(deployment.router_address, f"{name}-{phase}",
                                      workload.build(args.num_requests, 512, args.seed), config)
                        for phase, workload in (("unloaded", unloaded), ("loaded", loaded))}
+            trace.switch("client", None)
             run["ratio_loaded_p99_to_unloaded_p50"] = (run["loaded"]["itl_p99_ms"]
                                                        / run["unloaded"]["itl_p50_ms"])
             runs[name].append(run)
@@ -129,6 +140,9 @@ def main() -> None:
             lo, mid, hi = stats[key]
             print(f"  {label:<32} {mid:>8.2f}  [{lo:.2f}-{hi:.2f}]")
         print(f"  {'failed requests (all runs)':<32} {stats['failed']:>8}")
+    if args.trace is not None:
+        summary["attribution"] = slow_gap_table(args.trace, list(setups), args.repeats,
+                                                args.rate)
     if args.out_dir:
         _write(args, model, runs, summary)
 

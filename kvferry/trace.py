@@ -8,8 +8,10 @@ CLOCK_MONOTONIC on Linux, which all processes of one machine share. Events:
 decode worker (role "decode"; "colocated" for a worker serving both roles):
   step     t0, t1: one decode step on the executor thread; s: its number; ids: the batch's
            request ids (downstream ids); cpu: the step thread's CPU seconds in it; pcpu: the
-           process's CPU seconds in it (all threads). wall - cpu is time the thread waited:
-           for the GIL when pcpu - cpu is large, else descheduled by the OS.
+           process's CPU seconds in it (all threads); p0, p1: the process's CPU clock
+           (time.process_time) at its start and end, so the CPU the process spent between
+           two steps is the next step's p0 minus this one's p1. wall - cpu is time the
+           thread waited: for the GIL when pcpu - cpu is large, else descheduled by the OS.
   deliver  t: the event loop handed step `s`'s tokens to the streams.
   write    t0, t1: one DecodeStream update written towards the router; ids: its requests.
   kv       t0, t1: one K/V chunk (or NIXL group) handled on the event loop; id; bytes.
@@ -128,5 +130,6 @@ class StepClock(NamedTuple):
 
     def span(self, tracer: Tracer, ev: str, **fields: Any) -> None:
         """Trace `ev` from this start to now, with the CPU seconds both clocks spent."""
+        pcpu = time.process_time()
         tracer.event(ev, t0=self.wall, t1=time.monotonic(), cpu=time.thread_time() - self.cpu,
-                     pcpu=time.process_time() - self.pcpu, **fields)
+                     pcpu=pcpu - self.pcpu, p0=self.pcpu, p1=pcpu, **fields)

@@ -31,28 +31,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from deploy.loadgen.causes import (
+    BASELINE,
+    CLIENT,
+    COALESCED,
+    DESCHEDULED,
+    GIL,
+    IDLE_BUSY,
+    IDLE_CAUSES,
+    IDLE_DESCHED,
+    IDLE_OTHER,
+    JOIN,
+    LOOP_BUSY,
+    RELAY,
+    TRANSIT,
+    UNEXPLAINED,
+    UNTRACED,
+    compute_cause,
+    format_table,
+    name_cause,
+)
 from deploy.loadgen.trace_load import Relay, Step, Traces, cut_out, load
-
-BASELINE = "baseline (median step)"  # the expected part of a gap: never a cause
-DESCHEDULED = "step: descheduled (CPU contention)"
-GIL = "step: GIL held by another thread"
-COALESCED = "steps: several tokens in one update"  # earlier steps of a merged update
-IDLE_CAUSES = {  # idle between steps, by the worker's span kind, in order of precedence
-    "gc": "gc pause", "prefill": "colocated prefill", "kv": "K/V receive on the loop",
-    "write": "stream writes", "lag": "event-loop lag",
-}
-IDLE_OTHER = "between steps: other"
-LOOP_BUSY = "decode event loop busy"
-TRANSIT = "decode->router stream"
-RELAY = "router relay"
-CLIENT = "router->client / client"
-UNTRACED = "untraced"
-SPREAD = "unexplained (spread)"
-UNEXPLAINED = frozenset({SPREAD, IDLE_OTHER, UNTRACED})
-
-
-def compute_cause(batch_size: int) -> str:
-    return f"step: compute (batch {batch_size})"
 
 
 class GapRow(NamedTuple):
@@ -155,7 +154,7 @@ def _add_step(parts: dict[str, float], step: Step, base: Baseline) -> None:
 
 
 def _add_decode(parts: dict[str, float], traces: Traces, step: Step, anchor: float,
-                down: str, base: Baseline) -> None:
+                down: str, base: Baseline, prev_step: Step | None) -> None:
     """The decode interval from `anchor` to the producing step's end: the step itself, the
     earlier steps of a merged update, and the idle time between them by what overlapped it."""
     parts[BASELINE] += base.wall_s
@@ -173,7 +172,26 @@ def _add_decode(parts: dict[str, float], traces: Traces, step: Step, anchor: flo
         parts[cause] += cut
     merged_end = max((t1 for _, t1 in earlier), default=anchor)  # idle among merged steps
     parts[COALESCED] += sum(max(0.0, min(hi, merged_end) - lo) for lo, hi in free)
-    parts[IDLE_OTHER] += sum(hi - max(lo, merged_end) for lo, hi in free if hi > merged_end)
+    rest = sum(hi - max(lo, merged_end) for lo, hi in free if hi > merged_end)
+    if prev_step is None:  # from the router's read of the prefill token
+        parts[JOIN] += rest
+        return
+    _add_unclaimed_idle(parts, rest, step, None if earlier else prev_step,
+                        step.t0 - anchor - rest)
+
+
+def _add_unclaimed_idle(parts: dict[str, float], rest: float, step: Step,
+                        prev_step: Step | None, claimed: float) -> None:
+    """Idle time no span claimed, split by the CPU the decode process spent between the two
+    steps (their p1 and p0, less the claimed spans, counted busy): busy on its event loop or
+    gRPC threads, or not running at all (descheduled: there is always loop work between two
+    steps). Without those clocks, or across merged steps, it stays unexplained."""
+    if prev_step is None or step.p0 is None or prev_step.p1 is None or rest <= 0:
+        parts[IDLE_OTHER] += rest
+        return
+    busy = min(max(step.p0 - prev_step.p1 - claimed, 0.0) / rest, 1.0)
+    parts[IDLE_BUSY] += rest * busy
+    parts[IDLE_DESCHED] += rest * (1.0 - busy)
 
 
 def _add_loop(parts: dict[str, float], traces: Traces, step: Step, deliver: float,
@@ -207,7 +225,7 @@ def _contributions(traces: Traces, relays: list[Relay], producers: list[Step | N
         return parts
     if step != prev_step:
         anchor = prev_step.t1 if prev_step else prev.t_in
-        _add_decode(parts, traces, step, anchor, cur.down, base)
+        _add_decode(parts, traces, step, anchor, cur.down, base, prev_step)
     deliver = traces.delivers.get((step.worker, step.s))
     prev_loop = prev_transit = 0.0  # update 0 had no decode step
     if prev_step is not None:
@@ -223,14 +241,6 @@ def _contributions(traces: Traces, relays: list[Relay], producers: list[Step | N
         _add_loop(parts, traces, step, deliver, (deliver - step.t1) - prev_loop)
         parts[TRANSIT] += (cur.t_in - deliver) - prev_transit
     return parts
-
-
-def _cause(parts: dict[str, float], gap_s: float, median_s: float) -> str:
-    candidates = [(v, name) for name, v in parts.items() if name != BASELINE and v > 0]
-    if not candidates:
-        return SPREAD
-    value, name = max(candidates)
-    return name if value >= 0.5 * (gap_s - median_s) else SPREAD
 
 
 def attribute(folder: Path, phase: str | None = None, tag: str | None = "short",
@@ -256,26 +266,13 @@ def attribute(folder: Path, phase: str | None = None, tag: str | None = "short",
         for k in slow:
             gap = a.t[k] - a.t[k - 1]
             parts = _contributions(traces, relays, producers, a.t, k, base)
-            rows.append(GapRow(a.id, k, gap, _cause(parts, gap, median_s), dict(parts)))
+            rows.append(GapRow(a.id, k, gap, name_cause(parts, gap, median_s), dict(parts)))
     counts = Counter(row.cause for row in rows)
     causes = tuple(
         CauseCount(cause, n, n / len(rows),
                    statistics.median(row.gap_s for row in rows if row.cause == cause))
         for cause, n in sorted(counts.items(), key=lambda item: (-item[1], item[0])))
     return Attribution(tuple(rows), causes, len(gaps), median_s, factor)
-
-
-def format_table(attr: Attribution) -> str:
-    """Causes of the slow gaps, most first, and the share explained."""
-    width = max([len("cause"), *(len(c.cause) for c in attr.causes)])
-    lines = [f"{'cause':<{width}}  {'gaps':>6}  {'share':>6}  {'median gap ms':>13}"]
-    lines += [f"{c.cause:<{width}}  {c.num_gaps:>6}  {c.share:>6.1%}  "
-              f"{c.median_gap_s * 1e3:>13.1f}" for c in attr.causes]
-    lines.append(f"slow gaps: {attr.num_slow} of {attr.num_gaps} "
-                 f"(> {attr.factor:g} x median ITL {attr.median_itl_s * 1e3:.1f} ms)")
-    lines.append(f"explained: {attr.num_explained} of {attr.num_slow} "
-                 f"({attr.explained_share:.0%})")
-    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

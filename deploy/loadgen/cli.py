@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from deploy.loadgen.workload import (
     TokenCounter,
     Workload,
 )
+from kvferry import trace
 from kvferry.settings import (
     COMPILE_MODES,
     DEFAULT_COMPILE_BATCH_SIZES,
@@ -94,6 +96,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--result-file", type=Path, default=None, help="write the JSON here")
     r.add_argument("--plot-dir", type=Path, default=None, help="write PNG plots here")
     r.add_argument("--disable-tqdm", action="store_true")
+    r.add_argument("--trace", type=Path, default=None, metavar="DIR",
+                   help="trace every token in this process and in launched deployments "
+                        "(KVFERRY_TRACE_DIR) into DIR, then print where slow gaps went")
 
 
 def _token_counter(path: Path | None) -> TokenCounter | None:
@@ -151,6 +156,22 @@ def _write_outputs(result: BenchmarkResult, args: argparse.Namespace) -> None:
             print(f"plot: {path}", file=sys.stderr)
 
 
+def _print_attribution(folder: Path) -> None:
+    """Per run (target and rate), where the slow token gaps went (--trace)."""
+    from deploy.loadgen.attribution import attribute
+    from deploy.loadgen.causes import format_table
+    from deploy.loadgen.trace_load import TraceError, load
+
+    try:
+        phases = sorted({a.phase for a in load(folder).arrivals})
+    except TraceError as exc:
+        print(f"bench: --trace: {exc}", file=sys.stderr)
+        return
+    for phase in phases:
+        print(f"\nslow token gaps of {phase} (trace: {folder})")
+        print(format_table(attribute(folder, phase=phase, tag=None)))
+
+
 def run(args: argparse.Namespace) -> int:
     """Run `kvferry bench`; exit code 1 when any request failed, 2 on bad arguments."""
     try:
@@ -163,6 +184,12 @@ def run(args: argparse.Namespace) -> int:
                         torch_threads=args.torch_threads, log_dir=args.launch_log_dir,
                         compile=args.compile, compile_batch_sizes=args.compile_batch_sizes)
     targets = args.compare or [args.address]
+    if args.trace is not None:  # launched workers inherit the variable
+        os.environ[trace.TRACE_ENV] = str(args.trace)
+        trace.switch("client", args.trace)
     result = run_benchmark(targets, workload, config, launch)
     _write_outputs(result, args)
+    if args.trace is not None:
+        trace.switch("client", None)
+        _print_attribution(args.trace)
     return 1 if any(run.metrics.failed for run in result.runs) else 0

@@ -32,6 +32,8 @@ class Step(NamedTuple):
     ids: tuple[str, ...]  # downstream request ids in the batch
     cpu_s: float  # the step thread's CPU time in the step
     pcpu_s: float  # the process's CPU time in the step (all threads)
+    p0: float | None = None  # the process's CPU clock at t0 and t1 (None: an older trace)
+    p1: float | None = None
 
 
 class Span(NamedTuple):
@@ -113,6 +115,11 @@ def _lines(path: Path) -> list[dict[str, Any]]:
     return events
 
 
+def _opt(obj: dict[str, Any], key: str) -> float | None:
+    value = obj.get(key)
+    return None if value is None else float(value)
+
+
 def _has(obj: dict[str, Any], *keys: str) -> bool:
     return all(k in obj and obj[k] is not None for k in keys)
 
@@ -137,7 +144,7 @@ def load(folder: Path) -> Traces:
             if ev == "step" and _has(e, "t0", "t1", "s", "ids"):
                 step = Step(worker, int(e["s"]), float(e["t0"]), float(e["t1"]),
                             tuple(str(i) for i in e["ids"]), float(e.get("cpu") or 0.0),
-                            float(e.get("pcpu") or 0.0))
+                            float(e.get("pcpu") or 0.0), _opt(e, "p0"), _opt(e, "p1"))
                 all_steps.append(step)
                 for request_id in step.ids:
                     steps[request_id].append(step)

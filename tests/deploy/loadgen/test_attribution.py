@@ -30,6 +30,7 @@ class Plant(NamedTuple):
     relay_s: float = 0.0
     client_s: float = 0.0
     num_extra_steps: int = 0  # steps merged into this update before its producer
+    idle_cpu_s: float | None = None  # the process's CPU in the idle before the step (clocks)
 
 
 def _append(folder: Path, stem: str, events: list[dict]) -> None:
@@ -40,7 +41,8 @@ def _append(folder: Path, stem: str, events: list[dict]) -> None:
 def write_request(folder: Path, plants: dict[int, Plant] | None = None, *, rid: str = "r1",
                   start: float = 1.0, tag: str = "short", phase: str = "loaded",
                   num_updates: int = 20, worker: str = DECODE, step_s: float = STEP,
-                  roles: tuple[str, ...] = ("decode", "router", "client")) -> None:
+                  roles: tuple[str, ...] = ("decode", "router", "client"),
+                  clocks: bool = False) -> None:
     """One request's traces; update 0 is the prefill token, read by the router at `start`."""
     plants = plants or {}
     down, steps, spans, relays, arrivals = f"down-{rid}", [], [], [], []
@@ -49,19 +51,28 @@ def write_request(folder: Path, plants: dict[int, Plant] | None = None, *, rid: 
     relays.append({"ev": "relay", "id": rid, "down": down, "n": 1, "t_in": start,
                    "t_out": t_out})
     arrivals.append(t_out + CLIENT)
-    anchor = start
+    anchor, pclock = start, 0.0  # pclock: the process's CPU clock (p0/p1 with `clocks`)
+
+    def clock(step: dict, idle_cpu: float) -> dict:
+        nonlocal pclock
+        if clocks:
+            step["p0"] = pclock + idle_cpu
+            step["p1"] = pclock = step["p0"] + step["pcpu"]
+        return step
+
     for k in range(1, num_updates):
         p = plants.get(k, Plant())
         for _ in range(p.num_extra_steps):
-            steps.append({"ev": "step", "t0": anchor + IDLE, "t1": anchor + IDLE + STEP,
-                          "s": first_s + len(steps), "ids": [down], "cpu": 0.9 * STEP,
-                          "pcpu": STEP})
+            steps.append(clock({"ev": "step", "t0": anchor + IDLE, "t1": anchor + IDLE + STEP,
+                                "s": first_s + len(steps), "ids": [down], "cpu": 0.9 * STEP,
+                                "pcpu": STEP}, IDLE))
             anchor += IDLE + STEP
         t0 = anchor + IDLE + p.idle_s
         t1 = t0 + step_s + p.wall_s
         cpu = 0.9 * step_s if p.cpu_s is None else p.cpu_s
-        steps.append({"ev": "step", "t0": t0, "t1": t1, "s": first_s + len(steps),
-                      "ids": [down], "cpu": cpu, "pcpu": cpu + 0.0002 + p.other_cpu_s})
+        steps.append(clock({"ev": "step", "t0": t0, "t1": t1, "s": first_s + len(steps),
+                            "ids": [down], "cpu": cpu, "pcpu": cpu + 0.0002 + p.other_cpu_s},
+                           IDLE + p.idle_s if p.idle_cpu_s is None else p.idle_cpu_s))
         deliver = t1 + LOOP + p.loop_s
         steps.append({"ev": "deliver", "t": deliver, "s": steps[-1]["s"]})
         if p.span and p.idle_s:
@@ -127,11 +138,33 @@ def test_first_gap_is_anchored_at_the_prefill_token(tmp_path: Path) -> None:
 
 
 def test_spread_delay_is_unexplained(tmp_path: Path) -> None:
+    """A third each in three families (decode process work, router and client, CPU
+    contention): no category and no family holds half the excess."""
     third = EXTRA / 3
-    write_request(tmp_path, {6: Plant(idle_s=third, span="gc", relay_s=third, client_s=third)})
+    write_request(tmp_path, {6: Plant(idle_s=third, span="gc", relay_s=third,
+                                      wall_s=third, cpu_s=0.9 * STEP)})
     row = only_row(tmp_path)
     assert row.cause == "unexplained (spread)"
     assert row.contributions["gc pause"] == pytest.approx(third)
+
+
+def test_a_gap_one_family_explains_is_mixed(tmp_path: Path) -> None:
+    write_request(tmp_path, {6: Plant(idle_s=0.25 * EXTRA, span="gc", relay_s=0.4 * EXTRA,
+                                      client_s=0.35 * EXTRA)})
+    assert only_row(tmp_path).cause == "mixed: router and client"
+
+
+@pytest.mark.parametrize("idle_cpu_s, cause", [
+    (IDLE, "between steps: descheduled (CPU contention)"),  # the process did not run
+    (IDLE + EXTRA, "between steps: decode process busy (loop, gRPC threads)"),
+])
+def test_idle_no_span_claims_is_split_by_the_process_cpu(tmp_path: Path, idle_cpu_s: float,
+                                                         cause: str) -> None:
+    write_request(tmp_path, {7: Plant(idle_s=EXTRA, idle_cpu_s=idle_cpu_s)}, clocks=True)
+    row = only_row(tmp_path)
+    assert row.cause == cause
+    assert row.contributions[cause] == pytest.approx(EXTRA, abs=0.003)
+    assert sum(row.contributions.values()) == pytest.approx(row.gap_s)
 
 
 def test_missing_decode_trace_is_untraced_but_router_stages_still_count(tmp_path: Path) -> None:
@@ -239,3 +272,11 @@ def test_batch_size_names_the_compute_cause(tmp_path: Path) -> None:
             e["ids"] += ["other-1", "other-2"]
     (tmp_path / f"{DECODE}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in batched))
     assert only_row(tmp_path).cause == "step: compute (batch 3)"
+
+
+def test_the_first_decode_token_waits_to_join_the_batch(tmp_path: Path) -> None:
+    """Idle between the router's read of the prefill token and the first decode step is
+    the request joining the decode worker, not an unexplained pause."""
+    write_request(tmp_path, {1: Plant(idle_s=EXTRA)}, clocks=True)
+    row = only_row(tmp_path)
+    assert (row.k, row.cause) == (1, "first decode step: start, K/V arrival, joining the batch")

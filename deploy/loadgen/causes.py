@@ -1,0 +1,84 @@
+"""The causes `attribution.py` names for a slow token gap, and how one is chosen from a gap's
+contributions (category -> seconds, summing to the gap)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+BASELINE = "baseline (median step)"  # the expected part of a gap: never a cause
+DESCHEDULED = "step: descheduled (CPU contention)"
+GIL = "step: GIL held by another thread"
+COALESCED = "steps: several tokens in one update"  # earlier steps of a merged update
+IDLE_CAUSES = {  # idle between steps, by the worker's span kind, in order of precedence
+    "gc": "gc pause", "prefill": "colocated prefill", "kv": "K/V receive on the loop",
+    "write": "stream writes", "lag": "event-loop lag",
+}
+IDLE_BUSY = "between steps: decode process busy (loop, gRPC threads)"
+IDLE_DESCHED = "between steps: descheduled (CPU contention)"
+IDLE_OTHER = "between steps: other"
+# From the prefill token to the request's first decode step: the router's start command, the
+# last K/V arriving, admission and the running batch's return to the loop.
+JOIN = "first decode step: start, K/V arrival, joining the batch"
+LOOP_BUSY = "decode event loop busy"
+TRANSIT = "decode->router stream"
+RELAY = "router relay"
+CLIENT = "router->client / client"
+UNTRACED = "untraced"
+SPREAD = "unexplained (spread)"
+UNEXPLAINED = frozenset({SPREAD, IDLE_OTHER, UNTRACED})
+COMPUTE_PREFIX = "step: compute"
+
+# A gap no single category explains is named after the family that holds most of its excess.
+FAMILIES = {
+    DESCHEDULED: "CPU contention", IDLE_DESCHED: "CPU contention",
+    GIL: "decode process work", LOOP_BUSY: "decode process work",
+    IDLE_BUSY: "decode process work", IDLE_CAUSES["kv"]: "decode process work",
+    IDLE_CAUSES["write"]: "decode process work", IDLE_CAUSES["gc"]: "decode process work",
+    TRANSIT: "router and client", RELAY: "router and client", CLIENT: "router and client",
+}
+
+
+def compute_cause(batch_size: int) -> str:
+    return f"{COMPUTE_PREFIX} (batch {batch_size})"
+
+
+def _family(category: str) -> str:
+    if category.startswith(COMPUTE_PREFIX):
+        return "decode compute"
+    return FAMILIES.get(category, category)
+
+
+def name_cause(parts: dict[str, float], gap_s: float, median_s: float) -> str:
+    """The largest positive contribution when it covers at least half of the gap's excess
+    over the median gap; else "mixed: <family>" when one family of categories does (never
+    the unexplained ones); else SPREAD."""
+    excess = gap_s - median_s
+    candidates = [(v, name) for name, v in parts.items() if name != BASELINE and v > 0]
+    if not candidates:
+        return SPREAD
+    value, name = max(candidates)
+    if value >= 0.5 * excess:
+        return name
+    families: dict[str, float] = {}
+    for v, category in candidates:
+        if category not in UNEXPLAINED:
+            families[_family(category)] = families.get(_family(category), 0.0) + v
+    if families:
+        family_value, family = max((v, f) for f, v in families.items())
+        if family_value >= 0.5 * excess:
+            return f"mixed: {family}"
+    return SPREAD
+
+
+def format_table(attr: Any) -> str:
+    """Causes of the slow gaps of an `attribution.Attribution`, most first, and the share
+    explained."""
+    width = max([len("cause"), *(len(c.cause) for c in attr.causes)])
+    lines = [f"{'cause':<{width}}  {'gaps':>6}  {'share':>6}  {'median gap ms':>13}"]
+    lines += [f"{c.cause:<{width}}  {c.num_gaps:>6}  {c.share:>6.1%}  "
+              f"{c.median_gap_s * 1e3:>13.1f}" for c in attr.causes]
+    lines.append(f"slow gaps: {attr.num_slow} of {attr.num_gaps} "
+                 f"(> {attr.factor:g} x median ITL {attr.median_itl_s * 1e3:.1f} ms)")
+    lines.append(f"explained: {attr.num_explained} of {attr.num_slow} "
+                 f"({attr.explained_share:.0%})")
+    return "\n".join(lines)
