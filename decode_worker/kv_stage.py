@@ -38,6 +38,7 @@ class KvStage:
         self._k: torch.Tensor | None = None  # [layers, rows, kv_heads, length, D]
         self._v: torch.Tensor | None = None
         self._rows_now = torch.arange(0)  # this step's rows, 0..B-1
+        self._groups: list[tuple[tuple[int, int], int]] = []  # begin_step's runs of rows
         self._positions = torch.arange(0)  # this step's positions (its K/V slot)
         self.num_gathered_tokens = 0  # tokens copied in from the pool (joins, rebuilds)
 
@@ -155,6 +156,7 @@ class KvStage:
             self._grow(len(positions), int(positions.max()) + 1)  # grew a table meanwhile
         self._rows_now = torch.arange(len(positions), device=positions.device)
         self._positions = positions
+        self._groups = _length_groups([int(p) + 1 for p in positions.tolist()])
 
     def end_step(self) -> None:
         """Every row now holds its K/V up to and including the position just fed."""
@@ -167,7 +169,41 @@ class KvStage:
         assert self._k is not None and self._v is not None  # noqa: S101 - sized by arrange
         self._k[layer, self._rows_now, :, self._positions] = k
         self._v[layer, self._rows_now, :, self._positions] = v
-        batch = q.shape[0]
-        length = int(self._positions.max()) + 1
-        return dense_decode_attention(q, self._k[layer, :batch, :, :length],
-                                      self._v[layer, :batch, :, :length], seq_lens, sm_scale)
+        if len(self._groups) == 1:
+            (start, end), length = self._groups[0]
+            return dense_decode_attention(q, self._k[layer, :end, :, :length],
+                                          self._v[layer, :end, :, :length], seq_lens, sm_scale)
+        out = torch.empty_like(q)
+        for (start, end), length in self._groups:  # each run of rows over its own length
+            out[start:end] = dense_decode_attention(
+                q[start:end], self._k[layer, start:end, :, :length],
+                self._v[layer, start:end, :, :length], seq_lens[start:end], sm_scale)
+        return out
+
+
+LONG_ROW_FACTOR = 4  # a row this many times longer than the batch's median is attended alone
+LONG_ROW_MIN = 256  # tokens: shorter rows are never worth a call of their own
+
+
+def _length_groups(lengths: list[int]) -> list[tuple[tuple[int, int], int]]:
+    """Runs of rows ((start, end), length to attend over). One run over the longest length,
+    unless some rows are far longer than the median: padding every row to a long prompt's
+    context (one 3,000-token request among 50-token ones) multiplied the step's attention by
+    the batch size. Then each long row is a run of its own and the rows between them runs
+    over their own longest length. Rows stay in place: every run is a slice, nothing copies."""
+    if not lengths:
+        return [((0, 0), 1)]
+    median = sorted(lengths)[(len(lengths) - 1) // 2]  # the lower median
+    limit = max(LONG_ROW_FACTOR * median, LONG_ROW_MIN)
+    if max(lengths) <= limit:
+        return [((0, len(lengths)), max(lengths))]
+    groups, start = [], 0
+    for row, length in enumerate(lengths):
+        if length > limit:
+            if row > start:
+                groups.append(((start, row), max(lengths[start:row])))
+            groups.append(((row, row + 1), length))
+            start = row + 1
+    if start < len(lengths):
+        groups.append(((start, len(lengths)), max(lengths[start:])))
+    return groups

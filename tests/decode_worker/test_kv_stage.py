@@ -89,6 +89,43 @@ def test_stage_follows_the_pages_through_joins_and_departures() -> None:
     assert stage.num_gathered_tokens == gathered
 
 
+@pytest.mark.parametrize("lengths", [
+    [40, 3000, 30, 50, 45],  # one long prompt among short ones, in the middle
+    [3000, 20, 2900, 25],  # two, first and third
+    [30, 40, 50, 2000],  # last
+])
+def test_long_rows_are_attended_over_their_own_length(lengths: list[int]) -> None:
+    """A batch mixing a long context with short ones: the long rows run alone and the rest
+    over their own longest length (issue 20: padding every row to the long one multiplied
+    the step), with the same results as the pages."""
+    pool = _pool(num_blocks=3000)
+    free = list(range(pool.num_blocks - 1))
+    gen = torch.Generator().manual_seed(3)
+    stage = KvStage(pool, budget_bytes=1 << 30)
+    running = [_new_seq(pool, free, n) for n in lengths]
+    batch = stage.arrange(running)
+    assert batch is not None
+    for _ in range(3):
+        _step(pool, stage, batch, free, gen)
+    longest = max(lengths) + 3
+    assert max(length for _, length in stage._groups) == longest
+    assert len(stage._groups) > 1  # not one run padded to the longest
+    assert sum(end - start for (start, end), _ in stage._groups) == len(lengths)
+
+
+@pytest.mark.parametrize("lengths, groups", [
+    ([10, 20, 30], [((0, 3), 30)]),
+    ([100, 300, 200], [((0, 3), 300)]),  # under LONG_ROW_MIN: one run
+    ([40, 3000, 30, 50], [((0, 1), 40), ((1, 2), 3000), ((2, 4), 50)]),
+    ([3000, 20], [((0, 1), 3000), ((1, 2), 20)]),
+    ([], [((0, 0), 1)]),
+])
+def test_length_groups(lengths: list[int], groups: list) -> None:
+    from decode_worker.kv_stage import _length_groups
+
+    assert _length_groups(lengths) == groups
+
+
 def test_over_budget_falls_back_then_rebuilds() -> None:
     pool = _pool()
     free = list(range(pool.num_blocks - 1))
