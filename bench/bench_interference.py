@@ -57,6 +57,15 @@ def _times(record) -> list[float]:
     return [record.ttft_s + sum(record.itls_s[:i]) for i in range(len(record.itls_s) + 1)]
 
 
+def _pin_this_process(cpus: set[int]) -> None:
+    """Every thread of this (client) process, gRPC's included, onto `cpus`."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except ProcessLookupError:
+            continue
+
+
 def _disaggregated(transport: str) -> str:
     return "disaggregated" if transport == "grpc" else f"disaggregated-{transport}"
 
@@ -84,6 +93,9 @@ def main() -> None:
                              "measured over repetitions; a single trial looked worse)")
     parser.add_argument("--no-pin", dest="pin", action="store_false",
                         help="do not pin prefill and decode workers to one core each")
+    parser.add_argument("--isolate-decode-core", action="store_true",
+                        help="disaggregated: the router and this client run on the prefill "
+                             "worker's core too, so nothing but the decode worker uses its core")
     parser.add_argument("--out-dir", type=Path, default=None)
     parser.add_argument("--trace", type=Path, default=None, metavar="DIR",
                         help="trace every token (kvferry/trace.py) into DIR/<deployment>-<n> "
@@ -106,6 +118,10 @@ def main() -> None:
     cores = sorted(os.sched_getaffinity(0))
     pinning = {name: {"prefill": {cores[0]}, "decode": {cores[-1]}} for name in setups}
     pinning["colocated"] = {"colocated": set(cores[:2])}
+    if args.isolate_decode_core:  # the router too; this process below
+        for name in setups:
+            if name != "colocated":
+                pinning[name]["router"] = {cores[0]}
     # --pin-transfer-threads: NIXL moves and checks K/V bytes on threads of their own; they
     # go to the prefill worker's core and the decode core only steps.
     transfer_pinning = {name: {"decode": {cores[0]}} for name in setups
@@ -120,6 +136,8 @@ def main() -> None:
                 if args.pin:
                     for role, cpus in pinning[name].items():
                         deployment.pin(role, cpus, transfer_pinning.get(name, {}).get(role))
+                _pin_this_process({cores[0]} if args.isolate_decode_core and name != "colocated"
+                                  else set(cores))
                 run = {phase: _phase(deployment.router_address, f"{name}-{phase}",
                                      workload.build(args.num_requests, 512, args.seed), config)
                        for phase, workload in (("unloaded", unloaded), ("loaded", loaded))}
@@ -130,6 +148,11 @@ def main() -> None:
             print(f"repetition {repeat + 1}/{args.repeats} {name}: loaded p99 / unloaded p50 "
                   f"{run['ratio_loaded_p99_to_unloaded_p50']:.2f}x", flush=True)
     summary = {name: _summarize(r) for name, r in runs.items()}
+    placement = {  # which process ran on which core
+        name: {**{role: sorted(cpus) for role, cpus in pinning[name].items()},
+               "client": [cores[0]] if args.isolate_decode_core and name != "colocated"
+               else cores} if args.pin else "unpinned" for name in setups}
+    print(f"placement (cores): {placement}")
     print(f"model {model}; {args.repeats} repetitions, median [min-max]")
     print(f"{args.num_requests} requests at {args.rate:g}/s; short {args.short_input}->"
           f"{args.short_output} tokens; {args.long_fraction:.0%} long {args.long_input}->"
@@ -140,6 +163,7 @@ def main() -> None:
             lo, mid, hi = stats[key]
             print(f"  {label:<32} {mid:>8.2f}  [{lo:.2f}-{hi:.2f}]")
         print(f"  {'failed requests (all runs)':<32} {stats['failed']:>8}")
+    summary["placement"] = placement
     if args.trace is not None:
         summary["attribution"] = slow_gap_table(args.trace, list(setups), args.repeats,
                                                 args.rate)

@@ -100,6 +100,8 @@ class DecodeServicer(WorkerServicer[DecodeEngine], worker_pb2_grpc.DecodeService
                     try:
                         self._attach(command.start, events)
                         started.add(request_id)
+                        if tracer := trace.get():
+                            tracer.event("attach", t=time.monotonic(), id=request_id)
                     except Exception as exc:  # reported on the stream, per request
                         events.put_nowait(ErrorEvent(request_id, exc))
                 else:

@@ -15,12 +15,14 @@ decode worker (role "decode"; "colocated" for a worker serving both roles):
   deliver  t: the event loop handed step `s`'s tokens to the streams.
   write    t0, t1: one DecodeStream update written towards the router; ids: its requests.
   kv       t0, t1: one K/V chunk (or NIXL group) handled on the event loop; id; bytes.
+  attach   t: the router's start command for request `id` reached the engine.
   prefill  t0, t1: a colocated prefill batch on the executor thread; ids; tokens.
   gc       t0, t1: a garbage-collector pass in this process; gen: its generation.
   lag      t: the event loop woke `lag` seconds later than asked (only lags over LAG_MIN_S).
 router (role "router"):
   relay    id: public request id; down: the decode worker's id for it; n: tokens in the
            update; t_in: the update read from the decode stream; t_out: written to the client.
+  start    t: the start command for `down` was queued on the decode stream.
 client (role "client", `kvferry bench --trace DIR`):
   arrivals id: public request id; tag; phase; t: arrival time of every streamed update; n: the
            tokens each carried.

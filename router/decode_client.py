@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from kvferry import trace
 from kvferry.errors import Unavailable
 from kvferry.model.sampling import FinishReason
 from kvferry.rpc import convert
@@ -106,6 +107,8 @@ class DecodeClient(WorkerClient):
             max_new_tokens=start.max_new_tokens, stop_token_ids=start.stop_token_ids,
             num_generated=start.num_generated,
         )))
+        if tracer := trace.get():
+            tracer.event("start", t=time.monotonic(), down=start.request_id)
         return queue
 
     def abort_on_stream(self, request_id: str) -> None:

@@ -37,16 +37,15 @@ from deploy.loadgen.causes import (
     COALESCED,
     DESCHEDULED,
     GIL,
-    IDLE_BUSY,
     IDLE_CAUSES,
-    IDLE_DESCHED,
     IDLE_OTHER,
-    JOIN,
     LOOP_BUSY,
     RELAY,
     TRANSIT,
     UNEXPLAINED,
     UNTRACED,
+    add_join,
+    add_unclaimed_idle,
     compute_cause,
     format_table,
     name_cause,
@@ -174,24 +173,10 @@ def _add_decode(parts: dict[str, float], traces: Traces, step: Step, anchor: flo
     parts[COALESCED] += sum(max(0.0, min(hi, merged_end) - lo) for lo, hi in free)
     rest = sum(hi - max(lo, merged_end) for lo, hi in free if hi > merged_end)
     if prev_step is None:  # from the router's read of the prefill token
-        parts[JOIN] += rest
+        add_join(parts, rest, traces, down, anchor, step.t0)
         return
-    _add_unclaimed_idle(parts, rest, step, None if earlier else prev_step,
+    add_unclaimed_idle(parts, rest, step, None if earlier else prev_step,
                         step.t0 - anchor - rest)
-
-
-def _add_unclaimed_idle(parts: dict[str, float], rest: float, step: Step,
-                        prev_step: Step | None, claimed: float) -> None:
-    """Idle time no span claimed, split by the CPU the decode process spent between the two
-    steps (their p1 and p0, less the claimed spans, counted busy): busy on its event loop or
-    gRPC threads, or not running at all (descheduled: there is always loop work between two
-    steps). Without those clocks, or across merged steps, it stays unexplained."""
-    if prev_step is None or step.p0 is None or prev_step.p1 is None or rest <= 0:
-        parts[IDLE_OTHER] += rest
-        return
-    busy = min(max(step.p0 - prev_step.p1 - claimed, 0.0) / rest, 1.0)
-    parts[IDLE_BUSY] += rest * busy
-    parts[IDLE_DESCHED] += rest * (1.0 - busy)
 
 
 def _add_loop(parts: dict[str, float], traces: Traces, step: Step, deliver: float,

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from deploy.loadgen.trace_load import Step, Traces
+
 BASELINE = "baseline (median step)"  # the expected part of a gap: never a cause
 DESCHEDULED = "step: descheduled (CPU contention)"
 GIL = "step: GIL held by another thread"
@@ -19,6 +21,11 @@ IDLE_OTHER = "between steps: other"
 # From the prefill token to the request's first decode step: the router's start command, the
 # last K/V arriving, admission and the running batch's return to the loop.
 JOIN = "first decode step: start, K/V arrival, joining the batch"
+JOIN_PARTS = (  # the same, where the router's start and the engine's attach are traced
+    "first decode step: router awaiting the push's end",
+    "first decode step: start command in transit",
+    "first decode step: admission, the batch's next turn",
+)
 LOOP_BUSY = "decode event loop busy"
 TRANSIT = "decode->router stream"
 RELAY = "router relay"
@@ -34,8 +41,39 @@ FAMILIES = {
     GIL: "decode process work", LOOP_BUSY: "decode process work",
     IDLE_BUSY: "decode process work", IDLE_CAUSES["kv"]: "decode process work",
     IDLE_CAUSES["write"]: "decode process work", IDLE_CAUSES["gc"]: "decode process work",
+    IDLE_CAUSES["lag"]: "decode process work",  # its loop late: busy or not running
     TRANSIT: "router and client", RELAY: "router and client", CLIENT: "router and client",
+    JOIN: "first decode step", **dict.fromkeys(JOIN_PARTS, "first decode step"),
 }
+
+
+def add_join(parts: dict[str, float], rest: float, traces: Traces, down: str, anchor: float,
+              first_step: float) -> None:
+    """The unclaimed wait for the first decode step, cut where the router queued the start
+    command and where the decode engine attached it (without both: JOIN)."""
+    start, attach = traces.starts.get(down), traces.attaches.get(down)
+    if start is None or attach is None:
+        parts[JOIN] += rest
+        return
+    cuts = sorted((anchor, min(max(start, anchor), first_step),
+                   min(max(attach, anchor), first_step), first_step))
+    lengths = [b - a for a, b in zip(cuts, cuts[1:])]
+    for name, length in zip(JOIN_PARTS, lengths):
+        parts[name] += rest * length / (sum(lengths) or 1.0)
+
+
+def add_unclaimed_idle(parts: dict[str, float], rest: float, step: Step,
+                        prev_step: Step | None, claimed: float) -> None:
+    """Idle time no span claimed, split by the CPU the decode process spent between the two
+    steps (their p1 and p0, less the claimed spans, counted busy): busy on its event loop or
+    gRPC threads, or not running at all (descheduled: there is always loop work between two
+    steps). Without those clocks, or across merged steps, it stays unexplained."""
+    if prev_step is None or step.p0 is None or prev_step.p1 is None or rest <= 0:
+        parts[IDLE_OTHER] += rest
+        return
+    busy = min(max(step.p0 - prev_step.p1 - claimed, 0.0) / rest, 1.0)
+    parts[IDLE_BUSY] += rest * busy
+    parts[IDLE_DESCHED] += rest * (1.0 - busy)
 
 
 def compute_cause(batch_size: int) -> str:

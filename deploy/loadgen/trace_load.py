@@ -13,7 +13,7 @@ import bisect
 import json
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -101,6 +101,10 @@ class Traces:
     spans: dict[str, SpanIndex]  # worker -> its busy spans
     relays: dict[str, list[Relay]]  # public id -> relays in stream (file) order
     arrivals: list[Arrivals]
+    # downstream id -> (router queued its start command, the decode engine attached it);
+    # the latest of each (a migrated request starts again)
+    starts: dict[str, float] = field(default_factory=dict)
+    attaches: dict[str, float] = field(default_factory=dict)
 
 
 def _lines(path: Path) -> list[dict[str, Any]]:
@@ -136,6 +140,8 @@ def load(folder: Path) -> Traces:
     spans: dict[str, list[Span]] = defaultdict(list)
     relays: dict[str, list[Relay]] = defaultdict(list)
     arrivals: list[Arrivals] = []
+    starts: dict[str, float] = {}
+    attaches: dict[str, float] = {}
     for path in sorted(folder.glob("*.jsonl")):
         worker, role = path.stem, path.stem.rpartition("-")[0] or path.stem
         for e in _lines(path):
@@ -157,6 +163,10 @@ def load(folder: Path) -> Traces:
             elif ev == "relay" and _has(e, "id", "down", "t_in", "t_out"):
                 relays[str(e["id"])].append(Relay(str(e["down"]), int(e.get("n") or 1),
                                                   float(e["t_in"]), float(e["t_out"])))
+            elif ev == "start" and _has(e, "t", "down"):
+                starts[str(e["down"])] = float(e["t"])
+            elif ev == "attach" and _has(e, "t", "id"):
+                attaches[str(e["id"])] = float(e["t"])
             elif ev == "arrivals" and _has(e, "id", "t"):
                 arrivals.append(Arrivals(str(e["id"]), str(e.get("tag") or ""),
                                          str(e.get("phase") or ""),
@@ -167,4 +177,5 @@ def load(folder: Path) -> Traces:
     for by_id in steps.values():
         by_id.sort(key=lambda st: st.t1)
     return Traces(frozenset(roles), dict(steps), all_steps, delivers,
-                  {worker: SpanIndex(v) for worker, v in spans.items()}, dict(relays), arrivals)
+                  {worker: SpanIndex(v) for worker, v in spans.items()}, dict(relays), arrivals,
+                  starts, attaches)

@@ -280,3 +280,21 @@ def test_the_first_decode_token_waits_to_join_the_batch(tmp_path: Path) -> None:
     write_request(tmp_path, {1: Plant(idle_s=EXTRA)}, clocks=True)
     row = only_row(tmp_path)
     assert (row.k, row.cause) == (1, "first decode step: start, K/V arrival, joining the batch")
+
+
+def test_the_wait_to_join_is_cut_at_the_start_command_and_the_attach(tmp_path: Path) -> None:
+    """With the router's start and the engine's attach traced, the first decode step's wait
+    is split: 10 ms awaiting the push's end, 30 ms in transit, 10 ms to the batch's turn."""
+    write_request(tmp_path, {1: Plant(idle_s=EXTRA)}, clocks=True)
+    read_prefill_token, first_step = 1.0, 1.0 + IDLE + EXTRA
+    _append(tmp_path, ROUTER, [{"ev": "start", "t": read_prefill_token + 0.010 + IDLE,
+                                "down": "down-r1"}])
+    _append(tmp_path, DECODE, [{"ev": "attach", "t": first_step - 0.010, "id": "down-r1"}])
+    row = only_row(tmp_path)
+    assert row.cause == "first decode step: start command in transit"
+    parts = row.contributions
+    assert parts["first decode step: router awaiting the push's end"] == pytest.approx(
+        0.010 + IDLE, abs=1e-6)
+    assert parts["first decode step: start command in transit"] == pytest.approx(0.030, abs=1e-6)
+    assert parts["first decode step: admission, the batch's next turn"] == pytest.approx(
+        0.010, abs=1e-6)
