@@ -97,6 +97,8 @@ def main() -> None:
                         help="disaggregated: the router and this client run on the prefill "
                              "worker's core too, so nothing but the decode worker uses its core")
     parser.add_argument("--out-dir", type=Path, default=None)
+    parser.add_argument("--out-stem", default=None,
+                        help="file names in --out-dir (default bench_interference[_MODEL])")
     parser.add_argument("--trace", type=Path, default=None, metavar="DIR",
                         help="trace every token (kvferry/trace.py) into DIR/<deployment>-<n> "
                              "and print where the slow gaps of the short requests went")
@@ -220,7 +222,8 @@ def _write(args: argparse.Namespace, model: str, runs: dict[str, list[dict[str, 
     timeline.legend()
     fig.tight_layout()
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = "bench_interference" + ("" if args.model == "tiny" else f"_{Path(args.model).stem}")
+    stem = args.out_stem or ("bench_interference"
+                             + ("" if args.model == "tiny" else f"_{Path(args.model).stem}"))
     fig.savefig(args.out_dir / f"{stem}.png", dpi=110)
     for name_runs in runs.values():
         for r in name_runs:
