@@ -16,6 +16,8 @@ decode worker (role "decode"; "colocated" for a worker serving both roles):
   write    t0, t1: one DecodeStream update written towards the router; ids: its requests.
   kv       t0, t1: one K/V chunk (or NIXL group) handled on the event loop; id; bytes.
   attach   t: the router's start command for request `id` reached the engine.
+  stage    t0, t1: the CPU dense stage copied joining requests' K/V in (`tokens` of them),
+           on the step thread before a run of steps.
   prefill  t0, t1: a colocated prefill batch on the executor thread; ids; tokens.
   gc       t0, t1: a garbage-collector pass in this process; gen: its generation.
   lag      t: the event loop woke `lag` seconds later than asked (only lags over LAG_MIN_S).

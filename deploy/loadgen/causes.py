@@ -13,6 +13,7 @@ GIL = "step: GIL held by another thread"
 COALESCED = "steps: several tokens in one update"  # earlier steps of a merged update
 IDLE_CAUSES = {  # idle between steps, by the worker's span kind, in order of precedence
     "gc": "gc pause", "prefill": "colocated prefill", "kv": "K/V receive on the loop",
+    "stage": "K/V of joining requests staged (CPU)",
     "write": "stream writes", "lag": "event-loop lag",
 }
 IDLE_BUSY = "between steps: decode process busy (loop, gRPC threads)"
@@ -42,8 +43,9 @@ FAMILIES = {
     IDLE_BUSY: "decode process work", IDLE_CAUSES["kv"]: "decode process work",
     IDLE_CAUSES["write"]: "decode process work", IDLE_CAUSES["gc"]: "decode process work",
     IDLE_CAUSES["lag"]: "decode process work",  # its loop late: busy or not running
+    IDLE_CAUSES["stage"]: "requests joining the batch",
     TRANSIT: "router and client", RELAY: "router and client", CLIENT: "router and client",
-    JOIN: "first decode step", **dict.fromkeys(JOIN_PARTS, "first decode step"),
+    JOIN: "requests joining the batch", **dict.fromkeys(JOIN_PARTS, "requests joining the batch"),
 }
 
 

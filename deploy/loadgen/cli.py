@@ -187,9 +187,13 @@ def run(args: argparse.Namespace) -> int:
     if args.trace is not None:  # launched workers inherit the variable
         os.environ[trace.TRACE_ENV] = str(args.trace)
         trace.switch("client", args.trace)
-    result = run_benchmark(targets, workload, config, launch)
+    try:
+        result = run_benchmark(targets, workload, config, launch)
+    finally:
+        if args.trace is not None:
+            os.environ.pop(trace.TRACE_ENV, None)
+            trace.switch("client", None)
     _write_outputs(result, args)
     if args.trace is not None:
-        trace.switch("client", None)
         _print_attribution(args.trace)
     return 1 if any(run.metrics.failed for run in result.runs) else 0

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-SPAN_KINDS = ("gc", "kv", "prefill", "write", "lag")  # busy spans a worker traces
+SPAN_KINDS = ("gc", "kv", "prefill", "stage", "write", "lag")  # busy spans a worker traces
 
 
 class TraceError(ValueError):

@@ -68,4 +68,6 @@ def test_client_router_and_decode_records_join(qwen3_checkpoint: Path, tmp_path:
     written = Counter(i for e in events["decode"] if e["ev"] == "write" for i in e["ids"])
     assert all(written[down] >= MAX_TOKENS - 1 for down in downstream.values())
     assert any(e["ev"] == "kv" for e in events["decode"])  # the pushes' chunks, gRPC
+    staged = sum(e["tokens"] for e in events["decode"] if e["ev"] == "stage")
+    assert staged >= 6 * 40  # every joining request's prompt K/V copied into the CPU stage
     assert any(e["ev"] == "prefill" for e in events["prefill"])

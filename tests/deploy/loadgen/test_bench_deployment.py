@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -55,3 +56,21 @@ def test_compare_a_running_and_a_launched_deployment(qwen3_deployment: Deploymen
     assert [r["completed"] for r in runs] == [3, 3]
     assert runs[0]["input_lens"] == runs[1]["input_lens"] == [16, 16, 16]
     assert (tmp_path / "plots" / "latency_vs_rate.png").exists()
+
+
+def test_trace_records_every_process_and_prints_the_attribution(
+        qwen3_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--trace DIR`: the client and the launched router and worker write their traces
+    there, the table of slow gaps follows the results, and the variable is not left set."""
+    folder = tmp_path / "trace"
+    code = main(["bench", "--address", "launch:colocated", "--model", str(qwen3_checkpoint),
+                 "--launch-log-dir", str(tmp_path / "logs"), "--num-prompts", "4",
+                 "--input-len", "16", "--output-len", "12", "--request-rate", "20",
+                 "--disable-tqdm", "--trace", str(folder)])
+    assert code == 0
+    roles = {path.name.split("-")[0] for path in folder.glob("*.jsonl")}
+    assert roles == {"client", "router", "colocated"}
+    out = capsys.readouterr().out
+    assert "slow token gaps of bench-launch:colocated-20" in out
+    assert "explained:" in out and "slow gaps:" in out
+    assert "KVFERRY_TRACE_DIR" not in os.environ
