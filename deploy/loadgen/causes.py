@@ -88,10 +88,20 @@ def _family(category: str) -> str:
     return FAMILIES.get(category, category)
 
 
+def family_of(cause: str) -> str:
+    """The family a named cause belongs to ("mixed: F" and "several: F + G" to F)."""
+    for prefix in ("mixed: ", "several: "):
+        if cause.startswith(prefix):
+            return cause[len(prefix):].split(" + ")[0]
+    return _family(cause)
+
+
 def name_cause(parts: dict[str, float], gap_s: float, median_s: float) -> str:
     """The largest positive contribution when it covers at least half of the gap's excess
     over the median gap; else "mixed: <family>" when one family of categories does (never
-    the unexplained ones); else SPREAD."""
+    the unexplained ones); else, when the unexplained categories hold less than half of the
+    excess, "several: <family> + <family>", the two largest (the time is measured, only
+    shared); else SPREAD."""
     excess = gap_s - median_s
     candidates = [(v, name) for name, v in parts.items() if name != BASELINE and v > 0]
     if not candidates:
@@ -107,6 +117,10 @@ def name_cause(parts: dict[str, float], gap_s: float, median_s: float) -> str:
         family_value, family = max((v, f) for f, v in families.items())
         if family_value >= 0.5 * excess:
             return f"mixed: {family}"
+    unexplained = sum(v for v, category in candidates if category in UNEXPLAINED)
+    if len(families) >= 2 and unexplained < 0.5 * excess:  # measured, but shared
+        first, second = sorted(families.items(), key=lambda item: -item[1])[:2]
+        return f"several: {first[0]} + {second[0]}"
     return SPREAD
 
 

@@ -71,6 +71,6 @@ def test_trace_records_every_process_and_prints_the_attribution(
     roles = {path.name.split("-")[0] for path in folder.glob("*.jsonl")}
     assert roles == {"client", "router", "colocated"}
     out = capsys.readouterr().out
-    assert "slow token gaps of bench-launch:colocated-20" in out
+    assert "slow token gaps of bench-colocated-20" in out
     assert "explained:" in out and "slow gaps:" in out
     assert "KVFERRY_TRACE_DIR" not in os.environ
