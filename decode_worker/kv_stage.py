@@ -14,23 +14,16 @@ dim; past `budget_bytes` the engine falls back to the paged gather path.
 
 Layout per layer: [rows, kv_heads, length, head_dim], the layout attention reads, so the
 dense view of a batch is a plain slice.
-
-A sequence far longer than the rest of its batch (a 3,000-token prompt among 50-token ones)
-is not staged: every row is as long as the longest, so staging it grew all rows to its
-length (hundreds of MB zeroed, a 160 ms stall of every running request, seen in traces).
-Such a row keeps its place in the row order but attends over its pages, and the others over
-their own longest length.
 """
 
 from __future__ import annotations
 
 import time
-from typing import NamedTuple
 
 import torch
 
 from decode_worker.sequence import PagedSeq
-from kernels.paged_attention_torch import dense_decode_attention, paged_decode_attention_torch
+from kernels.paged_attention_torch import dense_decode_attention
 from kvferry import trace
 from kvferry.cache.pool import KvPool
 
@@ -48,11 +41,7 @@ class KvStage:
         self._k: torch.Tensor | None = None  # [layers, rows, kv_heads, length, D]
         self._v: torch.Tensor | None = None
         self._rows_now = torch.arange(0)  # this step's rows, 0..B-1
-        self._paged: list[bool] = []  # row i's sequence attends over its pages, unstaged
-        self._runs: list[Run] = []  # begin_step's runs of rows
-        self._staged_rows = torch.arange(0)  # this step's staged rows and their positions
-        self._staged_positions = torch.arange(0)
-        self._tables: dict[int, torch.Tensor] = {}  # paged row -> its block table [1, blocks]
+        self._groups: list[tuple[tuple[int, int], int]] = []  # begin_step's runs of rows
         self._positions = torch.arange(0)  # this step's positions (its K/V slot)
         self.num_gathered_tokens = 0  # tokens copied in from the pool (joins, rebuilds)
 
@@ -67,7 +56,7 @@ class KvStage:
                 * p.cache.element_size())
 
     def clear(self) -> None:
-        self._seqs, self._valid, self._paged = [], [], []
+        self._seqs, self._valid = [], []
         self._k = self._v = None
 
     def arrange(self, batch: list[PagedSeq]) -> list[PagedSeq] | None:
@@ -84,10 +73,9 @@ class KvStage:
     def _arrange(self, batch: list[PagedSeq]) -> list[PagedSeq] | None:
         # Room for every slot the block tables hold: the steps until the next arrange stay
         # inside them (the engine comes back to grow a table).
-        paged = {id(batch[i]) for i in _long_rows([s.next_position + 1 for s in batch])}
         need_rows = len(batch)
-        need_length = max((max(len(s.block_table) * self.pool.block_size, s.next_position + 1)
-                           for s in batch if id(s) not in paged), default=1)
+        need_length = max(max(len(s.block_table) * self.pool.block_size, s.next_position + 1)
+                          for s in batch)
         if self.nbytes(need_rows, need_length) > self.budget_bytes:
             self.clear()
             return None
@@ -102,7 +90,6 @@ class KvStage:
                 self._move(last, i)
             self._seqs.pop()
             self._valid.pop()
-            self._paged.pop()
         rows, length = self.capacity
         if need_rows > rows or need_length > length:
             self._grow(need_rows, need_length)
@@ -111,12 +98,8 @@ class KvStage:
             if id(seq) not in staged:
                 self._seqs.append(seq)
                 self._valid.append(0)
-                self._paged.append(False)
         for row, seq in enumerate(self._seqs):
-            self._paged[row] = id(seq) in paged
-            if self._paged[row]:
-                self._valid[row] = 0  # nothing of it here; restaged in full if it shortens
-            elif self._valid[row] != seq.next_position:  # joined (or out of step): copy in
+            if self._valid[row] != seq.next_position:  # joined (or out of step): copy in
                 self._gather(row, seq)
         return list(self._seqs)
 
@@ -153,7 +136,6 @@ class KvStage:
         self._v[:, dst, :, :n] = self._v[:, src, :, :n]
         self._clear_tail(dst, n)
         self._seqs[dst], self._valid[dst] = self._seqs[src], n
-        self._paged[dst] = self._paged[src]
 
     def _clear_tail(self, row: int, n: int) -> None:
         """Zero `row` past position `n`: attention gives those positions probability 0, which
@@ -181,90 +163,58 @@ class KvStage:
     # ---- one step ----------------------------------------------------------------------------
     def begin_step(self, positions: torch.Tensor) -> None:
         """The batch (rows 0..B-1, as `arrange` ordered it) feeds tokens at `positions`."""
-        staged = [row for row in range(len(positions)) if not self._paged[row]]
-        staged_positions = positions[staged]
-        if len(staged) and int(staged_positions.max()) >= self.capacity[1]:  # a caller that
-            self._grow(len(positions), int(staged_positions.max()) + 1)  # grew a table
+        if len(positions) and int(positions.max()) >= self.capacity[1]:  # a caller that
+            self._grow(len(positions), int(positions.max()) + 1)  # grew a table meanwhile
         self._rows_now = torch.arange(len(positions), device=positions.device)
         self._positions = positions
-        self._staged_rows = torch.tensor(staged, dtype=torch.long, device=positions.device)
-        self._staged_positions = staged_positions
-        lengths = [int(p) + 1 for p in positions.tolist()]
-        self._runs = _runs(lengths, self._paged[:len(lengths)])
-        device = self.pool.cache.device
-        self._tables = {run.start: torch.tensor([self._seqs[run.start].block_table],
-                                                dtype=torch.int32, device=device)
-                        for run in self._runs if run.paged}
+        self._groups = _length_groups([int(p) + 1 for p in positions.tolist()])
 
     def end_step(self) -> None:
-        """Every staged row now holds its K/V up to and including the position just fed."""
+        """Every row now holds its K/V up to and including the position just fed."""
         for row in range(len(self._positions)):
-            if not self._paged[row]:
-                self._valid[row] += 1
+            self._valid[row] += 1
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                seq_lens: torch.Tensor, sm_scale: float) -> torch.Tensor:
-        """Append this step's K/V ([B, kv_heads, D]) of `layer` to the staged rows, then
-        attend: staged runs over the stage, paged rows over their pages (which the step
-        wrote before calling this)."""
+        """Append this step's K/V ([B, kv_heads, D]) of `layer`, then attend over the rows."""
         assert self._k is not None and self._v is not None  # noqa: S101 - sized by arrange
-        rows, slots = self._staged_rows, self._staged_positions
-        self._k[layer, rows, :, slots] = k[rows]
-        self._v[layer, rows, :, slots] = v[rows]
-        if len(self._runs) == 1 and not self._runs[0].paged:
-            run = self._runs[0]
-            return dense_decode_attention(q, self._k[layer, :run.end, :, :run.length],
-                                          self._v[layer, :run.end, :, :run.length], seq_lens,
-                                          sm_scale)
+        self._k[layer, self._rows_now, :, self._positions] = k
+        self._v[layer, self._rows_now, :, self._positions] = v
+        if len(self._groups) == 1:
+            (start, end), length = self._groups[0]
+            return dense_decode_attention(q, self._k[layer, :end, :, :length],
+                                          self._v[layer, :end, :, :length], seq_lens, sm_scale)
         out = torch.empty_like(q)
-        for run in self._runs:
-            a, b = run.start, run.end
-            if run.paged:
-                out[a:b] = paged_decode_attention_torch(
-                    q[a:b], self.pool.k_cache(layer), self.pool.v_cache(layer),
-                    self._tables[a], seq_lens[a:b], sm_scale)
-            else:
-                out[a:b] = dense_decode_attention(
-                    q[a:b], self._k[layer, a:b, :, :run.length],
-                    self._v[layer, a:b, :, :run.length], seq_lens[a:b], sm_scale)
+        for (start, end), length in self._groups:  # each run of rows over its own length
+            out[start:end] = dense_decode_attention(
+                q[start:end], self._k[layer, start:end, :, :length],
+                self._v[layer, start:end, :, :length], seq_lens[start:end], sm_scale)
         return out
 
 
-class Run(NamedTuple):
-    """Rows [start, end) attended together: over `length` staged positions, or (`paged`, one
-    row) over its pages."""
-
-    start: int
-    end: int
-    length: int
-    paged: bool = False
+LONG_ROW_FACTOR = 4  # a row this many times longer than the batch's median is attended alone
+LONG_ROW_MIN = 256  # tokens: shorter rows are never worth a call of their own
 
 
-LONG_ROW_FACTOR = 4  # a row this many times longer than the batch's median stays paged
-LONG_ROW_MIN = 256  # tokens: shorter rows are always staged
-
-
-def _long_rows(lengths: list[int]) -> list[int]:
-    """Rows far longer than the batch's (lower) median: attended over their pages."""
+def _length_groups(lengths: list[int]) -> list[tuple[tuple[int, int], int]]:
+    """Runs of rows ((start, end), length to attend over). One run over the longest length,
+    unless some rows are far longer than the median: padding every row to a long prompt's
+    context (one 3,000-token request among 50-token ones) multiplied the step's attention by
+    the batch size. Then each long row is a run of its own and the rows between them runs
+    over their own longest length. Rows stay in place: every run is a slice, nothing copies."""
     if not lengths:
-        return []
-    median = sorted(lengths)[(len(lengths) - 1) // 2]
+        return [((0, 0), 1)]
+    median = sorted(lengths)[(len(lengths) - 1) // 2]  # the lower median
     limit = max(LONG_ROW_FACTOR * median, LONG_ROW_MIN)
-    return [row for row, length in enumerate(lengths) if length > limit]
-
-
-def _runs(lengths: list[int], paged: list[bool]) -> list[Run]:
-    """Each paged row a run of its own; the staged rows between them a run over their own
-    longest length (rows stay in place: every run is a slice, nothing copies)."""
-    if not lengths:
-        return [Run(0, 0, 1)]
-    runs, start = [], 0
+    if max(lengths) <= limit:
+        return [((0, len(lengths)), max(lengths))]
+    groups, start = [], 0
     for row, length in enumerate(lengths):
-        if paged[row]:
+        if length > limit:
             if row > start:
-                runs.append(Run(start, row, max(lengths[start:row])))
-            runs.append(Run(row, row + 1, length, paged=True))
+                groups.append(((start, row), max(lengths[start:row])))
+            groups.append(((row, row + 1), length))
             start = row + 1
     if start < len(lengths):
-        runs.append(Run(start, len(lengths), max(lengths[start:])))
-    return runs
+        groups.append(((start, len(lengths)), max(lengths[start:])))
+    return groups

@@ -94,11 +94,10 @@ def test_stage_follows_the_pages_through_joins_and_departures() -> None:
     [3000, 20, 2900, 25],  # two, first and third
     [30, 40, 50, 2000],  # last
 ])
-def test_long_rows_stay_on_their_pages(lengths: list[int]) -> None:
-    """A batch mixing a long context with short ones (issue 20): the long rows attend over
-    their pages and the stage does not grow to their length (it grew every row to it, a
-    160 ms stall in traces); the short rows attend over their own longest length; results
-    equal the pages' at every step, and the long row is staged once the batch is all long."""
+def test_long_rows_are_attended_over_their_own_length(lengths: list[int]) -> None:
+    """A batch mixing a long context with short ones: the long rows run alone and the rest
+    over their own longest length (issue 20: padding every row to the long one multiplied
+    the step), with the same results as the pages."""
     pool = _pool(num_blocks=3000)
     free = list(range(pool.num_blocks - 1))
     gen = torch.Generator().manual_seed(3)
@@ -108,40 +107,23 @@ def test_long_rows_stay_on_their_pages(lengths: list[int]) -> None:
     assert batch is not None
     for _ in range(3):
         _step(pool, stage, batch, free, gen)
-    short = max(n for n in lengths if n < 256)
-    assert stage.capacity[1] < 256 <= min(n for n in lengths if n >= 256)
-    assert [run.paged for run in stage._runs].count(True) == sum(n >= 256 for n in lengths)
-    assert max(run.length for run in stage._runs if not run.paged) == short + 3
-    gathered = stage.num_gathered_tokens
-    longs = [s for s in batch if s.next_position >= 256]  # alone: staged, and still exact
-    batch = stage.arrange(longs)
-    assert batch is not None and not any(stage._paged)
-    _step(pool, stage, batch, free, gen)
-    assert stage.num_gathered_tokens == gathered + sum(s.next_position - 1 for s in longs)
-    assert stage.capacity[1] >= max(lengths)
+    longest = max(lengths) + 3
+    assert max(length for _, length in stage._groups) == longest
+    assert len(stage._groups) > 1  # not one run padded to the longest
+    assert sum(end - start for (start, end), _ in stage._groups) == len(lengths)
 
 
-@pytest.mark.parametrize("lengths, long_rows", [
-    ([10, 20, 30], []),
-    ([100, 300, 200], []),  # under LONG_ROW_MIN
-    ([40, 3000, 30, 50], [1]),
-    ([3000, 20], [0]),  # the lower median
-    ([3000, 3000, 20], []),
-    ([], []),
+@pytest.mark.parametrize("lengths, groups", [
+    ([10, 20, 30], [((0, 3), 30)]),
+    ([100, 300, 200], [((0, 3), 300)]),  # under LONG_ROW_MIN: one run
+    ([40, 3000, 30, 50], [((0, 1), 40), ((1, 2), 3000), ((2, 4), 50)]),
+    ([3000, 20], [((0, 1), 3000), ((1, 2), 20)]),
+    ([], [((0, 0), 1)]),
 ])
-def test_long_rows(lengths: list[int], long_rows: list[int]) -> None:
-    from decode_worker.kv_stage import _long_rows
+def test_length_groups(lengths: list[int], groups: list) -> None:
+    from decode_worker.kv_stage import _length_groups
 
-    assert _long_rows(lengths) == long_rows
-
-
-def test_runs_split_at_paged_rows() -> None:
-    from decode_worker.kv_stage import Run, _runs
-
-    assert _runs([40, 3000, 30, 50], [False, True, False, False]) == [
-        Run(0, 1, 40), Run(1, 2, 3000, paged=True), Run(2, 4, 50)]
-    assert _runs([10, 20], [False, False]) == [Run(0, 2, 20)]
-    assert _runs([], []) == [Run(0, 0, 1)]
+    assert _length_groups(lengths) == groups
 
 
 def test_over_budget_falls_back_then_rebuilds() -> None:
