@@ -4,6 +4,7 @@ the client adapters turn stats and decode updates into records faithfully."""
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 
@@ -76,8 +77,12 @@ def test_decode_updates_become_records() -> None:
     finished = worker_pb2.DecodeUpdate(request_id="r", token_ids=[1, 2])
     finished.finished.reason = FinishReason.LENGTH.value
     finished.finished.first_decode_step_s = 0.5
-    assert _update_from_proto(finished) == DecodeUpdate(
+    before = time.monotonic()
+    got = _update_from_proto(finished)
+    assert before <= got.received_s <= time.monotonic()  # when it was read off the stream
+    assert got._replace(received_s=0.0) == DecodeUpdate(
         "r", [1, 2], DecodeFinished(FinishReason.LENGTH, 0.5))
     failed = worker_pb2.DecodeUpdate(request_id="r", error_code=8, error_message="full")
-    assert _update_from_proto(failed) == DecodeUpdate("r", [], None, 8, "full")
+    assert _update_from_proto(failed)._replace(received_s=0.0) == DecodeUpdate(
+        "r", [], None, 8, "full")
     assert _update_from_proto(worker_pb2.DecodeUpdate(request_id="r")).error_code is None
