@@ -33,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.* helpers
 from bench.interference_attribution import slow_gap_table  # noqa: E402
 from deploy.default_model import BENCH_MODEL_HELP, bench_model
-from deploy.launcher import Deployment
+from deploy.launcher import Deployment, pin_threads
 from deploy.loadgen import BenchConfig, MixedWorkload, RandomWorkload, calculate_metrics
 from deploy.loadgen.bench import run_target
 from deploy.loadgen.plots import _pyplot
@@ -55,15 +55,6 @@ def _phase(address: str, name: str, requests, config: BenchConfig) -> dict[str, 
 
 def _times(record) -> list[float]:
     return [record.ttft_s + sum(record.itls_s[:i]) for i in range(len(record.itls_s) + 1)]
-
-
-def _pin_this_process(cpus: set[int]) -> None:
-    """Every thread of this (client) process, gRPC's included, onto `cpus`."""
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(tid), cpus)
-        except ProcessLookupError:
-            continue
 
 
 def _disaggregated(transport: str) -> str:
@@ -120,10 +111,11 @@ def main() -> None:
     cores = sorted(os.sched_getaffinity(0))
     pinning = {name: {"prefill": {cores[0]}, "decode": {cores[-1]}} for name in setups}
     pinning["colocated"] = {"colocated": set(cores[:2])}
-    if args.isolate_decode_core:  # the router too; this process below
+    client_cpus = {name: set(cores) for name in setups}  # this process's threads
+    if args.isolate_decode_core:  # the router and this client off the decode core
         for name in setups:
             if name != "colocated":
-                pinning[name]["router"] = {cores[0]}
+                pinning[name]["router"] = client_cpus[name] = {cores[0]}
     # --pin-transfer-threads: NIXL moves and checks K/V bytes on threads of their own; they
     # go to the prefill worker's core and the decode core only steps.
     transfer_pinning = {name: {"decode": {cores[0]}} for name in setups
@@ -138,8 +130,7 @@ def main() -> None:
                 if args.pin:
                     for role, cpus in pinning[name].items():
                         deployment.pin(role, cpus, transfer_pinning.get(name, {}).get(role))
-                _pin_this_process({cores[0]} if args.isolate_decode_core and name != "colocated"
-                                  else set(cores))
+                pin_threads(os.getpid(), client_cpus[name])
                 run = {phase: _phase(deployment.router_address, f"{name}-{phase}",
                                      workload.build(args.num_requests, 512, args.seed), config)
                        for phase, workload in (("unloaded", unloaded), ("loaded", loaded))}
@@ -152,8 +143,8 @@ def main() -> None:
     summary = {name: _summarize(r) for name, r in runs.items()}
     placement = {  # which process ran on which core
         name: {**{role: sorted(cpus) for role, cpus in pinning[name].items()},
-               "client": [cores[0]] if args.isolate_decode_core and name != "colocated"
-               else cores} if args.pin else "unpinned" for name in setups}
+               "client": sorted(client_cpus[name])} if args.pin else "unpinned"
+        for name in setups}
     print(f"placement (cores): {placement}")
     print(f"model {model}; {args.repeats} repetitions, median [min-max]")
     print(f"{args.num_requests} requests at {args.rate:g}/s; short {args.short_input}->"

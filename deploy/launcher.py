@@ -42,6 +42,17 @@ log = logging.getLogger("kvferry")
 ISOLATIONS = ("loopback", "netns")
 
 
+def pin_threads(pid: int, cpus: set[int], transfer_cpus: set[int] | None = None) -> None:
+    """Every thread of process `pid` onto `cpus` (later threads inherit it); the K/V
+    transfer threads (TRANSFER_THREAD) onto `transfer_cpus` when given."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        is_transfer = transfer_cpus is not None and _thread_name(pid, tid) == TRANSFER_THREAD
+        try:
+            os.sched_setaffinity(int(tid), transfer_cpus if is_transfer else cpus)
+        except ProcessLookupError:
+            continue  # the thread ended meanwhile
+
+
 @dataclass
 class Process:
     name: str
@@ -229,20 +240,10 @@ class Deployment:
         return [p.address for p in self.processes if serves(p.name, role)]
 
     def pin(self, role: str, cpus: set[int], transfer_cpus: set[int] | None = None) -> None:
-        """Pin every thread of the `role` processes to `cpus` (threads started later inherit
-        it): benchmarks on a small machine give latency-critical workers their own core.
-        `transfer_cpus`: the threads that move and check K/V bytes (NIXL transport, named by
-        kvferry.transfer.nixl_pages) go there instead, off the core that steps decoding."""
+        """`pin_threads` for every `role` process (benchmarks give a worker its own core)."""
         for proc in self.processes:
-            if proc.name.rsplit("-", 1)[0] != role:
-                continue
-            for tid in os.listdir(f"/proc/{proc.popen.pid}/task"):
-                is_transfer = _thread_name(proc.popen.pid, tid) == TRANSFER_THREAD
-                target = transfer_cpus if is_transfer and transfer_cpus is not None else cpus
-                try:
-                    os.sched_setaffinity(int(tid), target)
-                except ProcessLookupError:
-                    continue  # the thread ended meanwhile
+            if proc.name.rsplit("-", 1)[0] == role:
+                pin_threads(proc.popen.pid, cpus, transfer_cpus)
 
     def _process(self, name: str) -> Process:
         found = [p for p in self.processes if p.name == name]

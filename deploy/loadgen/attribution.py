@@ -228,14 +228,15 @@ def _contributions(traces: Traces, relays: list[Relay], producers: list[Step | N
     return parts
 
 
-def attribute(folder: Path, phase: str | None = None, tag: str | None = "short",
+def attribute(folder: Path | Traces, phase: str | None = None, tag: str | None = "short",
               factor: float = 3.0) -> Attribution:
     """Every slow gap (> factor x the median gap) of the client's requests of `tag` (None:
-    all) in `phase` (None: all), with its contributions and cause. Raises TraceError
-    (a ValueError) on a folder without traces, ValueError on factor <= 0."""
+    all) in `phase` (None: all), with its contributions and cause; `folder` may be already
+    loaded (one load for several phases). Raises TraceError (a ValueError) on a folder
+    without traces, ValueError on factor <= 0."""
     if factor <= 0:
         raise ValueError(f"factor: must be > 0, got {factor}")
-    traces = load(folder)
+    traces = folder if isinstance(folder, Traces) else load(folder)
     chosen = [a for a in traces.arrivals
               if (tag is None or a.tag == tag) and (phase is None or a.phase == phase)]
     gaps = [a.t[k] - a.t[k - 1] for a in chosen for k in range(1, len(a.t))]

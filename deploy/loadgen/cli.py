@@ -163,13 +163,13 @@ def _print_attribution(folder: Path) -> None:
     from deploy.loadgen.trace_load import TraceError, load
 
     try:
-        phases = sorted({a.phase for a in load(folder).arrivals})
+        traces = load(folder)
     except TraceError as exc:
         print(f"bench: --trace: {exc}", file=sys.stderr)
         return
-    for phase in phases:
+    for phase in sorted({a.phase for a in traces.arrivals}):
         print(f"\nslow token gaps of {phase} (trace: {folder})")
-        print(format_table(attribute(folder, phase=phase, tag=None)))
+        print(format_table(attribute(traces, phase=phase, tag=None)))
 
 
 def run(args: argparse.Namespace) -> int:
