@@ -6,11 +6,9 @@ colocated mode, the prompt is prefilled here) -> Decode attached -> joins the ru
 the next step boundary -> one token per step, one block more whenever a block fills ->
 finished, aborted or lease expired: its blocks go back to the free list exactly once.
 
-Memory policy: blocks are allocated as sequences grow. When a running sequence needs a block
-and none is free, the newest running sequence is preempted: its K/V is copied to host memory
-and its blocks freed (swap-out). Swapped sequences resume, oldest first, before any new
-reservation is granted, with their K/V copied back bit for bit, so preemption never changes a
-token. A request that could not fit even alone is refused at Reserve.
+Memory policy: blocks are allocated as sequences grow; when none is free, the newest running
+sequence is swapped out to host memory. Swapped sequences resume (K/V bit for bit, oldest
+first) before any new reservation is granted. Too big even alone: refused at Reserve.
 """
 
 from __future__ import annotations
@@ -267,6 +265,8 @@ class DecodeEngine:
         if seq.events is not None:
             seq.events.put_nowait(event)
         self.blocks.grant()
+        if self.steps.swapped:  # may fit now; with nothing running the step loop sleeps
+            self.steps.poke()
 
     async def _finish_after(self, job: PrefillJob, seq: DecodeSeq, event: DecodeEvent) -> None:
         await self.batcher.release(job)

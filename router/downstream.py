@@ -61,9 +61,14 @@ class Downstream:
 
     async def reserve(self, state: RouterRequest, prompt: list[int], max_tokens: int,
                       deadline: float | None) -> float:
-        """Reserve on the best decode worker; returns seconds spent waiting for headroom."""
+        """Reserve on the best decode worker; returns seconds spent waiting for headroom.
+        Nothing is reserved when the request was aborted before its turn."""
         need = blocks_needed(len(prompt), max_tokens, self.workers.block_size())
         candidates, waited = await self._admit(state, need, deadline)
+        if state.is_aborted:
+            # Aborted while it waited: a reservation now would only take blocks a running
+            # request may need to grow (it would be swapped out for nothing).
+            return waited
         last_error = ""
         for worker in candidates:
             worker.add_in_flight(state.request_id, need, 0, state.block_keys)

@@ -147,6 +147,10 @@ class Router:
                                                or not self.workers.has_prefill_workers()):
                 waited = await self.downstream.reserve(state, context, remaining, deadline)
                 timing = timing._replace(admission_wait_s=timing.admission_wait_s + waited)
+                if state.is_aborted:
+                    yield ChunkEvent([], detok.finish())
+                    yield DoneEvent(FinishReason.ABORT, len(prompt), len(generated), timing)
+                    return
             if not generated:
                 timing = timing._replace(queue_s=time.perf_counter() - received)
             first_msg = await self.downstream.first_token(state, context, params, deadline,

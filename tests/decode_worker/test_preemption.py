@@ -121,3 +121,42 @@ def test_swapped_kv_comes_back_bit_for_bit(model: Transformer) -> None:
     assert _decode_both(roomy) == got
     assert roomy.steps.num_preemptions == 0
     assert all(len(tokens) == MAX_TOKENS - 1 for tokens in got.values())
+
+
+def test_a_sequence_swapped_out_by_an_idle_reservation_resumes_when_it_is_aborted(
+        model: Transformer) -> None:
+    """A decodes alone; B's reservation (never pushed, as when the router aborts a request
+    that waited for memory) takes the blocks A's growth needs, so A swaps itself out and the
+    step loop has nothing left to run. Aborting B must wake the loop to swap A back in: a
+    CI run once hung there until the client's deadline."""
+    engine = _engine(model, SMALL_POOL)
+
+    async def run() -> list[int]:
+        engine.start()
+        try:
+            await engine.reserve("A", PROMPT, MAX_TOKENS, 30.0)
+            _push(engine, "A", 1)
+            queue = engine.attach("A", 7, SamplingParams(temperature=0.0), MAX_TOKENS - 1, [])
+            await engine.reserve("B", PROMPT, MAX_TOKENS, 30.0)
+            for _ in range(6000):
+                if engine.steps.swapped:
+                    break
+                await asyncio.sleep(0.005)
+            assert [s.request_id for s in engine.steps.swapped] == ["A"]
+            assert not engine.steps.running
+            engine.abort("B")
+            tokens: list[int] = []
+            while True:
+                event = await asyncio.wait_for(queue.get(), 30)
+                if not isinstance(event, TokensEvent):
+                    assert isinstance(event, FinishedEvent), event
+                    assert event.reason is FinishReason.LENGTH
+                    return tokens
+                tokens += event.token_ids
+        finally:
+            await engine.stop()
+
+    tokens = asyncio.run(run())
+    assert len(tokens) == MAX_TOKENS - 1
+    assert engine.steps.num_preemptions == 1
+    assert engine.pool.allocator.num_free == SMALL_POOL
