@@ -30,7 +30,9 @@ class AttentionBackend(NamedTuple):
     """The two paged-KV operations the model needs, from one implementation: the one
     interface between `kvferry.model.transformer` and the kernels (the core imports it from
     here; kernels/ never imports kvferry). Both work on one layer's pages,
-    k_cache / v_cache [num_blocks, block_size, kv_heads, head_dim]."""
+    k_cache / v_cache [num_blocks, block_size, kv_heads, head_dim]: full-precision tensors,
+    or both `kv_quant.QuantPages` (int8 / fp8 values with their scales), which write_kv
+    quantizes into and decode_attention dequantizes from."""
 
     name: str
     decode_attention: DecodeAttentionFn

@@ -3,33 +3,80 @@
 These are the CPU implementations the decode worker runs and the oracle the Triton kernels
 are tested against. They gather only the valid positions of each sequence, so whatever
 lives in unused slots or padding blocks (garbage, NaN) can never reach the output.
+
+A cache is either a full-precision tensor [num_blocks, block_size, Hkv, D] or
+`kv_quant.QuantPages` (int8 / fp8 values with a float32 scale per token and K/V head, views
+into the pool's bytes): the append quantizes with `kv_quant.quantize`, attention reads the
+valid positions back with `kv_quant.dequantize` and attends in fp32.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kernels.kv_quant import QuantPages, dequantize, kv_dtype_of, quantize
+
+
+def _storage_bytes(data: torch.Tensor) -> torch.Tensor:
+    """fp8 values as raw bytes (same shape and strides): indexing and copies of float8
+    tensors are not implemented on every device, bytes always are."""
+    return data.view(torch.uint8) if data.dtype == torch.float8_e4m3fn else data
+
+
+def write_quant_ref(
+    x: torch.Tensor,  # [T, Hkv, D]
+    pages: QuantPages,  # data [num_blocks, block_size, Hkv, D], scale [num_blocks, block_size, Hkv]
+    slots: torch.Tensor,  # [T] int64
+) -> None:
+    """Quantize each token's vectors and store values and scales in their slots, in place
+    through the views (so into the pool bytes they view)."""
+    block_size = pages.data.shape[1]
+    values, scales = quantize(x, kv_dtype_of(pages))  # [T, Hkv, D], [T, Hkv]
+    blocks, offsets = slots // block_size, slots % block_size
+    # Indexed assignment writes through strided views; `.view(N * bs, ...)` would not.
+    _storage_bytes(pages.data)[blocks, offsets] = _storage_bytes(values)
+    pages.scale[blocks, offsets] = scales
+
 
 def write_kv_ref(
     k: torch.Tensor,  # [T, Hkv, D]
     v: torch.Tensor,  # [T, Hkv, D]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    k_cache: torch.Tensor | QuantPages,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor | QuantPages,  # [num_blocks, block_size, Hkv, D]
     slot_mapping: torch.Tensor,  # [T] int64, slot = block_id * block_size + offset
 ) -> None:
-    """Write each token's K/V into its slot of the paged pool (in place)."""
-    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    """Write each token's K/V into its slot of the paged pool (in place); quantized caches
+    get `kv_quant.quantize`'s values and scales."""
     slots = slot_mapping.to(torch.int64)
+    if isinstance(k_cache, QuantPages) and isinstance(v_cache, QuantPages):
+        write_quant_ref(k, k_cache, slots)
+        write_quant_ref(v, v_cache, slots)
+        return
+    if isinstance(k_cache, QuantPages) or isinstance(v_cache, QuantPages):
+        raise ValueError("k_cache and v_cache must both be QuantPages or both tensors")
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     k_flat = k_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
     v_flat = v_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
     k_flat.index_copy_(0, slots, k.to(k_cache.dtype))
     v_flat.index_copy_(0, slots, v.to(v_cache.dtype))
 
 
+def _valid_positions(cache: torch.Tensor | QuantPages, ids: torch.Tensor,
+                     n: int) -> torch.Tensor:  # [n, Hkv, D] float32
+    """The first n positions of the blocks `ids`, in fp32 (dequantized if quantized)."""
+    num_kv_heads, head_dim = cache.shape[2], cache.shape[3]
+    if isinstance(cache, QuantPages):
+        values = _storage_bytes(cache.data).index_select(0, ids)  # [nb, P, Hkv, D]
+        values = values.view(cache.data.dtype).reshape(-1, num_kv_heads, head_dim)[:n]
+        scales = cache.scale.index_select(0, ids).reshape(-1, num_kv_heads)[:n]  # [n, Hkv]
+        return dequantize(values, scales)
+    return cache.index_select(0, ids).reshape(-1, num_kv_heads, head_dim)[:n].float()
+
+
 def paged_decode_attention_ref(
     q: torch.Tensor,  # [B, Hq, D]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    k_cache: torch.Tensor | QuantPages,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor | QuantPages,  # [num_blocks, block_size, Hkv, D]
     block_table: torch.Tensor,  # [B, max_blocks] int32
     seq_lens: torch.Tensor,  # [B] int32, tokens already in the cache (new token included)
     sm_scale: float,
@@ -49,11 +96,11 @@ def paged_decode_attention_ref(
             continue
         num_blocks = (n + block_size - 1) // block_size
         ids = block_table[b, :num_blocks].to(torch.int64)
-        k = k_cache.index_select(0, ids).reshape(-1, num_kv_heads, head_dim)[:n]  # [n, Hkv, D]
-        v = v_cache.index_select(0, ids).reshape(-1, num_kv_heads, head_dim)[:n]
+        k = _valid_positions(k_cache, ids, n)  # [n, Hkv, D]
+        v = _valid_positions(v_cache, ids, n)
         qb = q[b].float().view(num_kv_heads, group, head_dim)  # [Hkv, G, D]
-        scores = torch.einsum("hgd,nhd->hgn", qb, k.float()) * sm_scale  # [Hkv, G, n]
+        scores = torch.einsum("hgd,nhd->hgn", qb, k) * sm_scale  # [Hkv, G, n]
         probs = torch.softmax(scores, dim=-1)
-        ob = torch.einsum("hgn,nhd->hgd", probs, v.float())  # [Hkv, G, D]
+        ob = torch.einsum("hgn,nhd->hgd", probs, v)  # [Hkv, G, D]
         out[b] = ob.reshape(num_q_heads, head_dim).to(q.dtype)
     return out

@@ -9,12 +9,17 @@ Why no zeroing of the gathered padding: a masked position gets probability exact
 finite garbage there contributes exactly 0. Only non-finite garbage (inf, NaN) can leak, and
 it can only turn a row into NaN, never into a wrong finite value. So rows that come out NaN are
 recomputed with K and V zeroed past their length; all others are already exact.
+
+Quantized caches (`kv_quant.QuantPages`) are gathered the same way, values and scales, and
+dequantized to fp32 before attending: the same numbers the reference attends over.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from kernels.kv_quant import QuantPages, dequantize
 
 
 def _gather(cache: torch.Tensor, ids: torch.Tensor, batch: int, num_blocks: int,
@@ -28,6 +33,24 @@ def _gather(cache: torch.Tensor, ids: torch.Tensor, batch: int, num_blocks: int,
     else:
         rows = cache.index_select(0, ids)
     return rows.view(shape)[:, :max_len].float()
+
+
+def _gather_rows(pages: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:  # [len(ids), ...]
+    """Blocks `ids` of pages whose block dim is strided but whose rest is contiguous (a
+    `split_pages` view): copied as flat rows, like the contiguous case of `_gather`."""
+    return pages.flatten(1).index_select(0, ids).view(len(ids), *pages.shape[1:])
+
+
+def _gather_quant(pages: QuantPages, ids: torch.Tensor, batch: int, num_blocks: int,
+                  max_len: int) -> torch.Tensor:  # [B, L, Hkv, D] float32
+    block_size, num_kv_heads, head_dim = pages.data.shape[1:]
+    data = pages.data
+    raw = data.view(torch.uint8) if data.dtype == torch.float8_e4m3fn else data  # fp8 as bytes
+    values = _gather_rows(raw, ids).view(data.dtype)  # [B * nb, P, Hkv, D]
+    scales = _gather_rows(pages.scale, ids)  # [B * nb, P, Hkv]
+    length = num_blocks * block_size
+    values = values.view(batch, length, num_kv_heads, head_dim)[:, :max_len]
+    return dequantize(values, scales.view(batch, length, num_kv_heads)[:, :max_len])
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, invalid: torch.Tensor,
@@ -70,8 +93,8 @@ def dense_decode_attention(
 
 def paged_decode_attention_torch(
     q: torch.Tensor,  # [B, Hq, D]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    k_cache: torch.Tensor | QuantPages,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor | QuantPages,  # [num_blocks, block_size, Hkv, D]
     block_table: torch.Tensor,  # [B, max_blocks] int32
     seq_lens: torch.Tensor,  # [B] int32
     sm_scale: float,
@@ -83,8 +106,10 @@ def paged_decode_attention_torch(
         return torch.zeros_like(q)
     num_blocks = (max_len + block_size - 1) // block_size
     ids = block_table[:, :num_blocks].reshape(-1).to(torch.int64)  # [B * nb]
-    k = _gather(k_cache, ids, batch, num_blocks, max_len)
-    v = _gather(v_cache, ids, batch, num_blocks, max_len)
+    gather_k = _gather_quant if isinstance(k_cache, QuantPages) else _gather
+    gather_v = _gather_quant if isinstance(v_cache, QuantPages) else _gather
+    k = gather_k(k_cache, ids, batch, num_blocks, max_len)  # [B, L, Hkv, D] float32
+    v = gather_v(v_cache, ids, batch, num_blocks, max_len)
     invalid = torch.arange(max_len, device=q.device)[None, :] >= seq_lens[:, None].to(q.device)
     out = _attend(q, k.transpose(1, 2), v.transpose(1, 2), invalid, sm_scale)
     bad = out.isnan().flatten(1).any(dim=1)  # [B]

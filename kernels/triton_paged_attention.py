@@ -15,8 +15,20 @@ Design:
 - Loads of K/V and of the block table are masked by position, so padding entries of the
   block table and stale slots of a partly filled page are never read.
 
+- Quantized caches (`kv_quant.QuantPages`: int8 or fp8 e4m3 values, a float32 scale per
+  token and K/V head, strided views into the pool's bytes) are read as their values and
+  scales and dequantized inside the kernel. K: the values, converted to q's dtype (exact:
+  int8 and e4m3 values are all representable in fp16, bf16 and fp32), go into the dot
+  unscaled, and each score column is multiplied by its token's K scale; that is one multiply
+  per token instead of one per element. V: the tile is dequantized (values x scale per row,
+  in fp32) before its dot. Scaling p by the V scale instead would be as cheap, but p x scale
+  can fall under fp16's normal range (scales of ~1e-4 are common) and lose bits there.
+
 `TRITON_INTERPRET=1` must be set before this module is imported to run it on CPU tensors.
-The interpreter mishandles bf16 (raw integers), so bf16 inputs are upcast to fp32 there.
+The interpreter mishandles bf16 (raw integers), so bf16 inputs are upcast to fp32 there
+(q only, for quantized caches). The interpreter loads fp8 e4m3 correctly (every finite
+byte decodes as torch does; the NaN bytes 0x7f / 0xff read as +-480, and no write produces
+them).
 """
 
 from __future__ import annotations
@@ -28,6 +40,8 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+
+from kernels.kv_quant import QuantPages
 
 # Read once: triton decides at decoration time whether a kernel is interpreted.
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -123,6 +137,8 @@ def _decode_stage1_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     block_table_ptr,
     seq_lens_ptr,
     out_ptr,
@@ -142,6 +158,12 @@ def _decode_stage1_kernel(
     stride_vp,
     stride_vh,
     stride_vd,
+    stride_ksn,
+    stride_ksp,
+    stride_ksh,
+    stride_vsn,
+    stride_vsp,
+    stride_vsh,
     stride_btb,
     stride_btp,
     stride_ob,
@@ -162,6 +184,7 @@ def _decode_stage1_kernel(
     BLOCK_N: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    IS_QUANT: tl.constexpr,  # K/V are int8/fp8 values with scales (else scale pointers unused)
 ):
     split = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -189,6 +212,8 @@ def _decode_stage1_kernel(
     bt_row = block_table_ptr + b.to(tl.int64) * stride_btb
     k_head = k_cache_ptr + kv_head * stride_kh
     v_head = v_cache_ptr + kv_head * stride_vh
+    k_scale_head = k_scale_ptr + kv_head * stride_ksh
+    v_scale_head = v_scale_ptr + kv_head * stride_vsh
 
     # Every tile below starts before seq_len, so each row sees a finite score and m_i
     # becomes finite on the first iteration: no (-inf) - (-inf).
@@ -203,7 +228,14 @@ def _decode_stage1_kernel(
         k = tl.load(
             k_head + k_off[:, None] + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0
         )  # [BLOCK_N, BLOCK_D]
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
+        if IS_QUANT:
+            k_sc = tl.load(
+                k_scale_head + page * stride_ksn + in_page * stride_ksp, mask=mask_n, other=0.0
+            )  # [BLOCK_N]
+            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
+            s = s * (k_sc * qk_scale)[None, :]  # [BLOCK_G, BLOCK_N]
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -213,6 +245,11 @@ def _decode_stage1_kernel(
         v = tl.load(
             v_head + v_off[:, None] + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0
         )  # [BLOCK_N, BLOCK_D]
+        if IS_QUANT:
+            v_sc = tl.load(
+                v_scale_head + page * stride_vsn + in_page * stride_vsp, mask=mask_n, other=0.0
+            )  # [BLOCK_N]
+            v = (v.to(tl.float32) * v_sc[:, None]).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -289,12 +326,12 @@ def _decode_stage2_kernel(
 
 def _check_inputs(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    k_cache: torch.Tensor | QuantPages,
+    v_cache: torch.Tensor | QuantPages,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
 ) -> None:
-    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+    if q.dim() != 3 or len(k_cache.shape) != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(
             f"q must be [B, Hq, D] and k_cache/v_cache equal [N, P, Hkv, D]; got "
             f"q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, "
@@ -307,7 +344,20 @@ def _check_inputs(
             f"head_dim/heads mismatch: q {tuple(q.shape)}, cache "
             f"{tuple(k_cache.shape)} (Hq must be a multiple of Hkv)"
         )
-    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+    is_quant = isinstance(k_cache, QuantPages)
+    if is_quant != isinstance(v_cache, QuantPages):
+        raise ValueError("k_cache and v_cache must both be QuantPages or both tensors")
+    if is_quant:
+        if k_cache.data.dtype != v_cache.data.dtype or any(
+            p.scale.shape != p.data.shape[:3] or p.scale.dtype != torch.float32
+            for p in (k_cache, v_cache)
+        ):
+            raise ValueError(
+                f"QuantPages must hold equal value dtypes and float32 scales [N, P, Hkv]; got "
+                f"{k_cache.data.dtype} / {v_cache.data.dtype} values, scales "
+                f"{tuple(k_cache.scale.shape)} / {tuple(v_cache.scale.shape)}"
+            )
+    elif not (q.dtype == k_cache.dtype == v_cache.dtype):
         raise ValueError(
             f"dtype mismatch: q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}"
         )
@@ -348,8 +398,8 @@ def _check_workspace(
 
 def paged_decode_attention_triton(
     q: torch.Tensor,  # [B, Hq, D], any strides
-    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    k_cache: torch.Tensor | QuantPages,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor | QuantPages,  # [num_blocks, block_size, Hkv, D]
     block_table: torch.Tensor,  # [B, max_blocks] int32
     seq_lens: torch.Tensor,  # [B] int32
     sm_scale: float,
@@ -362,13 +412,15 @@ def paged_decode_attention_triton(
     `num_splits` defaults to the workspace's split count when one is given, else to
     `choose_num_splits` on the block-table capacity. Passing a fixed `workspace` and `out`
     makes the call allocation-free and its grid fixed (CUDA-graph capturable).
+    K/V caches are both tensors of q's dtype or both `kv_quant.QuantPages` (any q dtype).
     """
     _check_inputs(q, k_cache, v_cache, block_table, seq_lens)
+    is_quant = isinstance(k_cache, QuantPages)
     if _INTERPRET and q.dtype == torch.bfloat16:
         result = paged_decode_attention_triton(
             q.float(),
-            k_cache.float(),
-            v_cache.float(),
+            k_cache if is_quant else k_cache.float(),
+            v_cache if is_quant else v_cache.float(),
             block_table,
             seq_lens,
             sm_scale,
@@ -412,11 +464,19 @@ def paged_decode_attention_triton(
         ws = DecodeWorkspace(out, out, out)
         po_strides, pm_strides = (0, 0, 0, 0), (0, 0, 0)
 
+    if is_quant:
+        k_data, v_data, k_scale, v_scale = k_cache.data, v_cache.data, k_cache.scale, v_cache.scale
+        k_scale_strides, v_scale_strides = k_scale.stride(), v_scale.stride()
+    else:  # the scale pointers are never dereferenced
+        k_data, v_data, k_scale, v_scale = k_cache, v_cache, k_cache, v_cache
+        k_scale_strides = v_scale_strides = (0, 0, 0)
     block_d = triton.next_power_of_2(head_dim)
     _decode_stage1_kernel[(num_splits, num_kv_heads, batch)](
         q,
-        k_cache,
-        v_cache,
+        k_data,
+        v_data,
+        k_scale,
+        v_scale,
         block_table,
         seq_lens,
         out,
@@ -426,8 +486,10 @@ def paged_decode_attention_triton(
         sm_scale * _LOG2E,
         num_splits,
         *q.stride(),
-        *k_cache.stride(),
-        *v_cache.stride(),
+        *k_data.stride(),
+        *v_data.stride(),
+        *k_scale_strides,
+        *v_scale_strides,
         *block_table.stride(),
         *out.stride(),
         *po_strides,
@@ -440,6 +502,7 @@ def paged_decode_attention_triton(
         BLOCK_N=cfg.block_n,
         SINGLE_SPLIT=num_splits == 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        IS_QUANT=is_quant,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
