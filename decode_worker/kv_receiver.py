@@ -81,7 +81,7 @@ class KvReceiver:
         wire.check_span(self.layout, num_tokens, span, len(data))
         if wire.crc32(data) != crc32:
             raise InvalidArgument("chunk checksum mismatch: corrupted in flight", "crc32")
-        if not wire.is_finite(data, self.pool.dtype):
+        if not wire.is_finite(data, self.pool):
             raise DataLoss("chunk holds non-finite K/V (inf or NaN); nothing written", "data")
         rows = slice(span.layer_start, span.layer_end)
         cols = slice(span.block_start, span.block_start + span.num_blocks)

@@ -53,7 +53,7 @@ class KvStage:
     def nbytes(self, rows: int, length: int) -> int:
         p = self.pool
         return (2 * p.num_layers * rows * p.num_kv_heads * length * p.head_dim
-                * p.cache.element_size())
+                * p.dtype.itemsize)
 
     def clear(self) -> None:
         self._seqs, self._valid = [], []
@@ -121,7 +121,7 @@ class KvStage:
     def _resize(self, rows: int, length: int) -> None:
         p = self.pool
         shape = (p.num_layers, rows, p.num_kv_heads, length, p.head_dim)
-        k = torch.zeros(shape, dtype=p.cache.dtype, device=p.cache.device)
+        k = torch.zeros(shape, dtype=p.dtype, device=p.cache.device)
         v = torch.zeros_like(k)
         if self._k is not None and self._v is not None and self._seqs:
             n, old = len(self._seqs), min(self._k.shape[3], length)
@@ -153,7 +153,7 @@ class KvStage:
         blocks = -(-n // p.block_size)
         ids = torch.tensor(seq.block_table[:blocks], device=p.cache.device)
         # [layers, 2, blocks, block_size, kv_heads, D] -> [layers, 2, kv_heads, n, D]
-        pages = p.cache.index_select(2, ids).flatten(2, 3)[:, :, :n].transpose(2, 3)
+        pages = p.dense(p.cache.index_select(2, ids)).flatten(2, 3)[:, :, :n].transpose(2, 3)
         self._k[:, row, :, :n] = pages[:, 0]
         self._v[:, row, :, :n] = pages[:, 1]
         self._clear_tail(row, n)

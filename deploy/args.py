@@ -29,6 +29,7 @@ from kvferry.settings import (
     DEFAULT_TORCH_THREADS,
     DEPLOYMENT_TORCH_THREADS,
     DTYPES,
+    KV_CACHE_DTYPES,
     KV_TRANSPORTS,
     POLICIES,
     PublicLimits,
@@ -101,6 +102,9 @@ def _worker_parser(sub: argparse._SubParsersAction, role: str) -> None:
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="do not keep finished requests' full K/V blocks for reuse by later "
                         "prompts with the same prefix (prefix caching is on by default)")
+    p.add_argument("--kv-cache-dtype", default=KV_CACHE_DTYPES[0], choices=KV_CACHE_DTYPES,
+                   help="K/V pages as the model's dtype (auto) or quantized with a scale "
+                        "per token and K/V head; every worker must use the same")
     p.add_argument("--kv-max-resends", type=int, default=DEFAULT_KV_MAX_RESENDS,
                    help="resend a K/V push the receiver found corrupted; 0: fail (DATA_LOSS)")
     p.add_argument("--kv-transport", default=KV_TRANSPORTS[0], choices=KV_TRANSPORTS,
@@ -137,6 +141,8 @@ def _deployment_args(p: argparse.ArgumentParser) -> None:
                    help="baseline: --num-decode workers each serving prefill and decode")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="every worker: no prefix cache (see `kvferry decode-worker --help`)")
+    p.add_argument("--kv-cache-dtype", default=KV_CACHE_DTYPES[0], choices=KV_CACHE_DTYPES,
+                   help="every worker's K/V pool (see `kvferry decode-worker --help`)")
     p.add_argument("--kv-transport", default=KV_TRANSPORTS[0], choices=KV_TRANSPORTS,
                    help="ray: router and workers run as Ray actors and K/V pages travel as "
                         "Ray object refs; nixl: decode workers read K/V pages from prefill "
@@ -182,16 +188,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True,
                    help="directory for ca.crt, tls.crt, tls.key, token (CA key: private/)")
     p.add_argument("--name", action="append", default=[],
-                   help="subject alternative name (DNS name or IP); default: localhost, "
-                        "127.0.0.1")
+                   help="subject alternative name (DNS name or IP); default: localhost, 127.0.0.1")
 
     p = sub.add_parser("make-model", help="write a seeded checkpoint in Hugging Face format")
     p.add_argument("--out", default=str(DEFAULT_MODEL_DIR))
     p.add_argument("--arch", default="qwen3", choices=["qwen3", "llama"])
 
-    _worker_parser(sub, "prefill")
-    _worker_parser(sub, "decode")
-    _worker_parser(sub, "colocated")
+    for role in ("prefill", "decode", "colocated"):
+        _worker_parser(sub, role)
 
     p = sub.add_parser("router", help="run the router process")
     p.add_argument("--model", default=None, help=MODEL_HELP)
@@ -272,7 +276,7 @@ def worker_settings(args: argparse.Namespace) -> WorkerSettings:
         prefill_chunk_size=args.prefill_chunk_size, decode_stage_mib=args.decode_stage_mib,
         compile=args.compile, compile_batch_sizes=args.compile_batch_sizes,
         cuda_graphs=args.cuda_graphs, prefix_caching=args.prefix_caching,
-        kv_max_resends=args.kv_max_resends,
+        kv_cache_dtype=args.kv_cache_dtype, kv_max_resends=args.kv_max_resends,
         kv_transport=args.kv_transport, drain_timeout_s=args.drain_timeout_s,
         metrics_port=args.metrics_port, security=security_settings(args),
     )

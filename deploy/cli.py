@@ -70,7 +70,8 @@ def _deployment(args: argparse.Namespace):
         + security_argv(args),
         worker_args=security_argv(args) + ([] if args.prefix_caching
                                            else ["--no-prefix-caching"])
-        + (["--kv-transport", "nixl"] if args.kv_transport == "nixl" else []),
+        + (["--kv-transport", "nixl"] if args.kv_transport == "nixl" else [])
+        + (["--kv-cache-dtype", args.kv_cache_dtype] if args.kv_cache_dtype != "auto" else []),
     )
     if args.kv_transport == "ray":
         from deploy.ray_launcher import RayDeployment

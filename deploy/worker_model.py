@@ -57,13 +57,16 @@ def _memory_bytes(device: torch.device) -> int:
 def build_pool(settings: WorkerSettings, config, device: torch.device,
                dtype: torch.dtype) -> KvPool:
     size = parse_pool_size(settings.kv_pool_size, _memory_bytes(device))
-    shape = KvShape(config.num_layers, config.num_kv_heads, config.head_dim, dtype_name(dtype))
+    kv_dtype = (dtype_name(dtype) if settings.kv_cache_dtype == "auto"
+                else settings.kv_cache_dtype)
+    shape = KvShape(config.num_layers, config.num_kv_heads, config.head_dim, kv_dtype)
     per_block = shape.bytes_per_block(settings.block_size)
     num_blocks = size // per_block
     if num_blocks < 1:
         raise ValueError(f"kv_pool_size: {size} bytes holds no {per_block}-byte block")
     return KvPool(config.num_layers, config.num_kv_heads, config.head_dim, settings.block_size,
-                  num_blocks, dtype, device, prefix_caching=settings.prefix_caching)
+                  num_blocks, dtype, device, prefix_caching=settings.prefix_caching,
+                  kv_cache_dtype=settings.kv_cache_dtype)
 
 
 def build_model(settings: WorkerSettings) -> tuple[Transformer, KvPool, str]:

@@ -33,6 +33,9 @@ ROLES = ("prefill", "decode", "colocated")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # auto: triton on CUDA, torch on CPU
 KV_TRANSPORTS = ("grpc", "ray", "nixl")
+# K/V pages as the model computes them (auto) or quantized (kernels/kv_quant.py, whose
+# KV_CACHE_DTYPES this equals: kept here too so that flags parse without importing torch).
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
 TRANSFER_THREAD = "kvferry-xfer"  # OS name of the threads that move and check K/V bytes
 # Decode step: eager, or torch.compile'd per batch-size bucket (kvferry/model/compiled.py).
 COMPILE_MODES = ("off", "default", "max-autotune")
@@ -150,6 +153,7 @@ class WorkerSettings:
     cuda_graphs: str = CUDA_GRAPH_MODES[0]  # decode/colocated, CUDA + Triton only; else moot
     # Keep finished requests' full K/V blocks indexed for reuse (kvferry/cache/prefix.py).
     prefix_caching: bool = True
+    kv_cache_dtype: str = KV_CACHE_DTYPES[0]  # auto: K/V stored as the model computes them
     # Resend a K/V push corrupted in flight this many times; 0: fail with DATA_LOSS.
     kv_max_resends: int = DEFAULT_KV_MAX_RESENDS
     kv_transport: str = KV_TRANSPORTS[0]  # how pages move (ray: Ray actors; nixl: NIXL reads)
@@ -161,6 +165,9 @@ class WorkerSettings:
         if self.role not in ROLES:
             raise ValueError(f"role: expected prefill, decode or colocated, got {self.role!r}")
         _check_common(self.drain_timeout_s, self.metrics_port)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype: expected one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.kv_transport not in KV_TRANSPORTS:
             raise ValueError(f"kv_transport: expected {', '.join(KV_TRANSPORTS)}, got "
                              f"{self.kv_transport!r}")

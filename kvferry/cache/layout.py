@@ -29,16 +29,22 @@ class KvDtype(NamedTuple):
 
     torch_dtype: torch.dtype | None  # None: sized for `kvferry plan` only; no pool holds it
     size_bytes: int
+    scale_bytes: int = 0  # per token and K/V head, beside the values (quantized pages)
 
 
 DTYPES: dict[str, KvDtype] = {
     "float32": KvDtype(torch.float32, 4),
     "float16": KvDtype(torch.float16, 2),
     "bfloat16": KvDtype(torch.bfloat16, 2),
-    # Quantized caches: `kvferry plan` sizes them, the pool and the kernels do not store them.
+    # Quantized pages (`--kv-cache-dtype`, kernels/kv_quant.py): a float32 scale per token
+    # and K/V head travels with the values.
+    "int8": KvDtype(torch.int8, 1, 4),
+    "fp8_e4m3": KvDtype(torch.float8_e4m3fn, 1, 4),
+    # vLLM's fp8 cache (one scale per layer): `kvferry plan` sizes it; no pool stores it.
     "fp8": KvDtype(None, 1),
-    "int8": KvDtype(None, 1),
 }
+# Names a pool's K/V may be stored as besides the model's own dtype (--kv-cache-dtype).
+QUANTIZED_KV_DTYPES = ("int8", "fp8_e4m3")
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -86,8 +92,9 @@ class KvShape:
 
     @property
     def bytes_per_token_layer(self) -> int:
-        """K and V of one token in one layer."""
-        return 2 * self.num_kv_heads * self.head_dim * DTYPES[self.dtype].size_bytes
+        """K and V of one token in one layer (with their scales when quantized)."""
+        entry = DTYPES[self.dtype]
+        return 2 * self.num_kv_heads * (self.head_dim * entry.size_bytes + entry.scale_bytes)
 
     @property
     def bytes_per_token(self) -> int:
@@ -191,7 +198,8 @@ class KvLayout:
     def of_pool(pool: KvPool, model_fingerprint: str) -> KvLayout:
         return KvLayout(
             pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.block_size,
-            dtype_name(pool.dtype), model_fingerprint,
+            pool.kv_cache_dtype if pool.is_quantized else dtype_name(pool.dtype),
+            model_fingerprint,
         )
 
     @cached_property

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.dispatch import AttentionBackend
+from kernels.kv_quant import fake_quantize
 from kvferry.cache.pool import KvPool
 from kvferry.model.config import ModelConfig
 from kvferry.model.weights import load_weights
@@ -183,6 +184,9 @@ class Transformer:
         def write_then_attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                               ) -> torch.Tensor:
             self.backend.write_kv(k, v, pool.k_cache(layer), pool.v_cache(layer), slot_mapping)
+            if pool.is_quantized:  # attend over what the pages hold, as later steps will
+                k = fake_quantize(k, pool.kv_cache_dtype)
+                v = fake_quantize(v, pool.kv_cache_dtype)
             return attend(layer, q, k, v)
         return write_then_attend
 
@@ -238,8 +242,9 @@ class Transformer:
         num_blocks = (total + pool.block_size - 1) // pool.block_size
         ids = torch.tensor(table[:num_blocks], device=self.device)
         shape = (-1, pool.num_kv_heads, pool.head_dim)
-        ks = pool.k_cache(layer)[ids].reshape(shape)[:total].transpose(0, 1)[None]
-        vs = pool.v_cache(layer)[ids].reshape(shape)[:total].transpose(0, 1)[None]
+        pages = pool.dense(pool.cache[layer].index_select(1, ids))  # [2, blocks, bs, Hkv, D]
+        ks = pages[0].reshape(shape)[:total].transpose(0, 1)[None]
+        vs = pages[1].reshape(shape)[:total].transpose(0, 1)[None]
         q_pos = torch.arange(context, total, device=self.device)
         mask = torch.arange(total, device=self.device)[None, :] <= q_pos[:, None]  # [n, total]
         return ks, vs, mask

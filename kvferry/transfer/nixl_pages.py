@@ -29,7 +29,6 @@ import torch
 
 from kvferry.cache.pool import KvPool
 from kvferry.settings import TRANSFER_THREAD
-from kvferry.transfer import wire
 from kvferry.transfer.wire import ChunkSpan
 
 NIXL_INSTALL = "pip install nixl-cu12==1.5.1 (or nixl==1.5.1, which picks the CUDA build)"
@@ -158,7 +157,7 @@ def add_peer(agent: Any, metadata: bytes) -> str:
 
 
 def page_bytes(pool: KvPool) -> int:
-    return pool.block_size * pool.num_kv_heads * pool.head_dim * pool.cache.element_size()
+    return pool.page_nbytes
 
 
 def _runs(*tables: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -217,7 +216,5 @@ def crc32_pages(pool: KvPool, block_table: list[int], span: ChunkSpan) -> int:
 
 
 def pages_finite(pool: KvPool, block_table: list[int], span: ChunkSpan) -> bool:
-    if not pool.dtype.is_floating_point:
-        return True
-    return all(wire.all_finite(region)
+    return all(pool.pages_finite(region)
                for region in _regions(pool, span_ids(block_table, span), span))

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvferry.cache.layout import DTYPES, KvLayout, KvShape, dtype_name, torch_dtype
+from kvferry.cache.layout import (
+    DTYPES,
+    QUANTIZED_KV_DTYPES,
+    KvLayout,
+    KvShape,
+    dtype_name,
+    torch_dtype,
+)
 from kvferry.cache.pool import KvPool
 
 
@@ -42,4 +49,5 @@ def test_the_dtype_flag_offers_exactly_the_pool_dtypes() -> None:
     from kvferry import settings
 
     pool_dtypes = {name for name, entry in DTYPES.items() if entry.torch_dtype is not None}
-    assert set(settings.DTYPES) - {"auto"} == pool_dtypes
+    assert set(settings.DTYPES) - {"auto"} == pool_dtypes - set(QUANTIZED_KV_DTYPES)
+    assert set(settings.KV_CACHE_DTYPES) - {"auto"} == set(QUANTIZED_KV_DTYPES)

@@ -90,11 +90,12 @@ def test_chunk_checksum_is_crc32c() -> None:
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf"), None])
 def test_finite_check_finds_one_bad_value_anywhere(dtype: torch.dtype, bad: float | None) -> None:
     values = torch.randn(4099).to(dtype)
+    pool = KvPool(1, 1, 4099, 1, 1, dtype)  # a page is one 4099-value K (or V) vector
     for where in (0, 2048, 4098):
         probe = values.clone()
         if bad is not None:
             probe[where] = bad
         data = probe.view(torch.uint8).numpy().tobytes()
-        assert wire.is_finite(data, dtype) is (bad is None)
+        assert wire.is_finite(data, pool) is (bad is None)
         assert wire.all_finite(probe) is (bad is None)
     assert wire.all_finite(values[:0])

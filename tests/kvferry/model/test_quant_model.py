@@ -1,0 +1,110 @@
+"""The model over quantized K/V pages (issue 21) against an independent oracle: transformers
+`generate` whose cache stores every K/V vector as `kv_quant.fake_quantize` reads it back
+(one scale per token and K/V head). kvferry quantizes where K/V is written (prefill and the
+decode append) and attends over what the pages hold, the prompt's own tokens included, so
+greedy tokens must be identical, whatever the prefill's chunking."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+from transformers.cache_utils import DynamicLayer
+
+from kernels.dispatch import get_attention_backend
+from kernels.kv_quant import fake_quantize
+from kvferry.cache.layout import blocks_for_tokens
+from kvferry.cache.pool import KvPool
+from kvferry.model.config import load_model_config
+from kvferry.model.transformer import Transformer
+
+BLOCK = 16
+PROMPT_LENGTHS = [1, 17, 40, 100]
+NEW_TOKENS = 24
+
+
+def _prompt(n: int) -> list[int]:
+    return torch.randint(1, 500, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+
+
+@pytest.fixture(scope="module")
+def hf(qwen3_checkpoint: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(qwen3_checkpoint, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def model(qwen3_checkpoint: Path) -> Transformer:
+    return Transformer(load_model_config(qwen3_checkpoint), get_attention_backend("torch"),
+                       torch.float32, torch.device("cpu"))
+
+
+@pytest.fixture
+def quantizing_cache(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """transformers' cache layers store K/V fake-quantized as the dtype put in the list
+    (full precision while it is empty)."""
+    kv_dtype: list[str] = []
+    update = DynamicLayer.update
+
+    def quantized_update(self, key_states, value_states, *args, **kwargs):  # [B, H, T, D]
+        if kv_dtype:  # else full precision, as unpatched
+            key_states = fake_quantize(key_states, kv_dtype[0])
+            value_states = fake_quantize(value_states, kv_dtype[0])
+        return update(self, key_states, value_states, *args, **kwargs)
+
+    monkeypatch.setattr(DynamicLayer, "update", quantized_update)
+    yield kv_dtype
+
+
+def _oracle(hf: torch.nn.Module, prompt: list[int]) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=NEW_TOKENS,
+                          min_new_tokens=NEW_TOKENS)
+    return out[0, len(prompt):].tolist()
+
+
+def _kvferry(model: Transformer, prompt: list[int], kv_dtype: str, chunk: int) -> list[int]:
+    """Prefill in chunks of `chunk` tokens over a pool of `kv_dtype`, then greedy decode."""
+    total = len(prompt) + NEW_TOKENS
+    pool = KvPool(model.config.num_layers, model.config.num_kv_heads, model.config.head_dim,
+                  BLOCK, blocks_for_tokens(total, BLOCK) + 2, torch.float32,
+                  kv_cache_dtype=kv_dtype)
+    table = list(range(pool.num_blocks))[::-1][:blocks_for_tokens(total, BLOCK)]
+    for start in range(0, len(prompt), chunk):
+        end = min(start + chunk, len(prompt))
+        logits = model.prefill(torch.tensor(prompt[start:end]), [end - start],
+                               pool.slots(table, start, end), pool, context_lens=[start],
+                               block_tables=[table])
+    tokens = [int(logits[0].argmax())]
+    block_table = torch.tensor([table], dtype=torch.int32)
+    for _ in range(NEW_TOKENS - 1):
+        position = len(prompt) + len(tokens) - 1
+        logits = model.decode(torch.tensor([tokens[-1]]), torch.tensor([position]),
+                              pool.slots(table, position, position + 1), block_table, pool)
+        tokens.append(int(logits[0].argmax()))
+    return tokens
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
+def test_greedy_over_quantized_pages_matches_a_quantizing_transformers_cache(
+        hf: torch.nn.Module, model: Transformer, quantizing_cache: list[str],
+        kv_dtype: str) -> None:
+    quantizing_cache.append(kv_dtype)
+    for n in PROMPT_LENGTHS:
+        prompt = _prompt(n)
+        expected = _oracle(hf, prompt)
+        assert _kvferry(model, prompt, kv_dtype, chunk=len(prompt)) == expected, n
+        if n > BLOCK:  # chunked prefill reads the earlier chunks back from the pages
+            assert _kvferry(model, prompt, kv_dtype, chunk=BLOCK + 3) == expected, n
+
+
+def test_the_oracle_sees_the_quantization(hf: torch.nn.Module,
+                                          quantizing_cache: list[str]) -> None:
+    """fp8's error is large enough to change this tiny model's greedy tokens somewhere: the
+    patched cache is in effect (else every comparison above would be against fp32)."""
+    prompts = [_prompt(n) for n in PROMPT_LENGTHS]
+    full = [_oracle(hf, p) for p in prompts]
+    quantizing_cache.append("fp8_e4m3")
+    assert [_oracle(hf, p) for p in prompts] != full
