@@ -1,0 +1,67 @@
+"""Quantized K/V end to end (issue 21, acceptance 4): router, prefill and decode processes
+with int8 pages on gRPC and on NIXL. Greedy tokens equal an in-process reference that uses
+the same quantization (transformers generate whose cache stores K/V fake-quantized as
+kvferry's pages hold it), so any difference is a bug, not rounding; a second round of the
+same requests (its prompts now in the decode worker's prefix cache) gives the same tokens;
+every pool ends all free. A decode worker's stats name its K/V dtype."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from deploy import client
+from deploy.launcher import Deployment
+from tests.conftest import ORACLE_DTYPE, assert_alive, assert_pools_clean, worker_stats
+from tests.kvferry.model.test_quant_model import (
+    NEW_TOKENS,
+    _oracle,
+    _prompt,
+    quantizing_cache,  # noqa: F401 - fixture
+)
+
+pytestmark = pytest.mark.slow
+
+PROMPT_LENGTHS = [1, 17, 40, 100, 200]
+INT8 = ["--kv-cache-dtype", "int8"]
+
+
+def _deployment(checkpoint: Path, log_dir: Path, transport: str) -> Deployment:
+    return Deployment(model=str(checkpoint), log_dir=log_dir,
+                      worker_args=[*ORACLE_DTYPE, *INT8, "--kv-transport", transport]).start()
+
+
+@pytest.fixture(scope="module", params=["grpc", "nixl"])
+def int8_deployment(request: pytest.FixtureRequest, qwen3_checkpoint: Path,
+                    tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    deployment = _deployment(qwen3_checkpoint, tmp_path_factory.mktemp(
+        f"int8-{request.param}-logs"), request.param)
+    yield deployment
+    deployment.stop()
+
+
+def _generate(deployment: Deployment) -> list[list[int]]:
+    requests = [client.make_request(_prompt(n), temperature=0.0, max_tokens=NEW_TOKENS,
+                                    ignore_eos=True) for n in PROMPT_LENGTHS]
+    results = asyncio.run(client.generate_many(deployment.router_address, requests, 300))
+    return [r.token_ids for r in results]
+
+
+def test_int8_pages_through_the_processes_match_the_quantizing_reference(
+        int8_deployment: Deployment, qwen3_checkpoint: Path,
+        quantizing_cache: list[str]) -> None:  # noqa: F811 - the imported fixture
+    hf = AutoModelForCausalLM.from_pretrained(qwen3_checkpoint, dtype=torch.float32).eval()
+    quantizing_cache.append("int8")
+    expected = [_oracle(hf, _prompt(n)) for n in PROMPT_LENGTHS]
+    first = _generate(int8_deployment)
+    assert first == expected
+    assert _generate(int8_deployment) == first  # deterministic, prefix cache hit or not
+    stats = worker_stats(int8_deployment)
+    assert {s.layout.dtype for s in stats} == {"int8"}
+    assert_pools_clean(int8_deployment)
+    assert_alive(int8_deployment)
