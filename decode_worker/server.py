@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 
@@ -19,6 +20,7 @@ from kvferry.transfer import wire
 from kvferry.transfer.nixl_pages import PoolMemory
 from kvferry.v1 import worker_pb2, worker_pb2_grpc
 
+log = logging.getLogger("kvferry.decode")
 
 def _merge(events: list[DecodeEvent]) -> list[worker_pb2.DecodeUpdate]:
     """Fold queued events into one update per request, in order of first occurrence."""
@@ -33,8 +35,11 @@ def _merge(events: list[DecodeEvent]) -> list[worker_pb2.DecodeUpdate]:
             update.finished.first_decode_step_s = event.first_step_s
         else:
             error = event.error
-            code, message = (grpc_util.describe(error) if isinstance(error, KvferryError)
-                             else (grpc.StatusCode.INTERNAL, f"internal error: {error}"))
+            if isinstance(error, KvferryError):
+                code, message = grpc_util.describe(error)
+            else:  # exception text describes internals: it stays in this worker's log
+                log.error("request %s: %r", event.request_id, error)
+                code, message = grpc.StatusCode.INTERNAL, "internal error on the decode worker"
             update.error_code = code.value[0]
             update.error_message = message
     return list(updates.values())

@@ -201,7 +201,9 @@ class Router:
             except StreamBroken as exc:
                 migrations += 1
                 if migrations > self.max_migrations:
-                    raise Unavailable(f"decode failed {migrations} times: {exc}") from exc
+                    log.warning("request %s: decode failed %d times, last: %s",
+                                state.request_id, migrations, exc)
+                    raise Unavailable(f"decode failed {migrations} times") from exc
                 self._lose_decode(state, exc)
                 timing = timing._replace(num_migrations=migrations)
 

@@ -65,3 +65,18 @@ def test_unexpected_exceptions_say_nothing_of_themselves() -> None:
 ])
 def test_field_names_and_numbers_survive(message: str) -> None:
     assert scrub(message) == message
+
+
+def test_a_decode_workers_unexpected_exception_stays_in_its_log() -> None:
+    """An exception that is not kvferry's own (a bug, a library error) becomes a generic
+    INTERNAL on the internal stream: its text never reaches the router, so never a client."""
+    from decode_worker.sequence import ErrorEvent
+    from decode_worker.server import _merge
+
+    [update] = _merge([ErrorEvent("r7", KeyError("secret_key_table at decode-0:50051"))])
+    assert update.error_code == grpc.StatusCode.INTERNAL.value[0]
+    assert "secret" not in update.error_message and "50051" not in update.error_message
+    code, message = public_status(Remote(update.error_message, update.error_code), "r7")
+    assert code == grpc.StatusCode.INTERNAL and "secret" not in message
+    [update] = _merge([ErrorEvent("r8", InvalidArgument("bad", "first_token_id"))])
+    assert update.error_message == "first_token_id: bad"  # kvferry's own: kept, field named
