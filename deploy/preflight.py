@@ -19,6 +19,36 @@ def _check_model(model: str | None) -> None:
     load_model_config(model or ensure_default_model())
 
 
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def _check_tokenizer(model: str | None) -> None:
+    """The router's tokenizer loads (tokenizers raises bare Exceptions, KeyError or
+    UnicodeDecodeError on a broken file: each becomes one line naming the folder)."""
+    from transformers import AutoTokenizer
+
+    from kvferry.model.config import load_model_config
+
+    path = load_model_config(model or ensure_default_model()).path
+    try:
+        AutoTokenizer.from_pretrained(path)
+    except Exception as exc:  # noqa: BLE001 - whatever the library raises, said in one line
+        raise ValueError(f"model: cannot read the tokenizer in {path}: "
+                         f"{_first_line(exc)}") from exc
+
+
+def check_tokenizer_file(path) -> None:
+    """`kvferry bench --tokenizer`: a tokenizer.json (or a folder holding one) that loads."""
+    from tokenizers import Tokenizer
+
+    file = path / "tokenizer.json" if path.is_dir() else path
+    try:
+        Tokenizer.from_file(str(file))
+    except Exception as exc:  # noqa: BLE001 - whatever the library raises, said in one line
+        raise ValueError(f"tokenizer: cannot read {file}: {_first_line(exc)}") from exc
+
+
 def _check_deployment(args: argparse.Namespace) -> None:
     """What `serve` and `demo` would hand their processes, refused here before any starts."""
     if args.num_decode < 1 or (args.num_prefill < 1 and not args.colocated):
@@ -33,6 +63,7 @@ def _check_deployment(args: argparse.Namespace) -> None:
         security=security_settings(args))
     refuse_plaintext_token(settings.security)
     _check_model(args.model)  # last: without --model, the default model may be converted
+    _check_tokenizer(args.model)
 
 
 def check_inputs(args: argparse.Namespace) -> WorkerSettings | RouterSettings | None:
@@ -49,6 +80,7 @@ def check_inputs(args: argparse.Namespace) -> WorkerSettings | RouterSettings | 
         settings = router_settings(args)
         refuse_plaintext_token(settings.security)
         _check_model(settings.model)
+        _check_tokenizer(settings.model)
         return settings
     if args.command in ("serve", "demo"):
         _check_deployment(args)
@@ -58,6 +90,8 @@ def check_inputs(args: argparse.Namespace) -> WorkerSettings | RouterSettings | 
         for path in (args.dataset_path, args.tokenizer):
             if path is not None and not path.exists():
                 raise FileNotFoundError(f"no such file or directory: {path}")
+        if args.tokenizer is not None:
+            check_tokenizer_file(args.tokenizer)
         parse_pool_size(args.kv_pool_size, total_memory_bytes=1)
         parse_batch_sizes(args.compile_batch_sizes)
         if args.model is not None:

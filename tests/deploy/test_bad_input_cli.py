@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,7 @@ GPT2 = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_layer": 2
 
 
 @pytest.fixture(scope="module")
-def bad(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def bad(tmp_path_factory: pytest.TempPathFactory, qwen3_checkpoint: Path) -> dict[str, Path]:
     """Named bad inputs: paths that are missing, empty, garbage or of an unservable model."""
     root = tmp_path_factory.mktemp("bad")
     (root / "empty").mkdir()
@@ -34,9 +35,13 @@ def bad(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     (gpt2 / "config.json").write_text(json.dumps(GPT2))
     (root / "weights.bin").write_bytes(b"\x00\x01")
     (root / "token").write_text("not-sent-in-clear\n")
+    broken = root / "broken-tokenizer"  # a servable checkpoint whose tokenizer is garbage
+    shutil.copytree(qwen3_checkpoint, broken)
+    (broken / "tokenizer.json").write_bytes(b"\xff\xfe{ not a tokenizer" * 16)
     return {"missing": root / "missing", "empty": root / "empty",
             "garbage_gguf": root / "garbage.gguf", "binary": binary, "unknown": unknown,
             "gpt2": gpt2, "weights": root / "weights.bin", "token": root / "token",
+            "broken_tok": broken,
             "root": root}
 
 
@@ -75,6 +80,7 @@ SERVE_CASES = [
     ("serve --model {missing} --port 99999", ["port"]),
     ("demo --model {binary}", ["not a valid JSON"]),
     ("demo --model {missing} --num-decode 0", ["num_decode"]),
+    ("serve --model {broken_tok}", ["tokenizer"]),
 ]
 PROCESS_CASES = [
     ("prefill-worker --model {missing}", ["missing"]),
@@ -88,6 +94,7 @@ PROCESS_CASES = [
     ("router --model {missing} --prefill 127.0.0.1:1 --decode 127.0.0.1:2", ["missing"]),
     ("router --model {gpt2} --prefill 127.0.0.1:1 --decode 127.0.0.1:2", ["architecture"]),
     ("router --model {missing}", ["prefill/decode"]),
+    ("router --model {broken_tok} --prefill 127.0.0.1:1 --decode 127.0.0.1:2", ["tokenizer"]),
 ]
 # A cluster token without TLS would cross the network in clear (issue 16): refused before the
 # model is even looked at, naming the flags to add.
@@ -103,11 +110,13 @@ OTHER_CASES = [
     ("make-certs --out {weights}/certs", ["weights.bin", "cryptography"]),
     ("bench --dataset-name jsonl --dataset-path {missing}", ["missing"]),
     ("bench --model {gpt2}", ["architecture"]),
+    ("bench --dataset-name jsonl --dataset-path {weights} --tokenizer {broken_tok}",
+     ["tokenizer"]),
 ]
 
 
-# One case of each kind runs by default; every case with -m slow (each subprocess imports
-# torch and transformers: seconds apiece).
+# Cases marked slow run in the default `pytest` too (CI runs them all); `-m "not slow"` keeps
+# one of each kind (each subprocess imports torch and transformers: seconds apiece).
 QUICK = {"plan --model {garbage_gguf}", "serve --model {missing} --port 99999",
          "prefill-worker --model {missing}", "router --model {gpt2} --prefill 127.0.0.1:1 "
          "--decode 127.0.0.1:2", "serve --model {missing} --cluster-token-file {token}"}
