@@ -127,3 +127,49 @@ def test_chat_command_keeps_history_and_exits_on_eof(chat_deployment: Deployment
     assert out.stdout.index(first) < out.stdout.index(second)
     assert out.stdout.count("> ") >= 3  # two questions, then the prompt that met EOF
     assert_pools_clean(chat_deployment)
+
+
+def test_ctrl_c_in_chat_stops_the_answer_and_keeps_the_session(
+        chat_deployment: Deployment) -> None:
+    """SIGINT while an answer streams prints [stopped], cancels that call (its blocks come
+    back) and returns to the prompt; the next question is answered; end of input exits 0."""
+    import signal
+    import threading
+    import time
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "deploy.cli", "chat", chat_deployment.router_address,
+         "--max-tokens", "3000", "--temperature", "0", "--ignore-eos"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    out = bytearray()
+    reader = threading.Thread(target=lambda: [out.extend(b) for b in iter(
+        lambda: proc.stdout.read(1), b"")], daemon=True)
+    reader.start()
+
+    def wait_for(predicate, what: str) -> None:
+        deadline = time.monotonic() + 60
+        while not predicate():
+            assert time.monotonic() < deadline and proc.poll() is None, (what, bytes(out))
+            time.sleep(0.02)
+
+    def interrupt_the_answer() -> None:
+        start = len(out)
+        wait_for(lambda: len(out) > start + 20, "the answer streams")
+        proc.send_signal(signal.SIGINT)
+        wait_for(lambda: b" [stopped]" in out[start:], "[stopped]")
+
+    try:
+        wait_for(lambda: b"> " in out, "the first prompt")
+        proc.stdin.write(b"hello\n")
+        interrupt_the_answer()
+        wait_for(lambda: out.count(b"> ") >= 2, "back at the prompt")
+        proc.stdin.write(b"fox\n")  # the session goes on: a second answer streams
+        interrupt_the_answer()
+        proc.stdin.close()
+        assert proc.wait(30) == 0, proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert out.count(b" [stopped]") == 2
+    assert_pools_clean(chat_deployment)
