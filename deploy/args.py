@@ -265,11 +265,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def worker_settings(args: argparse.Namespace) -> WorkerSettings:
-    """Settings of a `*-worker` command line (also used by Ray actors)."""
+def worker_settings(args: argparse.Namespace, model: str | None = None) -> WorkerSettings:
+    """Settings of a `*-worker` command line (also used by Ray actors); no --model: `model`."""
     return WorkerSettings(
-        role=args.role, model=args.model or ensure_default_model(), host=args.host,
-        port=args.port, block_size=args.block_size, kv_pool_size=args.kv_pool_size,
+        role=args.role, model=args.model or (ensure_default_model() if model is None else model),
+        host=args.host, port=args.port, block_size=args.block_size, kv_pool_size=args.kv_pool_size,
         dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
         torch_threads=args.torch_threads, max_waiting=args.max_waiting,
         prefill_token_budget=args.prefill_token_budget,
@@ -282,12 +282,12 @@ def worker_settings(args: argparse.Namespace) -> WorkerSettings:
     )
 
 
-def router_settings(args: argparse.Namespace) -> RouterSettings:
-    """Settings of a `router` command line (also used by Ray actors)."""
+def router_settings(args: argparse.Namespace, model: str | None = None) -> RouterSettings:
+    """Settings of a `router` command line (also used by Ray actors); `model` as above."""
     return RouterSettings(
-        model=args.model or ensure_default_model(), prefill=tuple(args.prefill),
-        decode=tuple(args.decode), colocated=tuple(args.colocated), host=args.host,
-        port=args.port, lease_s=args.lease_s, policy=args.policy,
+        model=args.model or (ensure_default_model() if model is None else model),
+        prefill=tuple(args.prefill), decode=tuple(args.decode), colocated=tuple(args.colocated),
+        host=args.host, port=args.port, lease_s=args.lease_s, policy=args.policy,
         prefix_weight=args.prefix_weight, load_weight=args.load_weight,
         prefill_dns=args.prefill_dns, decode_dns=args.decode_dns,
         dns_interval_s=args.dns_interval_s,

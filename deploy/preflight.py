@@ -5,6 +5,7 @@ before launching processes) and deploy/cli.py can report it in one line."""
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 from deploy.args import router_settings, worker_settings
 from deploy.default_model import ensure_default_model
@@ -71,14 +72,16 @@ def check_inputs(args: argparse.Namespace) -> WorkerSettings | RouterSettings | 
     field, OSError naming the file); the settings a worker or the router runs on."""
 
     if args.command in ("prefill-worker", "decode-worker", "colocated-worker"):
-        settings = worker_settings(args)
-        refuse_plaintext_token(settings.security)
-        parse_pool_size(settings.kv_pool_size, total_memory_bytes=1)
+        settings = worker_settings(args, model="")  # flags first, model last:
+        refuse_plaintext_token(settings.security)  # without --model, the default model
+        parse_pool_size(settings.kv_pool_size, total_memory_bytes=1)  # may be converted
+        settings = replace(settings, model=settings.model or ensure_default_model())
         _check_model(settings.model)
         return settings
     if args.command == "router":
-        settings = router_settings(args)
+        settings = router_settings(args, model="")
         refuse_plaintext_token(settings.security)
+        settings = replace(settings, model=settings.model or ensure_default_model())
         _check_model(settings.model)
         _check_tokenizer(settings.model)
         return settings

@@ -95,6 +95,10 @@ PROCESS_CASES = [
     ("router --model {gpt2} --prefill 127.0.0.1:1 --decode 127.0.0.1:2", ["architecture"]),
     ("router --model {missing}", ["prefill/decode"]),
     ("router --model {broken_tok} --prefill 127.0.0.1:1 --decode 127.0.0.1:2", ["tokenizer"]),
+    # No --model: the flags are refused before the default model is converted (which would
+    # take a minute and print more than one line into the fresh KVFERRY_HOME)
+    ("decode-worker --block-size 3", ["block_size"]),
+    ("router --prefill 127.0.0.1:1", ["prefill/decode"]),
 ]
 # A cluster token without TLS would cross the network in clear (issue 16): refused before the
 # model is even looked at, naming the flags to add.
