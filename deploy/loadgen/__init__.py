@@ -1,6 +1,7 @@
 """Load generator for kvferry's public Generate stream (`kvferry bench`).
 
-Open-loop arrivals (arrivals), seeded workloads (workload), per-request timing (runner),
+Open-loop arrivals (arrivals), seeded workloads (workload), per-request timing (runner:
+the gRPC backend; openai_client and openai_stream: any OpenAI-compatible HTTP server),
 vLLM-defined metrics (metrics), targets that may be launched (targets), the orchestration
 API (bench), JSON and tables (report), PNG plots (plots), the command (cli).
 """

@@ -6,7 +6,10 @@
                            BenchConfig(num_requests=50, request_rates=(1.0, 2.0, 4.0)))
 
 Every target gets the same requests (same seed and vocabulary) at the same arrival times for
-each rate. Targets run one after another; a launched one is stopped before the next starts.
+each rate, whatever its backend: kvferry's gRPC front, or any OpenAI-compatible HTTP server
+(kvferry's HTTP front, vLLM, ...), timed with the same definitions, so their runs share one
+table and one plot. Targets run one after another; a launched one is stopped before the next
+starts.
 A conversation workload (MultiTurnWorkload) is sent the same way, with conversations in place
 of requests: num_requests and the rates count conversations, the records every turn.
 """
@@ -15,23 +18,27 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from deploy import client
 from deploy.launcher import Deployment
 from deploy.loadgen.arrivals import arrival_offsets_s
 from deploy.loadgen.metrics import BenchmarkMetrics, RequestRecord, Slo, calculate_metrics
+from deploy.loadgen.openai_client import Codec, check_workload, open_sender
 from deploy.loadgen.runner import (
-    GenerateStub,
+    GrpcSender,
     OnDone,
     RunOutcome,
+    Sender,
     SendOptions,
     run_conversations,
     run_requests,
 )
-from deploy.loadgen.targets import Target, open_target, parse_target
+from deploy.loadgen.targets import Endpoint, Target, open_target, parse_target
 from deploy.loadgen.workload import BenchRequest, Conversation, ConversationWorkload, Workload
 from kvferry.rpc import grpc_util
 
@@ -52,8 +59,10 @@ class BenchConfig:
     slo: Slo = field(default_factory=Slo)
     percentiles: tuple[float, ...] = (90.0, 95.0, 99.0)
     send: SendOptions = field(default_factory=SendOptions)
-    vocab_size: int | None = None  # None: ask the target (GetModelInfo)
+    vocab_size: int | None = None  # None: ask the target (GetModelInfo; _target_vocab)
     show_progress: bool = False
+    tokenizer: Path | None = None  # OpenAI backends: decodes chat prompts, counts answers
+    served_model_name: str | None = None  # OpenAI `model`; None: the first of GET /models
 
     def __post_init__(self) -> None:
         if self.num_requests < 1:
@@ -70,6 +79,7 @@ class RunResult:
     request_rate: float
     metrics: BenchmarkMetrics
     records: tuple[RequestRecord, ...]
+    backend: str = "grpc"
 
 
 @dataclass(frozen=True)
@@ -95,7 +105,7 @@ def _progress(total: int, label: str, enabled: bool) -> tqdm | None:
     return tqdm(total=total, desc=label, unit="req", leave=False)
 
 
-async def _warm_up(stub: GenerateStub, request: BenchRequest,
+async def _warm_up(stub: Sender, request: BenchRequest,
                    config: BenchConfig, name: str) -> None:
     outcome = await run_requests(stub, [request] * config.num_warmups,
                                  [0.0] * config.num_warmups, config.send,
@@ -112,7 +122,7 @@ def _first_request(item: BenchRequest | Conversation) -> BenchRequest:
     return BenchRequest(item.messages[0], item.output_len, len(item.messages[0]))
 
 
-async def _run_rate(stub: GenerateStub, items: Sequence[BenchRequest] | Sequence[Conversation],
+async def _run_rate(stub: Sender, items: Sequence[BenchRequest] | Sequence[Conversation],
                     offsets: Sequence[float], config: BenchConfig, on_done: OnDone | None,
                     id_prefix: str) -> RunOutcome:
     if items and isinstance(items[0], Conversation):
@@ -123,31 +133,61 @@ async def _run_rate(stub: GenerateStub, items: Sequence[BenchRequest] | Sequence
                               on_done=on_done, id_prefix=id_prefix)
 
 
-async def run_target(name: str, address: str,
+@asynccontextmanager
+async def _open_sender(target: Target, endpoint: Endpoint, config: BenchConfig,
+                       codec: Codec | None) -> AsyncIterator[Sender]:
+    if target.backend == "grpc":
+        async with grpc_util.channel(str(endpoint.grpc_address)) as chan:
+            yield GrpcSender(client.public_stub(chan))
+        return
+    async with open_sender(str(endpoint.base_url), target.backend, config.served_model_name,
+                           codec) as sender:
+        yield sender
+
+
+async def run_target(target: Target, endpoint: Endpoint,
                      requests: Sequence[BenchRequest] | Sequence[Conversation],
-                     config: BenchConfig) -> list[RunResult]:
-    """Every configured rate against one running router, over one channel. `requests` may
-    be conversations (each starting at its arrival time, its turns one after another)."""
-    results = []
+                     config: BenchConfig, codec: Codec | None = None) -> list[RunResult]:
+    """Every configured rate against one running server, over one channel or HTTP client.
+    `requests` may be conversations (each starting at its arrival time, its turns one after
+    another)."""
+    check_workload(target.backend, requests, codec)
+    name, results = target.name, []
     total = sum(r.num_turns if isinstance(r, Conversation) else 1 for r in requests)
-    async with grpc_util.channel(address) as chan:
-        stub = client.public_stub(chan)
+    async with _open_sender(target, endpoint, config, codec) as sender:
         if config.num_warmups:
-            await _warm_up(stub, _first_request(requests[0]), config, name)
+            await _warm_up(sender, _first_request(requests[0]), config, name)
         for rate in config.request_rates:
             offsets = arrival_offsets_s(len(requests), rate, config.burstiness, config.seed)
             bar = _progress(total, f"{name} @ {rate:g} req/s", config.show_progress)
             on_done = None if bar is None else (lambda _, b=bar: b.update(1))
             try:
-                outcome = await _run_rate(stub, requests, offsets, config, on_done,
+                outcome = await _run_rate(sender, requests, offsets, config, on_done,
                                           f"bench-{name}-{rate:g}")
             finally:
                 if bar is not None:
                     bar.close()
             metrics = calculate_metrics(outcome.records, outcome.duration_s, config.slo,
                                         config.percentiles)
-            results.append(RunResult(name, rate, metrics, outcome.records))
+            results.append(RunResult(name, rate, metrics, outcome.records, target.backend))
     return results
+
+
+def _target_vocab(target: Target, endpoint: Endpoint, config: BenchConfig,
+                  codec: Codec | None, built: Sequence[int]) -> int:
+    """The vocabulary random prompts are drawn from: the configured one, else the gRPC
+    front's GetModelInfo, else (an OpenAI server, which does not say) the tokenizer's, else
+    the one of the targets before it."""
+    if config.vocab_size:
+        return config.vocab_size
+    if endpoint.grpc_address is not None:
+        return asyncio.run(_vocab_size(endpoint.grpc_address))
+    if codec is not None:
+        return codec.vocab_size
+    if len(built) == 1:
+        return built[0]
+    raise ValueError(f"{target.name}: an OpenAI server does not report its vocabulary: give "
+                     "--vocab-size or --tokenizer, or compare it after a gRPC target")
 
 
 def run_benchmark(targets: Sequence[Target | str], workload: Workload | ConversationWorkload,
@@ -155,22 +195,27 @@ def run_benchmark(targets: Sequence[Target | str], workload: Workload | Conversa
                   launch: Deployment | None = None) -> BenchmarkResult:
     """Run the workload against every target at every rate; blocking (starts its own loop).
 
-    Targets are Target objects or strings such as "HOST:PORT", "disagg=launch:disagg";
-    `launch` is the (not started) template of `launch:` targets."""
+    Targets are Target objects or strings such as "HOST:PORT", "disagg=launch:disagg",
+    "vllm=openai-completions:http://HOST:PORT/v1"; `launch` is the (not started) template of
+    `launch:` targets."""
     config = config or BenchConfig()
     parsed = [t if isinstance(t, Target) else parse_target(t) for t in targets]
     names = [t.name for t in parsed]
     if len(set(names)) != len(names):
         raise ValueError(f"targets: names must differ, got {names}")
+    codec = Codec.load(config.tokenizer) if config.tokenizer is not None else None
+    for target in parsed:  # before anything is launched: a sample of the requests
+        check_workload(target.backend, workload.build(1, config.vocab_size or 2, config.seed),
+                       codec)
     built: dict[int, list[BenchRequest] | list[Conversation]] = {}
     runs: list[RunResult] = []
     for target in parsed:
-        with open_target(target, launch) as address:
-            vocab = config.vocab_size or asyncio.run(_vocab_size(address))
+        with open_target(target, launch) as endpoint:
+            vocab = _target_vocab(target, endpoint, config, codec, list(built))
             if built and vocab not in built:
                 raise ValueError(f"{target.name} serves a vocabulary of {vocab}, the targets "
                                  f"before it {sorted(built)}: the workloads would differ")
             if vocab not in built:
                 built[vocab] = workload.build(config.num_requests, vocab, config.seed)
-            runs += asyncio.run(run_target(target.name, address, built[vocab], config))
+            runs += asyncio.run(run_target(target, endpoint, built[vocab], config, codec))
     return BenchmarkResult(config, repr(workload), tuple(runs))

@@ -10,7 +10,9 @@ from pathlib import Path
 from deploy.launcher import Deployment
 from deploy.loadgen.bench import BenchConfig, BenchmarkResult, run_benchmark
 from deploy.loadgen.metrics import Slo
+from deploy.loadgen.openai_client import BACKENDS
 from deploy.loadgen.runner import SendOptions
+from deploy.loadgen.targets import Target, parse_target
 from deploy.loadgen.workload import (
     ConversationWorkload,
     JsonlWorkload,
@@ -30,15 +32,25 @@ from kvferry.settings import (
 )
 
 DATASETS = ("random", "shared-prefix", "multi-turn", "jsonl", "sharegpt")
+DEFAULT_ADDRESS = "127.0.0.1:50051"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     t = p.add_argument_group("targets")
-    t.add_argument("--address", default="127.0.0.1:50051",
-                   help="router HOST:PORT (or launch:disagg / launch:colocated)")
+    t.add_argument("--backend", default=BACKENDS[0], choices=BACKENDS,
+                   help="grpc: kvferry's router; openai-chat / openai-completions: any "
+                        "OpenAI-compatible server (--base-url), streamed as vLLM's bench does")
+    t.add_argument("--address", default=None,
+                   help=f"router HOST:PORT (default {DEFAULT_ADDRESS}), or launch:disagg / "
+                        "launch:colocated (with an OpenAI backend: its HTTP front)")
+    t.add_argument("--base-url", default=None,
+                   help="OpenAI backends: the server's API root, e.g. http://HOST:PORT/v1")
+    t.add_argument("--served-model-name", default=None,
+                   help="OpenAI backends: the model requests name (default: GET /v1/models)")
     t.add_argument("--compare", nargs="+", default=None, metavar="TARGET",
-                   help="several targets, same workload and seed: [NAME=]HOST:PORT or "
-                        "[NAME=]launch:disagg|colocated")
+                   help="several targets, same workload and seed: [NAME=][BACKEND:]WHERE, "
+                        "WHERE a HOST:PORT, an http(s):// base URL or launch:disagg|colocated;"
+                        " BACKEND defaults to --backend")
     t.add_argument("--model", default=None, help="launch: checkpoint (default: tiny Qwen3)")
     t.add_argument("--num-prefill", type=int, default=1, help="launch: prefill workers")
     t.add_argument("--num-decode", type=int, default=1, help="launch: decode/colocated workers")
@@ -74,8 +86,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--think-time-s", type=float, default=0.0,
                    help="multi-turn: pause between an answer and the next turn")
     w.add_argument("--tokenizer", type=Path, default=None,
-                   help="tokenizer.json or its directory: counts text prompt lengths")
-    w.add_argument("--vocab-size", type=int, default=None, help="default: GetModelInfo")
+                   help="tokenizer.json or its directory: counts text prompt lengths; "
+                        "OpenAI backends: decodes token prompts for chat, tokenizes answers")
+    w.add_argument("--vocab-size", type=int, default=None,
+                   help="default: GetModelInfo; OpenAI servers: the tokenizer's")
 
     g = p.add_argument_group("load")
     g.add_argument("--request-rate", type=float, nargs="+", default=[float("inf")],
@@ -140,7 +154,27 @@ def make_config(args: argparse.Namespace) -> BenchConfig:
         send=SendOptions(temperature=args.temperature, seed=args.seed,
                          timeout_s=args.timeout_s),
         vocab_size=args.vocab_size, show_progress=not args.disable_tqdm,
+        tokenizer=args.tokenizer, served_model_name=args.served_model_name,
     )
+
+
+def make_targets(args: argparse.Namespace) -> list[Target]:
+    """--compare's targets, or the one given by --address / --base-url and --backend."""
+    if args.compare:
+        if args.address or args.base_url:
+            raise ValueError("--compare names every target: drop --address / --base-url")
+        return [parse_target(text, args.backend) for text in args.compare]
+    if args.backend == "grpc":
+        if args.base_url:
+            raise ValueError("--base-url needs --backend openai-chat|openai-completions")
+        return [parse_target(args.address or DEFAULT_ADDRESS)]
+    if args.base_url and args.address:
+        raise ValueError("give --base-url or --address, not both")
+    if args.base_url:
+        return [Target(args.base_url, base_url=args.base_url, backend=args.backend)]
+    if args.address:
+        return [parse_target(args.address, args.backend)]
+    raise ValueError(f"--backend {args.backend} needs --base-url (or --address launch:KIND)")
 
 
 def _write_outputs(result: BenchmarkResult, args: argparse.Namespace) -> None:
@@ -175,7 +209,7 @@ def _print_attribution(folder: Path) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run `kvferry bench`; exit code 1 when any request failed, 2 on bad arguments."""
     try:
-        workload, config = make_workload(args), make_config(args)
+        workload, config, targets = make_workload(args), make_config(args), make_targets(args)
     except ValueError as exc:
         print(f"bench: {exc}", file=sys.stderr)
         return 2
@@ -183,12 +217,14 @@ def run(args: argparse.Namespace) -> int:
                         num_decode=args.num_decode, kv_pool_size=args.kv_pool_size,
                         torch_threads=args.torch_threads, log_dir=args.launch_log_dir,
                         compile=args.compile, compile_batch_sizes=args.compile_batch_sizes)
-    targets = args.compare or [args.address]
     if args.trace is not None:  # launched workers inherit the variable
         os.environ[trace.TRACE_ENV] = str(args.trace)
         trace.switch("client", args.trace)
     try:
         result = run_benchmark(targets, workload, config, launch)
+    except ValueError as exc:  # a target's vocabulary, model or workload: said before sending
+        print(f"bench: {exc}", file=sys.stderr)
+        return 2
     finally:
         if args.trace is not None:
             os.environ.pop(trace.TRACE_ENV, None)

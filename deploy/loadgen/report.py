@@ -3,7 +3,8 @@
 JSON layout: {"date", "config", "workload", "runs": [run, ...]}; each run has vLLM's keys
 (duration, completed, failed, request_throughput, request_goodput, mean_ttft_ms,
 p99_itl_ms, ..., input_lens, output_lens, ttfts, itls, latencies, start_times, errors) plus
-target, request_rate, statuses, tags and failures_by_status, and the prefix cache's figures:
+target, backend, request_rate, statuses, tags and failures_by_status, and the prefix cache's
+figures:
 total_cached_prompt_tokens, prefix_cache_hit_rate, mean_kv_bytes_shipped,
 mean_kv_bytes_not_shipped, and per request cached_prompt_tokens, kv_bytes_shipped,
 kv_bytes_not_shipped. With a single run, its keys are also copied to the top level, so tools
@@ -37,7 +38,8 @@ def _finite(value: float) -> float | str:
 def run_to_dict(run: RunResult) -> dict[str, Any]:
     m, records = run.metrics, run.records
     out: dict[str, Any] = {
-        "target": run.target, "request_rate": _finite(run.request_rate),
+        "target": run.target, "backend": run.backend,
+        "request_rate": _finite(run.request_rate),
         "duration": m.duration_s, "completed": m.completed, "failed": m.failed,
         "failures_by_status": m.failures_by_status,
         "total_input_tokens": m.total_input, "total_output_tokens": m.total_output,
@@ -137,15 +139,15 @@ def format_comparison(result: BenchmarkResult) -> str:
     """One row per target and rate: the figures a comparison looks at."""
     p = max(result.config.percentiles)
     word = percentile_word(p)
-    header = (f"| target | rate | done | failed | req/s | goodput | p50 TTFT | p{word} TTFT "
-              f"| p50 ITL | p{word} ITL | p50 TPOT | p{word} TPOT | cache hits "
+    header = (f"| target | backend | rate | done | failed | req/s | goodput | p50 TTFT "
+              f"| p{word} TTFT | p50 ITL | p{word} ITL | p50 TPOT | p{word} TPOT | cache hits "
               "| K/V KiB/req |")
-    lines = [header, "|---" + "|---:" * 13 + "|"]
+    lines = [header, "|---|---" + "|---:" * 13 + "|"]
     for run in result.runs:
         m = run.metrics
         goodput = "-" if m.request_goodput is None else f"{m.request_goodput:.2f}"
-        cells = [run.target, f"{run.request_rate:g}", str(m.completed), str(m.failed),
-                 f"{m.request_throughput:.2f}", goodput]
+        cells = [run.target, run.backend, f"{run.request_rate:g}", str(m.completed),
+                 str(m.failed), f"{m.request_throughput:.2f}", goodput]
         for name in ("ttft", "itl", "tpot"):
             stats = m.stats(name)
             cells += [f"{stats.median_ms:.1f}", f"{stats.percentile_ms(p):.1f}"]

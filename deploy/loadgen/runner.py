@@ -1,5 +1,9 @@
 """The open-loop driver: send each request at its arrival offset, stream, time every chunk.
 
+A Sender sends one request over one backend and times its stream: GrpcSender (kvferry's
+GenerationService, here) or OpenAISender (any OpenAI-compatible HTTP server,
+deploy/loadgen/openai_client.py); the schedule below is the same for every backend.
+
 Requests go out on schedule whether or not earlier ones have finished (open loop); an
 optional max_concurrency holds a request back until a slot frees, as vLLM's semaphore does.
 Conversations start on the same schedule, and within one the turns are a closed loop: a turn
@@ -45,6 +49,15 @@ class SendOptions:
     ignore_eos: bool = True
     seed: int | None = None  # per-request sampling seed = seed + request index
     timeout_s: float | None = None
+
+
+class Sender(Protocol):
+    """Sends one request and times its stream. Every failure becomes a record carrying its
+    status; `answer`, when given, receives the generated token ids (multi-turn)."""
+
+    async def send(self, request: BenchRequest, request_id: str, index: int,
+                   options: SendOptions, clock: Clock, origin_s: float,
+                   answer: list[int] | None = None) -> RequestRecord: ...
 
 
 @dataclass(frozen=True)
@@ -117,6 +130,24 @@ async def send_one(stub: GenerateStub, request: BenchRequest, proto: generation_
         kv_bytes_not_shipped=usage.kv_bytes_not_shipped)
 
 
+@dataclass(frozen=True)
+class GrpcSender:
+    """The gRPC backend: GenerateRequest protos on a GenerationService stub."""
+
+    stub: GenerateStub
+
+    async def send(self, request: BenchRequest, request_id: str, index: int,
+                   options: SendOptions, clock: Clock, origin_s: float,
+                   answer: list[int] | None = None) -> RequestRecord:
+        proto = to_proto(request, request_id, options, index)
+        return await send_one(self.stub, request, proto, options, clock, origin_s, answer)
+
+
+def as_sender(client: GenerateStub | Sender) -> Sender:
+    """A Sender as is; a bare Generate stub (the gRPC backend) wrapped in a GrpcSender."""
+    return client if hasattr(client, "send") else GrpcSender(client)  # type: ignore[arg-type]
+
+
 def _check_load(num_items: int, offsets_s: Sequence[float], max_concurrency: int | None
                 ) -> asyncio.Semaphore | contextlib.nullcontext[None]:
     """The concurrency limit every request is sent under."""
@@ -141,19 +172,19 @@ async def _on_schedule(offsets_s: Sequence[float], start: Callable[[int, float],
     return list(results), clock() - origin
 
 
-async def run_requests(stub: GenerateStub, requests: Sequence[BenchRequest],
+async def run_requests(client: GenerateStub | Sender, requests: Sequence[BenchRequest],
                        offsets_s: Sequence[float], options: SendOptions = SendOptions(),
                        max_concurrency: int | None = None, clock: Clock = time.perf_counter,
                        sleep: Sleep = asyncio.sleep, on_done: OnDone | None = None,
                        id_prefix: str = "bench") -> RunOutcome:
     """Send requests[i] at offsets_s[i] after the start; wait for all; time the run."""
     limit = _check_load(len(requests), offsets_s, max_concurrency)
+    sender = as_sender(client)
 
     async def limited(index: int, origin: float) -> RequestRecord:
-        request = requests[index]
-        proto = to_proto(request, f"{id_prefix}-{index}", options, index)
         async with limit:
-            record = await send_one(stub, request, proto, options, clock, origin)
+            record = await sender.send(requests[index], f"{id_prefix}-{index}", index,
+                                       options, clock, origin)
         if on_done is not None:
             on_done(record)
         return record
@@ -169,7 +200,7 @@ def _abandoned(turn: int, start_s: float) -> RequestRecord:
                          tag=f"turn-{turn + 1}")
 
 
-async def run_conversations(stub: GenerateStub, conversations: Sequence[Conversation],
+async def run_conversations(client: GenerateStub | Sender, conversations: Sequence[Conversation],
                             offsets_s: Sequence[float], options: SendOptions = SendOptions(),
                             max_concurrency: int | None = None,
                             clock: Clock = time.perf_counter, sleep: Sleep = asyncio.sleep,
@@ -180,6 +211,7 @@ async def run_conversations(stub: GenerateStub, conversations: Sequence[Conversa
     conversation: the turns after it are recorded as ABANDONED. max_concurrency counts
     requests in flight, not conversations."""
     limit = _check_load(len(conversations), offsets_s, max_concurrency)
+    sender = as_sender(client)
     first_index = [0]
     for conversation in conversations:
         first_index.append(first_index[-1] + conversation.num_turns)
@@ -198,11 +230,10 @@ async def run_conversations(stub: GenerateStub, conversations: Sequence[Conversa
                 answer = []
                 request = BenchRequest(prompt, conversation.output_len, len(prompt),
                                        tag=f"turn-{turn + 1}")
-                proto = to_proto(request, f"{id_prefix}-{index}-{turn + 1}", options,
-                                 first_index[index] + turn)
                 async with limit:
-                    record = await send_one(stub, request, proto, options, clock, origin,
-                                            answer)
+                    record = await sender.send(request, f"{id_prefix}-{index}-{turn + 1}",
+                                               first_index[index] + turn, options, clock,
+                                               origin, answer)
             if on_done is not None:
                 on_done(record)
             records.append(record)

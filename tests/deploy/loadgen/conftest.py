@@ -1,5 +1,5 @@
-"""A scripted GenerationService over real gRPC, and a fake
-stub with a virtual clock for exact timing tests."""
+"""A scripted GenerationService over real gRPC, a fake stub with a virtual clock for exact
+timing tests, and the same script from an OpenAI-compatible server (fake_openai.py)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,15 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from concurrent import futures
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 import pytest
 
 from kvferry.v1 import generation_pb2, generation_pb2_grpc
+
+if TYPE_CHECKING:
+    from tests.deploy.loadgen.fake_openai import FakeOpenAI
 
 FAIL_TOKEN = 999_999  # a prompt starting with this id is refused: RESOURCE_EXHAUSTED
 VOCAB_SIZE = 1000
@@ -123,3 +127,13 @@ class FakeStub:
     def Generate(self, request: generation_pb2.GenerateRequest,  # noqa: N802
                  timeout: float | None = None) -> AsyncIterator[generation_pb2.GenerateResponse]:
         return self._stream(request)
+
+
+@pytest.fixture
+def openai_server() -> Iterator[FakeOpenAI]:
+    """The scripted OpenAI-compatible server (fake_openai.py) under uvicorn on a free port."""
+    from tests.deploy.loadgen.fake_openai import serve, stop
+
+    served = serve()
+    yield served.record
+    stop(served)
