@@ -145,12 +145,20 @@ async def _open_sender(target: Target, endpoint: Endpoint, config: BenchConfig,
         yield sender
 
 
-async def run_target(target: Target, endpoint: Endpoint,
+async def run_target(name: str, address: str,
                      requests: Sequence[BenchRequest] | Sequence[Conversation],
-                     config: BenchConfig, codec: Codec | None = None) -> list[RunResult]:
-    """Every configured rate against one running server, over one channel or HTTP client.
-    `requests` may be conversations (each starting at its arrival time, its turns one after
-    another)."""
+                     config: BenchConfig) -> list[RunResult]:
+    """Every configured rate against one running kvferry router, over gRPC (run_endpoint)."""
+    return await run_endpoint(Target(name, address=address), Endpoint(address, None), requests,
+                              config)
+
+
+async def run_endpoint(target: Target, endpoint: Endpoint,
+                       requests: Sequence[BenchRequest] | Sequence[Conversation],
+                       config: BenchConfig, codec: Codec | None = None) -> list[RunResult]:
+    """Every configured rate against one running server, over one gRPC channel or one HTTP
+    client as target.backend says. `requests` may be conversations (each starting at its
+    arrival time, its turns one after another)."""
     check_workload(target.backend, requests, codec)
     name, results = target.name, []
     total = sum(r.num_turns if isinstance(r, Conversation) else 1 for r in requests)
@@ -217,5 +225,5 @@ def run_benchmark(targets: Sequence[Target | str], workload: Workload | Conversa
                                  f"before it {sorted(built)}: the workloads would differ")
             if vocab not in built:
                 built[vocab] = workload.build(config.num_requests, vocab, config.seed)
-            runs += asyncio.run(run_target(target, endpoint, built[vocab], config, codec))
+            runs += asyncio.run(run_endpoint(target, endpoint, built[vocab], config, codec))
     return BenchmarkResult(config, repr(workload), tuple(runs))
