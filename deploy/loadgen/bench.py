@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from deploy import client
 from deploy.launcher import Deployment
@@ -63,6 +63,7 @@ class BenchConfig:
     show_progress: bool = False
     tokenizer: Path | None = None  # OpenAI backends: decodes chat prompts, counts answers
     served_model_name: str | None = None  # OpenAI `model`; None: the first of GET /models
+    extra_body: dict[str, Any] = field(default_factory=dict)  # OpenAI: more body fields
 
     def __post_init__(self) -> None:
         if self.num_requests < 1:
@@ -141,7 +142,7 @@ async def _open_sender(target: Target, endpoint: Endpoint, config: BenchConfig,
             yield GrpcSender(client.public_stub(chan))
         return
     async with open_sender(str(endpoint.base_url), target.backend, config.served_model_name,
-                           codec) as sender:
+                           codec, config.extra_body) as sender:
         yield sender
 
 

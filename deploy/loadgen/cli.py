@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from deploy.launcher import Deployment
 from deploy.loadgen.bench import BenchConfig, BenchmarkResult, run_benchmark
@@ -47,6 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="OpenAI backends: the server's API root, e.g. http://HOST:PORT/v1")
     t.add_argument("--served-model-name", default=None,
                    help="OpenAI backends: the model requests name (default: GET /v1/models)")
+    t.add_argument("--extra-body", default=None, metavar="JSON",
+                   help="OpenAI backends: a JSON object merged into every request's body, "
+                        "e.g. '{\"return_token_ids\": true}'")
     t.add_argument("--compare", nargs="+", default=None, metavar="TARGET",
                    help="several targets, same workload and seed: [NAME=][BACKEND:]WHERE, "
                         "WHERE a HOST:PORT, an http(s):// base URL or launch:disagg|colocated;"
@@ -155,7 +160,20 @@ def make_config(args: argparse.Namespace) -> BenchConfig:
                          timeout_s=args.timeout_s),
         vocab_size=args.vocab_size, show_progress=not args.disable_tqdm,
         tokenizer=args.tokenizer, served_model_name=args.served_model_name,
+        extra_body=_extra_body(args.extra_body),
     )
+
+
+def _extra_body(text: str | None) -> dict[str, Any]:
+    if text is None:
+        return {}
+    try:
+        body = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"--extra-body: not JSON ({exc})") from exc
+    if not isinstance(body, dict):
+        raise ValueError(f"--extra-body: expected a JSON object, got {text!r}")
+    return body
 
 
 def make_targets(args: argparse.Namespace) -> list[Target]:

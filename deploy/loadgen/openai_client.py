@@ -97,11 +97,13 @@ class OpenAISender:
     root: str  # api_root(base URL)
     model: str  # the `model` every request names
     codec: Codec | None = None
+    extra_body: dict[str, Any] = field(default_factory=dict)  # merged into every body
 
     async def send(self, request: BenchRequest, request_id: str, index: int,
                    options: SendOptions, clock: Clock, origin_s: float,
                    answer: list[int] | None = None) -> RequestRecord:
         body = request_body(self.backend, self.model, request, options, index, self.codec)
+        body.update(self.extra_body)
         start = clock()
         stream = StreamState(start, start)
         try:
@@ -156,7 +158,8 @@ async def served_model(client: httpx.AsyncClient, root: str) -> str:
 
 @asynccontextmanager
 async def open_sender(base_url: str, backend: str, model: str | None = None,
-                      codec: Codec | None = None) -> AsyncIterator[OpenAISender]:
+                      codec: Codec | None = None, extra_body: dict[str, Any] | None = None
+                      ) -> AsyncIterator[OpenAISender]:
     """A sender for one server, its connections pooled without limit (the load sets the
     concurrency); OPENAI_API_KEY, when set, is sent as the bearer token."""
     if backend not in OPENAI_BACKENDS:
@@ -168,4 +171,4 @@ async def open_sender(base_url: str, backend: str, model: str | None = None,
     timeout = httpx.Timeout(None, connect=CONNECT_TIMEOUT_S)
     async with httpx.AsyncClient(headers=headers, limits=limits, timeout=timeout) as client:
         yield OpenAISender(client, backend, root, model or await served_model(client, root),
-                           codec)
+                           codec, dict(extra_body or {}))

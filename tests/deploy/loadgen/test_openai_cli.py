@@ -23,7 +23,7 @@ def test_cli_single_openai_target(openai_server: FakeOpenAI, tmp_path: Path,
     result_file = tmp_path / "out.json"
     code = main([*BENCH, "--backend", "openai-completions", "--base-url",
                  openai_server.base_url, "--vocab-size", "300", "--goodput", "ttft:5000",
-                 "--result-file", str(result_file)])
+                 "--extra-body", '{"top_k": 5}', "--result-file", str(result_file)])
     assert code == 0
     data = json.loads(result_file.read_text())
     assert data["backend"] == "openai-completions" and data["target"] == openai_server.base_url
@@ -35,6 +35,7 @@ def test_cli_single_openai_target(openai_server: FakeOpenAI, tmp_path: Path,
     for body in openai_server.bodies:
         assert len(body["prompt"]) == 6 and all(0 <= t < 300 for t in body["prompt"])
         assert body["max_tokens"] == 5 and body["ignore_eos"] and body["model"] == MODEL
+        assert body["top_k"] == 5  # --extra-body
     assert "Mean TTFT (ms):" in capsys.readouterr().out
 
 
@@ -104,6 +105,9 @@ def test_bad_openai_arguments_exit_2(openai_server: FakeOpenAI,
     assert main([*BENCH, "--backend", "openai-completions", "--base-url",
                  openai_server.base_url]) == 2
     assert "--vocab-size or --tokenizer" in capsys.readouterr().err
+    assert main([*BENCH, "--backend", "openai-completions", "--base-url",
+                 openai_server.base_url, "--extra-body", "[1]"]) == 2
+    assert "--extra-body: expected a JSON object" in capsys.readouterr().err
     assert openai_server.bodies == []
 
 
