@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import NamedTuple
@@ -25,6 +24,7 @@ from kvferry.v1 import generation_pb2, generation_pb2_grpc
 from router.engine import Router
 from router.events import ChunkEvent, DoneEvent
 from router.public_errors import public_status
+from router.stream_clock import StreamClock
 from router.validation import ChatMessage, GenerateInput
 
 log = logging.getLogger("kvferry.router")
@@ -63,51 +63,6 @@ def _done_to_proto(request_id: str, event: DoneEvent) -> generation_pb2.Generate
             ),
         ),
     )
-
-
-class _StreamClock:
-    """Client-visible timings of one Generate stream, recorded into the router's metrics."""
-
-    def __init__(self, metrics: RouterMetrics | None) -> None:
-        self.metrics = metrics
-        self.start = time.perf_counter()
-        self.last = 0.0  # arrival of the latest chunk; 0 before the first
-        self.ttft = 0.0
-
-    def chunk(self, num_tokens: int) -> None:
-        if self.metrics is None or num_tokens == 0:
-            return
-        now = time.perf_counter()
-        if self.last:
-            self.metrics.itl.observe(now - self.last)
-        else:
-            self.ttft = now - self.start
-            self.metrics.ttft.observe(self.ttft)
-        self.last = now
-
-    def done(self, event: DoneEvent) -> None:
-        m = self.metrics
-        if m is None:
-            return
-        latency = time.perf_counter() - self.start
-        m.e2e.observe(latency)
-        if event.completion_tokens > 1:
-            m.tpot.observe((latency - self.ttft) / (event.completion_tokens - 1))
-        t = event.timing
-        m.queue.observe(t.queue_s)
-        m.prefill.observe(t.prefill_s)
-        m.kv_transfer.observe(t.kv_transfer_s)
-        m.admission_wait.observe(t.admission_wait_s)
-        m.migrations.inc(t.num_migrations)
-        m.finished.labels(event.reason.name.lower()).inc()
-        m.prompt_tokens.inc(event.prompt_tokens)
-        m.generation_tokens.inc(event.completion_tokens)
-        self.metrics = None  # recorded once
-
-    def failed(self, code: grpc.StatusCode) -> None:
-        if self.metrics is not None:
-            self.metrics.failures.labels(code.name).inc()
-            self.metrics = None
 
 
 class Unparsable(NamedTuple):
@@ -159,7 +114,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                         ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         request_id = request.request_id
         logs.request_id.set(request_id)
-        clock = _StreamClock(self.metrics)
+        clock = StreamClock(self.metrics)
         try:
             events = self.router.generate(_input(request), context.time_remaining())
             async with aclosing(events):
@@ -183,11 +138,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                                  event.timing.num_migrations)
                         yield _done_to_proto(request_id, event)
         except asyncio.CancelledError:
-            clock.failed(grpc.StatusCode.CANCELLED)
+            clock.failed(grpc.StatusCode.CANCELLED.name)
             raise
         except Exception as exc:
             code, message = public_status(exc, request_id)
-            clock.failed(code)
+            clock.failed(code.name)
             await context.abort(code, message)
 
     async def Abort(self, request: generation_pb2.AbortRequest | Unparsable,
