@@ -1,0 +1,297 @@
+"""HTTP edge of the router: the OpenAI-compatible API, FastAPI served by uvicorn on the router
+process's own event loop, beside the gRPC server (`HttpFront.start` / `stop`).
+
+Like router/server.py it only translates. Bodies become `GenerateInput`s
+(router/openai_schema.py) and run through the router engine and its validation, as gRPC
+Generates do; the engine's events become JSON bodies or server-sent events
+(router/openai_reply.py); a failure becomes an OpenAI error object carrying the message a
+gRPC client would get, the parameter named as the client sent it, and the HTTP status of its
+gRPC code (router/openai_errors.py).
+
+A stream's headers wait for the request's first event, so a refusal before any token
+(validation, overload) gets its own status; a later failure arrives as an error event. A
+client that goes away cancels its request: the engine's generator is closed, which releases
+it on every worker. Requests count into the router's Prometheus metrics as gRPC ones do
+(router/stream_clock.py); their failures under the gRPC status name the failure has there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import ssl
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
+import grpc
+import uvicorn
+from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from kvferry import logs
+from kvferry.errors import Internal, NotFound, ResourceExhausted
+from kvferry.rpc.grpc_util import PUBLIC_MAX_RECEIVE_BYTES
+from kvferry.rpc.metrics import RouterMetrics
+from kvferry.settings import SecuritySettings
+from router.engine import Router
+from router.events import ChunkEvent, DoneEvent
+from router.openai_errors import ApiError, api_error, failure
+from router.openai_reply import SSE_DONE, Reply, model_list_json
+from router.openai_schema import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIRequest,
+    body_error,
+    served_model_name,
+)
+from router.stream_clock import StreamClock
+
+log = logging.getLogger("kvferry.router")
+T = TypeVar("T")
+Event = ChunkEvent | DoneEvent
+
+
+class ClientGone(Exception):
+    """The client closed its connection before the answer was ready."""
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """`work`'s result; cancelled (raising ClientGone) when the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait((task,))
+    if task.cancelled():
+        raise ClientGone
+    return task.result()
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events; `on_close` runs however the response ends (finished, client gone,
+    or never started), so the request's generator is always closed."""
+
+    def __init__(self, events: AsyncIterator[str],
+                 on_close: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._on_close()
+
+
+class _Server(uvicorn.Server):
+    def capture_signals(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()  # the router process owns SIGTERM and drains us
+
+
+class HttpFront:
+    """The OpenAI-compatible API of one router: POST /v1/chat/completions, POST
+    /v1/completions, GET /v1/models, GET /health. The port is bound at construction (0: a
+    free one, then in `port`); `start` serves it, `stop` drains open streams for up to the
+    drain timeout, then cancels what is left."""
+
+    def __init__(self, router: Router, model: str, host: str, port: int,
+                 security: SecuritySettings, require_client_auth: bool,
+                 metrics: RouterMetrics | None, drain_timeout_s: float) -> None:
+        self.router = router
+        self.model = served_model_name(model)
+        self._model_names = {self.model, model}  # the name, or the --model given
+        self.metrics = metrics
+        self.num_streams = 0  # requests open, against the router's --max-streams
+        self.is_serving = False
+        tls: dict[str, object] = {}
+        if security.tls_cert is not None:
+            tls = {"ssl_certfile": security.tls_cert, "ssl_keyfile": security.tls_key}
+            if require_client_auth:
+                tls.update(ssl_ca_certs=security.tls_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
+        self.scheme = "https" if tls else "http"
+        config = uvicorn.Config(self._app(), log_config=None, access_log=False,
+                                lifespan="off", ws="none",
+                                timeout_graceful_shutdown=drain_timeout_s, **tls)
+        self._server = _Server(config)
+        self._socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._socket.bind((host, port))
+        self.host = host
+        self.port: int = self._socket.getsockname()[1]
+        self._task: asyncio.Task[None] | None = None
+
+    def _app(self) -> FastAPI:
+        # Bodies are capped as the gRPC port caps messages (413 past it).
+        app = FastAPI(title="kvferry", summary="OpenAI-compatible API of a kvferry router",
+                      max_body_size=PUBLIC_MAX_RECEIVE_BYTES)
+        app.add_api_route("/v1/chat/completions", self._chat, methods=["POST"])
+        app.add_api_route("/v1/completions", self._completions, methods=["POST"])
+        app.add_api_route("/v1/models", self._models, methods=["GET"])
+        app.add_api_route("/health", self._health, methods=["GET"])
+        app.add_exception_handler(RequestValidationError, self._invalid_body)  # type: ignore[arg-type]
+        app.add_exception_handler(HTTPException, self._http_error)  # type: ignore[arg-type]
+        return app
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._server.serve(sockets=[self._socket]))
+        while not self._server.started:
+            if self._task.done():  # failed to start (a bad certificate)
+                await self._task
+                raise RuntimeError("the HTTP server stopped while starting")
+            await asyncio.sleep(0.01)
+        self.is_serving = True
+        log.info("OpenAI-compatible HTTP API on %s://%s:%d/v1", self.scheme, self.host,
+                 self.port)
+
+    async def stop(self) -> None:
+        self.is_serving = False
+        self._server.should_exit = True
+        if self._task is not None:
+            await self._task
+        if self._server.server_state.tasks:  # cut off at the timeout: let them release
+            await asyncio.wait(set(self._server.server_state.tasks), timeout=5.0)
+
+    # ---- endpoints ---------------------------------------------------------------------
+    async def _chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        return await self._generate(request, body, "chatcmpl-")
+
+    async def _completions(self, body: CompletionRequest, request: Request) -> Response:
+        return await self._generate(request, body, "cmpl-")
+
+    async def _models(self) -> Response:
+        return Response(model_list_json(self.model, self.router.config.max_position_embeddings),
+                        media_type="application/json")
+
+    async def _health(self) -> Response:
+        return Response(status_code=200 if self.is_serving else 503)
+
+    async def _invalid_body(self, request: Request, exc: RequestValidationError) -> Response:
+        param, message = body_error(exc.errors())
+        return _response(api_error(400, message, param, "invalid_argument", "INVALID_ARGUMENT"))
+
+    async def _http_error(self, request: Request, exc: HTTPException) -> Response:
+        return _response(api_error(exc.status_code, str(exc.detail), None, None, ""))
+
+    # ---- one request -------------------------------------------------------------------
+    async def _generate(self, request: Request, body: OpenAIRequest, prefix: str) -> Response:
+        request_id = prefix + uuid.uuid4().hex
+        logs.request_id.set(request_id)
+        clock = StreamClock(self.metrics)
+        limit = self.router.limits.max_streams
+        if self.num_streams >= limit:
+            return self._failed(clock, failure(ResourceExhausted(
+                f"the router has {limit} requests open (its --max-streams); retry later"),
+                request_id, body))
+        self.num_streams += 1
+        events: AsyncIterator[str | Event] | None = None
+        is_streaming = False
+        try:
+            if body.model is not None and body.model not in self._model_names:
+                raise NotFound(f"model: {body.model!r} is not served here; this server serves "
+                               f"{self.model!r} (GET /v1/models)", "model")
+            events = self.router.generate(body.to_input(request_id), None)
+            reply = Reply(request_id, self.model, isinstance(body, ChatCompletionRequest),
+                          body.include_usage, body.return_token_ids)
+            if not body.stream:
+                return Response(await until_disconnect(request, _collect(events, reply, clock)),
+                                media_type="application/json")
+            first = await until_disconnect(request, _first(events))
+            is_streaming = True
+            return EventStream(_sse(events, first, reply, clock, body),
+                               lambda: self._close(events, clock))
+        except ClientGone:  # counted as cancelled by _close
+            return Response(status_code=499)  # nobody reads it
+        except Exception as exc:
+            return self._failed(clock, failure(exc, request_id, body))
+        finally:
+            if not is_streaming:
+                await self._close(events, clock)
+
+    def _failed(self, clock: StreamClock, answer: ApiError) -> Response:
+        clock.failed(answer.code_name)
+        return _response(answer)
+
+    async def _close(self, events: AsyncIterator[str | Event] | None,
+                     clock: StreamClock) -> None:
+        """The request is over for this front: its generator closed (which releases it on
+        the workers if it was still running), its slot freed, a cut-off stream counted."""
+        self.num_streams -= 1
+        clock.failed(grpc.StatusCode.CANCELLED.name)  # no-op once done or failed was recorded
+        if events is not None:
+            await events.aclose()  # type: ignore[attr-defined]
+
+
+def _response(error: ApiError) -> Response:
+    return Response(error.body, error.status, media_type="application/json")
+
+
+async def _first(events: AsyncIterator[str | Event]) -> Event:
+    """Past the request id (validation and tokenization done), the first event."""
+    await anext(events)
+    return await anext(events)  # type: ignore[return-value]  # ids come first only
+
+
+async def _collect(events: AsyncIterator[str | Event], reply: Reply, clock: StreamClock
+                   ) -> str:
+    """A whole answer as one JSON body."""
+    await anext(events)
+    texts: list[str] = []
+    token_ids: list[int] = []
+    async for event in events:
+        if isinstance(event, ChunkEvent):
+            clock.chunk(len(event.token_ids))
+            texts.append(event.text)
+            token_ids.extend(event.token_ids)
+        elif isinstance(event, DoneEvent):
+            clock.done(event)
+            _log_done(reply.request_id, event)
+            return reply.body("".join(texts), token_ids, event)
+    raise Internal("the request ended without finishing")
+
+
+async def _sse(events: AsyncIterator[str | Event], first: Event, reply: Reply,
+               clock: StreamClock, body: OpenAIRequest) -> AsyncIterator[str]:
+    """A whole answer as server-sent events, from its first event on."""
+    if reply.is_chat:
+        yield reply.role_event()
+    event = first
+    try:
+        while isinstance(event, ChunkEvent):
+            clock.chunk(len(event.token_ids))
+            if event.text or (event.token_ids and reply.return_token_ids):
+                yield reply.chunk_event(event.text, event.token_ids)
+            event = await anext(events)
+    except Exception as exc:
+        answer = failure(exc, reply.request_id, body)
+        clock.failed(answer.code_name)
+        yield f"data: {answer.body}\n\n{SSE_DONE}"
+        return
+    clock.done(event)  # after the chunks, exactly one DoneEvent (Router.generate)
+    _log_done(reply.request_id, event)
+    yield reply.chunk_event("", [], event.reason)
+    if reply.include_usage:
+        yield reply.usage_event(event)
+    yield SSE_DONE
+
+
+def _log_done(request_id: str, event: DoneEvent) -> None:
+    log.info("request %s done (%s, http): %d prompt + %d generated tokens, TTFT %.1f ms, %d "
+             "migrations", request_id, event.reason.name.lower(), event.prompt_tokens,
+             event.completion_tokens, event.timing.time_to_first_token_s * 1e3,
+             event.timing.num_migrations)

@@ -1,0 +1,207 @@
+"""The OpenAI API's request bodies, as the HTTP front parses them (pydantic models), and their
+translation into the router engine's own input, `router.validation.GenerateInput`.
+
+Only types are checked here. Values go through the router's validation, the same as a gRPC
+Generate's, whose refusals name proto fields (`sampling.max_tokens`, `input.messages[1].role`);
+`OpenAIRequest.param` names the parameter the client sent instead (`max_tokens`,
+`messages[1].role`). kvferry's own parameters ride along as extra body fields under vLLM's
+names (`top_k`, `ignore_eos`, `stop_token_ids`, `cache_salt`, `return_token_ids`); fields of
+the API that kvferry does not serve are refused when set to anything that would change the
+result (`UNSERVED`), and unknown ones are ignored, as vLLM does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from kvferry.errors import InvalidArgument
+from kvferry.model.sampling import DEFAULT_TEMPERATURE, SamplingParams
+from router.validation import ChatMessage, GenerateInput
+
+# Parameters refused unless neutral (absent, null, false, 0, empty, or the value listed).
+UNSERVED: dict[str, object] = {
+    "logprobs": None, "top_logprobs": None, "echo": None, "suffix": None, "best_of": 1,
+    "presence_penalty": None, "frequency_penalty": None, "repetition_penalty": 1,
+    "logit_bias": None, "min_tokens": None, "tools": None, "functions": None,
+    "response_format": {"type": "text"},
+}
+
+
+def served_model_name(model: str) -> str:
+    """The model id the API reports and expects: the checkpoint directory's name (a GGUF
+    file's name without `.gguf`)."""
+    path = Path(model)
+    return path.stem if path.suffix.lower() == ".gguf" else path.name
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False  # one last chunk with `usage` and no choices
+
+
+class OpenAIRequest(BaseModel):
+    """What chat and text completions share."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None  # None: the served model
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    user: str | None = None  # accepted, unused
+    # kvferry's own, under vLLM's names
+    top_k: int | None = None  # 0 or -1: off
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    cache_salt: str | None = None  # prefix-cache namespace (kvferry/cache/prefix.py)
+    return_token_ids: bool = False  # each choice also carries its `token_ids`
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_tokens"
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def param(self, field: str) -> str:
+        """The API parameter a kvferry field name stands for (itself when it is one)."""
+        if field.startswith("sampling."):
+            name = field.removeprefix("sampling.")
+            return self.max_tokens_param if name == "max_tokens" else name
+        return field
+
+    def _check_served(self) -> None:
+        if self.n != 1:
+            raise InvalidArgument(f"n: kvferry returns one choice per request, so n must be 1 "
+                                  f"(got {self.n}); send n requests instead", "n")
+        for name, value in (self.model_extra or {}).items():
+            neutral = UNSERVED.get(name, value)
+            if value not in (None, False, 0, "", [], {}, neutral):
+                raise InvalidArgument(f"{name}: not supported by kvferry", name)
+
+    def _sampling(self) -> tuple[SamplingParams, bool]:
+        """The sampling parameters, and whether max_tokens was given."""
+        max_tokens = self.requested_max_tokens()
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        params = SamplingParams(
+            temperature=DEFAULT_TEMPERATURE if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k in (None, -1) else self.top_k,
+            seed=self.seed, stop=stop, stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            **({} if max_tokens is None else {"max_tokens": max_tokens}),
+        )
+        return params, max_tokens is not None
+
+    def _input(self, request_id: str, text: str | None = None,
+               token_ids: list[int] | None = None,
+               messages: tuple[ChatMessage, ...] | None = None) -> GenerateInput:
+        self._check_served()
+        params, is_max_tokens_set = self._sampling()
+        return GenerateInput(request_id=request_id, text=text, token_ids=token_ids,
+                             messages=messages, params=params,
+                             is_max_tokens_set=is_max_tokens_set, cache_salt=self.cache_salt or "")
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str | None = None
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str  # checked by the router's validation, as gRPC's are
+    content: str | list[ContentPart] | None = None
+
+    def text(self, index: int) -> str:
+        """The content as one string: text parts joined by newlines (as vLLM joins them)."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        for j, part in enumerate(self.content):
+            if part.type != "text" or part.text is None:
+                field = f"messages[{index}].content[{j}]"
+                raise InvalidArgument(f"{field}: only text parts are served, got "
+                                      f"{part.type!r}", field)
+        return "\n".join(part.text or "" for part in self.content)
+
+
+class ChatCompletionRequest(OpenAIRequest):
+    """POST /v1/chat/completions."""
+
+    messages: list[Message]
+    max_completion_tokens: int | None = None  # the newer name; wins over max_tokens
+
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
+
+    def requested_max_tokens(self) -> int | None:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+    def param(self, field: str) -> str:
+        if field.startswith("input.messages"):  # input.messages[1].role, ...
+            return "messages" + field.removeprefix("input.messages")
+        if field.startswith("input"):  # the prompt as a whole
+            return "messages"
+        return super().param(field)
+
+    def to_input(self, request_id: str) -> GenerateInput:
+        messages = tuple(ChatMessage(m.role, m.text(i)) for i, m in enumerate(self.messages))
+        return self._input(request_id, messages=messages)
+
+
+class CompletionRequest(OpenAIRequest):
+    """POST /v1/completions. `prompt` is text or token ids; one prompt per request."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+    def param(self, field: str) -> str:
+        if field.startswith("input"):  # input, input.text, input.token_ids
+            return "prompt"
+        return super().param(field)
+
+    def to_input(self, request_id: str) -> GenerateInput:
+        prompt = self.prompt
+        if prompt and not isinstance(prompt, str) and not isinstance(prompt[0], int):
+            if len(prompt) > 1:
+                raise InvalidArgument(f"prompt: one prompt per request, got a batch of "
+                                      f"{len(prompt)}; send one request each", "prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return self._input(request_id, text=prompt)
+        return self._input(request_id, token_ids=list(prompt))
+
+
+def _is_union_tag(part: str) -> bool:
+    """pydantic names the member of a union it tried ('str', 'list[int]', 'ContentPart')."""
+    return part in ("str", "int", "float", "bool") or "[" in part or part[:1].isupper()
+
+
+def body_error(errors: Sequence[Any]) -> tuple[str | None, str]:
+    """The parameter and message of the first error pydantic found in a body (its type or
+    shape: values are the router's to check); no parameter for a body that is not JSON."""
+    error = errors[0]
+    loc = [part for part in error.get("loc", ())
+           if not (isinstance(part, str) and _is_union_tag(part))]
+    loc = loc[1:] if loc[:1] == ["body"] else loc  # FastAPI's, where the error was found
+    if error.get("type") == "json_invalid" or not loc or not isinstance(loc[0], str):
+        return None, f"the body is not valid JSON: {error.get('ctx', {}).get('error', '')}"
+    param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
+    return param, f"{param}: {error.get('msg', 'invalid')}"

@@ -1,0 +1,164 @@
+"""The HTTP front in-process, on a real uvicorn server in the test's event loop, over a fake
+router engine: a client that goes away closes the engine's generator (streaming or not), the
+open-request cap answers 429, a failure mid-stream arrives as an error event, and TLS (and
+mutual TLS) applies to the port."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import ssl
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from kvferry.errors import Unavailable
+from kvferry.model.sampling import FinishReason
+from kvferry.settings import PublicLimits, SecuritySettings
+from router.events import ChunkEvent, DoneEvent, Timing
+from router.http_front import HttpFront
+from router.validation import GenerateInput
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+class FakeRouter:
+    """Streams `num_tokens` tokens, one every 10 ms, then fails or finishes; records how each
+    generator ended."""
+
+    def __init__(self, num_tokens: int = 10_000, fail: bool = False, max_streams: int = 8):
+        self.config = SimpleNamespace(max_position_embeddings=4096)
+        self.limits = PublicLimits(max_streams=max_streams)
+        self.num_tokens, self.fail = num_tokens, fail
+        self.closed = asyncio.Event()
+        self.inputs: list[GenerateInput] = []
+
+    async def generate(self, inp: GenerateInput, timeout_s: float | None
+                       ) -> AsyncIterator[object]:
+        self.inputs.append(inp)
+        try:
+            yield inp.request_id
+            for i in range(self.num_tokens):
+                yield ChunkEvent([i], f"t{i} ")
+                await asyncio.sleep(0.01)
+            if self.fail:
+                raise Unavailable("decode failed 3 times")
+            yield DoneEvent(FinishReason.LENGTH, 3, self.num_tokens, Timing(0, 0, 0, 0, 0),
+                            cached_prompt_tokens=2)
+        finally:
+            self.closed.set()
+
+
+def _serve(router: FakeRouter, test: Callable[[HttpFront], Awaitable[None]],
+           security: SecuritySettings | None = None, client_auth: bool = False) -> None:
+    async def main() -> None:
+        front = HttpFront(router, "/models/tiny", "127.0.0.1", 0,  # type: ignore[arg-type]
+                          security or SecuritySettings(), client_auth, None, 1.0)
+        await front.start()
+        try:
+            await test(front)
+        finally:
+            await front.stop()
+
+    asyncio.run(main())
+
+
+def test_a_client_leaving_mid_stream_closes_the_request() -> None:
+    router = FakeRouter()
+
+    async def test(front: HttpFront) -> None:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{front.port}") as client:
+            body = {**CHAT, "stream": True}
+            async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+                assert response.status_code == 200
+                lines = response.aiter_lines()
+                assert json.loads((await anext(lines))[6:])["choices"][0]["delta"]["role"] == \
+                    "assistant"
+        await asyncio.wait_for(router.closed.wait(), 5)
+        assert front.num_streams == 0
+
+    _serve(router, test)
+
+
+def test_a_client_leaving_before_a_whole_answer_closes_the_request() -> None:
+    router = FakeRouter()
+
+    async def test(front: HttpFront) -> None:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{front.port}") as client:
+            with pytest.raises(httpx.ReadTimeout):
+                await client.post("/v1/completions", json={"prompt": "a"}, timeout=0.5)
+        await asyncio.wait_for(router.closed.wait(), 5)
+        assert front.num_streams == 0
+
+    _serve(router, test)
+
+
+def test_whole_answer_usage_and_the_open_request_cap() -> None:
+    router = FakeRouter(num_tokens=3, max_streams=1)
+
+    async def test(front: HttpFront) -> None:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{front.port}") as client:
+            first = asyncio.ensure_future(client.post("/v1/completions", json={"prompt": "a"}))
+            await asyncio.sleep(0.005)  # the first is open: the second is over the cap
+            refused = await client.post("/v1/completions", json={"prompt": "b"})
+            done = (await first).json()
+        assert refused.status_code == 429
+        assert refused.json()["error"]["code"] == "resource_exhausted"
+        assert done["choices"][0] == {"index": 0, "text": "t0 t1 t2 ", "logprobs": None,
+                                      "finish_reason": "length"}
+        assert done["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6,
+                                 "prompt_tokens_details": {"cached_tokens": 2}}
+        assert done["model"] == "tiny" and done["id"].startswith("cmpl-")
+
+    _serve(router, test)
+
+
+def test_a_failure_mid_stream_is_an_error_event() -> None:
+    router = FakeRouter(num_tokens=2, fail=True)
+
+    async def test(front: HttpFront) -> None:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{front.port}") as client:
+            response = await client.post("/v1/completions", json={"prompt": "a", "stream": True})
+        events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+        assert response.status_code == 200 and events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == "unavailable" and error["type"] == "service_unavailable_error"
+
+    _serve(router, test)
+
+
+def _tls_context(certs, with_client_cert: bool) -> ssl.SSLContext:
+    context = ssl.create_default_context(cafile=str(certs.ca_cert))
+    if with_client_cert:
+        context.load_cert_chain(str(certs.cert), str(certs.key))
+    return context
+
+
+@pytest.mark.parametrize("client_auth", [False, True])
+def test_tls_applies_to_the_http_port(tmp_path: Path, client_auth: bool) -> None:
+    pytest.importorskip("cryptography")
+    from deploy.certs import make_certs
+
+    certs = make_certs(tmp_path)
+    security = SecuritySettings(tls_cert=str(certs.cert), tls_key=str(certs.key),
+                                tls_ca=str(certs.ca_cert))
+
+    async def test(front: HttpFront) -> None:
+        assert front.scheme == "https"
+        url = f"https://127.0.0.1:{front.port}/health"
+        async with httpx.AsyncClient(verify=_tls_context(certs, True)) as client:
+            assert (await client.get(url)).status_code == 200
+        async with httpx.AsyncClient(verify=_tls_context(certs, False)) as client:
+            if client_auth:
+                with pytest.raises(httpx.HTTPError):  # the handshake or first read fails
+                    await client.get(url)
+            else:
+                assert (await client.get(url)).status_code == 200
+        async with httpx.AsyncClient() as client:  # plaintext to a TLS port
+            with pytest.raises(httpx.HTTPError):
+                await client.get(url.replace("https", "http"))
+
+    _serve(FakeRouter(), test, security, client_auth)

@@ -1,0 +1,146 @@
+"""OpenAI request bodies -> the router engine's GenerateInput, parameter names in refusals, and
+failures -> OpenAI error objects with their HTTP status (router/openai_schema.py,
+router/openai_errors.py)."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import pytest
+from pydantic import ValidationError
+
+from kvferry.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from kvferry.model.sampling import DEFAULT_MAX_TOKENS, SamplingParams
+from router.openai_errors import failure
+from router.openai_schema import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    body_error,
+    served_model_name,
+)
+from router.validation import ChatMessage
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+def test_chat_body_becomes_messages_and_sampling() -> None:
+    body = ChatCompletionRequest.model_validate({
+        "messages": [{"role": "system", "content": "Be brief."},
+                     {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                  {"type": "text", "text": "b"}]}],
+        "temperature": 0, "top_p": 0.5, "seed": 7, "stop": "END", "max_tokens": 3,
+        "max_completion_tokens": 9, "top_k": -1, "ignore_eos": True, "stop_token_ids": [5],
+        "cache_salt": "tenant", "unknown_field": {"ignored": True}})
+    inp = body.to_input("chatcmpl-1")
+    assert inp.messages == (ChatMessage("system", "Be brief."), ChatMessage("user", "a\nb"))
+    assert inp.text is None and inp.token_ids is None
+    assert inp.request_id == "chatcmpl-1" and inp.cache_salt == "tenant"
+    assert inp.is_max_tokens_set
+    assert inp.params == SamplingParams(temperature=0.0, top_p=0.5, top_k=0, seed=7,
+                                        max_tokens=9, stop=("END",), stop_token_ids=(5,),
+                                        ignore_eos=True)
+    assert body.param("sampling.max_tokens") == "max_completion_tokens"
+
+
+def test_unset_parameters_take_the_engines_defaults() -> None:
+    inp = ChatCompletionRequest.model_validate({"messages": USER}).to_input("x")
+    assert not inp.is_max_tokens_set and inp.params.max_tokens == DEFAULT_MAX_TOKENS
+    assert inp.params == SamplingParams()
+
+
+@pytest.mark.parametrize("prompt,text,token_ids", [
+    ("hello", "hello", None),
+    (["hello"], "hello", None),
+    ([1, 2, 3], None, [1, 2, 3]),
+    ([[4, 5]], None, [4, 5]),
+])
+def test_completion_prompt_is_text_or_token_ids(prompt, text, token_ids) -> None:
+    inp = CompletionRequest.model_validate({"prompt": prompt, "stop": ["a", "b"]}).to_input("c")
+    assert (inp.text, inp.token_ids, inp.messages) == (text, token_ids, None)
+    assert inp.params.stop == ("a", "b")
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": "a", "n": 2}, "n"),
+    ({"prompt": "a", "n": 0}, "n"),
+    ({"prompt": "a", "logprobs": 1}, "logprobs"),
+    ({"prompt": "a", "echo": True}, "echo"),
+    ({"prompt": "a", "best_of": 2}, "best_of"),
+    ({"prompt": "a", "min_tokens": 4}, "min_tokens"),
+    ({"prompt": "a", "presence_penalty": 0.5}, "presence_penalty"),
+])
+def test_what_is_not_served_is_refused_by_name(body: dict, param: str) -> None:
+    with pytest.raises(InvalidArgument) as exc:
+        CompletionRequest.model_validate(body).to_input("c")
+    assert exc.value.field == param
+
+
+def test_neutral_values_of_unserved_parameters_pass() -> None:
+    body = {"prompt": "a", "logprobs": None, "echo": False, "best_of": 1, "n": 1,
+            "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {},
+            "min_tokens": 0}
+    assert CompletionRequest.model_validate(body).to_input("c").text == "a"
+
+
+def test_a_non_text_content_part_is_refused_by_name() -> None:
+    body = ChatCompletionRequest.model_validate({"messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})
+    with pytest.raises(InvalidArgument) as exc:
+        body.to_input("x")
+    assert exc.value.field == "messages[0].content[0]"
+
+
+@pytest.mark.parametrize("field,chat,completion", [
+    ("sampling.temperature", "temperature", "temperature"),
+    ("sampling.max_tokens", "max_tokens", "max_tokens"),
+    ("sampling.stop", "stop", "stop"),
+    ("input.messages[1].role", "messages[1].role", "prompt"),
+    ("input.messages", "messages", "prompt"),
+    ("input", "messages", "prompt"),
+    ("input.token_ids", "messages", "prompt"),
+    ("cache_salt", "cache_salt", "cache_salt"),
+])
+def test_kvferry_fields_are_named_as_the_api_names_them(field, chat, completion) -> None:
+    assert ChatCompletionRequest.model_validate({"messages": USER}).param(field) == chat
+    assert CompletionRequest.model_validate({"prompt": "a"}).param(field) == completion
+
+
+def _status_and_error(exc: BaseException, body=None) -> tuple[int, dict]:
+    answer = failure(exc, "req-1", body)
+    return answer.status, json.loads(answer.body)["error"]
+
+
+def test_failures_become_openai_error_objects() -> None:
+    body = ChatCompletionRequest.model_validate({"messages": USER})
+    status, error = _status_and_error(InvalidArgument(
+        "input.messages[1].role: 'x' is not one of system, user, assistant",
+        "input.messages[1].role"), body)
+    assert status == 400
+    assert error == {"message": "messages[1].role: 'x' is not one of system, user, assistant",
+                     "type": "invalid_request_error", "param": "messages[1].role",
+                     "code": "invalid_argument"}
+    status, error = _status_and_error(NotFound("model: 'x' is not served", "model"), body)
+    assert (status, error["code"], error["param"]) == (404, "model_not_found", "model")
+    assert _status_and_error(ResourceExhausted("full"))[0] == 429
+    assert _status_and_error(Unavailable("no decode worker"))[0] == 503
+    status, error = _status_and_error(KeyError("secret detail at 10.0.0.7:5000"))
+    assert status == 500 and error["type"] == "server_error"
+    assert "secret" not in error["message"] and "req-1" in error["message"]
+    assert failure(Unavailable("x"), "r", None).code_name == grpc.StatusCode.UNAVAILABLE.name
+
+
+def test_a_body_of_the_wrong_shape_names_the_parameter() -> None:
+    with pytest.raises(ValidationError) as exc:
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": 5}]})
+    param, message = body_error(exc.value.errors())
+    assert param == "messages[0].content" and message.startswith("messages[0].content: ")
+    with pytest.raises(ValidationError) as exc:
+        CompletionRequest.model_validate({"prompt": "a", "temperature": "hot"})
+    assert body_error(exc.value.errors())[0] == "temperature"
+
+
+def test_the_served_model_name_is_the_checkpoint_directorys() -> None:
+    assert served_model_name("/models/qwen3-tiny/") == "qwen3-tiny"
+    assert served_model_name("/m/SmolLM2-135M-Instruct.Q4_1.gguf") == "SmolLM2-135M-Instruct.Q4_1"
