@@ -17,6 +17,7 @@ from kvferry.settings import (
     DEFAULT_DECODE_STAGE_MIB,
     DEFAULT_DNS_INTERVAL_S,
     DEFAULT_DRAIN_TIMEOUT_S,
+    DEFAULT_HTTP_PORT,
     DEFAULT_KV_MAX_RESENDS,
     DEFAULT_KV_POOL_SIZE,
     DEFAULT_LEASE_S,
@@ -35,6 +36,7 @@ from kvferry.settings import (
     PublicLimits,
     RouterSettings,
     WorkerSettings,
+    parse_http_port,
 )
 
 DEMO_QUESTION = "What is the capital of France?"  # kvferry demo's default
@@ -86,19 +88,18 @@ def _worker_parser(sub: argparse._SubParsersAction, role: str) -> None:
     p.add_argument("--prefill-chunk-size", type=int, default=DEFAULT_PREFILL_CHUNK_SIZE)
     p.add_argument("--decode-stage-mib", type=int, default=DEFAULT_DECODE_STAGE_MIB,
                    help="torch attention backend: memory for the running batch's K/V kept "
-                        "densely beside the pages, so decode steps need not gather them; "
-                        "0: gather pages every step")
+                        "densely beside the pages (no gather per step); 0: gather every step")
     p.add_argument("--compile", default=COMPILE_MODES[0], choices=COMPILE_MODES,
-                   help="decode and colocated workers: torch.compile the decode step, one "
-                        "graph per batch-size bucket, all compiled before the worker serves "
-                        "(max-autotune also tunes the GEMMs; slower to start); off: eager")
+                   help="decode/colocated workers: torch.compile the decode step, a graph "
+                        "per batch-size bucket, compiled before serving (max-autotune also "
+                        "tunes the GEMMs; slower to start); off: eager")
     p.add_argument("--compile-batch-sizes", default=DEFAULT_COMPILE_BATCH_SIZES,
-                   help="--compile: the batch-size buckets, comma-separated (a batch runs "
-                        "padded to the next one; larger batches run eagerly)")
+                   help="--compile: batch-size buckets, comma-separated (a batch runs padded "
+                        "to the next one; larger batches run eagerly)")
     p.add_argument("--cuda-graphs", default=CUDA_GRAPH_MODES[0], choices=CUDA_GRAPH_MODES,
                    help="decode/colocated workers on CUDA with Triton attention: replay the "
-                        "decode step from CUDA graphs captured before serving, one per "
-                        "--compile-batch-sizes bucket; off: eager (ignored on CPU)")
+                        "decode step from CUDA graphs captured before serving, one per bucket "
+                        "of --compile-batch-sizes; off: eager (ignored on CPU)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="do not keep finished requests' full K/V blocks for reuse by later "
                         "prompts with the same prefix (prefix caching is on by default)")
@@ -108,10 +109,9 @@ def _worker_parser(sub: argparse._SubParsersAction, role: str) -> None:
     p.add_argument("--kv-max-resends", type=int, default=DEFAULT_KV_MAX_RESENDS,
                    help="resend a K/V push the receiver found corrupted; 0: fail (DATA_LOSS)")
     p.add_argument("--kv-transport", default=KV_TRANSPORTS[0], choices=KV_TRANSPORTS,
-                   help="how prefill ships K/V pages: gRPC streams, Ray object refs "
-                        "(workers running as Ray actors), or nixl: the decode worker reads "
-                        "them from the prefill worker's pool with NIXL (UCX); every worker "
-                        "of a deployment must use the same one")
+                   help="how prefill ships K/V pages: gRPC streams, Ray object refs (workers "
+                        "as Ray actors), or nixl: the decode worker reads them from the "
+                        "prefill worker's pool with NIXL (UCX); the same on every worker")
     _server_process_args(p)
     p.set_defaults(role=role)
 
@@ -126,6 +126,8 @@ def _deployment_args(p: argparse.ArgumentParser) -> None:
                         "e.g. on a Ray cluster)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="the router's Prometheus metrics port (0: any free port)")
+    p.add_argument("--http-port", type=parse_http_port, default=DEFAULT_HTTP_PORT,
+                   help="the router's OpenAI-compatible HTTP API (0: any free port; off: none)")
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     p.add_argument("--kv-pool-size", default=DEFAULT_KV_POOL_SIZE)
     p.add_argument("--torch-threads", type=int, default=DEPLOYMENT_TORCH_THREADS,
@@ -154,11 +156,9 @@ def _deployment_args(p: argparse.ArgumentParser) -> None:
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=None)
-    p.add_argument("--temperature", type=float, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--seed", type=int, default=None)
+    for flag, kind in (("--max-tokens", int), ("--temperature", float), ("--top-p", float),
+                       ("--top-k", int), ("--seed", int)):
+        p.add_argument(flag, type=kind, default=None)
     p.add_argument("--stop", action="append", default=[])
     p.add_argument("--ignore-eos", action="store_true")
 
@@ -218,12 +218,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefix policy: cost of each block of load on a worker (K/V blocks "
                         "in use on decode, pending prompt tokens per block on prefill)")
     p.add_argument("--local-prefill-threshold", type=int, default=0,
-                   help="prompts shorter than this many tokens are prefilled on the decode "
-                        "worker itself (conditional disaggregation); 0: off")
+                   help="prompts under this many tokens prefill on the decode worker; 0: off")
     _server_process_args(p)
     p.add_argument("--public-client-auth", action="store_true",
-                   help="the public port also requires client certificates (verified with "
-                        "--tls-ca)")
+                   help="the public ports also require client certificates (see --tls-ca)")
+    p.add_argument("--http-port", type=parse_http_port, default=None,
+                   help="also serve the OpenAI-compatible HTTP API here (0: any free port)")
     for flag, default, help_text in PublicLimits.flags():  # public input limits
         p.add_argument(flag, type=int, default=default, help=help_text)
 
@@ -256,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the processes' logs go (default: a new folder under "
                         "KVFERRY_HOME/logs)")
     _sampling_args(p)
-    p.set_defaults(port=0)
+    p.set_defaults(port=0, http_port=0)
 
     from deploy.loadgen.cli import add_arguments as add_bench_arguments
 
@@ -294,7 +294,7 @@ def router_settings(args: argparse.Namespace, model: str | None = None) -> Route
         local_prefill_threshold=args.local_prefill_threshold,
         drain_timeout_s=args.drain_timeout_s, metrics_port=args.metrics_port,
         security=security_settings(args), is_public_client_auth=args.public_client_auth,
-        limits=PublicLimits.from_flags(args),
+        limits=PublicLimits.from_flags(args), http_port=args.http_port,
     )
 
 

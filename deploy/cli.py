@@ -61,7 +61,8 @@ def _deployment(args: argparse.Namespace):
 
     kwargs = dict(
         model=args.model or ensure_default_model(), num_prefill=args.num_prefill,
-        num_decode=args.num_decode, router_port=args.port, block_size=args.block_size,
+        num_decode=args.num_decode, router_port=args.port, http_port=args.http_port,
+        block_size=args.block_size,
         kv_pool_size=args.kv_pool_size, torch_threads=args.torch_threads,
         attention_backend=args.attention_backend, is_colocated=args.colocated, host=args.host,
         compile=args.compile, compile_batch_sizes=args.compile_batch_sizes,
@@ -80,9 +81,18 @@ def _deployment(args: argparse.Namespace):
     return Deployment(**kwargs)
 
 
+def _http_line(deployment, args: argparse.Namespace) -> str:
+    """Where the router's OpenAI-compatible API is, as a client's base URL."""
+    if args.http_port is None:
+        return "OpenAI-compatible HTTP API: off (--http-port)"
+    scheme = "https" if security_settings(args).is_tls else "http"
+    return f"OpenAI-compatible HTTP API on {scheme}://{deployment.http_address}/v1"
+
+
 def _serve(args: argparse.Namespace) -> int:
     deployment = _deployment(args).start()
     print(f"kvferry serving on {deployment.router_address} (Ctrl-C to stop)", flush=True)
+    print(_http_line(deployment, args), flush=True)
     stop = {"flag": False}
 
     def handler(signum: int, frame: object) -> None:
@@ -115,6 +125,7 @@ def _demo(args: argparse.Namespace) -> int:
     deployment.log_dir = log_dir
     with deployment:
         print(f"deployment up: router {deployment.router_address}", file=sys.stderr)
+        print(_http_line(deployment, args), file=sys.stderr)
         if chat is not None:
             print(f"> {chat}", flush=True)
         sampling = {"temperature": 0.0, **_sampling_kwargs(args)}  # greedy unless told

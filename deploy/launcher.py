@@ -1,7 +1,7 @@
 """Start and stop a local deployment: router + P prefill + D decode worker processes.
 
-Each process binds the port it is given (0 = any free port) and prints one readiness line
-with the bound port; the launcher reads it, so no port is ever guessed. Workers start in
+Each process binds the ports it is given (0 = any free port) and prints one readiness line
+with the bound ports; the launcher reads it, so no port is ever guessed. Workers start in
 parallel; the router starts once they are all serving.
 
 `isolation="netns"` runs every component in its own network namespace with its own address
@@ -25,9 +25,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 from deploy import netns
+from deploy.affinity import pin_threads
 from deploy.default_model import ensure_default_model
 from kvferry.model.gguf import ensure_converted, is_gguf
-from kvferry.rpc.grpc_util import READY_PREFIX
+from kvferry.rpc.grpc_util import parse_ready
 from kvferry.settings import (
     ATTENTION_BACKENDS,
     COMPILE_MODES,
@@ -35,22 +36,10 @@ from kvferry.settings import (
     DEFAULT_COMPILE_BATCH_SIZES,
     DEFAULT_KV_POOL_SIZE,
     DEPLOYMENT_TORCH_THREADS,
-    TRANSFER_THREAD,
 )
 
 log = logging.getLogger("kvferry")
 ISOLATIONS = ("loopback", "netns")
-
-
-def pin_threads(pid: int, cpus: set[int], transfer_cpus: set[int] | None = None) -> None:
-    """Every thread of process `pid` onto `cpus` (later threads inherit it); the K/V
-    transfer threads (TRANSFER_THREAD) onto `transfer_cpus` when given."""
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        is_transfer = transfer_cpus is not None and _thread_name(pid, tid) == TRANSFER_THREAD
-        try:
-            os.sched_setaffinity(int(tid), transfer_cpus if is_transfer else cpus)
-        except ProcessLookupError:
-            continue  # the thread ended meanwhile
 
 
 @dataclass
@@ -60,6 +49,7 @@ class Process:
     host: str = "127.0.0.1"  # where to reach it (its own address in a network namespace)
     port: int = 0
     metrics_port: int = 0  # 0: no metrics server
+    http_port: int = 0  # the router's OpenAI-compatible HTTP API; 0: none
     _ready: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -69,10 +59,8 @@ class Process:
     def _watch(self) -> None:
         assert self.popen.stdout is not None  # noqa: S101 - created with stdout=PIPE
         for line in self.popen.stdout:
-            if line.startswith(READY_PREFIX):
-                fields = dict(item.split("=") for item in line.split()[1:])
-                self.metrics_port = int(fields["metrics_port"])
-                self.port = int(fields["port"])
+            if (ready := parse_ready(line)) is not None:
+                self.port, self.metrics_port, self.http_port = ready
                 self._ready.set()
         self._ready.set()  # exited: wake the waiter, who checks the return code
 
@@ -112,14 +100,6 @@ def serves(name: str, role: str) -> bool:
     return name.startswith(role) or (role == "decode" and name.startswith("colocated"))
 
 
-def _thread_name(pid: int, tid: str) -> str:
-    try:
-        with open(f"/proc/{pid}/task/{tid}/comm") as comm:
-            return comm.read().strip()
-    except OSError:
-        return ""
-
-
 @dataclass
 class Deployment:
     """A deployment's shape and, once started, its processes. Not started, it is also the
@@ -130,6 +110,7 @@ class Deployment:
     num_prefill: int = 1
     num_decode: int = 1
     router_port: int = 0
+    http_port: int | None = None  # the router's OpenAI-compatible HTTP API (0: any free port)
     block_size: int = DEFAULT_BLOCK_SIZE
     kv_pool_size: str = DEFAULT_KV_POOL_SIZE
     torch_threads: int = DEPLOYMENT_TORCH_THREADS  # per worker: they share the machine
@@ -201,6 +182,8 @@ class Deployment:
         args = ["--log-format", self.log_format, "router",
                 "--model", self.model or ensure_default_model(),
                 "--host", host, "--port", str(self.router_port), *self.router_args]
+        if self.http_port is not None:
+            args += ["--http-port", str(self.http_port)]
         for name, address in workers.items():
             args += [f"--{name.rsplit('-', 1)[0]}", address]
         return args
@@ -234,6 +217,14 @@ class Deployment:
     @property
     def router_address(self) -> str:
         return self.processes[-1].address
+
+    @property
+    def http_address(self) -> str:
+        """The router's OpenAI-compatible HTTP API, HOST:PORT (with `http_port` set)."""
+        router = self.processes[-1]
+        if not router.http_port:
+            raise ValueError("http_port: this deployment's router serves no HTTP API")
+        return f"{router.host}:{router.http_port}"
 
     def addresses(self, role: str) -> list[str]:
         """Workers serving `role`; colocated workers serve both prefill and decode."""

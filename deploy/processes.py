@@ -7,7 +7,7 @@ import logging
 import os
 import signal
 from collections.abc import Awaitable, Callable
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import grpc
 
@@ -18,6 +18,9 @@ from kvferry.model.config import load_model_config
 from kvferry.rpc import grpc_util, security
 from kvferry.settings import RouterSettings, SecuritySettings, WorkerSettings
 from kvferry.transfer.sender import KvSender
+
+if TYPE_CHECKING:
+    from router.http_front import HttpFront
 
 log = logging.getLogger("kvferry")
 
@@ -43,12 +46,15 @@ class Built(NamedTuple):
     engine: Drainable | None = None  # workers; the router drains through the server's grace
     metrics_port: int = 0  # bound Prometheus port; 0: no metrics server
     health_server: grpc.aio.Server | None = None  # plaintext health-only port (TLS setups)
+    http: HttpFront | None = None  # the router's OpenAI-compatible API (--http-port)
 
 
 async def start(built: Built) -> None:
     await built.server.start()
     if built.health_server is not None:
         await built.health_server.start()
+    if built.http is not None:
+        await built.http.start()
     await grpc_util.set_serving(built.health, built.service_names, True)
 
 
@@ -70,7 +76,10 @@ async def stop(built: Built) -> None:
         # Idle: a moment for the last messages to flush. Timed out: cut what is left now, so
         # routers migrate those streams instead of waiting on a worker that is going away.
         grace = 1.0 if built.engine.is_idle else 0.0
-    await built.server.stop(grace=grace)
+    if built.http is not None:  # both fronts drain at once, then stop
+        await asyncio.gather(built.server.stop(grace=grace), built.http.stop())
+    else:
+        await built.server.stop(grace=grace)
     if built.health_server is not None:
         await built.health_server.stop(grace=None)
     await built.on_stop()
@@ -81,7 +90,8 @@ async def _serve(built: Built, role: str) -> None:
     await start(built)
     tracer = trace.start(role)  # KVFERRY_TRACE_DIR: per-token attribution (kvferry/trace.py)
     lag_probe = asyncio.create_task(tracer.watch_loop_lag()) if tracer else None
-    grpc_util.announce_ready(built.port, built.metrics_port)
+    grpc_util.announce_ready(built.port, built.metrics_port,
+                             None if built.http is None else built.http.port)
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -230,6 +240,13 @@ async def build_router(settings: RouterSettings) -> Built:
     grpc_util.add_reflection(server, router_server.SERVICE_NAMES)
     port = security.add_port(server, f"{settings.host}:{settings.port}", creds,
                              require_client_auth=settings.is_public_client_auth)
+    http = None
+    if settings.http_port is not None:
+        from router.http_front import HttpFront
+
+        http = HttpFront(router, settings.model, settings.host, settings.http_port,
+                         settings.security, settings.is_public_client_auth, router_metrics,
+                         settings.drain_timeout_s)
 
     async def on_stop() -> None:
         for task in tasks:
@@ -238,7 +255,7 @@ async def build_router(settings: RouterSettings) -> Built:
 
     return Built(server, health, router_server.SERVICE_NAMES, port, on_stop,
                  settings.drain_timeout_s, None, metrics_port,
-                 _health_server(health, settings.host, settings.security))
+                 _health_server(health, settings.host, settings.security), http)
 
 
 def _health_server(health: object, host: str,

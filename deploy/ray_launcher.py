@@ -36,6 +36,7 @@ class ServerActor:
         # The decode worker's end of Ray K/V pushes; refuses them unless this actor decodes.
         self._receiver = RayKvReceiver(None)
         self._address = ""
+        self._http_address = ""  # the router's OpenAI-compatible API, when it serves one
 
     async def start(self, argv: list[str]) -> str:
         """Build and start the server a `kvferry ARGV` command would run; its address."""
@@ -60,10 +61,15 @@ class ServerActor:
         if host in ("0.0.0.0", "::", ""):
             host = ray.util.get_node_ip_address() if ray.is_initialized() else socket.getfqdn()
         self._address = f"{host}:{self._built.port}"
+        if self._built.http is not None:
+            self._http_address = f"{host}:{self._built.http.port}"
         return self._address
 
     async def address(self) -> str:
         return self._address
+
+    async def http_address(self) -> str:
+        return self._http_address
 
     async def stop(self) -> None:
         """Drain (--drain-timeout-s) and stop the server."""
@@ -145,6 +151,13 @@ class RayDeployment(Deployment):
     @property
     def router_address(self) -> str:
         return self.actors[-1].address
+
+    @property
+    def http_address(self) -> str:
+        address = ray.get(self.actors[-1].handle.http_address.remote(), timeout=30)
+        if not address:
+            raise ValueError("http_port: this deployment's router serves no HTTP API")
+        return address
 
     def addresses(self, role: str) -> list[str]:
         return [a.address for a in self.actors if serves(a.name, role)]

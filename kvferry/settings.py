@@ -22,6 +22,9 @@ DEFAULT_DECODE_STAGE_MIB = 256
 DEFAULT_KV_MAX_RESENDS = 2
 DEFAULT_LEASE_S = 30.0  # a decode reservation waits this long for its K/V
 DEFAULT_DNS_INTERVAL_S = 5.0
+# The router's OpenAI-compatible HTTP API (router/http_front.py): off in library use and for
+# `kvferry router` unless --http-port is given; `kvferry serve` opens it here (vLLM's port).
+DEFAULT_HTTP_PORT = 8000
 DEFAULT_TORCH_THREADS = 0  # 0: torch's default (every core)
 # A deployment starts several workers on one machine; one thread each keeps them from
 # oversubscribing the cores (torch's default would give every worker all of them).
@@ -73,6 +76,15 @@ def parse_pool_size(value: str, total_memory_bytes: int) -> int:
     if size <= 0:
         raise ValueError(f"kv_pool_size: must be > 0, got {value!r}")
     return size
+
+
+def parse_http_port(value: str) -> int | None:
+    """An --http-port value: a port (0: any free one), or "off" for none."""
+    if value.strip().lower() == "off":
+        return None
+    if not value.strip().isdigit() or int(value) > 65535:
+        raise ValueError(f"http_port: expected a port number or off, got {value!r}")
+    return int(value)
 
 
 def _check_common(drain_timeout_s: float, metrics_port: int | None) -> None:
@@ -205,7 +217,7 @@ class PublicLimits:
     max_stop_strings: int = 16
     max_stop_bytes: int = 4096  # all stop strings together, UTF-8
     max_prompt_bytes: int = 1 << 20  # prompt text, or all chat messages' content, UTF-8
-    max_streams: int = 1024  # open Generate streams on the public port
+    max_streams: int = 1024  # open requests on each public port (gRPC streams, HTTP)
 
     def __post_init__(self) -> None:
         for name in self.__dataclass_fields__:
@@ -230,8 +242,8 @@ LIMIT_HELP = {
     "max_stop_strings": "most stop strings per request",
     "max_stop_bytes": "most UTF-8 bytes of all stop strings of a request together",
     "max_prompt_bytes": "most UTF-8 bytes of prompt text (or of all chat messages' content)",
-    "max_streams": "most Generate streams open at once on the public port; more get "
-                   "RESOURCE_EXHAUSTED",
+    "max_streams": "most requests open at once on each public port (gRPC Generate streams, "
+                   "HTTP requests); more get RESOURCE_EXHAUSTED (HTTP: 429)",
 }
 
 
@@ -258,6 +270,9 @@ class RouterSettings:
     security: SecuritySettings = field(default_factory=SecuritySettings)
     is_public_client_auth: bool = False  # the public port also requires client certificates
     limits: PublicLimits = field(default_factory=PublicLimits)
+    # The OpenAI-compatible HTTP API on this port (0: any free one; None: not served); TLS
+    # and client-certificate settings apply to it as to the public gRPC port.
+    http_port: int | None = None
 
     def __post_init__(self) -> None:
         if self.is_public_client_auth and self.security.tls_ca is None:
@@ -269,6 +284,8 @@ class RouterSettings:
             if not weight >= 0:  # NaN too
                 raise ValueError(f"{name}: must be >= 0, got {weight}")
         _check_common(self.drain_timeout_s, self.metrics_port)
+        if self.http_port is not None and not 0 <= self.http_port < 65536:
+            raise ValueError(f"http_port: out of range: {self.http_port}")
         if self.local_prefill_threshold < 0:
             raise ValueError("local_prefill_threshold: must be >= 0")
         if not self.colocated and not ((self.prefill or self.prefill_dns)

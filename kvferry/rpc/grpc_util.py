@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -150,10 +151,29 @@ async def set_serving(servicer: health.aio.HealthServicer, service_names: list[s
         await servicer.set(name, status)
 
 
-def announce_ready(port: int, metrics_port: int = 0) -> None:
-    """Tell a parent launcher which ports we bound (ports may be 0 = any free port)."""
-    print(f"{READY_PREFIX} metrics_port={metrics_port} port={port}", flush=True)
+def announce_ready(port: int, metrics_port: int = 0, http_port: int | None = None) -> None:
+    """Tell a parent launcher which ports we bound (ports may be 0 = any free port); the
+    router's HTTP port too when it serves one."""
+    http = "" if http_port is None else f" http_port={http_port}"
+    print(f"{READY_PREFIX} metrics_port={metrics_port} port={port}{http}", flush=True)
     sys.stdout.flush()
+
+
+class Ready(NamedTuple):
+    """The ports a process announced it bound; 0: not served."""
+
+    port: int
+    metrics_port: int
+    http_port: int
+
+
+def parse_ready(line: str) -> Ready | None:
+    """The ports of an `announce_ready` line (None for any other line)."""
+    if not line.startswith(READY_PREFIX):
+        return None
+    fields = dict(item.split("=") for item in line.split()[1:])
+    return Ready(int(fields["port"]), int(fields["metrics_port"]),
+                 int(fields.get("http_port", 0)))
 
 
 def channel(address: str) -> grpc.aio.Channel:

@@ -40,12 +40,14 @@ def test_serve_generate_and_sigterm(qwen3_checkpoint: Path, tmp_path: Path) -> N
     qwen3_checkpoint = Path(shutil.copytree(qwen3_checkpoint, tmp_path / "model"))
     serve = subprocess.Popen(
         [sys.executable, "-m", "deploy.cli", "serve", "--model", str(qwen3_checkpoint),
-         "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+         "--port", "0", "--http-port", "0"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        text=True)
     try:
         assert serve.stdout is not None
         line = serve.stdout.readline()
         assert "serving on" in line, line
         address = line.split("serving on ")[1].split()[0]
+        assert "OpenAI-compatible HTTP API on http://127.0.0.1:" in serve.stdout.readline()
         assert len(_processes_mentioning(str(qwen3_checkpoint))) == 4  # serve + 3 children
         out = subprocess.run(
             [sys.executable, "-m", "deploy.cli", "generate", "--address", address, "hello",

@@ -92,7 +92,8 @@ def test_transfer_threads_are_named_and_pinned_apart(tmp_path) -> None:
     import sys
     from types import SimpleNamespace
 
-    from deploy.launcher import Deployment, _thread_name
+    from deploy.affinity import thread_name
+    from deploy.launcher import Deployment
 
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
@@ -108,7 +109,7 @@ def test_transfer_threads_are_named_and_pinned_apart(tmp_path) -> None:
         deployment.processes.append(SimpleNamespace(name="decode-0", popen=child))
         deployment.pin("decode", {cpus[0]}, {cpus[1]})
         tids = os.listdir(f"/proc/{child.pid}/task")
-        names = {tid: _thread_name(child.pid, tid) for tid in tids}
+        names = {tid: thread_name(child.pid, tid) for tid in tids}
         transfer = [tid for tid, name in names.items() if name == TRANSFER_THREAD]
         assert transfer, names  # NIXL's progress thread and UCX's async thread at least
         for tid in tids:
