@@ -59,6 +59,8 @@ def test_ports_and_probes_match_the_processes(parsed) -> None:
             assert p.value("--host") == "0.0.0.0", container.name
             assert _port(container, "grpc") == p.value("--port"), container.name
             assert _port(container, "metrics") == int(p.value("--metrics-port")), container.name
+            if p.command in ("router", "serve"):  # the OpenAI-compatible HTTP API
+                assert _port(container, "http") == p.value("--http-port"), container.name
             names = service_names(p.command)
             # With TLS, probes use the plaintext health-only port (they cannot speak TLS).
             probe_port = p.value("--health-port") or p.value("--port")

@@ -89,7 +89,8 @@ class Block(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, Block())
 import deploy.args, deploy.cli, deploy.processes
 import kvferry.model.checkpoint, kvferry.transfer.grpc_push
-import router.server, router.discovery, prefill_worker.server, decode_worker.server
+import router.server, router.http_front, router.discovery
+import prefill_worker.server, decode_worker.server
 import kvferry.transfer.nixl_push, decode_worker.nixl_puller, nixl_cu12._api
 from kernels.dispatch import get_attention_backend
 get_attention_backend("torch")
