@@ -1,0 +1,254 @@
+"""The router's OpenAI-compatible HTTP API (issue 22) driven by the official `openai` package,
+sync and async, streaming and not, chat and completions, against one deployment that serves
+gRPC too: greedy text and tokens equal gRPC Generate's, usage is right (cached prompt tokens
+on a repeated prompt), each bad parameter is a BadRequestError naming it, a client that goes
+away frees every block, and the README's `curl -N` command streams."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from deploy import client
+from deploy.launcher import Deployment
+from kvferry.model.checkpoint import CHATML_TEMPLATE, ModelSpec, make_model
+from tests.conftest import METRICS, assert_alive, assert_pools_clean
+from tests.e2e.test_metrics import scrape, value
+
+pytestmark = pytest.mark.slow
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+CONVERSATION = [("system", "Be brief."), ("user", "The quick brown fox")]
+MESSAGES = [{"role": role, "content": content} for role, content in CONVERSATION]
+PROMPT = "The quick brown fox"
+GREEDY = dict(temperature=0.0, max_tokens=8, ignore_eos=True)
+HTTP_GREEDY = dict(temperature=0, max_tokens=8,
+                   extra_body={"ignore_eos": True, "return_token_ids": True})
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    checkpoint = make_model(tmp_path_factory.mktemp("openai") / "tiny-chat",
+                            ModelSpec(chat_template=CHATML_TEMPLATE))
+    deployment = Deployment(model=str(checkpoint), http_port=0, router_args=METRICS,
+                            log_dir=tmp_path_factory.mktemp("openai-logs")).start()
+    yield deployment
+    deployment.stop()
+
+
+@pytest.fixture(scope="module")
+def grpc_answers(deployment: Deployment) -> dict[str, client.Completion]:
+    """What gRPC Generate streams for the chat and the text prompt, greedy."""
+    chat, text = asyncio.run(client.generate_many(deployment.router_address, [
+        client.make_request(messages=CONVERSATION, **GREEDY),
+        client.make_request(PROMPT, **GREEDY)]))
+    assert len(chat.token_ids) == len(text.token_ids) == 8
+    return {"chat": chat, "text": text}
+
+
+def _base_url(deployment: Deployment) -> str:
+    return f"http://{deployment.http_address}/v1"
+
+
+def _sync(deployment: Deployment) -> openai.OpenAI:
+    return openai.OpenAI(base_url=_base_url(deployment), api_key="unused", max_retries=0)
+
+
+def _extra(choice: object, name: str) -> object:
+    return (choice.model_extra or {}).get(name)  # type: ignore[attr-defined]
+
+
+def _check_usage(usage: object, expected: client.Completion) -> None:
+    assert usage.prompt_tokens == expected.finished.usage.prompt_tokens  # type: ignore[attr-defined]
+    assert usage.completion_tokens == len(expected.token_ids)  # type: ignore[attr-defined]
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens  # type: ignore[attr-defined]
+
+
+def _check_stream(chunks: list, expected: client.Completion, is_chat: bool) -> None:
+    """Text and token ids of a stream that asked for usage: as gRPC's, usage counting them."""
+    *body, last = chunks
+    assert last.choices == [] and last.usage is not None
+    text = "".join((c.choices[0].delta.content or "") if is_chat else c.choices[0].text
+                   for c in body)
+    token_ids = [t for c in body for t in (_extra(c.choices[0], "token_ids") or [])]
+    assert text == expected.text and token_ids == expected.token_ids
+    assert body[-1].choices[0].finish_reason == "length"
+    _check_usage(last.usage, expected)
+
+
+def test_sync_client_chat_and_completions_equal_grpc(deployment: Deployment,
+                                                     grpc_answers: dict) -> None:
+    api = _sync(deployment)
+    model = api.models.list().data[0].id
+    assert model == "tiny-chat"
+    chat = api.chat.completions.create(model=model, messages=MESSAGES, **HTTP_GREEDY)
+    expected = grpc_answers["chat"]
+    assert chat.choices[0].message.content == expected.text
+    assert _extra(chat.choices[0], "token_ids") == expected.token_ids
+    assert chat.choices[0].finish_reason == "length"
+    _check_usage(chat.usage, expected)
+    stream = api.chat.completions.create(model=model, messages=MESSAGES, stream=True,
+                                         stream_options={"include_usage": True}, **HTTP_GREEDY)
+    _check_stream(list(stream), expected, is_chat=True)
+
+    expected = grpc_answers["text"]
+    text = api.completions.create(model=model, prompt=PROMPT, **HTTP_GREEDY)
+    assert text.choices[0].text == expected.text
+    _check_usage(text.usage, expected)
+    by_ids = api.completions.create(model=model, prompt=_prompt_ids(deployment),
+                                    **HTTP_GREEDY)
+    assert _extra(by_ids.choices[0], "token_ids") == expected.token_ids
+    stream = api.completions.create(model=model, prompt=PROMPT, stream=True,
+                                    stream_options={"include_usage": True}, **HTTP_GREEDY)
+    _check_stream(list(stream), expected, is_chat=False)
+    assert_pools_clean(deployment)
+
+
+def _prompt_ids(deployment: Deployment) -> list[int]:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(deployment.model).encode(PROMPT)
+
+
+def test_async_client_streams_and_whole_answers_at_once(deployment: Deployment,
+                                                        grpc_answers: dict) -> None:
+    async def run() -> tuple:
+        async with openai.AsyncOpenAI(base_url=_base_url(deployment), api_key="unused",
+                                      max_retries=0) as api:
+            async def chunks(stream_call) -> list:
+                return [chunk async for chunk in await stream_call]
+
+            usage = {"stream": True, "stream_options": {"include_usage": True}}
+            return await asyncio.gather(
+                api.chat.completions.create(model="tiny-chat", messages=MESSAGES,
+                                            **HTTP_GREEDY),
+                chunks(api.chat.completions.create(model="tiny-chat", messages=MESSAGES,
+                                                   **usage, **HTTP_GREEDY)),
+                api.completions.create(model="tiny-chat", prompt=PROMPT, **HTTP_GREEDY),
+                chunks(api.completions.create(model="tiny-chat", prompt=PROMPT, **usage,
+                                              **HTTP_GREEDY)))
+
+    chat, chat_chunks, text, text_chunks = asyncio.run(run())
+    assert chat.choices[0].message.content == grpc_answers["chat"].text
+    _check_usage(chat.usage, grpc_answers["chat"])
+    _check_stream(chat_chunks, grpc_answers["chat"], is_chat=True)
+    assert text.choices[0].text == grpc_answers["text"].text
+    _check_stream(text_chunks, grpc_answers["text"], is_chat=False)
+    assert_pools_clean(deployment)
+
+
+def test_a_repeated_prompt_reports_cached_prompt_tokens(deployment: Deployment) -> None:
+    api = _sync(deployment)
+    prompt = "A prompt long enough to fill a few blocks of sixteen tokens: " * 4
+    first, second = (api.completions.create(model="tiny-chat", prompt=prompt, max_tokens=2,
+                                            temperature=0) for _ in range(2))
+    assert first.usage.prompt_tokens == second.usage.prompt_tokens > 32
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert 16 <= cached < second.usage.prompt_tokens and cached % 16 == 0
+    assert second.choices[0].text == first.choices[0].text
+
+
+CHAT_ERRORS = [
+    ({"temperature": -1}, "temperature"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"max_tokens": 100_000}, "max_tokens"),  # past the context
+    ({"top_p": 2}, "top_p"),
+    ({"n": 2}, "n"),
+    ({"stop": [""]}, "stop"),
+    ({"logprobs": True}, "logprobs"),
+    ({"extra_body": {"top_k": -5}}, "top_k"),
+    ({"messages": [*MESSAGES, {"role": "narrator", "content": "boo"}]}, "messages[2].role"),
+    ({"messages": []}, "messages"),
+    ({"temperature": -1, "stream": True}, "temperature"),
+]
+
+
+@pytest.mark.parametrize("kwargs,param", CHAT_ERRORS, ids=[p + (" stream" if "stream" in k
+                                                              else "") for k, p in CHAT_ERRORS])
+def test_a_bad_chat_parameter_is_a_bad_request_naming_it(deployment: Deployment, kwargs: dict,
+                                                          param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as exc:
+        _sync(deployment).chat.completions.create(**{"model": "tiny-chat",
+                                                     "messages": MESSAGES, **kwargs})
+    assert exc.value.param == param, exc.value.message
+    assert param.split("[")[0] in exc.value.message
+
+
+@pytest.mark.parametrize("prompt", ["", [10**9]], ids=["empty", "outside the vocabulary"])
+def test_a_bad_prompt_is_a_bad_request_naming_it(deployment: Deployment, prompt) -> None:
+    with pytest.raises(openai.BadRequestError) as exc:
+        _sync(deployment).completions.create(model="tiny-chat", prompt=prompt)
+    assert exc.value.param == "prompt" and "prompt" in exc.value.message
+
+
+def test_another_model_is_not_found_and_health_models_and_size_cap(
+        deployment: Deployment) -> None:
+    with pytest.raises(openai.NotFoundError) as exc:
+        _sync(deployment).chat.completions.create(model="gpt-4o", messages=MESSAGES)
+    assert exc.value.param == "model" and exc.value.code == "model_not_found"
+    base = f"http://{deployment.http_address}"
+    assert httpx.get(f"{base}/health").status_code == 200
+    big = httpx.post(f"{base}/v1/completions", content=b'{"prompt": "' + b"a" * (5 << 20)
+                     + b'"}', headers={"Content-Type": "application/json"}, timeout=30)
+    assert big.status_code == 413
+    assert_alive(deployment)
+    assert_pools_clean(deployment)
+
+
+def _cancelled(deployment: Deployment) -> float:
+    samples = scrape(deployment.processes[-1].metrics_port)
+    return value(samples, "kvferry_request_failures_total", code="CANCELLED")
+
+
+def test_a_client_that_goes_away_frees_every_block(deployment: Deployment) -> None:
+    """A stream closed after a few chunks, and a whole answer abandoned by a client timeout:
+    each request is cancelled on the workers (counted CANCELLED, never finished), so every
+    block comes back well before 3,000 tokens could have been generated."""
+    before = _cancelled(deployment)
+    long = dict(model="tiny-chat", messages=MESSAGES, max_tokens=3000,
+                extra_body={"ignore_eos": True})
+    stream = _sync(deployment).chat.completions.create(stream=True, **long)
+    for _, chunk in zip(range(4), stream):
+        assert chunk.choices
+    stream.close()
+    with pytest.raises(openai.APITimeoutError):
+        _sync(deployment).with_options(timeout=1.0).chat.completions.create(**long)
+    assert_pools_clean(deployment, timeout_s=5)
+    assert _cancelled(deployment) - before == 2
+
+
+def _readme_curl() -> str:
+    blocks = re.findall(r"```bash\n(curl -N .*?)```", README.read_text(), re.S)
+    assert len(blocks) == 1, "README: one `curl -N` example"
+    return blocks[0]
+
+
+def test_curl_streams_as_the_readme_documents_it(deployment: Deployment) -> None:
+    command = _readme_curl()
+    body = json.loads(re.search(r"-d '(.*)'", command, re.S).group(1))
+    expected = asyncio.run(client.generate(deployment.router_address, client.make_request(
+        messages=[(m["role"], m["content"]) for m in body["messages"]],
+        temperature=float(body["temperature"]), max_tokens=body["max_tokens"])))
+    out = subprocess.run(["bash", "-c", command.replace("127.0.0.1:8000",
+                                                        deployment.http_address)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    events = [line.removeprefix("data: ") for line in out.stdout.splitlines() if line]
+    assert all(line.startswith("data: ") for line in out.stdout.splitlines() if line)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == expected.text
+    assert chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"]["completion_tokens"] == len(expected.token_ids)
