@@ -74,3 +74,23 @@ def test_trace_records_every_process_and_prints_the_attribution(
     assert "slow token gaps of bench-colocated-20" in out
     assert "explained:" in out and "slow gaps:" in out
     assert "KVFERRY_TRACE_DIR" not in os.environ
+
+
+def test_compare_the_grpc_and_http_fronts_of_launched_deployments(
+        qwen3_checkpoint: Path, tmp_path: Path) -> None:
+    """`openai-completions:launch:KIND` launches the router with its HTTP front and drives it
+    with the OpenAI backend; the vocabulary comes from the same router's gRPC front."""
+    result_file = tmp_path / "fronts.json"
+    code = main(["bench", "--compare", "grpc=launch:disagg",
+                 "http=openai-completions:launch:disagg", "--model", str(qwen3_checkpoint),
+                 "--launch-log-dir", str(tmp_path / "logs"), "--num-prompts", "3",
+                 "--input-len", "16", "--output-len", "4", "--request-rate", "10",
+                 "--disable-tqdm", "--result-file", str(result_file)])
+    assert code == 0
+    runs = json.loads(result_file.read_text())["runs"]
+    assert [(r["target"], r["backend"]) for r in runs] == [("grpc", "grpc"),
+                                                           ("http", "openai-completions")]
+    for run in runs:
+        assert run["completed"] == 3 and run["failed"] == 0
+        assert run["input_lens"] == [16] * 3 and run["output_lens"] == [4] * 3  # usage
+        assert run["median_ttft_ms"] > 0
