@@ -120,7 +120,11 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-@pytest.mark.parametrize("argv", [["serve", "--port", "0"], ["decode-worker"], ["router"]])
+# Valid flags: they are checked before the default model is looked for (deploy/preflight.py)
+ROUTER = ["router", "--prefill", "127.0.0.1:1", "--decode", "127.0.0.1:2"]
+
+
+@pytest.mark.parametrize("argv", [["serve", "--port", "0"], ["decode-worker"], ROUTER])
 def test_missing_default_model_prints_one_line_and_exits_2(argv: list[str]) -> None:
     result = subprocess.run([sys.executable, "-c", _WITHOUT_PACKAGE, *argv], cwd=REPO,
                             capture_output=True, text=True, timeout=120,
