@@ -37,7 +37,6 @@ import json
 import platform
 import shlex
 import signal
-import statistics
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -46,6 +45,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script too
+from bench.bench_prefix_cache import Spread, spread  # noqa: E402
 from deploy import client  # noqa: E402
 from deploy.default_model import BENCH_MODEL_HELP, bench_model  # noqa: E402
 from deploy.launcher import Deployment  # noqa: E402
@@ -80,19 +80,6 @@ class Figures(NamedTuple):
     completed: int
     failed: int
     output_tokens: int
-
-
-class Spread(NamedTuple):
-    median: float
-    low: float
-    high: float
-
-    def text(self, digits: int = 2) -> str:
-        return f"{self.median:.{digits}f} [{self.low:.{digits}f}-{self.high:.{digits}f}]"
-
-
-def spread(values: Sequence[float]) -> Spread:
-    return Spread(statistics.median(values), min(values), max(values))
 
 
 def figures(run: RunResult) -> Figures:
