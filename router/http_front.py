@@ -9,7 +9,10 @@ gRPC client would get, the parameter named as the client sent it, and the HTTP s
 gRPC code (router/openai_errors.py).
 
 A stream's headers wait for the request's first event, so a refusal before any token
-(validation, overload) gets its own status; a later failure arrives as an error event. A
+(validation, overload) gets its own status; a later failure arrives as an error event. Every
+token step is a chunk, as over gRPC and as vLLM streams completions: a token whose text is held
+back (an incomplete UTF-8 character) goes out with empty text, so the first token and every
+later one reach the client when they are sampled, not when their text becomes whole. A
 client that goes away cancels its request: the engine's generator is closed, which releases
 it on every worker. Requests count into the router's Prometheus metrics as gRPC ones do
 (router/stream_clock.py); their failures under the gRPC status name the failure has there.
@@ -274,7 +277,7 @@ async def _sse(events: AsyncIterator[str | Event], first: Event, reply: Reply,
     try:
         while isinstance(event, ChunkEvent):
             clock.chunk(len(event.token_ids))
-            if event.text or (event.token_ids and reply.return_token_ids):
+            if event.text or event.token_ids:  # a step whose text is held back: ""
                 yield reply.chunk_event(event.text, event.token_ids)
             event = await anext(events)
     except Exception as exc:

@@ -29,10 +29,12 @@ class FakeRouter:
     """Streams `num_tokens` tokens, one every 10 ms, then fails or finishes; records how each
     generator ended."""
 
-    def __init__(self, num_tokens: int = 10_000, fail: bool = False, max_streams: int = 8):
+    def __init__(self, num_tokens: int = 10_000, fail: bool = False, max_streams: int = 8,
+                 texts: list[str] | None = None):
         self.config = SimpleNamespace(max_position_embeddings=4096)
         self.limits = PublicLimits(max_streams=max_streams)
         self.num_tokens, self.fail = num_tokens, fail
+        self.texts = texts  # token i's text, "" where it is held back; else "t{i} "
         self.closed = asyncio.Event()
         self.inputs: list[GenerateInput] = []
 
@@ -42,7 +44,7 @@ class FakeRouter:
         try:
             yield inp.request_id
             for i in range(self.num_tokens):
-                yield ChunkEvent([i], f"t{i} ")
+                yield ChunkEvent([i], f"t{i} " if self.texts is None else self.texts[i])
                 await asyncio.sleep(0.01)
             if self.fail:
                 raise Unavailable("decode failed 3 times")
@@ -126,6 +128,32 @@ def test_a_failure_mid_stream_is_an_error_event() -> None:
         assert response.status_code == 200 and events[-1] == "[DONE]"
         error = json.loads(events[-2])["error"]
         assert error["code"] == "unavailable" and error["type"] == "service_unavailable_error"
+
+    _serve(router, test)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_token_whose_text_is_held_back_is_still_a_chunk(path: str) -> None:
+    """Every token step reaches the client when it is sampled, held-back text or not: the
+    first chunk comes with the first token although its text is empty."""
+    texts = ["", "\u00e9", "", "", "\u4e2d", "!"]  # bytes of a character split over tokens
+    router = FakeRouter(num_tokens=len(texts), texts=texts)
+
+    async def test(front: HttpFront) -> None:
+        body = {"prompt": "a"} if path == "/v1/completions" else dict(CHAT)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{front.port}") as client:
+            response = await client.post(path, json={**body, "stream": True})
+        events = [json.loads(line[6:]) for line in response.text.splitlines()
+                  if line.startswith("data: {")]
+        choices = [e["choices"][0] for e in events]
+        if path == "/v1/chat/completions":
+            assert choices.pop(0)["delta"] == {"role": "assistant", "content": ""}
+            contents = [c["delta"].get("content") for c in choices]
+        else:
+            contents = [c["text"] for c in choices]
+        *steps, last = zip(contents, (c["finish_reason"] for c in choices), strict=True)
+        assert steps == [(text, None) for text in texts]
+        assert last == ("", "length") or last == (None, "length")
 
     _serve(router, test)
 
