@@ -9,11 +9,9 @@ seeded), through each of `--fronts`, with `kvferry bench`'s backends:
   grpc      the gRPC front (Generate);
   http      the HTTP front as any OpenAI client calls it (`--backend`: openai-completions by
             default, the same token ids as gRPC; openai-chat decodes them with the model's
-            tokenizer). It streams a chunk only when there is text: a token whose text is held
-            back (an incomplete UTF-8 character, frequent with the tiny model's byte tokens)
-            joins the next chunk;
-  http-ids  the same with `return_token_ids: true`, so every token step is a chunk, as over
-            gRPC: the HTTP front's own cost, chunk for chunk.
+            tokenizer). Every token step is a chunk, as over gRPC: a token whose text is held
+            back (an incomplete UTF-8 character) comes with empty text;
+  http-ids  the same with `return_token_ids: true`: each chunk also carries its token ids.
 
 The fronts' order rotates each repetition; within a repetition all get the same prompts and
 arrival times. Reported per front: TTFT and ITL at p50 and p99, median [min-max] over

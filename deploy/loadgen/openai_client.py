@@ -18,18 +18,27 @@ that is not a JSON object), UNAVAILABLE (no connection), DEADLINE_EXCEEDED (--ti
 from __future__ import annotations
 
 import asyncio
+import json
 import os
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import httpx
+import aiohttp
 
 from deploy.loadgen.metrics import OK, RequestRecord
-from deploy.loadgen.openai_stream import StreamState, error_message, read_stream, request_body
+from deploy.loadgen.openai_stream import (
+    Answer,
+    ConnectionLost,
+    StreamState,
+    Unreachable,
+    error_message,
+    read_stream,
+    request_body,
+)
 from deploy.loadgen.runner import Clock, SendOptions
 from deploy.loadgen.workload import BenchRequest, Conversation
 
@@ -37,6 +46,9 @@ BACKENDS = ("grpc", "openai-chat", "openai-completions")
 OPENAI_BACKENDS = BACKENDS[1:]
 _PATHS = {"openai-chat": "/chat/completions", "openai-completions": "/completions"}
 CONNECT_TIMEOUT_S = 30.0
+MAX_LINE_BYTES = 1 << 24  # one SSE line (a chunk, or a whole answer's token ids)
+# POST url, JSON body, headers -> the answer, open while the context is (tests fake it).
+Post = Callable[[str, dict[str, Any], dict[str, str]], AbstractAsyncContextManager[Answer]]
 
 
 def api_root(base_url: str) -> str:
@@ -88,11 +100,38 @@ def check_workload(backend: str, items: Sequence[BenchRequest] | Sequence[Conver
                          "decoded (or use --backend openai-completions, which sends the ids)")
 
 
+def aiohttp_post(session: aiohttp.ClientSession) -> Post:
+    """`Post` over one aiohttp session. aiohttp, as vLLM's `bench serve` uses: its C HTTP
+    parser costs the client about half the CPU per streamed chunk that httpx's pure-Python
+    stack did here, CPU the measured server shares on a small machine."""
+
+    @asynccontextmanager
+    async def post(url: str, body: dict[str, Any], headers: dict[str, str]
+                   ) -> AsyncIterator[Answer]:
+        try:
+            async with session.post(url, json=body, headers=headers) as response:
+                yield Answer(response.status, _lines(response), response.read)
+        except aiohttp.ClientConnectorError as exc:
+            raise Unreachable(str(exc) or type(exc).__name__) from exc
+        except aiohttp.ClientError as exc:  # dropped before the answer's headers
+            raise ConnectionLost(str(exc) or type(exc).__name__) from exc
+
+    return post
+
+
+async def _lines(response: aiohttp.ClientResponse) -> AsyncIterator[str]:
+    try:
+        async for line in response.content:
+            yield line.decode("utf-8", "replace").rstrip("\r\n")
+    except (aiohttp.ClientError, ValueError) as exc:  # dropped mid-stream; a line too long
+        raise ConnectionLost(str(exc) or type(exc).__name__) from exc
+
+
 @dataclass(frozen=True)
 class OpenAISender:
-    """The openai-chat / openai-completions backend over one httpx client (runner.Sender)."""
+    """The openai-chat / openai-completions backend over one `Post` (runner.Sender)."""
 
-    client: httpx.AsyncClient
+    post: Post
     backend: str
     root: str  # api_root(base URL)
     model: str  # the `model` every request names
@@ -111,10 +150,10 @@ class OpenAISender:
                 status, error = await self._post(body, request_id, stream, clock)
         except TimeoutError:
             status, error = "DEADLINE_EXCEEDED", f"no answer within {options.timeout_s} s"
-        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-            status, error = "UNAVAILABLE", f"{self.root}: {exc or type(exc).__name__}"
-        except httpx.TransportError as exc:  # the connection dropped mid-stream
-            status, error = "INCOMPLETE", f"connection lost: {exc or type(exc).__name__}"
+        except Unreachable as exc:
+            status, error = "UNAVAILABLE", f"{self.root}: {exc}"
+        except ConnectionLost as exc:  # the connection dropped mid-stream
+            status, error = "INCOMPLETE", f"connection lost: {exc}"
         if status == OK and stream.num_chunks == 0:
             status, error = "INCOMPLETE", "no content chunk came (TTFT undefined)"
         usage = stream.usage
@@ -132,11 +171,10 @@ class OpenAISender:
     async def _post(self, body: dict[str, Any], request_id: str, stream: StreamState,
                     clock: Clock) -> tuple[str, str]:
         url = self.root + _PATHS[self.backend]
-        async with self.client.stream("POST", url, json=body,
-                                      headers={"X-Request-Id": request_id}) as response:
-            if response.status_code >= 400:
-                return f"HTTP_{response.status_code}", error_message(await response.aread())
-            return await read_stream(response, stream, clock)
+        async with self.post(url, body, {"X-Request-Id": request_id}) as response:
+            if response.status >= 400:
+                return f"HTTP_{response.status}", error_message(await response.read())
+            return await read_stream(response.lines, stream, clock)
 
     def _answer_ids(self, stream: StreamState, need: bool) -> list[int]:
         """The generated token ids: as streamed, else the text tokenized (when needed)."""
@@ -145,13 +183,13 @@ class OpenAISender:
         return self.codec.encode("".join(stream.texts))
 
 
-async def served_model(client: httpx.AsyncClient, root: str) -> str:
+async def served_model(session: aiohttp.ClientSession, root: str) -> str:
     """The first model GET {root}/models lists (what `model` names when not given)."""
     try:
-        response = await client.get(root + "/models")
-        response.raise_for_status()
-        return str(response.json()["data"][0]["id"])
-    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
+        async with session.get(root + "/models") as response:
+            response.raise_for_status()
+            return str(json.loads(await response.read())["data"][0]["id"])
+    except (aiohttp.ClientError, ValueError, KeyError, IndexError, TypeError) as exc:
         raise ValueError(f"{root}/models: cannot read the served model ({exc}); give "
                          "--served-model-name") from exc
 
@@ -167,8 +205,10 @@ async def open_sender(base_url: str, backend: str, model: str | None = None,
     root = api_root(base_url)
     key = os.environ.get("OPENAI_API_KEY")
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    timeout = httpx.Timeout(None, connect=CONNECT_TIMEOUT_S)
-    async with httpx.AsyncClient(headers=headers, limits=limits, timeout=timeout) as client:
-        yield OpenAISender(client, backend, root, model or await served_model(client, root),
-                           codec, dict(extra_body or {}))
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S)
+    async with aiohttp.ClientSession(headers=headers, timeout=timeout,
+                                     connector=aiohttp.TCPConnector(limit=0),
+                                     read_bufsize=MAX_LINE_BYTES) as session:
+        yield OpenAISender(aiohttp_post(session), backend, root,
+                           model or await served_model(session, root), codec,
+                           dict(extra_body or {}))

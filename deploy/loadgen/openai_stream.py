@@ -17,14 +17,30 @@ every gap between content chunks.
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
-
-import httpx
+from typing import Any, NamedTuple, Protocol
 
 from deploy.loadgen.metrics import OK
 from deploy.loadgen.runner import Clock, SendOptions
 from deploy.loadgen.workload import BenchRequest
+
+
+class Unreachable(Exception):
+    """No connection to the server."""
+
+
+class ConnectionLost(Exception):
+    """The connection dropped before the answer was whole."""
+
+
+class Answer(NamedTuple):
+    """One POST's answer as the HTTP client gives it: its status, then its body as text lines
+    (line ends stripped) or whole."""
+
+    status: int
+    lines: AsyncIterator[str]
+    read: Callable[[], Awaitable[bytes]]
 
 
 class Decoder(Protocol):
@@ -123,11 +139,12 @@ class StreamState:
         self.token_ids += ids
 
 
-async def read_stream(response: httpx.Response, stream: StreamState, clock: Clock
+async def read_stream(lines: AsyncIterator[str], stream: StreamState, clock: Clock
                       ) -> tuple[str, str]:
-    """Consume an SSE body into `stream` up to `data: [DONE]`; (status, error), where a body
-    that ends before [DONE] is INCOMPLETE and one that is not JSON objects BAD_RESPONSE."""
-    async for line in response.aiter_lines():
+    """Consume an SSE body's lines into `stream` up to `data: [DONE]`; (status, error), where
+    a body that ends before [DONE] is INCOMPLETE and one that is not JSON objects
+    BAD_RESPONSE."""
+    async for line in lines:
         data = sse_data(line)
         if data is None or not data:
             continue

@@ -1,7 +1,7 @@
 """A scripted OpenAI-compatible server: the same stream as conftest's gRPC script (chunks at
 +40, +90, +120 (2 tokens), +190 ms; usage: 5 completion tokens, half the prompt cached), as
-server-sent events. Served for real (Starlette under uvicorn, on a free port) or through
-httpx.MockTransport on a virtual clock.
+server-sent events. Served for real (Starlette under uvicorn, on a free port) or as a `Post`
+through httpx.MockTransport on a virtual clock.
 
 The first prompt token id (completions) or word (chat) picks a failure mode (MODES)."""
 
@@ -12,6 +12,7 @@ import json
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +23,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from deploy.loadgen.openai_client import Post
+from deploy.loadgen.openai_stream import Answer, ConnectionLost
 from tests.deploy.loadgen.conftest import FAIL_TOKEN, SCRIPT, VirtualClock
 
 MODEL = "fake-model"
@@ -169,12 +172,11 @@ def stop(served: ServedFake) -> None:
     served.thread.join(10)
 
 
-def mock_transport(clock: VirtualClock, record: FakeOpenAI) -> httpx.MockTransport:
-    """The same server without sockets: each scripted delay advances the virtual clock."""
+def virtual_post(clock: VirtualClock, record: FakeOpenAI) -> Post:
+    """The same server without sockets, as a `Post`: each scripted delay advances the virtual
+    clock; httpx's MockTransport plays the HTTP exchange."""
 
     async def handler(request: httpx.Request) -> httpx.Response:
-        if request.method == "GET":
-            return httpx.Response(200, json=MODELS)
         body = json.loads(request.content)
         record.bodies.append(body)
         refused = refusal(body)
@@ -191,4 +193,19 @@ def mock_transport(clock: VirtualClock, record: FakeOpenAI) -> httpx.MockTranspo
         return httpx.Response(200, content=stream(),
                               headers={"content-type": "text/event-stream"})
 
-    return httpx.MockTransport(handler)
+    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+
+    async def lines(response: httpx.Response) -> AsyncIterator[str]:
+        try:
+            async for line in response.aiter_lines():
+                yield line
+        except httpx.TransportError as exc:
+            raise ConnectionLost(str(exc)) from exc
+
+    @asynccontextmanager
+    async def post(url: str, body: dict[str, Any], headers: dict[str, str]
+                   ) -> AsyncIterator[Answer]:
+        async with client.stream("POST", url, json=body, headers=headers) as response:
+            yield Answer(response.status_code, lines(response), response.aread)
+
+    return post

@@ -8,18 +8,25 @@ import asyncio
 import time
 from pathlib import Path
 
-import httpx
+import aiohttp
 import pytest
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 
 from deploy.loadgen.metrics import calculate_metrics
-from deploy.loadgen.openai_client import Codec, OpenAISender, api_root, check_workload, open_sender
+from deploy.loadgen.openai_client import (
+    Codec,
+    OpenAISender,
+    aiohttp_post,
+    api_root,
+    check_workload,
+    open_sender,
+)
 from deploy.loadgen.runner import SendOptions, run_conversations, run_requests
 from deploy.loadgen.workload import BenchRequest, Conversation
 from tests.deploy.loadgen.conftest import FAIL_TOKEN, FakeStub, VirtualClock
-from tests.deploy.loadgen.fake_openai import MODEL, FakeOpenAI, mock_transport
+from tests.deploy.loadgen.fake_openai import MODEL, FakeOpenAI, virtual_post
 
 approx = pytest.approx
 REQUESTS = [BenchRequest((1, 2, 3), 5, 3, tag="a"), BenchRequest((FAIL_TOKEN, 2), 5, 2),
@@ -38,8 +45,8 @@ def _codec(tmp_path: Path) -> Codec:
 def _virtual(backend: str, clock: VirtualClock, codec: Codec | None = None
              ) -> tuple[OpenAISender, FakeOpenAI]:
     record = FakeOpenAI()
-    client = httpx.AsyncClient(transport=mock_transport(clock, record))
-    return OpenAISender(client, backend, "http://fake/v1", MODEL, codec), record
+    return OpenAISender(virtual_post(clock, record), backend, "http://fake/v1", MODEL,
+                        codec), record
 
 
 def test_virtual_clock_records_equal_the_grpc_backends() -> None:
@@ -196,10 +203,10 @@ def test_unreachable_and_deadline(openai_server: FakeOpenAI) -> None:
     assert slow.status == "DEADLINE_EXCEEDED" and slow.output_len <= 1
 
     async def unreachable() -> str:
-        client = httpx.AsyncClient()
-        sender = OpenAISender(client, "openai-completions", "http://127.0.0.1:9/v1", MODEL)
-        outcome = await run_requests(sender, [BenchRequest((1,), 5, 1)], [0.0])
-        await client.aclose()
+        async with aiohttp.ClientSession() as session:
+            sender = OpenAISender(aiohttp_post(session), "openai-completions",
+                                  "http://127.0.0.1:9/v1", MODEL)
+            outcome = await run_requests(sender, [BenchRequest((1,), 5, 1)], [0.0])
         return outcome.records[0].status
 
     assert asyncio.run(unreachable()) == "UNAVAILABLE"
