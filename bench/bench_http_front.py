@@ -13,17 +13,22 @@ seeded), through each of `--fronts`, with `kvferry bench`'s backends:
             back (an incomplete UTF-8 character) comes with empty text;
   http-ids  the same with `return_token_ids: true`: each chunk also carries its token ids.
 
-The fronts' order rotates each repetition; within a repetition all get the same prompts and
-arrival times. Reported per front: TTFT and ITL at p50 and p99, median [min-max] over
-repetitions; and each HTTP front's figures over the gRPC front's, taken within each repetition
-(1.05 = 5% added). Target: under 1.10 at p50, TTFT and ITL. Also reported, outside the
-target: p50 TPOT (which does not depend on how tokens are grouped into chunks) and the content
-chunks per request (ITLs + 1). Usage:
+By default the fronts are interleaved (bench/front_interleave.py): one run per repetition
+sends `--num-prompts` requests per front at `--request-rate` in all, request i through the
+i-th front in turn (the order rotating each repetition), so every front is measured under the
+same load in the same time window. `--sequential` runs the fronts one after another instead,
+each with the same prompts and arrival times (the order rotating each repetition).
+
+Reported per front: TTFT and ITL at p50 and p99, median [min-max] over repetitions; and each
+HTTP front's figures over the gRPC front's, taken within each repetition (1.05 = 5% added).
+Target: under 1.10 at p50, TTFT and ITL. Also reported, outside the target: p50 TPOT (which
+does not depend on how tokens are grouped into chunks) and the content chunks per request
+(ITLs + 1). Usage:
 
     .venv/bin/python bench/bench_http_front.py [--model tiny|default|PATH] [--repeats 5]
         [--num-prompts 40] [--request-rate 4] [--input-len 128] [--output-len 64]
         [--fronts grpc,http,http-ids] [--backend openai-completions|openai-chat]
-        [--out docs/bench_http_front.json]
+        [--sequential] [--out docs/bench_http_front.json]
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script too
+from bench import front_interleave  # noqa: E402
 from bench.bench_prefix_cache import Spread, spread  # noqa: E402
 from deploy import client  # noqa: E402
 from deploy.default_model import BENCH_MODEL_HELP, bench_model  # noqa: E402
@@ -54,7 +60,7 @@ from deploy.loadgen import (  # noqa: E402
     Target,
     run_benchmark,
 )
-from deploy.loadgen.openai_client import OPENAI_BACKENDS  # noqa: E402
+from deploy.loadgen.openai_client import OPENAI_BACKENDS, Codec  # noqa: E402
 from kvferry.rpc import grpc_util  # noqa: E402
 from kvferry.settings import DEPLOYMENT_TORCH_THREADS  # noqa: E402
 
@@ -153,6 +159,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help=f"comma-separated, grpc first, from {', '.join(FRONTS)}")
     p.add_argument("--backend", default=OPENAI_BACKENDS[1], choices=OPENAI_BACKENDS,
                    help="how the HTTP fronts are driven")
+    p.add_argument("--sequential", action="store_true",
+                   help="one front after another, not interleaved in one run")
     p.add_argument("--torch-threads", type=int, default=DEPLOYMENT_TORCH_THREADS)
     p.add_argument("--seed", type=int, default=0, help="repetition r uses seed + r")
     p.add_argument("--out", type=Path, default=None, help="write the JSON here")
@@ -182,21 +190,41 @@ def run_repetition(deployment: Deployment, args: argparse.Namespace, model: str,
                          tokenizer=Path(model) if args.backend == "openai-chat" else None)
     base_url = f"http://{deployment.http_address}/v1"
     shift = repetition % len(args.fronts)
+    order = args.fronts[shift:] + args.fronts[:shift]
+    if not args.sequential:
+        return _interleaved(deployment, args, config, workload, order, base_url, vocab)
     out = {}
-    for front in args.fronts[shift:] + args.fronts[:shift]:
+    for front in order:
         if front == "grpc":
             target = Target(front, address=deployment.router_address)
         else:
             target = Target(front, base_url=base_url, backend=args.backend)
             config = replace(config, extra_body=EXTRA_BODY[front])
         (run,) = run_benchmark([target], workload, config).runs
-        out[front] = figures(run)
-        f = out[front]
-        print(f"  repetition {repetition + 1} {front}: TTFT p50 {f.p50_ttft_ms:.2f} p99 "
-              f"{f.p99_ttft_ms:.2f}, ITL p50 {f.p50_itl_ms:.2f} p99 {f.p99_itl_ms:.2f}, TPOT "
-              f"p50 {f.p50_tpot_ms:.2f} ms; {f.completed} done, {f.failed} failed, "
-              f"{f.chunks_per_request:.1f} chunks/req", flush=True)
+        out[front] = _report(repetition, front, figures(run))
     return out
+
+
+def _interleaved(deployment: Deployment, args: argparse.Namespace, config: BenchConfig,
+                 workload: RandomWorkload, order: list[str], base_url: str, vocab: int
+                 ) -> dict[str, Figures]:
+    codec = Codec.load(config.tokenizer) if config.tokenizer is not None else None
+    fronts = [front_interleave.Front("grpc", address=deployment.router_address)] + [
+        front_interleave.Front(name, base_url=base_url, backend=args.backend,
+                               extra_body=EXTRA_BODY[name], codec=codec)
+        for name in args.fronts[1:]]
+    requests = workload.build(args.num_prompts * len(order), vocab, config.seed)
+    runs = front_interleave.run(fronts, order, requests, args.request_rate, config)
+    return {front: _report(config.seed - args.seed, front, figures(runs[front]))
+            for front in order}
+
+
+def _report(repetition: int, front: str, f: Figures) -> Figures:
+    print(f"  repetition {repetition + 1} {front}: TTFT p50 {f.p50_ttft_ms:.2f} p99 "
+          f"{f.p99_ttft_ms:.2f}, ITL p50 {f.p50_itl_ms:.2f} p99 {f.p99_itl_ms:.2f}, TPOT "
+          f"p50 {f.p50_tpot_ms:.2f} ms; {f.completed} done, {f.failed} failed, "
+          f"{f.chunks_per_request:.1f} chunks/req", flush=True)
+    return f
 
 
 def run_all(args: argparse.Namespace, model: str, log_dir: Path) -> list[dict[str, Figures]]:
