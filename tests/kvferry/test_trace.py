@@ -30,10 +30,13 @@ def test_events_and_gc_passes_are_written(tmp_path: Path) -> None:
     finally:
         tracer.close()
     events = _events(tmp_path / "x.jsonl")
-    assert events[0] == {"ev": "relay", "id": "a", "n": 1, "t_in": 1.0, "t_out": 2.0}
+    # Automatic young-generation passes may land anywhere among them: they are traced too.
+    others = [e for e in events if e["ev"] != "gc"]
+    assert others[0] == {"ev": "relay", "id": "a", "n": 1, "t_in": 1.0, "t_out": 2.0}
     passes = [e for e in events if e["ev"] == "gc"]
-    assert passes and all(e["t1"] >= e["t0"] and e["gen"] == 2 for e in passes[-1:])
-    step = events[-1]
+    assert all(e["t1"] >= e["t0"] for e in passes)
+    assert any(e["gen"] == 2 for e in passes)  # the explicit gc.collect()
+    step = others[-1]
     assert step["ev"] == "step" and step["ids"] == ["a"] and step["t1"] >= step["t0"]
     assert 0 < step["cpu"] <= step["pcpu"] + 1e-3  # the thread's CPU is part of the process's
     gc.collect()  # closed: no more events
