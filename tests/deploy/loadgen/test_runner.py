@@ -87,11 +87,14 @@ def test_over_real_grpc(fake_server: FakeServer) -> None:
     ok, refused, _ = outcome.records
     assert refused.status == grpc.StatusCode.RESOURCE_EXHAUSTED.name
     assert refused.error == "scripted refusal"
-    # Real time: never earlier than scripted (1 ms timer slack), at most 60 ms late.
-    assert 0.039 <= ok.ttft_s <= 0.100
+    # Real time: never earlier than scripted (1 ms timer slack), and not very late (a loaded
+    # 2-core CI machine with CPU steal once put one gap 60 ms late; the openai backend's
+    # real-server test allows 1 s).
+    assert 0.039 <= ok.ttft_s <= 0.540
     for gap, scripted in zip(ok.itls_s, (0.050, 0.030, 0.070)):
-        assert scripted - 0.001 <= gap <= scripted + 0.060
-    assert 0.189 <= ok.latency_s <= 0.300
+        assert scripted - 0.001 <= gap <= scripted + 0.500
+    assert 0.189 <= ok.latency_s <= 1.690
+    assert ok.latency_s == pytest.approx(ok.ttft_s + sum(ok.itls_s))
     assert ok.output_len == 5 and ok.prompt_len == 3
     assert len(fake_server.servicer.requests) == 3
 
