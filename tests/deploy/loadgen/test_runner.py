@@ -87,14 +87,14 @@ def test_over_real_grpc(fake_server: FakeServer) -> None:
     ok, refused, _ = outcome.records
     assert refused.status == grpc.StatusCode.RESOURCE_EXHAUSTED.name
     assert refused.error == "scripted refusal"
-    # Real time: never earlier than scripted (1 ms timer slack), and not very late (a loaded
-    # 2-core CI machine with CPU steal once put one gap 60 ms late; the openai backend's
-    # real-server test allows 1 s).
-    assert 0.039 <= ok.ttft_s <= 0.540
-    for gap, scripted in zip(ok.itls_s, (0.050, 0.030, 0.070)):
-        assert scripted - 0.001 <= gap <= scripted + 0.500
-    assert 0.189 <= ok.latency_s <= 1.690
-    assert ok.latency_s == pytest.approx(ok.ttft_s + sum(ok.itls_s))
+    # Real time: no chunk earlier than scripted (1 ms timer slack), none very late. Arrivals,
+    # not gaps: a chunk read late shortens the gap after it (CI once saw 46 ms for 50), and
+    # a loaded 2-core machine can be 60 ms late (the openai backend's test allows 1 s too).
+    assert len(ok.itls_s) == 3
+    arrivals = [ok.ttft_s + sum(ok.itls_s[:k]) for k in range(4)]
+    for got, scripted in zip(arrivals, (0.040, 0.090, 0.120, 0.190)):
+        assert scripted - 0.001 <= got <= scripted + 1.0
+    assert ok.latency_s == pytest.approx(arrivals[-1])
     assert ok.output_len == 5 and ok.prompt_len == 3
     assert len(fake_server.servicer.requests) == 3
 
