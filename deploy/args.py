@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 from deploy.default_model import ensure_default_model
+from deploy.policy_args import policy_args, policy_settings
 from deploy.security_args import security_settings, tls_args
 from kvferry.settings import (
     ATTENTION_BACKENDS,
@@ -21,18 +22,15 @@ from kvferry.settings import (
     DEFAULT_KV_MAX_RESENDS,
     DEFAULT_KV_POOL_SIZE,
     DEFAULT_LEASE_S,
-    DEFAULT_LOAD_WEIGHT,
     DEFAULT_MAX_WAITING,
     DEFAULT_MODEL_DIR,
     DEFAULT_PREFILL_CHUNK_SIZE,
     DEFAULT_PREFILL_TOKEN_BUDGET,
-    DEFAULT_PREFIX_WEIGHT,
     DEFAULT_TORCH_THREADS,
     DEPLOYMENT_TORCH_THREADS,
     DTYPES,
     KV_CACHE_DTYPES,
     KV_TRANSPORTS,
-    POLICIES,
     PublicLimits,
     RouterSettings,
     WorkerSettings,
@@ -211,14 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="HOST:PORT of a headless Service resolving to decode workers")
     p.add_argument("--dns-interval-s", type=float, default=DEFAULT_DNS_INTERVAL_S)
     p.add_argument("--lease-s", type=float, default=DEFAULT_LEASE_S)
-    p.add_argument("--policy", default=POLICIES[0], choices=POLICIES)
-    p.add_argument("--prefix-weight", type=float, default=DEFAULT_PREFIX_WEIGHT,
-                   help="prefix policy: cost of each prompt block not cached on a worker")
-    p.add_argument("--load-weight", type=float, default=DEFAULT_LOAD_WEIGHT,
-                   help="prefix policy: cost of each block of load on a worker (K/V blocks "
-                        "in use on decode, pending prompt tokens per block on prefill)")
-    p.add_argument("--local-prefill-threshold", type=int, default=0,
-                   help="prompts under this many tokens prefill on the decode worker; 0: off")
+    policy_args(p)
     _server_process_args(p)
     p.add_argument("--public-client-auth", action="store_true",
                    help="the public ports also require client certificates (see --tls-ca)")
@@ -287,11 +278,9 @@ def router_settings(args: argparse.Namespace, model: str | None = None) -> Route
     return RouterSettings(
         model=args.model or (ensure_default_model() if model is None else model),
         prefill=tuple(args.prefill), decode=tuple(args.decode), colocated=tuple(args.colocated),
-        host=args.host, port=args.port, lease_s=args.lease_s, policy=args.policy,
-        prefix_weight=args.prefix_weight, load_weight=args.load_weight,
+        host=args.host, port=args.port, lease_s=args.lease_s, **policy_settings(args),
         prefill_dns=args.prefill_dns, decode_dns=args.decode_dns,
         dns_interval_s=args.dns_interval_s,
-        local_prefill_threshold=args.local_prefill_threshold,
         drain_timeout_s=args.drain_timeout_s, metrics_port=args.metrics_port,
         security=security_settings(args), is_public_client_auth=args.public_client_auth,
         limits=PublicLimits.from_flags(args), http_port=args.http_port,

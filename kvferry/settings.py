@@ -50,11 +50,15 @@ CUDA_GRAPH_MODES = ("on", "off")
 POLICIES = ("prefix", "headroom", "round_robin", "least_requests")
 # The prefix policy's cost weights (router/policy.py): per prompt block not cached on a worker,
 # and per block of load there (K/V blocks in use on decode, pending prompt tokens on prefill).
-# 4: a block held is worth 4 blocks of load. With 1, a conversation's next turn left the
-# decode worker holding its history whenever the other had one request less: 651 KiB of K/V
-# shipped per request against 368 with 4 (docs/benchmarks.md, issue 18). Headroom for the
-# request stays a hard constraint.
-DEFAULT_PREFIX_WEIGHT = 4.0
+# Decode, 16: a block held there is a block not pushed, worth 16 blocks of load. At 1 a
+# conversation's next turn left the decode worker holding its history whenever the other had
+# one request less; at 4 it still left when the other had a few long requests less (16-turn
+# chats shipped 343 KiB per request against a 128 KiB floor); at 16 it stays (128 KiB:
+# docs/benchmarks.md, issue 18). Prefill, 4: a cached block there saves compute, not bytes, and
+# a prefill queue delays the first token directly, so the cache counts for less against it.
+# Headroom for the request stays a hard constraint.
+DEFAULT_PREFIX_WEIGHT = 16.0
+DEFAULT_PREFILL_PREFIX_WEIGHT = 4.0
 DEFAULT_LOAD_WEIGHT = 1.0
 
 _SIZE = re.compile(r"^\s*([0-9.]+)\s*(B|KB|KiB|MB|MiB|GB|GiB)?\s*$", re.IGNORECASE)
@@ -262,7 +266,8 @@ class RouterSettings:
     port: int = 0
     lease_s: float = DEFAULT_LEASE_S
     policy: str = POLICIES[0]
-    prefix_weight: float = DEFAULT_PREFIX_WEIGHT  # the prefix policy's cost weights
+    prefix_weight: float = DEFAULT_PREFIX_WEIGHT  # the prefix policy's cost weights (decode,
+    prefill_prefix_weight: float = DEFAULT_PREFILL_PREFIX_WEIGHT  # prefill, load: both)
     load_weight: float = DEFAULT_LOAD_WEIGHT
     local_prefill_threshold: int = 0  # prompts shorter than this prefill on the decode worker
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S  # SIGTERM: to finish in-flight streams
@@ -279,7 +284,7 @@ class RouterSettings:
             raise ValueError("is_public_client_auth: needs tls_ca to verify client certificates")
         if self.policy not in POLICIES:
             raise ValueError(f"policy: unknown {self.policy!r}")
-        for name in ("prefix_weight", "load_weight"):
+        for name in ("prefix_weight", "prefill_prefix_weight", "load_weight"):
             weight = getattr(self, name)
             if not weight >= 0:  # NaN too
                 raise ValueError(f"{name}: must be >= 0, got {weight}")

@@ -14,7 +14,7 @@ The prefix policy's cost, in K/V blocks, lower is better (Dynamo's KV router sco
 to load scorers with weights):
 
     decode:  prefix_weight * (prompt_blocks - cached_blocks) + load_weight * used_blocks
-    prefill: prefix_weight * (prompt_tokens / block_size - cached_blocks)
+    prefill: prefill_prefix_weight * (prompt_tokens / block_size - cached_blocks)
              + load_weight * pending_prompt_tokens / block_size
 
 - prompt_blocks: the prompt's leading full blocks a cache may hold (`max_shared_blocks`; the
@@ -25,9 +25,12 @@ to load scorers with weights):
   a block not pushed.
 - used_blocks: total_blocks - headroom, the blocks that every known and in-flight request
   there may grow to hold; pending_prompt_tokens: prompt tokens queued or sent to prefill there.
-- Weights: `--prefix-weight` (default 4) and `--load-weight` (default 1): one cached block
-  is worth four blocks of load, measured: at 1:1 a conversation's next turn left the worker
-  holding its history whenever the other carried one request less (kvferry/settings.py). A
+- Weights: `--prefix-weight` (default 16), `--prefill-prefix-weight` (default 4) and
+  `--load-weight` (default 1). On decode a cached block is a block not pushed, worth 16
+  blocks of load, measured: at 1:1 a conversation's next turn left the worker holding its
+  history whenever the other carried one request less, at 4:1 whenever it carried a few long
+  requests less (kvferry/settings.py). On prefill a cached block is compute saved, and a queue
+  there delays the first token as much as a recompute, so it weighs less. A
   decode worker whose headroom cannot hold the request at its longest goes after every one
   that can, whatever its cache: the cache saves a prefill, a short pool costs preemptions.
   Its reservation shares the cached blocks, but the worker's projection counts them again
@@ -42,7 +45,11 @@ import itertools
 from collections.abc import Sequence
 from typing import Protocol
 
-from kvferry.settings import DEFAULT_LOAD_WEIGHT, DEFAULT_PREFIX_WEIGHT
+from kvferry.settings import (
+    DEFAULT_LOAD_WEIGHT,
+    DEFAULT_PREFILL_PREFIX_WEIGHT,
+    DEFAULT_PREFIX_WEIGHT,
+)
 from kvferry.settings import POLICIES as POLICY_NAMES
 from router.workers import Worker
 
@@ -84,9 +91,11 @@ class PrefixPolicy(HeadroomPolicy):
     uses_keys = True
 
     def __init__(self, prefix_weight: float = DEFAULT_PREFIX_WEIGHT,
-                 load_weight: float = DEFAULT_LOAD_WEIGHT) -> None:
+                 load_weight: float = DEFAULT_LOAD_WEIGHT,
+                 prefill_prefix_weight: float = DEFAULT_PREFILL_PREFIX_WEIGHT) -> None:
         self.prefix_weight = prefix_weight
         self.load_weight = load_weight
+        self.prefill_prefix_weight = prefill_prefix_weight
 
     def decode_cost(self, worker: Worker, keys: Sequence[bytes]) -> float:
         uncached = len(keys) - worker.cache.num_cached_blocks(keys)
@@ -97,7 +106,7 @@ class PrefixPolicy(HeadroomPolicy):
         # A healthy worker has reported its layout; a fake one without counts tokens.
         block_size = worker.layout.block_size if worker.layout is not None else 1
         uncached = prompt_tokens / block_size - worker.cache.num_cached_blocks(keys)
-        return (self.prefix_weight * uncached
+        return (self.prefill_prefix_weight * uncached
                 + self.load_weight * worker.pending_tokens / block_size)
 
     def order_decode(self, workers: list[Worker], need_blocks: int,
@@ -154,10 +163,11 @@ POLICIES: dict[str, type[Policy]] = {
 
 
 def make_policy(name: str, prefix_weight: float = DEFAULT_PREFIX_WEIGHT,
-                load_weight: float = DEFAULT_LOAD_WEIGHT) -> Policy:
+                load_weight: float = DEFAULT_LOAD_WEIGHT,
+                prefill_prefix_weight: float = DEFAULT_PREFILL_PREFIX_WEIGHT) -> Policy:
     """The policy called `name`; the weights are the prefix policy's (the others have none)."""
     if name not in POLICY_NAMES or name not in POLICIES:
         raise ValueError(f"policy: unknown {name!r}; one of {list(POLICY_NAMES)}")
     if name == PrefixPolicy.name:
-        return PrefixPolicy(prefix_weight, load_weight)
+        return PrefixPolicy(prefix_weight, load_weight, prefill_prefix_weight)
     return POLICIES[name]()

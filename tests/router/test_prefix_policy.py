@@ -130,7 +130,7 @@ def test_ties_go_to_fewest_in_flight_then_address() -> None:
 def test_prefill_goes_where_the_prompt_is_cached_unless_its_queue_outweighs_it() -> None:
     cached = _worker("p1", cached=KEYS, role="prefill")
     empty = _worker("p2", role="prefill")
-    policy = PrefixPolicy(prefix_weight=1.0)
+    policy = PrefixPolicy(prefix_weight=100.0, prefill_prefix_weight=1.0)  # decode's: unused
     n = len(PROMPT)  # 133 tokens: 8.3 blocks, 8 of them cached on p1
     assert policy.prefill_cost(cached, n, KEYS) == pytest.approx(n / BLOCK - 8)
     assert policy.order_prefill([empty, cached], n, KEYS)[0] is cached
@@ -299,10 +299,36 @@ def test_weights_are_settings_checked_and_reach_the_policy() -> None:
         RouterSettings(model="m", colocated=("h:1",), prefix_weight=-1.0)
     with pytest.raises(ValueError, match="load_weight"):
         RouterSettings(model="m", colocated=("h:1",), load_weight=float("nan"))
+    with pytest.raises(ValueError, match="prefill_prefix_weight"):
+        RouterSettings(model="m", colocated=("h:1",), prefill_prefix_weight=-0.5)
     args = build_parser().parse_args(["router", "--model", "m", "--colocated", "h:1",
-                                      "--prefix-weight", "2", "--load-weight", "0.5"])
+                                      "--prefix-weight", "2", "--load-weight", "0.5",
+                                      "--prefill-prefix-weight", "3"])
     settings = router_settings(args)
     assert settings.policy == "prefix"  # the default
-    policy = make_policy(settings.policy, settings.prefix_weight, settings.load_weight)
+    policy = make_policy(settings.policy, settings.prefix_weight, settings.load_weight,
+                         settings.prefill_prefix_weight)
     assert isinstance(policy, PrefixPolicy) and isinstance(policy, HeadroomPolicy)
-    assert (policy.prefix_weight, policy.load_weight) == (2.0, 0.5)
+    assert (policy.prefix_weight, policy.load_weight, policy.prefill_prefix_weight) == (
+        2.0, 0.5, 3.0)
+    defaults = router_settings(build_parser().parse_args(["router", "--model", "m",
+                                                          "--colocated", "h:1"]))
+    assert (defaults.prefix_weight, defaults.prefill_prefix_weight) == (16.0, 4.0)
+
+
+def test_decode_and_prefill_weigh_the_cache_each_with_their_own_weight() -> None:
+    """The same worker state priced twice: the decode weight counts the blocks a push would
+    carry, the prefill weight the blocks a prefill would compute."""
+    policy = PrefixPolicy(prefix_weight=16.0, load_weight=1.0, prefill_prefix_weight=4.0)
+    holder = _worker("a", projected=60, cached=KEYS)  # 60 blocks of load, the 8 blocks cached
+    other = _worker("b")
+    assert policy.decode_cost(other, KEYS) == 16 * 8 and policy.decode_cost(holder, KEYS) == 60
+    assert policy.order_decode([other, holder], 1, KEYS)[0] is holder  # 60 < 128: stays
+    at_four = PrefixPolicy(prefix_weight=4.0)
+    assert at_four.order_decode([other, holder], 1, KEYS)[0] is other  # 60 > 32: moves
+    p_holder = _worker("p1", cached=KEYS, role="prefill")
+    p_other = _worker("p2", role="prefill")
+    p_holder.add_in_flight("queued", 0, 40 * BLOCK)  # 40 blocks of prompt queued there
+    n = len(PROMPT)
+    assert policy.prefill_cost(p_holder, n, KEYS) == pytest.approx(4 * (n / BLOCK - 8) + 40)
+    assert policy.order_prefill([p_holder, p_other], n, KEYS)[0] is p_other  # 41.2 > 33.25
