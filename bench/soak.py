@@ -9,7 +9,7 @@ the client and 10% aborted through the Abort RPC, at a random moment. Usage:
     .venv/bin/python bench/soak.py [--duration-s 180] [--warmup-s 30] [--concurrency 16]
                                    [--out FILE]
 
-tests/e2e/test_soak.py runs a short version (`run_soak`) against the test deployment.
+tests/e2e/test_soak.py runs a short version (`run_soak`) against a deployment of its own.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import pytest
 
 from bench.soak import run_soak
 from deploy.launcher import Deployment
-from tests.conftest import ORACLE_DTYPE, assert_alive
+from tests.conftest import _start, assert_alive
 
 pytestmark = pytest.mark.slow
 
@@ -26,9 +26,9 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def soak_deployment(qwen3_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
                     ) -> Iterator[Deployment]:
-    with Deployment(model=str(qwen3_checkpoint), worker_args=ORACLE_DTYPE,
-                    log_dir=tmp_path_factory.mktemp("soak-logs")) as deployment:
-        yield deployment
+    deployment = _start(qwen3_checkpoint, tmp_path_factory.mktemp("soak-logs"))
+    yield deployment
+    deployment.stop()
 
 
 def test_short_soak(soak_deployment: Deployment) -> None:
