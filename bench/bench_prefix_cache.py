@@ -13,10 +13,18 @@ workload, then sent one seeded workload through `kvferry bench`'s engine (Poisso
                  each later turn adds the answer and --turn-len new tokens); the cache on,
                  the router's `--policy` the first of --policies against the second
                  (default prefix,headroom). Targets: K/V bytes shipped per request >= 5x
-                 lower and TTFT p50 lower with the first. Why 8 turns: turn 1 ships all
-                 its K/V whatever the routing, so even against a baseline that never hits
-                 (ships the mean prompt, 512 + 3.5 x 64 = 736 tokens), the best case ships
-                 (512 + 7 x ~72) / 8 = ~127 tokens a turn: ~5.8x; 4 turns cap it at ~3.3x.
+                 lower and TTFT p50 lower with the first. Why 16 turns: turn 1 ships all
+                 its K/V whatever the routing, so a policy that keeps every later turn on
+                 its history ships turn 1's 512 tokens / 16 a turn; at 8 turns that floor
+                 is 64 tokens a turn, and a baseline that keeps three quarters of its
+                 histories by accident (below) ships only 2.6x that.
+                 Why --kv-pool-size 64MiB: each worker's cache then holds what the 16
+                 conversations end with (16 x ~1,500 tokens x 4 KiB = 94 MiB) only across
+                 both decode workers, not in one: the regime prefix-aware routing exists
+                 for (a cluster's cache is the sum of its workers' only when conversations
+                 are partitioned among them; a policy that sends a chat everywhere keeps it
+                 everywhere and evicts). The workers' default, 256 MiB, holds 64k tokens of
+                 the tiny model, 4x the real default model's 5.7k at 46 KiB a token.
                  Both policies run with the router's --local-prefill-threshold (default
                  128): a turn whose uncached suffix on its decode worker is shorter
                  prefills there and ships nothing, which is what keeping a conversation's
@@ -70,12 +78,12 @@ from kvferry.rpc import grpc_util  # noqa: E402
 from kvferry.settings import POLICIES  # noqa: E402
 
 # Flag defaults: the full benchmark, and --quick (a smoke run for tests).
-FULL = dict(repeats=3, num_prefixes=4, prefix_len=1000, suffix_len=32, sp_output_len=16,
-            sp_requests=48, sp_rate=2.0, conversations=16, num_turns=8, input_len=512,
-            turn_len=32, mt_output_len=32, mt_rate=4.0, think_time_s=2.0)
-QUICK = dict(repeats=1, num_prefixes=2, prefix_len=128, suffix_len=16, sp_output_len=4,
-             sp_requests=6, sp_rate=20.0, conversations=2, num_turns=2, input_len=64,
-             turn_len=16, mt_output_len=4, mt_rate=20.0, think_time_s=0.0)
+FULL = dict(repeats=3, kv_pool_size="64MiB", num_prefixes=4, prefix_len=1000, suffix_len=32,
+            sp_output_len=16, sp_requests=48, sp_rate=2.0, conversations=16, num_turns=16,
+            input_len=512, turn_len=32, mt_output_len=32, mt_rate=4.0, think_time_s=2.0)
+QUICK = dict(repeats=1, kv_pool_size=None, num_prefixes=2, prefix_len=128, suffix_len=16,
+             sp_output_len=4, sp_requests=6, sp_rate=20.0, conversations=2, num_turns=2,
+             input_len=64, turn_len=16, mt_output_len=4, mt_rate=20.0, think_time_s=0.0)
 NUM_WARMUPS = 4
 
 
@@ -163,6 +171,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="multi-turn, both policies: the router's conditional disaggregation "
                         "(a turn whose uncached suffix on the chosen decode worker is shorter "
                         "prefills there, with no transfer); 0: always a prefill worker")
+    p.add_argument("--kv-pool-size", default=None,
+                   help="every worker's --kv-pool-size (default 64MiB; --quick: the "
+                        "workers' own): how much K/V each worker's cache holds, so whether "
+                        "a workload's histories fit once per worker or only over all")
     p.add_argument("--log-dir", type=Path, default=None, help="default: a new temporary one")
     p.add_argument("--out", type=Path, default=None, help="write every run as JSON here")
     args = p.parse_args(argv)
@@ -175,6 +187,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.policies = names
     args.router_args = ([] if args.prefix_weight is None
                         else ["--prefix-weight", str(args.prefix_weight)])
+    args.worker_args = ([] if args.kv_pool_size is None
+                        else ["--kv-pool-size", str(args.kv_pool_size)])
     known = [setup.name for setup in setups(names)]
     args.runs = known if args.runs is None else [x.strip() for x in args.runs.split(",")]
     if not args.runs or any(name not in known for name in args.runs):
@@ -219,7 +233,7 @@ def run_once(setup: Setup, model: str, args: argparse.Namespace, log_dir: Path) 
     run_log_dir.mkdir(parents=True, exist_ok=True)
     deployment = Deployment(model=model, num_prefill=2, num_decode=2,
                             torch_threads=args.torch_threads,
-                            worker_args=list(setup.worker_args),
+                            worker_args=[*args.worker_args, *setup.worker_args],
                             router_args=[*args.router_args, *setup.router_args],
                             log_dir=run_log_dir)
     with deployment:

@@ -7,6 +7,7 @@ import argparse
 from typing import Any
 
 from kvferry.settings import (
+    DEFAULT_DEMAND_WEIGHT,
     DEFAULT_LOAD_WEIGHT,
     DEFAULT_PREFILL_PREFIX_WEIGHT,
     DEFAULT_PREFIX_WEIGHT,
@@ -26,6 +27,10 @@ def policy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-weight", type=float, default=DEFAULT_LOAD_WEIGHT,
                    help="prefix policy: cost of each block of load on a worker (K/V blocks "
                         "in use on decode, pending prompt tokens per block on prefill)")
+    p.add_argument("--demand-weight", type=float, default=DEFAULT_DEMAND_WEIGHT,
+                   help="prefix policy: cost of each block of recent demand on a decode "
+                        "worker (blocks of the requests sent there, decaying over "
+                        "seconds): where a new conversation starts")
     p.add_argument("--local-prefill-threshold", type=int, default=0,
                    help="prompts under this many tokens prefill on the decode worker; 0: off")
 
@@ -34,5 +39,5 @@ def policy_settings(args: argparse.Namespace) -> dict[str, Any]:
     """RouterSettings fields from the flags of `policy_args`."""
     return dict(policy=args.policy, prefix_weight=args.prefix_weight,
                 prefill_prefix_weight=args.prefill_prefix_weight,
-                load_weight=args.load_weight,
+                load_weight=args.load_weight, demand_weight=args.demand_weight,
                 local_prefill_threshold=args.local_prefill_threshold)

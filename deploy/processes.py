@@ -219,7 +219,7 @@ async def build_router(settings: RouterSettings) -> Built:
             discovery_loop(workers, dns_names, settings.dns_interval_s)))
     await workers.refresh_all()
     policy = make_policy(settings.policy, settings.prefix_weight, settings.load_weight,
-                         settings.prefill_prefix_weight)
+                         settings.prefill_prefix_weight, settings.demand_weight)
     router = Router(config, tokenizer, workers, settings.lease_s, policy,
                     settings.local_prefill_threshold, limits=settings.limits)
     log.info("router instance %s: downstream request ids are <id>@%s", router.instance_id,

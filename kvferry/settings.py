@@ -60,6 +60,15 @@ POLICIES = ("prefix", "headroom", "round_robin", "least_requests")
 DEFAULT_PREFIX_WEIGHT = 16.0
 DEFAULT_PREFILL_PREFIX_WEIGHT = 4.0
 DEFAULT_LOAD_WEIGHT = 1.0
+# And per block of recent demand on a decode worker: the blocks of the requests the router sent
+# there, each decaying with time constant DEMAND_TAU_S. Chats stick to the worker holding their
+# history, so a worker's recent demand is the load its cache draws back; it decides where a new
+# conversation starts (no worker holds it) and barely moves one that has a history, because a
+# history's blocks weigh 16 each and its own recent turns only 0.25 each. Without it, new
+# conversations went wherever the in-flight load was lowest at the instant they arrived, so 16
+# chats split 10:6 over 2 decode workers and the busier one's turns waited longer (issue 18).
+DEFAULT_DEMAND_WEIGHT = 0.25
+DEMAND_TAU_S = 10.0
 
 _SIZE = re.compile(r"^\s*([0-9.]+)\s*(B|KB|KiB|MB|MiB|GB|GiB)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "kib": 2**10, "mb": 10**6, "mib": 2**20, "gb": 10**9,
@@ -269,6 +278,7 @@ class RouterSettings:
     prefix_weight: float = DEFAULT_PREFIX_WEIGHT  # the prefix policy's cost weights (decode,
     prefill_prefix_weight: float = DEFAULT_PREFILL_PREFIX_WEIGHT  # prefill, load: both)
     load_weight: float = DEFAULT_LOAD_WEIGHT
+    demand_weight: float = DEFAULT_DEMAND_WEIGHT  # the prefix policy's, decode only
     local_prefill_threshold: int = 0  # prompts shorter than this prefill on the decode worker
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S  # SIGTERM: to finish in-flight streams
     metrics_port: int | None = None  # Prometheus /metrics on this HTTP port (0: any free)
@@ -284,7 +294,8 @@ class RouterSettings:
             raise ValueError("is_public_client_auth: needs tls_ca to verify client certificates")
         if self.policy not in POLICIES:
             raise ValueError(f"policy: unknown {self.policy!r}")
-        for name in ("prefix_weight", "prefill_prefix_weight", "load_weight"):
+        for name in ("prefix_weight", "prefill_prefix_weight", "load_weight",
+                     "demand_weight"):
             weight = getattr(self, name)
             if not weight >= 0:  # NaN too
                 raise ValueError(f"{name}: must be >= 0, got {weight}")

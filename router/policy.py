@@ -14,6 +14,7 @@ The prefix policy's cost, in K/V blocks, lower is better (Dynamo's KV router sco
 to load scorers with weights):
 
     decode:  prefix_weight * (prompt_blocks - cached_blocks) + load_weight * used_blocks
+             + demand_weight * recent_demand_blocks
     prefill: prefill_prefix_weight * (prompt_tokens / block_size - cached_blocks)
              + load_weight * pending_prompt_tokens / block_size
 
@@ -25,8 +26,16 @@ to load scorers with weights):
   a block not pushed.
 - used_blocks: total_blocks - headroom, the blocks that every known and in-flight request
   there may grow to hold; pending_prompt_tokens: prompt tokens queued or sent to prefill there.
-- Weights: `--prefix-weight` (default 16), `--prefill-prefix-weight` (default 4) and
-  `--load-weight` (default 1). On decode a cached block is a block not pushed, worth 16
+- recent_demand_blocks: the blocks of the requests this router sent the worker, each decayed
+  by exp(-age / 10 s) (`Worker.recent_demand`). Chats come back to the worker holding their
+  history, so this is the load a worker's cache draws; it decides where a new conversation
+  starts (no worker holds its prefix, so only load separates them), where the blocks in use
+  at that instant would leave it to chance.
+- Weights: `--prefix-weight` (default 16), `--prefill-prefix-weight` (default 4),
+  `--load-weight` (default 1) and `--demand-weight` (default 0.25: a block of history weighs
+  64 blocks of recent demand, so a conversation leaves its history only for a worker whose
+  recent demand is lower by more than 64 times that history, about 16 such conversations'
+  turns). On decode a cached block is a block not pushed, worth 16
   blocks of load, measured: at 1:1 a conversation's next turn left the worker holding its
   history whenever the other carried one request less, at 4:1 whenever it carried a few long
   requests less (kvferry/settings.py). On prefill a cached block is compute saved, and a queue
@@ -46,6 +55,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from kvferry.settings import (
+    DEFAULT_DEMAND_WEIGHT,
     DEFAULT_LOAD_WEIGHT,
     DEFAULT_PREFILL_PREFIX_WEIGHT,
     DEFAULT_PREFIX_WEIGHT,
@@ -92,15 +102,18 @@ class PrefixPolicy(HeadroomPolicy):
 
     def __init__(self, prefix_weight: float = DEFAULT_PREFIX_WEIGHT,
                  load_weight: float = DEFAULT_LOAD_WEIGHT,
-                 prefill_prefix_weight: float = DEFAULT_PREFILL_PREFIX_WEIGHT) -> None:
+                 prefill_prefix_weight: float = DEFAULT_PREFILL_PREFIX_WEIGHT,
+                 demand_weight: float = DEFAULT_DEMAND_WEIGHT) -> None:
         self.prefix_weight = prefix_weight
         self.load_weight = load_weight
         self.prefill_prefix_weight = prefill_prefix_weight
+        self.demand_weight = demand_weight
 
     def decode_cost(self, worker: Worker, keys: Sequence[bytes]) -> float:
         uncached = len(keys) - worker.cache.num_cached_blocks(keys)
         used = worker.total_blocks - worker.headroom
-        return self.prefix_weight * uncached + self.load_weight * used
+        return (self.prefix_weight * uncached + self.load_weight * used
+                + self.demand_weight * worker.recent_demand())
 
     def prefill_cost(self, worker: Worker, prompt_tokens: int, keys: Sequence[bytes]) -> float:
         # A healthy worker has reported its layout; a fake one without counts tokens.
@@ -164,10 +177,11 @@ POLICIES: dict[str, type[Policy]] = {
 
 def make_policy(name: str, prefix_weight: float = DEFAULT_PREFIX_WEIGHT,
                 load_weight: float = DEFAULT_LOAD_WEIGHT,
-                prefill_prefix_weight: float = DEFAULT_PREFILL_PREFIX_WEIGHT) -> Policy:
+                prefill_prefix_weight: float = DEFAULT_PREFILL_PREFIX_WEIGHT,
+                demand_weight: float = DEFAULT_DEMAND_WEIGHT) -> Policy:
     """The policy called `name`; the weights are the prefix policy's (the others have none)."""
     if name not in POLICY_NAMES or name not in POLICIES:
         raise ValueError(f"policy: unknown {name!r}; one of {list(POLICY_NAMES)}")
     if name == PrefixPolicy.name:
-        return PrefixPolicy(prefix_weight, load_weight, prefill_prefix_weight)
+        return PrefixPolicy(prefix_weight, load_weight, prefill_prefix_weight, demand_weight)
     return POLICIES[name]()

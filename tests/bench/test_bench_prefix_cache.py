@@ -41,6 +41,8 @@ def test_defaults_and_quick_mode() -> None:
                          "headroom-no-cache"]
     assert all(getattr(args, name) == value for name, value in FULL.items())
     assert (args.prefix_len, args.num_prefixes) == (1000, 4)  # the issue's shared prefixes
+    assert args.worker_args == ["--kv-pool-size", "64MiB"]  # every worker's cache is bounded
+    assert parse_args(["--quick"]).worker_args == []  # --quick: the workers' own pool size
     quick = parse_args(["--quick", "--prefix-len", "32"])
     assert quick.prefix_len == 32  # a flag given wins over --quick's value
     assert all(getattr(quick, n) == v for n, v in QUICK.items() if n != "prefix_len")

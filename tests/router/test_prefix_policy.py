@@ -5,6 +5,7 @@ snapshots, out-of-order answers, predictions)."""
 from __future__ import annotations
 
 import asyncio
+import math
 from collections import Counter
 
 import pytest
@@ -21,7 +22,7 @@ from kvferry.cache.prefix import (
 )
 from kvferry.cache.stats import PoolStats
 from kvferry.rpc import convert
-from kvferry.settings import RouterSettings
+from kvferry.settings import DEMAND_TAU_S, RouterSettings
 from kvferry.v1 import worker_pb2
 from router import cache_mirror
 from router.downstream import Downstream
@@ -82,6 +83,43 @@ def test_by_default_a_turn_stays_with_its_history_against_a_request_more_of_load
     other = _worker("b", total=200, projected=40)
     assert PrefixPolicy().order_decode([other, holder], 10, KEYS)[0] is holder
     assert PrefixPolicy(prefix_weight=1.0).order_decode([other, holder], 10, KEYS)[0] is other
+
+
+def _sent(worker: Worker, *blocks: int) -> None:
+    """Requests of these sizes sent to `worker` and finished: recent demand, no load left."""
+    for i, size in enumerate(blocks):
+        worker.add_in_flight(f"r{i}", size, 0)
+        worker.done(f"r{i}")
+
+
+def test_recent_demand_adds_what_was_sent_and_decays() -> None:
+    worker = _worker("a")
+    _sent(worker, 30, 10)
+    sent_at = worker.demand_at
+    assert worker.recent_demand(sent_at) == pytest.approx(40.0, rel=1e-3)
+    assert worker.recent_demand(sent_at + DEMAND_TAU_S) == pytest.approx(40.0 / math.e, rel=1e-3)
+    assert worker.recent_demand(sent_at + 20 * DEMAND_TAU_S) < 1e-6
+    assert worker.headroom == 100  # demand is not load: nothing is in flight
+
+
+def test_a_new_conversation_starts_where_recent_demand_is_lower() -> None:
+    """Two idle workers, neither holding the prompt: headroom routing leaves it to the tie
+    (the first address, which drew the last three conversations too); the prefix policy sends
+    it to the worker whose cache draws less."""
+    busy, quiet = _worker("a"), _worker("b")
+    _sent(busy, 20, 20, 20)
+    assert HeadroomPolicy().order_decode([busy, quiet], 10, KEYS)[0] is busy
+    assert PrefixPolicy().order_decode([busy, quiet], 10, KEYS)[0] is quiet
+    assert PrefixPolicy(demand_weight=0.0).order_decode([busy, quiet], 10, KEYS)[0] is busy
+
+
+def test_a_turn_keeps_its_history_unless_the_demand_gap_outweighs_it() -> None:
+    """Cost of moving: 16 per block of the 8-block history (128); of staying: 0.25 per block
+    of recent demand. 400 blocks of demand (100) keep the turn; 600 (150) move it."""
+    for demand, expected in ((400, "a"), (600, "b")):
+        holder, other = _worker("a", cached=KEYS), _worker("b")
+        _sent(holder, demand)
+        assert PrefixPolicy().order_decode([other, holder], 10, KEYS)[0].address == expected
 
 
 def test_cached_worker_without_room_goes_after_one_with_room() -> None:
@@ -301,19 +339,22 @@ def test_weights_are_settings_checked_and_reach_the_policy() -> None:
         RouterSettings(model="m", colocated=("h:1",), load_weight=float("nan"))
     with pytest.raises(ValueError, match="prefill_prefix_weight"):
         RouterSettings(model="m", colocated=("h:1",), prefill_prefix_weight=-0.5)
+    with pytest.raises(ValueError, match="demand_weight"):
+        RouterSettings(model="m", colocated=("h:1",), demand_weight=-1.0)
     args = build_parser().parse_args(["router", "--model", "m", "--colocated", "h:1",
                                       "--prefix-weight", "2", "--load-weight", "0.5",
-                                      "--prefill-prefix-weight", "3"])
+                                      "--prefill-prefix-weight", "3", "--demand-weight", "0.5"])
     settings = router_settings(args)
     assert settings.policy == "prefix"  # the default
     policy = make_policy(settings.policy, settings.prefix_weight, settings.load_weight,
-                         settings.prefill_prefix_weight)
+                         settings.prefill_prefix_weight, settings.demand_weight)
     assert isinstance(policy, PrefixPolicy) and isinstance(policy, HeadroomPolicy)
-    assert (policy.prefix_weight, policy.load_weight, policy.prefill_prefix_weight) == (
-        2.0, 0.5, 3.0)
+    assert (policy.prefix_weight, policy.load_weight, policy.prefill_prefix_weight,
+            policy.demand_weight) == (2.0, 0.5, 3.0, 0.5)
     defaults = router_settings(build_parser().parse_args(["router", "--model", "m",
                                                           "--colocated", "h:1"]))
-    assert (defaults.prefix_weight, defaults.prefill_prefix_weight) == (16.0, 4.0)
+    assert (defaults.prefix_weight, defaults.prefill_prefix_weight, defaults.demand_weight) == (
+        16.0, 4.0, 0.25)
 
 
 def test_decode_and_prefill_weigh_the_cache_each_with_their_own_weight() -> None:
