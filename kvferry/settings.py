@@ -10,6 +10,8 @@ from pathlib import Path
 # Where kvferry keeps what it makes: converted and seeded models, demo logs.
 KVFERRY_HOME = Path(os.environ.get("KVFERRY_HOME", Path.home() / ".cache" / "kvferry"))
 DEFAULT_MODEL_DIR = KVFERRY_HOME / "models" / "qwen3-tiny"
+COMPILE_CACHE_DIR = Path(os.environ.get("KVFERRY_COMPILE_CACHE",  # --compile's packages
+                                        KVFERRY_HOME / "compile-cache"))
 
 # The one place for defaults and names shared by settings, flags and launchers.
 DEFAULT_BLOCK_SIZE = 16  # tokens per K/V block
@@ -48,26 +50,13 @@ DEFAULT_COMPILE_BATCH_SIZES = "1,2,4,8,16,32"
 CUDA_GRAPH_MODES = ("on", "off")
 # router/policy.py; the first is the default
 POLICIES = ("prefix", "headroom", "round_robin", "least_requests")
-# The prefix policy's cost weights (router/policy.py): per prompt block not cached on a worker,
-# and per block of load there (K/V blocks in use on decode, pending prompt tokens on prefill).
-# Decode, 16: a block held there is a block not pushed, worth 16 blocks of load. At 1 a
-# conversation's next turn left the decode worker holding its history whenever the other had
-# one request less; at 4 it still left when the other had a few long requests less (16-turn
-# chats shipped 343 KiB per request against a 128 KiB floor); at 16 it stays (128 KiB:
-# docs/benchmarks.md, issue 18). Prefill, 4: a cached block there saves compute, not bytes, and
-# a prefill queue delays the first token directly, so the cache counts for less against it.
-# Headroom for the request stays a hard constraint.
+# The prefix policy's cost weights (router/policy.py, which says how each was measured): per
+# prompt block not cached on a decode worker (a block pushed) or on a prefill worker (a block
+# computed), and per block of load there; headroom for the request stays a hard constraint.
 DEFAULT_PREFIX_WEIGHT = 16.0
 DEFAULT_PREFILL_PREFIX_WEIGHT = 4.0
 DEFAULT_LOAD_WEIGHT = 1.0
-# And per block of recent demand on a decode worker: the blocks of the requests the router sent
-# there, each decaying with time constant DEMAND_TAU_S. Chats stick to the worker holding their
-# history, so a worker's recent demand is the load its cache draws back; it decides where a new
-# conversation starts (no worker holds it) and barely moves one that has a history, because a
-# history's blocks weigh 16 each and its own recent turns only 0.25 each. Without it, new
-# conversations went wherever the in-flight load was lowest at the instant they arrived, so 16
-# chats split 10:6 over 2 decode workers and the busier one's turns waited longer (issue 18).
-DEFAULT_DEMAND_WEIGHT = 0.25
+DEFAULT_DEMAND_WEIGHT = 0.25  # per block of recent demand on decode, decaying over:
 DEMAND_TAU_S = 10.0
 
 _SIZE = re.compile(r"^\s*([0-9.]+)\s*(B|KB|KiB|MB|MiB|GB|GiB)?\s*$", re.IGNORECASE)

@@ -27,7 +27,7 @@ to load scorers with weights):
 - used_blocks: total_blocks - headroom, the blocks that every known and in-flight request
   there may grow to hold; pending_prompt_tokens: prompt tokens queued or sent to prefill there.
 - recent_demand_blocks: the blocks of the requests this router sent the worker, each decayed
-  by exp(-age / 10 s) (`Worker.recent_demand`). Chats come back to the worker holding their
+  by exp(-age / 10 s) (`router.demand`). Chats come back to the worker holding their
   history, so this is the load a worker's cache draws; it decides where a new conversation
   starts (no worker holds its prefix, so only load separates them), where the blocks in use
   at that instant would leave it to chance.
@@ -35,10 +35,10 @@ to load scorers with weights):
   `--load-weight` (default 1) and `--demand-weight` (default 0.25: a block of history weighs
   64 blocks of recent demand, so a conversation leaves its history only for a worker whose
   recent demand is lower by more than 64 times that history, about 16 such conversations'
-  turns). On decode a cached block is a block not pushed, worth 16
-  blocks of load, measured: at 1:1 a conversation's next turn left the worker holding its
-  history whenever the other carried one request less, at 4:1 whenever it carried a few long
-  requests less (kvferry/settings.py). On prefill a cached block is compute saved, and a queue
+  turns). On decode a cached block is a block not pushed, worth 16 blocks of load, measured:
+  at 1:1 a conversation's next turn left the worker holding its history whenever the other
+  carried one request less, at 4:1 whenever it carried a few long requests less
+  (docs/benchmarks.md, issue 18). On prefill a cached block is compute saved, and a queue
   there delays the first token as much as a recompute, so it weighs less. A
   decode worker whose headroom cannot hold the request at its longest goes after every one
   that can, whatever its cache: the cache saves a prefill, a short pool costs preemptions.
@@ -113,7 +113,7 @@ class PrefixPolicy(HeadroomPolicy):
         uncached = len(keys) - worker.cache.num_cached_blocks(keys)
         used = worker.total_blocks - worker.headroom
         return (self.prefix_weight * uncached + self.load_weight * used
-                + self.demand_weight * worker.recent_demand())
+                + self.demand_weight * worker.demand.value())
 
     def prefill_cost(self, worker: Worker, prompt_tokens: int, keys: Sequence[bytes]) -> float:
         # A healthy worker has reported its layout; a fake one without counts tokens.

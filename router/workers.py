@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -29,10 +28,10 @@ from kvferry.cache.layout import KvLayout
 from kvferry.cache.stats import PoolStats
 from kvferry.errors import Unavailable
 from kvferry.rpc import security
-from kvferry.settings import DEMAND_TAU_S
 from router import worker_client
 from router.cache_mirror import CacheMirror
 from router.decode_client import DecodeClient
+from router.demand import RecentDemand
 from router.prefill_client import PrefillClient
 
 log = logging.getLogger("kvferry.router")
@@ -63,10 +62,7 @@ class Worker:
     is_healthy: bool = False
     refuse_reason: str = ""
     cache: CacheMirror = field(default_factory=CacheMirror)  # its prefix-cache index
-    # Blocks of the requests sent here, each decaying with time constant DEMAND_TAU_S, as of
-    # monotonic time demand_at (`recent_demand`).
-    demand_blocks: float = 0.0
-    demand_at: float = 0.0
+    demand: RecentDemand = field(default_factory=RecentDemand)  # blocks recently sent here
     # Every worker serves Prefill (a decode worker prefills short prompts locally); decode
     # and colocated workers also serve Decode, over one shared DecodeStream.
     prefill_client: PrefillClient | None = None
@@ -100,15 +96,7 @@ class Worker:
         self.in_flight[request_id] = InFlight(blocks, prompt_tokens)
         self.num_in_flight += 1
         self.cache.predict(keys)
-        now = time.monotonic()
-        self.demand_blocks = self.recent_demand(now) + blocks
-        self.demand_at = now
-
-    def recent_demand(self, now: float | None = None) -> float:
-        """The blocks of the requests sent here, each decayed by exp(-age / DEMAND_TAU_S):
-        the load this worker's cache draws (a chat's turns follow its history)."""
-        now = time.monotonic() if now is None else now
-        return self.demand_blocks * math.exp(-max(0.0, now - self.demand_at) / DEMAND_TAU_S)
+        self.demand.add(blocks)
 
     def accepted(self, request_id: str) -> None:
         entry = self.in_flight.get(request_id)

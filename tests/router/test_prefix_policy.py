@@ -95,10 +95,10 @@ def _sent(worker: Worker, *blocks: int) -> None:
 def test_recent_demand_adds_what_was_sent_and_decays() -> None:
     worker = _worker("a")
     _sent(worker, 30, 10)
-    sent_at = worker.demand_at
-    assert worker.recent_demand(sent_at) == pytest.approx(40.0, rel=1e-3)
-    assert worker.recent_demand(sent_at + DEMAND_TAU_S) == pytest.approx(40.0 / math.e, rel=1e-3)
-    assert worker.recent_demand(sent_at + 20 * DEMAND_TAU_S) < 1e-6
+    sent_at = worker.demand.at
+    assert worker.demand.value(sent_at) == pytest.approx(40.0, rel=1e-3)
+    assert worker.demand.value(sent_at + DEMAND_TAU_S) == pytest.approx(40.0 / math.e, rel=1e-3)
+    assert worker.demand.value(sent_at + 20 * DEMAND_TAU_S) < 1e-6
     assert worker.headroom == 100  # demand is not load: nothing is in flight
 
 
