@@ -29,7 +29,7 @@ from kvferry.cache.pool import KvPool  # noqa: E402
 from kvferry.model.compiled import compile_decode  # noqa: E402
 from kvferry.model.config import load_model_config  # noqa: E402
 from kvferry.model.transformer import Transformer  # noqa: E402
-from kvferry.settings import COMPILE_MODES, KVFERRY_HOME  # noqa: E402
+from kvferry.settings import COMPILE_CACHE_DIR, COMPILE_MODES  # noqa: E402
 
 
 def _span(values: list[float]) -> str:
@@ -60,7 +60,7 @@ def main() -> None:
     models, compile_s = {}, {}
     for mode in args.modes:
         model = Transformer(config, get_attention_backend("torch"))
-        compiled = compile_decode(model, mode, args.batches, KVFERRY_HOME / "compile-cache")
+        compiled = compile_decode(model, mode, args.batches, COMPILE_CACHE_DIR)
         compile_s[mode] = compiled.warm_up_s if compiled is not None else 0.0
         print(f"{mode}: compiled batches {args.batches} in {compile_s[mode]:.1f} s", flush=True)
         models[mode] = model

@@ -12,7 +12,7 @@ import torch
 from kvferry.cache.layout import KvShape, dtype_name, torch_dtype
 from kvferry.cache.pool import KvPool
 from kvferry.model.config import load_model_config
-from kvferry.settings import KVFERRY_HOME, WorkerSettings, parse_batch_sizes, parse_pool_size
+from kvferry.settings import COMPILE_CACHE_DIR, WorkerSettings, parse_batch_sizes, parse_pool_size
 
 if TYPE_CHECKING:
     from kvferry.model.transformer import Transformer
@@ -88,7 +88,7 @@ def build_model(settings: WorkerSettings) -> tuple[Transformer, KvPool, str]:
         if settings.compile != "off":
             from kvferry.model.compiled import compile_decode
 
-            compile_decode(model, settings.compile, buckets, KVFERRY_HOME / "compile-cache")
+            compile_decode(model, settings.compile, buckets, COMPILE_CACHE_DIR)
         if settings.cuda_graphs == "on":  # CUDA + Triton only (else None)
             from kvferry.model.cuda_graphs import capture_decode
 

@@ -9,22 +9,27 @@ never cause a recompile. The only shape the graph sees is the batch, padded up t
 bucket (padded rows carry token 0 at position 0; attention runs over the real rows only and
 the padded rows' logits are dropped). Batches above the largest bucket run eagerly.
 
-Every bucket is compiled at `warm_up`, before the worker reports SERVING; `num_compiles`
-counts the graphs compiled, so a test can show that steady state never recompiles. Modes:
-"default" (inductor, weights frozen into the graph as constants) and "max-autotune" (also
-benchmarks inductor's C++ GEMM templates against MKL per shape: the packed-weight GEMMs are
-where most of a CPU step's time goes). Inductor's caches (generated kernels, autotuning
-results) live in `cache_dir` and are reused by the next start; graphs with frozen packed
-weights are not in its graph cache (inductor cannot pickle mkldnn tensors), so every start
-traces and lowers each bucket again.
+Each bucket is one AOTInductor package (`torch.export`, then inductor ahead of time, the
+weights frozen into it as constants: the packed-weight GEMMs are where most of a CPU step's
+time goes), written under `cache_dir` with a key naming everything it was built from (the
+checkpoint's fingerprint, dtype, device, mode, bucket, torch's version and this code's
+source), and loaded from there by every later start: a restart spends seconds, not minutes,
+where inductor's own graph cache keeps no graph with packed (mkldnn) weights. `warm_up`
+builds or loads every bucket before the worker reports SERVING; `num_compiles` counts the
+graphs in use (built here or loaded) and `num_cache_hits` the loaded ones, so a test can show
+that steady state never adds one (a package has no guards: nothing can recompile it). Modes:
+"default" (inductor, MKL's packed GEMMs) and "max-autotune" (also benchmarks inductor's C++
+GEMM templates against MKL per shape and keeps the faster).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -89,6 +94,16 @@ class _Graph(torch.nn.Module):
                                           _graph_attend)
 
 
+def _source_digest() -> str:
+    """This module's and the model's source: a change to either builds new packages."""
+    from kvferry.model import transformer
+
+    digest = hashlib.sha256()
+    for module_file in sorted({__file__, transformer.__file__}):
+        digest.update(Path(module_file).read_bytes())
+    return digest.hexdigest()
+
+
 class CompiledDecode:
     """The compiled decode forward of one Transformer, per batch-size bucket."""
 
@@ -99,36 +114,32 @@ class CompiledDecode:
             raise ValueError(f"compile: expected one of {COMPILE_MODES[1:]}, got {mode!r}")
         if cache_dir is not None:  # read by inductor when it first compiles
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir))
-        import torch._dynamo
-        import torch._inductor.config
         from torch._inductor import list_mode_options
-        from torch._inductor.compile_fx import compile_fx
 
         self.model = model
         self.mode = mode
         self.buckets = tuple(sorted(buckets))
-        self.num_compiles = 0  # graphs compiled; warm-up compiles one per bucket
+        self.num_compiles = 0  # graphs in use: built here or loaded from cache_dir
+        self.num_cache_hits = 0  # of those, the loaded ones
         self.warm_up_s = 0.0
-        limit = len(self.buckets) + 4
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, limit)
-        torch._dynamo.config.accumulated_cache_size_limit = max(
-            torch._dynamo.config.accumulated_cache_size_limit, limit)
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else None
         tuned = list_mode_options("max-autotune-no-cudagraphs") if mode == "max-autotune" else {}
-        # Patched around every call, not passed to compile_fx alone: freezing is read before
-        # the backend runs too (passed only to compile_fx, no weight is ever packed).
         self._config = {**tuned, "freezing": True}
-
-        def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]
-                    ) -> Callable[..., object]:
-            self.num_compiles += 1
-            return compile_fx(gm, example_inputs)
-
         self._graph = _Graph(model).eval()
-        self._compiled = torch.compile(self._graph, backend=backend, dynamic=False)
+        self._runners: dict[int, Callable[..., torch.Tensor]] = {}
 
     def bucket(self, batch: int) -> int | None:
         """The smallest bucket that holds `batch` rows, or None (run eagerly)."""
         return smallest_bucket(self.buckets, batch)
+
+    def package_key(self, size: int) -> str:
+        """What names bucket `size`'s package: everything its code and constants depend on."""
+        digest = hashlib.sha256()
+        for part in (self.model.config.fingerprint, str(self.model.dtype),
+                     str(self.model.device), self.mode, str(size), torch.__version__,
+                     _source_digest()):
+            digest.update(part.encode() + b"\0")
+        return digest.hexdigest()[:32]
 
     def __call__(self, token_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn
                  ) -> torch.Tensor | None:
@@ -138,23 +149,48 @@ class CompiledDecode:
         size = self.bucket(batch)
         if size is None:
             return None
+        runner = self._runners.get(size)
+        if runner is None:
+            raise RuntimeError(f"compile: bucket {size} was not warmed up")
         _step.attend, _step.rows = attend, batch
         try:
-            with torch.inference_mode(False), torch.no_grad(), \
-                    torch._inductor.config.patch(self._config):
-                # Outside inference mode (inductor freezes weights only under no_grad), with
-                # fresh int64 inputs every time: the graph's guards check dtype and dispatch
-                # keys too, and an inference tensor from the caller would recompile.
-                padded = torch.zeros(2, size, dtype=torch.int64, device=token_ids.device)
-                padded[0, :batch] = token_ids
-                padded[1, :batch] = positions
-                logits = self._compiled(padded[0], padded[1])
+            padded = torch.zeros(2, size, dtype=torch.int64, device=token_ids.device)
+            padded[0, :batch] = token_ids
+            padded[1, :batch] = positions
+            logits = runner(padded[0], padded[1])
         finally:
             _step.attend = _step.rows = None
         return logits[:batch]
 
+    def _build(self, size: int, path: Path | None) -> Callable[..., torch.Tensor]:
+        """Export and compile bucket `size` into a package at `path` (a temporary file when
+        None), then load it. Written under a unique name and renamed, so that concurrent
+        starts sharing cache_dir never load a half-written package."""
+        import torch._inductor
+
+        device = self.model.device
+        tokens = torch.zeros(size, dtype=torch.int64, device=device)
+        target = path if path is not None else Path(os.environ.get("TMPDIR", "/tmp")) / (
+            f"kvferry-decode-{uuid.uuid4().hex}.pt2")
+        partial = target.with_name(f"{target.stem}.{uuid.uuid4().hex}.partial.pt2")
+        with torch.inference_mode(False), torch.no_grad():
+            # Outside inference mode: inductor freezes (and packs) weights only under no_grad.
+            exported = torch.export.export(self._graph, (tokens, torch.zeros_like(tokens)),
+                                           strict=False)
+            torch._inductor.aoti_compile_and_package(exported, package_path=str(partial),
+                                                     inductor_configs=self._config)
+        os.replace(partial, target)
+        try:
+            return torch._inductor.aoti_load_package(str(target))
+        finally:
+            if path is None:
+                target.unlink(missing_ok=True)
+
     def warm_up(self) -> None:
-        """Compile every bucket now (before the worker serves), attending to nothing."""
+        """Build or load every bucket now (before the worker serves), then run each once,
+        attending to nothing."""
+        import torch._inductor
+
         start = time.perf_counter()
         device = self.model.device
 
@@ -164,13 +200,29 @@ class CompiledDecode:
 
         for size in self.buckets:
             t0 = time.perf_counter()
+            path = None
+            if self.cache_dir is not None:
+                path = self.cache_dir / "aoti" / f"decode-{self.package_key(size)}.pt2"
+                path.parent.mkdir(parents=True, exist_ok=True)
+            loaded = False
+            if path is not None and path.exists():
+                try:
+                    self._runners[size] = torch._inductor.aoti_load_package(str(path))
+                    loaded = True
+                except Exception as exc:  # a package another torch wrote: build it again
+                    log.warning("compile: %s did not load (%s); building it again", path, exc)
+            if not loaded:
+                self._runners[size] = self._build(size, path)
+            self.num_compiles += 1
+            self.num_cache_hits += loaded
             tokens = torch.zeros(size, dtype=torch.int64, device=device)
             self(tokens, torch.zeros_like(tokens), attend_nothing)
-            log.info("compiled the decode step for batch %d (%s) in %.1f s", size, self.mode,
-                     time.perf_counter() - t0)
+            log.info("decode step for batch %d (%s): %s in %.1f s", size, self.mode,
+                     "loaded" if loaded else "compiled", time.perf_counter() - t0)
         self.warm_up_s = time.perf_counter() - start
-        log.info("decode step compiled for batch sizes %s in %.1f s",
-                 ",".join(map(str, self.buckets)), self.warm_up_s)
+        log.info("decode step compiled for batch sizes %s in %.1f s (%d of %d from the cache)",
+                 ",".join(map(str, self.buckets)), self.warm_up_s, self.num_cache_hits,
+                 len(self.buckets))
 
 
 def compile_decode(model: Transformer, mode: str, buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS,

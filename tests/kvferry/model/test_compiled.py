@@ -1,6 +1,6 @@
 """The compiled decode step (kvferry.model.compiled): the same tokens as the eager step and as
 transformers, over batches that grow, shrink and outgrow the buckets, with one compile per
-bucket and none after warm-up."""
+bucket, none after warm-up, and none on a second start (the packages are loaded)."""
 
 from __future__ import annotations
 
@@ -66,6 +66,16 @@ def test_compiled_decode_matches_eager_and_transformers(arch: str, tmp_path: Pat
     got = _decode_all(model, pool)
     assert got == eager
     assert compiled.num_compiles == len(BUCKETS)  # batches 1-3, contexts 3-41: no recompile
+    assert compiled.num_cache_hits == 0
+    packages = sorted((tmp_path / "cache" / "aoti").glob("decode-*.pt2"))
+    assert len(packages) == len(BUCKETS)  # one package per bucket, nothing half-written left
+
+    # A second start with the same cache loads every bucket's package instead of compiling.
+    restarted = compile_decode(model, "default", BUCKETS, tmp_path / "cache")
+    assert restarted is not None and restarted.num_cache_hits == len(BUCKETS)
+    assert restarted.warm_up_s < compiled.warm_up_s / 4
+    assert _decode_all(model, pool) == eager
+    assert restarted.num_compiles == len(BUCKETS)
 
     hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     for (prompt, _), tokens in zip(PROMPTS, got):
