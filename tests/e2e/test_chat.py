@@ -8,6 +8,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -137,10 +138,12 @@ def test_ctrl_c_in_chat_stops_the_answer_and_keeps_the_session(
     import threading
     import time
 
+    # stderr to a file, so that a failed wait shows it (an answer that ended early says why)
+    errors = tempfile.TemporaryFile()
     proc = subprocess.Popen(
         [sys.executable, "-m", "deploy.cli", "chat", chat_deployment.router_address,
          "--max-tokens", "3000", "--temperature", "0", "--ignore-eos"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors, bufsize=0,
         env={**os.environ, "PYTHONUNBUFFERED": "1"})
     out = bytearray()
     reader = threading.Thread(target=lambda: [out.extend(b) for b in iter(
@@ -150,7 +153,10 @@ def test_ctrl_c_in_chat_stops_the_answer_and_keeps_the_session(
     def wait_for(predicate, what: str) -> None:
         deadline = time.monotonic() + 60
         while not predicate():
-            assert time.monotonic() < deadline and proc.poll() is None, (what, bytes(out))
+            if time.monotonic() >= deadline or proc.poll() is not None:
+                errors.seek(0)
+                pytest.fail(f"waiting for {what}: stdout {bytes(out)[-400:]!r}, "
+                            f"stderr {errors.read().decode(errors='replace')[-2000:]!r}")
             time.sleep(0.02)
 
     def interrupt_the_answer() -> None:
@@ -167,7 +173,9 @@ def test_ctrl_c_in_chat_stops_the_answer_and_keeps_the_session(
         proc.stdin.write(b"fox\n")  # the session goes on: a second answer streams
         interrupt_the_answer()
         proc.stdin.close()
-        assert proc.wait(30) == 0, proc.stderr.read()
+        status = proc.wait(30)
+        errors.seek(0)
+        assert status == 0, errors.read()
     finally:
         if proc.poll() is None:
             proc.kill()
