@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import tempfile
 import threading
 import time
 import uuid
@@ -127,6 +128,11 @@ class CompiledDecode:
         self._config = {**tuned, "freezing": True}
         self._graph = _Graph(model).eval()
         self._runners: dict[int, Callable[..., torch.Tensor]] = {}
+        # Everything a package depends on but its bucket, hashed once (the sources are read).
+        self._key_base = hashlib.sha256()
+        for part in (model.config.fingerprint, str(model.dtype), str(model.device), mode,
+                     torch.__version__, _source_digest()):
+            self._key_base.update(part.encode() + b"\0")
 
     def bucket(self, batch: int) -> int | None:
         """The smallest bucket that holds `batch` rows, or None (run eagerly)."""
@@ -134,11 +140,8 @@ class CompiledDecode:
 
     def package_key(self, size: int) -> str:
         """What names bucket `size`'s package: everything its code and constants depend on."""
-        digest = hashlib.sha256()
-        for part in (self.model.config.fingerprint, str(self.model.dtype),
-                     str(self.model.device), self.mode, str(size), torch.__version__,
-                     _source_digest()):
-            digest.update(part.encode() + b"\0")
+        digest = self._key_base.copy()
+        digest.update(str(size).encode())
         return digest.hexdigest()[:32]
 
     def __call__(self, token_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn
@@ -162,29 +165,22 @@ class CompiledDecode:
             _step.attend = _step.rows = None
         return logits[:batch]
 
-    def _build(self, size: int, path: Path | None) -> Callable[..., torch.Tensor]:
-        """Export and compile bucket `size` into a package at `path` (a temporary file when
-        None), then load it. Written under a unique name and renamed, so that concurrent
-        starts sharing cache_dir never load a half-written package."""
+    def _build(self, size: int, path: Path) -> Callable[..., torch.Tensor]:
+        """Export and compile bucket `size` into a package at `path`, then load it. Written
+        under a unique name and renamed, so that concurrent starts sharing cache_dir never
+        load a half-written package."""
         import torch._inductor
 
-        device = self.model.device
-        tokens = torch.zeros(size, dtype=torch.int64, device=device)
-        target = path if path is not None else Path(os.environ.get("TMPDIR", "/tmp")) / (
-            f"kvferry-decode-{uuid.uuid4().hex}.pt2")
-        partial = target.with_name(f"{target.stem}.{uuid.uuid4().hex}.partial.pt2")
+        tokens = torch.zeros(size, dtype=torch.int64, device=self.model.device)
+        partial = path.with_name(f"{path.stem}.{uuid.uuid4().hex}.partial.pt2")
         with torch.inference_mode(False), torch.no_grad():
             # Outside inference mode: inductor freezes (and packs) weights only under no_grad.
             exported = torch.export.export(self._graph, (tokens, torch.zeros_like(tokens)),
                                            strict=False)
             torch._inductor.aoti_compile_and_package(exported, package_path=str(partial),
                                                      inductor_configs=self._config)
-        os.replace(partial, target)
-        try:
-            return torch._inductor.aoti_load_package(str(target))
-        finally:
-            if path is None:
-                target.unlink(missing_ok=True)
+        os.replace(partial, path)
+        return torch._inductor.aoti_load_package(str(path))
 
     def warm_up(self) -> None:
         """Build or load every bucket now (before the worker serves), then run each once,
@@ -211,8 +207,11 @@ class CompiledDecode:
                     loaded = True
                 except Exception as exc:  # a package another torch wrote: build it again
                     log.warning("compile: %s did not load (%s); building it again", path, exc)
-            if not loaded:
+            if not loaded and path is not None:
                 self._runners[size] = self._build(size, path)
+            elif not loaded:  # no cache: a package for this process only (loading copies it)
+                with tempfile.TemporaryDirectory(prefix="kvferry-decode-") as tmp:
+                    self._runners[size] = self._build(size, Path(tmp) / "decode.pt2")
             self.num_compiles += 1
             self.num_cache_hits += loaded
             tokens = torch.zeros(size, dtype=torch.int64, device=device)

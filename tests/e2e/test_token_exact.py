@@ -106,7 +106,7 @@ def test_compiled_decode_matches_transformers(qwen3_checkpoint: Path,
     or 16; above the largest bucket, eager) and contexts grow from 1 to 364 tokens."""
     buckets = "4,16"
     deployment = Deployment(model=str(qwen3_checkpoint), compile="default",
-                            compile_batch_sizes=buckets, env={"TORCH_LOGS": "recompiles"},
+                            compile_batch_sizes=buckets,
                             log_dir=tmp_path_factory.mktemp("compiled-logs")).start()
     try:
         for prompt, limit, got in _generate_all(qwen3_checkpoint, deployment):
