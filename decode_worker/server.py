@@ -130,7 +130,8 @@ class DecodeServicer(WorkerServicer[DecodeEngine], worker_pb2_grpc.DecodeService
                 yield worker_pb2.DecodeBatch(updates=updates)
                 if tracer := trace.get():
                     tracer.event("write", t0=written_from, t1=time.monotonic(),
-                                 ids=[u.request_id for u in updates])
+                                 ids=[u.request_id for u in updates],
+                                 n=[len(u.token_ids) for u in updates])
         finally:
             reader.cancel()
             for request_id in started:
