@@ -165,6 +165,10 @@ class Router:
                 timing = timing._replace(prefill_s=first_msg.prefill_s,
                                          time_to_first_token_s=time.perf_counter() - received)
                 state.num_cached_tokens = first_msg.num_cached_tokens
+            else:  # a migrated leg: Usage counts the first leg's cache; the log shows this one's
+                log.info("request %s: migrated leg prefilled %d context tokens, %d from the "
+                         "prefix cache", state.request_id, len(context),
+                         first_msg.num_cached_tokens)
             generated.append(first)
             step = detok.add([first])
             reason: FinishReason | None = None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import pytest
 from deploy import client
 from deploy.launcher import Deployment
 from kvferry.rpc import grpc_util
+from kvferry.settings import DEFAULT_BLOCK_SIZE
 from kvferry.v1 import generation_pb2_grpc
 from tests.conftest import assert_pools_clean, busy_process
 
@@ -57,5 +59,12 @@ def test_decode_worker_killed_mid_stream(seed: int | None, transport: str,
         assert got.text == undisturbed.text
         assert got.finished.usage.completion_tokens == 300
         assert "migrating" in (tmp_path / "router.log").read_text()
-        assert got.finished.usage.cached_prompt_tokens > 0
+        assert got.finished.usage.cached_prompt_tokens > 0  # the first leg's
+        # The migrated leg (prompt + the tokens streamed before the kill) started from blocks
+        # the warm-up left cached: the prompt's 5 full blocks at least.
+        legs = re.findall(r"migrated leg prefilled (\d+) context tokens, (\d+) from the "
+                          r"prefix cache", (tmp_path / "router.log").read_text())
+        assert legs, "no migrated leg logged"
+        assert all(int(context) > len(prompt) for context, _ in legs)
+        assert int(legs[0][1]) >= len(prompt) // DEFAULT_BLOCK_SIZE * DEFAULT_BLOCK_SIZE, legs
         assert_pools_clean(deployment)

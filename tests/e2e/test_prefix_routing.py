@@ -26,6 +26,7 @@ pytestmark = pytest.mark.slow
 PREFIX = list(range(200, 200 + 8 * DEFAULT_BLOCK_SIZE))  # 8 full blocks
 THRESHOLD = 32  # prompts with fewer uncached tokens prefill on the decode worker
 HITS = "kvferry_prefix_cache_hits_total"
+QUERIES = "kvferry_prefix_cache_queries_total"
 CACHED = "kvferry_prefix_cache_blocks"
 
 
@@ -48,11 +49,12 @@ def _request(suffix: list[int], max_tokens: int = 4) -> generation_pb2.GenerateR
                                ignore_eos=True)
 
 
-def _decode_metrics(deployment: Deployment) -> dict[str, tuple[float, float]]:
-    """Each decode worker's (prefix-cache hits, cached blocks)."""
+def _decode_metrics(deployment: Deployment) -> dict[str, tuple[float, float, float]]:
+    """Each decode worker's (prefix-cache hits, cached blocks, prefix-cache queries)."""
     samples = {p.name: scrape(p.metrics_port) for p in deployment.processes
                if p.name.startswith("decode")}
-    return {name: (value(s, HITS), value(s, CACHED)) for name, s in samples.items()}
+    return {name: (value(s, HITS), value(s, CACHED), value(s, QUERIES))
+            for name, s in samples.items()}
 
 
 async def _follow_ups(deployment: Deployment, holder: str, before: float
@@ -77,17 +79,21 @@ def test_requests_sharing_a_prefix_go_where_it_is_cached(prefix_deployment: Depl
     first = asyncio.run(client.generate(deployment.router_address, _request([5, 6, 7]), 60))
     assert first.finished.timing.kv_transfer_s > 0  # nothing cached yet: pushed
     deadline = time.monotonic() + 10
-    while not any(cached for _, cached in _decode_metrics(deployment).values()):
+    while not any(cached for _, cached, _ in _decode_metrics(deployment).values()):
         assert time.monotonic() < deadline, "no decode worker cached the prefix"
         time.sleep(0.1)
     before = _decode_metrics(deployment)
-    holder = next(name for name, (_, cached) in before.items() if cached)
+    holder = next(name for name, (_, cached, _) in before.items() if cached)
     time.sleep(1.0)  # a few of the router's stats refreshes (every 0.2 s): its events too
     short, long = asyncio.run(_follow_ups(deployment, holder, before[holder][0]))
     after = _decode_metrics(deployment)
     hits = {name: after[name][0] - before[name][0] for name in after}
     assert hits[holder] >= 5 * len(PREFIX), hits
     assert all(hits[name] == 0 for name in hits if name != holder), hits
+    # Every follow-up's prompt was looked up there (131 tokens each), and only there.
+    queries = {name: after[name][2] - before[name][2] for name in after}
+    assert queries[holder] >= 5 * (len(PREFIX) + 3), queries
+    assert all(queries[name] == 0 for name in queries if name != holder), queries
     # The decode worker held all but 3 tokens: prefilled there, nothing shipped.
     assert all(c.finished.timing.kv_transfer_s == 0.0 for c in [*short, long])
     assert [len(c.token_ids) for c in [*short, long]] == [4, 4, 4, 4, 400]
