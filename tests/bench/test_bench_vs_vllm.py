@@ -27,6 +27,8 @@ from bench.bench_vs_vllm import (
     summarize,
     vllm_bench_command,
 )
+from bench.vllm_peer import VLLM_ENV
+from kvferry.settings import parse_pool_size
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -174,6 +176,17 @@ def test_kvferry_deployments_carry_the_compile_flags(tmp_path: Path) -> None:
         assert worker[worker.index("--compile-batch-sizes") + 1] == "1,8"
         assert worker[worker.index("--torch-threads") + 1] == "2"
     assert "--compile" not in disagg._worker_args("prefill")
+
+
+def test_both_engines_get_the_same_kv_memory(tmp_path: Path) -> None:
+    """kvferry's default pool (256 MiB) held fewer C=32 requests than vLLM's 2 GiB cache."""
+    gib = int(VLLM_ENV["VLLM_CPU_KVCACHE_SPACE"])
+    args = parse_args([])
+    for engine in ("disagg", "colocated"):
+        deployment = kvferry_deployment(engine, "/m", args, tmp_path)
+        for role in ("prefill", "decode"):
+            worker = deployment._worker_args(role)
+            assert parse_pool_size(worker[worker.index("--kv-pool-size") + 1], 0) == gib << 30
 
 
 def test_bad_compile_batch_sizes_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
