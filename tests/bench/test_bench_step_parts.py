@@ -1,0 +1,38 @@
+"""bench/bench_step_parts.py: the linear layers it times are exactly the model's, and every
+backend it times computes the same product."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.bench_step_parts import _linear_runners, linear_shapes, parse_args
+from kernels.dispatch import get_attention_backend
+from kvferry.model.config import load_model_config
+from kvferry.model.transformer import Transformer
+
+
+def test_linear_shapes_are_the_loaded_models(qwen3_checkpoint: Path) -> None:
+    config = load_model_config(qwen3_checkpoint)
+    model = Transformer(config, get_attention_backend("torch"))
+    loaded = Counter(tuple(w.shape) for name, w in model.weights.items()
+                     if name.endswith("_proj.weight") or name == "lm_head.weight")
+    assert loaded == Counter({(out, inp): n for out, inp, n in linear_shapes(config)})
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_every_linear_backend_computes_the_same_product(batch: int) -> None:
+    torch.manual_seed(0)
+    weight, x = torch.randn(96, 64), torch.randn(batch, 64)
+    expected = x @ weight.T
+    for name, run in _linear_runners(weight, batch).items():
+        torch.testing.assert_close(run(x), expected, rtol=1e-4, atol=1e-4, msg=name)
+
+
+def test_bad_arguments_exit_2() -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--threads", "0"])
+    assert exit_info.value.code == 2
