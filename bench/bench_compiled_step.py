@@ -21,11 +21,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.bench_decode_step import BLOCK_SIZE, _median_step_ms  # noqa: E402
+from bench.bench_decode_step import _median_step_ms, random_pool  # noqa: E402
 from deploy.default_model import BENCH_MODEL_HELP, bench_model  # noqa: E402
 from deploy.worker_model import tune_malloc  # noqa: E402
 from kernels.dispatch import get_attention_backend  # noqa: E402
-from kvferry.cache.pool import KvPool  # noqa: E402
 from kvferry.model.compiled import compile_decode  # noqa: E402
 from kvferry.model.config import load_model_config  # noqa: E402
 from kvferry.model.transformer import Transformer  # noqa: E402
@@ -53,10 +52,7 @@ def main() -> None:
     torch.set_num_threads(1)
     path = bench_model(args.model)
     config = load_model_config(path)
-    blocks = max(args.batches) * (-(-(args.context + args.steps + 1) // BLOCK_SIZE)) + 1
-    pool = KvPool(config.num_layers, config.num_kv_heads, config.head_dim, BLOCK_SIZE, blocks,
-                  torch.float32, torch.device("cpu"))
-    pool.cache.normal_()
+    pool = random_pool(config, max(args.batches), args.context, args.steps)
     models, compile_s = {}, {}
     for mode in args.modes:
         model = Transformer(config, get_attention_backend("torch"))

@@ -27,7 +27,7 @@ from deploy.default_model import tiny_model
 from deploy.worker_model import tune_malloc
 from kernels.dispatch import get_attention_backend
 from kvferry.cache.pool import KvPool
-from kvferry.model.config import load_model_config
+from kvferry.model.config import ModelConfig, load_model_config
 from kvferry.model.transformer import Transformer
 
 BLOCK_SIZE = 16
@@ -39,12 +39,29 @@ class _Seq:
     next_position: int
 
 
-def _median_step_ms(model: Transformer, pool: KvPool, batch: int, context: int, steps: int,
-                    staged: bool, seed: int) -> float:
+def random_pool(config: ModelConfig, max_batch: int, context: int, steps: int) -> KvPool:
+    """An fp32 CPU pool with room for `max_batch` sequences of `context` + `steps` tokens,
+    filled with random K/V."""
+    blocks = max_batch * (-(-(context + steps + 1) // BLOCK_SIZE)) + 1
+    pool = KvPool(config.num_layers, config.num_kv_heads, config.head_dim, BLOCK_SIZE, blocks,
+                  torch.float32, torch.device("cpu"))
+    pool.cache.normal_()
+    return pool
+
+
+def scattered_batch(pool: KvPool, batch: int, context: int, steps: int, seed: int
+                    ) -> list[_Seq]:
+    """`batch` sequences at position `context`, each with blocks for `steps` more tokens,
+    taken from the pool in a seeded random order."""
     free = list(range(pool.num_blocks))
     random.Random(seed).shuffle(free)
     per_seq = -(-(context + steps + 1) // BLOCK_SIZE)
-    seqs = [_Seq([free.pop() for _ in range(per_seq)], context) for _ in range(batch)]
+    return [_Seq([free.pop() for _ in range(per_seq)], context) for _ in range(batch)]
+
+
+def _median_step_ms(model: Transformer, pool: KvPool, batch: int, context: int, steps: int,
+                    staged: bool, seed: int) -> float:
+    seqs = scattered_batch(pool, batch, context, steps, seed)
     stage = KvStage(pool, 1 << 30) if staged else None
     if stage is not None:
         seqs = stage.arrange(seqs) or seqs
@@ -73,10 +90,7 @@ def main() -> None:
     torch.set_num_threads(1)
     config = load_model_config(tiny_model())
     model = Transformer(config, get_attention_backend("torch"))
-    blocks = max(args.batches) * (-(-(args.context + args.steps + 1) // BLOCK_SIZE)) + 1
-    pool = KvPool(config.num_layers, config.num_kv_heads, config.head_dim, BLOCK_SIZE, blocks,
-                  torch.float32, torch.device("cpu"))
-    pool.cache.normal_()
+    pool = random_pool(config, max(args.batches), args.context, args.steps)
     modes = {"pages": False, "stage": True}
     times: dict[tuple[str, int], list[float]] = {(m, b): [] for m in modes for b in args.batches}
     for r in range(args.rounds):

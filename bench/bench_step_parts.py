@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import sys
 import time
@@ -33,7 +32,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.bench_decode_step import BLOCK_SIZE, _Seq  # noqa: E402
+from bench.bench_compiled_step import _span  # noqa: E402
+from bench.bench_decode_step import BLOCK_SIZE, random_pool, scattered_batch  # noqa: E402
 from decode_worker.kv_stage import KvStage  # noqa: E402
 from decode_worker.sequence import step_inputs  # noqa: E402
 from deploy.default_model import BENCH_MODEL_HELP, bench_model  # noqa: E402
@@ -67,10 +67,7 @@ def step_parts(model: Transformer, pool: KvPool, batch: int, context: int, steps
                seed: int) -> dict[str, float]:
     """Median ms per step of the whole step, of the package with no attention, and of the
     stage's attention callbacks within the whole step."""
-    free = list(range(pool.num_blocks))
-    random.Random(seed).shuffle(free)
-    per_seq = -(-(context + steps + 1) // BLOCK_SIZE)
-    seqs = [_Seq([free.pop() for _ in range(per_seq)], context) for _ in range(batch)]
+    seqs = scattered_batch(pool, batch, context, steps, seed)
     stage = _TimedStage(pool, 1 << 30)
     seqs = stage.arrange(seqs) or seqs
     whole, dense, attend = [], [], []
@@ -132,10 +129,6 @@ def linear_floor(config: ModelConfig, batch: int, reps: int = 5) -> dict[str, fl
     return totals
 
 
-def _span(values: list[float]) -> str:
-    return f"{statistics.median(values):.1f} [{min(values):.1f}-{max(values):.1f}]"
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -158,10 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     tune_malloc()
     config = load_model_config(bench_model(args.model))
-    blocks = max(args.batches) * (-(-(args.context + args.steps + 1) // BLOCK_SIZE)) + 1
-    pool = KvPool(config.num_layers, config.num_kv_heads, config.head_dim, BLOCK_SIZE, blocks,
-                  torch.float32, torch.device("cpu"))
-    pool.cache.normal_()
+    pool = random_pool(config, max(args.batches), args.context, args.steps)
     models = {}
     for mode in args.modes:
         models[mode] = Transformer(config, get_attention_backend("torch"))

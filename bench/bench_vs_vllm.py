@@ -70,6 +70,7 @@ from kvferry.settings import (  # noqa: E402
 )
 
 ENGINES = ("vllm", "disagg", "colocated")
+KVFERRY_POOL_SIZE = f"{KV_CACHE_GIB}GiB"  # every kvferry worker's --kv-pool-size
 class Figures(NamedTuple):
     """One run's figures, from a result JSON of `vllm bench serve` or `kvferry bench`."""
 
@@ -252,7 +253,7 @@ def kvferry_deployment(engine: str, model: str, args: argparse.Namespace, log_di
     # blocks of the real model) C=32 requests of 64 + 128 tokens (384 blocks) did not fit, so
     # some waited for memory, tens of seconds, while vLLM's 2 GiB held them all.
     return Deployment(model=model, is_colocated=engine == "colocated",
-                      kv_pool_size=f"{KV_CACHE_GIB}GiB",
+                      kv_pool_size=KVFERRY_POOL_SIZE,
                       torch_threads=args.kvferry_torch_threads, compile=args.kvferry_compile,
                       compile_batch_sizes=args.kvferry_compile_batch_sizes, log_dir=log_dir)
 
@@ -366,7 +367,7 @@ def report(args: argparse.Namespace, model: str, runs: list[Run]) -> dict[str, A
         "engines": args.engines, "repeats": args.repeats,
         "vllm": {"version": VLLM_VERSION, "env": VLLM_ENV, "serve_args": VLLM_SERVE_ARGS},
         "kvferry_args": shlex.split(args.kvferry_args),
-        "kvferry": {"kv_pool_size": f"{KV_CACHE_GIB}GiB", "compile": args.kvferry_compile,
+        "kvferry": {"kv_pool_size": KVFERRY_POOL_SIZE, "compile": args.kvferry_compile,
                     "compile_batch_sizes": args.kvferry_compile_batch_sizes,
                     "torch_threads": args.kvferry_torch_threads},
         "summary": {str(c): [row.as_json() for row in rows] for c, rows in summary.items()},
