@@ -28,6 +28,10 @@ from kvferry import trace
 from kvferry.cache.pool import KvPool
 
 _LENGTH_GRAIN = 64  # tokens: capacity grows in steps of at least this
+# Capacity this many times the batch's need is given back (resized to the need): a long
+# request that left would otherwise make every later join zero rows of its length, and keep
+# its memory. Growth doubles, so after a shrink the need must quarter again before the next.
+_SHRINK_FACTOR = 4
 
 
 class KvStage:
@@ -93,6 +97,8 @@ class KvStage:
         rows, length = self.capacity
         if need_rows > rows or need_length > length:
             self._grow(need_rows, need_length)
+        elif self.nbytes(rows, length) > _SHRINK_FACTOR * self.nbytes(need_rows, need_length):
+            self._resize(need_rows, -(-need_length // _LENGTH_GRAIN) * _LENGTH_GRAIN)
         staged = {id(s) for s in self._seqs}
         for seq in batch:
             if id(seq) not in staged:
@@ -119,6 +125,8 @@ class KvStage:
         self._resize(rows, length)
 
     def _resize(self, rows: int, length: int) -> None:
+        """Reallocate to (rows, length), keeping the staged rows (there are at most `rows`,
+        each valid within `length`)."""
         p = self.pool
         shape = (p.num_layers, rows, p.num_kv_heads, length, p.head_dim)
         k = torch.zeros(shape, dtype=p.dtype, device=p.cache.device)

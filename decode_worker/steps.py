@@ -203,6 +203,8 @@ class StepLoop:
         if self.running:
             await self._decode_step()
             return True
+        if self.stage is not None:  # idle: no step runs, so no thread reads the rows
+            self.stage.clear()  # their memory goes back; the next batch is staged afresh
         return ran_prefill
 
     def _fail_running(self, exc: Exception) -> None:

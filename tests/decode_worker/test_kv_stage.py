@@ -144,6 +144,29 @@ def test_over_budget_falls_back_then_rebuilds() -> None:
     _step(pool, stage, batch, free, gen)
 
 
+def test_capacity_far_past_the_need_is_given_back() -> None:
+    """A long request grew the rows; once it leaves, the short rows that stay are resized to
+    their need (a join would otherwise zero rows of the long length, and the memory stayed
+    held for good: the soak's RSS check caught it), keeping their K/V exact; a need within
+    4x of the capacity keeps it (no resize back and forth)."""
+    pool = _pool(num_blocks=1200)
+    free = list(range(pool.num_blocks - 1))
+    gen = torch.Generator().manual_seed(4)
+    stage = KvStage(pool, budget_bytes=1 << 30)
+    short = [_new_seq(pool, free, n) for n in (10, 30, 20)]
+    long = _new_seq(pool, free, 2000)
+    batch = stage.arrange(short + [long])
+    assert batch is not None
+    _step(pool, stage, batch, free, gen)
+    assert stage.capacity[1] >= 2001
+    batch = stage.arrange(short)
+    assert batch is not None and stage.capacity == (3, 64)
+    _step(pool, stage, batch, free, gen)  # the kept rows still equal the pages
+    batch = stage.arrange(short[:2])  # 2 rows of 64 are not a quarter of 3 x 64: kept
+    assert batch is not None and stage.capacity == (3, 64)
+    _step(pool, stage, batch, free, gen)
+
+
 def test_a_reused_row_keeps_nothing_of_its_previous_holder() -> None:
     """A sequence whose K/V went NaN leaves the batch; a shorter one takes its row while a
     long one keeps the batch's length past it. Attention masks the positions past the

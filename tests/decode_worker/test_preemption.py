@@ -33,11 +33,12 @@ def model(qwen3_checkpoint: Path) -> Transformer:
                        torch.float32, torch.device("cpu"))
 
 
-def _engine(model: Transformer, num_blocks: int) -> DecodeEngine:
+def _engine(model: Transformer, num_blocks: int, stage_bytes: int = 0) -> DecodeEngine:
     config = model.config
     pool = KvPool(config.num_layers, config.num_kv_heads, config.head_dim, BLOCK_SIZE,
                   num_blocks, torch.float32, torch.device("cpu"))
-    return DecodeEngine(model, pool, KvLayout.of_pool(pool, config.fingerprint))
+    return DecodeEngine(model, pool, KvLayout.of_pool(pool, config.fingerprint),
+                        stage_bytes=stage_bytes)
 
 
 def _push(engine: DecodeEngine, request_id: str, seed: int) -> None:
@@ -75,6 +76,11 @@ def _decode_both(engine: DecodeEngine) -> dict[str, list[int]]:
                         assert event.reason is FinishReason.LENGTH
                         break
                     tokens[request_id] += event.token_ids
+            for _ in range(1000):  # the loop's next pass finds nothing to run
+                stage = engine.steps.stage
+                if not engine.steps.running and (stage is None or stage.capacity == (0, 0)):
+                    break
+                await asyncio.sleep(0.005)
             return tokens
         finally:
             await engine.stop()
@@ -121,6 +127,18 @@ def test_swapped_kv_comes_back_bit_for_bit(model: Transformer) -> None:
     assert _decode_both(roomy) == got
     assert roomy.steps.num_preemptions == 0
     assert all(len(tokens) == MAX_TOKENS - 1 for tokens in got.values())
+
+
+def test_the_dense_stage_gives_the_same_tokens_and_its_memory_back_when_idle(
+        model: Transformer) -> None:
+    """The CPU path's dense K/V stage (preempting and not) decodes what the pages do, and an
+    idle worker holds no stage rows: their memory goes back when nothing runs."""
+    want = _decode_both(_engine(model, 4 * SMALL_POOL))
+    for num_blocks in (SMALL_POOL, 4 * SMALL_POOL):
+        staged = _engine(model, num_blocks, stage_bytes=1 << 24)
+        assert _decode_both(staged) == want
+        assert staged.steps.stage is not None and staged.steps.stage.capacity == (0, 0)
+        assert staged.steps.stage.num_gathered_tokens > 0  # the steps did run on the stage
 
 
 def test_a_sequence_swapped_out_by_an_idle_reservation_resumes_when_it_is_aborted(
