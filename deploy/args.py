@@ -90,7 +90,8 @@ def _worker_parser(sub: argparse._SubParsersAction, role: str) -> None:
     p.add_argument("--compile", default=COMPILE_MODES[0], choices=COMPILE_MODES,
                    help="decode/colocated workers: torch.compile the decode step, a graph "
                         "per batch-size bucket, compiled before serving (max-autotune also "
-                        "tunes the GEMMs; slower to start); off: eager")
+                        "tunes the GEMMs; slower to start; auto: builds both, times them and "
+                        "keeps the faster per bucket, recorded in the cache); off: eager")
     p.add_argument("--compile-batch-sizes", default=DEFAULT_COMPILE_BATCH_SIZES,
                    help="--compile: batch-size buckets, comma-separated (a batch runs padded "
                         "to the next one; larger batches run eagerly)")

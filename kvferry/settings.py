@@ -43,7 +43,7 @@ KV_TRANSPORTS = ("grpc", "ray", "nixl")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
 TRANSFER_THREAD = "kvferry-xfer"  # OS name of the threads that move and check K/V bytes
 # Decode step: eager, or torch.compile'd per batch-size bucket (kvferry/model/compiled.py).
-COMPILE_MODES = ("off", "default", "max-autotune")
+COMPILE_MODES = ("off", "default", "max-autotune", "auto")
 DEFAULT_COMPILE_BATCH_SIZES = "1,2,4,8,16,32"
 # Decode step on CUDA with Triton attention: replayed from CUDA graphs per bucket (the same
 # buckets), or eager ("off", vLLM's --enforce-eager); kvferry/model/cuda_graphs.py.

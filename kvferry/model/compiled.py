@@ -18,13 +18,16 @@ where inductor's own graph cache keeps no graph with packed (mkldnn) weights. `w
 builds or loads every bucket before the worker reports SERVING; `num_compiles` counts the
 graphs in use (built here or loaded) and `num_cache_hits` the loaded ones, so a test can show
 that steady state never adds one (a package has no guards: nothing can recompile it). Modes:
-"default" (inductor, MKL's packed GEMMs) and "max-autotune" (also benchmarks inductor's C++
-GEMM templates against MKL per shape and keeps the faster).
+"default" (inductor, MKL's packed GEMMs), "max-autotune" (also benchmarks inductor's C++
+GEMM templates against MKL per shape and keeps the faster), and "auto" (both packages of a
+bucket built and timed as whole steps, the faster kept; the choice is recorded beside them).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import json
 import logging
 import os
 import tempfile
@@ -37,6 +40,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvferry.model.step_timing import median_ms
 from kvferry.settings import COMPILE_MODES, DEFAULT_COMPILE_BATCH_SIZES, parse_batch_sizes
 
 if TYPE_CHECKING:
@@ -115,22 +119,21 @@ class CompiledDecode:
             raise ValueError(f"compile: expected one of {COMPILE_MODES[1:]}, got {mode!r}")
         if cache_dir is not None:  # read by inductor when it first compiles
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir))
-        from torch._inductor import list_mode_options
-
         self.model = model
         self.mode = mode
         self.buckets = tuple(sorted(buckets))
+        self.modes: dict[int, str] = {}  # the package mode each bucket runs ("auto" chooses)
+        self.step_ms: dict[int, dict[str, float]] = {}  # "auto": median ms per step, per mode
         self.num_compiles = 0  # graphs in use: built here or loaded from cache_dir
         self.num_cache_hits = 0  # of those, the loaded ones
+        self.num_builds = 0  # packages compiled here ("auto" builds both modes of a bucket)
         self.warm_up_s = 0.0
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
-        tuned = list_mode_options("max-autotune-no-cudagraphs") if mode == "max-autotune" else {}
-        self._config = {**tuned, "freezing": True}
         self._graph = _Graph(model).eval()
         self._runners: dict[int, Callable[..., torch.Tensor]] = {}
-        # Everything a package depends on but its bucket, hashed once (the sources are read).
+        # Everything a package depends on but its mode and bucket, hashed once (sources read).
         self._key_base = hashlib.sha256()
-        for part in (model.config.fingerprint, str(model.dtype), str(model.device), mode,
+        for part in (model.config.fingerprint, str(model.dtype), str(model.device),
                      torch.__version__, _source_digest()):
             self._key_base.update(part.encode() + b"\0")
 
@@ -138,90 +141,137 @@ class CompiledDecode:
         """The smallest bucket that holds `batch` rows, or None (run eagerly)."""
         return smallest_bucket(self.buckets, batch)
 
-    def package_key(self, size: int) -> str:
-        """What names bucket `size`'s package: everything its code and constants depend on."""
+    def package_key(self, size: int, mode: str | None = None) -> str:
+        """What names bucket `size`'s package of `mode` (this one's by default): everything
+        its code and constants depend on. For "auto", the name of the bucket's choice."""
         digest = self._key_base.copy()
-        digest.update(str(size).encode())
+        digest.update(f"{mode or self.mode}\0{size}".encode())
         return digest.hexdigest()[:32]
 
     def __call__(self, token_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn
                  ) -> torch.Tensor | None:
         """Logits [B, vocab] of one decode step, or None when B exceeds every bucket.
         `attend` writes each layer's K/V and attends, for the B real rows."""
-        batch = token_ids.shape[0]
-        size = self.bucket(batch)
+        size = self.bucket(token_ids.shape[0])
         if size is None:
             return None
         runner = self._runners.get(size)
         if runner is None:
             raise RuntimeError(f"compile: bucket {size} was not warmed up")
-        _step.attend, _step.rows = attend, batch
-        try:
-            padded = torch.zeros(2, size, dtype=torch.int64, device=token_ids.device)
-            padded[0, :batch] = token_ids
-            padded[1, :batch] = positions
-            logits = runner(padded[0], padded[1])
-        finally:
-            _step.attend = _step.rows = None
-        return logits[:batch]
+        return _run(runner, size, token_ids, positions, attend)
 
-    def _build(self, size: int, path: Path) -> Callable[..., torch.Tensor]:
+    def _build(self, size: int, mode: str, path: Path) -> Callable[..., torch.Tensor]:
         """Export and compile bucket `size` into a package at `path`, then load it. Written
         under a unique name and renamed, so that concurrent starts sharing cache_dir never
         load a half-written package."""
         import torch._inductor
+        from torch._inductor import list_mode_options
 
+        tuned = list_mode_options("max-autotune-no-cudagraphs") if mode == "max-autotune" else {}
         tokens = torch.zeros(size, dtype=torch.int64, device=self.model.device)
         partial = path.with_name(f"{path.stem}.{uuid.uuid4().hex}.partial.pt2")
         with torch.inference_mode(False), torch.no_grad():
             # Outside inference mode: inductor freezes (and packs) weights only under no_grad.
             exported = torch.export.export(self._graph, (tokens, torch.zeros_like(tokens)),
                                            strict=False)
-            torch._inductor.aoti_compile_and_package(exported, package_path=str(partial),
-                                                     inductor_configs=self._config)
+            torch._inductor.aoti_compile_and_package(
+                exported, package_path=str(partial), inductor_configs={**tuned, "freezing": True})
         os.replace(partial, path)
+        self.num_builds += 1
         return torch._inductor.aoti_load_package(str(path))
+
+    def _package(self, size: int, mode: str) -> tuple[Callable[..., torch.Tensor], bool]:
+        """Bucket `size`'s package of `mode`, loaded from cache_dir or built; and whether it
+        was loaded."""
+        import torch._inductor
+
+        if self.cache_dir is None:  # a package for this process only (loading copies it)
+            with tempfile.TemporaryDirectory(prefix="kvferry-decode-") as tmp:
+                return self._build(size, mode, Path(tmp) / "decode.pt2"), False
+        path = self.cache_dir / "aoti" / f"decode-{self.package_key(size, mode)}.pt2"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists():
+            try:
+                return torch._inductor.aoti_load_package(str(path)), True
+            except Exception as exc:  # a package another torch wrote: build it again
+                log.warning("compile: %s did not load (%s); building it again", path, exc)
+        return self._build(size, mode, path), False
+
+    def _choose(self, size: int) -> tuple[Callable[..., torch.Tensor], bool]:
+        """"auto": the mode recorded for this bucket in cache_dir, else both modes' packages
+        timed against each other here (inductor's autotuning times each GEMM alone, with its
+        weights warm, which misjudges a step that streams every weight once), the faster
+        kept and recorded."""
+        record = None
+        if self.cache_dir is not None:
+            record = self.cache_dir / "aoti" / f"choice-{self.package_key(size)}.json"
+            try:
+                chosen = json.loads(record.read_text())["mode"]
+                if chosen in AUTO_MODES:
+                    self.modes[size] = chosen
+                    return self._package(size, chosen)
+            except (OSError, ValueError, KeyError, TypeError):
+                pass  # no valid record: time both
+        packages = {mode: self._package(size, mode) for mode in AUTO_MODES}
+        tokens = torch.zeros(size, dtype=torch.int64, device=self.model.device)
+        self.step_ms[size] = median_ms({  # attending nothing: the modes differ in dense math
+            mode: functools.partial(_run, runner, size, tokens, tokens, attend_nothing)
+            for mode, (runner, _) in packages.items()})
+        chosen = min(AUTO_MODES, key=lambda m: self.step_ms[size][m])
+        self.modes[size] = chosen
+        log.info("decode step for batch %d: %s chosen (ms per step: %s)", size, chosen,
+                 ", ".join(f"{m} {t:.2f}" for m, t in self.step_ms[size].items()))
+        if record is not None:
+            partial = record.with_name(f"{record.name}.{uuid.uuid4().hex}.partial")
+            partial.write_text(json.dumps({"mode": chosen, "ms_per_step": self.step_ms[size]}))
+            os.replace(partial, record)
+        return packages[chosen]
 
     def warm_up(self) -> None:
         """Build or load every bucket now (before the worker serves), then run each once,
         attending to nothing."""
-        import torch._inductor
-
         start = time.perf_counter()
         device = self.model.device
-
-        def attend_nothing(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-                           ) -> torch.Tensor:
-            return torch.zeros_like(q)
-
         for size in self.buckets:
             t0 = time.perf_counter()
-            path = None
-            if self.cache_dir is not None:
-                path = self.cache_dir / "aoti" / f"decode-{self.package_key(size)}.pt2"
-                path.parent.mkdir(parents=True, exist_ok=True)
-            loaded = False
-            if path is not None and path.exists():
-                try:
-                    self._runners[size] = torch._inductor.aoti_load_package(str(path))
-                    loaded = True
-                except Exception as exc:  # a package another torch wrote: build it again
-                    log.warning("compile: %s did not load (%s); building it again", path, exc)
-            if not loaded and path is not None:
-                self._runners[size] = self._build(size, path)
-            elif not loaded:  # no cache: a package for this process only (loading copies it)
-                with tempfile.TemporaryDirectory(prefix="kvferry-decode-") as tmp:
-                    self._runners[size] = self._build(size, Path(tmp) / "decode.pt2")
+            if self.mode == "auto":
+                self._runners[size], loaded = self._choose(size)
+            else:
+                self.modes[size] = self.mode
+                self._runners[size], loaded = self._package(size, self.mode)
             self.num_compiles += 1
             self.num_cache_hits += loaded
             tokens = torch.zeros(size, dtype=torch.int64, device=device)
             self(tokens, torch.zeros_like(tokens), attend_nothing)
-            log.info("decode step for batch %d (%s): %s in %.1f s", size, self.mode,
+            log.info("decode step for batch %d (%s): %s in %.1f s", size, self.modes[size],
                      "loaded" if loaded else "compiled", time.perf_counter() - t0)
         self.warm_up_s = time.perf_counter() - start
         log.info("decode step compiled for batch sizes %s in %.1f s (%d of %d from the cache)",
                  ",".join(map(str, self.buckets)), self.warm_up_s, self.num_cache_hits,
                  len(self.buckets))
+
+
+AUTO_MODES = ("default", "max-autotune")  # what "auto" chooses between, per bucket
+
+
+def attend_nothing(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                   ) -> torch.Tensor:
+    return torch.zeros_like(q)
+
+
+def _run(runner: Callable[..., torch.Tensor], size: int, token_ids: torch.Tensor,
+         positions: torch.Tensor, attend: AttendFn) -> torch.Tensor:
+    """One step of bucket `size`'s package over the real rows of token_ids and positions."""
+    batch = token_ids.shape[0]
+    _step.attend, _step.rows = attend, batch
+    try:
+        padded = torch.zeros(2, size, dtype=torch.int64, device=token_ids.device)
+        padded[0, :batch] = token_ids
+        padded[1, :batch] = positions
+        logits = runner(padded[0], padded[1])
+    finally:
+        _step.attend = _step.rows = None
+    return logits[:batch]
 
 
 def compile_decode(model: Transformer, mode: str, buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS,

@@ -4,6 +4,7 @@ bucket, none after warm-up, and none on a second start (the packages are loaded)
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from kernels.dispatch import get_attention_backend
 from kvferry.cache.layout import blocks_for_tokens
 from kvferry.cache.pool import KvPool
-from kvferry.model.compiled import compile_decode
+from kvferry.model.compiled import AUTO_MODES, compile_decode
 from kvferry.model.config import load_model_config
 from kvferry.model.transformer import Transformer
 from kvferry.settings import parse_batch_sizes
@@ -98,3 +99,39 @@ def test_bad_batch_sizes_are_refused_naming_the_flag(text: str, error: str) -> N
 
 def test_batch_sizes_are_sorted_and_distinct() -> None:
     assert parse_batch_sizes("8, 1,4,4") == (1, 4, 8)
+
+
+def test_auto_times_both_modes_keeps_the_faster_and_a_restart_obeys_its_record(
+        qwen3_checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = load_model_config(qwen3_checkpoint)
+    model = Transformer(config, get_attention_backend("torch"))
+    pool = KvPool(config.num_layers, config.num_kv_heads, config.head_dim, 16, 64, torch.float32)
+    eager = _decode_all(model, pool)
+    cache = tmp_path / "cache"
+
+    first = compile_decode(model, "auto", (1,), cache)  # timed for real
+    assert first is not None and first.num_builds == 2  # both modes' packages
+    times = first.step_ms[1]
+    assert set(times) == set(AUTO_MODES) and all(ms > 0 for ms in times.values())
+    assert first.modes[1] == min(times, key=times.get)
+    record = next((cache / "aoti").glob("choice-*.json"))
+    assert json.loads(record.read_text()) == {"mode": first.modes[1], "ms_per_step": times}
+    assert _decode_all(model, pool) == eager
+
+    # A restart loads the recorded mode's package alone, timing nothing.
+    for chosen in AUTO_MODES:
+        record.write_text(json.dumps({"mode": chosen}))
+        restarted = compile_decode(model, "auto", (1,), cache)
+        assert restarted is not None and restarted.modes == {1: chosen}
+        assert (restarted.num_builds, restarted.num_cache_hits, restarted.step_ms) == (0, 1, {})
+        assert _decode_all(model, pool) == eager
+
+    # No valid record: both timed again (loaded, not built), the faster chosen.
+    for faster in AUTO_MODES:
+        record.write_text("{not json")
+        fake = {mode: 1.0 if mode == faster else 2.0 for mode in AUTO_MODES}
+        monkeypatch.setattr("kvferry.model.compiled.median_ms", lambda steps, fake=fake: dict(fake))
+        rechosen = compile_decode(model, "auto", (1,), cache)
+        assert rechosen is not None and rechosen.modes == {1: faster}
+        assert (rechosen.num_builds, rechosen.num_cache_hits) == (0, 1)
+        assert json.loads(record.read_text())["mode"] == faster
