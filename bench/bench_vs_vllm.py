@@ -27,7 +27,7 @@ is as fast or faster). Every run goes to `--out` as JSON. Usage:
 
     .venv/bin/python bench/bench_vs_vllm.py [--model tiny|default|PATH]
         [--concurrency 1 8 32] [--repeats 3] [--engines vllm,disagg,colocated]
-        [--kvferry-compile off|default|max-autotune] [--kvferry-args WORDS] [--out FILE]
+        [--kvferry-compile off|default|max-autotune|auto] [--kvferry-args WORDS] [--out FILE]
 """
 
 from __future__ import annotations

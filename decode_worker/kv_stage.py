@@ -18,14 +18,21 @@ dense view of a batch is a plain slice.
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
 
 from decode_worker.sequence import PagedSeq
+from kernels import cpu_attention
 from kernels.paged_attention_torch import dense_decode_attention
 from kvferry import trace
 from kvferry.cache.pool import KvPool
+from kvferry.settings import KVFERRY_HOME
+
+# "torch": attend with torch ops over the batch's longest length (the path before the C
+# kernel, kept for comparison); anything else: the kernel where it builds.
+CPU_ATTENTION_ENV = "KVFERRY_CPU_ATTENTION"
 
 _LENGTH_GRAIN = 64  # tokens: capacity grows in steps of at least this
 # Capacity this many times the batch's need is given back (resized to the need): a long
@@ -40,6 +47,11 @@ class KvStage:
     def __init__(self, pool: KvPool, budget_bytes: int) -> None:
         self.pool = pool
         self.budget_bytes = budget_bytes
+        # Attention over each row's own length (kernels/cpu_attention.py), where it builds.
+        self.kernel = None
+        if (pool.cache.device.type == "cpu" and pool.dtype == torch.float32
+                and os.environ.get(CPU_ATTENTION_ENV) != "torch"):
+            self.kernel = cpu_attention.load(KVFERRY_HOME / "kernels")
         self._seqs: list[PagedSeq] = []  # row i holds _seqs[i]
         self._valid: list[int] = []  # positions [0, valid) of row i hold its K/V
         self._k: torch.Tensor | None = None  # [layers, rows, kv_heads, length, D]
@@ -188,6 +200,10 @@ class KvStage:
         assert self._k is not None and self._v is not None  # noqa: S101 - sized by arrange
         self._k[layer, self._rows_now, :, self._positions] = k
         self._v[layer, self._rows_now, :, self._positions] = v
+        if self.kernel is not None:  # one call, each row over its own length
+            rows = len(self._positions)
+            return self.kernel(q, self._k[layer, :rows], self._v[layer, :rows], seq_lens,
+                               sm_scale)
         if len(self._groups) == 1:
             (start, end), length = self._groups[0]
             return dense_decode_attention(q, self._k[layer, :end, :, :length],

@@ -10,12 +10,27 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from decode_worker.kv_stage import KvStage
+from decode_worker.kv_stage import CPU_ATTENTION_ENV, KvStage
 from decode_worker.sequence import step_inputs
 from kernels.paged_attention_ref import paged_decode_attention_ref, write_kv_ref
 from kvferry.cache.pool import KvPool
 
 LAYERS, HQ, HKV, D, BS = 2, 4, 2, 16, 4
+
+
+@pytest.fixture(autouse=True, params=["kernel", "torch"])
+def attention_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test on both attention paths: the C kernel (kernels/cpu_attention.py) and the
+    torch ops."""
+    if request.param == "torch":
+        monkeypatch.setenv(CPU_ATTENTION_ENV, "torch")
+    else:
+        monkeypatch.delenv(CPU_ATTENTION_ENV, raising=False)
+    return request.param
+
+
+def test_the_kernel_is_used_unless_torch_is_asked_for(attention_path: str) -> None:
+    assert (KvStage(_pool(8), 1 << 20).kernel is not None) == (attention_path == "kernel")
 
 
 @dataclass(eq=False)

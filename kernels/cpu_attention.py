@@ -1,0 +1,129 @@
+"""Decode attention on CPU over dense per-sequence K/V rows, each row read up to its own
+length: `cpu_decode_attention.c`, compiled with the machine's C compiler on first use and
+called through ctypes.
+
+Why C and not torch ops: the torch path (`paged_attention_torch.dense_decode_attention`)
+attends every row over the batch's longest length, and its batched matmuls are G-row GEMMs
+(the query heads of one KV head), which MKL runs at about half of memory speed. The kernel
+reads each row's K and V once, up to its length. Why ctypes and not a torch extension: the
+file needs no torch header, so it compiles in under a second with nothing but `cc`, where a
+torch extension takes a minute and ninja.
+
+`load(cache_dir)` builds the library once per source and compiler into `cache_dir` (a
+temporary directory when None) and returns a `CpuAttention`, or None where there is no
+compiler or the build fails (the caller keeps the torch path).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import uuid
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("kvferry.kernels")
+
+SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
+CFLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
+_ARGTYPES = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6
+             + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int64])
+
+
+class CpuAttention:
+    """The loaded kernel: `__call__` has dense_decode_attention's contract, except that K
+    and V may be wider than the longest length (positions past a row's length are never
+    read, so they need not even be finite)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fn = ctypes.CDLL(str(path)).kvferry_decode_attention_f32
+        self._fn.argtypes = _ARGTYPES
+        self._fn.restype = None
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 seq_lens: torch.Tensor, sm_scale: float) -> torch.Tensor:
+        """q [B, Hq, D]; k, v [B, Hkv, L, D] with unit stride over D and D over positions,
+        the same strides for both; seq_lens [B], each in [1, L]. Returns [B, Hq, D]."""
+        batch, num_q_heads, head_dim = q.shape
+        num_kv_heads, length = k.shape[1], k.shape[2]
+        if not (q.dtype == k.dtype == v.dtype == torch.float32 and k.stride() == v.stride()
+                and k.stride(3) == 1 and k.stride(2) == head_dim and q.device.type == "cpu"):
+            raise ValueError("cpu attention: fp32 CPU tensors, K and V strided alike, "
+                             "[B, Hkv, L, D] with D and positions dense")
+        lens = seq_lens.to(torch.int32).contiguous()
+        if batch and (int(lens.min()) < 1 or int(lens.max()) > length):
+            raise ValueError(f"cpu attention: seq_lens must lie in [1, {length}]")
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        group = num_q_heads // num_kv_heads
+        stride = -(-(int(lens.max()) if batch else 1) // 16) * 16  # per query head
+        scratch = torch.empty(group * stride)
+        self._fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lens.data_ptr(),
+                 batch, num_kv_heads, group, head_dim, k.stride(0), k.stride(1), sm_scale,
+                 scratch.data_ptr(), stride)
+        return out
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _cpu() -> str:
+    """What -march=native compiles for: the CPU's model and flags (a cache shared by
+    machines keeps one library per kind of CPU)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        import platform
+
+        return platform.processor() or platform.machine()
+    lines = [line for line in info.splitlines() if line.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(lines)))
+
+
+def _build(compiler: str, path: Path) -> None:
+    """Compile SOURCE to `path`: written under a unique name, then renamed (concurrent
+    builds never load a partial file)."""
+    partial = path.with_name(f"{path.stem}.{uuid.uuid4().hex}.partial.so")
+    try:
+        subprocess.run([compiler, *CFLAGS, "-o", str(partial), str(SOURCE), "-lm"],
+                       check=True, capture_output=True, text=True, timeout=120)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+@functools.cache
+def load(cache_dir: Path | None = None) -> CpuAttention | None:
+    """The kernel, built into `cache_dir` unless there already; None when it cannot be."""
+    compiler = _compiler()
+    if compiler is None:
+        log.warning("cpu attention: no C compiler (cc, gcc or $CC): torch attention instead")
+        return None
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                                 timeout=30).stdout
+        key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + _cpu().encode()
+                             + " ".join(CFLAGS).encode()).hexdigest()[:24]
+        folder = Path(cache_dir) if cache_dir is not None else Path(
+            tempfile.mkdtemp(prefix="kvferry-kernels-"))
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"cpu_decode_attention-{key}.so"
+        if not path.exists():
+            _build(compiler, path)
+        return CpuAttention(path)
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", "") or exc
+        log.warning("cpu attention: build failed (%s): torch attention instead", detail)
+        return None
+
+
+__all__ = ["CpuAttention", "load"]

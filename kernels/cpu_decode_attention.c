@@ -1,0 +1,159 @@
+/* Decode attention over the CPU decode worker's dense K/V stage, one pass over each
+ * sequence's own length (kernels/cpu_attention.py builds and loads this file).
+ *
+ * For every (sequence b, KV head h): the G query heads of the group are scored against
+ * K[b, h, 0:len[b]], softmaxed, and summed over V[b, h, 0:len[b]]. K and V are read from
+ * memory once per (b, h) and only up to the sequence's length: the torch path attends every
+ * row over the batch's longest length, and its batched matmuls are G-row GEMMs.
+ *
+ * fp32 throughout, written with GCC/clang vector types (16 floats; the compiler splits them
+ * on narrower units), so the reductions happen in an order fixed here, without -ffast-math.
+ * Head sizes 32, 64 and 128 get versions whose accumulators stay in registers; any other
+ * size runs a plain loop. Compiled with -march=native on the machine that runs it.
+ */
+#include <stdint.h>
+#include <string.h>
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+static inline v16 load16(const float *p) {
+    v16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline float hsum16(v16 a) {
+    v8 lo, hi;
+    memcpy(&lo, &a, sizeof lo);
+    memcpy(&hi, (const char *)&a + sizeof lo, sizeof hi);
+    v8 s8 = lo + hi;
+    v4 l4, h4;
+    memcpy(&l4, &s8, sizeof l4);
+    memcpy(&h4, (const char *)&s8 + sizeof l4, sizeof h4);
+    v4 s4 = l4 + h4;
+    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+/* Where mask (all ones or zero per lane): a, else b. */
+static inline v16 select16(v16i mask, v16 a, v16 b) {
+    return (v16)((mask & (v16i)a) | (~mask & (v16i)b));
+}
+
+/* exp(x) for 16 values x <= 0 (scores minus their max): x = k ln2 + r, |r| <= ln2/2, exp(r)
+ * by its degree-7 Taylor polynomial (relative error < 2e-8 there), times 2^k built in the
+ * exponent bits; below -87, 0. */
+static inline v16 exp16(v16 x) {
+    const v16i low = x < -87.0f;
+    v16 v = select16(low, (v16){0} - 87.0f, x);
+    v16 k = (v * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  /* round to nearest */
+    v16 r = v - k * 0.693359375f;  /* ln2 in two parts: k times the first is exact */
+    r = r + k * 2.12194440e-4f;
+    v16 p = r * (1.0f / 5040.0f) + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    v16i bits = (__builtin_convertvector(k, v16i) + 127) << 23;
+    v16 y = p * (v16)bits;
+    return (v16)((v16i)y & ~low);
+}
+
+/* Softmax of s[0:n] in place; s has room for n rounded up to 16. */
+static inline void softmax(float *s, int64_t n) {
+    const int64_t padded = (n + 15) & ~(int64_t)15;
+    for (int64_t t = n; t < padded; t++) s[t] = -1e30f;  /* exp gives exactly 0 */
+    v16 m16 = load16(s);
+    for (int64_t t = 16; t < padded; t += 16) {
+        v16 x = load16(s + t);
+        m16 = select16(x > m16, x, m16);
+    }
+    float m = m16[0];
+    for (int j = 1; j < 16; j++) m = m16[j] > m ? m16[j] : m;
+    v16 total = {0};
+    for (int64_t t = 0; t < padded; t += 16) {
+        v16 e = exp16(load16(s + t) - m);
+        memcpy(s + t, &e, sizeof e);
+        total += e;
+    }
+    const float inv = 1.0f / hsum16(total);
+    for (int64_t t = 0; t < padded; t += 16) {
+        v16 e = load16(s + t) * inv;
+        memcpy(s + t, &e, sizeof e);
+    }
+}
+
+/* One (sequence, KV head) with D = 16 * NC: scores, softmax, weighted sum of V. */
+#define HEAD(NC)                                                                             \
+    static inline void head_##NC(const float *q, const float *k, const float *v, float *o,  \
+                                 int64_t n, int64_t group, float scale, float *s,           \
+                                 int64_t stride_s) {                                        \
+        for (int64_t t = 0; t < n; t++) {                                                   \
+            v16 kt[NC];                                                                      \
+            for (int c = 0; c < NC; c++) kt[c] = load16(k + t * 16 * NC + 16 * c);          \
+            for (int64_t g = 0; g < group; g++) {                                           \
+                v16 acc = load16(q + g * 16 * NC) * kt[0];                                   \
+                for (int c = 1; c < NC; c++) acc += load16(q + g * 16 * NC + 16 * c) * kt[c]; \
+                s[g * stride_s + t] = hsum16(acc) * scale;                                   \
+            }                                                                                \
+        }                                                                                    \
+        for (int64_t g = 0; g < group; g++) softmax(s + g * stride_s, n);                   \
+        for (int64_t g = 0; g < group; g++) {                                               \
+            const float *p = s + g * stride_s;                                               \
+            v16 acc[NC];                                                                     \
+            for (int c = 0; c < NC; c++) acc[c] = (v16){0};                                  \
+            for (int64_t t = 0; t < n; t++)                                                  \
+                for (int c = 0; c < NC; c++) acc[c] += p[t] * load16(v + t * 16 * NC + 16 * c); \
+            memcpy(o + g * 16 * NC, acc, sizeof acc);                                        \
+        }                                                                                    \
+    }
+HEAD(2)
+HEAD(4)
+HEAD(8)
+
+static void head_any(const float *q, const float *k, const float *v, float *o, int64_t n,
+                     int64_t group, int64_t d, float scale, float *s, int64_t stride_s) {
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t g = 0; g < group; g++) {
+            float acc = 0.0f;
+            for (int64_t i = 0; i < d; i++) acc += q[g * d + i] * k[t * d + i];
+            s[g * stride_s + t] = acc * scale;
+        }
+    for (int64_t g = 0; g < group; g++) softmax(s + g * stride_s, n);
+    memset(o, 0, sizeof(float) * group * d);
+    for (int64_t g = 0; g < group; g++)
+        for (int64_t t = 0; t < n; t++)
+            for (int64_t i = 0; i < d; i++) o[g * d + i] += s[g * stride_s + t] * v[t * d + i];
+}
+
+/* q [B, Hkv * G, D] contiguous; out the same. k and v: element (b, h, t, d) at
+ * b * row_stride + h * head_stride + t * D + d (the stage's [rows, Hkv, length, D] layer
+ * slice). lens[b] >= 1. scratch: G * stride_s floats, stride_s >= max(lens) rounded up to
+ * a multiple of 16. */
+void kvferry_decode_attention_f32(const float *q, const float *k, const float *v, float *out,
+                                  const int32_t *lens, int64_t batch, int64_t num_kv_heads,
+                                  int64_t group, int64_t head_dim, int64_t row_stride,
+                                  int64_t head_stride, float scale, float *scratch,
+                                  int64_t stride_s) {
+    for (int64_t b = 0; b < batch; b++) {
+        for (int64_t h = 0; h < num_kv_heads; h++) {
+            const float *kh = k + b * row_stride + h * head_stride;
+            const float *vh = v + b * row_stride + h * head_stride;
+            const int64_t at = (b * num_kv_heads + h) * group * head_dim;
+            const int64_t n = lens[b];
+            if (head_dim == 32)
+                head_2(q + at, kh, vh, out + at, n, group, scale, scratch, stride_s);
+            else if (head_dim == 64)
+                head_4(q + at, kh, vh, out + at, n, group, scale, scratch, stride_s);
+            else if (head_dim == 128)
+                head_8(q + at, kh, vh, out + at, n, group, scale, scratch, stride_s);
+            else
+                head_any(q + at, kh, vh, out + at, n, group, head_dim, scale, scratch,
+                         stride_s);
+        }
+    }
+}
