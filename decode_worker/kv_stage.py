@@ -60,6 +60,7 @@ class KvStage:
         self._groups: list[tuple[tuple[int, int], int]] = []  # begin_step's runs of rows
         self._positions = torch.arange(0)  # this step's positions (its K/V slot)
         self.num_gathered_tokens = 0  # tokens copied in from the pool (joins, rebuilds)
+        self.num_resizes = 0  # reallocations (growth, shrink): each copies every staged row
 
     @property
     def capacity(self) -> tuple[int, int]:
@@ -80,10 +81,12 @@ class KvStage:
         position. Returns the batch in row order (the order the step must use), or None when
         the stage would exceed its budget: then it is emptied and the caller uses pages."""
         tracer, started, gathered = trace.get(), time.monotonic(), self.num_gathered_tokens
+        resizes = self.num_resizes
         arranged = self._arrange(batch)
         if tracer and self.num_gathered_tokens != gathered:  # rows copied in: a span
             tracer.event("stage", t0=started, t1=time.monotonic(),
-                         tokens=self.num_gathered_tokens - gathered)
+                         tokens=self.num_gathered_tokens - gathered,
+                         resized=self.num_resizes - resizes, shape=list(self.capacity))
         return arranged
 
     def _arrange(self, batch: list[PagedSeq]) -> list[PagedSeq] | None:
@@ -139,6 +142,7 @@ class KvStage:
     def _resize(self, rows: int, length: int) -> None:
         """Reallocate to (rows, length), keeping the staged rows (there are at most `rows`,
         each valid within `length`)."""
+        self.num_resizes += 1
         p = self.pool
         shape = (p.num_layers, rows, p.num_kv_heads, length, p.head_dim)
         k = torch.zeros(shape, dtype=p.dtype, device=p.cache.device)
@@ -214,6 +218,16 @@ class KvStage:
                 q[start:end], self._k[layer, start:end, :, :length],
                 self._v[layer, start:end, :, :length], seq_lens[start:end], sm_scale)
         return out
+
+
+def stage_bytes_for_pool(pool: KvPool) -> int:
+    """The stage's default budget: every token the pool holds, staged densely in the model's
+    dtype. The stage mirrors the running batch, which never holds more tokens than the pool;
+    a smaller budget (256 MiB before) made a closed loop of 32 requests on the real model
+    leave the stage and come back every few hundred steps, each return a full re-stage."""
+    tokens = pool.num_blocks * pool.block_size
+    return (2 * pool.num_layers * tokens * pool.num_kv_heads * pool.head_dim
+            * pool.dtype.itemsize)
 
 
 LONG_ROW_FACTOR = 4  # a row this many times longer than the batch's median is attended alone

@@ -86,7 +86,8 @@ def _worker_parser(sub: argparse._SubParsersAction, role: str) -> None:
     p.add_argument("--prefill-chunk-size", type=int, default=DEFAULT_PREFILL_CHUNK_SIZE)
     p.add_argument("--decode-stage-mib", type=int, default=DEFAULT_DECODE_STAGE_MIB,
                    help="torch attention backend: memory for the running batch's K/V kept "
-                        "densely beside the pages (no gather per step); 0: gather every step")
+                        "densely beside the pages (no gather per step; default: what the "
+                        "whole pool's tokens take densely); 0: gather every step")
     p.add_argument("--compile", default=COMPILE_MODES[0], choices=COMPILE_MODES,
                    help="decode/colocated workers: torch.compile the decode step, a graph "
                         "per batch-size bucket, compiled before serving (max-autotune also "

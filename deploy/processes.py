@@ -141,10 +141,14 @@ def build_worker(settings: WorkerSettings) -> tuple[Built, object]:
     if settings.role in ("decode", "colocated"):
         from decode_worker import server as decode_server
         from decode_worker.engine import DecodeEngine
+        from decode_worker.kv_stage import stage_bytes_for_pool
 
-        stage_mib = settings.decode_stage_mib if backend_name == "torch" else 0
+        stage_bytes = 0
+        if backend_name == "torch":
+            stage_bytes = (stage_bytes_for_pool(pool) if settings.decode_stage_mib is None
+                           else settings.decode_stage_mib << 20)
         engine = DecodeEngine(model, pool, layout, settings.max_waiting,
-                              stage_bytes=stage_mib << 20,
+                              stage_bytes=stage_bytes,
                               token_budget=settings.prefill_token_budget,
                               chunk_size=settings.prefill_chunk_size)
         on_stop, puller = engine.stop, None

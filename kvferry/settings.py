@@ -20,7 +20,7 @@ DEFAULT_PREFILL_TOKEN_BUDGET = 2048  # prompt tokens per prefill forward
 DEFAULT_PREFILL_CHUNK_SIZE = 512
 DEFAULT_MAX_WAITING = 256
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
-DEFAULT_DECODE_STAGE_MIB = 256
+DEFAULT_DECODE_STAGE_MIB: int | None = None  # None: as much K/V as the pool holds
 DEFAULT_KV_MAX_RESENDS = 2
 DEFAULT_LEASE_S = 30.0  # a decode reservation waits this long for its K/V
 DEFAULT_DNS_INTERVAL_S = 5.0
@@ -160,8 +160,8 @@ class WorkerSettings:
     # Longer prompts are prefilled in chunks of this many tokens.
     prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE
     # Torch attention backend: MiB for the running batch's K/V mirrored densely beside the
-    # pages (decode_worker/kv_stage.py); 0: gather pages every step instead.
-    decode_stage_mib: int = DEFAULT_DECODE_STAGE_MIB
+    # pages (decode_worker/kv_stage.py); 0: gather pages every step; None: the whole pool.
+    decode_stage_mib: int | None = DEFAULT_DECODE_STAGE_MIB
     compile: str = COMPILE_MODES[0]  # decode/colocated: compile the decode step
     compile_batch_sizes: str = DEFAULT_COMPILE_BATCH_SIZES  # buckets; larger batches: eager
     cuda_graphs: str = CUDA_GRAPH_MODES[0]  # decode/colocated, CUDA + Triton only; else moot
@@ -191,7 +191,7 @@ class WorkerSettings:
         parse_batch_sizes(self.compile_batch_sizes)
         if self.cuda_graphs not in CUDA_GRAPH_MODES:
             raise ValueError(f"cuda_graphs: expected on or off, got {self.cuda_graphs!r}")
-        if self.decode_stage_mib < 0:
+        if self.decode_stage_mib is not None and self.decode_stage_mib < 0:
             raise ValueError(f"decode_stage_mib: must be >= 0, got {self.decode_stage_mib}")
         if self.kv_max_resends < 0:
             raise ValueError(f"kv_max_resends: must be >= 0, got {self.kv_max_resends}")

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from decode_worker.kv_stage import CPU_ATTENTION_ENV, KvStage
+from decode_worker.kv_stage import CPU_ATTENTION_ENV, KvStage, stage_bytes_for_pool
 from decode_worker.sequence import step_inputs
 from kernels.paged_attention_ref import paged_decode_attention_ref, write_kv_ref
 from kvferry.cache.pool import KvPool
@@ -244,3 +244,13 @@ def test_decode_with_stage_matches_decode_over_pages(num_tokens: int, qwen3_chec
         for row, seq in enumerate(batch):
             tokens[id(seq)] = int(staged[row].argmax())
             seq.next_position += 1
+
+
+def test_the_default_budget_stages_every_token_the_pool_holds() -> None:
+    pool = _pool(65)  # 64 blocks to hand out, and the poisoned one
+    budget = stage_bytes_for_pool(pool)
+    assert budget == KvStage(pool, 0).nbytes(1, 65 * BS)
+    free = list(range(64))
+    seqs = [Seq([free.pop() for _ in range(16)], 16 * BS - 1) for _ in range(4)]
+    assert KvStage(pool, budget).arrange(seqs) is not None  # 4 rows of 64: the whole pool
+    assert KvStage(pool, KvStage(pool, 0).nbytes(4, 16 * BS) - 1).arrange(seqs) is None
