@@ -59,12 +59,13 @@ class CpuAttention:
             raise ValueError("cpu attention: fp32 CPU tensors, K and V strided alike, "
                              "[B, Hkv, L, D] with D and positions dense")
         lens = seq_lens.to(torch.int32).contiguous()
-        if batch and (int(lens.min()) < 1 or int(lens.max()) > length):
+        shortest, longest = (int(x) for x in torch.aminmax(lens)) if batch else (1, 1)
+        if shortest < 1 or longest > length:
             raise ValueError(f"cpu attention: seq_lens must lie in [1, {length}]")
         q = q.contiguous()
         out = torch.empty_like(q)
         group = num_q_heads // num_kv_heads
-        stride = -(-(int(lens.max()) if batch else 1) // 16) * 16  # per query head
+        stride = -(-longest // 16) * 16  # scratch per query head
         scratch = torch.empty(group * stride)
         self._fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lens.data_ptr(),
                  batch, num_kv_heads, group, head_dim, k.stride(0), k.stride(1), sm_scale,
