@@ -31,8 +31,10 @@ from kvferry.model.transformer import Transformer  # noqa: E402
 from kvferry.settings import COMPILE_CACHE_DIR, COMPILE_MODES  # noqa: E402
 
 
-def _span(values: list[float]) -> str:
-    return f"{statistics.median(values):.1f} [{min(values):.1f}-{max(values):.1f}]"
+def _span(values: list[float], digits: int = 1) -> str:
+    """median [min-max], with `digits` decimals."""
+    return (f"{statistics.median(values):.{digits}f} "
+            f"[{min(values):.{digits}f}-{max(values):.{digits}f}]")
 
 
 def main() -> None:

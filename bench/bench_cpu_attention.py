@@ -27,10 +27,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.bench_compiled_step import _span  # noqa: E402
 from bench.bench_decode_step import BLOCK_SIZE, _Seq, random_pool  # noqa: E402
-from bench.bench_step_parts import _TimedStage  # noqa: E402
+from bench.bench_step_parts import _TimedStage, add_step_arguments  # noqa: E402
 from decode_worker.sequence import step_inputs  # noqa: E402
-from deploy.default_model import BENCH_MODEL_HELP, bench_model  # noqa: E402
+from deploy.default_model import bench_model  # noqa: E402
 from deploy.worker_model import tune_malloc  # noqa: E402
 from kernels.dispatch import get_attention_backend  # noqa: E402
 from kvferry.cache.pool import KvPool  # noqa: E402
@@ -41,11 +42,6 @@ from kvferry.settings import COMPILE_CACHE_DIR, COMPILE_MODES  # noqa: E402
 
 SHAPES = ("equal", "spread")
 PATHS = ("torch", "kernel")
-
-
-def _span(values: list[float], digits: int = 1) -> str:
-    return (f"{statistics.median(values):.{digits}f} "
-            f"[{min(values):.{digits}f}-{max(values):.{digits}f}]")
 
 
 def contexts(shape: str, batch: int, context: int) -> list[int]:
@@ -84,13 +80,8 @@ def run(model: Transformer, pool: KvPool, lengths: list[int], path: str, steps: 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="default", help=BENCH_MODEL_HELP)
+    add_step_arguments(p)
     p.add_argument("--compile", default="auto", choices=COMPILE_MODES)
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
-    p.add_argument("--context", type=int, default=128)
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     if min(args.batches) < 1 or min(args.rounds, args.steps, args.context) < 2:
         p.exit(2, "bench_cpu_attention: --batches >= 1; --rounds, --steps, --context >= 2\n")

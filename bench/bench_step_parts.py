@@ -129,18 +129,23 @@ def linear_floor(config: ModelConfig, batch: int, reps: int = 5) -> dict[str, fl
     return totals
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_step_arguments(p: argparse.ArgumentParser) -> None:
+    """What the step benchmarks share: model, batch sizes, context, steps, rounds, output."""
     p.add_argument("--model", default="default", help=BENCH_MODEL_HELP)
-    p.add_argument("--modes", nargs="+", default=["default", "max-autotune"],
-                   choices=COMPILE_MODES[1:])
-    p.add_argument("--threads", type=int, nargs="+", default=[1])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", type=Path, default=None)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_step_arguments(p)
+    p.add_argument("--modes", nargs="+", default=["default", "max-autotune"],
+                   choices=COMPILE_MODES[1:])
+    p.add_argument("--threads", type=int, nargs="+", default=[1])
     args = p.parse_args(argv)
     if min(args.batches + args.threads) < 1 or min(args.rounds, args.steps) < 1:
         p.exit(2, "bench_step_parts: --batches, --threads, --rounds, --steps must be >= 1\n")
