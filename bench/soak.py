@@ -25,6 +25,7 @@ from pathlib import Path
 
 import grpc
 
+from decode_worker.kv_stage import HOLD_S
 from deploy import client
 from deploy.launcher import Deployment
 from kvferry.rpc import grpc_util
@@ -173,12 +174,16 @@ def pool_problems(deployment: Deployment, timeout_s: float = 10.0) -> list[str]:
 
 def run_soak(deployment: Deployment, warmup_s: float, duration_s: float, concurrency: int,
              seed: int = 0) -> SoakReport:
-    """Warm up, take every process's RSS, soak, take it again (both with the load over)."""
+    """Warm up, take every process's RSS, soak, take it again (both with the load over, and
+    once the decode stage's hold has run out: an idle stage keeps its rows HOLD_S for the
+    next batch)."""
     warm = asyncio.run(soak(deployment.router_address, warmup_s, concurrency, seed))
     pool_problems(deployment)  # releases landed: a quiet moment to measure
+    time.sleep(HOLD_S + 1.0)
     base = {p.name: rss_kib(p.popen.pid) for p in deployment.processes}
     out = asyncio.run(soak(deployment.router_address, duration_s, concurrency, seed + 1))
     problems = pool_problems(deployment)
+    time.sleep(HOLD_S + 1.0)
     memory = [ProcessMemory(p.name, base[p.name], rss_kib(p.popen.pid))
               for p in deployment.processes]
     return SoakReport(warmup_s, duration_s, concurrency, warm, out, memory, not problems,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -39,14 +40,24 @@ _LENGTH_GRAIN = 64  # tokens: capacity grows in steps of at least this
 # request that left would otherwise make every later join zero rows of its length, and keep
 # its memory. Growth doubles, so after a shrink the need must quarter again before the next.
 _SHRINK_FACTOR = 4
+# Seconds memory past the need (capacity over _SHRINK_FACTOR times it, or any while the
+# batch is empty) is kept before it is given back. A closed loop's batch drains and refills
+# at every wave; giving the rows back at once made each refill allocate, fault in and copy
+# them again as the batch doubled back (0.5-1.1 s per wave at 32 rows on the real model).
+HOLD_S = 5.0
 
 
 class KvStage:
     """Rows of dense K/V for the sequences of the running batch. Executor thread only."""
 
-    def __init__(self, pool: KvPool, budget_bytes: int) -> None:
+    def __init__(self, pool: KvPool, budget_bytes: int, hold_s: float = HOLD_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.pool = pool
         self.budget_bytes = budget_bytes
+        self.hold_s = hold_s
+        self._clock = clock
+        self._parked_at: float | None = None  # when the batch went empty (park)
+        self._oversized_since: float | None = None  # capacity past the need since then
         # Attention over each row's own length (kernels/cpu_attention.py), where it builds.
         self.kernel = None
         if (pool.cache.device.type == "cpu" and pool.dtype == torch.float32
@@ -75,6 +86,20 @@ class KvStage:
     def clear(self) -> None:
         self._seqs, self._valid = [], []
         self._k = self._v = None
+        self._parked_at = self._oversized_since = None
+
+    def park(self) -> None:
+        """The batch is empty: its rows hold nobody now, and the memory is kept for the next
+        batch until `idle_left_s` runs out (then the caller clears)."""
+        self._seqs, self._valid = [], []
+        if self._k is not None and self._parked_at is None:
+            self._parked_at = self._clock()
+
+    def idle_left_s(self) -> float | None:
+        """Seconds until a parked stage should be cleared (<= 0: now); None when not parked."""
+        if self._parked_at is None:
+            return None
+        return self.hold_s - (self._clock() - self._parked_at)
 
     def arrange(self, batch: list[PagedSeq]) -> list[PagedSeq] | None:
         """Make the rows hold exactly `batch`, each row's K/V up to (not including) its next
@@ -90,6 +115,7 @@ class KvStage:
         return arranged
 
     def _arrange(self, batch: list[PagedSeq]) -> list[PagedSeq] | None:
+        self._parked_at = None
         # Room for every slot the block tables hold: the steps until the next arrange stay
         # inside them (the engine comes back to grow a table).
         need_rows = len(batch)
@@ -112,7 +138,8 @@ class KvStage:
         rows, length = self.capacity
         if need_rows > rows or need_length > length:
             self._grow(need_rows, need_length)
-        elif self.nbytes(rows, length) > _SHRINK_FACTOR * self.nbytes(need_rows, need_length):
+        elif self._held_long_enough(self.nbytes(rows, length)
+                                    > _SHRINK_FACTOR * self.nbytes(need_rows, need_length)):
             self._resize(need_rows, -(-need_length // _LENGTH_GRAIN) * _LENGTH_GRAIN)
         staged = {id(s) for s in self._seqs}
         for seq in batch:
@@ -123,6 +150,16 @@ class KvStage:
             if self._valid[row] != seq.next_position:  # joined (or out of step): copy in
                 self._gather(row, seq)
         return list(self._seqs)
+
+    def _held_long_enough(self, oversized: bool) -> bool:
+        """Whether capacity past the need has been so for `hold_s`: time to give it back."""
+        if not oversized:
+            self._oversized_since = None
+            return False
+        now = self._clock()
+        if self._oversized_since is None:
+            self._oversized_since = now
+        return now - self._oversized_since >= self.hold_s
 
     def _grow(self, need_rows: int, need_length: int) -> None:
         """Geometrically (fewer rebuilds), within the budget (which the need fits)."""
@@ -143,10 +180,13 @@ class KvStage:
         """Reallocate to (rows, length), keeping the staged rows (there are at most `rows`,
         each valid within `length`)."""
         self.num_resizes += 1
+        self._oversized_since = None
         p = self.pool
         shape = (p.num_layers, rows, p.num_kv_heads, length, p.head_dim)
-        k = torch.zeros(shape, dtype=p.dtype, device=p.cache.device)
-        v = torch.zeros_like(k)
+        # The kernel reads no row past its length, so only the torch path needs zeros there.
+        new = torch.empty if self.kernel is not None else torch.zeros
+        k = new(shape, dtype=p.dtype, device=p.cache.device)
+        v = new(shape, dtype=p.dtype, device=p.cache.device)
         if self._k is not None and self._v is not None and self._seqs:
             n, old = len(self._seqs), min(self._k.shape[3], length)
             k[:, :n, :, :old] = self._k[:, :n, :, :old]
@@ -164,8 +204,10 @@ class KvStage:
     def _clear_tail(self, row: int, n: int) -> None:
         """Zero `row` past position `n`: attention gives those positions probability 0, which
         cancels only finite values (0 x NaN is NaN), and the row's previous holder may have
-        left anything there."""
+        left anything there. The kernel never reads there: nothing to do."""
         assert self._k is not None and self._v is not None  # noqa: S101 - rows exist
+        if self.kernel is not None:
+            return
         self._k[:, row, :, n:] = 0
         self._v[:, row, :, n:] = 0
 

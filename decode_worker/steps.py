@@ -9,10 +9,7 @@ A step that raises (NaN logits under sampling, out of memory, a bug) fails the r
 its batch with INTERNAL, their blocks freed, and the loop goes on with everyone else. After
 MAX_CONSECUTIVE_FAILURES failed iterations in a row the worker is broken, not unlucky: the
 loop calls `on_fatal` (the process then reports NOT_SERVING and drains) and keeps failing
-what reaches it. Fault injection for tests: KVFERRY_FAULT_DECODE_STEPS lists step numbers
-(counted from 1) whose forward raises, as "3,7", or "3-" for every step from the third on;
-KVFERRY_FAULT_DECODE_STEP_DELAY_S makes every step that long slower (a slow worker, so tests
-can order events without racing the machine's speed).
+what reaches it. Fault injection for tests: decode_worker/step_faults.py.
 """
 
 from __future__ import annotations
@@ -37,6 +34,7 @@ from decode_worker.sequence import (
     TokensEvent,
     step_inputs,
 )
+from decode_worker.step_faults import DELAY_ENV, FAULT_ENV, InjectedFault, fault_steps
 from kvferry import trace
 from kvferry.cache.block_queue import BlockQueue
 from kvferry.cache.pool import KvPool
@@ -52,23 +50,6 @@ log = logging.getLogger("kvferry.decode")
 Finish = Callable[[DecodeSeq, DecodeEvent], None]
 
 MAX_CONSECUTIVE_FAILURES = 3
-FAULT_ENV = "KVFERRY_FAULT_DECODE_STEPS"
-DELAY_ENV = "KVFERRY_FAULT_DECODE_STEP_DELAY_S"
-
-
-class InjectedFault(RuntimeError):
-    """Raised by a step named in KVFERRY_FAULT_DECODE_STEPS."""
-
-
-def _fault_steps(spec: str) -> Callable[[int], bool]:
-    """KVFERRY_FAULT_DECODE_STEPS ("3,7" or "3-") as a predicate on step numbers."""
-    if not spec:
-        return lambda step: False
-    if spec.endswith("-"):
-        first = int(spec[:-1])
-        return lambda step: step >= first
-    steps = {int(x) for x in spec.split(",")}
-    return lambda step: step in steps
 
 
 class StepLoop:
@@ -92,7 +73,7 @@ class StepLoop:
         self.max_abort_delay_steps = 0
         self.consecutive_failures = 0
         self.on_fatal: Callable[[], None] = lambda: None  # set by the process: drain
-        self._is_faulty = _fault_steps(os.environ.get(FAULT_ENV, ""))
+        self._is_faulty = fault_steps(os.environ.get(FAULT_ENV, ""))
         self._num_attempts = 0  # steps started (executor thread), for fault injection
         self._step_delay_s = float(os.environ.get(DELAY_ENV, "0"))
         # CPU decode: mirror the batch's K/V densely (kv_stage) instead of gathering pages.
@@ -181,7 +162,7 @@ class StepLoop:
     async def run(self) -> None:
         self._loop = asyncio.get_running_loop()
         while True:
-            await self._wake.wait()
+            await self._wait_for_work()
             self._wake.clear()
             while True:
                 try:
@@ -191,6 +172,17 @@ class StepLoop:
                     self._fail_running(exc)
                 else:
                     self.consecutive_failures = 0
+
+    async def _wait_for_work(self) -> None:
+        """Until poked; a parked stage (idle) gives its memory back once its hold runs out."""
+        left = self.stage.idle_left_s() if self.stage is not None else None
+        if left is not None and self.stage is not None:
+            try:
+                await asyncio.wait_for(self._wake.wait(), max(left, 0.0))
+                return
+            except TimeoutError:
+                self.stage.clear()
+        await self._wake.wait()
 
     async def _iteration(self) -> bool:
         """One pass: prefill batch, admissions, swaps, growth, decode steps. Returns whether
@@ -203,8 +195,8 @@ class StepLoop:
         if self.running:
             await self._decode_step()
             return True
-        if self.stage is not None:  # idle: no step runs, so no thread reads the rows
-            self.stage.clear()  # their memory goes back; the next batch is staged afresh
+        if self.stage is not None:  # idle: the rows hold nobody; memory kept a while
+            self.stage.park()
         return ran_prefill
 
     def _fail_running(self, exc: Exception) -> None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from decode_worker.kv_stage import CPU_ATTENTION_ENV, KvStage, stage_bytes_for_pool
+from decode_worker.kv_stage import CPU_ATTENTION_ENV, HOLD_S, KvStage, stage_bytes_for_pool
 from decode_worker.sequence import step_inputs
 from kernels.paged_attention_ref import paged_decode_attention_ref, write_kv_ref
 from kvferry.cache.pool import KvPool
@@ -159,27 +159,75 @@ def test_over_budget_falls_back_then_rebuilds() -> None:
     _step(pool, stage, batch, free, gen)
 
 
-def test_capacity_far_past_the_need_is_given_back() -> None:
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_capacity_far_past_the_need_is_given_back_after_the_hold() -> None:
     """A long request grew the rows; once it leaves, the short rows that stay are resized to
-    their need (a join would otherwise zero rows of the long length, and the memory stayed
-    held for good: the soak's RSS check caught it), keeping their K/V exact; a need within
-    4x of the capacity keeps it (no resize back and forth)."""
+    their need once that has lasted HOLD_S (a join would otherwise zero rows of the long
+    length, and the memory stayed held for good: the soak's RSS check caught it), keeping
+    their K/V exact; a need within 4x of the capacity keeps it (no resize back and forth)."""
     pool = _pool(num_blocks=1200)
     free = list(range(pool.num_blocks - 1))
     gen = torch.Generator().manual_seed(4)
-    stage = KvStage(pool, budget_bytes=1 << 30)
+    clock = Clock()
+    stage = KvStage(pool, budget_bytes=1 << 30, clock=clock)
     short = [_new_seq(pool, free, n) for n in (10, 30, 20)]
     long = _new_seq(pool, free, 2000)
     batch = stage.arrange(short + [long])
     assert batch is not None
     _step(pool, stage, batch, free, gen)
-    assert stage.capacity[1] >= 2001
+    grown = stage.capacity
+    assert grown[1] >= 2001
+    for _ in range(2):  # the long one left; within the hold the capacity stays
+        batch = stage.arrange(short)
+        assert batch is not None and stage.capacity == grown
+        _step(pool, stage, batch, free, gen)
+        clock.now += HOLD_S / 2 - 0.25  # exact in binary: 4.5 s after the two
+    clock.now += 0.5
     batch = stage.arrange(short)
     assert batch is not None and stage.capacity == (3, 64)
     _step(pool, stage, batch, free, gen)  # the kept rows still equal the pages
+    clock.now += 10 * HOLD_S
     batch = stage.arrange(short[:2])  # 2 rows of 64 are not a quarter of 3 x 64: kept
     assert batch is not None and stage.capacity == (3, 64)
     _step(pool, stage, batch, free, gen)
+
+
+def test_a_parked_stage_keeps_its_memory_for_the_next_batch_until_the_hold_runs_out() -> None:
+    """The batch went empty (a closed loop between waves): the rows hold nobody, and the next
+    batch within HOLD_S is staged into the same memory with no resize, even while it is far
+    smaller than the capacity; once a park lasts HOLD_S, idle_left_s says clear."""
+    pool = _pool()
+    free = list(range(pool.num_blocks - 1))
+    gen = torch.Generator().manual_seed(5)
+    clock = Clock()
+    stage = KvStage(pool, budget_bytes=1 << 30, clock=clock)
+    assert stage.idle_left_s() is None
+    wave = [_new_seq(pool, free, 20 + i) for i in range(8)]
+    assert stage.arrange(wave) is not None
+    capacity, resizes = stage.capacity, stage.num_resizes
+    stage.park()
+    clock.now += 1.0
+    stage.park()  # parked already: the hold still counts from the first
+    assert stage.idle_left_s() == pytest.approx(HOLD_S - 1.0)
+    for size in range(1, 9):  # the next wave joins one at a time, in fresh pages
+        batch = stage.arrange([_new_seq(pool, free, 30 + i) for i in range(size)])
+        assert batch is not None and stage.capacity == capacity
+        assert stage.idle_left_s() is None  # staging again: not parked
+        _step(pool, stage, batch, free, gen)
+        clock.now += 0.5
+    assert stage.num_resizes == resizes
+    stage.park()
+    clock.now += HOLD_S
+    assert stage.idle_left_s() == pytest.approx(0.0)
+    stage.clear()
+    assert stage.capacity == (0, 0) and stage.idle_left_s() is None
 
 
 def test_a_reused_row_keeps_nothing_of_its_previous_holder() -> None:

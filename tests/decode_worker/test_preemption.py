@@ -132,10 +132,13 @@ def test_swapped_kv_comes_back_bit_for_bit(model: Transformer) -> None:
 def test_the_dense_stage_gives_the_same_tokens_and_its_memory_back_when_idle(
         model: Transformer) -> None:
     """The CPU path's dense K/V stage (preempting and not) decodes what the pages do, and an
-    idle worker holds no stage rows: their memory goes back when nothing runs."""
+    idle worker holds no stage rows once the stage's hold has run out: the step loop, idle,
+    wakes to give their memory back."""
     want = _decode_both(_engine(model, 4 * SMALL_POOL))
     for num_blocks in (SMALL_POOL, 4 * SMALL_POOL):
         staged = _engine(model, num_blocks, stage_bytes=1 << 24)
+        assert staged.steps.stage is not None
+        staged.steps.stage.hold_s = 0.3  # (HOLD_S, 5 s, would outlast _decode_both's wait)
         assert _decode_both(staged) == want
         assert staged.steps.stage is not None and staged.steps.stage.capacity == (0, 0)
         assert staged.steps.stage.num_gathered_tokens > 0  # the steps did run on the stage

@@ -11,7 +11,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from decode_worker.steps import FAULT_ENV, MAX_CONSECUTIVE_FAILURES
+from decode_worker.step_faults import FAULT_ENV
+from decode_worker.steps import MAX_CONSECUTIVE_FAILURES
 from deploy import client
 from deploy.launcher import Deployment
 from tests.conftest import assert_alive, assert_pools_clean
