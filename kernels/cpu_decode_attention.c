@@ -37,6 +37,32 @@ static inline float hsum16(v16 a) {
     return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
+/* r[j] = the sum of a[j]'s 16 lanes, for 16 vectors at once: four levels of two-source
+ * shuffles and adds (15 of each) instead of 16 separate horizontal sums. Each sum adds the
+ * lanes in hsum16's order (i and i + 8 first, then + 4, + 2, + 1), so the scores are the
+ * same bits either way. */
+#define SHUF(x, y, ...) __builtin_shufflevector(x, y, __VA_ARGS__)
+static inline v16 hsum16x16(const v16 *a) {
+    v16 b[8], c[4], d[2];
+    for (int i = 0; i < 8; i++)  /* [x lanes 0-7 + 8-15 | y lanes 0-7 + 8-15] */
+        b[i] = SHUF(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21,
+                    22, 23)
+             + SHUF(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28,
+                    29, 30, 31);
+    for (int i = 0; i < 4; i++)  /* 4 partials each of a[4i .. 4i + 3] */
+        c[i] = SHUF(b[2 * i], b[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25,
+                    26, 27)
+             + SHUF(b[2 * i], b[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28,
+                    29, 30, 31);
+    for (int i = 0; i < 2; i++)  /* 2 partials each of a[8i .. 8i + 7] */
+        d[i] = SHUF(c[2 * i], c[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25,
+                    28, 29)
+             + SHUF(c[2 * i], c[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26,
+                    27, 30, 31);
+    return SHUF(d[0], d[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
+         + SHUF(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
 /* Where mask (all ones or zero per lane): a, else b. */
 static inline v16 select16(v16i mask, v16 a, v16 b) {
     return (v16)((mask & (v16i)a) | (~mask & (v16i)b));
@@ -92,7 +118,20 @@ static inline void softmax(float *s, int64_t n) {
     static inline void head_##NC(const float *q, const float *k, const float *v, float *o,  \
                                  int64_t n, int64_t group, float scale, float *s,           \
                                  int64_t stride_s) {                                        \
-        for (int64_t t = 0; t < n; t++) {                                                   \
+        int64_t t = 0;                                                                       \
+        for (; t + 16 <= n; t += 16)  /* 16 positions per reduction */                      \
+            for (int64_t g = 0; g < group; g++) {                                           \
+                v16 acc[16];                                                                 \
+                for (int j = 0; j < 16; j++) {                                               \
+                    const float *kj = k + (t + j) * 16 * NC;                                 \
+                    acc[j] = load16(q + g * 16 * NC) * load16(kj);                           \
+                    for (int c = 1; c < NC; c++)                                             \
+                        acc[j] += load16(q + g * 16 * NC + 16 * c) * load16(kj + 16 * c);   \
+                }                                                                            \
+                v16 sums = hsum16x16(acc) * scale;                                           \
+                memcpy(s + g * stride_s + t, &sums, sizeof sums);                           \
+            }                                                                                \
+        for (; t < n; t++) {  /* the last n % 16 */                                          \
             v16 kt[NC];                                                                      \
             for (int c = 0; c < NC; c++) kt[c] = load16(k + t * 16 * NC + 16 * c);          \
             for (int64_t g = 0; g < group; g++) {                                           \
