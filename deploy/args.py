@@ -12,6 +12,7 @@ from deploy.security_args import security_settings, tls_args
 from kvferry.settings import (
     ATTENTION_BACKENDS,
     COMPILE_MODES,
+    CPU_PREFILL_TOKEN_BUDGET,
     CUDA_GRAPH_MODES,
     DEFAULT_BLOCK_SIZE,
     DEFAULT_COMPILE_BATCH_SIZES,
@@ -82,7 +83,10 @@ def _worker_parser(sub: argparse._SubParsersAction, role: str) -> None:
     p.add_argument("--torch-threads", type=int, default=DEFAULT_TORCH_THREADS)
     p.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING,
                    help="reservations that may wait for K/V blocks before RESOURCE_EXHAUSTED")
-    p.add_argument("--prefill-token-budget", type=int, default=DEFAULT_PREFILL_TOKEN_BUDGET)
+    p.add_argument("--prefill-token-budget", type=int, default=None,
+                   help="prompt tokens per prefill forward (default: "
+                        f"{CPU_PREFILL_TOKEN_BUDGET} on CPU, {DEFAULT_PREFILL_TOKEN_BUDGET} "
+                        "on CUDA)")
     p.add_argument("--prefill-chunk-size", type=int, default=DEFAULT_PREFILL_CHUNK_SIZE)
     p.add_argument("--decode-stage-mib", type=int, default=DEFAULT_DECODE_STAGE_MIB,
                    help="torch attention backend: memory for the running batch's K/V kept "

@@ -15,6 +15,7 @@ from deploy.worker_model import build_model
 from kvferry import trace
 from kvferry.cache.layout import KvLayout
 from kvferry.model.config import load_model_config
+from kvferry.model.prefill_batch import token_budget_for
 from kvferry.rpc import grpc_util, security
 from kvferry.settings import RouterSettings, SecuritySettings, WorkerSettings
 from kvferry.transfer.sender import KvSender
@@ -138,6 +139,7 @@ def build_worker(settings: WorkerSettings) -> tuple[Built, object]:
     server = grpc_util.make_server(interceptors=security.server_interceptors(creds))
     health = grpc_util.add_health(server)
     on_stop: Callable[[], Awaitable[None]]
+    token_budget = token_budget_for(pool.cache.device, settings.prefill_token_budget)
     if settings.role in ("decode", "colocated"):
         from decode_worker import server as decode_server
         from decode_worker.engine import DecodeEngine
@@ -149,7 +151,7 @@ def build_worker(settings: WorkerSettings) -> tuple[Built, object]:
                            else settings.decode_stage_mib << 20)
         engine = DecodeEngine(model, pool, layout, settings.max_waiting,
                               stage_bytes=stage_bytes,
-                              token_budget=settings.prefill_token_budget,
+                              token_budget=token_budget,
                               chunk_size=settings.prefill_chunk_size)
         on_stop, puller = engine.stop, None
         if settings.kv_transport == "nixl":
@@ -165,7 +167,7 @@ def build_worker(settings: WorkerSettings) -> tuple[Built, object]:
         from prefill_worker.engine import PrefillEngine
 
         engine = PrefillEngine(model, pool, layout, _make_sender(settings, creds),
-                               settings.prefill_token_budget, settings.prefill_chunk_size,
+                               token_budget, settings.prefill_chunk_size,
                                settings.max_waiting)
         prefill_server.add_to_server(server, engine)
         on_stop = engine.stop

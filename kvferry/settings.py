@@ -17,6 +17,7 @@ COMPILE_CACHE_DIR = Path(os.environ.get("KVFERRY_COMPILE_CACHE",  # --compile's 
 DEFAULT_BLOCK_SIZE = 16  # tokens per K/V block
 DEFAULT_KV_POOL_SIZE = "256MiB"
 DEFAULT_PREFILL_TOKEN_BUDGET = 2048  # prompt tokens per prefill forward
+CPU_PREFILL_TOKEN_BUDGET = 512  # the same on CPU (kvferry/model/prefill_batch.py says why)
 DEFAULT_PREFILL_CHUNK_SIZE = 512
 DEFAULT_MAX_WAITING = 256
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
@@ -48,8 +49,7 @@ DEFAULT_COMPILE_BATCH_SIZES = "1,2,4,8,16,32"
 # Decode step on CUDA with Triton attention: replayed from CUDA graphs per bucket (the same
 # buckets), or eager ("off", vLLM's --enforce-eager); kvferry/model/cuda_graphs.py.
 CUDA_GRAPH_MODES = ("on", "off")
-# router/policy.py; the first is the default
-POLICIES = ("prefix", "headroom", "round_robin", "least_requests")
+POLICIES = ("prefix", "headroom", "round_robin", "least_requests")  # router/policy.py
 # The prefix policy's cost weights (router/policy.py, which says how each was measured): per
 # prompt block not cached on a decode worker (a block pushed) or on a prefill worker (a block
 # computed), and per block of load there; headroom for the request stays a hard constraint.
@@ -156,7 +156,7 @@ class WorkerSettings:
     torch_threads: int = DEFAULT_TORCH_THREADS
     # Reservations that may wait for blocks before RESOURCE_EXHAUSTED.
     max_waiting: int = DEFAULT_MAX_WAITING
-    prefill_token_budget: int = DEFAULT_PREFILL_TOKEN_BUDGET
+    prefill_token_budget: int | None = None  # None: the device's (token_budget_for)
     # Longer prompts are prefilled in chunks of this many tokens.
     prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE
     # Torch attention backend: MiB for the running batch's K/V mirrored densely beside the
@@ -196,8 +196,8 @@ class WorkerSettings:
         if self.kv_max_resends < 0:
             raise ValueError(f"kv_max_resends: must be >= 0, got {self.kv_max_resends}")
         for name in ("max_waiting", "prefill_token_budget", "prefill_chunk_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+            if (value := getattr(self, name)) is not None and value < 1:
+                raise ValueError(f"{name}: must be >= 1, got {value}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size: must be a power of two, got {self.block_size}")
         if not 0 <= self.port < 65536:
