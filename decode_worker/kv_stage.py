@@ -40,15 +40,15 @@ _LENGTH_GRAIN = 64  # tokens: capacity grows in steps of at least this
 # request that left would otherwise make every later join zero rows of its length, and keep
 # its memory. Growth doubles, so after a shrink the need must quarter again before the next.
 _SHRINK_FACTOR = 4
-# Seconds memory past the need (capacity over _SHRINK_FACTOR times it, or any while the
-# batch is empty) is kept before it is given back. A closed loop's batch drains and refills
-# at every wave; giving the rows back at once made each refill allocate, fault in and copy
-# them again as the batch doubled back (0.5-1.1 s per wave at 32 rows on the real model).
+# Seconds memory past the need (over _SHRINK_FACTOR times it, or any while idle) is kept: a
+# closed loop's batch drains and refills at every wave, and giving the rows back at once made
+# each refill allocate, fault in and copy them again (0.5-1.1 s a wave, 32 rows, real model).
 HOLD_S = 5.0
 
 
 class KvStage:
-    """Rows of dense K/V for the sequences of the running batch. Executor thread only."""
+    """Rows of dense K/V for the sequences of the running batch. Executor thread only, but
+    for park, idle_left_s and clear, which the step loop calls while no step runs."""
 
     def __init__(self, pool: KvPool, budget_bytes: int, hold_s: float = HOLD_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
