@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 import torch
 
 from kvferry.model.prefill_batch import token_budget_for
