@@ -175,8 +175,7 @@ class StepLoop:
 
     async def _wait_for_work(self) -> None:
         """Until poked; a parked stage (idle) gives its memory back once its hold runs out."""
-        left = self.stage.idle_left_s() if self.stage is not None else None
-        if left is not None and self.stage is not None:
+        if self.stage is not None and (left := self.stage.idle_left_s()) is not None:
             try:
                 await asyncio.wait_for(self._wake.wait(), max(left, 0.0))
                 return

@@ -31,12 +31,13 @@ from kvferry.settings import (
 
 log = logging.getLogger("kvferry.prefill")
 
+
 def token_budget_for(device: torch.device, budget: int | None = None) -> int:
     """`budget`, or where it is None the default for prefills on `device`. On CPU 512 prompt
     tokens per forward already run the GEMMs at full speed (2048 was 2-3% faster per token on
     the real model; 256, 6% slower) and hand a burst of prompts on to decode in quarters
-    instead of all at the end of one long forward: a closed loop of 32 disaggregated
-    requests on the real model went from ~200 to ~220 tok/s (docs/benchmarks.md)."""
+    instead of all at the end of one long forward, so the decode worker steps them while the
+    prefill worker does the next (docs/benchmarks.md, the vLLM table, its item 4)."""
     if budget is not None:
         return budget
     return CPU_PREFILL_TOKEN_BUDGET if device.type == "cpu" else DEFAULT_PREFILL_TOKEN_BUDGET
@@ -124,12 +125,13 @@ class PrefillBatcher:
         docs/benchmarks.md)."""
         items: list[BatchItem] = []
         budget = self.token_budget
-        wants = [min(len(job.prompt) - job.num_computed, self.chunk_size) for job in self._queue]
+        remaining = [len(job.prompt) - job.num_computed for job in self._queue]
+        wants = [min(r, self.chunk_size) for r in remaining]
         behind = sum(wants)
-        for job, want in zip(self._queue, wants):
+        for job, left, want in zip(self._queue, remaining, wants):
             behind -= want
             n = min(want, budget)
-            if n < len(job.prompt) - job.num_computed:  # a chunk: the prompt goes on after it
+            if n < left:  # a chunk: the prompt goes on after it
                 n = min(n, budget - min(behind, self.token_budget // 2))  # first job: >= 1
             if n <= 0:  # no budget left, or too little for a chunk of this one: a later
                 continue  # prompt may still fit whole
