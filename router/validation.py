@@ -85,9 +85,34 @@ def prompt_ids(inp: GenerateInput, config: ModelConfig, tokenizer: object) -> li
     return prompt
 
 
+def check_utf8(field: str, text: str) -> None:
+    """Refuse text that UTF-8 cannot encode: a lone surrogate, which JSON's `"\\ud800"`
+    escape makes (protobuf refuses it when parsing, kvferry.rpc.proto_utf8)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError as exc:
+        raise InvalidArgument(f"{field}: not valid Unicode text (a lone surrogate "
+                              f"{text[exc.start]!a} at character {exc.start})", field) from None
+
+
+def check_texts(inp: GenerateInput) -> None:
+    """Every text field of a request is encodable UTF-8, each named when not."""
+    check_utf8("request_id", inp.request_id)
+    check_utf8("cache_salt", inp.cache_salt)
+    for stop in inp.params.stop:
+        check_utf8("sampling.stop", stop)
+    if inp.text is not None:
+        check_utf8("input.text", inp.text)
+    for i, message in enumerate(inp.messages or ()):
+        check_utf8(f"input.messages[{i}].role", message.role)
+        check_utf8(f"input.messages[{i}].content", message.content)
+
+
 def check_limits(inp: GenerateInput, config: ModelConfig, limits: PublicLimits) -> None:
     """Sizes only, before any work: the request id, stop strings and prompt are within the
-    router's PublicLimits (and token ids within the context), each named when not."""
+    router's PublicLimits (and token ids within the context), each named when not. Text that
+    is not encodable UTF-8 is refused first (`check_texts`)."""
+    check_texts(inp)
     def refuse(field: str, what: str, size: int, limit: int, flag: str) -> None:
         if size > limit:
             raise InvalidArgument(f"{field}: {what} {size}, more than the router's limit of "

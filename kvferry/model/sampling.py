@@ -20,6 +20,7 @@ DEFAULT_TEMPERATURE = 1.0
 DEFAULT_MAX_TOKENS = 256
 _MIX = 0x9E3779B97F4A7C15
 _MASK63 = (1 << 63) - 1
+MAX_SEED = 1 << 63  # seeds are in [0, 2^63), as vLLM's (a signed 64-bit integer) are
 
 
 class FinishReason(Enum):
@@ -58,9 +59,18 @@ class SamplingParams:
             raise InvalidArgument(
                 f"sampling.top_p must be in (0, 1], got {self.top_p}", "sampling.top_p"
             )
-        if self.top_k < 0:
+        if self.top_k < 0:  # 0: off
             raise InvalidArgument(
                 f"sampling.top_k must be >= 0, got {self.top_k}", "sampling.top_k"
+            )
+        if self.top_k > vocab_size:
+            raise InvalidArgument(
+                f"sampling.top_k: {self.top_k} is more than the vocabulary of {vocab_size} "
+                "tokens (0 keeps every token)", "sampling.top_k"
+            )
+        if self.seed is not None and not 0 <= self.seed < MAX_SEED:
+            raise InvalidArgument(
+                f"sampling.seed must be in [0, 2^63), got {self.seed}", "sampling.seed"
             )
         if self.max_tokens < 1:
             raise InvalidArgument(

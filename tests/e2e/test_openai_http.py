@@ -167,6 +167,9 @@ CHAT_ERRORS = [
     ({"stop": [""]}, "stop"),
     ({"logprobs": True}, "logprobs"),
     ({"extra_body": {"top_k": -5}}, "top_k"),
+    ({"extra_body": {"top_k": 2**31}}, "top_k"),  # past the vocabulary (and int32)
+    ({"seed": -1}, "seed"),
+    ({"seed": 2**64}, "seed"),
     ({"messages": [*MESSAGES, {"role": "narrator", "content": "boo"}]}, "messages[2].role"),
     ({"messages": []}, "messages"),
     ({"temperature": -1, "stream": True}, "temperature"),
