@@ -4,8 +4,9 @@ A push is one stream of chunks for one reservation. `begin_push` opens it and re
 epoch; a newer push for the same reservation supersedes it, so a silent sender's late chunks
 are refused instead of mixing two pushes' pages. Each chunk is validated (layout, prompt
 length, span, checksum, overlap, finite values) before one copy into the reservation's
-blocks: a chunk holding inf or NaN is refused with DATA_LOSS and nothing of it is written
-(attention would spread it: 0 x NaN is NaN).
+blocks: a chunk holding inf or NaN, or a quantized page whose scale would dequantize to inf,
+is refused with DATA_LOSS and nothing of it is written (attention would spread it: 0 x NaN is
+NaN).
 """
 
 from __future__ import annotations
@@ -82,7 +83,8 @@ class KvReceiver:
         if wire.crc32(data) != crc32:
             raise InvalidArgument("chunk checksum mismatch: corrupted in flight", "crc32")
         if not wire.is_finite(data, self.pool):
-            raise DataLoss("chunk holds non-finite K/V (inf or NaN); nothing written", "data")
+            raise DataLoss("chunk holds non-finite K/V (inf or NaN, or a quantized page's scale "
+                           "that dequantizes to inf); nothing written", "data")
         rows = slice(span.layer_start, span.layer_end)
         cols = slice(span.block_start, span.block_start + span.num_blocks)
         if seq.received[rows, cols].any():

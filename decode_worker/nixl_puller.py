@@ -250,7 +250,8 @@ class NixlPuller:
         when they are not all finite (then they are zeroed)."""
         if not nixl_pages.pages_finite(self.pool, table, span):
             self._zero(table, span)
-            return DataLoss("group holds non-finite K/V (inf or NaN); zeroed", "data")
+            return DataLoss("group holds non-finite K/V (inf or NaN, or a scale that "
+                            "dequantizes to inf); zeroed", "data")
         return nixl_pages.crc32_pages(self.pool, table, span)
 
     def _read(self, pull: Pull, local: Any, remote: Any) -> None:

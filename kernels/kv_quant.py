@@ -79,9 +79,28 @@ def split_pages(pages: torch.Tensor, block_size: int, num_kv_heads: int, head_di
     return QuantPages(data, scale)
 
 
+def max_scale(kv_cache_dtype: str, dtype: torch.dtype) -> float:
+    """The largest scale magnitude whose every code dequantizes to a finite value of `dtype`
+    (the dtype pages are dequantized into): its largest finite value over the code's largest
+    magnitude (127 for int8, 448 for fp8 e4m3). `quantize` of finite input never exceeds it;
+    a page with a larger scale is corrupt or hostile (it would read back as inf)."""
+    return torch.finfo(dtype).max / _QMAX[kv_cache_dtype]
+
+
 def quantize(x: torch.Tensor, kv_cache_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., D] -> (values [..., D] in the storage dtype, scales [...] float32):
-    symmetric, one scale per vector (amax / qmax; 1 for an all-zero vector)."""
+    symmetric, one scale per vector (amax / qmax; 1 for an all-zero vector). Raises
+    ValueError when x holds inf or NaN (no finite scale and codes can store them)."""
+    amax = x.float().abs().amax(dim=-1)  # [...]; NaN and inf propagate
+    if not bool(torch.isfinite(amax).all()):
+        num_bad = int((~torch.isfinite(amax)).sum())
+        raise ValueError(f"quantize: {num_bad} of {amax.numel()} K/V vectors hold inf or NaN; "
+                         f"only finite K/V can be stored as {kv_cache_dtype}")
+    return _quantize(x, kv_cache_dtype)
+
+
+def _quantize(x: torch.Tensor, kv_cache_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize` without the finite check (a NaN vector gets scale 1 and int8 codes 0)."""
     xf = x.float()
     qmax = _QMAX[kv_cache_dtype]
     amax = xf.abs().amax(dim=-1)
@@ -101,8 +120,11 @@ def dequantize(values: torch.Tensor, scale: torch.Tensor,
 
 
 def fake_quantize(x: torch.Tensor, kv_cache_dtype: str) -> torch.Tensor:
-    """What a stored vector reads back as: dequantize(quantize(x)), in x's dtype."""
-    return dequantize(*quantize(x, kv_cache_dtype), dtype=x.dtype)
+    """What a stored vector reads back as: dequantize(quantize(x)), in x's dtype. Unchecked:
+    it runs inside the model's step, also under CUDA-graph capture, where the host cannot
+    read a flag; what is stored is checked where it is written (`quantize`, on CPU) and
+    where it is received (`KvPool.pages_finite`)."""
+    return dequantize(*_quantize(x, kv_cache_dtype), dtype=x.dtype)
 
 
 def dequantize_pages(pages: QuantPages, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -112,5 +134,5 @@ def dequantize_pages(pages: QuantPages, dtype: torch.dtype = torch.float32) -> t
 
 
 __all__ = ["KV_CACHE_DTYPES", "QuantPages", "dequantize", "dequantize_pages", "fake_quantize",
-           "is_quantized", "kv_dtype_of", "page_bytes", "quantize", "split_pages",
+           "is_quantized", "kv_dtype_of", "max_scale", "page_bytes", "quantize", "split_pages",
            "storage_dtype"]

@@ -261,12 +261,17 @@ class KvPool:
 
     def pages_finite(self, pages: torch.Tensor) -> bool:
         """No inf or NaN in pages of `cache` ([..., blocks, *page]): in the values (floating
-        dtypes; fp8 e4m3 has NaN but no inf) and in a quantized page's scales."""
+        dtypes; fp8 e4m3 has NaN but no inf) and in a quantized page's scales, and no scale
+        whose codes dequantize past `dtype`'s range (`kv_quant.max_scale`: finite, but it
+        reads back as inf)."""
         if not self.is_quantized:
             return not pages.dtype.is_floating_point or all_finite(pages)
         q = self._split(pages)
-        if not all_finite(q.scale):
-            return False
+        if q.scale.numel():
+            low, high = torch.aminmax(q.scale)  # NaN propagates; inf fails the bound
+            bound = kv_quant.max_scale(self.kv_cache_dtype, self.dtype)
+            if not (-bound <= float(low) and float(high) <= bound):
+                return False
         if q.data.dtype == torch.int8:
             return True
         return not bool(((q.data.view(torch.uint8) & 0x7F) == 0x7F).any())

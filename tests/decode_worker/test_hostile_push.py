@@ -16,6 +16,7 @@ from decode_worker.engine import DecodeEngine
 from decode_worker.ray_receiver import RayKvReceiver
 from decode_worker.sequence import FinishedEvent, TokensEvent
 from decode_worker.server import KvTransferServicer
+from kernels import kv_quant
 from kernels.dispatch import get_attention_backend
 from kvferry.cache.layout import KvLayout, blocks_for_tokens
 from kvferry.cache.pool import KvPool
@@ -327,3 +328,45 @@ def test_a_ray_push_to_an_actor_that_does_not_decode_is_refused() -> None:
     begun = RayKvReceiver(None).begin("A")
     assert begun.epoch is None
     assert begun.refusal.error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
+def test_a_quantized_chunk_whose_scale_dequantizes_to_inf_is_data_loss(
+        kv_dtype: str, qwen3_checkpoint: Path) -> None:
+    """A finite scale past `kv_quant.max_scale` passes an isfinite check but reads back as
+    inf: refused with DATA_LOSS like inf itself, nothing written (issue 33, part 8). The
+    honest chunk it was made from is accepted."""
+    config = load_model_config(qwen3_checkpoint)
+    model = Transformer(config, get_attention_backend("torch"), torch.float32,
+                        torch.device("cpu"))
+
+    def quant_pool(num_blocks: int) -> KvPool:
+        return KvPool(config.num_layers, config.num_kv_heads, config.head_dim, BLOCK_SIZE,
+                      num_blocks, torch.float32, torch.device("cpu"), kv_cache_dtype=kv_dtype)
+
+    pool = quant_pool(32)
+    engine = DecodeEngine(model, pool, KvLayout.of_pool(pool, config.fingerprint))
+    try:
+        sender = quant_pool(blocks_for_tokens(PROMPT, BLOCK_SIZE))
+        g = torch.Generator().manual_seed(5)
+        for layer in range(config.num_layers):
+            for pages in (sender.k_cache(layer), sender.v_cache(layer)):
+                values, scales = kv_quant.quantize(
+                    torch.randn(pages.data.shape, generator=g), kv_dtype)
+                pages.data.copy_(values)
+                pages.scale.copy_(scales)
+        span = wire.ChunkSpan(0, config.num_layers, 0, sender.num_blocks)
+        honest = wire.pack_array(sender, list(range(sender.num_blocks)), span).tobytes()
+        hostile = bytearray(honest)
+        page = torch.frombuffer(hostile, dtype=torch.uint8).view(-1, pool.page_nbytes)
+        page[3, -4:].view(torch.float32)[0] = 1e37  # finite; above float32 max / 127
+        _reserve(engine, "A")
+        before = engine.pool.cache.clone()
+        with pytest.raises(DataLoss, match="dequantizes to inf"):
+            engine.receiver.receive_chunk("A", engine.layout, PROMPT, span, bytes(hostile),
+                                          wire.crc32(bytes(hostile)))
+        assert torch.equal(engine.pool.cache, before)
+        assert engine.receiver.receive_chunk("A", engine.layout, PROMPT, span, honest,
+                                             wire.crc32(honest)) == len(honest)
+    finally:
+        engine.steps.executor.shutdown(wait=True)

@@ -116,6 +116,39 @@ def test_the_finite_check_reads_the_scales_and_fp8_nan(kv_dtype: str) -> None:
         assert not pool.pages_finite(pool.cache)
 
 
+@pytest.mark.parametrize("kv_dtype", QUANTIZED)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_finite_scale_past_the_dequantized_range_is_refused(kv_dtype: str,
+                                                              dtype: torch.dtype) -> None:
+    """A scale codes would dequantize past the pool's dtype with is corrupt: refused like inf
+    (issue 33, part 8); one at the bound passes."""
+    pool = KvPool(LAYERS, HEADS, DIM, BLOCK, BLOCKS, dtype, kv_cache_dtype=kv_dtype)
+    _fill(pool, list(range(BLOCKS)), seed=4)
+    bound = kv_quant.max_scale(kv_dtype, dtype)
+    assert bound == torch.finfo(dtype).max / {"int8": 127, "fp8_e4m3": 448}[kv_dtype]
+    pages = pool.k_cache(0)
+    pages.data[1, 2, 0, 0] = {"int8": 127, "fp8_e4m3": 448}[kv_dtype]  # the largest code
+    for scale, is_ok in ((bound * 0.999, True), (-bound * 0.999, True), (bound * 1.01, False),
+                         (-bound * 1.01, False), (1e37, False)):
+        pages.scale[1, 2, 0] = scale
+        assert pool.pages_finite(pool.cache) is is_ok, scale
+        data = pool.cache[0:1, :, 1:2].contiguous().view(torch.uint8).numpy()
+        assert wire.is_finite(data, pool) is is_ok, scale
+        read_back = pool.dense(pool.cache[0, 0, 1:2])  # [1, block_size, heads, D] in dtype
+        assert bool(torch.isfinite(read_back).all()) is is_ok, scale
+
+
+@pytest.mark.parametrize("kv_dtype", QUANTIZED)
+def test_quantize_refuses_inf_and_nan(kv_dtype: str) -> None:
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        x = torch.randn(3, HEADS, DIM)
+        x[1, 2, 5] = bad
+        with pytest.raises(ValueError, match="1 of 9 K/V vectors hold inf or NaN"):
+            kv_quant.quantize(x, kv_dtype)
+    values, scale = kv_quant.quantize(torch.zeros(2, DIM), kv_dtype)  # all zero: scale 1
+    assert torch.equal(scale, torch.ones(2)) and not values.float().any()
+
+
 def test_chunk_spans_sizes_hold_for_quantized_pages() -> None:
     pool = _pool("int8")
     layout = KvLayout.of_pool(pool, "fp")
