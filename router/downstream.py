@@ -19,7 +19,7 @@ import grpc
 
 from kvferry.cache.layout import blocks_needed
 from kvferry.cache.prefix import block_keys, cache_seed, max_shared_blocks
-from kvferry.errors import ResourceExhausted
+from kvferry.errors import InvalidArgument, ResourceExhausted
 from kvferry.model.sampling import SamplingParams
 from router.policy import HeadroomPolicy, Policy
 from router.prefill_leg import PrefillLeg
@@ -58,6 +58,25 @@ class Downstream:
         seed = cache_seed(layout.model_fingerprint, layout.dtype, state.cache_salt)
         state.block_keys = block_keys(prompt, layout.block_size, seed,
                                       max_shared_blocks(len(prompt), layout.block_size))
+
+    def check_fits(self, num_prompt: int, max_tokens: int) -> None:
+        """Refuse a request that no healthy decode worker could hold at its longest even with
+        its whole pool free (INVALID_ARGUMENT naming the field: RESOURCE_EXHAUSTED would be
+        retried, and waiting cannot make it fit). One that fits but not now waits or gets
+        RESOURCE_EXHAUSTED in `reserve`. Nothing is refused before a worker reports its pool.
+        """
+        capacity = self.workers.max_decode_tokens()
+        if capacity is None or (max_tokens <= 1 and self.workers.has_prefill_workers()):
+            return  # unknown yet, or no reservation (the prefill worker's token is the last)
+        if num_prompt + 1 > capacity:  # the prompt and the first decode slot (Reserve)
+            raise InvalidArgument(
+                f"input: a prompt of {num_prompt} tokens does not fit the largest decode "
+                f"worker's K/V pool, which holds {capacity} tokens", "input")
+        if num_prompt + max_tokens > capacity:
+            raise InvalidArgument(
+                f"sampling.max_tokens: prompt {num_prompt} + max_tokens {max_tokens} is more "
+                f"than the largest decode worker's K/V pool holds ({capacity} tokens); lower "
+                f"max_tokens to at most {capacity - num_prompt}", "sampling.max_tokens")
 
     async def reserve(self, state: RouterRequest, prompt: list[int], max_tokens: int,
                       deadline: float | None) -> float:
