@@ -129,6 +129,7 @@ class Router:
         """Legs of reserve -> prefill -> first token -> decode. When a decode worker dies
         mid-stream the request migrates: a new leg prefills prompt + every token streamed so
         far on another pair, and its first token is the stream's next one."""
+        self.downstream.check_fits(len(prompt), params.max_tokens)  # before any work
         detok = IncrementalDetokenizer(self.tokenizer, params.stop)
         stop_ids = validation.stop_ids(params, self.config)
         generated: list[int] = []  # every token streamed to the client
