@@ -220,6 +220,14 @@ class PublicLimits:
     max_stop_bytes: int = 4096  # all stop strings together, UTF-8
     max_prompt_bytes: int = 1 << 20  # prompt text, or all chat messages' content, UTF-8
     max_streams: int = 1024  # open requests on each public port (gRPC streams, HTTP)
+    max_chat_messages: int = 1024  # messages of one chat conversation
+    # The HTTP front's connections (router/http_conn.py): bytes of a request head, seconds to
+    # receive one (and the longest gap inside a body), connections open at once (fewer where
+    # the file-descriptor limit could not hold them), seconds an idle keep-alive one stays.
+    http_max_header_bytes: int = 64 << 10
+    http_header_timeout_s: int = 10
+    http_max_connections: int = 4096
+    http_keep_alive_s: int = 5
 
     def __post_init__(self) -> None:
         for name in self.__dataclass_fields__:
@@ -246,6 +254,15 @@ LIMIT_HELP = {
     "max_prompt_bytes": "most UTF-8 bytes of prompt text (or of all chat messages' content)",
     "max_streams": "most requests open at once on each public port (gRPC Generate streams, "
                    "HTTP requests); more get RESOURCE_EXHAUSTED (HTTP: 429)",
+    "max_chat_messages": "most messages in one chat conversation (gRPC messages input, HTTP "
+                         "chat completions: checked before the body is validated)",
+    "http_max_header_bytes": "HTTP: most bytes of a request line and headers; past it 431 and "
+                             "the connection is closed",
+    "http_header_timeout_s": "HTTP: seconds a connection has to send a whole request head "
+                             "(and the longest pause inside a body) before it is closed",
+    "http_max_connections": "HTTP: most connections open at once (lowered to what the "
+                            "file-descriptor limit holds); more are closed when accepted",
+    "http_keep_alive_s": "HTTP: seconds an idle keep-alive connection stays open",
 }
 
 

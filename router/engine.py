@@ -31,12 +31,14 @@ from router.detok import IncrementalDetokenizer
 from router.downstream import Downstream
 from router.events import ChunkEvent, DoneEvent, Timing
 from router.policy import HeadroomPolicy, Policy
+from router.prompt_bounds import PromptBounds, check_prompt_bounds
 from router.records import DecodeStart, DecodeUpdate
 from router.request import RouterRequest, remaining_s
 from router.validation import GenerateInput
 from router.workers import WorkerSet
 
 log = logging.getLogger("kvferry.router")
+TOKENIZE_QUEUE = 2  # prompts queued on the tokenizer thread at once
 
 
 async def _next_update(updates: asyncio.Queue[MuxItem], deadline: float | None
@@ -72,6 +74,10 @@ class Router:
         self.instance_id = uuid.uuid4().hex[:12]
         # Tokenization and chat templates run here, one at a time, off the event loop.
         self._tokenize = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        # Prompts handed to that thread at once: the rest wait here, where a client that
+        # leaves costs nothing, instead of in the executor's unbounded queue.
+        self._tokenize_slots = asyncio.Semaphore(TOKENIZE_QUEUE)
+        self.prompt_bounds = PromptBounds.of(tokenizer)  # sizes refused before tokenizing
         self.workers = workers
         self.downstream = Downstream(workers, policy or HeadroomPolicy(), lease_s,
                                      local_prefill_threshold, admission_timeout_s)
@@ -89,11 +95,14 @@ class Router:
         received = time.perf_counter()
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         validation.check_limits(inp, self.config, self.limits)
+        check_prompt_bounds(inp, self.config.max_position_embeddings, self.limits,
+                            self.prompt_bounds)
         if inp.token_ids is not None:  # no tokenizer work: checked right here
             prompt = validation.prompt_ids(inp, self.config, self.tokenizer)
         else:
-            prompt = await asyncio.get_running_loop().run_in_executor(
-                self._tokenize, validation.prompt_ids, inp, self.config, self.tokenizer)
+            async with self._tokenize_slots:
+                prompt = await asyncio.get_running_loop().run_in_executor(
+                    self._tokenize, validation.prompt_ids, inp, self.config, self.tokenizer)
         params = validation.resolve_sampling(inp, self.config, len(prompt))
         request_id = inp.request_id or uuid.uuid4().hex
         if request_id in self._running:

@@ -33,6 +33,7 @@ import grpc
 import uvicorn
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -44,6 +45,8 @@ from kvferry.rpc.metrics import RouterMetrics
 from kvferry.settings import SecuritySettings
 from router.engine import Router
 from router.events import ChunkEvent, DoneEvent
+from router.http_body import BodyParser, BodyRefusal
+from router.http_conn import ConnectionLimits, bounded_protocol, fd_bounded_connections
 from router.openai_errors import ApiError, api_error, failure
 from router.openai_reply import SSE_DONE, Reply, model_list_json
 from router.openai_schema import (
@@ -57,6 +60,8 @@ from router.stream_clock import StreamClock
 
 log = logging.getLogger("kvferry.router")
 T = TypeVar("T")
+R = TypeVar("R", bound=OpenAIRequest)
+MIN_BODY_VALUES = 1 << 16  # JSON values a body may hold, at the least (see HttpFront)
 Event = ChunkEvent | DoneEvent
 
 
@@ -122,6 +127,15 @@ class HttpFront:
         self.metrics = metrics
         self.num_streams = 0  # requests open, against the router's --max-streams
         self.is_serving = False
+        limits = router.limits
+        # A request needs at most a value per token of context (token-id prompts, stop ids)
+        # and a few per message: more is refused before it reaches pydantic.
+        self._bodies = BodyParser(limits.max_chat_messages, max(
+            MIN_BODY_VALUES, 4 * router.config.max_position_embeddings
+            + 16 * limits.max_chat_messages))
+        connections = ConnectionLimits(limits.http_max_header_bytes,
+                                       float(limits.http_header_timeout_s),
+                                       fd_bounded_connections(limits.http_max_connections))
         tls: dict[str, object] = {}
         if security.tls_cert is not None:
             tls = {"ssl_certfile": security.tls_cert, "ssl_keyfile": security.tls_key}
@@ -129,7 +143,8 @@ class HttpFront:
                 tls.update(ssl_ca_certs=security.tls_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
         self.scheme = "https" if tls else "http"
         config = uvicorn.Config(self._app(), log_config=None, access_log=False,
-                                lifespan="off", ws="none",
+                                lifespan="off", ws="none", http=bounded_protocol(connections),
+                                timeout_keep_alive=limits.http_keep_alive_s,
                                 timeout_graceful_shutdown=drain_timeout_s, **tls)
         self._server = _Server(config)
         self._socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -152,6 +167,7 @@ class HttpFront:
         return app
 
     async def start(self) -> None:
+        self._bodies.start()
         self._task = asyncio.create_task(self._server.serve(sockets=[self._socket]))
         while not self._server.started:
             if self._task.done():  # failed to start (a bad certificate)
@@ -169,13 +185,35 @@ class HttpFront:
             await self._task
         if self._server.server_state.tasks:  # cut off at the timeout: let them release
             await asyncio.wait(set(self._server.server_state.tasks), timeout=5.0)
+        self._bodies.close()
 
     # ---- endpoints ---------------------------------------------------------------------
-    async def _chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+    async def _chat(self, request: Request) -> Response:
+        body = await self._body(request, ChatCompletionRequest)
+        if isinstance(body, Response):
+            return body
         return await self._generate(request, body, "chatcmpl-")
 
-    async def _completions(self, body: CompletionRequest, request: Request) -> Response:
+    async def _completions(self, request: Request) -> Response:
+        body = await self._body(request, CompletionRequest)
+        if isinstance(body, Response):
+            return body
         return await self._generate(request, body, "cmpl-")
+
+    async def _body(self, request: Request, model: type[R]) -> R | Response:
+        """The body as `model`, or the response refusing it (router/http_body.py: large
+        bodies are parsed off the event loop, and what comes back is bounded)."""
+        data = await self._bodies.read(request)
+        if isinstance(data, BodyRefusal):
+            code = "invalid_argument" if data.status == 400 else "resource_exhausted"
+            return _response(api_error(data.status, data.message, data.param, code,
+                                       code.upper()))
+        try:
+            return model.model_validate(data)
+        except ValidationError as exc:
+            param, message = body_error(exc.errors())
+            return _response(api_error(400, message, param, "invalid_argument",
+                                       "INVALID_ARGUMENT"))
 
     async def _models(self) -> Response:
         return Response(model_list_json(self.model, self.router.config.max_position_embeddings),
