@@ -9,9 +9,14 @@ reads each row's K and V once, up to its length. Why ctypes and not a torch exte
 file needs no torch header, so it compiles in under a second with nothing but `cc`, where a
 torch extension takes a minute and ninja.
 
-`load(cache_dir)` builds the library once per source and compiler into `cache_dir` (a
-temporary directory when None) and returns a `CpuAttention`, or None where there is no
-compiler or the build fails (the caller keeps the torch path).
+`load(cache_dir)` builds the library once per source, compiler, CPU and flags into `cache_dir`
+(a private temporary directory when None) and returns a `CpuAttention`, or None where there is
+no compiler or the build fails (the caller keeps the torch path). The library is an entry of
+`kernels.artifact_cache`: built in scratch, fsynced and renamed into place with a manifest, and
+verified byte for byte before `ctypes.CDLL` maps it (a truncated library would SIGBUS the
+worker; a stub would silently keep it on torch). A bad entry is rebuilt with one warning; a
+cache directory another user owns, or group or others may write, is refused with one warning
+and the library built in a private temporary directory instead.
 """
 
 from __future__ import annotations
@@ -23,15 +28,16 @@ import logging
 import os
 import shutil
 import subprocess
-import tempfile
-import uuid
 from pathlib import Path
 
 import torch
 
+from kernels import artifact_cache
+
 log = logging.getLogger("kvferry.kernels")
 
 SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
+LIBRARY = "cpu_decode_attention.so"  # the file inside the cache entry
 CFLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
 _ARGTYPES = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6
              + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int64])
@@ -90,21 +96,16 @@ def _cpu() -> str:
     return "\n".join(sorted(set(lines)))
 
 
-def _build(compiler: str, path: Path) -> None:
-    """Compile SOURCE to `path`: written under a unique name, then renamed (concurrent
-    builds never load a partial file)."""
-    partial = path.with_name(f"{path.stem}.{uuid.uuid4().hex}.partial.so")
-    try:
-        subprocess.run([compiler, *CFLAGS, "-o", str(partial), str(SOURCE), "-lm"],
-                       check=True, capture_output=True, text=True, timeout=120)
-        os.replace(partial, path)
-    finally:
-        partial.unlink(missing_ok=True)
+def _build(compiler: str, scratch: Path) -> None:
+    """Compile SOURCE into the (private, empty) scratch directory of a cache entry."""
+    subprocess.run([compiler, *CFLAGS, "-o", str(scratch / LIBRARY), str(SOURCE), "-lm"],
+                   check=True, capture_output=True, text=True, timeout=120)
 
 
 @functools.cache
 def load(cache_dir: Path | None = None) -> CpuAttention | None:
-    """The kernel, built into `cache_dir` unless there already; None when it cannot be."""
+    """The kernel, built into `cache_dir` unless a verified build is there already; None when
+    it cannot be built."""
     compiler = _compiler()
     if compiler is None:
         log.warning("cpu attention: no C compiler (cc, gcc or $CC): torch attention instead")
@@ -114,13 +115,10 @@ def load(cache_dir: Path | None = None) -> CpuAttention | None:
                                  timeout=30).stdout
         key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + _cpu().encode()
                              + " ".join(CFLAGS).encode()).hexdigest()[:24]
-        folder = Path(cache_dir) if cache_dir is not None else Path(
-            tempfile.mkdtemp(prefix="kvferry-kernels-"))
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"cpu_decode_attention-{key}.so"
-        if not path.exists():
-            _build(compiler, path)
-        return CpuAttention(path)
+        folder = artifact_cache.cache_root(cache_dir, log, "kvferry-kernels-")
+        entry = artifact_cache.get_or_build(folder / f"cpu_decode_attention-{key}",
+                                            functools.partial(_build, compiler), log)
+        return CpuAttention(entry.path / LIBRARY)  # verified: only now is it mapped
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
         log.warning("cpu attention: build failed (%s): torch attention instead", detail)

@@ -12,9 +12,14 @@ the padded rows' logits are dropped). Batches above the largest bucket run eager
 Each bucket is one AOTInductor package (`torch.export`, then inductor ahead of time, the
 weights frozen into it as constants: the packed-weight GEMMs are where most of a CPU step's
 time goes), written under `cache_dir` with a key naming everything it was built from (the
-checkpoint's fingerprint, dtype, device, mode, bucket, torch's version and this code's
-source), and loaded from there by every later start: a restart spends seconds, not minutes,
-where inductor's own graph cache keeps no graph with packed (mkldnn) weights. `warm_up`
+checkpoint's content fingerprint, dtype, device, mode, bucket, torch's version, this code's
+source, the CPU's vector ISA and, on CUDA, the device's compute capability), and loaded from
+there by every later start: a restart spends seconds, not minutes, where inductor's own graph
+cache keeps no graph with packed (mkldnn) weights. Packages and "auto" choice records are
+entries of `kernels.artifact_cache`: published atomically with a manifest and verified byte
+for byte before loading; a bad one is rebuilt with one warning, and a `cache_dir` another user
+owns or group or others may write is refused with one warning (packages are then built into a
+private temporary directory for this process). `warm_up`
 builds or loads every bucket before the worker reports SERVING; `num_compiles` counts the
 graphs in use (built here or loaded) and `num_cache_hits` the loaded ones, so a test can show
 that steady state never adds one (a package has no guards: nothing can recompile it). Modes:
@@ -33,13 +38,13 @@ import os
 import tempfile
 import threading
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
+from kernels import artifact_cache
 from kvferry.model.step_timing import median_ms
 from kvferry.settings import COMPILE_MODES, DEFAULT_COMPILE_BATCH_SIZES, parse_batch_sizes
 
@@ -49,6 +54,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvferry.compile")
 
 DEFAULT_BATCH_BUCKETS = parse_batch_sizes(DEFAULT_COMPILE_BATCH_SIZES)
+PACKAGE, CHOICE = "decode.pt2", "choice.json"  # the file in a package's and a choice's entry
 
 _step = threading.local()  # .attend (AttendFn) and .rows (real batch) of the running step
 
@@ -117,8 +123,11 @@ class CompiledDecode:
                  cache_dir: str | Path | None = None) -> None:
         if mode not in COMPILE_MODES[1:]:
             raise ValueError(f"compile: expected one of {COMPILE_MODES[1:]}, got {mode!r}")
-        if cache_dir is not None:  # read by inductor when it first compiles
-            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir))
+        # Refused (one warning) when not private: a private temporary directory instead.
+        self.cache_dir = (None if cache_dir is None else artifact_cache.cache_root(
+            Path(cache_dir), log, "kvferry-compile-"))
+        if self.cache_dir is not None:  # read by inductor when it first compiles
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(self.cache_dir))
         self.model = model
         self.mode = mode
         self.buckets = tuple(sorted(buckets))
@@ -128,13 +137,13 @@ class CompiledDecode:
         self.num_cache_hits = 0  # of those, the loaded ones
         self.num_builds = 0  # packages compiled here ("auto" builds both modes of a bucket)
         self.warm_up_s = 0.0
-        self.cache_dir = Path(cache_dir) if cache_dir is not None else None
         self._graph = _Graph(model).eval()
         self._runners: dict[int, Callable[..., torch.Tensor]] = {}
         # Everything a package depends on but its mode and bucket, hashed once (sources read).
         self._key_base = hashlib.sha256()
         for part in (model.config.fingerprint, str(model.dtype), str(model.device),
-                     torch.__version__, _source_digest()):
+                     torch.__version__, _source_digest(),
+                     artifact_cache.native_target(model.device)):
             self._key_base.update(part.encode() + b"\0")
 
     def bucket(self, batch: int) -> int | None:
@@ -160,25 +169,21 @@ class CompiledDecode:
             raise RuntimeError(f"compile: bucket {size} was not warmed up")
         return _run(runner, size, token_ids, positions, attend)
 
-    def _build(self, size: int, mode: str, path: Path) -> Callable[..., torch.Tensor]:
-        """Export and compile bucket `size` into a package at `path`, then load it. Written
-        under a unique name and renamed, so that concurrent starts sharing cache_dir never
-        load a half-written package."""
+    def _build(self, size: int, mode: str, scratch: Path) -> None:
+        """Export and compile bucket `size` into a package in (empty, private) `scratch`."""
         import torch._inductor
         from torch._inductor import list_mode_options
 
         tuned = list_mode_options("max-autotune-no-cudagraphs") if mode == "max-autotune" else {}
         tokens = torch.zeros(size, dtype=torch.int64, device=self.model.device)
-        partial = path.with_name(f"{path.stem}.{uuid.uuid4().hex}.partial.pt2")
         with torch.inference_mode(False), torch.no_grad():
             # Outside inference mode: inductor freezes (and packs) weights only under no_grad.
             exported = torch.export.export(self._graph, (tokens, torch.zeros_like(tokens)),
                                            strict=False)
             torch._inductor.aoti_compile_and_package(
-                exported, package_path=str(partial), inductor_configs={**tuned, "freezing": True})
-        os.replace(partial, path)
+                exported, package_path=str(scratch / PACKAGE),
+                inductor_configs={**tuned, "freezing": True})
         self.num_builds += 1
-        return torch._inductor.aoti_load_package(str(path))
 
     def _package(self, size: int, mode: str) -> tuple[Callable[..., torch.Tensor], bool]:
         """Bucket `size`'s package of `mode`, loaded from cache_dir or built; and whether it
@@ -187,15 +192,13 @@ class CompiledDecode:
 
         if self.cache_dir is None:  # a package for this process only (loading copies it)
             with tempfile.TemporaryDirectory(prefix="kvferry-decode-") as tmp:
-                return self._build(size, mode, Path(tmp) / "decode.pt2"), False
-        path = self.cache_dir / "aoti" / f"decode-{self.package_key(size, mode)}.pt2"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if path.exists():
-            try:
-                return torch._inductor.aoti_load_package(str(path)), True
-            except Exception as exc:  # a package another torch wrote: build it again
-                log.warning("compile: %s did not load (%s); building it again", path, exc)
-        return self._build(size, mode, path), False
+                self._build(size, mode, Path(tmp))
+                return torch._inductor.aoti_load_package(str(Path(tmp) / PACKAGE)), False
+        entry = self.cache_dir / "aoti" / f"decode-{self.package_key(size, mode)}"
+        cached = artifact_cache.get_or_build(
+            entry, functools.partial(self._build, size, mode), log)
+        # Verified against its manifest: only now is it loaded.
+        return torch._inductor.aoti_load_package(str(cached.path / PACKAGE)), cached.is_hit
 
     def _choose(self, size: int) -> tuple[Callable[..., torch.Tensor], bool]:
         """"auto": the mode recorded for this bucket in cache_dir, else both modes' packages
@@ -204,14 +207,12 @@ class CompiledDecode:
         kept and recorded."""
         record = None
         if self.cache_dir is not None:
-            record = self.cache_dir / "aoti" / f"choice-{self.package_key(size)}.json"
-            try:
-                chosen = json.loads(record.read_text())["mode"]
-                if chosen in AUTO_MODES:
-                    self.modes[size] = chosen
-                    return self._package(size, chosen)
-            except (OSError, ValueError, KeyError, TypeError):
-                pass  # no valid record: time both
+            record = self.cache_dir / "aoti" / f"choice-{self.package_key(size)}"
+            chosen = (_read_choice(record / CHOICE) if artifact_cache.lookup(record, log)
+                      else None)
+            if chosen is not None:
+                self.modes[size] = chosen
+                return self._package(size, chosen)
         packages = {mode: self._package(size, mode) for mode in AUTO_MODES}
         tokens = torch.zeros(size, dtype=torch.int64, device=self.model.device)
         self.step_ms[size] = median_ms({  # attending nothing: the modes differ in dense math
@@ -222,9 +223,10 @@ class CompiledDecode:
         log.info("decode step for batch %d: %s chosen (ms per step: %s)", size, chosen,
                  ", ".join(f"{m} {t:.2f}" for m, t in self.step_ms[size].items()))
         if record is not None:
-            partial = record.with_name(f"{record.name}.{uuid.uuid4().hex}.partial")
-            partial.write_text(json.dumps({"mode": chosen, "ms_per_step": self.step_ms[size]}))
-            os.replace(partial, record)
+            text = json.dumps({"mode": chosen, "ms_per_step": self.step_ms[size]})
+            artifact_cache.discard(record)  # an entry that names no valid mode
+            artifact_cache.get_or_build(record, lambda scratch: (scratch / CHOICE).write_text(
+                text), log)
         return packages[chosen]
 
     def warm_up(self) -> None:
@@ -252,6 +254,15 @@ class CompiledDecode:
 
 
 AUTO_MODES = ("default", "max-autotune")  # what "auto" chooses between, per bucket
+
+
+def _read_choice(path: Path) -> str | None:
+    """The mode a verified choice record names, or None when it names none of AUTO_MODES."""
+    try:
+        chosen = json.loads(path.read_text())["mode"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return chosen if chosen in AUTO_MODES else None
 
 
 def attend_nothing(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from kvferry.model.identity import checkpoint_fingerprint
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM")
 
@@ -30,7 +31,7 @@ class ModelConfig:
     attention_bias: bool
     mlp_bias: bool
     eos_token_ids: tuple[int, ...]
-    fingerprint: str
+    fingerprint: str  # over every byte of weights, config and tokenizer (model/identity.py)
 
     @property
     def num_kv_groups(self) -> int:
@@ -49,24 +50,6 @@ def _eos_ids(raw: dict, checkpoint: Path) -> tuple[int, ...]:
         elif isinstance(value, list):
             ids.extend(int(v) for v in value)
     return tuple(sorted(set(ids)))
-
-
-def checkpoint_fingerprint(checkpoint: Path) -> str:
-    """Hash of config.json and every weight file's header, size and edges.
-
-    Cheap even for multi-GB checkpoints, and different for different seeded weights.
-    """
-    digest = hashlib.sha256((checkpoint / "config.json").read_bytes())
-    for weights in sorted(checkpoint.glob("*.safetensors")):
-        size = weights.stat().st_size
-        digest.update(weights.name.encode() + size.to_bytes(8, "little"))
-        with weights.open("rb") as f:
-            header_len = int.from_bytes(f.read(8), "little")
-            digest.update(f.read(min(header_len, 1 << 24)))
-            digest.update(f.read(1 << 16))
-            f.seek(max(size - (1 << 16), 0))
-            digest.update(f.read(1 << 16))
-    return digest.hexdigest()[:16]
 
 
 def load_model_config(path: str | Path) -> ModelConfig:

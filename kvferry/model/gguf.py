@@ -3,23 +3,27 @@
 transformers dequantizes GGUF weights at load time (~20 s for a 135M model on two cores), so a
 worker that read the GGUF at every start would pay that every time. Instead the first process
 that needs it writes an fp32 safetensors checkpoint under KVFERRY_HOME/models/, keyed by the
-file's identity (resolved path, size, mtime), and every process afterwards loads that directory.
+file's content (its full SHA-256, remembered per inode, size and times by
+`kvferry.model.identity.file_sha256`), and every process afterwards loads that directory.
 
-Concurrency: a deployment starts its router and workers at once, so several processes may find
-the cache empty together. Each converts into a private temporary directory and renames it into
-place; a rename is atomic, so a reader sees either no directory or a complete one. The loser of
-the race deletes its copy and uses the winner's.
+The directory is an entry of `kernels.artifact_cache`. Concurrency: a deployment starts its
+router and workers at once, so several processes may find the cache empty together. Each
+converts into a private scratch directory, fsyncs it with a manifest (every file's SHA-256) and
+renames it into place; a rename is atomic, so a reader sees either no directory or a complete
+one. The loser of the race deletes its copy and uses the winner's. Every load first verifies
+the directory against its manifest: a truncated, stubbed or altered file means one warning and
+a fresh conversion. A models directory another user owns, or group or others may write, is
+refused with one warning and the conversion written to a private temporary directory instead
+(this process converts at every start until the directory is fixed).
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
-import shutil
-import uuid
 from pathlib import Path
 
+from kernels import artifact_cache
+from kvferry.model.identity import file_sha256
 from kvferry.settings import KVFERRY_HOME
 
 log = logging.getLogger(__name__)
@@ -28,8 +32,6 @@ log = logging.getLogger(__name__)
 MODELS_DIR = KVFERRY_HOME / "models"
 GGUF_SUFFIX = ".gguf"
 GGUF_MAGIC = b"GGUF"
-# Written last, inside the temporary directory: a directory without it is not a checkpoint.
-_COMPLETE_MARKER = "kvferry-converted.txt"
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -39,11 +41,8 @@ def is_gguf(path: str | Path) -> bool:
 
 
 def gguf_cache_key(path: str | Path) -> str:
-    """The file's identity: its resolved path, size and modification time, hashed."""
-    source = Path(path).resolve()
-    stat = source.stat()
-    identity = f"{source}\0{stat.st_size}\0{stat.st_mtime_ns}"
-    return hashlib.sha256(identity.encode()).hexdigest()[:16]
+    """The file's content: 32 hex characters of its SHA-256."""
+    return file_sha256(Path(path).resolve())[:32]
 
 
 def converted_dir(path: str | Path, models_dir: Path | None = None) -> Path:
@@ -53,7 +52,8 @@ def converted_dir(path: str | Path, models_dir: Path | None = None) -> Path:
 
 
 def is_converted(directory: Path) -> bool:
-    return (directory / _COMPLETE_MARKER).exists() and (directory / "config.json").exists()
+    """Whether `directory` is a complete conversion that matches its manifest byte for byte."""
+    return artifact_cache.verify(directory) is None and (directory / "config.json").exists()
 
 
 def ensure_converted(path: str | Path, models_dir: Path | None = None) -> Path:
@@ -64,27 +64,18 @@ def ensure_converted(path: str | Path, models_dir: Path | None = None) -> Path:
     with source.open("rb") as f:
         if f.read(len(GGUF_MAGIC)) != GGUF_MAGIC:
             raise ValueError(f"model: {source} does not start with the GGUF magic bytes")
-    target = converted_dir(source, models_dir)
-    if is_converted(target):
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    scratch = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    log.info("converting %s into %s (once)", source, target)
-    try:
+    # A refused models directory (one warning) means a private temporary one instead.
+    root = artifact_cache.cache_root(models_dir or MODELS_DIR, log, "kvferry-models-")
+    target = converted_dir(source, root)
+
+    def convert(scratch: Path) -> None:
+        log.info("converting %s into %s (once)", source, target)
         try:
             convert_gguf(source, scratch)
         except (ValueError, OSError, KeyError) as exc:  # what transformers/gguf raise on a bad file
             raise ValueError(f"model: cannot convert GGUF file {source}: {exc}") from exc
-        (scratch / _COMPLETE_MARKER).write_text(f"{source.resolve()}\n")
-        try:
-            os.rename(scratch, target)
-        except OSError:
-            # Another process renamed its copy first (the target is a non-empty directory).
-            if not is_converted(target):
-                raise
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    return target
+
+    return artifact_cache.get_or_build(target, convert, log).path
 
 
 def convert_gguf(source: Path, out_dir: Path) -> Path:

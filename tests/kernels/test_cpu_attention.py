@@ -73,13 +73,14 @@ def test_built_once_per_cache_and_none_without_a_compiler(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     first = cpu_attention.load.__wrapped__(tmp_path / "a")
     assert first is not None
-    built = sorted((tmp_path / "a").iterdir())
-    assert [p.suffix for p in built] == [".so"]  # one library, no partial file left
-    mtime = built[0].stat().st_mtime_ns
+    (entry,) = (tmp_path / "a").iterdir()  # one entry, no scratch directory left
+    assert sorted(p.name for p in entry.iterdir()) == [cpu_attention.LIBRARY, "manifest.json"]
+    assert first.path == entry / cpu_attention.LIBRARY
+    mtime = first.path.stat().st_mtime_ns
     again = cpu_attention.load.__wrapped__(tmp_path / "a")
     assert again is not None and again.path == first.path
     assert first.path.stat().st_mtime_ns == mtime  # loaded, not built again
 
     monkeypatch.setenv("CC", "/bin/false")  # a compiler that fails
     assert cpu_attention.load.__wrapped__(tmp_path / "b") is None
-    assert not list((tmp_path / "b").glob("*.so"))
+    assert list((tmp_path / "b").iterdir()) == []  # the failed build's scratch is gone

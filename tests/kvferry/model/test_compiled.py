@@ -12,10 +12,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from kernels import artifact_cache
 from kernels.dispatch import get_attention_backend
 from kvferry.cache.layout import blocks_for_tokens
 from kvferry.cache.pool import KvPool
-from kvferry.model.compiled import AUTO_MODES, compile_decode
+from kvferry.model.compiled import AUTO_MODES, CHOICE, PACKAGE, compile_decode
 from kvferry.model.config import load_model_config
 from kvferry.model.transformer import Transformer
 from kvferry.settings import parse_batch_sizes
@@ -68,8 +69,9 @@ def test_compiled_decode_matches_eager_and_transformers(arch: str, tmp_path: Pat
     assert got == eager
     assert compiled.num_compiles == len(BUCKETS)  # batches 1-3, contexts 3-41: no recompile
     assert compiled.num_cache_hits == 0
-    packages = sorted((tmp_path / "cache" / "aoti").glob("decode-*.pt2"))
+    packages = sorted((tmp_path / "cache" / "aoti").glob(f"decode-*/{PACKAGE}"))
     assert len(packages) == len(BUCKETS)  # one package per bucket, nothing half-written left
+    assert len(list((tmp_path / "cache" / "aoti").iterdir())) == len(BUCKETS)
 
     # A second start with the same cache loads every bucket's package instead of compiling.
     restarted = compile_decode(model, "default", BUCKETS, tmp_path / "cache")
@@ -114,13 +116,14 @@ def test_auto_times_both_modes_keeps_the_faster_and_a_restart_obeys_its_record(
     times = first.step_ms[1]
     assert set(times) == set(AUTO_MODES) and all(ms > 0 for ms in times.values())
     assert first.modes[1] == min(times, key=times.get)
-    record = next((cache / "aoti").glob("choice-*.json"))
-    assert json.loads(record.read_text()) == {"mode": first.modes[1], "ms_per_step": times}
+    record = next((cache / "aoti").glob("choice-*"))  # a verified cache entry
+    assert json.loads((record / CHOICE).read_text()) == {"mode": first.modes[1],
+                                                         "ms_per_step": times}
     assert _decode_all(model, pool) == eager
 
     # A restart loads the recorded mode's package alone, timing nothing.
     for chosen in AUTO_MODES:
-        record.write_text(json.dumps({"mode": chosen}))
+        _rewrite(record, json.dumps({"mode": chosen}))
         restarted = compile_decode(model, "auto", (1,), cache)
         assert restarted is not None and restarted.modes == {1: chosen}
         assert (restarted.num_builds, restarted.num_cache_hits, restarted.step_ms) == (0, 1, {})
@@ -128,10 +131,16 @@ def test_auto_times_both_modes_keeps_the_faster_and_a_restart_obeys_its_record(
 
     # No valid record: both timed again (loaded, not built), the faster chosen.
     for faster in AUTO_MODES:
-        record.write_text("{not json")
+        _rewrite(record, "{not json")
         fake = {mode: 1.0 if mode == faster else 2.0 for mode in AUTO_MODES}
         monkeypatch.setattr("kvferry.model.compiled.median_ms", lambda steps, fake=fake: dict(fake))
         rechosen = compile_decode(model, "auto", (1,), cache)
         assert rechosen is not None and rechosen.modes == {1: faster}
         assert (rechosen.num_builds, rechosen.num_cache_hits) == (0, 1)
-        assert json.loads(record.read_text())["mode"] == faster
+        assert json.loads((record / CHOICE).read_text())["mode"] == faster
+
+
+def _rewrite(record: Path, text: str) -> None:
+    """Replace a choice record's text, its manifest sealed again (as if written so)."""
+    (record / CHOICE).write_text(text)
+    artifact_cache.seal(record)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from kernels import artifact_cache
 from kvferry.model import gguf
 from kvferry.model.config import load_model_config
 
@@ -47,7 +48,7 @@ def _fake_gguf(tmp_path: Path, content: bytes = b"GGUF\x03\x00\x00\x00 fake") ->
 def _fake_convert(calls: list[Path]):
     def convert(source: Path, out_dir: Path) -> Path:
         calls.append(out_dir)
-        out_dir.mkdir(parents=True)
+        out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.json").write_text("{}")
         return out_dir
     return convert
@@ -83,12 +84,13 @@ def test_losing_the_race_uses_the_winners_copy(tmp_path: Path,
 
     def convert_while_another_wins(src: Path, out_dir: Path) -> Path:
         convert(src, target)
-        (target / "kvferry-converted.txt").write_text("the winner\n")
+        (target / "winner.txt").write_text("the winner\n")
+        artifact_cache.seal(target)  # the winner's complete, verifiable copy
         return convert(src, out_dir)
 
     monkeypatch.setattr(gguf, "convert_gguf", convert_while_another_wins)
     assert gguf.ensure_converted(source, models) == target
-    assert (target / "kvferry-converted.txt").read_text() == "the winner\n"
+    assert (target / "winner.txt").read_text() == "the winner\n"
     assert [p.name for p in models.iterdir()] == [target.name]
 
 
