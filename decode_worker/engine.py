@@ -8,7 +8,8 @@ finished, aborted or lease expired: its blocks go back to the free list exactly 
 
 Memory policy: blocks are allocated as sequences grow; when none is free, the newest running
 sequence is swapped out to host memory. Swapped sequences resume (K/V bit for bit, oldest
-first) before any new reservation is granted. Too big even alone: refused at Reserve.
+first) before any new reservation is granted. Too big even alone: refused at Reserve, as
+is prompt + max_tokens past `max_model_len` (--max-model-len; default: the model's context).
 """
 
 from __future__ import annotations
@@ -59,8 +60,9 @@ class DecodeEngine:
 
     def __init__(self, model: Transformer, pool: KvPool, layout: KvLayout,
                  max_waiting: int = DEFAULT_MAX_WAITING, stage_bytes: int = 0,
-                 **prefill_options: int) -> None:
+                 max_model_len: int | None = None, **prefill_options: int) -> None:
         self.model = model
+        self.max_model_len = max_model_len or model.config.max_position_embeddings
         self.pool = pool
         self.layout = layout
         self.max_waiting = max_waiting
@@ -124,7 +126,7 @@ class DecodeEngine:
         if self.is_draining:
             raise Unavailable("draining: this worker is shutting down")
         check_reservation(request_id, num_prompt_tokens, max_tokens, lease_s, self._seqs,
-                          self.model.config.max_position_embeddings, self.pool)
+                          self.max_model_len, self.pool)
         prompt = list(prompt_token_ids or [])
         seed, cached = self.prefix_cache.lookup(prompt, num_prompt_tokens, cache_salt)
         allocator = self.pool.allocator
@@ -169,8 +171,7 @@ class DecodeEngine:
         if seq.is_kv_complete or request_id in self._prefill_jobs:
             raise InvalidArgument(f"K/V for {request_id!r} is already complete", "request_id")
         if len(prompt) != seq.num_prompt_tokens:
-            raise InvalidArgument("prompt length differs from the reservation",
-                                  "prompt_token_ids")
+            raise InvalidArgument("prompt length differs from the reservation", "prompt_token_ids")
         if seq.num_cached_blocks and prompt != seq.prompt_token_ids:
             raise InvalidArgument("prompt differs from the one reserved (whose cached prefix "
                                   "the reservation shares)", "prompt_token_ids")
@@ -233,8 +234,7 @@ class DecodeEngine:
             seq.is_aborted = True  # released at the next step boundary
             self.steps.poke()
         else:
-            self._finish(seq, FinishedEvent(seq.request_id, FinishReason.ABORT,
-                                            seq.first_step_s))
+            self._finish(seq, FinishedEvent(seq.request_id, FinishReason.ABORT, seq.first_step_s))
 
     def _finish(self, seq: DecodeSeq, event: DecodeEvent) -> None:
         """Release the request's blocks exactly once and tell its stream how it ended."""

@@ -110,6 +110,9 @@ def _worker_parser(sub: argparse._SubParsersAction, role: str) -> None:
     p.add_argument("--kv-cache-dtype", default=KV_CACHE_DTYPES[0], choices=KV_CACHE_DTYPES,
                    help="K/V pages as the model's dtype (auto) or quantized with a scale "
                         "per token and K/V head; every worker must use the same")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="decode workers: the longest prompt + max_tokens; the pool must hold "
+                        "one or it refuses to start (default: the context or, if less, the pool)")
     p.add_argument("--kv-max-resends", type=int, default=DEFAULT_KV_MAX_RESENDS,
                    help="resend a K/V push the receiver found corrupted; 0: fail (DATA_LOSS)")
     p.add_argument("--kv-transport", default=KV_TRANSPORTS[0], choices=KV_TRANSPORTS,
@@ -149,6 +152,7 @@ def _deployment_args(p: argparse.ArgumentParser) -> None:
                    help="every worker: no prefix cache (see `kvferry decode-worker --help`)")
     p.add_argument("--kv-cache-dtype", default=KV_CACHE_DTYPES[0], choices=KV_CACHE_DTYPES,
                    help="every worker's K/V pool (see `kvferry decode-worker --help`)")
+    p.add_argument("--max-model-len", type=int, default=None, help="every decode worker's")
     p.add_argument("--kv-transport", default=KV_TRANSPORTS[0], choices=KV_TRANSPORTS,
                    help="ray: router and workers run as Ray actors and K/V pages travel as "
                         "Ray object refs; nixl: decode workers read K/V pages from prefill "
@@ -273,7 +277,8 @@ def worker_settings(args: argparse.Namespace, model: str | None = None) -> Worke
         prefill_chunk_size=args.prefill_chunk_size, decode_stage_mib=args.decode_stage_mib,
         compile=args.compile, compile_batch_sizes=args.compile_batch_sizes,
         cuda_graphs=args.cuda_graphs, prefix_caching=args.prefix_caching,
-        kv_cache_dtype=args.kv_cache_dtype, kv_max_resends=args.kv_max_resends,
+        kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
+        kv_max_resends=args.kv_max_resends,
         kv_transport=args.kv_transport, drain_timeout_s=args.drain_timeout_s,
         metrics_port=args.metrics_port, security=security_settings(args),
     )

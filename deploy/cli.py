@@ -72,7 +72,8 @@ def _deployment(args: argparse.Namespace):
         worker_args=security_argv(args) + ([] if args.prefix_caching
                                            else ["--no-prefix-caching"])
         + (["--kv-transport", "nixl"] if args.kv_transport == "nixl" else [])
-        + (["--kv-cache-dtype", args.kv_cache_dtype] if args.kv_cache_dtype != "auto" else []),
+        + (["--kv-cache-dtype", args.kv_cache_dtype] if args.kv_cache_dtype != "auto" else [])
+        + ([] if args.max_model_len is None else ["--max-model-len", str(args.max_model_len)]),
     )
     if args.kv_transport == "ray":
         from deploy.ray_launcher import RayDeployment

@@ -50,6 +50,15 @@ def check_tokenizer_file(path) -> None:
         raise ValueError(f"tokenizer: cannot read {file}: {_first_line(exc)}") from exc
 
 
+def _check_max_model_len(settings: WorkerSettings) -> None:
+    """A decode worker's pool holds one request of its --max-model-len (logged when the
+    default is lowered to what the pool holds)."""
+    from deploy.worker_model import max_model_len_for
+    from kvferry.model.config import load_model_config
+
+    max_model_len_for(settings, load_model_config(settings.model))
+
+
 def _check_deployment(args: argparse.Namespace) -> None:
     """What `serve` and `demo` would hand their processes, refused here before any starts."""
     if args.num_decode < 1 or (args.num_prefill < 1 and not args.colocated):
@@ -61,10 +70,13 @@ def _check_deployment(args: argparse.Namespace) -> None:
         block_size=args.block_size, kv_pool_size=args.kv_pool_size,
         attention_backend=args.attention_backend, metrics_port=args.metrics_port,
         compile=args.compile, compile_batch_sizes=args.compile_batch_sizes,
+        kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
         security=security_settings(args))
     refuse_plaintext_token(settings.security)
     _check_model(args.model)  # last: without --model, the default model may be converted
     _check_tokenizer(args.model)
+    if settings.max_model_len is not None:
+        _check_max_model_len(replace(settings, model=args.model or ensure_default_model()))
 
 
 def check_inputs(args: argparse.Namespace) -> WorkerSettings | RouterSettings | None:
@@ -77,6 +89,8 @@ def check_inputs(args: argparse.Namespace) -> WorkerSettings | RouterSettings | 
         parse_pool_size(settings.kv_pool_size, total_memory_bytes=1)  # may be converted
         settings = replace(settings, model=settings.model or ensure_default_model())
         _check_model(settings.model)
+        if settings.role in ("decode", "colocated"):
+            _check_max_model_len(settings)
         return settings
     if args.command == "router":
         settings = router_settings(args, model="")

@@ -150,7 +150,7 @@ def build_worker(settings: WorkerSettings) -> tuple[Built, object]:
             stage_bytes = (stage_bytes_for_pool(pool) if settings.decode_stage_mib is None
                            else settings.decode_stage_mib << 20)
         engine = DecodeEngine(model, pool, layout, settings.max_waiting,
-                              stage_bytes=stage_bytes,
+                              stage_bytes=stage_bytes, max_model_len=settings.max_model_len,
                               token_budget=token_budget,
                               chunk_size=settings.prefill_chunk_size)
         on_stop, puller = engine.stop, None

@@ -4,6 +4,7 @@ backend resolved, the decode step compiled and captured where asked, all before 
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 from typing import TYPE_CHECKING
 
@@ -16,6 +17,8 @@ from kvferry.settings import COMPILE_CACHE_DIR, WorkerSettings, parse_batch_size
 
 if TYPE_CHECKING:
     from kvferry.model.transformer import Transformer
+
+log = logging.getLogger("kvferry.worker")
 
 def tune_malloc() -> None:
     """Keep freed tensor memory in glibc's heap instead of returning it to the OS.
@@ -54,8 +57,8 @@ def _memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def build_pool(settings: WorkerSettings, config, device: torch.device,
-               dtype: torch.dtype) -> KvPool:
+def _num_blocks(settings: WorkerSettings, config, device: torch.device,
+                dtype: torch.dtype) -> int:
     size = parse_pool_size(settings.kv_pool_size, _memory_bytes(device))
     kv_dtype = (dtype_name(dtype) if settings.kv_cache_dtype == "auto"
                 else settings.kv_cache_dtype)
@@ -64,6 +67,38 @@ def build_pool(settings: WorkerSettings, config, device: torch.device,
     num_blocks = size // per_block
     if num_blocks < 1:
         raise ValueError(f"kv_pool_size: {size} bytes holds no {per_block}-byte block")
+    return num_blocks
+
+
+def max_model_len_for(settings: WorkerSettings, config) -> int:
+    """The longest request (prompt + max_tokens) a decode or colocated worker serves:
+    `--max-model-len`, refused (ValueError naming the flags) when the pool cannot hold one
+    such request or the model's context is shorter; without it, the model's context, lowered
+    (and logged) to what the pool holds. vLLM refuses to start in that case too, but its
+    pools are sized from the device; ours default to a fixed DEFAULT_KV_POOL_SIZE, smaller
+    than one request of the default model's full context."""
+    context = config.max_position_embeddings
+    device, dtype, _ = _device_and_dtype(settings)
+    capacity = _num_blocks(settings, config, device, dtype) * settings.block_size
+    if settings.max_model_len is None:
+        if capacity < context:
+            log.info("max_model_len: %d tokens (what --kv-pool-size %s holds; the model's "
+                     "context is %d; --max-model-len sets it)", capacity,
+                     settings.kv_pool_size, context)
+        return min(context, capacity)
+    if settings.max_model_len > context:
+        raise ValueError(f"max_model_len: {settings.max_model_len} is more than the model's "
+                         f"context of {context} tokens; lower --max-model-len")
+    if capacity < settings.max_model_len:
+        raise ValueError(f"kv_pool_size: the pool holds {capacity} tokens, less than one "
+                         f"request of max_model_len {settings.max_model_len}; raise "
+                         "--kv-pool-size or lower --max-model-len")
+    return settings.max_model_len
+
+
+def build_pool(settings: WorkerSettings, config, device: torch.device,
+               dtype: torch.dtype) -> KvPool:
+    num_blocks = _num_blocks(settings, config, device, dtype)
     return KvPool(config.num_layers, config.num_kv_heads, config.head_dim, settings.block_size,
                   num_blocks, dtype, device, prefix_caching=settings.prefix_caching,
                   kv_cache_dtype=settings.kv_cache_dtype)
@@ -82,6 +117,8 @@ def build_model(settings: WorkerSettings) -> tuple[Transformer, KvPool, str]:
     config = load_model_config(settings.model)
     device, dtype, backend_name = _device_and_dtype(settings)
     model = Transformer(config, get_attention_backend(backend_name), dtype, device)
+    if settings.role in ("decode", "colocated") and settings.max_model_len is not None:
+        max_model_len_for(settings, config)  # checked before the pool is allocated
     pool = build_pool(settings, config, device, dtype)
     if settings.role in ("decode", "colocated"):
         buckets = parse_batch_sizes(settings.compile_batch_sizes)

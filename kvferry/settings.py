@@ -60,8 +60,7 @@ DEFAULT_DEMAND_WEIGHT = 0.25  # per block of recent demand on decode, decaying o
 DEMAND_TAU_S = 10.0
 
 _SIZE = re.compile(r"^\s*([0-9.]+)\s*(B|KB|KiB|MB|MiB|GB|GiB)?\s*$", re.IGNORECASE)
-_UNITS = {"b": 1, "kb": 10**3, "kib": 2**10, "mb": 10**6, "mib": 2**20, "gb": 10**9,
-          "gib": 2**30}
+_UNITS = {"b": 1, "kb": 10**3, "kib": 2**10, "mb": 10**6, "mib": 2**20, "gb": 10**9, "gib": 2**30}
 
 
 def parse_pool_size(value: str, total_memory_bytes: int) -> int:
@@ -171,6 +170,7 @@ class WorkerSettings:
     # Resend a K/V push corrupted in flight this many times; 0: fail with DATA_LOSS.
     kv_max_resends: int = DEFAULT_KV_MAX_RESENDS
     kv_transport: str = KV_TRANSPORTS[0]  # how pages move (ray: Ray actors; nixl: NIXL reads)
+    max_model_len: int | None = None  # decode: longest prompt + max_tokens (max_model_len_for)
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S  # SIGTERM: to finish in-flight requests
     metrics_port: int | None = None  # Prometheus /metrics on this HTTP port (0: any free)
     security: SecuritySettings = field(default_factory=SecuritySettings)
@@ -195,7 +195,7 @@ class WorkerSettings:
             raise ValueError(f"decode_stage_mib: must be >= 0, got {self.decode_stage_mib}")
         if self.kv_max_resends < 0:
             raise ValueError(f"kv_max_resends: must be >= 0, got {self.kv_max_resends}")
-        for name in ("max_waiting", "prefill_token_budget", "prefill_chunk_size"):
+        for name in ("max_waiting", "prefill_token_budget", "prefill_chunk_size", "max_model_len"):
             if (value := getattr(self, name)) is not None and value < 1:
                 raise ValueError(f"{name}: must be >= 1, got {value}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -65,7 +65,9 @@ class Downstream:
         retried, and waiting cannot make it fit). One that fits but not now waits or gets
         RESOURCE_EXHAUSTED in `reserve`. Nothing is refused before a worker reports its pool.
         """
-        capacity = self.workers.max_decode_tokens()
+        capacity = max((w.total_blocks * w.layout.block_size  # a whole pool, in tokens
+                        for w in self.workers.healthy("decode", "colocated")
+                        if w.layout is not None and w.total_blocks > 0), default=None)
         if capacity is None or (max_tokens <= 1 and self.workers.has_prefill_workers()):
             return  # unknown yet, or no reservation (the prefill worker's token is the last)
         if num_prompt + 1 > capacity:  # the prompt and the first decode slot (Reserve)

@@ -283,14 +283,6 @@ class WorkerSet:
             raise Unavailable("no decode worker has reported its K/V layout")
         return sizes[0]
 
-    def max_decode_tokens(self) -> int | None:
-        """The most tokens one request can ever hold on a healthy decode (or colocated)
-        worker: its whole pool, `total_blocks * block_size`, on the largest; None while none
-        has reported its pool."""
-        sizes = [w.total_blocks * w.layout.block_size for w in self.healthy("decode", "colocated")
-                 if w.layout is not None and w.total_blocks > 0]
-        return max(sizes, default=None)
-
     def prefill_workers(self) -> list[Worker]:
         workers = self.healthy("prefill")
         if not workers:

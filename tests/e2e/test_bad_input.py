@@ -96,12 +96,13 @@ def small_pool_deployment(qwen3_checkpoint, tmp_path_factory):
     deployment.stop()
 
 
-def test_request_larger_than_the_pool_is_resource_exhausted(
+def test_request_larger_than_the_pool_is_invalid_argument(
         small_pool_deployment: Deployment) -> None:
+    # 500 + 600 tokens > the pool's 1024: retrying cannot help, so not RESOURCE_EXHAUSTED.
     error = asyncio.run(_generate_error(small_pool_deployment.router_address,
                                         client.make_request([1] * 500, max_tokens=600)))
-    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error.details()
-    assert "decode" in error.details()
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+    assert "sampling.max_tokens" in error.details() and "1024 tokens" in error.details()
     got = asyncio.run(client.generate(small_pool_deployment.router_address,
                                       client.make_request([1] * 500, max_tokens=8,
                                                           ignore_eos=True)))
