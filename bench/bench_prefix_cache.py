@@ -234,7 +234,8 @@ def run_once(setup: Setup, model: str, args: argparse.Namespace, log_dir: Path) 
     deployment = Deployment(model=model, num_prefill=2, num_decode=2,
                             torch_threads=args.torch_threads,
                             worker_args=[*args.worker_args, *setup.worker_args],
-                            router_args=[*args.router_args, *setup.router_args],
+                            router_args=[*args.router_args, *setup.router_args,
+                                         "--enable-prompt-tokens-details"],
                             log_dir=run_log_dir)
     with deployment:
         address = deployment.router_address

@@ -8,7 +8,7 @@ import argparse
 
 from deploy.default_model import ensure_default_model
 from deploy.policy_args import policy_args, policy_settings
-from deploy.security_args import security_settings, tls_args
+from deploy.security_args import api_keys, public_access_args, security_settings, tls_args
 from kvferry.settings import (
     ATTENTION_BACKENDS,
     COMPILE_MODES,
@@ -161,6 +161,7 @@ def _deployment_args(p: argparse.ArgumentParser) -> None:
                    help="with --kv-transport ray: an existing cluster (auto, ray://HOST:PORT); "
                         "default: start a local Ray instance")
     tls_args(p)
+    public_access_args(p)
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -169,6 +170,12 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
         p.add_argument(flag, type=kind, default=None)
     p.add_argument("--stop", action="append", default=[])
     p.add_argument("--ignore-eos", action="store_true")
+
+
+def _client_key_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="the router's API key, sent as `authorization: Bearer KEY` (default: "
+                        "$KVFERRY_API_KEY)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -227,6 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also serve the OpenAI-compatible HTTP API here (0: any free port)")
     for flag, default, help_text in PublicLimits.flags():  # public input limits
         p.add_argument(flag, type=int, default=default, help=help_text)
+    public_access_args(p)
 
     p = sub.add_parser("serve", help="start router + workers on localhost until Ctrl-C")
     _deployment_args(p)
@@ -238,6 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "applies) instead of a prompt")
     p.add_argument("--address", default="127.0.0.1:50051")
     tls_args(p, is_member=False)
+    _client_key_arg(p)
     _sampling_args(p)
 
     p = sub.add_parser("chat", help="interactive conversation with a running deployment "
@@ -245,6 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("address", help="the router's public HOST:PORT")
     p.add_argument("--system", default=None, help="system message that opens the conversation")
     tls_args(p, is_member=False)
+    _client_key_arg(p)
     _sampling_args(p)
 
     p = sub.add_parser("demo", help="serve, ask one question, print TTFT/ITL, shut down")
@@ -295,6 +305,7 @@ def router_settings(args: argparse.Namespace, model: str | None = None) -> Route
         drain_timeout_s=args.drain_timeout_s, metrics_port=args.metrics_port,
         security=security_settings(args), is_public_client_auth=args.public_client_auth,
         limits=PublicLimits.from_flags(args), http_port=args.http_port,
+        api_keys=api_keys(args), is_prompt_tokens_details=args.enable_prompt_tokens_details,
     )
 
 

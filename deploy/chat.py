@@ -13,7 +13,7 @@ import asyncio
 import sys
 from dataclasses import dataclass, field
 
-from kvferry.settings import SecuritySettings
+from kvferry.rpc.security import Credentials
 
 PROMPT = "> "
 
@@ -36,7 +36,7 @@ class Answer:
     error: str | None = None
 
 
-async def _stream_answer(address: str, tls: SecuritySettings, turns: list[tuple[str, str]],
+async def _stream_answer(address: str, creds: Credentials, turns: list[tuple[str, str]],
                          sampling: dict[str, object], answer: Answer) -> None:
     import grpc
 
@@ -44,7 +44,6 @@ async def _stream_answer(address: str, tls: SecuritySettings, turns: list[tuple[
     from kvferry.rpc import security
 
     request = client.make_request(messages=turns, **sampling)
-    creds = security.load(tls)._replace(token=None)  # the public port takes no cluster token
     async with security.channel(address, creds) as chan:
         try:
             async for msg, _ in client.stream(client.public_stub(chan), request):
@@ -55,14 +54,14 @@ async def _stream_answer(address: str, tls: SecuritySettings, turns: list[tuple[
             answer.error = f"{exc.code().name}: {exc.details()}"
 
 
-def _ask(address: str, tls: SecuritySettings, conversation: Conversation,
+def _ask(address: str, creds: Credentials, conversation: Conversation,
          sampling: dict[str, object]) -> None:
     """Send the conversation, stream the answer, and record it as the assistant's turn.
 
     A failed request drops the user's last turn, so that the history stays a valid chat."""
     answer = Answer()
     try:
-        asyncio.run(_stream_answer(address, tls, list(conversation.turns), sampling, answer))
+        asyncio.run(_stream_answer(address, creds, list(conversation.turns), sampling, answer))
     except KeyboardInterrupt:  # asyncio.run cancelled the call, which cancels the RPC
         print(" [stopped]", flush=True)
     else:
@@ -75,7 +74,7 @@ def _ask(address: str, tls: SecuritySettings, conversation: Conversation,
         conversation.add("assistant", answer.text)
 
 
-def run_chat(address: str, sampling: dict[str, object], tls: SecuritySettings,
+def run_chat(address: str, sampling: dict[str, object], creds: Credentials,
              system: str | None = None) -> int:
     """The interactive loop; returns the exit status (0 on end of input)."""
     conversation = Conversation()
@@ -93,7 +92,7 @@ def run_chat(address: str, sampling: dict[str, object], tls: SecuritySettings,
         if not line.strip():
             continue
         conversation.add("user", line)
-        _ask(address, tls, conversation, sampling)
+        _ask(address, creds, conversation, sampling)
 
 
 __all__ = ["Answer", "Conversation", "run_chat"]

@@ -11,12 +11,20 @@ import importlib.util
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from deploy.args import DEMO_QUESTION, build_parser
 from deploy.default_model import ensure_default_model
 from deploy.preflight import check_inputs
-from deploy.security_args import security_argv, security_settings
-from kvferry.settings import SecuritySettings
+from deploy.security_args import (
+    public_access_argv,
+    public_client_credentials,
+    security_argv,
+    security_settings,
+)
+
+if TYPE_CHECKING:
+    from kvferry.rpc.security import Credentials
 
 
 def _sampling_kwargs(args: argparse.Namespace) -> dict[str, object]:
@@ -29,7 +37,7 @@ def _sampling_kwargs(args: argparse.Namespace) -> dict[str, object]:
 
 
 async def _print_stream(address: str, prompt: str | None, sampling: dict[str, object],
-                        tls: SecuritySettings, chat: str | None = None) -> int:
+                        creds: Credentials, chat: str | None = None) -> int:
     import grpc
 
     from deploy import client
@@ -37,7 +45,6 @@ async def _print_stream(address: str, prompt: str | None, sampling: dict[str, ob
 
     request = (client.make_request(prompt, **sampling) if chat is None
                else client.make_request(messages=[("user", chat)], **sampling))
-    creds = security.load(tls)._replace(token=None)  # the public port takes no cluster token
     async with security.channel(address, creds) as chan:
         stub = client.public_stub(chan)
         completion = client.Completion()
@@ -68,7 +75,7 @@ def _deployment(args: argparse.Namespace):
         compile=args.compile, compile_batch_sizes=args.compile_batch_sizes,
         router_args=([] if args.metrics_port is None else ["--metrics-port",
                                                             str(args.metrics_port)])
-        + security_argv(args),
+        + security_argv(args) + public_access_argv(args),
         worker_args=security_argv(args) + ([] if args.prefix_caching
                                            else ["--no-prefix-caching"])
         + (["--kv-transport", "nixl"] if args.kv_transport == "nixl" else [])
@@ -131,7 +138,7 @@ def _demo(args: argparse.Namespace) -> int:
             print(f"> {chat}", flush=True)
         sampling = {"temperature": 0.0, **_sampling_kwargs(args)}  # greedy unless told
         code = asyncio.run(_print_stream(deployment.router_address, args.prompt, sampling,
-                                         security_settings(args), chat))
+                                         public_client_credentials(args), chat))
     print(f"logs: {log_dir}")
     return code
 
@@ -213,12 +220,12 @@ def main(argv: list[str] | None = None) -> int:
             print("generate: give exactly one of PROMPT and --chat", file=sys.stderr)
             return 2
         return asyncio.run(_print_stream(args.address, args.prompt, _sampling_kwargs(args),
-                                         security_settings(args), chat=args.chat))
+                                         public_client_credentials(args), chat=args.chat))
     if args.command == "chat":
         from deploy.chat import run_chat
 
-        return run_chat(args.address, _sampling_kwargs(args), security_settings(args),
-                        system=args.system)
+        return run_chat(args.address, _sampling_kwargs(args),
+                        public_client_credentials(args), system=args.system)
     if args.command == "demo":
         return _demo(args)
     if args.command == "bench":

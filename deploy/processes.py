@@ -205,6 +205,7 @@ async def build_router(settings: RouterSettings) -> Built:
 
     from router import server as router_server
     from router.engine import Router
+    from router.identity import ApiKeys
     from router.leases import renew_loop
     from router.policy import make_policy
     from router.workers import WorkerSet
@@ -227,7 +228,12 @@ async def build_router(settings: RouterSettings) -> Built:
     policy = make_policy(settings.policy, settings.prefix_weight, settings.load_weight,
                          settings.prefill_prefix_weight, settings.demand_weight)
     router = Router(config, tokenizer, workers, settings.lease_s, policy,
-                    settings.local_prefill_threshold, limits=settings.limits)
+                    settings.local_prefill_threshold, limits=settings.limits,
+                    is_prompt_tokens_details=settings.is_prompt_tokens_details)
+    keys = ApiKeys(settings.api_keys)
+    if keys.is_enabled and not settings.security.is_tls:
+        log.warning("API keys on plaintext public ports: keys travel in the clear unless a "
+                    "TLS-terminating proxy fronts the router (--tls-cert/--tls-key)")
     log.info("router instance %s: downstream request ids are <id>@%s", router.instance_id,
              router.instance_id)
     tasks.append(asyncio.create_task(_refresh_loop(workers)))
@@ -243,7 +249,7 @@ async def build_router(settings: RouterSettings) -> Built:
         router_metrics = metrics.RouterMetrics(registry)
         router.downstream.on_prefill_retry = router_metrics.prefill_retries.inc
         metrics_port = metrics.serve(settings.metrics_port, settings.host, registry)
-    router_server.add_to_server(server, router, router_metrics)
+    router_server.add_to_server(server, router, router_metrics, keys)
     grpc_util.add_reflection(server, router_server.SERVICE_NAMES)
     port = security.add_port(server, f"{settings.host}:{settings.port}", creds,
                              require_client_auth=settings.is_public_client_auth)
@@ -253,7 +259,7 @@ async def build_router(settings: RouterSettings) -> Built:
 
         http = HttpFront(router, settings.model, settings.host, settings.http_port,
                          settings.security, settings.is_public_client_auth, router_metrics,
-                         settings.drain_timeout_s)
+                         settings.drain_timeout_s, keys)
 
     async def on_stop() -> None:
         for task in tasks:

@@ -4,8 +4,15 @@ their settings: one place for `deploy.args` and the commands that pass them on."
 from __future__ import annotations
 
 import argparse
+import os
+from typing import TYPE_CHECKING
 
 from kvferry.settings import SecuritySettings
+
+if TYPE_CHECKING:
+    from kvferry.rpc.security import Credentials
+
+API_KEY_ENV = "KVFERRY_API_KEY"  # vLLM reads VLLM_API_KEY the same way
 
 
 def tls_args(p: argparse.ArgumentParser, is_member: bool = True,
@@ -47,3 +54,64 @@ def security_argv(args: argparse.Namespace) -> list[str]:
         if value is not None:
             argv += [f"--{name.replace('_', '-')}", str(value)]
     return argv
+
+
+def public_access_args(p: argparse.ArgumentParser) -> None:
+    """The router's public-API identity flags (router, serve, demo)."""
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="require `Authorization: Bearer KEY` on the public APIs (HTTP /v1/*, "
+                        "every gRPC GenerationService call); repeatable, each key a tenant "
+                        f"with its own prefix cache and request ids; also ${API_KEY_ENV}. "
+                        "A command line is visible to local users: prefer --api-keys-file")
+    p.add_argument("--api-keys-file", default=None, metavar="PATH",
+                   help="API keys, one per line (# comments), as --api-key")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="report each request's cached prompt tokens (HTTP usage."
+                        "prompt_tokens_details, gRPC Usage.cached_prompt_tokens and K/V bytes "
+                        "shipped); off by default: they tell a client what other requests of "
+                        "its cache namespace sent")
+
+
+def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    """Every API key of a command line: --api-key, --api-keys-file, then $KVFERRY_API_KEY."""
+    from router.identity import check_key, read_keys_file
+
+    keys = list(getattr(args, "api_key", None) or [])
+    if getattr(args, "api_keys_file", None):
+        keys += read_keys_file(args.api_keys_file)
+    if os.environ.get(API_KEY_ENV):
+        keys.append(os.environ[API_KEY_ENV].strip())
+    for key in keys:
+        check_key(key)
+    return tuple(dict.fromkeys(keys))
+
+
+def public_access_argv(args: argparse.Namespace) -> list[str]:
+    """The flags above as a command line, for serve/demo to pass to the router (the
+    environment variable reaches it by inheritance)."""
+    argv = []
+    for key in getattr(args, "api_key", None) or []:
+        argv += ["--api-key", key]
+    if getattr(args, "api_keys_file", None):
+        argv += ["--api-keys-file", args.api_keys_file]
+    if getattr(args, "enable_prompt_tokens_details", False):
+        argv.append("--enable-prompt-tokens-details")
+    return argv
+
+
+def client_api_key(args: argparse.Namespace) -> str | None:
+    """The key a client command sends: its --api-key (the first, for serve/demo), else
+    $KVFERRY_API_KEY."""
+    given = getattr(args, "api_key", None)
+    if isinstance(given, list):
+        given = given[0] if given else None
+    return given or os.environ.get(API_KEY_ENV) or None
+
+
+def public_client_credentials(args: argparse.Namespace) -> Credentials:
+    """What a client of the public port dials with: TLS per the flags, no cluster token, and
+    the API key (as `authorization: Bearer`) when there is one."""
+    from kvferry.rpc import security
+
+    creds = security.load(security_settings(args))._replace(token=None)
+    return creds._replace(token=client_api_key(args))

@@ -24,6 +24,10 @@ class AlreadyExists(KvferryError):
     reservation whose K/V is complete."""
 
 
+class Unauthenticated(KvferryError):
+    """A public call without a valid API key (UNAUTHENTICATED; HTTP 401)."""
+
+
 class ResourceExhausted(KvferryError):
     """Not enough K/V blocks or queue room (RESOURCE_EXHAUSTED)."""
 

@@ -294,6 +294,9 @@ class RouterSettings:
     # The OpenAI-compatible HTTP API on this port (0: any free one; None: not served); TLS
     # and client-certificate settings apply to it as to the public gRPC port.
     http_port: int | None = None
+    # Bearer keys of the public APIs, each a tenant (router/identity.py); () : none asked.
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    is_prompt_tokens_details: bool = False  # report cached prompt tokens to clients
 
     def __post_init__(self) -> None:
         if self.is_public_client_auth and self.security.tls_ca is None:

@@ -17,7 +17,6 @@ from concurrent.futures import ThreadPoolExecutor
 from kvferry import trace
 from kvferry.errors import (
     DeadlineExceeded,
-    InvalidArgument,
     NotFound,
     Remote,
     Unavailable,
@@ -30,10 +29,11 @@ from router.decode_client import MuxItem, StreamBroken
 from router.detok import IncrementalDetokenizer
 from router.downstream import Downstream
 from router.events import ChunkEvent, DoneEvent, Timing
+from router.identity import ANONYMOUS, Caller, tenant_salt
 from router.policy import HeadroomPolicy, Policy
 from router.prompt_bounds import PromptBounds, check_prompt_bounds
 from router.records import DecodeStart, DecodeUpdate
-from router.request import RouterRequest, remaining_s
+from router.request import OpenRequests, RouterRequest, remaining_s
 from router.validation import GenerateInput
 from router.workers import WorkerSet
 
@@ -61,17 +61,23 @@ async def _next_update(updates: asyncio.Queue[MuxItem], deadline: float | None
 
 class Router:
     """One router instance. A request keeps the id its client chose (or a random one) in
-    public; downstream it is `<id>@<instance_id>`, so that two routers sharing workers never
-    collide on an id, and an Abort reaches only the requests of the router that got it."""
+    public, within its caller's scope (router/identity.py); downstream it is
+    `<id>@<instance_id>.<n>`, so two routers or two scopes sharing workers never collide on
+    an id. `open` is the table of open requests (one cap for both fronts); cached prompt
+    tokens are reported only with `is_prompt_tokens_details` (they reveal others' prompts)."""
 
     def __init__(self, config: ModelConfig, tokenizer: object, workers: WorkerSet,
                  lease_s: float = DEFAULT_LEASE_S, policy: Policy | None = None,
                  local_prefill_threshold: int = 0, admission_timeout_s: float = 30.0,
-                 max_migrations: int = 2, limits: PublicLimits | None = None) -> None:
+                 max_migrations: int = 2, limits: PublicLimits | None = None,
+                 is_prompt_tokens_details: bool = False) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.limits = limits or PublicLimits()
+        self.is_prompt_tokens_details = is_prompt_tokens_details
         self.instance_id = uuid.uuid4().hex[:12]
+        self.open = OpenRequests(self.limits.max_streams)
+        self._num_started = 0
         # Tokenization and chat templates run here, one at a time, off the event loop.
         self._tokenize = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         # Prompts handed to that thread at once: the rest wait here, where a client that
@@ -82,14 +88,14 @@ class Router:
         self.downstream = Downstream(workers, policy or HeadroomPolicy(), lease_s,
                                      local_prefill_threshold, admission_timeout_s)
         self.max_migrations = max_migrations
-        self._running: dict[str, RouterRequest] = {}
 
     def requests(self) -> list[RouterRequest]:
         """The requests running now (their state)."""
-        return list(self._running.values())
+        return self.open.states()
 
     # ---- the request ---------------------------------------------------------------------
-    async def generate(self, inp: GenerateInput, timeout_s: float | None
+    async def generate(self, inp: GenerateInput, timeout_s: float | None,
+                       caller: Caller = ANONYMOUS
                        ) -> AsyncIterator[ChunkEvent | DoneEvent | str]:
         """Yields the request id first, then chunks, then exactly one DoneEvent."""
         received = time.perf_counter()
@@ -105,15 +111,15 @@ class Router:
                     self._tokenize, validation.prompt_ids, inp, self.config, self.tokenizer)
         params = validation.resolve_sampling(inp, self.config, len(prompt))
         request_id = inp.request_id or uuid.uuid4().hex
-        if request_id in self._running:
-            raise InvalidArgument(f"request_id {request_id!r} is already running", "request_id")
-        state = RouterRequest(f"{request_id}@{self.instance_id}", cache_salt=inp.cache_salt)
-        self._running[request_id] = state
+        self._num_started += 1
+        state = RouterRequest(f"{request_id}@{self.instance_id}.{self._num_started:x}",
+                              cache_salt=tenant_salt(caller.tenant, inp.cache_salt))
+        self.open.add(caller.scope, request_id, state)
         yield request_id
         try:
             await self.workers.revive()
             async for event in self._run(state, prompt, params, received, deadline):
-                if isinstance(event, DoneEvent):
+                if isinstance(event, DoneEvent) and self.is_prompt_tokens_details:
                     event = event._replace(cached_prompt_tokens=state.num_cached_tokens,
                                            kv_bytes_not_shipped=state.kv_bytes_not_shipped,
                                            kv_bytes_shipped=state.kv_bytes_shipped)
@@ -123,7 +129,7 @@ class Router:
                                  n=len(event.token_ids), t_in=state.last_token_s,
                                  t_out=time.monotonic())
         finally:
-            self._running.pop(request_id, None)
+            self.open.remove(caller.scope, request_id)
             # Shielded: a second cancellation (client gone, deadline) must not cut the
             # release short and leave blocks held downstream.
             release = asyncio.ensure_future(self.downstream.release(state))
@@ -293,9 +299,11 @@ class Router:
         yield DoneEvent(reason, num_prompt, len(generated), timing._replace(
             first_decode_step_s=first_step_s))
 
-    def abort(self, request_id: str) -> asyncio.Future[None] | None:
-        """Abort a running request; its stream ends with finish reason ABORT."""
-        state = self._running.get(request_id)
+    def abort(self, request_id: str, caller: Caller = ANONYMOUS
+              ) -> asyncio.Future[None] | None:
+        """Abort a running request of `caller`'s scope (another scope's is not found); its
+        stream ends with finish reason ABORT."""
+        state = self.open.find(caller.scope, request_id)
         if state is None:
             raise NotFound(f"no running request with request_id {request_id!r}", "request_id")
         state.is_aborted = True

@@ -36,7 +36,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvferry import logs
 from kvferry.errors import Internal, NotFound, ResourceExhausted
@@ -47,6 +47,7 @@ from router.engine import Router
 from router.events import ChunkEvent, DoneEvent
 from router.http_body import BodyParser, BodyRefusal
 from router.http_conn import ConnectionLimits, bounded_protocol, fd_bounded_connections
+from router.identity import ApiKeys, Caller
 from router.openai_errors import ApiError, api_error, failure
 from router.openai_reply import SSE_DONE, Reply, model_list_json
 from router.openai_schema import (
@@ -107,6 +108,31 @@ class EventStream(StreamingResponse):
             await self._on_close()
 
 
+class KeyCheck:
+    """ASGI middleware: with API keys, every `/v1/` request must carry `Authorization: Bearer
+    <key>`; others get 401 and an OpenAI error object before their body is read. The key's
+    tenant goes into the request's state (`request.state.tenant`)."""
+
+    def __init__(self, app: ASGIApp, keys: ApiKeys) -> None:
+        self.app = app
+        self.keys = keys
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (scope["type"] == "http" and self.keys.is_enabled
+                and scope["path"].startswith("/v1/")):
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+            tenant = self.keys.tenant_of(given)
+            if tenant is None:
+                error = api_error(401, "missing or invalid API key: send the header "
+                                  "`Authorization: Bearer <key>`", None, "invalid_api_key",
+                                  "UNAUTHENTICATED")
+                await Response(error.body, 401, media_type="application/json",
+                               headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+                return
+            scope.setdefault("state", {})["tenant"] = tenant
+        await self.app(scope, receive, send)
+
+
 class _Server(uvicorn.Server):
     def capture_signals(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()  # the router process owns SIGTERM and drains us
@@ -120,12 +146,13 @@ class HttpFront:
 
     def __init__(self, router: Router, model: str, host: str, port: int,
                  security: SecuritySettings, require_client_auth: bool,
-                 metrics: RouterMetrics | None, drain_timeout_s: float) -> None:
+                 metrics: RouterMetrics | None, drain_timeout_s: float,
+                 keys: ApiKeys | None = None) -> None:
         self.router = router
         self.model = served_model_name(model)
         self._model_names = {self.model, model}  # the name, or the --model given
         self.metrics = metrics
-        self.num_streams = 0  # requests open, against the router's --max-streams
+        self.keys = keys or ApiKeys()
         self.is_serving = False
         limits = router.limits
         # A request needs at most a value per token of context (token-id prompts, stop ids)
@@ -154,7 +181,7 @@ class HttpFront:
         self.port: int = self._socket.getsockname()[1]
         self._task: asyncio.Task[None] | None = None
 
-    def _app(self) -> FastAPI:
+    def _app(self) -> ASGIApp:
         # Bodies are capped as the gRPC port caps messages (413 past it).
         app = FastAPI(title="kvferry", summary="OpenAI-compatible API of a kvferry router",
                       max_body_size=PUBLIC_MAX_RECEIVE_BYTES)
@@ -164,7 +191,7 @@ class HttpFront:
         app.add_api_route("/health", self._health, methods=["GET"])
         app.add_exception_handler(RequestValidationError, self._invalid_body)  # type: ignore[arg-type]
         app.add_exception_handler(HTTPException, self._http_error)  # type: ignore[arg-type]
-        return app
+        return KeyCheck(app, self.keys)
 
     async def start(self) -> None:
         self._bodies.start()
@@ -234,19 +261,19 @@ class HttpFront:
         request_id = prefix + uuid.uuid4().hex
         logs.request_id.set(request_id)
         clock = StreamClock(self.metrics)
-        limit = self.router.limits.max_streams
-        if self.num_streams >= limit:
-            return self._failed(clock, failure(ResourceExhausted(
-                f"the router has {limit} requests open (its --max-streams); retry later"),
-                request_id, body))
-        self.num_streams += 1
+        try:
+            self.router.open.open_stream()
+        except ResourceExhausted as exc:
+            return self._failed(clock, failure(exc, request_id, body))
+        tenant = getattr(request.state, "tenant", "")
+        caller = Caller(tenant, tenant or "http")  # ids made up here: no other client knows one
         events: AsyncIterator[str | Event] | None = None
         is_streaming = False
         try:
             if body.model is not None and body.model not in self._model_names:
                 raise NotFound(f"model: {body.model!r} is not served here; this server serves "
                                f"{self.model!r} (GET /v1/models)", "model")
-            events = self.router.generate(body.to_input(request_id), None)
+            events = self.router.generate(body.to_input(request_id), None, caller)
             reply = Reply(request_id, self.model, isinstance(body, ChatCompletionRequest),
                           body.include_usage, body.return_token_ids)
             if not body.stream:
@@ -272,7 +299,7 @@ class HttpFront:
                      clock: StreamClock) -> None:
         """The request is over for this front: its generator closed (which releases it on
         the workers if it was still running), its slot freed, a cut-off stream counted."""
-        self.num_streams -= 1
+        self.router.open.close_stream()
         clock.failed(grpc.StatusCode.CANCELLED.name)  # no-op once done or failed was recorded
         if events is not None:
             await events.aclose()  # type: ignore[attr-defined]

@@ -14,9 +14,11 @@ from router.openai_reply import error_json
 from router.openai_schema import OpenAIRequest
 from router.public_errors import public_status
 
-HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND: 404,
+HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.UNAUTHENTICATED: 401,
+               grpc.StatusCode.NOT_FOUND: 404,
                grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.UNAVAILABLE: 503}
-ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error",
+ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
+               404: "invalid_request_error",
                413: "invalid_request_error", 429: "rate_limit_error",
                503: "service_unavailable_error"}  # others: server_error
 

@@ -1,11 +1,13 @@
 """One request's state in the router, shared by the engine (its flow) and `Downstream` (its
-calls to the workers), and the deadline arithmetic both use."""
+calls to the workers); the table of the router's open requests; and the deadline arithmetic
+they use."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 
+from kvferry.errors import InvalidArgument, ResourceExhausted
 from router.prefill_client import PrefillCall
 from router.workers import Worker
 
@@ -46,3 +48,39 @@ class RouterRequest:
 def remaining_s(deadline: float | None) -> float | None:
     """Seconds left before a monotonic `deadline` (None: no deadline), never zero."""
     return None if deadline is None else max(deadline - time.monotonic(), 0.001)
+
+
+class OpenRequests:
+    """The router's public requests: how many are open on both fronts together (against
+    `--max-streams`), and the running ones by (caller scope, public id), so that an id is
+    unique, and found, only within its caller's scope (router/identity.py)."""
+
+    def __init__(self, max_streams: int) -> None:
+        self.max_streams = max_streams
+        self.num_streams = 0
+        self._running: dict[tuple[str, str], RouterRequest] = {}
+
+    def open_stream(self) -> None:
+        """Count a request in, or refuse it (ResourceExhausted) at the cap."""
+        if self.num_streams >= self.max_streams:
+            raise ResourceExhausted(f"the router has {self.max_streams} requests open (its "
+                                    "--max-streams); retry later")
+        self.num_streams += 1
+
+    def close_stream(self) -> None:
+        self.num_streams -= 1
+
+    def add(self, scope: str, request_id: str, state: RouterRequest) -> None:
+        if (scope, request_id) in self._running:
+            raise InvalidArgument(f"request_id {request_id!r} is already running",
+                                  "request_id")
+        self._running[(scope, request_id)] = state
+
+    def find(self, scope: str, request_id: str) -> RouterRequest | None:
+        return self._running.get((scope, request_id))
+
+    def remove(self, scope: str, request_id: str) -> None:
+        self._running.pop((scope, request_id), None)
+
+    def states(self) -> list[RouterRequest]:
+        return list(self._running.values())

@@ -1,8 +1,10 @@
 """gRPC edge of the router: the public GenerationService.
 
 Requests are parsed here (a string field with invalid UTF-8 is answered INVALID_ARGUMENT
-naming it, kvferry.rpc.proto_utf8), open Generate streams are capped (PublicLimits.max_streams,
-RESOURCE_EXHAUSTED past it), and failures reach clients through router.public_errors."""
+naming it, kvferry.rpc.proto_utf8), callers are identified (router/identity.py: API keys,
+UNAUTHENTICATED without a valid one), open requests are capped by the router
+(PublicLimits.max_streams, both fronts together, RESOURCE_EXHAUSTED past it), and failures
+reach clients through router.public_errors."""
 
 from __future__ import annotations
 
@@ -16,13 +18,15 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from kvferry import logs
-from kvferry.errors import InvalidArgument, ResourceExhausted
+from kvferry.errors import InvalidArgument, ResourceExhausted, Unauthenticated
 from kvferry.rpc import convert, grpc_util
 from kvferry.rpc.metrics import RouterMetrics
 from kvferry.rpc.proto_utf8 import Malformed, invalid_utf8_field
+from kvferry.rpc.security import TOKEN_METADATA_KEY
 from kvferry.v1 import generation_pb2, generation_pb2_grpc
 from router.engine import Router
 from router.events import ChunkEvent, DoneEvent
+from router.identity import ApiKeys, Caller
 from router.public_errors import public_status
 from router.stream_clock import StreamClock
 from router.validation import ChatMessage, GenerateInput
@@ -87,36 +91,51 @@ def _parser(message: type) -> Callable[[bytes], object]:
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
-    def __init__(self, router: Router, metrics: RouterMetrics | None = None) -> None:
+    """Every RPC first establishes its caller (router/identity.py): with API keys, a call
+    without a valid `authorization: Bearer <key>` is refused UNAUTHENTICATED before its
+    request is looked at; without keys, the caller's scope is its connection."""
+
+    def __init__(self, router: Router, metrics: RouterMetrics | None = None,
+                 keys: ApiKeys | None = None) -> None:
         self.router = router
         self.metrics = metrics
-        self.num_streams = 0  # open Generate streams
+        self.keys = keys or ApiKeys()
+
+    async def _caller(self, context: grpc.aio.ServicerContext) -> Caller:
+        if not self.keys.is_enabled:
+            return Caller("", f"grpc:{context.peer()}")
+        given = next((value for key, value in context.invocation_metadata() or ()
+                      if key == TOKEN_METADATA_KEY), None)
+        tenant = self.keys.tenant_of(given)
+        if tenant is None:
+            await context.abort(*grpc_util.describe(Unauthenticated(
+                "missing or invalid API key: send the metadata `authorization: Bearer <key>`")))
+        return Caller(tenant, tenant)
 
     async def Generate(self, request: generation_pb2.GenerateRequest | Unparsable,
                        context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        caller = await self._caller(context)
         if isinstance(request, Unparsable):
             await context.abort(*grpc_util.describe(request.error))
-        limit = self.router.limits.max_streams
-        if self.num_streams >= limit:
-            await context.abort(*grpc_util.describe(ResourceExhausted(
-                f"the router has {limit} Generate streams open (its --max-streams); retry "
-                "later")))
-        self.num_streams += 1
         try:
-            async for response in self._generate(request, context):
+            self.router.open.open_stream()
+        except ResourceExhausted as exc:
+            await context.abort(*grpc_util.describe(exc))
+        try:
+            async for response in self._generate(request, context, caller):
                 yield response
         finally:
-            self.num_streams -= 1
+            self.router.open.close_stream()
 
     async def _generate(self, request: generation_pb2.GenerateRequest,
-                        context: grpc.aio.ServicerContext
+                        context: grpc.aio.ServicerContext, caller: Caller
                         ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         request_id = request.request_id
         logs.request_id.set(request_id)
         clock = StreamClock(self.metrics)
         try:
-            events = self.router.generate(_input(request), context.time_remaining())
+            events = self.router.generate(_input(request), context.time_remaining(), caller)
             async with aclosing(events):
                 async for event in events:
                     if isinstance(event, str):
@@ -147,10 +166,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     async def Abort(self, request: generation_pb2.AbortRequest | Unparsable,
                     context: grpc.aio.ServicerContext) -> generation_pb2.AbortResponse:
+        caller = await self._caller(context)
         if isinstance(request, Unparsable):
             await context.abort(*grpc_util.describe(request.error))
         try:
-            pending = self.router.abort(request.request_id)
+            pending = self.router.abort(request.request_id, caller)
             if pending is not None:
                 await pending
         except Exception as exc:
@@ -159,6 +179,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     async def GetModelInfo(self, request: generation_pb2.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> generation_pb2.ModelInfo:
+        await self._caller(context)
         cfg = self.router.config
         layout = next((w.layout for w in self.router.workers.workers if w.layout), None)
         return generation_pb2.ModelInfo(
@@ -174,10 +195,10 @@ SERVICE_NAMES = ["kvferry.v1.GenerationService"]
 
 
 def add_to_server(server: grpc.aio.Server, router: Router,
-                  metrics: RouterMetrics | None = None) -> None:
+                  metrics: RouterMetrics | None = None, keys: ApiKeys | None = None) -> None:
     """GenerationService with the parsers above (the generated registration would answer an
     unparsable request with a bare INTERNAL)."""
-    servicer = GenerationServicer(router, metrics)
+    servicer = GenerationServicer(router, metrics, keys)
     pb = generation_pb2
     handlers = {
         "Generate": grpc.unary_stream_rpc_method_handler(

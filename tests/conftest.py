@@ -134,6 +134,8 @@ def _start(model: Path, tmp: Path, **kwargs: object) -> Deployment:
 
 
 METRICS = ["--metrics-port", "0"]
+# Usage reports cached prompt tokens only when the router is told to (router/identity.py).
+DETAILS = ["--enable-prompt-tokens-details"]
 
 
 @pytest.fixture(scope="session")
@@ -141,7 +143,7 @@ def qwen3_deployment(qwen3_checkpoint: Path, tmp_path_factory: pytest.TempPathFa
                      ) -> Iterator[Deployment]:
     """The main test deployment; every process serves Prometheus metrics too."""
     deployment = _start(qwen3_checkpoint, tmp_path_factory.mktemp("qwen3-logs"),
-                        worker_args=METRICS, router_args=METRICS)
+                        worker_args=METRICS, router_args=[*METRICS, *DETAILS])
     yield deployment
     deployment.stop()
 
@@ -158,7 +160,7 @@ def llama_deployment(llama_checkpoint: Path, tmp_path_factory: pytest.TempPathFa
 def colocated_deployment(qwen3_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
                          ) -> Iterator[Deployment]:
     deployment = _start(qwen3_checkpoint, tmp_path_factory.mktemp("colocated-logs"),
-                        is_colocated=True)
+                        is_colocated=True, router_args=DETAILS)
     yield deployment
     deployment.stop()
 
@@ -205,7 +207,7 @@ def _start_ray(model: Path, **kwargs: object) -> Deployment:
 
 @pytest.fixture(scope="session")
 def qwen3_ray_deployment(qwen3_checkpoint: Path, ray_session: None) -> Iterator[Deployment]:
-    deployment = _start_ray(qwen3_checkpoint)
+    deployment = _start_ray(qwen3_checkpoint, router_args=DETAILS)
     yield deployment
     deployment.stop()
 

@@ -234,7 +234,8 @@ def run(args: argparse.Namespace) -> int:
     launch = Deployment(model=args.model, num_prefill=args.num_prefill,
                         num_decode=args.num_decode, kv_pool_size=args.kv_pool_size,
                         torch_threads=args.torch_threads, log_dir=args.launch_log_dir,
-                        compile=args.compile, compile_batch_sizes=args.compile_batch_sizes)
+                        compile=args.compile, compile_batch_sizes=args.compile_batch_sizes,
+                        router_args=["--enable-prompt-tokens-details"])  # cache hit rates
     if args.trace is not None:  # launched workers inherit the variable
         os.environ[trace.TRACE_ENV] = str(args.trace)
         trace.switch("client", args.trace)

@@ -17,7 +17,7 @@ from deploy.launcher import Deployment
 from kvferry.rpc import grpc_util
 from kvferry.settings import DEFAULT_BLOCK_SIZE
 from kvferry.v1 import generation_pb2_grpc
-from tests.conftest import assert_pools_clean, busy_process
+from tests.conftest import DETAILS, assert_pools_clean, busy_process
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +32,7 @@ def test_decode_worker_killed_mid_stream(seed: int | None, transport: str,
     undisturbed = asyncio.run(client.generate(qwen3_deployment.router_address, request, 120))
 
     with Deployment(model=str(qwen3_checkpoint), num_decode=2, log_dir=tmp_path,
-                    worker_args=["--kv-transport", transport]) as deployment:
+                    worker_args=["--kv-transport", transport], router_args=DETAILS) as deployment:
         # The same request once undisturbed here first: the prefix caches hold its K/V, so
         # the migrated leg's prefill starts from cached blocks (issue 18, acceptance 1).
         warm = asyncio.run(client.generate(deployment.router_address, request, 120))

@@ -20,6 +20,8 @@ from kvferry.model.sampling import FinishReason
 from kvferry.settings import PublicLimits, SecuritySettings
 from router.events import ChunkEvent, DoneEvent, Timing
 from router.http_front import HttpFront
+from router.identity import ANONYMOUS, Caller
+from router.request import OpenRequests
 from router.validation import GenerateInput
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
@@ -37,10 +39,13 @@ class FakeRouter:
         self.texts = texts  # token i's text, "" where it is held back; else "t{i} "
         self.closed = asyncio.Event()
         self.inputs: list[GenerateInput] = []
+        self.callers: list[Caller] = []
+        self.open = OpenRequests(max_streams)  # the real cap
 
-    async def generate(self, inp: GenerateInput, timeout_s: float | None
-                       ) -> AsyncIterator[object]:
+    async def generate(self, inp: GenerateInput, timeout_s: float | None,
+                       caller: Caller = ANONYMOUS) -> AsyncIterator[object]:
         self.inputs.append(inp)
+        self.callers.append(caller)
         try:
             yield inp.request_id
             for i in range(self.num_tokens):
@@ -80,7 +85,7 @@ def test_a_client_leaving_mid_stream_closes_the_request() -> None:
                 assert json.loads((await anext(lines))[6:])["choices"][0]["delta"]["role"] == \
                     "assistant"
         await asyncio.wait_for(router.closed.wait(), 5)
-        assert front.num_streams == 0
+        assert front.router.open.num_streams == 0
 
     _serve(router, test)
 
@@ -93,7 +98,7 @@ def test_a_client_leaving_before_a_whole_answer_closes_the_request() -> None:
             with pytest.raises(httpx.ReadTimeout):
                 await client.post("/v1/completions", json={"prompt": "a"}, timeout=0.5)
         await asyncio.wait_for(router.closed.wait(), 5)
-        assert front.num_streams == 0
+        assert front.router.open.num_streams == 0
 
     _serve(router, test)
 
