@@ -6,12 +6,16 @@ poisoned with NaN (the kernel must never read them), and the stage's strided lay
 
 from __future__ import annotations
 
+import logging
+import os
+import shutil
+import stat
 from pathlib import Path
 
 import pytest
 import torch
 
-from kernels import cpu_attention
+from kernels import artifact_cache, cpu_attention
 from kernels.paged_attention_torch import dense_decode_attention
 
 
@@ -84,3 +88,66 @@ def test_built_once_per_cache_and_none_without_a_compiler(
     monkeypatch.setenv("CC", "/bin/false")  # a compiler that fails
     assert cpu_attention.load.__wrapped__(tmp_path / "b") is None
     assert list((tmp_path / "b").iterdir()) == []  # the failed build's scratch is gone
+
+
+def _flip_a_middle_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))  # the same size: only the hash can tell
+
+
+# What a crash, a planted stub or bit rot leaves in a cache entry's file.
+CORRUPTIONS = {
+    "truncated": lambda path: os.truncate(path, path.stat().st_size // 2),
+    "stub": lambda path: path.write_bytes(b"not a library\n"),
+    "hash mismatch": _flip_a_middle_byte,
+}
+
+
+@pytest.fixture(scope="module")
+def built_entry(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A verified library entry, copied by each test into a cache this process never mapped
+    (dlopen of a path already loaded would hand back the old mapping)."""
+    loaded = cpu_attention.load.__wrapped__(tmp_path_factory.mktemp("kernels"))
+    assert loaded is not None
+    return loaded.path.parent
+
+
+def _works(kernel: cpu_attention.CpuAttention | None) -> bool:
+    q, k, v = torch.randn(2, 2, 32), torch.randn(2, 1, 5, 32), torch.randn(2, 1, 5, 32)
+    lens = torch.tensor([5, 3], dtype=torch.int32)
+    return kernel is not None and torch.allclose(
+        kernel(q, k, v, lens, 0.2), dense_decode_attention(q, k, v, lens, 0.2), atol=1e-5)
+
+
+@pytest.mark.parametrize("corruption", sorted(CORRUPTIONS))
+def test_a_bad_library_is_never_loaded_but_rebuilt_with_one_warning(
+        built_entry: Path, tmp_path: Path, corruption: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    cache = tmp_path / "kernels"
+    entry = cache / built_entry.name
+    shutil.copytree(built_entry, entry)
+    CORRUPTIONS[corruption](entry / cpu_attention.LIBRARY)
+    with caplog.at_level(logging.WARNING):
+        loaded = cpu_attention.load.__wrapped__(cache)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and str(entry) in warnings[0], warnings
+    assert loaded is not None and loaded.path == entry / cpu_attention.LIBRARY
+    assert artifact_cache.verify(entry) is None  # a fresh, verified build
+    assert _works(loaded)
+
+
+def test_a_cache_others_may_write_is_refused_with_one_line(
+        built_entry: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    cache = tmp_path / "kernels"
+    planted = cache / built_entry.name
+    shutil.copytree(built_entry, planted)  # as if planted: valid, but anyone could swap it
+    cache.chmod(cache.stat().st_mode | stat.S_IWOTH)
+    with caplog.at_level(logging.WARNING):
+        loaded = cpu_attention.load.__wrapped__(cache)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and f"refusing {cache} " in warnings[0], warnings
+    assert loaded is not None and cache not in loaded.path.parents  # built privately
+    assert artifact_cache.verify(loaded.path.parent) is None
+    assert stat.S_IMODE(loaded.path.parent.parent.stat().st_mode) == 0o700
+    assert _works(loaded)
