@@ -5,8 +5,13 @@ bucket, none after warm-up, and none on a second start (the packages are loaded)
 from __future__ import annotations
 
 import json
+import logging
+import os
 import re
+import shutil
+import stat
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -16,7 +21,7 @@ from kernels import artifact_cache
 from kernels.dispatch import get_attention_backend
 from kvferry.cache.layout import blocks_for_tokens
 from kvferry.cache.pool import KvPool
-from kvferry.model.compiled import AUTO_MODES, CHOICE, PACKAGE, compile_decode
+from kvferry.model.compiled import AUTO_MODES, CHOICE, PACKAGE, CompiledDecode, compile_decode
 from kvferry.model.config import load_model_config
 from kvferry.model.transformer import Transformer
 from kvferry.settings import parse_batch_sizes
@@ -144,3 +149,94 @@ def _rewrite(record: Path, text: str) -> None:
     """Replace a choice record's text, its manifest sealed again (as if written so)."""
     (record / CHOICE).write_text(text)
     artifact_cache.seal(record)
+
+
+def _flip_a_middle_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))  # the same size: only the hash can tell
+
+
+# What a crash, a planted stub or bit rot leaves in a cache entry's file.
+CORRUPTIONS = {
+    "truncated": lambda path: os.truncate(path, path.stat().st_size // 2),
+    "stub": lambda path: path.write_bytes(b"not a package\n"),
+    "hash mismatch": _flip_a_middle_byte,
+}
+
+
+class Cached(NamedTuple):
+    model: Transformer
+    cache: Path  # holds bucket 1's verified "default" package
+    package: Path  # that package's file
+
+
+@pytest.fixture(scope="module")
+def cached(qwen3_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Cached:
+    model = Transformer(load_model_config(qwen3_checkpoint), get_attention_backend("torch"))
+    cache = tmp_path_factory.mktemp("compile-cache")
+    assert compile_decode(model, "default", (1,), cache) is not None
+    return Cached(model, cache, next((cache / "aoti").glob(f"decode-*/{PACKAGE}")))
+
+
+@pytest.fixture
+def copying_build(cached: Cached, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Builds copy the fixture's package (compiling it again would take a minute): what is
+    under test is the cache around the build."""
+    def build(self: CompiledDecode, size: int, mode: str, scratch: Path) -> None:
+        shutil.copy(cached.package, scratch / PACKAGE)
+        self.num_builds += 1
+
+    monkeypatch.setattr(CompiledDecode, "_build", build)
+
+
+@pytest.mark.parametrize("corruption", sorted(CORRUPTIONS))
+@pytest.mark.usefixtures("copying_build")
+def test_a_bad_package_is_never_loaded_but_rebuilt_with_one_warning(
+        cached: Cached, tmp_path: Path, corruption: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    shutil.copytree(cached.cache / "aoti", tmp_path / "aoti")
+    entry = tmp_path / "aoti" / cached.package.parent.name
+    CORRUPTIONS[corruption](entry / PACKAGE)
+    with caplog.at_level(logging.WARNING):
+        compiled = compile_decode(cached.model, "default", (1,), tmp_path)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and str(entry) in warnings[0], warnings
+    assert compiled is not None and (compiled.num_builds, compiled.num_cache_hits) == (1, 0)
+    assert artifact_cache.verify(entry) is None  # a fresh, verified package, then loaded
+    assert (entry / PACKAGE).read_bytes() == cached.package.read_bytes()
+
+
+@pytest.mark.usefixtures("copying_build")
+def test_a_bad_choice_record_is_timed_again_with_one_warning(
+        cached: Cached, tmp_path: Path, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("kvferry.model.compiled.median_ms",
+                        lambda steps: {"default": 1.0, "max-autotune": 2.0})
+    assert compile_decode(cached.model, "auto", (1,), tmp_path) is not None
+    record = next((tmp_path / "aoti").glob("choice-*"))
+    os.truncate(record / CHOICE, 3)
+    with caplog.at_level(logging.WARNING):
+        compiled = compile_decode(cached.model, "auto", (1,), tmp_path)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and str(record) in warnings[0], warnings
+    assert compiled is not None and compiled.step_ms == {1: {"default": 1.0,
+                                                             "max-autotune": 2.0}}
+    assert artifact_cache.verify(record) is None
+    assert json.loads((record / CHOICE).read_text())["mode"] == "default"
+
+
+@pytest.mark.usefixtures("copying_build")
+def test_a_cache_others_may_write_is_refused_with_one_line(
+        cached: Cached, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    shutil.copytree(cached.cache / "aoti", tmp_path / "aoti")  # valid, but anyone could swap it
+    tmp_path.chmod(tmp_path.stat().st_mode | stat.S_IWOTH)
+    with caplog.at_level(logging.WARNING):
+        compiled = compile_decode(cached.model, "default", (1,), tmp_path)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and f"refusing {tmp_path} " in warnings[0], warnings
+    assert compiled is not None and (compiled.num_builds, compiled.num_cache_hits) == (1, 0)
+    assert compiled.cache_dir is not None and compiled.cache_dir != tmp_path  # built privately
+    assert stat.S_IMODE(compiled.cache_dir.stat().st_mode) == 0o700
+    entry = compiled.cache_dir / "aoti" / cached.package.parent.name
+    assert artifact_cache.verify(entry) is None
