@@ -11,8 +11,9 @@ timing), and their request ids live in the tenant's scope, so an Abort or a dupl
 reaches or reveals only the caller's own requests.
 
 Without keys there are no tenants, and a request id's scope is the connection it arrived on
-(the gRPC peer: one client channel is one connection); an Abort from another connection gets
-NOT_FOUND, exactly as for an id that was never used. HTTP requests get ids the server makes up
+(the gRPC peer address); an Abort from another connection gets NOT_FOUND, exactly as for an
+id that was never used. Channels of one client process may share a connection (gRPC's global
+subchannel pool), and so a scope; clients behind one L7 proxy share the proxy's connections. HTTP requests get ids the server makes up
 (`chatcmpl-<uuid4>`), which no other client can guess.
 
 Keys are compared by their SHA-256 digest, never logged; a tenant appears in logs as

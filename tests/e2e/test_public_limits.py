@@ -6,6 +6,7 @@ migrating."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -109,34 +110,79 @@ def test_invalid_utf8_is_invalid_argument_naming_the_field(
     assert details == f"{field}: not valid UTF-8"
 
 
-def test_streams_past_the_cap_are_resource_exhausted(qwen3_checkpoint: Path,
-                                                     tmp_path: Path) -> None:
-    with Deployment(model=str(qwen3_checkpoint), log_dir=tmp_path,
+@pytest.fixture(scope="module")
+def capped_deployment(qwen3_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+                      ) -> Iterator[Deployment]:
+    """Two open requests at most, no API keys, cached tokens not reported (the defaults)."""
+    with Deployment(model=str(qwen3_checkpoint), log_dir=tmp_path_factory.mktemp("capped"),
                     router_args=["--max-streams", "2"]) as deployment:
-        address = deployment.router_address
+        yield deployment
 
-        async def run() -> None:
-            async with grpc_util.channel(address) as chan:
-                stub = client.public_stub(chan)
-                first_tokens = [asyncio.Event(), asyncio.Event()]
 
-                async def long(i: int) -> client.Completion:
-                    completion = client.Completion()
-                    async for _, completion in client.stream(stub, _normal(400), 120):
-                        if completion.token_ids:
-                            first_tokens[i].set()
-                    return completion
+def test_streams_past_the_cap_are_resource_exhausted(capped_deployment: Deployment) -> None:
+    deployment = capped_deployment
+    address = deployment.router_address
 
-                streams = [asyncio.create_task(long(i)) for i in range(2)]
-                await asyncio.wait_for(asyncio.gather(*(e.wait() for e in first_tokens)), 60)
-                code, details = await _status(address, _normal())
-                assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
-                assert "--max-streams" in details
-                for done in await asyncio.gather(*streams):
-                    assert len(done.token_ids) == 400
-            code, _ = await _status(address, _normal())  # room again
-            assert code == grpc.StatusCode.OK
+    async def run() -> None:
+        async with grpc_util.channel(address) as chan:
+            stub = client.public_stub(chan)
+            first_tokens = [asyncio.Event(), asyncio.Event()]
 
-        asyncio.run(run())
-        assert_pools_clean(deployment)
-        assert_alive(deployment)
+            async def long(i: int) -> client.Completion:
+                completion = client.Completion()
+                async for _, completion in client.stream(stub, _normal(400), 120):
+                    if completion.token_ids:
+                        first_tokens[i].set()
+                return completion
+
+            streams = [asyncio.create_task(long(i)) for i in range(2)]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in first_tokens)), 60)
+            code, details = await _status(address, _normal())
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "--max-streams" in details
+            for done in await asyncio.gather(*streams):
+                assert len(done.token_ids) == 400
+        code, _ = await _status(address, _normal())  # room again
+        assert code == grpc.StatusCode.OK
+
+    asyncio.run(run())
+    assert_pools_clean(deployment)
+    assert_alive(deployment)
+
+
+def test_by_default_usage_tells_nothing_of_other_requests_and_abort_stays_on_its_connection(
+        capped_deployment: Deployment) -> None:
+    """Without --enable-prompt-tokens-details a repeated prompt reports no cached tokens and
+    no K/V bytes; without API keys an Abort reaches only requests of its own connection."""
+    address = capped_deployment.router_address
+    prompt = list(range(200, 260))  # three full blocks and a part
+
+    async def run() -> tuple[list[generation_pb2.Usage], client.Completion]:
+        usages = [(await client.generate(address, _normal(4), 60)).finished.usage
+                  for _ in range(2)]
+        # Another client is another connection: gRPC shares one connection between the
+        # channels of a process unless told otherwise.
+        other_client = grpc.aio.insecure_channel(
+            address, options=[("grpc.use_local_subchannel_pool", 1)])
+        async with grpc_util.channel(address) as mine, other_client as other:
+            stub = client.public_stub(mine)
+            stream = client.stream(stub, client.make_request(
+                prompt, "on-my-connection", temperature=0.0, max_tokens=3000, ignore_eos=True),
+                120)
+            _, completion = await anext(stream)
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await client.public_stub(other).Abort(
+                    generation_pb2.AbortRequest(request_id="on-my-connection"), timeout=30)
+            assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+            await stub.Abort(generation_pb2.AbortRequest(request_id="on-my-connection"),
+                             timeout=30)
+            async for _, latest in stream:
+                completion = latest
+        return usages, completion
+
+    usages, completion = asyncio.run(run())
+    assert [(u.cached_prompt_tokens, u.kv_bytes_not_shipped, u.kv_bytes_shipped)
+            for u in usages] == [(0, 0, 0)] * 2
+    assert completion.finished.reason == generation_pb2.FINISH_REASON_ABORT
+    assert len(completion.token_ids) < 3000
+    assert_pools_clean(capped_deployment)
