@@ -79,14 +79,17 @@ def file_sha256(path: Path, memo_dir: Path | None = HASH_MEMO_DIR) -> str:
 
 @functools.cache
 def _memo_usable(memo_dir: Path) -> bool:
-    """Whether `memo_dir` (made when missing) is private to this user; one warning if not."""
+    """Whether `memo_dir` (made when missing) is private to this user and writable: one
+    warning when it is not private, one info line when it cannot be made (a read-only home)."""
     try:
         memo_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        reason = artifact_cache.unsafe_reason(memo_dir)
     except OSError as exc:
-        reason = str(exc)
+        log.info("hash memo: cannot use %s (%s): weight files hashed at every start",
+                 memo_dir, exc)
+        return False
+    reason = artifact_cache.unsafe_reason(memo_dir)
     if reason is not None:
-        log.warning("hash memo: not using %s (%s): weight files hashed at every start",
+        log.warning("hash memo: refusing %s (%s): weight files hashed at every start",
                     memo_dir, reason)
     return reason is None and os.access(memo_dir, os.W_OK)
 

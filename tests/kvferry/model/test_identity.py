@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import shutil
 import struct
 from pathlib import Path
@@ -137,3 +138,17 @@ def test_weight_hashes_are_remembered_until_the_file_changes(
     _change_one_weight_in_the_middle(weights)  # written in place: new mtime and ctime
     identity.file_sha256(weights, memo)
     assert hashed == [weights]
+
+
+def test_a_memo_others_may_write_is_refused_with_one_line(
+        twins: Twins, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    memo = tmp_path / "memo"
+    memo.mkdir()
+    memo.chmod(0o777)  # anyone could plant a hash for a file they changed
+    weights = twins.changed / "model.safetensors"
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            assert identity.file_sha256(weights, memo) == artifact_cache.sha256_file(weights)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and f"refusing {memo} " in warnings[0], warnings
+    assert list(memo.iterdir()) == []  # neither read nor written
