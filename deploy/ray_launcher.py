@@ -4,13 +4,15 @@ Each actor runs the same gRPC server a `kvferry *-worker` / `kvferry router` pro
 built from the same command line, so the control path (router, Generate, Reserve, Decode)
 is identical to the process deployment; only the prefill -> decode page transfer changes
 (kvferry.transfer.ray_push). A local Ray instance is started unless `ray_address` names a
-cluster (or Ray is already initialized, as in the test session). Workers ask Ray for one GPU
-each when the cluster has GPUs; the router actor goes on the head node.
+cluster (or Ray is already initialized, as in the test session); it authenticates every
+connection with Ray's token mode (`start_local_ray`). Workers ask Ray for one GPU each when
+the cluster has GPUs; the router actor goes on the head node.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import socket
 from dataclasses import dataclass, field
 
@@ -24,6 +26,20 @@ from kvferry.transfer.wire import ChunkSpan
 log = logging.getLogger("kvferry.ray")
 
 HEAD_RESOURCE = "node:__internal_head__"  # Ray's built-in resource of the head node
+RAY_AUTH_MODE_ENV = "RAY_AUTH_MODE"
+
+
+def start_local_ray(**options: object) -> object:
+    """Start a local Ray instance whose every connection (GCS, raylet, object manager, Ray
+    client) needs a token. Ray 2.60 does this for a new local instance unless RAY_AUTH_MODE
+    says otherwise: it makes a token (~/.ray/auth_token, or RAY_AUTH_TOKEN /
+    RAY_AUTH_TOKEN_PATH when set) that the processes it starts inherit, and refuses anything
+    without it (tests/deploy/test_ray_auth.py holds Ray to that)."""
+    mode = os.environ.get(RAY_AUTH_MODE_ENV)
+    if mode is not None and mode.lower() != "token":
+        log.warning("%s=%s: this Ray instance authenticates nothing, and anything that reaches "
+                    "its ports can run code here", RAY_AUTH_MODE_ENV, mode)
+    return ray.init(**options)
 
 
 class ServerActor:
@@ -124,8 +140,12 @@ class RayDeployment(Deployment):
         if timeout_s is None:
             timeout_s = 180.0 if self.compile == "off" else 1800.0
         if not ray.is_initialized():
-            ray.init(address=self.ray_address, namespace=NAMESPACE, include_dashboard=False,
-                     log_to_driver=False)
+            options = {"namespace": NAMESPACE, "include_dashboard": False,
+                       "log_to_driver": False}
+            if self.ray_address is None:
+                start_local_ray(**options)
+            else:  # the cluster's own auth settings apply (RAY_AUTH_MODE, RAY_AUTH_TOKEN)
+                ray.init(address=self.ray_address, **options)
             self._owns_ray = True
         try:
             gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
