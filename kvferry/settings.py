@@ -219,7 +219,7 @@ class PublicLimits:
     max_stop_strings: int = 16
     max_stop_bytes: int = 4096  # all stop strings together, UTF-8
     max_prompt_bytes: int = 1 << 20  # prompt text, or all chat messages' content, UTF-8
-    max_streams: int = 1024  # open requests on each public port (gRPC streams, HTTP)
+    max_streams: int = 1024  # open requests, gRPC streams and HTTP together
     max_chat_messages: int = 1024  # messages of one chat conversation
     # The HTTP front's connections (router/http_conn.py): bytes of a request head, seconds to
     # receive one (and the longest gap inside a body), connections open at once (fewer where
@@ -252,8 +252,8 @@ LIMIT_HELP = {
     "max_stop_strings": "most stop strings per request",
     "max_stop_bytes": "most UTF-8 bytes of all stop strings of a request together",
     "max_prompt_bytes": "most UTF-8 bytes of prompt text (or of all chat messages' content)",
-    "max_streams": "most requests open at once on each public port (gRPC Generate streams, "
-                   "HTTP requests); more get RESOURCE_EXHAUSTED (HTTP: 429)",
+    "max_streams": "most requests open at once, both public ports together (gRPC Generate "
+                   "streams and HTTP requests); more get RESOURCE_EXHAUSTED (HTTP: 429)",
     "max_chat_messages": "most messages in one chat conversation (gRPC messages input, HTTP "
                          "chat completions: checked before the body is validated)",
     "http_max_header_bytes": "HTTP: most bytes of a request line and headers; past it 431 and "
