@@ -1,17 +1,27 @@
 """The ray overlay: `kvferry serve --kv-transport=ray` on a KubeRay RayCluster's head (router
 and workers as Ray actors, deploy/ray_launcher.py), checked against the Ray worker nodes it
-needs: GPUs for every worker actor, the model mounted everywhere, the object store, grace."""
+needs: GPUs for every worker actor, the model mounted everywhere, the object store, grace;
+and its trust boundary: every Ray node authenticates with the token from one Secret the
+operator creates, and NetworkPolicies admit Ray's ports from the RayCluster's own pods only."""
 
 from __future__ import annotations
 
+import copy
 import inspect
 import re
 import shlex
 
 from conftest import Parsed, selects
-from k8s_manifests import VAR_REF, Container, config_maps, containers
+from k8s_manifests import K8S_DIR, VAR_REF, Container, config_maps, containers
+from test_k8s_nixl import ELSEWHERE, admitted
 
 _QUANTITY = re.compile(r"^(\d+)(Ki|Mi|Gi|Ti)?$")
+DEPLOY_DOC = K8S_DIR.parent / "docs" / "deploy-kubernetes.md"
+COMPONENT = "app.kubernetes.io/component"
+# Ports Ray opens besides those a container names: KubeRay's metrics export (8080), the
+# dashboard (8265, loopback here) and its agent (52365), worker processes (10002-19999 by
+# default), and the random ports raylets and object managers pick.
+RAY_PORTS = (8080, 8265, 10002, 19999, 52365, 40000, 60999)
 
 
 def _bytes(quantity: str) -> int:
@@ -125,11 +135,9 @@ def test_ray_overlay_keeps_only_what_selects_the_cluster(rendered, parsed) -> No
     assert not any(selects(selector, c.labels) for c in workers)
 
 
-
-
 def test_ray_dashboard_is_not_on_the_pod_network(rendered, parsed) -> None:
-    """Ray's dashboard runs submitted jobs without authentication: loopback only (KubeRay
-    binds 0.0.0.0 when `dashboard-host` is absent), and no port of the pod names it."""
+    """Ray's dashboard runs submitted jobs: loopback only, on top of the token it asks for
+    (KubeRay binds 0.0.0.0 when `dashboard-host` is absent), and no port of the pod names it."""
     cluster, head, _, workers = _ray(rendered, parsed)
     start = cluster["spec"]["headGroupSpec"]["rayStartParams"]
     assert (start.get("include-dashboard") == "false"
@@ -138,3 +146,143 @@ def test_ray_dashboard_is_not_on_the_pod_network(rendered, parsed) -> None:
         ports = container.spec.get("ports", [])
         assert not [p for p in ports if p.get("name") == "dashboard"
                     or p["containerPort"] == 8265], container.name
+
+
+def _auth_env(container: Container) -> tuple[str | None, dict | None]:
+    """(RAY_AUTH_MODE's literal value, RAY_AUTH_TOKEN's secretKeyRef) of a container."""
+    env = {var["name"]: var for var in container.spec.get("env", [])}
+    mode = env.get("RAY_AUTH_MODE", {}).get("value")
+    token = env.get("RAY_AUTH_TOKEN", {})
+    assert "value" not in token, f"{container.name}: a Ray token committed as a literal"
+    return mode, token.get("valueFrom", {}).get("secretKeyRef")
+
+
+def test_every_ray_node_authenticates_with_the_operators_secret(rendered, parsed) -> None:
+    """`ray start` turns Ray's token authentication on only with RAY_AUTH_MODE=token and a
+    token: the head (whose wait loop and serve inherit its env) and every worker group get
+    both, from one Secret that the overlay references but never renders (the operator creates
+    it with the command docs/deploy-kubernetes.md gives)."""
+    resources = rendered["overlays/ray"]
+    _, head, _, workers = _ray(rendered, parsed)
+    refs = set()
+    for container in [head, *workers]:
+        mode, ref = _auth_env(container)
+        assert mode == "token", f"{container.name}: RAY_AUTH_MODE={mode}"
+        assert ref is not None and ref.get("optional") is not True, \
+            f"{container.name}: RAY_AUTH_TOKEN from no required Secret"
+        refs.add((ref["name"], ref["key"]))
+    assert len(refs) == 1, f"head and workers must share one token: {refs}"
+    ((secret, key),) = refs
+    assert not [r for r in resources if r["kind"] == "Secret"], "never render the token"
+    # The overlay's own comment and the deployment guide name the Secret and its key ...
+    kustomization = (K8S_DIR / "overlays/ray/kustomization.yaml").read_text()
+    assert re.search(rf"^#\s+{secret}\s+{key}\b", kustomization, re.M), kustomization
+    # ... and the guide creates it with a random value, in the namespace it applies to.
+    command = re.search(rf"kubectl -n (\S+) create secret generic {secret} (.*)", DEPLOY_DOC
+                        .read_text())
+    assert command is not None, f"docs/deploy-kubernetes.md never creates {secret}"
+    assert re.search(rf"--from-(literal|file)={key}=", command.group(2)), command.group(0)
+    assert command.group(1) == "kvferry"
+
+
+def ray_policy_problems(resources: list[dict]) -> list[str]:
+    """Every port of the RayCluster's pods admits the cluster's own pods; from elsewhere (another
+    app, or a kvferry pod that is no Ray node), only the ports the Service kvferry-router
+    exposes on the head."""
+    cluster = next(r for r in resources if r["kind"] == "RayCluster")
+    nodes = [c for c in containers("overlays/ray", [cluster]) if not c.is_init]
+    policies = [r for r in resources if r["kind"] == "NetworkPolicy"]
+    service = next(r for r in resources if r["kind"] == "Service"
+                   and r["metadata"]["name"] == "kvferry-router")
+    public = {p["targetPort"] for p in service["spec"]["ports"]}
+    members = {c.labels[COMPONENT]: c.labels for c in nodes}
+    outsiders = {"elsewhere": ELSEWHERE,
+                 "a kvferry client": {**ELSEWHERE, "app.kubernetes.io/name": "kvferry",
+                                      COMPONENT: "client"}}
+    problems = []
+    for policy in policies:  # admitted() reads podSelector peers of this namespace only
+        for rule in policy["spec"].get("ingress", []):
+            for peer in rule.get("from", []):
+                if set(peer) != {"podSelector"}:
+                    problems.append(f"{policy['metadata']['name']}: a peer beyond this "
+                                    f"namespace's pods: {peer}")
+    for c in nodes:
+        if not any(selects(p["spec"]["podSelector"].get("matchLabels", {}), c.labels)
+                   for p in policies):
+            problems.append(f"{c.name}: no NetworkPolicy fences Ray's ports")
+        named = [(p["containerPort"], p.get("name")) for p in c.spec.get("ports", [])]
+        for number, name in [*named, *((n, None) for n in RAY_PORTS)]:
+            is_public = name in public and selects(service["spec"]["selector"], c.labels)
+            for member, labels in members.items():
+                if not admitted(policies, c.labels, number, name, labels):
+                    problems.append(f"{c.name}: port {name or number} from {member}: closed")
+            for source, labels in outsiders.items():
+                if admitted(policies, c.labels, number, name, labels) is not is_public:
+                    problems.append(f"{c.name}: port {name or number} from {source}: "
+                                    f"expected {'open' if is_public else 'closed'}")
+    return problems
+
+
+def test_network_policies_admit_ray_only_from_the_cluster(rendered) -> None:
+    assert ray_policy_problems(rendered["overlays/ray"]) == []
+
+
+def test_ray_policy_check_catches_mistakes(rendered) -> None:
+    """Negative controls: each of these mistakes is reported."""
+    resources = rendered["overlays/ray"]
+
+    def broken(edit) -> list[str]:
+        changed = copy.deepcopy(resources)
+        for r in changed:
+            if r["kind"] == "NetworkPolicy":
+                edit(r["metadata"]["name"], r["spec"])
+        return ray_policy_problems(changed)
+
+    def open_workers_to_all(name: str, spec: dict) -> None:
+        if name == "kvferry-ray-workers":
+            del spec["ingress"][0]["from"]
+
+    def admit_any_kvferry_pod(name: str, spec: dict) -> None:
+        if name == "kvferry-ray-head":
+            spec["ingress"][1]["from"] = [
+                {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "kvferry"}}}]
+
+    def admit_other_namespaces(name: str, spec: dict) -> None:
+        spec["ingress"][-1]["from"].append({"namespaceSelector": {}})
+
+    def drop_http(name: str, spec: dict) -> None:
+        if name == "kvferry-ray-head":
+            spec["ingress"][0]["ports"] = [p for p in spec["ingress"][0]["ports"]
+                                           if p["port"] != "http"]
+
+    def drop_workers_from_head(name: str, spec: dict) -> None:
+        if name == "kvferry-ray-head":
+            del spec["ingress"][1]["from"][1]
+
+    assert any("from elsewhere: expected closed" in p and "[gpu]" in p
+               for p in broken(open_workers_to_all))
+    assert any("from a kvferry client: expected closed" in p
+               for p in broken(admit_any_kvferry_pod))
+    assert any("beyond this namespace" in p for p in broken(admit_other_namespaces))
+    assert any("port http from elsewhere: expected open" in p for p in broken(drop_http))
+    assert any("port gcs from ray-worker: closed" in p for p in broken(drop_workers_from_head))
+    no_policies = [r for r in resources if r["kind"] != "NetworkPolicy"]
+    assert any("no NetworkPolicy" in p for p in ray_policy_problems(no_policies))
+
+
+def test_ray_auth_check_catches_a_missing_token(rendered, parsed) -> None:
+    """Negative control: a worker group without the token, or with a literal one, fails."""
+    for edit in ("drop", "literal"):
+        changed = copy.deepcopy(rendered)
+        cluster = next(r for r in changed["overlays/ray"] if r["kind"] == "RayCluster")
+        env = cluster["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["env"]
+        token = next(var for var in env if var["name"] == "RAY_AUTH_TOKEN")
+        if edit == "drop":
+            env.remove(token)
+        else:
+            token["value"] = "committed"
+        try:
+            test_every_ray_node_authenticates_with_the_operators_secret(changed, parsed)
+        except AssertionError:
+            continue
+        raise AssertionError(f"a worker group's token ({edit}) went unnoticed")
