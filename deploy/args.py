@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import argparse
 
+from deploy.client_args import add_client_commands, sampling_args
 from deploy.default_model import ensure_default_model
 from deploy.policy_args import policy_args, policy_settings
 from deploy.security_args import api_keys, public_access_args, security_settings, tls_args
+from kvferry.limits import PublicLimits
 from kvferry.settings import (
     ATTENTION_BACKENDS,
     COMPILE_MODES,
@@ -32,7 +34,6 @@ from kvferry.settings import (
     DTYPES,
     KV_CACHE_DTYPES,
     KV_TRANSPORTS,
-    PublicLimits,
     RouterSettings,
     WorkerSettings,
     parse_http_port,
@@ -164,20 +165,6 @@ def _deployment_args(p: argparse.ArgumentParser) -> None:
     public_access_args(p)
 
 
-def _sampling_args(p: argparse.ArgumentParser) -> None:
-    for flag, kind in (("--max-tokens", int), ("--temperature", float), ("--top-p", float),
-                       ("--top-k", int), ("--seed", int)):
-        p.add_argument(flag, type=kind, default=None)
-    p.add_argument("--stop", action="append", default=[])
-    p.add_argument("--ignore-eos", action="store_true")
-
-
-def _client_key_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--api-key", default=None, metavar="KEY",
-                   help="the router's API key, sent as `authorization: Bearer KEY` (default: "
-                        "$KVFERRY_API_KEY)")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvferry", description=USAGE,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -239,23 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="start router + workers on localhost until Ctrl-C")
     _deployment_args(p)
 
-    p = sub.add_parser("generate", help="stream one completion from a running deployment")
-    p.add_argument("prompt", nargs="?", default=None, help="prompt text (or give --chat)")
-    p.add_argument("--chat", default=None, metavar="MESSAGE",
-                   help="send MESSAGE as one user chat message (the model's chat template "
-                        "applies) instead of a prompt")
-    p.add_argument("--address", default="127.0.0.1:50051")
-    tls_args(p, is_member=False)
-    _client_key_arg(p)
-    _sampling_args(p)
-
-    p = sub.add_parser("chat", help="interactive conversation with a running deployment "
-                                    "(Ctrl-C stops an answer, Ctrl-D exits)")
-    p.add_argument("address", help="the router's public HOST:PORT")
-    p.add_argument("--system", default=None, help="system message that opens the conversation")
-    tls_args(p, is_member=False)
-    _client_key_arg(p)
-    _sampling_args(p)
+    add_client_commands(sub)
 
     p = sub.add_parser("demo", help="serve, ask one question, print TTFT/ITL, shut down")
     _deployment_args(p)
@@ -266,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-dir", default=None,
                    help="where the processes' logs go (default: a new folder under "
                         "KVFERRY_HOME/logs)")
-    _sampling_args(p)
+    sampling_args(p)
     p.set_defaults(port=0, http_port=0)
 
     from deploy.loadgen.cli import add_arguments as add_bench_arguments

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from kvferry import trace
-from kvferry.errors import Unavailable
+from kvferry.errors import DeadlineExceeded, Remote, Unavailable
 from kvferry.model.sampling import FinishReason
 from kvferry.rpc import convert
 from kvferry.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
@@ -130,3 +130,22 @@ async def _iterate(commands: asyncio.Queue[worker_pb2.DecodeCommand]
                    ) -> AsyncIterator[worker_pb2.DecodeCommand]:
     while True:
         yield await commands.get()
+
+
+async def next_update(updates: asyncio.Queue[MuxItem], timeout_s: float | None
+                      ) -> DecodeUpdate:
+    """A request's next decode update from its queue; its failure, or no update within
+    `timeout_s` (None: no limit), raise."""
+    if not updates.empty():  # the common case under load: no timer, no task
+        item = updates.get_nowait()
+    else:
+        try:
+            async with asyncio.timeout(timeout_s):
+                item = await updates.get()
+        except TimeoutError:
+            raise DeadlineExceeded("deadline exceeded while decoding") from None
+    if isinstance(item, Exception):
+        raise item
+    if item.error_code is not None:
+        raise Remote(f"decode worker: {item.error_message}", item.error_code)
+    return item

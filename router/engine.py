@@ -16,47 +16,28 @@ from concurrent.futures import ThreadPoolExecutor
 
 from kvferry import trace
 from kvferry.errors import (
-    DeadlineExceeded,
     NotFound,
-    Remote,
     Unavailable,
 )
+from kvferry.limits import PublicLimits
 from kvferry.model.config import ModelConfig
 from kvferry.model.sampling import FinishReason, SamplingParams
-from kvferry.settings import DEFAULT_LEASE_S, PublicLimits
+from kvferry.settings import DEFAULT_LEASE_S
 from router import validation
-from router.decode_client import MuxItem, StreamBroken
+from router.decode_client import StreamBroken, next_update
 from router.detok import IncrementalDetokenizer
 from router.downstream import Downstream
 from router.events import ChunkEvent, DoneEvent, Timing
 from router.identity import ANONYMOUS, Caller, tenant_salt
 from router.policy import HeadroomPolicy, Policy
 from router.prompt_bounds import PromptBounds, check_prompt_bounds
-from router.records import DecodeStart, DecodeUpdate
+from router.records import DecodeStart
 from router.request import OpenRequests, RouterRequest, remaining_s
 from router.validation import GenerateInput
 from router.workers import WorkerSet
 
 log = logging.getLogger("kvferry.router")
 TOKENIZE_QUEUE = 2  # prompts queued on the tokenizer thread at once
-
-
-async def _next_update(updates: asyncio.Queue[MuxItem], deadline: float | None
-                       ) -> DecodeUpdate:
-    """The request's next decode update; its failure or a passed deadline raise."""
-    if not updates.empty():  # the common case under load: no timer, no task
-        item = updates.get_nowait()
-    else:
-        try:
-            async with asyncio.timeout(remaining_s(deadline)):
-                item = await updates.get()
-        except TimeoutError:
-            raise DeadlineExceeded("deadline exceeded while decoding") from None
-    if isinstance(item, Exception):
-        raise item
-    if item.error_code is not None:
-        raise Remote(f"decode worker: {item.error_message}", item.error_code)
-    return item
 
 
 class Router:
@@ -271,7 +252,7 @@ class Router:
         updates = client.start(start)
         try:
             while True:
-                update = await _next_update(updates, deadline)
+                update = await next_update(updates, remaining_s(deadline))
                 ids = update.token_ids
                 state.last_token_s = update.received_s
                 if ids:

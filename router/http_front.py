@@ -4,17 +4,17 @@ process's own event loop, beside the gRPC server (`HttpFront.start` / `stop`).
 Like router/server.py it only translates. Bodies become `GenerateInput`s
 (router/openai_schema.py) and run through the router engine and its validation, as gRPC
 Generates do; the engine's events become JSON bodies or server-sent events
-(router/openai_reply.py); a failure becomes an OpenAI error object carrying the message a
-gRPC client would get, the parameter named as the client sent it, and the HTTP status of its
-gRPC code (router/openai_errors.py).
+(router/http_stream.py, router/openai_reply.py); a failure becomes an OpenAI error object
+carrying the message a gRPC client would get, the parameter named as the client sent it, and the
+HTTP status of its gRPC code (router/openai_errors.py).
 
 A stream's headers wait for the request's first event, so a refusal before any token
 (validation, overload) gets its own status; a later failure arrives as an error event. Every
 token step is a chunk, as over gRPC and as vLLM streams completions: a token whose text is held
 back (an incomplete UTF-8 character) goes out with empty text, so the first token and every
-later one reach the client when they are sampled, not when their text becomes whole. A
-client that goes away cancels its request: the engine's generator is closed, which releases
-it on every worker. Requests count into the router's Prometheus metrics as gRPC ones do
+later one reach the client when they are sampled, not when their text becomes whole. A client
+that goes away cancels its request: the engine's generator is closed, which releases it on every
+worker. Requests count into the router's Prometheus metrics as gRPC ones do
 (router/stream_clock.py); their failures under the gRPC status name the failure has there.
 """
 
@@ -26,7 +26,7 @@ import logging
 import socket
 import ssl
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import TypeVar
 
 import grpc
@@ -35,21 +35,28 @@ from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
-from starlette.responses import StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvferry import logs
-from kvferry.errors import Internal, NotFound, ResourceExhausted
+from kvferry.errors import NotFound, ResourceExhausted
 from kvferry.rpc.grpc_util import PUBLIC_MAX_RECEIVE_BYTES
 from kvferry.rpc.metrics import RouterMetrics
 from kvferry.settings import SecuritySettings
 from router.engine import Router
-from router.events import ChunkEvent, DoneEvent
 from router.http_body import BodyParser, BodyRefusal
 from router.http_conn import ConnectionLimits, bounded_protocol, fd_bounded_connections
+from router.http_stream import (
+    ClientGone,
+    Event,
+    EventStream,
+    collect,
+    first_event,
+    sse,
+    until_disconnect,
+)
 from router.identity import ApiKeys, Caller
 from router.openai_errors import ApiError, api_error, failure
-from router.openai_reply import SSE_DONE, Reply, model_list_json
+from router.openai_reply import Reply, model_list_json
 from router.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -60,52 +67,8 @@ from router.openai_schema import (
 from router.stream_clock import StreamClock
 
 log = logging.getLogger("kvferry.router")
-T = TypeVar("T")
 R = TypeVar("R", bound=OpenAIRequest)
 MIN_BODY_VALUES = 1 << 16  # JSON values a body may hold, at the least (see HttpFront)
-Event = ChunkEvent | DoneEvent
-
-
-class ClientGone(Exception):
-    """The client closed its connection before the answer was ready."""
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """`work`'s result; cancelled (raising ClientGone) when the client disconnects first."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.wait((task,))
-    if task.cancelled():
-        raise ClientGone
-    return task.result()
-
-
-class EventStream(StreamingResponse):
-    """Server-sent events; `on_close` runs however the response ends (finished, client gone,
-    or never started), so the request's generator is always closed."""
-
-    def __init__(self, events: AsyncIterator[str],
-                 on_close: Callable[[], Awaitable[None]]) -> None:
-        super().__init__(events, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._on_close = on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self._on_close()
 
 
 class KeyCheck:
@@ -277,11 +240,11 @@ class HttpFront:
             reply = Reply(request_id, self.model, isinstance(body, ChatCompletionRequest),
                           body.include_usage, body.return_token_ids)
             if not body.stream:
-                return Response(await until_disconnect(request, _collect(events, reply, clock)),
+                return Response(await until_disconnect(request, collect(events, reply, clock)),
                                 media_type="application/json")
-            first = await until_disconnect(request, _first(events))
+            first = await until_disconnect(request, first_event(events))
             is_streaming = True
-            return EventStream(_sse(events, first, reply, clock, body),
+            return EventStream(sse(events, first, reply, clock, body),
                                lambda: self._close(events, clock))
         except ClientGone:  # counted as cancelled by _close
             return Response(status_code=499)  # nobody reads it
@@ -307,59 +270,3 @@ class HttpFront:
 
 def _response(error: ApiError) -> Response:
     return Response(error.body, error.status, media_type="application/json")
-
-
-async def _first(events: AsyncIterator[str | Event]) -> Event:
-    """Past the request id (validation and tokenization done), the first event."""
-    await anext(events)
-    return await anext(events)  # type: ignore[return-value]  # ids come first only
-
-
-async def _collect(events: AsyncIterator[str | Event], reply: Reply, clock: StreamClock
-                   ) -> str:
-    """A whole answer as one JSON body."""
-    await anext(events)
-    texts: list[str] = []
-    token_ids: list[int] = []
-    async for event in events:
-        if isinstance(event, ChunkEvent):
-            clock.chunk(len(event.token_ids))
-            texts.append(event.text)
-            token_ids.extend(event.token_ids)
-        elif isinstance(event, DoneEvent):
-            clock.done(event)
-            _log_done(reply.request_id, event)
-            return reply.body("".join(texts), token_ids, event)
-    raise Internal("the request ended without finishing")
-
-
-async def _sse(events: AsyncIterator[str | Event], first: Event, reply: Reply,
-               clock: StreamClock, body: OpenAIRequest) -> AsyncIterator[str]:
-    """A whole answer as server-sent events, from its first event on."""
-    if reply.is_chat:
-        yield reply.role_event()
-    event = first
-    try:
-        while isinstance(event, ChunkEvent):
-            clock.chunk(len(event.token_ids))
-            if event.text or event.token_ids:  # a step whose text is held back: ""
-                yield reply.chunk_event(event.text, event.token_ids)
-            event = await anext(events)
-    except Exception as exc:
-        answer = failure(exc, reply.request_id, body)
-        clock.failed(answer.code_name)
-        yield f"data: {answer.body}\n\n{SSE_DONE}"
-        return
-    clock.done(event)  # after the chunks, exactly one DoneEvent (Router.generate)
-    _log_done(reply.request_id, event)
-    yield reply.chunk_event("", [], event.reason)
-    if reply.include_usage:
-        yield reply.usage_event(event)
-    yield SSE_DONE
-
-
-def _log_done(request_id: str, event: DoneEvent) -> None:
-    log.info("request %s done (%s, http): %d prompt + %d generated tokens, TTFT %.1f ms, %d "
-             "migrations", request_id, event.reason.name.lower(), event.prompt_tokens,
-             event.completion_tokens, event.timing.time_to_first_token_s * 1e3,
-             event.timing.num_migrations)

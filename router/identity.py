@@ -1,23 +1,23 @@
-"""Who a public request belongs to: API keys, the tenant each names, and the scope a
-request's id lives in.
+"""Who a public request belongs to: API keys, the tenant each names, and the scope a request's id
+lives in.
 
 With API keys (`--api-key`, `--api-keys-file`, `KVFERRY_API_KEY`), every public call (HTTP
-`/v1/*`, and every RPC of the gRPC GenerationService) carries `Authorization: Bearer <key>`;
-a call without a valid key is refused (HTTP 401, gRPC UNAUTHENTICATED) before its request is
+`/v1/*`, and every RPC of the gRPC GenerationService) carries `Authorization: Bearer <key>`; a
+call without a valid key is refused (HTTP 401, gRPC UNAUTHENTICATED) before its request is
 looked at. Each key is a tenant: its requests get a prefix-cache namespace of their own
 (`tenant_salt`: derived from the tenant and the client's own `cache_salt`, so two tenants never
 share a cached block and neither can probe the other's prompts through `cached_tokens` or
-timing), and their request ids live in the tenant's scope, so an Abort or a duplicate id
-reaches or reveals only the caller's own requests.
+timing), and their request ids live in the tenant's scope, so an Abort or a duplicate id reaches
+or reveals only the caller's own requests.
 
-Without keys there are no tenants, and a request id's scope is the connection it arrived on
-(the gRPC peer address); an Abort from another connection gets NOT_FOUND, exactly as for an
-id that was never used. Channels of one client process may share a connection (gRPC's global
-subchannel pool), and so a scope; clients behind one L7 proxy share the proxy's connections. HTTP requests get ids the server makes up
-(`chatcmpl-<uuid4>`), which no other client can guess.
+Without keys there are no tenants, and a request id's scope is the connection it arrived on (the
+gRPC peer address); an Abort from another connection gets NOT_FOUND, exactly as for an id that
+was never used. Channels of one client process may share a connection (gRPC's global subchannel
+pool), and so a scope; clients behind one L7 proxy share the proxy's connections. HTTP requests
+get ids the server makes up (`chatcmpl-<uuid4>`), which no other client can guess.
 
-Keys are compared by their SHA-256 digest, never logged; a tenant appears in logs as
-`key-<first 12 hex digits of that digest>`.
+Keys are compared by their SHA-256 digest, never logged; a tenant appears in logs as `key-<first
+12 hex digits of that digest>`.
 """
 
 from __future__ import annotations

@@ -18,9 +18,10 @@ import psutil
 import pytest
 
 from kvferry.errors import InvalidArgument, ResourceExhausted
+from kvferry.limits import PublicLimits
 from kvferry.model.checkpoint import CHATML_TEMPLATE
 from kvferry.model.sampling import FinishReason, SamplingParams
-from kvferry.settings import PublicLimits, SecuritySettings
+from kvferry.settings import SecuritySettings
 from router.events import ChunkEvent, DoneEvent, Timing
 from router.http_body import BodyRefusal, parse_json
 from router.http_front import HttpFront

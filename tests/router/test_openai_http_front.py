@@ -16,8 +16,9 @@ import httpx
 import pytest
 
 from kvferry.errors import Unavailable
+from kvferry.limits import PublicLimits
 from kvferry.model.sampling import FinishReason
-from kvferry.settings import PublicLimits, SecuritySettings
+from kvferry.settings import SecuritySettings
 from router.events import ChunkEvent, DoneEvent, Timing
 from router.http_front import HttpFront
 from router.identity import ANONYMOUS, Caller

@@ -1,0 +1,42 @@
+"""The flags of the commands that talk to a running deployment as a public client
+(`generate`, `chat`, and `demo`'s question): where, how securely, with which key, and how to
+sample."""
+
+from __future__ import annotations
+
+import argparse
+
+from deploy.security_args import API_KEY_ENV, tls_args
+
+
+def sampling_args(p: argparse.ArgumentParser) -> None:
+    for flag, kind in (("--max-tokens", int), ("--temperature", float), ("--top-p", float),
+                       ("--top-k", int), ("--seed", int)):
+        p.add_argument(flag, type=kind, default=None)
+    p.add_argument("--stop", action="append", default=[])
+    p.add_argument("--ignore-eos", action="store_true")
+
+
+def _client_args(p: argparse.ArgumentParser) -> None:
+    tls_args(p, is_member=False)
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="the router's API key, sent as `authorization: Bearer KEY` (default: "
+                        f"${API_KEY_ENV})")
+    sampling_args(p)
+
+
+def add_client_commands(sub: argparse._SubParsersAction) -> None:
+    """`generate` and `chat`."""
+    p = sub.add_parser("generate", help="stream one completion from a running deployment")
+    p.add_argument("prompt", nargs="?", default=None, help="prompt text (or give --chat)")
+    p.add_argument("--chat", default=None, metavar="MESSAGE",
+                   help="send MESSAGE as one user chat message (the model's chat template "
+                        "applies) instead of a prompt")
+    p.add_argument("--address", default="127.0.0.1:50051")
+    _client_args(p)
+
+    p = sub.add_parser("chat", help="interactive conversation with a running deployment "
+                                    "(Ctrl-C stops an answer, Ctrl-D exits)")
+    p.add_argument("address", help="the router's public HOST:PORT")
+    p.add_argument("--system", default=None, help="system message that opens the conversation")
+    _client_args(p)
