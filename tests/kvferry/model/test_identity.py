@@ -84,6 +84,7 @@ def test_tokenizer_and_generation_config_are_part_of_the_identity(twins: Twins,
         assert identity.checkpoint_fingerprint(copy, None) != base, name
 
 
+@pytest.mark.slow  # two real AOTInductor builds, about two minutes here
 def test_the_second_checkpoint_misses_the_compile_cache(twins: Twins, tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     models = [Transformer(load_model_config(path), get_attention_backend("torch"))
