@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from types import SimpleNamespace
@@ -23,7 +24,7 @@ from kvferry.model.checkpoint import CHATML_TEMPLATE
 from kvferry.model.sampling import FinishReason, SamplingParams
 from kvferry.settings import SecuritySettings
 from router.events import ChunkEvent, DoneEvent, Timing
-from router.http_body import BodyRefusal, parse_json
+from router.http_body import BodyParser, BodyRefusal, count_roles, parse_json
 from router.http_front import HttpFront
 from router.prompt_bounds import PromptBounds, check_prompt_bounds
 from router.validation import ChatMessage, GenerateInput
@@ -180,11 +181,22 @@ def test_a_flood_of_messages_is_refused_before_validation_while_a_request_succee
             assert answer.status_code == 400
             error = answer.json()["error"]
             assert error["param"] == "messages"
-            assert f"{ATTACK_MESSAGES} messages" in error["message"]
+            assert f"{ATTACK_MESSAGES} \"role\" keys" in error["message"]
             assert "--max-chat-messages" in error["message"]
         assert len(router.inputs) == 1  # only the plain request reached the engine
 
     _serve(limits, test)
+
+
+def test_role_keys_are_counted_only_outside_strings_and_parse_workers_run_niced() -> None:
+    quoted = json.dumps({"messages": [{"role": "user", "content": 'say "role" ' * 50}]})
+    assert count_roles(quoted.encode()) == 1  # quotes inside a string are escaped
+    assert count_roles(_attack_body()) == ATTACK_MESSAGES
+    parser = BodyParser(max_messages=1024, max_values=1 << 16, num_slots=1)
+    try:
+        assert parser._pool.submit(os.nice, 0).result(timeout=60) >= 19  # lowest priority
+    finally:
+        parser.close()
 
 
 @pytest.mark.parametrize("raw,param", [
