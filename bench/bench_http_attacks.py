@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import datetime
 import json
+import os
 import platform
 import shlex
 import signal
@@ -213,7 +214,8 @@ def run_phase(deployment: Deployment, args: argparse.Namespace, phase: str) -> P
             [sys.executable, __file__, "--attack", phase, "--address", address,
              "--duration-s", str(args.duration_s + 2), "--half-open", str(args.half_open),
              "--attack-bodies", str(args.attack_bodies), "--header-mib", str(args.header_mib)],
-            stdout=subprocess.PIPE, text=True)
+            stdout=subprocess.PIPE, text=True,
+            preexec_fn=(lambda: os.nice(args.attacker_nice)) if args.attacker_nice else None)
         time.sleep(2.0)  # the attack under way before the client starts
     itls, completed, failed = asyncio.run(_clients(f"http://{address}", args.num_clients,
                                                    args.output_len, args.duration_s))
@@ -293,6 +295,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="clients posting the 262,000-message body")
     p.add_argument("--header-mib", type=int, default=128, help="MiB of one unending header")
     p.add_argument("--torch-threads", type=int, default=DEPLOYMENT_TORCH_THREADS)
+    p.add_argument("--attacker-nice", type=int, default=0,
+                   help="run the attacking process at this nice value (19: it takes only CPU "
+                        "the deployment leaves, standing in for an attacker on another host)")
     p.add_argument("--out", type=Path, default=None, help="write the JSON here")
     p.add_argument("--log-dir", type=Path, default=None)
     p.add_argument("--attack", choices=ATTACKS, default=None, help=argparse.SUPPRESS)
