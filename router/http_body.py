@@ -1,22 +1,21 @@
 """Request bodies of the HTTP front, read and parsed as JSON without holding the event loop.
 
-Parsing is what a body costs the router before any limit can look at it: json plus pydantic
-take about 1.3 s for a 4 MiB body of 262,000 one-key chat messages, all of it holding the GIL
-(C and Rust code never yield it to the event loop's thread, so a thread pool would not help).
-So a body larger than `INLINE_BYTES` is parsed in a worker process (spawned: the router's
-gRPC threads must never be forked), which also refuses, before anything comes back, a
-conversation of more messages than the router takes and a body of more JSON values than any
-request it serves needs; what comes back is bounded, so unpickling it and validating it with
-pydantic on the event loop take a few milliseconds at most. A small body is parsed inline
-(well under a millisecond).
+Parsing is what a body costs the router before any limit can look at it: json plus pydantic take
+about 1.3 s for a 4 MiB body of 262,000 one-key chat messages, all of it holding the GIL (C and
+Rust code never yield it to the event loop's thread, so a thread pool would not help). So a body
+larger than `INLINE_BYTES` is parsed in a worker process (spawned: the router's gRPC threads
+must never be forked), which also refuses, before anything comes back, a conversation of more
+messages than the router takes and a body of more JSON values than any request it serves needs;
+what comes back is bounded, so unpickling it and validating it with pydantic on the event loop
+take a few milliseconds at most. A small body is parsed inline (well under a millisecond).
 
 Parse workers run at the lowest CPU priority, so that hostile bodies get only the CPU serving
-leaves (on a 2-core machine two busy parsers otherwise quadrupled a streaming client's p99
-ITL), and a body with more `"role"` keys than the router takes messages is refused before it
-is parsed at all (`count_roles`). Large bodies are read and parsed a few at a time
-(`num_slots`); while one waits for a slot
-uvicorn stops reading its socket past 64 KiB, so waiting bodies hold little memory, and past
-`max_waiting` waiting ones a body is refused at once (429) instead of piling up.
+leaves (on a 2-core machine two busy parsers otherwise quadrupled a streaming client's p99 ITL),
+and a body with more `"role"` keys than the router takes messages is refused as soon as they
+have arrived, before it is parsed or even read whole (`count_roles`). Large bodies are read and
+parsed a few at a time (`num_slots`); while one waits for a slot uvicorn stops reading its
+socket past 64 KiB, so waiting bodies hold little memory, and past `max_waiting` waiting ones a
+body is refused at once (429) instead of piling up.
 """
 
 from __future__ import annotations
@@ -138,6 +137,22 @@ class BodyParser:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
+    async def _receive(self, request: Request) -> bytes | BodyRefusal:
+        """The whole body; or, as soon as more `"role"` keys have arrived than the router
+        takes messages, a refusal: the rest of the body is never read by the front (the
+        server discards it as it comes, the connection stays open for the answer)."""
+        chunks: list[bytes] = []
+        roles, tail = 0, b""
+        async for chunk in request.stream():
+            roles += count_roles(tail + chunk)  # a key split across chunks counted once
+            if roles > self.max_messages:
+                return BodyRefusal(400, "messages", f"messages: more than {self.max_messages} "
+                                   "messages (\"role\" keys) in the body, the router's limit "
+                                   "(--max-chat-messages)")
+            tail = (tail + chunk)[-5:]
+            chunks.append(chunk)
+        return b"".join(chunks)
+
     async def read(self, request: Request) -> object:
         """The request's body as JSON (dicts, lists, ...), or a BodyRefusal."""
         length = request.headers.get("content-length", "")
@@ -152,11 +167,9 @@ class BodyParser:
             async with self._slots:
                 self.num_waiting -= 1
                 is_waiting = False
-                raw = await request.body()
-                if (roles := count_roles(raw)) > self.max_messages:
-                    return BodyRefusal(400, "messages", f"messages: {roles} \"role\" keys, "
-                                       f"more than the router's limit of {self.max_messages} "
-                                       "messages (--max-chat-messages)")
+                raw = await self._receive(request)
+                if isinstance(raw, BodyRefusal):
+                    return raw
                 if len(raw) <= self.inline_bytes:
                     return parse_json(raw, self.max_messages, self.max_values)
                 return await asyncio.get_running_loop().run_in_executor(
