@@ -43,9 +43,10 @@ TOKENIZE_QUEUE = 2  # prompts queued on the tokenizer thread at once
 class Router:
     """One router instance. A request keeps the id its client chose (or a random one) in
     public, within its caller's scope (router/identity.py); downstream it is
-    `<id>@<instance_id>.<n>`, so two routers or two scopes sharing workers never collide on
-    an id. `open` is the table of open requests (one cap for both fronts); cached prompt
-    tokens are reported only with `is_prompt_tokens_details` (they reveal others' prompts)."""
+    `<id>@<instance_id>` (`.<n>` added while another scope runs the same id), so two routers
+    or two scopes sharing workers never collide on an id. `open` is the table of open
+    requests (one cap for both fronts); cached prompt tokens are reported only with
+    `is_prompt_tokens_details` (they reveal others' prompts)."""
 
     def __init__(self, config: ModelConfig, tokenizer: object, workers: WorkerSet,
                  lease_s: float = DEFAULT_LEASE_S, policy: Policy | None = None,
@@ -58,7 +59,6 @@ class Router:
         self.is_prompt_tokens_details = is_prompt_tokens_details
         self.instance_id = uuid.uuid4().hex[:12]
         self.open = OpenRequests(self.limits.max_streams)
-        self._num_started = 0
         # Tokenization and chat templates run here, one at a time, off the event loop.
         self._tokenize = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         # Prompts handed to that thread at once: the rest wait here, where a client that
@@ -92,8 +92,7 @@ class Router:
                     self._tokenize, validation.prompt_ids, inp, self.config, self.tokenizer)
         params = validation.resolve_sampling(inp, self.config, len(prompt))
         request_id = inp.request_id or uuid.uuid4().hex
-        self._num_started += 1
-        state = RouterRequest(f"{request_id}@{self.instance_id}.{self._num_started:x}",
+        state = RouterRequest(self.open.downstream_id(request_id, self.instance_id),
                               cache_salt=tenant_salt(caller.tenant, inp.cache_salt))
         self.open.add(caller.scope, request_id, state)
         yield request_id

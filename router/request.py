@@ -53,12 +53,24 @@ def remaining_s(deadline: float | None) -> float | None:
 class OpenRequests:
     """The router's public requests: how many are open on both fronts together (against
     `--max-streams`), and the running ones by (caller scope, public id), so that an id is
-    unique, and found, only within its caller's scope (router/identity.py)."""
+    unique, and found, only within its caller's scope (router/identity.py). Downstream a
+    request is `<id>@<instance>`, or `<id>@<instance>.<n>` while another scope runs the same
+    id (`downstream_id`), so that no two running requests share a worker-side id."""
 
     def __init__(self, max_streams: int) -> None:
         self.max_streams = max_streams
         self.num_streams = 0
         self._running: dict[tuple[str, str], RouterRequest] = {}
+        self._downstream: set[str] = set()  # request_id of every running state
+        self._num_suffixed = 0
+
+    def downstream_id(self, request_id: str, instance_id: str) -> str:
+        """The worker-side id of a new request: unique among the running ones."""
+        down = f"{request_id}@{instance_id}"
+        while down in self._downstream:
+            self._num_suffixed += 1
+            down = f"{request_id}@{instance_id}.{self._num_suffixed:x}"
+        return down
 
     def open_stream(self) -> None:
         """Count a request in, or refuse it (ResourceExhausted) at the cap."""
@@ -75,12 +87,15 @@ class OpenRequests:
             raise InvalidArgument(f"request_id {request_id!r} is already running",
                                   "request_id")
         self._running[(scope, request_id)] = state
+        self._downstream.add(state.request_id)
 
     def find(self, scope: str, request_id: str) -> RouterRequest | None:
         return self._running.get((scope, request_id))
 
     def remove(self, scope: str, request_id: str) -> None:
-        self._running.pop((scope, request_id), None)
+        state = self._running.pop((scope, request_id), None)
+        if state is not None:
+            self._downstream.discard(state.request_id)
 
     def states(self) -> list[RouterRequest]:
         return list(self._running.values())

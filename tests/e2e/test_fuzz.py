@@ -60,8 +60,8 @@ edge_sampling = st.builds(
     generation_pb2.SamplingParams,
     temperature=st.one_of(st.none(), st.sampled_from([0.0, 1e-45, 1e-38, 1e-3, 0.7, 3.4e38])),
     top_p=st.one_of(st.none(), st.sampled_from([1e-45, 0.1, 0.9, 1.0])),
-    top_k=st.one_of(st.none(), st.integers(0, 2**31 - 1)),
-    seed=st.one_of(st.none(), st.integers(0, 2**64 - 1)),
+    top_k=st.one_of(st.none(), st.integers(0, VOCAB)),
+    seed=st.one_of(st.none(), st.integers(0, 2**63 - 1)),
     max_tokens=st.integers(1, 8),
     stop=st.lists(st.text(min_size=1, max_size=4), max_size=3),
     stop_token_ids=st.lists(st.integers(0, VOCAB - 1), max_size=3),
@@ -76,7 +76,9 @@ one_bad_field = st.one_of(
     st.tuples(st.just("temperature"),
               floats.filter(lambda x: not (math.isfinite(x) and x >= 0))),
     st.tuples(st.just("top_p"), floats.filter(lambda x: not 0 < x <= 1)),
-    st.tuples(st.just("top_k"), st.integers(-(2**31), -1)),
+    st.tuples(st.just("top_k"), st.one_of(st.integers(-(2**31), -1),
+                                          st.integers(VOCAB + 1, 2**31 - 1))),
+    st.tuples(st.just("seed"), st.integers(2**63, 2**64 - 1)),
     st.tuples(st.just("max_tokens"), st.one_of(st.integers(-(2**31), 0),
                                                st.integers(CONTEXT, 2**31 - 1))),
     st.tuples(st.just("stop_token_ids"), st.one_of(st.integers(-(2**31), -1),
@@ -141,8 +143,10 @@ def expect(request: generation_pb2.GenerateRequest, tokenizer: object) -> Expect
         bad.add("sampling.temperature")
     if s.HasField("top_p") and not 0 < s.top_p <= 1:
         bad.add("sampling.top_p")
-    if s.HasField("top_k") and s.top_k < 0:
+    if s.HasField("top_k") and not 0 <= s.top_k <= VOCAB:
         bad.add("sampling.top_k")
+    if s.HasField("seed") and s.seed >= 2**63:
+        bad.add("sampling.seed")
     room = CONTEXT - len(prompt)
     max_tokens = s.max_tokens if s.HasField("max_tokens") else min(256, room)
     if s.HasField("max_tokens") and not 1 <= s.max_tokens <= room:

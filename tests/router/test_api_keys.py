@@ -72,3 +72,15 @@ def test_one_cap_counts_every_open_request() -> None:
     table.close_stream()
     table.open_stream()
     assert table.num_streams == 2
+
+
+def test_downstream_ids_are_unique_among_running_requests() -> None:
+    table = OpenRequests(max_streams=8)
+    first = table.downstream_id("r", "inst")
+    assert first == "r@inst"  # the plain form while nobody else runs "r"
+    table.add("tenant-a", "r", RouterRequest(first))
+    second = table.downstream_id("r", "inst")
+    assert second not in (first, "") and second.startswith("r@inst.")
+    table.add("tenant-b", "r", RouterRequest(second))
+    table.remove("tenant-a", "r")
+    assert table.downstream_id("r", "inst") == "r@inst"  # free again
