@@ -9,9 +9,10 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class PublicLimits:
-    """What one public request may carry, and how many Generate streams may be open at once.
-    Past a limit a request gets INVALID_ARGUMENT naming the field (RESOURCE_EXHAUSTED for
-    streams) before anything is tokenized or sent downstream. Each is a router flag of the
+    """What one public request may carry, and how many requests (both fronts together) and
+    HTTP connections may be open at once. Past a limit a request gets INVALID_ARGUMENT naming
+    the field (RESOURCE_EXHAUSTED for open requests) before anything is tokenized or sent
+    downstream. Each is a router flag of the
     same name (--max-request-id-bytes, ...), documented in LIMIT_HELP."""
 
     max_request_id_bytes: int = 128

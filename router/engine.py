@@ -15,10 +15,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 from kvferry import trace
-from kvferry.errors import (
-    NotFound,
-    Unavailable,
-)
+from kvferry.errors import NotFound, Unavailable
 from kvferry.limits import PublicLimits
 from kvferry.model.config import ModelConfig
 from kvferry.model.sampling import FinishReason, SamplingParams
