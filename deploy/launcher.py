@@ -27,6 +27,7 @@ from typing import NamedTuple
 from deploy import netns
 from deploy.affinity import pin_threads
 from deploy.default_model import ensure_default_model
+from deploy.start_log import record_start
 from kvferry.model.gguf import ensure_converted, is_gguf
 from kvferry.rpc.grpc_util import parse_ready
 from kvferry.settings import (
@@ -193,6 +194,7 @@ class Deployment:
         where decode workers compile their step first)."""
         if timeout_s is None:
             timeout_s = 180.0 if self.compile == "off" else 1800.0
+        record_start("deployment", self.shape)
         try:
             self._start_network()
             self._convert_gguf_once()
@@ -213,6 +215,13 @@ class Deployment:
             self.stop()
             raise
         return self
+
+    @property
+    def shape(self) -> str:
+        """What is started, in one word: `2p1d`, `colocated1`."""
+        if self.is_colocated:
+            return f"colocated{self.num_decode}"
+        return f"{self.num_prefill}p{self.num_decode}d"
 
     @property
     def router_address(self) -> str:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import grpc
 
+from deploy.start_log import record_start
 from deploy.worker_model import build_model
 from kvferry import trace
 from kvferry.cache.layout import KvLayout
@@ -51,6 +52,7 @@ class Built(NamedTuple):
 
 
 async def start(built: Built) -> None:
+    record_start("server", ",".join(name.rsplit(".", 1)[-1] for name in built.service_names))
     await built.server.start()
     if built.health_server is not None:
         await built.health_server.start()

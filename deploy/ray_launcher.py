@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import ray
 
 from deploy.launcher import Deployment, serves
+from deploy.start_log import record_start
 from kvferry.cache.layout import KvLayout
 from kvferry.transfer.ray_push import NAMESPACE, ChunkAck, PushBegun
 from kvferry.transfer.wire import ChunkSpan
@@ -139,6 +140,7 @@ class RayDeployment(Deployment):
     def start(self, timeout_s: float | None = None) -> RayDeployment:
         if timeout_s is None:
             timeout_s = 180.0 if self.compile == "off" else 1800.0
+        record_start("ray-deployment", self.shape)
         if not ray.is_initialized():
             options = {"namespace": NAMESPACE, "include_dashboard": False,
                        "log_to_driver": False}

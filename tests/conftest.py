@@ -11,7 +11,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import re  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
+from collections import Counter  # noqa: E402
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -19,9 +21,50 @@ import grpc
 import pytest
 
 from deploy.launcher import Deployment, Process
+from deploy.start_log import START_LOG_ENV
 from kvferry.model.checkpoint import LLAMA_SPEC, ModelSpec, make_model
 from kvferry.rpc.grpc_util import CHANNEL_OPTIONS
 from kvferry.v1 import worker_pb2, worker_pb2_grpc
+
+_START_LOG = pytest.StashKey[Path]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--full", action="store_true",
+                     help="run every test; without it, the fast tier (tests not marked slow)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Every deployment and server the run starts, from any process, is one line here.
+    if START_LOG_ENV not in os.environ:
+        path = Path(tempfile.mkstemp(prefix="kvferry-starts-", suffix=".log")[1])
+        os.environ[START_LOG_ENV] = str(path)
+        config.stash[_START_LOG] = path
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--full"):
+        return
+    fast = [item for item in items if item.get_closest_marker("slow") is None]
+    if len(fast) < len(items):
+        config.hook.pytest_deselected(items=[i for i in items if i not in fast])
+        items[:] = fast
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter,
+                            config: pytest.Config) -> None:
+    path = config.stash.get(_START_LOG, None)
+    if path is None:
+        return
+    lines = path.read_text().split("\n") if path.exists() else []
+    kinds = Counter(line.split(" ", 1)[0] for line in lines if line)
+    shapes = Counter(line.split(" ", 1)[1] for line in lines if " " in line
+                     and not line.startswith("server"))
+    terminalreporter.write_line(
+        f"kvferry: {kinds['deployment'] + kinds['ray-deployment']} deployments started "
+        f"({', '.join(f'{n} x {s}' for s, n in sorted(shapes.items())) or 'none'}), "
+        f"{kinds['server']} servers")
+    path.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="session")
