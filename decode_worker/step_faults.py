@@ -1,26 +1,38 @@
-"""Fault injection into the decode step loop, for tests: KVFERRY_FAULT_DECODE_STEPS lists step
-numbers (counted from 1) whose forward raises, as "3,7", or "3-" for every step from the
-third on; KVFERRY_FAULT_DECODE_STEP_DELAY_S makes every step that long slower (a slow worker,
-so tests can order events without racing the machine's speed)."""
+"""Fault injection into the decode step loop, for tests (kvferry/faults.py says how faults are
+armed): a step fails or slows down by the process's faults, counted over every step the
+worker attempts, or by a request's own, counted over the steps that hold that request."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from kvferry.faults import Faults, InjectedFault, step_numbers
 
-FAULT_ENV = "KVFERRY_FAULT_DECODE_STEPS"
-DELAY_ENV = "KVFERRY_FAULT_DECODE_STEP_DELAY_S"
-
-
-class InjectedFault(RuntimeError):
-    """Raised by a step named in KVFERRY_FAULT_DECODE_STEPS."""
+__all__ = ["InjectedFault", "StepFaults"]
 
 
-def fault_steps(spec: str) -> Callable[[int], bool]:
-    """KVFERRY_FAULT_DECODE_STEPS ("3,7" or "3-") as a predicate on step numbers."""
-    if not spec:
-        return lambda step: False
-    if spec.endswith("-"):
-        first = int(spec[:-1])
-        return lambda step: step >= first
-    steps = {int(x) for x in spec.split(",")}
-    return lambda step: step in steps
+class StepFaults:
+    """Owned by the step loop's executor thread: `before_step` runs at the start of each."""
+
+    def __init__(self, faults: Faults) -> None:
+        self.faults = faults
+        self._is_faulty = step_numbers(faults.decode_steps)
+        self._num_attempts = 0
+        # Steps attempted holding each request armed with decode_steps (test requests only).
+        self._request_attempts: dict[str, int] = {}
+
+    def before_step(self, request_ids: list[str]) -> float:
+        """Raise InjectedFault if this step must fail; else the seconds to slow it by."""
+        self._num_attempts += 1
+        if self._is_faulty(self._num_attempts):
+            raise InjectedFault(f"injected fault in decode step {self._num_attempts}")
+        delay_s = self.faults.decode_step_delay_s
+        for request_id in request_ids:
+            armed = self.faults.for_request(request_id)
+            if armed is self.faults:
+                continue
+            delay_s = max(delay_s, armed.decode_step_delay_s)
+            if armed.decode_steps:
+                num = self._request_attempts.get(request_id, 0) + 1
+                self._request_attempts[request_id] = num
+                if step_numbers(armed.decode_steps)(num):
+                    raise InjectedFault(f"injected fault in step {num} of {request_id}")
+        return delay_s

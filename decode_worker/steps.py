@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -34,11 +33,12 @@ from decode_worker.sequence import (
     TokensEvent,
     step_inputs,
 )
-from decode_worker.step_faults import DELAY_ENV, FAULT_ENV, InjectedFault, fault_steps
+from decode_worker.step_faults import InjectedFault, StepFaults
 from kvferry import trace
 from kvferry.cache.block_queue import BlockQueue
 from kvferry.cache.pool import KvPool
 from kvferry.errors import Internal
+from kvferry.faults import Faults
 from kvferry.model.executor import run_to_completion
 from kvferry.model.prefill_batch import PrefillBatcher
 from kvferry.model.sampling import FinishReason, SamplingParams, sample_tokens
@@ -73,9 +73,7 @@ class StepLoop:
         self.max_abort_delay_steps = 0
         self.consecutive_failures = 0
         self.on_fatal: Callable[[], None] = lambda: None  # set by the process: drain
-        self._is_faulty = fault_steps(os.environ.get(FAULT_ENV, ""))
-        self._num_attempts = 0  # steps started (executor thread), for fault injection
-        self._step_delay_s = float(os.environ.get(DELAY_ENV, "0"))
+        self._faults = StepFaults(Faults.from_env())  # executor thread only
         # CPU decode: mirror the batch's K/V densely (kv_stage) instead of gathering pages.
         self.stage = KvStage(pool, stage_bytes) if stage_bytes > 0 else None
         self._wake = asyncio.Event()
@@ -254,11 +252,9 @@ class StepLoop:
     def _step(self, batch: list[DecodeSeq], is_staged: bool = False) -> list[int]:
         """One forward for the whole ragged batch (executor thread); `is_staged`: the stage
         holds the batch's K/V, rows in batch order."""
-        self._num_attempts += 1
-        if self._is_faulty(self._num_attempts):
-            raise InjectedFault(f"injected fault in decode step {self._num_attempts}")
-        if self._step_delay_s > 0:
-            time.sleep(self._step_delay_s)
+        delay_s = self._faults.before_step([seq.request_id for seq in batch])
+        if delay_s > 0:
+            time.sleep(delay_s)
         inputs = step_inputs(batch, self.pool.block_size)
         device = self.model.device
         logits = self.model.decode(

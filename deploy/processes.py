@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, NamedTuple, Protocol
@@ -15,6 +14,7 @@ from deploy.start_log import record_start
 from deploy.worker_model import build_model
 from kvferry import trace
 from kvferry.cache.layout import KvLayout
+from kvferry.faults import Faults
 from kvferry.model.config import load_model_config
 from kvferry.model.prefill_batch import token_budget_for
 from kvferry.rpc import grpc_util, security
@@ -109,19 +109,19 @@ async def _serve(built: Built, role: str) -> None:
 
 
 def _make_sender(settings: WorkerSettings, creds: security.Credentials) -> KvSender:
-    corrupt = int(os.environ.get("KVFERRY_FAULT_CORRUPT_PUSHES", "0"))
+    faults = Faults.from_env()  # for tests: kvferry/faults.py
     if settings.kv_transport == "ray":
         from kvferry.transfer.ray_push import RayKvSender
 
-        return RayKvSender(max_resends=settings.kv_max_resends, corrupt_pushes=corrupt)
+        return RayKvSender(max_resends=settings.kv_max_resends,
+                           corrupt_pushes=faults.corrupt_pushes)
     from kvferry.transfer.grpc_push import GrpcKvSender
     from kvferry.transfer.nixl_push import NixlKvSender
 
-    delay_s = float(os.environ.get("KVFERRY_FAULT_PUSH_CHUNK_DELAY_S", "0"))
-    done_delay_s = float(os.environ.get("KVFERRY_FAULT_PUSH_DONE_DELAY_S", "0"))
     sender = NixlKvSender if settings.kv_transport == "nixl" else GrpcKvSender
-    return sender(max_resends=settings.kv_max_resends, corrupt_pushes=corrupt,
-                  chunk_delay_s=delay_s, done_delay_s=done_delay_s, credentials=creds)
+    return sender(max_resends=settings.kv_max_resends, corrupt_pushes=faults.corrupt_pushes,
+                  chunk_delay_s=faults.push_chunk_delay_s,
+                  done_delay_s=faults.push_done_delay_s, credentials=creds)
 
 
 def _then(stop: Callable[[], Awaitable[None]], close: Callable[[], None]
@@ -159,8 +159,8 @@ def build_worker(settings: WorkerSettings) -> tuple[Built, object]:
         if settings.kv_transport == "nixl":
             from decode_worker.nixl_puller import NixlPuller
 
-            puller = NixlPuller(engine.receiver, pool, read_delay_s=float(
-                os.environ.get("KVFERRY_FAULT_NIXL_READ_DELAY_S", "0")))
+            puller = NixlPuller(engine.receiver, pool,
+                                read_delay_s=Faults.from_env().nixl_read_delay_s)
             on_stop = _then(engine.stop, puller.close)
         decode_server.add_to_server(server, engine, settings.role, puller)
         names = decode_server.SERVICE_NAMES

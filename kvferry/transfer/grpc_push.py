@@ -17,6 +17,7 @@ import grpc
 from kvferry.cache.layout import KvLayout
 from kvferry.cache.pool import KvPool
 from kvferry.errors import Remote
+from kvferry.faults import Faults
 from kvferry.rpc import chunk_codec, convert, security
 from kvferry.transfer import wire
 from kvferry.transfer.sender import LayersReady, PushResult
@@ -72,7 +73,9 @@ class GrpcKvSender:
     have one byte of their first chunk flipped after its checksum was taken,
     `chunk_delay_s` sleeps before every chunk but the first (a push a test can interrupt), and
     `done_delay_s` sleeps once the receiver has accepted a push, before it counts as done (a
-    worker a test can kill after its K/V was delivered, before the router hears of it)."""
+    worker a test can kill after its K/V was delivered, before the router hears of it). A
+    request armed with faults of its own (kvferry/faults.py) gets those instead, its
+    corrupt_pushes counted over its own pushes."""
 
     def __init__(self, chunk_bytes: int = wire.CHUNK_TARGET_BYTES, max_resends: int = 2,
                  corrupt_pushes: int = 0, chunk_delay_s: float = 0.0,
@@ -83,8 +86,8 @@ class GrpcKvSender:
         self._corrupt_left = corrupt_pushes
         self.num_corrupt_pushes = 0  # refused by the receiver's checksum check
         self.num_lost_statuses = 0  # pushes sent again after grpc.aio lost their status
-        self.chunk_delay_s = chunk_delay_s
-        self.done_delay_s = done_delay_s
+        self.faults = Faults(push_chunk_delay_s=chunk_delay_s, push_done_delay_s=done_delay_s,
+                             corrupt_pushes=corrupt_pushes)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._credentials = credentials  # TLS and token of the decode workers' K/V service
 
@@ -103,12 +106,15 @@ class GrpcKvSender:
         return wire.plan_chunks(layout, num_tokens, self.chunk_bytes, first_block=first_block)
 
     async def _ready_spans(self, spans: list[wire.ChunkSpan], ready: LayersReady | None,
-                           progress: Progress) -> AsyncIterator[tuple[int, wire.ChunkSpan]]:
+                           progress: Progress, chunk_delay_s: float | None = None
+                           ) -> AsyncIterator[tuple[int, wire.ChunkSpan]]:
         """Each span with its index, once its layers are final (and after the fault
         injection's delay, but for the first); the push's clock starts at the first."""
+        if chunk_delay_s is None:
+            chunk_delay_s = self.faults.push_chunk_delay_s
         for i, span in enumerate(spans):
-            if i and self.chunk_delay_s:
-                await asyncio.sleep(self.chunk_delay_s)
+            if i and chunk_delay_s:
+                await asyncio.sleep(chunk_delay_s)
             if ready is not None:
                 await ready(span.layer_end)
             progress.start()
@@ -120,7 +126,8 @@ class GrpcKvSender:
                         ) -> AsyncIterator[Any]:
         """The push's stream: one chunk per span, each once its layers are ready."""
         layout_msg = convert.layout_to_proto(layout)
-        async for i, span in self._ready_spans(spans, ready, progress):
+        chunk_delay_s = self.faults.for_request(request_id).push_chunk_delay_s
+        async for i, span in self._ready_spans(spans, ready, progress, chunk_delay_s):
             data = wire.pack_array(pool, block_table, span)
             crc = wire.crc32(data)
             if corrupt and i == 0:
@@ -144,10 +151,16 @@ class GrpcKvSender:
         started = progress.started
         num_corrupt = num_lost = 0
         is_lost = False
+        armed = self.faults.for_request(request_id)
+        own_corrupt_left = armed.corrupt_pushes  # a request armed with faults of its own
         while True:
             if not is_lost:  # a push resent after a lost status goes again as it was
-                corrupt = self._corrupt_left > 0
-                self._corrupt_left -= corrupt
+                if armed is self.faults:
+                    corrupt = self._corrupt_left > 0
+                    self._corrupt_left -= corrupt
+                else:
+                    corrupt = own_corrupt_left > 0
+                    own_corrupt_left -= corrupt
             is_lost = False
             try:
                 progress.sent = 0
@@ -155,10 +168,10 @@ class GrpcKvSender:
                     self._messages(request_id, layout, num_tokens, pool, block_table, spans,
                                    ready, corrupt, progress), timeout=timeout_s)
                 result = PushResult(progress.sent, time.perf_counter() - started[0])
-                if self.done_delay_s:
+                if armed.push_done_delay_s:
                     log.info("request %s: K/V push accepted; holding its done %.1f s (fault "
-                             "injection)", request_id, self.done_delay_s)
-                    await asyncio.sleep(self.done_delay_s)
+                             "injection)", request_id, armed.push_done_delay_s)
+                    await asyncio.sleep(armed.push_done_delay_s)
                 return result
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.ALREADY_EXISTS:

@@ -27,6 +27,7 @@ import ray
 from kvferry.cache.layout import KvLayout
 from kvferry.cache.pool import KvPool
 from kvferry.errors import Remote
+from kvferry.faults import Faults
 from kvferry.transfer import wire
 from kvferry.transfer.sender import LayersReady, PushResult
 
@@ -62,13 +63,15 @@ RAY_MIN_GROUP_BYTES = 4 << 20
 
 
 class RayKvSender:
-    """`KvSender` over Ray object refs; same resend-on-corruption contract as gRPC's."""
+    """`KvSender` over Ray object refs; same resend-on-corruption contract as gRPC's, and
+    the same fault injection (`corrupt_pushes`, or a request's own: kvferry/faults.py)."""
 
     def __init__(self, chunk_bytes: int = RAY_CHUNK_TARGET_BYTES, max_resends: int = 2,
                  corrupt_pushes: int = 0) -> None:
         self.chunk_bytes = chunk_bytes
         self.max_resends = max_resends
         self._corrupt_left = corrupt_pushes
+        self.faults = Faults(corrupt_pushes=corrupt_pushes)
         self.num_corrupt_pushes = 0  # refused by the receiver's checksum check
         self._actors: dict[str, ray.actor.ActorHandle] = {}
 
@@ -95,9 +98,13 @@ class RayKvSender:
         actor = await self._actor(address)
         spans = wire.plan_chunks(layout, num_tokens, self.chunk_bytes, RAY_MIN_GROUP_BYTES,
                                  first_block)
+        armed = self.faults.for_request(request_id)
         for attempt in range(self.max_resends + 1):
-            corrupt = self._corrupt_left > 0
-            self._corrupt_left -= corrupt
+            if armed is self.faults:
+                corrupt = self._corrupt_left > 0
+                self._corrupt_left -= corrupt
+            else:  # a request armed with faults of its own: its own first pushes
+                corrupt = attempt < armed.corrupt_pushes
             try:
                 epoch, acks, started = await asyncio.wait_for(
                     self._send(actor, request_id, layout, num_tokens, pool, block_table, spans,
