@@ -19,6 +19,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from suite_order import order, shared, stop_after_last_user
 
 from deploy.launcher import Deployment, Process
 from deploy.start_log import START_LOG_ENV
@@ -43,12 +44,19 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if config.getoption("--full"):
-        return
-    fast = [item for item in items if item.get_closest_marker("slow") is None]
-    if len(fast) < len(items):
-        config.hook.pytest_deselected(items=[i for i in items if i not in fast])
-        items[:] = fast
+    if not config.getoption("--full"):
+        fast = [item for item in items if item.get_closest_marker("slow") is None]
+        if len(fast) < len(items):
+            config.hook.pytest_deselected(items=[i for i in items if i not in fast])
+            items[:] = fast
+    order(config, items)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> object:
+    result = yield
+    stop_after_last_user(item)
+    return result
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter,
@@ -181,31 +189,32 @@ METRICS = ["--metrics-port", "0"]
 DETAILS = ["--enable-prompt-tokens-details"]
 
 
+def _stop(deployment: Deployment) -> None:
+    deployment.stop()
+
+
 @pytest.fixture(scope="session")
 def qwen3_deployment(qwen3_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
                      ) -> Iterator[Deployment]:
     """The main test deployment; every process serves Prometheus metrics too."""
-    deployment = _start(qwen3_checkpoint, tmp_path_factory.mktemp("qwen3-logs"),
-                        worker_args=METRICS, router_args=[*METRICS, *DETAILS])
-    yield deployment
-    deployment.stop()
+    logs = tmp_path_factory.mktemp("qwen3-logs")
+    yield from shared("qwen3_deployment", lambda: _start(
+        qwen3_checkpoint, logs, worker_args=METRICS, router_args=[*METRICS, *DETAILS]), _stop)
 
 
 @pytest.fixture(scope="session")
 def llama_deployment(llama_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
                      ) -> Iterator[Deployment]:
-    deployment = _start(llama_checkpoint, tmp_path_factory.mktemp("llama-logs"))
-    yield deployment
-    deployment.stop()
+    logs = tmp_path_factory.mktemp("llama-logs")
+    yield from shared("llama_deployment", lambda: _start(llama_checkpoint, logs), _stop)
 
 
 @pytest.fixture(scope="session")
 def colocated_deployment(qwen3_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
                          ) -> Iterator[Deployment]:
-    deployment = _start(qwen3_checkpoint, tmp_path_factory.mktemp("colocated-logs"),
-                        is_colocated=True, router_args=DETAILS)
-    yield deployment
-    deployment.stop()
+    logs = tmp_path_factory.mktemp("colocated-logs")
+    yield from shared("colocated_deployment", lambda: _start(
+        qwen3_checkpoint, logs, is_colocated=True, router_args=DETAILS), _stop)
 
 
 NIXL = ["--kv-transport", "nixl"]
@@ -215,31 +224,28 @@ NIXL = ["--kv-transport", "nixl"]
 def qwen3_nixl_deployment(qwen3_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
                           ) -> Iterator[Deployment]:
     """K/V read by the decode worker from the prefill worker's pool with NIXL."""
-    deployment = _start(qwen3_checkpoint, tmp_path_factory.mktemp("qwen3-nixl-logs"),
-                        worker_args=NIXL)
-    yield deployment
-    deployment.stop()
+    logs = tmp_path_factory.mktemp("qwen3-nixl-logs")
+    yield from shared("qwen3_nixl_deployment", lambda: _start(
+        qwen3_checkpoint, logs, worker_args=NIXL), _stop)
 
 
 @pytest.fixture(scope="session")
 def llama_nixl_deployment(llama_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
                           ) -> Iterator[Deployment]:
-    deployment = _start(llama_checkpoint, tmp_path_factory.mktemp("llama-nixl-logs"),
-                        worker_args=NIXL)
-    yield deployment
-    deployment.stop()
+    logs = tmp_path_factory.mktemp("llama-nixl-logs")
+    yield from shared("llama_nixl_deployment", lambda: _start(
+        llama_checkpoint, logs, worker_args=NIXL), _stop)
 
 
 @pytest.fixture(scope="session")
 def ray_session() -> Iterator[None]:
-    """One local Ray instance for the whole test session (Ray deployments share it)."""
+    """One local Ray instance for the Ray deployments (stopped after their last user)."""
     ray = pytest.importorskip("ray")
     from kvferry.transfer.ray_push import NAMESPACE
 
-    ray.init(namespace=NAMESPACE, include_dashboard=False, log_to_driver=False,
-             num_cpus=2, object_store_memory=512 << 20)
-    yield
-    ray.shutdown()
+    yield from shared("ray_session", lambda: ray.init(
+        namespace=NAMESPACE, include_dashboard=False, log_to_driver=False, num_cpus=2,
+        object_store_memory=512 << 20), lambda _: ray.shutdown())
 
 
 def _start_ray(model: Path, **kwargs: object) -> Deployment:
@@ -250,13 +256,10 @@ def _start_ray(model: Path, **kwargs: object) -> Deployment:
 
 @pytest.fixture(scope="session")
 def qwen3_ray_deployment(qwen3_checkpoint: Path, ray_session: None) -> Iterator[Deployment]:
-    deployment = _start_ray(qwen3_checkpoint, router_args=DETAILS)
-    yield deployment
-    deployment.stop()
+    yield from shared("qwen3_ray_deployment", lambda: _start_ray(
+        qwen3_checkpoint, router_args=DETAILS), _stop)
 
 
 @pytest.fixture(scope="session")
 def llama_ray_deployment(llama_checkpoint: Path, ray_session: None) -> Iterator[Deployment]:
-    deployment = _start_ray(llama_checkpoint)
-    yield deployment
-    deployment.stop()
+    yield from shared("llama_ray_deployment", lambda: _start_ray(llama_checkpoint), _stop)
