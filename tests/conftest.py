@@ -23,6 +23,7 @@ from suite_order import order, shared, stop_after_last_user
 
 from deploy.launcher import Deployment, Process
 from deploy.start_log import START_LOG_ENV
+from kvferry.faults import FAULTS_ENV, PER_REQUEST
 from kvferry.model.checkpoint import LLAMA_SPEC, ModelSpec, make_model
 from kvferry.rpc.grpc_util import CHANNEL_OPTIONS
 from kvferry.v1 import worker_pb2, worker_pb2_grpc
@@ -180,8 +181,10 @@ ORACLE_DTYPE = ["--dtype", "float32"]
 
 
 def _start(model: Path, tmp: Path, **kwargs: object) -> Deployment:
+    """A shared deployment: fp32 workers that take faults from request ids (tags())."""
     kwargs["worker_args"] = [*ORACLE_DTYPE, *kwargs.get("worker_args", [])]
-    return Deployment(model=str(model), log_dir=tmp, **kwargs).start()
+    return Deployment(model=str(model), log_dir=tmp, env={FAULTS_ENV: PER_REQUEST},
+                      **kwargs).start()
 
 
 METRICS = ["--metrics-port", "0"]
@@ -200,6 +203,17 @@ def qwen3_deployment(qwen3_checkpoint: Path, tmp_path_factory: pytest.TempPathFa
     logs = tmp_path_factory.mktemp("qwen3-logs")
     yield from shared("qwen3_deployment", lambda: _start(
         qwen3_checkpoint, logs, worker_args=METRICS, router_args=[*METRICS, *DETAILS]), _stop)
+
+
+@pytest.fixture(scope="session")
+def qwen3_2p2d_deployment(qwen3_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+                          ) -> Iterator[Deployment]:
+    """Two prefill and two decode workers, for tests that retry, migrate, kill (then
+    tests/deployments.respawn) or need a router of their own (tests/deployments.routed)."""
+    logs = tmp_path_factory.mktemp("qwen3-2p2d-logs")
+    yield from shared("qwen3_2p2d_deployment", lambda: _start(
+        qwen3_checkpoint, logs, num_prefill=2, num_decode=2, worker_args=METRICS,
+        router_args=[*METRICS, *DETAILS]), _stop)
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,6 @@ import asyncio
 import os
 import signal
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -18,6 +17,7 @@ from deploy.launcher import Deployment, Process
 from kvferry.rpc import grpc_util
 from kvferry.v1 import generation_pb2, generation_pb2_grpc
 from tests.conftest import METRICS, assert_pools_clean
+from tests.deployments import respawn, routed
 from tests.e2e.test_metrics import scrape, value
 
 pytestmark = pytest.mark.slow
@@ -27,13 +27,11 @@ RETRIES = "kvferry_prefill_retries_total"
 
 
 @pytest.fixture(scope="module")
-def two_prefill_deployment(qwen3_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
-                           ) -> Iterator[Deployment]:
-    deployment = Deployment(model=str(qwen3_checkpoint), num_prefill=2,
-                            router_args=["--local-prefill-threshold", str(THRESHOLD), *METRICS],
-                            log_dir=tmp_path_factory.mktemp("routing-logs")).start()
-    yield deployment
-    deployment.stop()
+def two_prefill_deployment(qwen3_2p2d_deployment: Deployment) -> Iterator[Deployment]:
+    """The shared two-prefill deployment behind a router with a local-prefill threshold."""
+    with routed(qwen3_2p2d_deployment, "router-routing",
+                ["--local-prefill-threshold", str(THRESHOLD), *METRICS]) as deployment:
+        yield deployment
 
 
 def _request(prompt: list[int]) -> generation_pb2.GenerateRequest:
@@ -81,6 +79,7 @@ async def _stream_then_kill(address: str, prompts: list[list[int]], victim: Proc
 
 
 def test_dead_prefill_worker_is_retried_transparently(two_prefill_deployment: Deployment,
+                                                      qwen3_2p2d_deployment: Deployment,
                                                       qwen3_deployment: Deployment) -> None:
     """prefill-0 is stopped with requests on their way to it, then killed before their first
     token: the router sends each of them to prefill-1 (its retry counter moves by as many),
@@ -89,7 +88,8 @@ def test_dead_prefill_worker_is_retried_transparently(two_prefill_deployment: De
     prompts = [list(range(100 + i, 100 + i + 60)) for i in range(6)]  # all above threshold
     expected = _generate(qwen3_deployment.router_address, prompts)
     victim = next(p for p in deployment.processes if p.name == "prefill-0")
-    router_port = next(p.metrics_port for p in deployment.processes if p.name == "router")
+    router = deployment.processes[-1]
+    router_port = router.metrics_port
     before = value(scrape(router_port), RETRIES)
     os.kill(victim.popen.pid, signal.SIGSTOP)  # healthy to the router for ~2 s more
     try:
@@ -99,12 +99,12 @@ def test_dead_prefill_worker_is_retried_transparently(two_prefill_deployment: De
         if victim.popen.poll() is None:
             os.kill(victim.popen.pid, signal.SIGKILL)
         victim.popen.wait(10)
-        deployment.processes.remove(victim)
+    respawn("prefill-0", qwen3_2p2d_deployment, deployment)  # for the tests that follow
     retries = value(scrape(router_port), RETRIES) - before
     assert num_waiting >= 1, "no request reached the stopped prefill worker"
     assert 1 <= retries <= num_waiting
     assert [c.token_ids for c in got] == [c.token_ids for c in expected]
     assert all(c.finished.reason == generation_pb2.FINISH_REASON_LENGTH for c in got)
     assert all(c.finished.timing.kv_transfer_s > 0 for c in got)
-    assert "retrying" in (deployment.log_dir / "router.log").read_text()
+    assert "retrying" in (deployment.log_dir / f"{router.name}.log").read_text()
     assert_pools_clean(deployment)

@@ -1,0 +1,77 @@
+"""What tests do to a running deployment instead of starting another one: a router with flags
+of its own against the deployment's workers, and a killed worker started again at its
+address (the deployment's router reconnects to it, as to a restarted pod)."""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from deploy.launcher import Deployment, Process, _spawn
+
+READY_TIMEOUT_S = 180.0
+
+
+def _stop(proc: Process, grace_s: float = 10.0) -> int:
+    if proc.popen.poll() is None:
+        proc.popen.send_signal(signal.SIGTERM)
+        proc.popen.send_signal(signal.SIGCONT)
+    try:
+        return proc.popen.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.popen.kill()
+        return proc.popen.wait()
+
+
+def router_command(deployment: Deployment, router_args: list[str], is_http: bool = False,
+                   ) -> list[str]:
+    """A router's command line for the deployment's workers, with only `router_args`."""
+    args = ["--log-format", deployment.log_format, "router", "--model", str(deployment.model),
+            "--host", deployment.host, "--port", "0", *router_args]
+    if is_http:
+        args += ["--http-port", "0"]
+    for proc in deployment.processes:
+        if not _is_router(proc):
+            args += [f"--{proc.name.rsplit('-', 1)[0]}", proc.address]
+    return args
+
+
+def _is_router(proc: Process) -> bool:
+    return proc.name == "router" or proc.name.startswith("router-")
+
+
+@contextmanager
+def routed(deployment: Deployment, name: str, router_args: list[str], is_http: bool = False
+           ) -> Iterator[Deployment]:
+    """The deployment's workers behind a router of their own (flags `router_args` only,
+    logging to `<name>.log`), as a view: a Deployment whose router is the new one. Never
+    stop the view: on exit its router stops, the workers go on serving their deployment.
+    Workers tell the routers' requests apart by router instance."""
+    proc = _spawn(name, router_command(deployment, router_args, is_http), deployment.log_dir,
+                  deployment.env)
+    try:
+        proc.wait_ready(READY_TIMEOUT_S)
+        yield dataclasses.replace(
+            deployment, router_args=router_args, http_port=0 if is_http else None,
+            processes=[*(p for p in deployment.processes if not _is_router(p)), proc])
+    finally:
+        _stop(proc)
+
+
+def respawn(name: str, deployment: Deployment, *views: Deployment) -> Process:
+    """Start worker `name` of `deployment` again at the address it had, with the flags it
+    had (its log goes on in the same file), in place of the process that exited or was
+    killed, there and in `views` of it."""
+    old = next(p for p in deployment.processes if p.name == name)
+    if old.popen.poll() is None:
+        raise ValueError(f"{name} is still running")
+    args = deployment._worker_args(name.rsplit("-", 1)[0])
+    args[args.index("--port") + 1] = str(old.port)
+    proc = _spawn(name, args, deployment.log_dir, deployment.env)
+    proc.wait_ready(READY_TIMEOUT_S)
+    for where in (deployment, *views):
+        where.processes[:] = [proc if p is old else p for p in where.processes]
+    return proc
