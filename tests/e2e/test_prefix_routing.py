@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -18,7 +17,8 @@ from deploy import client
 from deploy.launcher import Deployment
 from kvferry.settings import DEFAULT_BLOCK_SIZE
 from kvferry.v1 import generation_pb2
-from tests.conftest import METRICS, assert_pools_clean
+from tests.conftest import assert_pools_clean
+from tests.deployments import routed
 from tests.e2e.test_metrics import scrape, value
 
 pytestmark = pytest.mark.slow
@@ -28,25 +28,24 @@ THRESHOLD = 32  # prompts with fewer uncached tokens prefill on the decode worke
 HITS = "kvferry_prefix_cache_hits_total"
 QUERIES = "kvferry_prefix_cache_queries_total"
 CACHED = "kvferry_prefix_cache_blocks"
+SALT = "test_prefix_routing"
 
 
 @pytest.fixture(scope="module")
-def prefix_deployment(qwen3_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
-                      ) -> Iterator[Deployment]:
+def prefix_deployment(qwen3_2p2d_deployment: Deployment) -> Iterator[Deployment]:
     # Prefix weight 8: the 8 cached blocks (64) outweigh the long request's 34 blocks there
     # plus the few a finished request's stats may still show (9).
-    deployment = Deployment(
-        model=str(qwen3_checkpoint), num_prefill=1, num_decode=2, worker_args=METRICS,
-        router_args=["--policy", "prefix", "--prefix-weight", "8",
-                     "--local-prefill-threshold", str(THRESHOLD)],
-        log_dir=tmp_path_factory.mktemp("prefix-routing-logs")).start()
-    yield deployment
-    deployment.stop()
+    with routed(qwen3_2p2d_deployment, "router-prefix", [
+            "--policy", "prefix", "--prefix-weight", "8",
+            "--local-prefill-threshold", str(THRESHOLD)]) as deployment:
+        yield deployment
 
 
 def _request(suffix: list[int], max_tokens: int = 4) -> generation_pb2.GenerateRequest:
-    return client.make_request(PREFIX + suffix, temperature=0.0, max_tokens=max_tokens,
-                               ignore_eos=True)
+    request = client.make_request(PREFIX + suffix, temperature=0.0, max_tokens=max_tokens,
+                                  ignore_eos=True)
+    request.cache_salt = SALT  # what other tests left in the shared workers' caches never hits
+    return request
 
 
 def _decode_metrics(deployment: Deployment) -> dict[str, tuple[float, float, float]]:
@@ -76,14 +75,18 @@ async def _follow_ups(deployment: Deployment, holder: str, before: float
 def test_requests_sharing_a_prefix_go_where_it_is_cached(prefix_deployment: Deployment
                                                          ) -> None:
     deployment = prefix_deployment
+    start = _decode_metrics(deployment)
     first = asyncio.run(client.generate(deployment.router_address, _request([5, 6, 7]), 60))
     assert first.finished.timing.kv_transfer_s > 0  # nothing cached yet: pushed
-    deadline = time.monotonic() + 10
-    while not any(cached for _, cached, _ in _decode_metrics(deployment).values()):
+    deadline = time.monotonic() + 30
+    while True:
+        before = _decode_metrics(deployment)
+        grown = [name for name, now in before.items() if now[1] > start[name][1]]
+        if grown:
+            break
         assert time.monotonic() < deadline, "no decode worker cached the prefix"
-        time.sleep(0.1)
-    before = _decode_metrics(deployment)
-    holder = next(name for name, (_, cached, _) in before.items() if cached)
+        time.sleep(0.1)  # paces the polling
+    holder = grown[0]
     time.sleep(1.0)  # a few of the router's stats refreshes (every 0.2 s): its events too
     short, long = asyncio.run(_follow_ups(deployment, holder, before[holder][0]))
     after = _decode_metrics(deployment)
