@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import pytest
@@ -18,6 +17,7 @@ from kvferry.limits import PublicLimits
 from kvferry.rpc import grpc_util
 from kvferry.v1 import generation_pb2
 from tests.conftest import assert_alive, assert_pools_clean
+from tests.deployments import routed
 
 pytestmark = pytest.mark.slow
 
@@ -111,11 +111,10 @@ def test_invalid_utf8_is_invalid_argument_naming_the_field(
 
 
 @pytest.fixture(scope="module")
-def capped_deployment(qwen3_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
-                      ) -> Iterator[Deployment]:
-    """Two open requests at most, no API keys, cached tokens not reported (the defaults)."""
-    with Deployment(model=str(qwen3_checkpoint), log_dir=tmp_path_factory.mktemp("capped"),
-                    router_args=["--max-streams", "2"]) as deployment:
+def capped_deployment(qwen3_deployment: Deployment) -> Iterator[Deployment]:
+    """Two open requests at most, no API keys, cached tokens not reported (the defaults):
+    the shared workers behind a router of its own."""
+    with routed(qwen3_deployment, "router-capped", ["--max-streams", "2"]) as deployment:
         yield deployment
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 
 import grpc
 import httpx
@@ -21,6 +20,7 @@ from deploy.launcher import Deployment
 from kvferry.rpc import security
 from kvferry.v1 import generation_pb2
 from tests.conftest import assert_alive, assert_pools_clean
+from tests.deployments import routed
 
 pytestmark = pytest.mark.slow
 
@@ -31,15 +31,15 @@ MAX_STREAMS = 3
 
 
 @pytest.fixture(scope="module")
-def deployment(qwen3_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+def deployment(qwen3_deployment: Deployment, tmp_path_factory: pytest.TempPathFactory
                ) -> Iterator[Deployment]:
-    logs = tmp_path_factory.mktemp("tenants-logs")
-    keys_file = logs / "keys"
+    """The shared workers behind a router with two API keys and a cap of its own."""
+    keys_file = tmp_path_factory.mktemp("tenants") / "keys"
     keys_file.write_text(f"# the second tenant\n{KEY_B}\n")
-    with Deployment(model=str(qwen3_checkpoint), http_port=0, log_dir=logs,
-                    router_args=["--api-key", KEY_A, "--api-keys-file", str(keys_file),
-                                 "--enable-prompt-tokens-details",
-                                 "--max-streams", str(MAX_STREAMS)]) as deployment:
+    with routed(qwen3_deployment, "router-tenants", [
+            "--api-key", KEY_A, "--api-keys-file", str(keys_file),
+            "--enable-prompt-tokens-details", "--max-streams", str(MAX_STREAMS)],
+            is_http=True) as deployment:
         yield deployment
 
 
