@@ -12,23 +12,27 @@ import os
 import random
 import signal
 import time
+import uuid
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import grpc
 import pytest
 
 from deploy import client
-from deploy.launcher import Deployment, Process, _spawn
+from deploy.launcher import Deployment, Process
+from kvferry.faults import tag
 from kvferry.rpc import grpc_util
 from kvferry.v1 import generation_pb2, generation_pb2_grpc, worker_pb2
 from tests.conftest import assert_alive, assert_pools_clean, busy_process
+from tests.deployments import respawn, routed
 
 pytestmark = pytest.mark.slow
 
 # Sleep between K/V chunks (one chunk per layer here: 4): a push outlives its first token by
-# about a second, long enough to kill or stop the prefill worker in the middle of it.
+# about a second, long enough to kill or stop the prefill worker in the middle of it. Armed
+# per request (kvferry/faults.py): every request of this module carries it in its id.
 PUSH_CHUNK_DELAY_S = 0.4
+SLOW_PUSH = tag(push_chunk_delay_s=PUSH_CHUNK_DELAY_S)
 LEASE_S = 2.0
 LONG_PROMPT = [i % 500 + 1 for i in range(300)]  # 19 blocks, pushed in 4 delayed chunks
 SHORT_PROMPT = list(range(60, 100))
@@ -52,80 +56,80 @@ def sessions_alive(session_ids: set[int]) -> list[int]:
     return found
 
 
-def _kill(deployment: Deployment, victim: Process) -> None:
+def _kill(victim: Process) -> None:
     os.kill(victim.popen.pid, signal.SIGKILL)
     victim.popen.wait(10)
-    deployment.processes.remove(victim)
     assert sessions_alive({victim.popen.pid}) == []
 
 
 async def _kill_after_first_token(
         deployment: Deployment, request: generation_pb2.GenerateRequest, role: str,
         holds: Callable[[worker_pb2.WorkerStats], int] = lambda s: s.num_running,
-) -> client.Completion:
+) -> tuple[client.Completion, Process]:
     """Stream `request`; once its first token is out (the K/V push still under way), kill -9
-    the `role` worker that `holds` it (see busy_process). Returns the whole stream."""
+    the `role` worker that `holds` it (see busy_process). Returns the whole stream and the
+    killed worker (still listed: tests/deployments.respawn starts it again)."""
     async with grpc_util.channel(deployment.router_address) as chan:
         stub = generation_pb2_grpc.GenerationServiceStub(chan)
-        completion, killed = client.Completion(), False
+        completion, victim = client.Completion(), None
         async for _, latest in client.stream(stub, request, timeout_s=120):
             completion = latest
-            if not killed and completion.token_ids:
+            if victim is None and completion.token_ids:
                 victim = await asyncio.to_thread(busy_process, deployment, role, holds)
                 assert victim is not None, "the push ended before the kill"
-                await asyncio.to_thread(_kill, deployment, victim)
-                killed = True
-        assert killed
-        return completion
+                await asyncio.to_thread(_kill, victim)
+        assert victim is not None
+        return completion, victim
 
 
 @pytest.fixture(scope="module")
-def faulty(qwen3_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
-           ) -> Iterator[Deployment]:
-    """2 prefill + 1 decode worker, slow K/V pushes, short router leases."""
-    deployment = Deployment(model=str(qwen3_checkpoint), num_prefill=2,
-                            env={"KVFERRY_FAULT_PUSH_CHUNK_DELAY_S": str(PUSH_CHUNK_DELAY_S)},
-                            router_args=["--lease-s", str(LEASE_S)],
-                            log_dir=tmp_path_factory.mktemp("faults-logs")).start()
-    spawned: set[int] = {p.popen.pid for p in deployment.processes}
-    deployment.spawned = spawned  # type: ignore[attr-defined]  # routers added later too
-    yield deployment
-    deployment.stop()
-    assert sessions_alive(spawned) == []
+def faulty(qwen3_2p2d_deployment: Deployment) -> Iterator[Deployment]:
+    """The shared 2 prefill + 2 decode workers behind a router with short leases."""
+    with routed(qwen3_2p2d_deployment, "router-faults", ["--lease-s", str(LEASE_S)]) as view:
+        yield view
 
 
 def _request(prompt: list[int], max_tokens: int, request_id: str = ""
              ) -> generation_pb2.GenerateRequest:
-    return client.make_request(prompt, request_id, temperature=0.0, max_tokens=max_tokens,
-                               ignore_eos=True)
+    """A greedy request whose K/V push is slow (SLOW_PUSH)."""
+    return client.make_request(prompt, (request_id or uuid.uuid4().hex) + SLOW_PUSH,
+                               temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
 def _expected(deployment: Deployment, request: generation_pb2.GenerateRequest) -> list[int]:
-    return asyncio.run(client.generate(deployment.router_address, request, 120)).token_ids
+    plain = generation_pb2.GenerateRequest()
+    plain.CopyFrom(request)
+    plain.request_id = ""  # no faults, any id
+    return asyncio.run(client.generate(deployment.router_address, plain, 120)).token_ids
+
+
+def _router_log(view: Deployment) -> str:
+    return (view.log_dir / f"{view.processes[-1].name}.log").read_text()
 
 
 def test_prefill_worker_killed_mid_push_is_prefilled_again(
-        faulty: Deployment, qwen3_deployment: Deployment) -> None:
+        faulty: Deployment, qwen3_2p2d_deployment: Deployment,
+        qwen3_deployment: Deployment) -> None:
     request = _request(LONG_PROMPT, 30)
     expected = _expected(qwen3_deployment, request)
 
-    got = asyncio.run(_kill_after_first_token(faulty, request, "prefill"))
+    got, victim = asyncio.run(_kill_after_first_token(faulty, request, "prefill"))
     assert got.token_ids == expected
     assert got.finished.reason == generation_pb2.FINISH_REASON_LENGTH
-    assert "unavailable" in (log := (faulty.log_dir / "router.log").read_text())
+    assert "unavailable" in (log := _router_log(faulty))
     assert "retrying" in log
+    respawn(victim.name, qwen3_2p2d_deployment, faulty)
     assert_pools_clean(faulty)
     assert_alive(faulty)
 
 
 async def _stream_until_stopped(deployment: Deployment, request: generation_pb2.GenerateRequest,
                                 role: str, deadline_s: float, num_tokens: int
-                                ) -> tuple[grpc.aio.AioRpcError, float, Process]:
+                                ) -> tuple[grpc.aio.AioRpcError, Process]:
     """Stream `request` with a deadline; once `num_tokens` arrived, SIGSTOP the busy `role`
-    worker. Returns the stream's error, seconds from start to error, and the stopped one."""
+    worker. Returns the stream's error and the stopped worker."""
     async with grpc_util.channel(deployment.router_address) as chan:
         stub = generation_pb2_grpc.GenerationServiceStub(chan)
-        start = time.monotonic()
         stopped = None
         with pytest.raises(grpc.aio.AioRpcError) as exc:
             async for _, latest in client.stream(stub, request, timeout_s=deadline_s):
@@ -134,7 +138,7 @@ async def _stream_until_stopped(deployment: Deployment, request: generation_pb2.
                     assert stopped is not None
                     os.kill(stopped.popen.pid, signal.SIGSTOP)
         assert stopped is not None
-        return exc.value, time.monotonic() - start, stopped
+        return exc.value, stopped
 
 
 @pytest.mark.parametrize("role", ["decode", "prefill"])
@@ -144,11 +148,10 @@ def test_stalled_worker_gives_deadline_exceeded(role: str, faulty: Deployment,
     deadline_s = 5.0
     request = (_request(SHORT_PROMPT, 3000) if role == "decode"
                else _request(LONG_PROMPT, 20))
-    error, elapsed, stopped = asyncio.run(
+    error, stopped = asyncio.run(
         _stream_until_stopped(faulty, request, role, deadline_s, 5 if role == "decode" else 1))
     try:
         assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED, error.details()
-        assert elapsed < deadline_s + 1.0
     finally:
         os.kill(stopped.popen.pid, signal.SIGCONT)
     assert_pools_clean(faulty, timeout_s=15)
@@ -160,18 +163,23 @@ def test_stalled_worker_gives_deadline_exceeded(role: str, faulty: Deployment,
 
 def test_workers_back_from_a_stall_serve_the_next_request(
         faulty: Deployment, qwen3_deployment: Deployment) -> None:
-    """Every prefill worker stalls long enough for the router to lose its connections and
-    mark them unhealthy, then resumes: the very next request is served (the router checks
-    them again instead of failing it with "no healthy prefill worker")."""
+    """Every prefill worker stalls until the router marks them all unhealthy, then resumes:
+    the very next request is served (the router checks them again instead of failing it
+    with "no healthy prefill worker")."""
     request = _request(SHORT_PROMPT, 8)
     expected = _expected(qwen3_deployment, request)
     stalled = [p for p in faulty.processes
                if p.name.startswith("prefill") and p.popen.poll() is None]
     assert stalled
+    marked = [f"prefill worker {p.address} unreachable" for p in stalled]
+    logged_before = _router_log(faulty)
     for proc in stalled:
         os.kill(proc.popen.pid, signal.SIGSTOP)
     try:
-        time.sleep(12.0)  # keepalive (5 s + 5 s) closes the connections; checks fail
+        deadline = time.monotonic() + 60
+        while not all(_router_log(faulty).count(m) > logged_before.count(m) for m in marked):
+            assert time.monotonic() < deadline, "the router never marked them unhealthy"
+            time.sleep(0.1)  # paces the polling of the router's log
     finally:
         for proc in stalled:
             os.kill(proc.popen.pid, signal.SIGCONT)
@@ -180,63 +188,51 @@ def test_workers_back_from_a_stall_serve_the_next_request(
     assert_pools_clean(faulty)
 
 
-def _spawn_router(deployment: Deployment) -> Process:
-    """A fresh router process for the deployment's live workers."""
-    args = ["router", "--model", deployment.model, "--host", deployment.host, "--port", "0",
-            *deployment.router_args]
-    for proc in deployment.processes:
-        if proc.name != "router":
-            args += [f"--{proc.name.rsplit('-', 1)[0]}", proc.address]
-    router = _spawn("router", args, deployment.log_dir, deployment.env)
-    deployment.spawned.add(router.popen.pid)  # type: ignore[attr-defined]
-    deployment.processes.append(router)  # last: router_address
-    router.wait_ready(120)
-    return router
-
-
-def test_router_killed_while_workers_hold_reservations(faulty: Deployment,
+def test_router_killed_while_workers_hold_reservations(qwen3_2p2d_deployment: Deployment,
                                                       qwen3_deployment: Deployment) -> None:
     """One request decoding (its DecodeStream breaks with the router) and one whose decode
     reservation waits for its K/V (the push dies with the prefill call; the lease frees it)."""
     decoding, pushing = _request(SHORT_PROMPT, 3000), _request(LONG_PROMPT, 20)
-    router = next(p for p in faulty.processes if p.name == "router")
+    base = qwen3_2p2d_deployment
+    with routed(base, "router-killed", ["--lease-s", str(LEASE_S)]) as doomed:
+        router = doomed.processes[-1]
 
-    async def run() -> list[grpc.StatusCode]:
-        async with grpc_util.channel(faulty.router_address) as chan:
-            stub = generation_pb2_grpc.GenerationServiceStub(chan)
-            seen = {0: asyncio.Event(), 1: asyncio.Event()}
+        async def run() -> list[grpc.StatusCode]:
+            async with grpc_util.channel(doomed.router_address) as chan:
+                stub = generation_pb2_grpc.GenerationServiceStub(chan)
+                seen = {0: asyncio.Event(), 1: asyncio.Event()}
 
-            async def consume(i: int, request: generation_pb2.GenerateRequest,
-                              num_tokens: int) -> grpc.StatusCode:
-                try:
-                    async for _, latest in client.stream(stub, request, timeout_s=120):
-                        if len(latest.token_ids) >= num_tokens:
-                            seen[i].set()
-                except grpc.aio.AioRpcError as exc:
-                    return exc.code()
-                return grpc.StatusCode.OK
+                async def consume(i: int, request: generation_pb2.GenerateRequest,
+                                  num_tokens: int) -> grpc.StatusCode:
+                    try:
+                        async for _, latest in client.stream(stub, request, timeout_s=120):
+                            if len(latest.token_ids) >= num_tokens:
+                                seen[i].set()
+                    except grpc.aio.AioRpcError as exc:
+                        return exc.code()
+                    return grpc.StatusCode.OK
 
-            first = asyncio.ensure_future(consume(0, decoding, 3))
-            await asyncio.wait_for(seen[0].wait(), 60)
-            second = asyncio.ensure_future(consume(1, pushing, 1))
-            await asyncio.wait_for(seen[1].wait(), 60)  # first token out, push under way
-            os.kill(router.popen.pid, signal.SIGKILL)
-            return list(await asyncio.gather(first, second))
+                first = asyncio.ensure_future(consume(0, decoding, 3))
+                await asyncio.wait_for(seen[0].wait(), 60)
+                second = asyncio.ensure_future(consume(1, pushing, 1))
+                await asyncio.wait_for(seen[1].wait(), 60)  # first token out, push under way
+                os.kill(router.popen.pid, signal.SIGKILL)
+                return list(await asyncio.gather(first, second))
 
-    codes = asyncio.run(run())
-    assert codes == [grpc.StatusCode.UNAVAILABLE] * 2
-    router.popen.wait(10)
-    faulty.processes.remove(router)
-    assert sessions_alive({router.popen.pid}) == []
-    assert_pools_clean(faulty, timeout_s=LEASE_S + 10)
-    assert "lease expired" in (faulty.log_dir / "decode-0.log").read_text()
+        codes = asyncio.run(run())
+        assert codes == [grpc.StatusCode.UNAVAILABLE] * 2
+        router.popen.wait(10)
+        assert sessions_alive({router.popen.pid}) == []
+    assert_pools_clean(base, timeout_s=LEASE_S + 10)
+    assert any("lease expired" in (base.log_dir / f"{p.name}.log").read_text()
+               for p in base.processes if p.name.startswith("decode"))
 
-    _spawn_router(faulty)
-    request = _request(LONG_PROMPT, 16)
-    got = asyncio.run(client.generate(faulty.router_address, request, 60))
-    assert got.token_ids == _expected(qwen3_deployment, request)
-    assert_pools_clean(faulty)
-    assert_alive(faulty)
+    with routed(base, "router-after", ["--lease-s", str(LEASE_S)]) as fresh:
+        request = _request(LONG_PROMPT, 16)
+        got = asyncio.run(client.generate(fresh.router_address, request, 60))
+        assert got.token_ids == _expected(qwen3_deployment, request)
+        assert_pools_clean(fresh)
+        assert_alive(fresh)
 
 
 def test_burst_of_cancels_and_aborts(qwen3_deployment: Deployment) -> None:
@@ -288,22 +284,17 @@ def test_burst_of_cancels_and_aborts(qwen3_deployment: Deployment) -> None:
     assert _expected(qwen3_deployment, check) == before
 
 
-def test_decode_worker_killed_mid_push_migrates(qwen3_checkpoint: Path,
-                                                 qwen3_deployment: Deployment,
-                                                 tmp_path: Path) -> None:
+def test_decode_worker_killed_mid_push_migrates(qwen3_2p2d_deployment: Deployment,
+                                                 qwen3_deployment: Deployment) -> None:
     """The decode worker holding the reservation dies while the K/V is being pushed to it:
     the request migrates (another decode worker, prompt + first token prefilled again)."""
+    deployment = qwen3_2p2d_deployment
     request = _request(LONG_PROMPT, 30)
     expected = _expected(qwen3_deployment, request)
-    with Deployment(model=str(qwen3_checkpoint), num_decode=2, log_dir=tmp_path,
-                    env={"KVFERRY_FAULT_PUSH_CHUNK_DELAY_S": str(PUSH_CHUNK_DELAY_S)}
-                    ) as deployment:
-        spawned = {p.popen.pid for p in deployment.processes}
-
-        got = asyncio.run(_kill_after_first_token(deployment, request, "decode",
-                                                  lambda s: s.reserved_blocks))
-        assert got.token_ids == expected
-        assert got.finished.timing.num_migrations == 1
-        assert_pools_clean(deployment)
-    assert sessions_alive(spawned) == []
-
+    got, victim = asyncio.run(_kill_after_first_token(deployment, request, "decode",
+                                                      lambda s: s.reserved_blocks))
+    assert got.token_ids == expected
+    assert got.finished.timing.num_migrations == 1
+    respawn(victim.name, deployment)
+    assert_pools_clean(deployment)
+    assert_alive(deployment)
