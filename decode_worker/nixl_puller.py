@@ -35,7 +35,7 @@ from decode_worker.sequence import lookup
 from kvferry.cache.layout import KvLayout, blocks_for_tokens
 from kvferry.cache.pool import KvPool
 from kvferry.errors import DataLoss, InvalidArgument, KvferryError, Unavailable
-from kvferry.transfer import nixl_pages, wire
+from kvferry.transfer import nixl_agent, nixl_pages, wire
 
 log = logging.getLogger("kvferry.transport")
 
@@ -85,8 +85,9 @@ class NixlPuller:
         self.receiver = receiver
         self.pool = pool
         before = nixl_pages.thread_ids()
+        self._owns_agent = agent is None  # then `close` closes it
         self.agent = agent if agent is not None else nixl_pages.make_agent("decode")
-        self._reg = self.agent.register_memory(pool.cache)
+        self._reg = nixl_agent.register(self.agent, pool.cache)
         nixl_pages.name_transfer_threads(nixl_pages.thread_ids() - before)
         self.local = nixl_pages.PoolMemory.of(pool)
         self._page = nixl_pages.page_bytes(pool)
@@ -269,5 +270,9 @@ class NixlPuller:
         self.pool.cache[span.layer_start: span.layer_end, :, ids] = 0
 
     def close(self) -> None:
+        """Stop the threads (a READ in flight ends first), then close the agent if this
+        puller made it. Idempotent."""
         self._reader.shutdown(wait=True)
         self._checker.shutdown(wait=True)
+        if self._owns_agent:
+            nixl_agent.close(self.agent)

@@ -29,6 +29,7 @@ import torch
 
 from kvferry.cache.pool import KvPool
 from kvferry.settings import TRANSFER_THREAD
+from kvferry.transfer import nixl_agent
 from kvferry.transfer.wire import ChunkSpan
 
 NIXL_INSTALL = "pip install nixl-cu12==1.5.1 (or nixl==1.5.1, which picks the CUDA build)"
@@ -49,6 +50,7 @@ _agent_lock = threading.Lock()
 
 def _nixl_api() -> Any:
     # The meta-package picks the build for the node's CUDA; else a build installed directly.
+    nixl_agent.prepare_ucx()  # before UCX loads: see nixl_agent
     for module in ("nixl._api", "nixl_cu13._api", "nixl_cu12._api"):
         try:
             return importlib.import_module(module)
@@ -81,7 +83,7 @@ def make_agent(role: str) -> Any:
     """A NIXL agent with the UCX backend, a progress thread that sleeps when idle, and no
     listener of its own (metadata travels on the authenticated gRPC control plane). Its name
     is unique per process start, so a restarted peer is never confused with its
-    predecessor."""
+    predecessor. Closed by `nixl_agent.close` (its owner's stop path) or at exit."""
     api = _nixl_api()
     name = f"kvferry-{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     config = api.nixl_agent_config(enable_listen_thread=False, backends=["UCX"])
@@ -102,6 +104,7 @@ def make_agent(role: str) -> Any:
         finally:
             bind.nixlAgentConfig = plain
     name_transfer_threads(thread_ids() - before)  # NIXL's progress thread, UCX's async one
+    nixl_agent.opened(agent)
     return agent
 
 
@@ -146,6 +149,7 @@ def read(agent: Any, local: Any, remote: Any, peer: str, timeout_s: float) -> st
         try:
             agent.release_xfer_handle(handle)
         except Exception as exc:
+            nixl_agent.stuck(agent, handle)
             raise ReadNotReleased(str(exc)) from exc
     return state
 

@@ -33,7 +33,7 @@ import grpc
 from kvferry.cache.layout import KvLayout
 from kvferry.cache.pool import KvPool
 from kvferry.rpc import chunk_codec, convert, security
-from kvferry.transfer import nixl_pages, wire
+from kvferry.transfer import nixl_agent, nixl_pages, wire
 from kvferry.transfer.grpc_push import GrpcKvSender, Progress
 from kvferry.transfer.sender import LayersReady
 from kvferry.v1 import worker_pb2
@@ -58,6 +58,7 @@ class NixlKvSender(GrpcKvSender):
                  agent: Any = None) -> None:
         super().__init__(1 << 62, max_resends, corrupt_pushes, chunk_delay_s, done_delay_s,
                          credentials)
+        self._owns_agent = agent is None  # then `close` closes it
         self.agent = agent if agent is not None else nixl_pages.make_agent("prefill")
         self._registered: dict[int, tuple[Any, nixl_pages.PoolMemory]] = {}
         self._metadata = b""
@@ -66,12 +67,19 @@ class NixlKvSender(GrpcKvSender):
         """Register `pool` with the agent (once): remote agents may then read it."""
         key = pool.cache.data_ptr()
         if key not in self._registered:
-            descs = self.agent.register_memory(pool.cache)
+            descs = nixl_agent.register(self.agent, pool.cache)
             self._registered[key] = (descs, nixl_pages.PoolMemory.of(pool))
             self._metadata = self.agent.get_agent_metadata()
             log.info("NIXL agent %s: registered a %d MiB K/V pool", self.agent.name,
                      pool.cache.numel() * pool.cache.element_size() >> 20)
         return self._registered[key][1]
+
+    async def close(self) -> None:
+        """Close the channels, then the agent if this sender made it (its pool is
+        deregistered: no peer can read it any more). Idempotent."""
+        await super().close()
+        if self._owns_agent:
+            nixl_agent.close(self.agent)
 
     def _push_kv(self, address: str) -> grpc.aio.StreamUnaryMultiCallable:
         return self._channel(address).stream_unary(
