@@ -30,6 +30,14 @@ KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
 _STORAGE = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
 _QMAX = {"int8": 127.0, "fp8_e4m3": 448.0}
 SCALE_DTYPE = torch.float32
+# amax / qmax is kept within [_SCALE_MIN, _SCALE_MAX[dtype]] (for amax > 0). Below the
+# smallest normal float32 the scale loses precision (x / scale then overshoots qmax and is
+# clamped: int8 errors past scale / 2) or underflows to 0 (0 / 0: fp8 stores NaN codes for
+# finite input). Above the largest float32 <= float32 max / qmax, qmax * scale overflows: a
+# float32 amax near float32 max would read back as inf. Both bounds are float32 values, exact
+# as written; the Triton append (kernels/triton_kv_append.py) applies the same.
+_SCALE_MIN = 2.0**-126
+_SCALE_MAX = {"int8": 2.6793883890187504e36, "fp8_e4m3": 7.595588094610019e35}
 
 
 class QuantPages(NamedTuple):
@@ -89,7 +97,8 @@ def max_scale(kv_cache_dtype: str, dtype: torch.dtype) -> float:
 
 def quantize(x: torch.Tensor, kv_cache_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., D] -> (values [..., D] in the storage dtype, scales [...] float32):
-    symmetric, one scale per vector (amax / qmax; 1 for an all-zero vector). Raises
+    symmetric, one scale per vector (amax / qmax, kept between the smallest normal float32
+    and the largest float32 <= float32 max / qmax; 1 for an all-zero vector). Raises
     ValueError when x holds inf or NaN (no finite scale and codes can store them)."""
     amax = x.float().abs().amax(dim=-1)  # [...]; NaN and inf propagate
     if not bool(torch.isfinite(amax).all()):
@@ -104,7 +113,8 @@ def _quantize(x: torch.Tensor, kv_cache_dtype: str) -> tuple[torch.Tensor, torch
     xf = x.float()
     qmax = _QMAX[kv_cache_dtype]
     amax = xf.abs().amax(dim=-1)
-    scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+    bounded = (amax / qmax).clamp_(_SCALE_MIN, _SCALE_MAX[kv_cache_dtype])
+    scale = torch.where(amax > 0, bounded, torch.ones_like(amax))
     scaled = xf / scale[..., None]
     if kv_cache_dtype == "int8":
         values = scaled.round_().clamp_(-qmax, qmax).to(torch.int8)

@@ -7,8 +7,10 @@ page ids are widened to int64 before they meet a stride, so pools past 2^31 elem
 
 Quantized caches (`kv_quant.QuantPages`, strided views into the pool's bytes) are quantized
 in the kernel with `kv_quant.quantize`'s exact arithmetic, so both paths store the same
-bytes: scale = amax / qmax (1 for an all-zero vector) and value = x / scale, both divisions
-correctly rounded (`div_rn`, as torch on CPU; a plain `/` is approximate on GPUs), then
+bytes: scale = amax / qmax (1 for an all-zero vector; kept within kv_quant's bounds, the
+smallest normal float32 and the largest float32 <= float32 max / qmax) and value = x / scale,
+both divisions correctly rounded (`div_rn`, as torch on CPU; a plain `/` is approximate on
+GPUs), then
 - int8: rounded half to even (as torch.round; from floor, not a libdevice call, which the
   interpreter lacks) and clamped to [-127, 127];
 - fp8 e4m3: clamped to +-448 and encoded to its bits with integer arithmetic,
@@ -98,11 +100,15 @@ def _store_tile(
     else:
         amax = tl.max(tl.abs(x), axis=1)  # [BLOCK_H]; masked lanes hold 0
         if QUANT == 1:
-            scale = tl.where(amax > 0.0, tl.div_rn(amax, 127.0), 1.0)
+            bounded = tl.minimum(tl.maximum(tl.div_rn(amax, 127.0), 1.1754943508222875e-38),
+                                 2.6793883890187504e36)  # kv_quant._SCALE_MIN, _SCALE_MAX
+            scale = tl.where(amax > 0.0, bounded, 1.0)
             y = tl.div_rn(x, scale[:, None])  # [BLOCK_H, BLOCK_D]
             values = tl.minimum(tl.maximum(_round_half_even(y), -127.0), 127.0).to(tl.int8)
         else:
-            scale = tl.where(amax > 0.0, tl.div_rn(amax, 448.0), 1.0)
+            bounded = tl.minimum(tl.maximum(tl.div_rn(amax, 448.0), 1.1754943508222875e-38),
+                                 7.595588094610019e35)
+            scale = tl.where(amax > 0.0, bounded, 1.0)
             y = tl.div_rn(x, scale[:, None])
             values = _e4m3_bits(tl.minimum(tl.maximum(y, -448.0), 448.0))
         tl.store(dst, values, mask=store_mask)
