@@ -1,8 +1,10 @@
 """The model over quantized K/V pages (issue 21) against an independent oracle: transformers
-`generate` whose cache stores every K/V vector as `kv_quant.fake_quantize` reads it back
-(one scale per token and K/V head). kvferry quantizes where K/V is written (prefill and the
-decode append) and attends over what the pages hold, the prompt's own tokens included, so
-greedy tokens must be identical, whatever the prefill's chunking."""
+`generate` whose cache stores every K/V vector fake-quantized by `_fake_quantize` below, the
+format written out from its definition (one scale per token and K/V head, int8 or fp8 e4m3)
+without `kernels.kv_quant` (issue 34: the oracle must not share kvferry's quantizer). kvferry
+quantizes where K/V is written (prefill and the decode append) and attends over what the
+pages hold, the prompt's own tokens included, so greedy tokens must be identical, whatever
+the prefill's chunking."""
 
 from __future__ import annotations
 
@@ -15,7 +17,6 @@ from transformers import AutoModelForCausalLM
 from transformers.cache_utils import DynamicLayer
 
 from kernels.dispatch import get_attention_backend
-from kernels.kv_quant import fake_quantize
 from kvferry.cache.layout import blocks_for_tokens
 from kvferry.cache.pool import KvPool
 from kvferry.model.config import load_model_config
@@ -24,6 +25,30 @@ from kvferry.model.transformer import Transformer
 BLOCK = 16
 PROMPT_LENGTHS = [1, 17, 40, 100]
 NEW_TOKENS = 24
+
+
+def _e4m3(v: torch.Tensor) -> torch.Tensor:
+    """float32 in [-448, 448] -> the nearest fp8 e4m3 value (ties to even), as float32: 3
+    mantissa bits, so the step is 2^(e - 3) in the binade [2^e, 2^(e+1)), and 2^-9 below
+    2^-6 (subnormals)."""
+    mag = v.double().abs()
+    _, exp = torch.frexp(mag)  # mag = m * 2^exp, m in [0.5, 1)
+    step = torch.ldexp(torch.ones_like(mag), (exp - 1).clamp(min=-6) - 3)
+    return (torch.round(mag / step) * step).copysign(v.double()).float()  # round: ties to even
+
+
+def _fake_quantize(x: torch.Tensor, kv_dtype: str) -> torch.Tensor:
+    """x [..., D] as a quantized page reads it back: scale = amax / qmax per vector in
+    float32 (1 if all zero), codes = x / scale rounded to int8 (ties to even, clamped to
+    +-127) or to e4m3 (clamped to +-448), times the scale. kv_quant also keeps the scale
+    inside float32's normal range, which this model's K/V never leave."""
+    qmax = 127.0 if kv_dtype == "int8" else 448.0
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1, keepdim=True)  # [..., 1]
+    scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+    scaled = (xf / scale).clamp(-qmax, qmax)
+    codes = scaled.round() if kv_dtype == "int8" else _e4m3(scaled)
+    return (codes * scale).to(x.dtype)
 
 
 def _prompt(n: int) -> list[int]:
@@ -50,8 +75,8 @@ def quantizing_cache(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
 
     def quantized_update(self, key_states, value_states, *args, **kwargs):  # [B, H, T, D]
         if kv_dtype:  # else full precision, as unpatched
-            key_states = fake_quantize(key_states, kv_dtype[0])
-            value_states = fake_quantize(value_states, kv_dtype[0])
+            key_states = _fake_quantize(key_states, kv_dtype[0])
+            value_states = _fake_quantize(value_states, kv_dtype[0])
         return update(self, key_states, value_states, *args, **kwargs)
 
     monkeypatch.setattr(DynamicLayer, "update", quantized_update)
