@@ -84,8 +84,7 @@ LOOPBACK = Placement("127.0.0.1", "127.0.0.1")
 
 def _spawn(name: str, args: list[str], log_dir: Path | None, env: dict[str, str],
            place: Placement = LOOPBACK) -> Process:
-    """Start `deploy.cli args` in a session of its own; its log goes on after any earlier
-    process's of the same name (a worker started again)."""
+    """Start `deploy.cli args` in a session of its own; its log appends (a worker restarted)."""
     stderr = open(log_dir / f"{name}.log", "a") if log_dir else None  # noqa: SIM115
     popen = subprocess.Popen(
         [*place.prefix, sys.executable, "-m", "deploy.cli", *args],

@@ -237,10 +237,12 @@ NIXL = ["--kv-transport", "nixl"]
 @pytest.fixture(scope="session")
 def qwen3_nixl_deployment(qwen3_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
                           ) -> Iterator[Deployment]:
-    """K/V read by the decode worker from the prefill worker's pool with NIXL."""
+    """K/V read by the decode workers from the prefill workers' pools with NIXL; two of each,
+    for tests that retry, migrate or kill (tests/deployments.respawn)."""
     logs = tmp_path_factory.mktemp("qwen3-nixl-logs")
     yield from shared("qwen3_nixl_deployment", lambda: _start(
-        qwen3_checkpoint, logs, worker_args=NIXL), _stop)
+        qwen3_checkpoint, logs, num_prefill=2, num_decode=2, worker_args=[*NIXL, *METRICS],
+        router_args=[*METRICS, *DETAILS]), _stop)
 
 
 @pytest.fixture(scope="session")

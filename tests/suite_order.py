@@ -47,7 +47,14 @@ def shared(name: str, start: Callable[[], object], stop: Callable[[object], None
 
 
 def _uses(item: pytest.Item) -> list[str]:
+    """The shared fixtures `item` uses: those it asks for, and those named by its parameters
+    (a test that calls request.getfixturevalue(name) must take `name` as a parameter)."""
     names = set(getattr(item, "fixturenames", ()))
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None:
+        names |= {value for value in callspec.params.values() if isinstance(value, str)}
+    if any(name.endswith("_ray_deployment") for name in names):
+        names.add("ray_session")
     return [name for name in SHARED if name in names]
 
 

@@ -55,15 +55,15 @@ def _generate_all(checkpoint: Path, deployment: Deployment
     return list(zip(prompts, max_tokens, results))
 
 
-@pytest.mark.parametrize("transport", ["grpc", "nixl",
-                                       pytest.param("ray", marks=pytest.mark.ray)])
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])
-def test_greedy_matches_transformers(arch: str, transport: str,
-                                     request: pytest.FixtureRequest) -> None:
-    """Every K/V transport: gRPC streams between processes, NIXL reads of the prefill
-    worker's pool, Ray object refs between actors."""
+# One shared deployment per architecture and K/V transport: gRPC streams between processes,
+# NIXL reads of the prefill worker's pool, Ray object refs between actors.
+@pytest.mark.parametrize("fixture", [
+    f"{arch}_{transport}deployment" for transport in ("", "nixl_") for arch in ("qwen3", "llama")
+] + [pytest.param(f"{arch}_ray_deployment", marks=pytest.mark.ray)
+     for arch in ("qwen3", "llama")])
+def test_greedy_matches_transformers(fixture: str, request: pytest.FixtureRequest) -> None:
+    arch = fixture.split("_", 1)[0]
     checkpoint: Path = request.getfixturevalue(f"{arch}_checkpoint")
-    fixture = f"{arch}_deployment" if transport == "grpc" else f"{arch}_{transport}_deployment"
     deployment: Deployment = request.getfixturevalue(fixture)
     for prompt, limit, got in _generate_all(checkpoint, deployment):
         expected = _reference(checkpoint, prompt, limit)
