@@ -6,16 +6,18 @@ other's request (ids are scoped per router downstream)."""
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from deploy import client
-from deploy.launcher import Deployment, Process, _spawn
+from deploy.launcher import Deployment, Process
+from kvferry.faults import tag
 from kvferry.rpc import grpc_util
 from kvferry.v1 import generation_pb2
 from tests.conftest import assert_alive, assert_pools_clean
+from tests.deployments import routed
 
 pytestmark = pytest.mark.slow
 
@@ -35,42 +37,29 @@ def _expected(reference: Deployment, request: generation_pb2.GenerateRequest) ->
     return asyncio.run(client.generate(reference.router_address, plain, 60)).token_ids
 
 
-def test_a_request_waiting_past_its_lease_completes(qwen3_checkpoint: Path,
-                                                    qwen3_deployment: Deployment,
-                                                    tmp_path: Path) -> None:
+def test_a_request_waiting_past_its_lease_completes(qwen3_deployment: Deployment) -> None:
     """Lease 0.5 s; the push's chunks are 0.6 s apart, so the reservation outlives several
     leases before its K/V is in, and chunk arrivals alone would not keep it (each gap is
-    longer than a lease): only the router's renewals do."""
-    request = _request(LONG_PROMPT, 12)
-    with Deployment(model=str(qwen3_checkpoint), log_dir=tmp_path,
-                    router_args=["--lease-s", "0.5"],
-                    env={"KVFERRY_FAULT_PUSH_CHUNK_DELAY_S": "0.6"}) as deployment:
+    longer than a lease): only the router's renewals do. On the shared workers, behind a
+    router of its own; the slow push armed for this request alone (kvferry/faults.py)."""
+    request = _request(LONG_PROMPT, 12, uuid.uuid4().hex + tag(push_chunk_delay_s=0.6))
+    with routed(qwen3_deployment, "router-lease", ["--lease-s", "0.5"]) as deployment:
         got = asyncio.run(client.generate(deployment.router_address, request, 60))
         assert got.token_ids == _expected(qwen3_deployment, request)
         assert_pools_clean(deployment)
         assert_alive(deployment)
-    decode_log = next(tmp_path.glob("decode*.log")).read_text()
-    assert "lease expired" not in decode_log
+    assert deployment.log_dir is not None
+    for decode in deployment.log_dir.glob("decode*.log"):
+        assert not [line for line in decode.read_text().splitlines()
+                    if f"request {request.request_id}@" in line and "lease expired" in line]
 
 
 @pytest.fixture(scope="module")
-def two_routers(qwen3_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
-                ) -> Iterator[tuple[Deployment, Process]]:
-    """A deployment and a second router process on the same workers."""
-    log_dir = tmp_path_factory.mktemp("two-routers")
-    deployment = Deployment(model=str(qwen3_checkpoint), log_dir=log_dir).start()
-    args = ["router", "--model", deployment.model, "--host", deployment.host, "--port", "0"]
-    for proc in deployment.processes:
-        if proc.name != "router":
-            args += [f"--{proc.name.rsplit('-', 1)[0]}", proc.address]
-    second = _spawn("router-2", args, log_dir, {})
-    try:
-        second.wait_ready(120)
-        yield deployment, second
-    finally:
-        second.popen.terminate()
-        second.popen.wait(30)
-        deployment.stop()
+def two_routers(qwen3_deployment: Deployment) -> Iterator[tuple[Deployment, Process]]:
+    """The shared workers behind their own router and a second one."""
+    with routed(qwen3_deployment, "router-1", []) as deployment, \
+            routed(qwen3_deployment, "router-2", []) as second:
+        yield deployment, second.processes[-1]
 
 
 def test_same_id_on_two_routers_both_complete(two_routers: tuple[Deployment, Process],
