@@ -267,7 +267,7 @@ def ray_session() -> Iterator[None]:
 def _start_ray(model: Path, **kwargs: object) -> Deployment:
     from deploy.ray_launcher import RayDeployment
 
-    return RayDeployment(model=str(model), **kwargs).start()
+    return RayDeployment(model=str(model), env={FAULTS_ENV: PER_REQUEST}, **kwargs).start()
 
 
 @pytest.fixture(scope="session")
