@@ -35,6 +35,7 @@ from decode_worker.sequence import lookup
 from kvferry.cache.layout import KvLayout, blocks_for_tokens
 from kvferry.cache.pool import KvPool
 from kvferry.errors import DataLoss, InvalidArgument, KvferryError, Unavailable
+from kvferry.faults import Faults
 from kvferry.transfer import nixl_agent, nixl_pages, wire
 
 log = logging.getLogger("kvferry.transport")
@@ -100,7 +101,8 @@ class NixlPuller:
             started.result()  # both threads exist (and are named) from the start
         self._in_flight: dict[str, set[asyncio.Future[None]]] = {}  # fences not yet dropped
         self.read_timeout_s = read_timeout_s
-        self.read_delay_s = read_delay_s  # fault injection: a READ that takes this long
+        # Fault injection (kvferry/faults.py): each READ takes this long, or a request's own.
+        self.faults = Faults(nixl_read_delay_s=read_delay_s)
         self.num_fenced_blocks = 0  # block references held by READs in flight
         self.num_leaked_blocks = 0  # fenced for good: READs NIXL could not cancel
 
@@ -256,8 +258,9 @@ class NixlPuller:
         return nixl_pages.crc32_pages(self.pool, table, span)
 
     def _read(self, pull: Pull, local: Any, remote: Any) -> None:
-        if self.read_delay_s:
-            time.sleep(self.read_delay_s)
+        delay_s = self.faults.for_request(pull.request_id).nixl_read_delay_s
+        if delay_s:
+            time.sleep(delay_s)
         agent = self.agent
         state = nixl_pages.read(agent, agent.get_xfer_descs(local, self.local.memory_type),
                                 agent.get_xfer_descs(remote, pull.remote.memory_type),

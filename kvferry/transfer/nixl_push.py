@@ -101,7 +101,8 @@ class NixlKvSender(GrpcKvSender):
             pool_address=memory.address, pool_blocks=memory.num_blocks,
             memory_type=memory.memory_type, device_id=memory.device_id,
             block_table=block_table))
-        async for i, span in self._ready_spans(spans, ready, progress):
+        chunk_delay_s = self.faults.for_request(request_id).push_chunk_delay_s
+        async for i, span in self._ready_spans(spans, ready, progress, chunk_delay_s):
             progress.sent += wire.span_bytes(layout, span)
             yield worker_pb2.KvPullMessage(group=worker_pb2.KvPullGroup(
                 layer_start=span.layer_start, layer_end=span.layer_end,
