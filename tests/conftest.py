@@ -188,6 +188,9 @@ def _start(model: Path, tmp: Path, **kwargs: object) -> Deployment:
 
 
 METRICS = ["--metrics-port", "0"]
+# Small prefill chunks and budget on the shared 2p2d and colocated workers: every test there
+# also runs chunked prefill (tests/e2e/test_concurrency.py checks it token for token).
+CHUNKED = ["--prefill-chunk-size", "48", "--prefill-token-budget", "80"]
 # Usage reports cached prompt tokens only when the router is told to (router/identity.py).
 DETAILS = ["--enable-prompt-tokens-details"]
 
@@ -212,7 +215,7 @@ def qwen3_2p2d_deployment(qwen3_checkpoint: Path, tmp_path_factory: pytest.TempP
     tests/deployments.respawn) or need a router of their own (tests/deployments.routed)."""
     logs = tmp_path_factory.mktemp("qwen3-2p2d-logs")
     yield from shared("qwen3_2p2d_deployment", lambda: _start(
-        qwen3_checkpoint, logs, num_prefill=2, num_decode=2, worker_args=METRICS,
+        qwen3_checkpoint, logs, num_prefill=2, num_decode=2, worker_args=[*METRICS, *CHUNKED],
         router_args=[*METRICS, *DETAILS]), _stop)
 
 
@@ -228,7 +231,8 @@ def colocated_deployment(qwen3_checkpoint: Path, tmp_path_factory: pytest.TempPa
                          ) -> Iterator[Deployment]:
     logs = tmp_path_factory.mktemp("colocated-logs")
     yield from shared("colocated_deployment", lambda: _start(
-        qwen3_checkpoint, logs, is_colocated=True, router_args=DETAILS), _stop)
+        qwen3_checkpoint, logs, is_colocated=True, worker_args=CHUNKED, router_args=DETAILS),
+        _stop)
 
 
 NIXL = ["--kv-transport", "nixl"]

@@ -10,7 +10,7 @@ import torch
 
 from deploy import client
 from deploy.launcher import Deployment
-from tests.conftest import assert_alive, assert_pools_clean
+from tests.conftest import assert_alive, assert_pools_clean, worker_stats
 
 pytestmark = pytest.mark.slow
 
@@ -65,43 +65,50 @@ def test_colocated_and_disaggregated_give_identical_tokens(
     assert_pools_clean(colocated_deployment)
 
 
-@pytest.mark.parametrize("is_colocated", [False, True], ids=["disaggregated", "colocated"])
-def test_chunked_prefill_gives_the_same_tokens(is_colocated: bool, qwen3_checkpoint,
-                                               qwen3_deployment: Deployment, tmp_path) -> None:
-    """Prompts up to ~200 tokens through 48-token chunks and an 80-token batch budget: the
-    chunks attend over their own cached chunks and interleave with other requests' steps."""
+@pytest.mark.parametrize("fixture", ["qwen3_2p2d_deployment", "colocated_deployment"],
+                         ids=["disaggregated", "colocated"])
+def test_chunked_prefill_gives_the_same_tokens(fixture: str, qwen3_deployment: Deployment,
+                                               request: pytest.FixtureRequest) -> None:
+    """Prompts up to ~200 tokens through 48-token chunks and an 80-token batch budget (the
+    shared deployments' CHUNKED flags): the chunks attend over their own cached chunks and
+    interleave with other requests' steps."""
+    chunked: Deployment = request.getfixturevalue(fixture)
+    assert "--prefill-chunk-size" in chunked.worker_args
     requests = _requests()
-    with Deployment(model=str(qwen3_checkpoint), is_colocated=is_colocated, log_dir=tmp_path,
-                    worker_args=["--prefill-chunk-size", "48",
-                                 "--prefill-token-budget", "80"]) as chunked:
-        got = asyncio.run(client.generate_many(chunked.router_address, requests, 300))
-        assert_pools_clean(chunked)
+    got = asyncio.run(client.generate_many(chunked.router_address, requests, 300))
+    assert_pools_clean(chunked)
     expected = asyncio.run(client.generate_many(qwen3_deployment.router_address, requests, 300))
     for i, (a, b) in enumerate(zip(got, expected)):
         assert a.token_ids == b.token_ids, f"request {i}"
 
 
-def test_cancelled_prefills_are_dropped_or_abandoned(qwen3_checkpoint, tmp_path) -> None:
-    """A burst of long prompts through a small prefill budget, cancelled while most are
-    still queued for prefill and some are mid-chunk: nothing is left held anywhere."""
-    with Deployment(model=str(qwen3_checkpoint), log_dir=tmp_path,
-                    worker_args=["--prefill-chunk-size", "32",
-                                 "--prefill-token-budget", "64"]) as deployment:
-        async def burst() -> int:
-            prompts = [list(range(1 + i, 301 + i)) for i in range(8)]
-            tasks = [asyncio.ensure_future(client.generate(
-                deployment.router_address,
-                client.make_request(p, max_tokens=50, ignore_eos=True), 60)) for p in prompts]
-            await asyncio.sleep(0.3)
-            finished_early = sum(t.done() for t in tasks)
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            return finished_early
+def test_cancelled_prefills_are_dropped_or_abandoned(qwen3_2p2d_deployment: Deployment) -> None:
+    """A burst of long prompts through a small prefill budget (CHUNKED), cancelled while the
+    prefill workers still hold prompt tokens to compute: nothing is left held anywhere."""
+    deployment = qwen3_2p2d_deployment
 
-        assert asyncio.run(burst()) < 8  # most were still in prefill when cancelled
-        assert_pools_clean(deployment)
-        assert_alive(deployment)
-        got = asyncio.run(client.generate(deployment.router_address, client.make_request(
-            list(range(5, 105)), max_tokens=5, ignore_eos=True), 60))
-        assert len(got.token_ids) == 5
+    def pending_prefill_tokens() -> int:
+        return sum(s.num_pending_prefill_tokens for s in worker_stats(deployment))
+
+    async def burst() -> int:
+        prompts = [list(range(1 + i, 301 + i)) for i in range(8)]
+        tasks = [asyncio.ensure_future(client.generate(
+            deployment.router_address,
+            client.make_request(p, max_tokens=50, ignore_eos=True), 60)) for p in prompts]
+        pending = 0
+        while not pending and not all(t.done() for t in tasks):
+            pending = await asyncio.to_thread(pending_prefill_tokens)
+            await asyncio.sleep(0.01)  # paces the polling
+        for task in tasks:
+            task.cancel()
+        outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+        assert all(isinstance(o, asyncio.CancelledError) or isinstance(o, client.Completion)
+                   for o in outcomes), outcomes
+        return pending
+
+    assert asyncio.run(burst()) > 0  # cancelled with prompt tokens still to prefill
+    assert_pools_clean(deployment)
+    assert_alive(deployment)
+    got = asyncio.run(client.generate(deployment.router_address, client.make_request(
+        list(range(5, 105)), max_tokens=5, ignore_eos=True), 60))
+    assert len(got.token_ids) == 5
