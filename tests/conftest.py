@@ -212,11 +212,26 @@ def qwen3_deployment(qwen3_checkpoint: Path, tmp_path_factory: pytest.TempPathFa
 def qwen3_2p2d_deployment(qwen3_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
                           ) -> Iterator[Deployment]:
     """Two prefill and two decode workers, for tests that retry, migrate, kill (then
-    tests/deployments.respawn) or need a router of their own (tests/deployments.routed)."""
+    tests/deployments.respawn) or need a router of their own (tests/deployments.routed);
+    chunked prefill, and logs in JSON (one object per line: the text checks still match)."""
     logs = tmp_path_factory.mktemp("qwen3-2p2d-logs")
     yield from shared("qwen3_2p2d_deployment", lambda: _start(
         qwen3_checkpoint, logs, num_prefill=2, num_decode=2, worker_args=[*METRICS, *CHUNKED],
-        router_args=[*METRICS, *DETAILS]), _stop)
+        router_args=[*METRICS, *DETAILS], log_format="json"), _stop)
+
+
+# The seeded Qwen3 checkpoint: 4 layers x 2 x 16 tokens x 2 heads x 64 x 4 bytes = 64 KiB.
+QWEN3_BLOCK_BYTES = 64 << 10
+
+
+@pytest.fixture(scope="session")
+def qwen3_tiny_deployment(qwen3_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+                          ) -> Iterator[Deployment]:
+    """One prefill and one decode worker with 12-block pools: memory pressure on purpose
+    (preemption, parked K/V); router policies on routers of their own."""
+    logs = tmp_path_factory.mktemp("qwen3-tiny-logs")
+    yield from shared("qwen3_tiny_deployment", lambda: _start(
+        qwen3_checkpoint, logs, kv_pool_size=f"{12 * QWEN3_BLOCK_BYTES}B"), _stop)
 
 
 @pytest.fixture(scope="session")

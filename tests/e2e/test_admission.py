@@ -17,10 +17,11 @@ import pytest
 
 from deploy import client
 from deploy.launcher import Deployment
+from kvferry.faults import tag
 from kvferry.rpc import grpc_util
 from kvferry.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
+from tests.conftest import QWEN3_BLOCK_BYTES as BLOCK_BYTES
 from tests.conftest import assert_pools_clean, worker_stats
-from tests.e2e.test_memory_pressure import BLOCK_BYTES
 
 pytestmark = pytest.mark.slow
 
@@ -145,10 +146,12 @@ def test_prefill_worker_lost_while_holding_deferred_kv(full_pool_deployment: Dep
 # Parked K/V against a reservation: LONG leaves the decode pool 1 block of headroom, so the
 # two 6-block prompts are deferred and their K/V fills the prefill worker's 12-block pool;
 # TINY then fits the headroom, is reserved at once, and needs 1 prefill block. Decode steps
-# are slowed (STEP_DELAY_S) so LONG's 150 steps outlast the parked prefills and TINY on any
-# machine: unpaced, a loaded CI machine once let LONG end first, and the ordering proved nothing.
+# are slowed (STEP_DELAY_S, armed for LONG: every step holding it) so LONG's 150 steps outlast
+# the parked prefills and TINY on any machine: unpaced, a loaded CI machine once let LONG end
+# first, and the ordering proved nothing. On the shared 12-block deployment.
 STEP_DELAY_S = 0.03
-LONG = client.make_request(list(range(200, 220)), temperature=0.0, max_tokens=150,
+LONG = client.make_request(list(range(200, 220)), "long" + tag(decode_step_delay_s=STEP_DELAY_S),
+                           temperature=0.0, max_tokens=150,
                            ignore_eos=True)  # 170 tokens: 11 of the decode pool's 12 blocks
 PARKED = [client.make_request(list(range(300 + 7 * i, 390 + 7 * i)), temperature=0.0,
                               max_tokens=10, ignore_eos=True) for i in range(2)]  # 90 tokens
@@ -156,24 +159,22 @@ TINY = client.make_request(list(range(500, 510)), temperature=0.0, max_tokens=6,
                            ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def small_pools_deployment(qwen3_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
-                           ) -> Iterator[Deployment]:
-    deployment = Deployment(model=str(qwen3_checkpoint), kv_pool_size=f"{12 * BLOCK_BYTES}B",
-                            log_dir=tmp_path_factory.mktemp("parked-logs"),
-                            env={"KVFERRY_FAULT_DECODE_STEP_DELAY_S": str(STEP_DELAY_S)}
-                            ).start()
-    yield deployment
-    deployment.stop()
+def _prefill_stats(deployment: Deployment) -> worker_pb2.WorkerStats:
+    return next(s for s in worker_stats(deployment) if s.role == "prefill")
 
 
 def test_a_reserved_request_is_not_held_behind_parked_kv(
-        small_pools_deployment: Deployment, qwen3_deployment: Deployment) -> None:
+        qwen3_tiny_deployment: Deployment, qwen3_deployment: Deployment) -> None:
     """Without eviction TINY would wait for LONG to end: the parked requests wait for decode
     memory LONG holds, and TINY for prefill memory they hold. (All 8 requests of
     test_memory_pressure arriving at once stalled that way, for the 30 s admission timeout.)"""
+    small_pools_deployment = qwen3_tiny_deployment
+    plain_long = generation_pb2.GenerateRequest()
+    plain_long.CopyFrom(LONG)
+    plain_long.request_id = ""
     expected = asyncio.run(client.generate_many(qwen3_deployment.router_address,
-                                                [LONG, *PARKED, TINY], 120))
+                                                [plain_long, *PARKED, TINY], 120))
+    evictions = _prefill_stats(small_pools_deployment).num_parked_evictions
 
     async def run() -> tuple[list[client.Completion], float, float]:
         async with grpc_util.channel(small_pools_deployment.router_address) as chan:
@@ -207,7 +208,8 @@ def test_a_reserved_request_is_not_held_behind_parked_kv(
     got, tiny_ended, long_ended = asyncio.run(run())
     assert [c.token_ids for c in got] == [c.token_ids for c in expected]
     assert tiny_ended < long_ended
-    prefill = [s for s in worker_stats(small_pools_deployment) if s.role == "prefill"][0]
-    assert prefill.num_parked_evictions == 1  # the newer parked request, prefilled again
+    prefill = _prefill_stats(small_pools_deployment)
+    # The newer parked request, prefilled again.
+    assert prefill.num_parked_evictions - evictions == 1
     assert prefill.num_parked == 0
     assert_pools_clean(small_pools_deployment)

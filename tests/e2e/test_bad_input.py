@@ -87,24 +87,17 @@ def test_service_still_works_after_bad_input(qwen3_deployment: Deployment) -> No
     assert_pools_clean(qwen3_deployment)
 
 
-@pytest.fixture(scope="module")
-def small_pool_deployment(qwen3_checkpoint, tmp_path_factory):
-    # 4 layers x 2 x 16 tokens x 2 heads x 64 x 4 bytes = 64 KiB a block: 64 blocks.
-    deployment = Deployment(model=str(qwen3_checkpoint), kv_pool_size="4MiB",
-                            log_dir=tmp_path_factory.mktemp("small-pool")).start()
-    yield deployment
-    deployment.stop()
-
-
 def test_request_larger_than_the_pool_is_invalid_argument(
-        small_pool_deployment: Deployment) -> None:
-    # 500 + 600 tokens > the pool's 1024: retrying cannot help, so not RESOURCE_EXHAUSTED.
+        qwen3_tiny_deployment: Deployment) -> None:
+    """The shared deployment whose pools hold 12 blocks of 16 tokens: 192 tokens."""
+    small_pool_deployment = qwen3_tiny_deployment
+    # 100 + 100 tokens > the pool's 192: retrying cannot help, so not RESOURCE_EXHAUSTED.
     error = asyncio.run(_generate_error(small_pool_deployment.router_address,
-                                        client.make_request([1] * 500, max_tokens=600)))
+                                        client.make_request([1] * 100, max_tokens=100)))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
-    assert "sampling.max_tokens" in error.details() and "1024 tokens" in error.details()
+    assert "sampling.max_tokens" in error.details() and "192 tokens" in error.details()
     got = asyncio.run(client.generate(small_pool_deployment.router_address,
-                                      client.make_request([1] * 500, max_tokens=8,
+                                      client.make_request([1] * 100, max_tokens=8,
                                                           ignore_eos=True)))
     assert len(got.token_ids) == 8
     assert_pools_clean(small_pool_deployment)

@@ -15,25 +15,24 @@ from deploy import client
 from deploy.launcher import Deployment
 from kvferry.rpc import grpc_util
 from kvferry.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
-from tests.conftest import assert_alive, assert_pools_clean, worker_stats
+from tests.conftest import QWEN3_BLOCK_BYTES, assert_alive, assert_pools_clean, worker_stats
+from tests.deployments import routed
 
 pytestmark = pytest.mark.slow
 
-# The seeded Qwen3 checkpoint: 4 layers x 2 x 16 tokens x 2 heads x 64 x 4 bytes = 64 KiB.
-BLOCK_BYTES = 64 << 10
+BLOCK_BYTES = QWEN3_BLOCK_BYTES
 
 
 @pytest.fixture(scope="module", params=["round_robin", "headroom"])
-def tiny_deployment(request: pytest.FixtureRequest, qwen3_checkpoint: Path,
-                    tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+def tiny_deployment(request: pytest.FixtureRequest, qwen3_tiny_deployment: Deployment
+                    ) -> Iterator[Deployment]:
     # round_robin sends requests whatever the worker's headroom, so the decode worker must
-    # preempt; headroom holds them at the router until they fit at their longest.
-    deployment = Deployment(model=str(qwen3_checkpoint), kv_pool_size=f"{12 * BLOCK_BYTES}B",
-                            router_args=["--policy", request.param],
-                            log_dir=tmp_path_factory.mktemp("tiny-logs")).start()
-    deployment.policy = request.param  # type: ignore[attr-defined]
-    yield deployment
-    deployment.stop()
+    # preempt; headroom holds them at the router until they fit at their longest. The shared
+    # 12-block workers behind a router of each policy.
+    with routed(qwen3_tiny_deployment, f"router-{request.param}",
+                ["--policy", request.param]) as deployment:
+        deployment.policy = request.param  # type: ignore[attr-defined]
+        yield deployment
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +45,10 @@ def short_queue_deployment(qwen3_checkpoint: Path, tmp_path_factory: pytest.Temp
     deployment.stop()
 
 
+def _decode_stats(deployment: Deployment) -> worker_pb2.WorkerStats:
+    return next(s for s in worker_stats(deployment) if s.role == "decode")
+
+
 def _requests() -> list[generation_pb2.GenerateRequest]:
     return [client.make_request(list(range(10 + i, 30 + i)), temperature=0.0,
                                 max_tokens=40 + 5 * i, ignore_eos=True) for i in range(8)]
@@ -54,18 +57,18 @@ def _requests() -> list[generation_pb2.GenerateRequest]:
 def test_preemption_under_a_tiny_pool_keeps_tokens_exact(
         tiny_deployment: Deployment, qwen3_deployment: Deployment) -> None:
     requests = _requests()
-
+    preemptions = _decode_stats(tiny_deployment).num_preemptions
     squeezed = asyncio.run(client.generate_many(tiny_deployment.router_address, requests, 300))
     roomy = asyncio.run(client.generate_many(qwen3_deployment.router_address, requests, 300))
     for i, (a, b) in enumerate(zip(squeezed, roomy)):
         assert len(a.token_ids) == 40 + 5 * i
         assert a.token_ids == b.token_ids, f"request {i}"
-    decode = [s for s in worker_stats(tiny_deployment) if s.role == "decode"][0]
+    decode = _decode_stats(tiny_deployment)
     assert decode.total_blocks == 12
     if tiny_deployment.policy == "round_robin":  # type: ignore[attr-defined]
-        assert decode.num_preemptions > 0
+        assert decode.num_preemptions > preemptions
     else:
-        assert decode.num_preemptions == 0
+        assert decode.num_preemptions == preemptions
     assert_pools_clean(tiny_deployment)
     assert_alive(tiny_deployment)
 
