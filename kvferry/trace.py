@@ -39,6 +39,7 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -74,14 +75,15 @@ class Tracer:
         else:
             self.event("gc", t0=self._gc_start, t1=now, gen=info.get("generation", -1))
 
-    async def watch_loop_lag(self) -> None:
-        """Run forever on an event loop: trace each wake-up later than LAG_MIN_S."""
+    async def watch_loop_lag(self, clock: Callable[[], float] = time.monotonic) -> None:
+        """Run forever on an event loop: trace each wake-up later than LAG_MIN_S (by `clock`,
+        which tests replace)."""
         while True:
-            asked = time.monotonic()
+            asked = clock()
             await asyncio.sleep(LAG_PERIOD_S)
-            lag = time.monotonic() - asked - LAG_PERIOD_S
+            lag = clock() - asked - LAG_PERIOD_S
             if lag > LAG_MIN_S:
-                self.event("lag", t=time.monotonic(), lag=lag)
+                self.event("lag", t=clock(), lag=lag)
 
     def close(self) -> None:
         with contextlib.suppress(ValueError):

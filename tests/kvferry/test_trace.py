@@ -6,12 +6,12 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
-import time
 from pathlib import Path
 
 import pytest
 
 from kvferry import trace
+from tests.waiting import until
 
 
 def _events(path: Path) -> list[dict]:
@@ -43,20 +43,52 @@ def test_events_and_gc_passes_are_written(tmp_path: Path) -> None:
     assert len(_events(tmp_path / "x.jsonl")) == len(events)
 
 
+class _MovedClock:
+    """The probe's monotonic clock, moved only by the test; its reads show where the probe is
+    (it reads once before each sleep and once after, then once more to trace a lag)."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.num_reads = 0
+
+    def __call__(self) -> float:
+        self.num_reads += 1
+        return self.now
+
+
+def _lags(path: Path) -> list[dict]:
+    return [e for e in _events(path) if e["ev"] == "lag"]
+
+
 def test_a_blocked_event_loop_is_traced_as_lag(tmp_path: Path) -> None:
-    tracer = trace.Tracer(tmp_path / "lag.jsonl")
+    """A wake-up later than asked by more than LAG_MIN_S is traced with its lag; a smaller one
+    is not. The clock jumps while the probe sleeps, as it does while a blocked loop cannot
+    wake the probe."""
+    path = tmp_path / "lag.jsonl"
+    tracer = trace.Tracer(path)
+    clock = _MovedClock()
+
+    async def move_while_the_probe_sleeps(delay_s: float) -> None:
+        """Move the clock while the probe sleeps; return once it woke and slept again."""
+        clock.now += delay_s
+        woken_at = clock.num_reads
+        await until(lambda: clock.num_reads >= woken_at + 2, "the probe woke and slept again")
 
     async def block_the_loop() -> None:
-        probe = asyncio.create_task(tracer.watch_loop_lag())
-        await asyncio.sleep(0.02)
-        time.sleep(0.05)  # the loop cannot run the probe meanwhile
-        await asyncio.sleep(0.02)
-        probe.cancel()
+        probe = asyncio.create_task(tracer.watch_loop_lag(clock))
+        try:
+            await until(lambda: clock.num_reads >= 1, "the probe took its first reading")
+            await move_while_the_probe_sleeps(trace.LAG_PERIOD_S + trace.LAG_MIN_S / 2)
+            assert _lags(path) == []  # late, but by less than LAG_MIN_S
+            await move_while_the_probe_sleeps(0.05)
+            await until(lambda: _lags(path), "the probe traced the lag")
+        finally:
+            probe.cancel()
 
     asyncio.run(block_the_loop())
     tracer.close()
-    lags = [e["lag"] for e in _events(tmp_path / "lag.jsonl") if e["ev"] == "lag"]
-    assert max(lags) >= 0.04
+    assert _lags(path) == [{"ev": "lag", "t": pytest.approx(100.056),
+                            "lag": pytest.approx(0.05 - trace.LAG_PERIOD_S)}]
 
 
 def test_off_unless_asked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
