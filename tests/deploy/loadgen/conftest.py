@@ -1,9 +1,12 @@
 """A scripted GenerationService over real gRPC, a fake stub with a virtual clock for exact
-timing tests, and the same script from an OpenAI-compatible server (fake_openai.py)."""
+timing tests, a clock a real server and its client share for the same exactness over a real
+transport, and the same script from an OpenAI-compatible server (fake_openai.py)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from concurrent import futures
@@ -53,11 +56,41 @@ def responses(request: generation_pb2.GenerateRequest, script: tuple[Step, ...]
     yield 0.0, generation_pb2.GenerateResponse(request_id=request.request_id, finished=finished)
 
 
-class ScriptedServicer(generation_pb2_grpc.GenerationServiceServicer):
-    """Synchronous (thread-pool) servicer: it works whatever event loops the client runs."""
+class LockstepClock:
+    """Virtual time shared by a real server (on its own threads) and a client that runs one
+    stream at a time: the server moves it on by each chunk's scripted delay just before
+    sending the chunk, once the client has read it since the last move (the arrival of the
+    chunk before). Records over a real transport are then as exact as FakeStub's."""
 
-    def __init__(self, script: tuple[Step, ...] = SCRIPT) -> None:
+    def __init__(self, deadline_s: float = 60.0) -> None:
+        self.now = 0.0
+        self.deadline_s = deadline_s  # only a hang reaches it
+        self._is_read = True
+        self._changed = threading.Condition()
+
+    def __call__(self) -> float:
+        with self._changed:
+            self._is_read = True
+            self._changed.notify_all()
+            return self.now
+
+    def advance(self, delay_s: float) -> None:
+        """Move time on by delay_s, once the client has read the last move (blocks)."""
+        with self._changed:
+            if not self._changed.wait_for(lambda: self._is_read, self.deadline_s):
+                raise TimeoutError("the client never read the clock after the last chunk")
+            self.now += delay_s
+            self._is_read = False
+
+
+class ScriptedServicer(generation_pb2_grpc.GenerationServiceServicer):
+    """Synchronous (thread-pool) servicer: it works whatever event loops the client runs.
+    Its chunks come after their scripted delays in real time, or on a LockstepClock."""
+
+    def __init__(self, script: tuple[Step, ...] = SCRIPT,
+                 clock: LockstepClock | None = None) -> None:
         self.script = script
+        self.clock = clock
         self.requests: list[generation_pb2.GenerateRequest] = []
 
     def Generate(self, request: generation_pb2.GenerateRequest,  # noqa: N802
@@ -66,7 +99,10 @@ class ScriptedServicer(generation_pb2_grpc.GenerationServiceServicer):
         if request.token_ids.ids and request.token_ids.ids[0] == FAIL_TOKEN:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "scripted refusal")
         for delay_s, msg in responses(request, self.script):
-            time.sleep(delay_s)
+            if self.clock is None:
+                time.sleep(delay_s)  # paces: the scripted gaps, for clients on real time
+            elif msg.HasField("chunk"):
+                self.clock.advance(delay_s)
             yield msg
 
     def GetModelInfo(self, request: generation_pb2.GetModelInfoRequest,  # noqa: N802
@@ -81,16 +117,25 @@ class FakeServer:
     servicer: ScriptedServicer
 
 
-@pytest.fixture
-def fake_server() -> Iterator[FakeServer]:
+@contextlib.contextmanager
+def serve_scripted(clock: LockstepClock | None = None) -> Iterator[FakeServer]:
     """A real gRPC server on a free port, one thread per stream."""
-    servicer = ScriptedServicer()
+    servicer = ScriptedServicer(clock=clock)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
     generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    yield FakeServer(f"127.0.0.1:{port}", servicer)
-    server.stop(0).wait(10)
+    try:
+        yield FakeServer(f"127.0.0.1:{port}", servicer)
+    finally:
+        server.stop(0).wait(10)
+
+
+@pytest.fixture
+def fake_server() -> Iterator[FakeServer]:
+    """The scripted server on real time."""
+    with serve_scripted() as served:
+        yield served
 
 
 class VirtualClock:
@@ -104,7 +149,7 @@ class VirtualClock:
 
     async def sleep(self, delay_s: float) -> None:
         target = self.now + delay_s
-        await asyncio.sleep(0)  # let started requests run first
+        await asyncio.sleep(0)  # paces: one loop turn, so that started requests run first
         self.now = max(self.now, target)
 
 

@@ -1,7 +1,7 @@
 """A scripted OpenAI-compatible server: the same stream as conftest's gRPC script (chunks at
 +40, +90, +120 (2 tokens), +190 ms; usage: 5 completion tokens, half the prompt cached), as
-server-sent events. Served for real (Starlette under uvicorn, on a free port) or as a `Post`
-through httpx.MockTransport on a virtual clock.
+server-sent events. Served for real (Starlette under uvicorn, on a free port; on real time or
+on a LockstepClock) or as a `Post` through httpx.MockTransport on a virtual clock.
 
 The first prompt token id (completions) or word (chat) picks a failure mode (MODES)."""
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -25,7 +24,8 @@ from starlette.routing import Route
 
 from deploy.loadgen.openai_client import Post
 from deploy.loadgen.openai_stream import Answer, ConnectionLost
-from tests.deploy.loadgen.conftest import FAIL_TOKEN, SCRIPT, VirtualClock
+from tests.deploy.loadgen.conftest import FAIL_TOKEN, SCRIPT, LockstepClock, VirtualClock
+from tests.waiting import until_sync
 
 MODEL = "fake-model"
 TEXTS = (" w1", "", " w2 w3", " w4")  # one per scripted chunk; "" is a token with no text yet
@@ -116,7 +116,7 @@ class FakeOpenAI:
     headers: list[dict[str, str]] = field(default_factory=list)
 
 
-def make_app(record: FakeOpenAI) -> Starlette:
+def make_app(record: FakeOpenAI, clock: LockstepClock | None = None) -> Starlette:
     async def generate(request: Request) -> Response:
         body = await request.json()
         record.bodies.append(body)
@@ -127,7 +127,10 @@ def make_app(record: FakeOpenAI) -> Starlette:
 
         async def stream() -> AsyncIterator[bytes]:
             for delay_s, data in events(body):
-                await asyncio.sleep(delay_s)
+                if clock is None:
+                    await asyncio.sleep(delay_s)  # paces: the scripted gaps, on real time
+                elif delay_s:  # a scripted chunk (nothing else waits)
+                    await asyncio.to_thread(clock.advance, delay_s)
                 if data is None:
                     raise ConnectionAbortedError("scripted drop")
                 yield data
@@ -149,19 +152,17 @@ class ServedFake:
     thread: threading.Thread
 
 
-def serve() -> ServedFake:
+def serve(clock: LockstepClock | None = None) -> ServedFake:
     """Start the fake under uvicorn on a free port (stop with stop())."""
     record = FakeOpenAI()
-    config = uvicorn.Config(make_app(record), host="127.0.0.1", port=0, log_level="critical",
-                            lifespan="off")
+    config = uvicorn.Config(make_app(record, clock), host="127.0.0.1", port=0,
+                            log_level="critical", lifespan="off")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("the fake OpenAI server did not start")
-        time.sleep(0.01)
+    until_sync(lambda: server.started or not thread.is_alive(), "the fake OpenAI server started")
+    if not server.started:
+        raise RuntimeError("the fake OpenAI server stopped while starting")
     port = server.servers[0].sockets[0].getsockname()[1]
     record.base_url = f"http://127.0.0.1:{port}/v1"
     return ServedFake(record, server, thread)

@@ -1,6 +1,6 @@
 """The OpenAI backends (openai-chat, openai-completions): exact records on a virtual clock,
 equal to the gRPC backend's for the same script; the request bodies; every failure as a
-record; and the same over a real HTTP server (uvicorn)."""
+record; and the same over a real HTTP server (uvicorn, on a clock the server moves)."""
 
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ from deploy.loadgen.openai_client import (
 )
 from deploy.loadgen.runner import SendOptions, run_conversations, run_requests
 from deploy.loadgen.workload import BenchRequest, Conversation
-from tests.deploy.loadgen.conftest import FAIL_TOKEN, FakeStub, VirtualClock
-from tests.deploy.loadgen.fake_openai import MODEL, FakeOpenAI, virtual_post
+from tests.deploy.loadgen.conftest import FAIL_TOKEN, FakeStub, LockstepClock, VirtualClock
+from tests.deploy.loadgen.fake_openai import MODEL, FakeOpenAI, serve, stop, virtual_post
 
 approx = pytest.approx
 REQUESTS = [BenchRequest((1, 2, 3), 5, 3, tag="a"), BenchRequest((FAIL_TOKEN, 2), 5, 2),
@@ -169,32 +169,44 @@ def test_api_root() -> None:
 
 
 async def _over_http(base_url: str, backend: str, requests: list[BenchRequest],
-                     options: SendOptions | None = None) -> list:
+                     options: SendOptions | None = None,
+                     clock: LockstepClock | None = None) -> list:
+    """The records of `requests` sent to a real server: all at once on real time, or one at
+    a time on the server's LockstepClock."""
     async with open_sender(base_url, backend) as sender:
         assert sender.model == MODEL  # from GET /v1/models
         outcome = await run_requests(sender, requests, [0.0] * len(requests),
-                                     options or SendOptions(), clock=time.perf_counter)
+                                     options or SendOptions(),
+                                     max_concurrency=None if clock is None else 1,
+                                     clock=clock or time.perf_counter)
     return list(outcome.records)
 
 
 @pytest.mark.parametrize("backend", ["openai-completions", "openai-chat"])
-def test_over_a_real_http_server(openai_server: FakeOpenAI, backend: str) -> None:
+def test_over_a_real_http_server(backend: str) -> None:
+    """The virtual clock's records over a real server, one stream at a time: the server moves
+    a shared clock by each scripted gap as it sends the chunk."""
     if backend == "openai-chat":
         requests = [BenchRequest(f"{w} hello", 5) for w in ("go", "400", "503", "drop")]
     else:
         requests = [BenchRequest((t, 1), 5, 2) for t in (1, FAIL_TOKEN, 999_998, 999_997)]
-    ok, bad, busy, dropped = asyncio.run(_over_http(openai_server.base_url, backend,
-                                                    requests))
-    # Real time: no chunk earlier than scripted (1 ms timer slack), none very late.
-    assert ok.status == "OK" and ok.output_len == 5 and len(ok.itls_s) == 3
-    arrivals = [ok.ttft_s + sum(ok.itls_s[:k]) for k in range(4)]
-    for got, scripted in zip(arrivals, (0.040, 0.090, 0.120, 0.190)):
-        assert scripted - 0.001 <= got <= scripted + 1.0
-    assert ok.latency_s == approx(arrivals[-1])
+    clock = LockstepClock()
+    served = serve(clock)
+    try:
+        ok, bad, busy, dropped = asyncio.run(_over_http(served.record.base_url, backend,
+                                                        requests, clock=clock))
+    finally:
+        stop(served)
+    # Scripted chunks at +40, +90, +120 (2 tokens), +190 ms; refusals take no time.
+    assert ok.status == "OK" and ok.output_len == 5 and ok.start_s == 0.0
+    assert ok.ttft_s == approx(0.040) and ok.itls_s == approx((0.050, 0.030, 0.070))
+    assert ok.latency_s == approx(0.190)
     assert (bad.status, busy.status) == ("HTTP_400", "HTTP_503")
     assert "max_tokens" in bad.error
     assert dropped.status == "INCOMPLETE" and dropped.output_len == 2
-    assert all(h["x-request-id"].startswith("bench-") for h in openai_server.headers)
+    assert dropped.ttft_s == approx(0.040) and dropped.itls_s == approx((0.050,))
+    assert [r.start_s for r in (bad, busy, dropped)] == approx([0.190] * 3)
+    assert all(h["x-request-id"].startswith("bench-") for h in served.record.headers)
 
 
 def test_unreachable_and_deadline(openai_server: FakeOpenAI) -> None:

@@ -1,9 +1,9 @@
-"""The runner's timestamps, exact under a virtual clock, and the same over real gRPC."""
+"""The runner's timestamps, exact under a virtual clock, and the same over real gRPC (on a
+clock the server moves)."""
 
 from __future__ import annotations
 
 import asyncio
-import time
 
 import grpc
 import pytest
@@ -16,9 +16,10 @@ from kvferry.v1 import generation_pb2_grpc
 from tests.deploy.loadgen.conftest import (
     FAIL_TOKEN,
     KV_BYTES_PER_TOKEN,
-    FakeServer,
     FakeStub,
+    LockstepClock,
     VirtualClock,
+    serve_scripted,
 )
 
 approx = pytest.approx
@@ -76,27 +77,30 @@ def test_request_protos_carry_length_and_ignore_eos() -> None:
     assert request.sampling.temperature == 0.0 and request.sampling.seed == 11
 
 
-async def _over_grpc(address: str) -> tuple:
+async def _over_grpc(address: str, clock: LockstepClock) -> tuple:
     async with grpc_util.channel(address) as chan:
         stub = generation_pb2_grpc.GenerationServiceStub(chan)
-        return await run_requests(stub, REQUESTS, [0.0, 0.0, 0.0], clock=time.perf_counter)
+        return await run_requests(stub, REQUESTS, [0.0, 0.0, 0.0], max_concurrency=1,
+                                  clock=clock)
 
 
-def test_over_real_grpc(fake_server: FakeServer) -> None:
-    outcome = asyncio.run(_over_grpc(fake_server.address))
-    ok, refused, _ = outcome.records
-    assert refused.status == grpc.StatusCode.RESOURCE_EXHAUSTED.name
-    assert refused.error == "scripted refusal"
-    # Real time: no chunk earlier than scripted (1 ms timer slack), none very late. Arrivals,
-    # not gaps: a chunk read late shortens the gap after it (CI once saw 46 ms for 50), and
-    # a loaded 2-core machine can be 60 ms late (the openai backend's test allows 1 s too).
-    assert len(ok.itls_s) == 3
-    arrivals = [ok.ttft_s + sum(ok.itls_s[:k]) for k in range(4)]
-    for got, scripted in zip(arrivals, (0.040, 0.090, 0.120, 0.190)):
-        assert scripted - 0.001 <= got <= scripted + 1.0
-    assert ok.latency_s == pytest.approx(arrivals[-1])
-    assert ok.output_len == 5 and ok.prompt_len == 3
-    assert len(fake_server.servicer.requests) == 3
+def test_over_real_grpc() -> None:
+    """The same records over a real gRPC server as from FakeStub, one stream at a time: the
+    server moves a shared clock by each scripted gap as it sends the chunk."""
+    clock = LockstepClock()
+    with serve_scripted(clock) as server:
+        outcome = asyncio.run(_over_grpc(server.address, clock))
+    ok, refused, last = outcome.records
+    assert (refused.status, refused.error) == (grpc.StatusCode.RESOURCE_EXHAUSTED.name,
+                                               "scripted refusal")
+    # Scripted chunks at +40, +90, +120 (2 tokens), +190 ms; the refusal takes no time.
+    assert [r.start_s for r in outcome.records] == approx([0.0, 0.190, 0.190])
+    for record in (ok, last):
+        assert record.ttft_s == approx(0.040) and record.itls_s == approx((0.050, 0.030, 0.070))
+        assert record.latency_s == approx(0.190) and record.output_len == 5
+    assert (ok.prompt_len, last.prompt_len) == (3, 4)  # from the server's usage
+    assert outcome.duration_s == approx(0.380)
+    assert len(server.servicer.requests) == 3
 
 
 def _recording(stub: FakeStub) -> list:
