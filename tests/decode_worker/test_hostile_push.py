@@ -1,12 +1,14 @@
 """Hostile K/V pushes against an in-process decode engine: every malformed or malicious chunk
-is refused before any write, so no byte of the pool changes, and in particular no other
-request's blocks. The gRPC-level cases live in test_kv_push.py."""
+is refused before any write, with the status and field its case expects, so no byte of the
+pool changes, and in particular no other request's blocks. The cases over a real gRPC
+server live in test_kv_push.py."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import grpc
 import pytest
@@ -20,13 +22,14 @@ from kernels import kv_quant
 from kernels.dispatch import get_attention_backend
 from kvferry.cache.layout import KvLayout, blocks_for_tokens
 from kvferry.cache.pool import KvPool
-from kvferry.errors import Aborted, AlreadyExists, DataLoss, InvalidArgument, NotFound
+from kvferry.errors import Aborted, DataLoss, InvalidArgument
 from kvferry.model.config import load_model_config
 from kvferry.model.sampling import SamplingParams
 from kvferry.model.transformer import Transformer
 from kvferry.rpc import convert
 from kvferry.transfer import wire
 from kvferry.v1 import worker_pb2
+from tests.waiting import within
 
 BLOCK_SIZE = 4
 PROMPT = 10  # tokens: 3 blocks of 4
@@ -112,54 +115,84 @@ def _with_nan(push: Push, value: float = float("nan")) -> tuple[wire.ChunkSpan, 
     return span, raw, wire.crc32(raw)
 
 
-HOSTILE: dict[str, Case] = {
-    "more blocks than reserved": lambda lay, a: (
+class Hostile(NamedTuple):
+    """A hostile chunk, and the status and message start PushKv refuses it with (the field
+    it names first)."""
+
+    make: Case
+    code: grpc.StatusCode
+    names: str
+
+
+INVALID, DATA_LOSS = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DATA_LOSS
+
+HOSTILE: dict[str, Hostile] = {
+    "more blocks than reserved": Hostile(lambda lay, a: (
         "A", lay, PROMPT, *_sized(lay, wire.ChunkSpan(0, lay.num_layers, 0, 4))),
-    "block range past the reservation": lambda lay, a: (
-        "A", lay, PROMPT, *_sized(lay, wire.ChunkSpan(0, 1, 2, 2))),
-    "negative block_start": lambda lay, a: (
-        "A", lay, PROMPT, *_sized(lay, wire.ChunkSpan(0, 1, -1, 1))),
-    "zero blocks": lambda lay, a: ("A", lay, PROMPT, *_sized(lay, wire.ChunkSpan(0, 1, 0, 0))),
-    "layers past the model": lambda lay, a: (
+        INVALID, "block_start"),
+    "block range past the reservation": Hostile(lambda lay, a: (
+        "A", lay, PROMPT, *_sized(lay, wire.ChunkSpan(0, 1, 2, 2))), INVALID, "block_start"),
+    "negative block_start": Hostile(lambda lay, a: (
+        "A", lay, PROMPT, *_sized(lay, wire.ChunkSpan(0, 1, -1, 1))), INVALID, "block_start"),
+    "zero blocks": Hostile(lambda lay, a: (
+        "A", lay, PROMPT, *_sized(lay, wire.ChunkSpan(0, 1, 0, 0))), INVALID, "block_start"),
+    "layers past the model": Hostile(lambda lay, a: (
         "A", lay, PROMPT, *_sized(lay, wire.ChunkSpan(0, lay.num_layers + 1, 0, 1))),
-    "empty layer range": lambda lay, a: (
-        "A", lay, PROMPT, *_sized(lay, wire.ChunkSpan(1, 1, 0, 1))),
-    "num_tokens above the reservation": lambda lay, a: (
+        INVALID, "layer_start"),
+    "empty layer range": Hostile(lambda lay, a: (
+        "A", lay, PROMPT, *_sized(lay, wire.ChunkSpan(1, 1, 0, 1))), INVALID, "layer_start"),
+    "num_tokens above the reservation": Hostile(lambda lay, a: (
         "A", lay, PROMPT + 8, *_sized(lay, wire.ChunkSpan(0, lay.num_layers, 0, 5))),
-    "num_tokens below the reservation": lambda lay, a: (
-        "A", lay, 4, *a.chunk(wire.ChunkSpan(0, lay.num_layers, 0, 1))),
-    "dtype": lambda lay, a: ("A", _wrong_layout(lay, dtype="bfloat16"), PROMPT,
-                             *a.chunk(a.whole())),
-    "num_kv_heads": lambda lay, a: ("A", _wrong_layout(lay, num_kv_heads=lay.num_kv_heads * 2),
-                                    PROMPT, *a.chunk(a.whole())),
-    "head_dim": lambda lay, a: ("A", _wrong_layout(lay, head_dim=lay.head_dim // 2), PROMPT,
-                                *a.chunk(a.whole())),
-    "block_size": lambda lay, a: ("A", _wrong_layout(lay, block_size=BLOCK_SIZE * 2), PROMPT,
-                                  *a.chunk(a.whole())),
-    "payload longer than the span": lambda lay, a: (
+        INVALID, "num_tokens"),
+    "num_tokens below the reservation": Hostile(lambda lay, a: (
+        "A", lay, 4, *a.chunk(wire.ChunkSpan(0, lay.num_layers, 0, 1))), INVALID, "num_tokens"),
+    "dtype": Hostile(lambda lay, a: (
+        "A", _wrong_layout(lay, dtype="bfloat16"), PROMPT, *a.chunk(a.whole())),
+        INVALID, "layout.dtype"),
+    "num_kv_heads": Hostile(lambda lay, a: (
+        "A", _wrong_layout(lay, num_kv_heads=lay.num_kv_heads * 2), PROMPT,
+        *a.chunk(a.whole())), INVALID, "layout.num_kv_heads"),
+    "head_dim": Hostile(lambda lay, a: (
+        "A", _wrong_layout(lay, head_dim=lay.head_dim // 2), PROMPT, *a.chunk(a.whole())),
+        INVALID, "layout.head_dim"),
+    "block_size": Hostile(lambda lay, a: (
+        "A", _wrong_layout(lay, block_size=BLOCK_SIZE * 2), PROMPT, *a.chunk(a.whole())),
+        INVALID, "layout.block_size"),
+    "payload longer than the span": Hostile(lambda lay, a: (
         "A", lay, PROMPT, a.whole(), a.chunk(a.whole())[1] + b"\0" * 64,
-        wire.crc32(a.chunk(a.whole())[1] + b"\0" * 64)),
-    "payload shorter than the span": lambda lay, a: (
+        wire.crc32(a.chunk(a.whole())[1] + b"\0" * 64)), INVALID, "data"),
+    "payload shorter than the span": Hostile(lambda lay, a: (
         "A", lay, PROMPT, a.whole(), a.chunk(a.whole())[1][:-64],
-        wire.crc32(a.chunk(a.whole())[1][:-64])),
-    "checksum": lambda lay, a: ("A", lay, PROMPT, a.whole(), a.chunk(a.whole())[1], 1),
-    "NaN in the K/V, checksum right": lambda lay, a: ("A", lay, PROMPT, *_with_nan(a)),
-    "inf in the K/V, checksum right": lambda lay, a: ("A", lay, PROMPT,
-                                                      *_with_nan(a, float("inf"))),
-    "victim's complete K/V": lambda lay, a: ("B", lay, PROMPT, *a.chunk(a.whole())),
-    "unknown request": lambda lay, a: ("C", lay, PROMPT, *a.chunk(a.whole())),
+        wire.crc32(a.chunk(a.whole())[1][:-64])), INVALID, "data"),
+    # INVALID_ARGUMENT naming crc32, not DATA_LOSS: the sender resends a push refused so
+    # (kvferry/transfer/grpc_push.py _is_corruption), as bytes corrupted in flight.
+    "checksum": Hostile(lambda lay, a: ("A", lay, PROMPT, a.whole(), a.chunk(a.whole())[1], 1),
+                        INVALID, "crc32"),
+    "NaN in the K/V, checksum right": Hostile(lambda lay, a: ("A", lay, PROMPT, *_with_nan(a)),
+                                              DATA_LOSS, "data"),
+    "inf in the K/V, checksum right": Hostile(lambda lay, a: (
+        "A", lay, PROMPT, *_with_nan(a, float("inf"))), DATA_LOSS, "data"),
+    "victim's complete K/V": Hostile(lambda lay, a: ("B", lay, PROMPT, *a.chunk(a.whole())),
+                                     grpc.StatusCode.ALREADY_EXISTS, "request_id"),
+    "unknown request": Hostile(lambda lay, a: ("C", lay, PROMPT, *a.chunk(a.whole())),
+                               grpc.StatusCode.NOT_FOUND, "request_id"),
 }
 
 
 @pytest.mark.parametrize("name", list(HOSTILE))
 def test_hostile_chunk_changes_no_byte(name: str, engine: DecodeEngine) -> None:
+    """Through PushKv, the decode worker's gRPC edge: each hostile chunk is refused with its
+    own status, the message starting with the field it names."""
     victim = _victim(engine)
     _reserve(engine, "A")
     attacker = Push(engine.layout, PROMPT, seed=2)
     before = engine.pool.cache.clone()
-    request_id, layout, num_tokens, span, data, crc = HOSTILE[name](engine.layout, attacker)
-    with pytest.raises((InvalidArgument, NotFound, AlreadyExists, DataLoss)):
-        engine.receiver.receive_chunk(request_id, layout, num_tokens, span, data, crc)
+    hostile = HOSTILE[name]
+    request_id, layout, num_tokens, span, data, crc = hostile.make(engine.layout, attacker)
+    with pytest.raises(_Aborted) as exc:
+        _push_kv(engine, [_to_proto(request_id, layout, num_tokens, (span, data, crc))])
+    assert exc.value.code == hostile.code, str(exc.value)
+    assert str(exc.value).startswith(hostile.names), str(exc.value)
     assert torch.equal(engine.pool.cache, before), "a refused chunk wrote to the pool"
     # B still holds exactly what its own push delivered.
     expected = victim.pool.cache
@@ -205,6 +238,17 @@ def _to_proto(request_id: str, layout: KvLayout, num_tokens: int,
         num_blocks=span.num_blocks, data=data, crc32=crc)
 
 
+def _push_kv(engine: DecodeEngine, chunks: list[worker_pb2.KvChunk]) -> None:
+    """One PushKv stream of `chunks` into the decode worker's servicer."""
+    async def push() -> None:
+        async def stream() -> AsyncIterator[worker_pb2.KvChunk]:
+            for chunk in chunks:
+                yield chunk
+        await KvTransferServicer(engine).PushKv(stream(), _Context())
+
+    asyncio.run(push())
+
+
 def test_push_switching_to_another_request_is_refused(engine: DecodeEngine) -> None:
     """A push for A that names B halfway: refused at the switch, nothing of it reaches B,
     and A's partial pages are forgotten (A may be pushed again)."""
@@ -217,14 +261,8 @@ def test_push_switching_to_another_request_is_refused(engine: DecodeEngine) -> N
               _to_proto("B", engine.layout, PROMPT,
                         attacker.chunk(wire.ChunkSpan(half, engine.layout.num_layers, 0, 3)))]
 
-    async def push() -> None:
-        async def stream() -> AsyncIterator[worker_pb2.KvChunk]:
-            for chunk in chunks:
-                yield chunk
-        await KvTransferServicer(engine).PushKv(stream(), _Context())
-
     with pytest.raises(_Aborted) as exc:
-        asyncio.run(push())
+        _push_kv(engine, chunks)
     assert exc.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert "request_id" in str(exc.value)
     assert torch.equal(_victim_pages(engine), b_before)
@@ -245,7 +283,7 @@ def test_nan_push_is_data_loss_and_others_decode_unchanged(engine: DecodeEngine)
                 events = eng.attach("B", 7, SamplingParams(temperature=0.0), MAX_TOKENS - 1, [])
                 tokens: list[int] = []
                 while True:
-                    event = await asyncio.wait_for(events.get(), 30)
+                    event = await within(events.get(), "B's next update")
                     if isinstance(event, TokensEvent):
                         tokens += event.token_ids
                     else:
@@ -259,14 +297,9 @@ def test_nan_push_is_data_loss_and_others_decode_unchanged(engine: DecodeEngine)
     _reserve(engine, "A")
     before = engine.pool.cache.clone()
 
-    async def push() -> None:
-        async def stream() -> AsyncIterator[worker_pb2.KvChunk]:
-            yield _to_proto("A", engine.layout, PROMPT,
-                            _with_nan(Push(engine.layout, PROMPT, seed=2)))
-        await KvTransferServicer(engine).PushKv(stream(), _Context())
-
     with pytest.raises(_Aborted) as exc:
-        asyncio.run(push())
+        _push_kv(engine, [_to_proto("A", engine.layout, PROMPT,
+                                    _with_nan(Push(engine.layout, PROMPT, seed=2)))])
     assert exc.value.code == grpc.StatusCode.DATA_LOSS
     assert "data" in str(exc.value) and "non-finite" in str(exc.value)
     assert torch.equal(engine.pool.cache, before)
