@@ -24,20 +24,26 @@ from router.http_front import HttpFront
 from router.identity import ANONYMOUS, Caller
 from router.request import OpenRequests
 from router.validation import GenerateInput
+from tests.waiting import within
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 
 
 class FakeRouter:
     """Streams `num_tokens` tokens, one every 10 ms, then fails or finishes; records how each
-    generator ended."""
+    generator began and ended. With `hold`, the last token waits for the test to open
+    `release`."""
 
     def __init__(self, num_tokens: int = 10_000, fail: bool = False, max_streams: int = 8,
-                 texts: list[str] | None = None):
+                 texts: list[str] | None = None, hold: bool = False):
         self.config = SimpleNamespace(max_position_embeddings=4096)
         self.limits = PublicLimits(max_streams=max_streams)
         self.num_tokens, self.fail = num_tokens, fail
         self.texts = texts  # token i's text, "" where it is held back; else "t{i} "
+        self.started = asyncio.Event()
+        self.release = asyncio.Event()
+        if not hold:
+            self.release.set()
         self.closed = asyncio.Event()
         self.inputs: list[GenerateInput] = []
         self.callers: list[Caller] = []
@@ -47,11 +53,14 @@ class FakeRouter:
                        caller: Caller = ANONYMOUS) -> AsyncIterator[object]:
         self.inputs.append(inp)
         self.callers.append(caller)
+        self.started.set()
         try:
             yield inp.request_id
             for i in range(self.num_tokens):
+                if i == self.num_tokens - 1:
+                    await self.release.wait()
                 yield ChunkEvent([i], f"t{i} " if self.texts is None else self.texts[i])
-                await asyncio.sleep(0.01)
+                await asyncio.sleep(0.01)  # paces: a token every 10 ms
             if self.fail:
                 raise Unavailable("decode failed 3 times")
             yield DoneEvent(FinishReason.LENGTH, 3, self.num_tokens, Timing(0, 0, 0, 0, 0),
@@ -85,7 +94,7 @@ def test_a_client_leaving_mid_stream_closes_the_request() -> None:
                 lines = response.aiter_lines()
                 assert json.loads((await anext(lines))[6:])["choices"][0]["delta"]["role"] == \
                     "assistant"
-        await asyncio.wait_for(router.closed.wait(), 5)
+        await within(router.closed.wait(), "the engine's generator closed")
         assert front.router.open.num_streams == 0
 
     _serve(router, test)
@@ -96,23 +105,27 @@ def test_a_client_leaving_before_a_whole_answer_closes_the_request() -> None:
 
     async def test(front: HttpFront) -> None:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{front.port}") as client:
-            with pytest.raises(httpx.ReadTimeout):
-                await client.post("/v1/completions", json={"prompt": "a"}, timeout=0.5)
-        await asyncio.wait_for(router.closed.wait(), 5)
+            asking = asyncio.ensure_future(client.post("/v1/completions", json={"prompt": "a"}))
+            await within(router.started.wait(), "the request reached the engine")
+            asking.cancel()  # the client goes away, its connection with it
+            with pytest.raises(asyncio.CancelledError):
+                await asking
+        await within(router.closed.wait(), "the engine's generator closed")
         assert front.router.open.num_streams == 0
 
     _serve(router, test)
 
 
 def test_whole_answer_usage_and_the_open_request_cap() -> None:
-    router = FakeRouter(num_tokens=3, max_streams=1)
+    router = FakeRouter(num_tokens=3, max_streams=1, hold=True)
 
     async def test(front: HttpFront) -> None:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{front.port}") as client:
             first = asyncio.ensure_future(client.post("/v1/completions", json={"prompt": "a"}))
-            await asyncio.sleep(0.005)  # the first is open: the second is over the cap
-            refused = await client.post("/v1/completions", json={"prompt": "b"})
-            done = (await first).json()
+            await within(router.started.wait(), "the first request reached the engine")
+            refused = await client.post("/v1/completions", json={"prompt": "b"})  # over the cap
+            router.release.set()  # the first may finish now
+            done = (await within(first, "the first request's answer")).json()
         assert refused.status_code == 429
         assert refused.json()["error"]["code"] == "resource_exhausted"
         assert done["choices"][0] == {"index": 0, "text": "t0 t1 t2 ", "logprobs": None,

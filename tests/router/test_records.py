@@ -4,7 +4,7 @@ the client adapters turn stats and decode updates into records faithfully."""
 from __future__ import annotations
 
 import dataclasses
-import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -15,6 +15,7 @@ from kvferry.errors import Unavailable
 from kvferry.model.sampling import FinishReason
 from kvferry.rpc import convert
 from kvferry.v1 import worker_pb2
+from router import decode_client
 from router.decode_client import _update_from_proto
 from router.downstream import Downstream
 from router.policy import HeadroomPolicy
@@ -73,15 +74,14 @@ def test_stats_round_trip_through_the_proto() -> None:
     assert dataclasses.replace(pool, cache_events=None) == stats
 
 
-def test_decode_updates_become_records() -> None:
+def test_decode_updates_become_records(monkeypatch: pytest.MonkeyPatch) -> None:
     finished = worker_pb2.DecodeUpdate(request_id="r", token_ids=[1, 2])
     finished.finished.reason = FinishReason.LENGTH.value
     finished.finished.first_decode_step_s = 0.5
-    before = time.monotonic()
-    got = _update_from_proto(finished)
-    assert before <= got.received_s <= time.monotonic()  # when it was read off the stream
-    assert got._replace(received_s=0.0) == DecodeUpdate(
-        "r", [1, 2], DecodeFinished(FinishReason.LENGTH, 0.5))
+    # Stamped with the monotonic clock when read off the stream (the adapter's only clock).
+    monkeypatch.setattr(decode_client, "time", SimpleNamespace(monotonic=lambda: 123.5))
+    assert _update_from_proto(finished) == DecodeUpdate(
+        "r", [1, 2], DecodeFinished(FinishReason.LENGTH, 0.5), received_s=123.5)
     failed = worker_pb2.DecodeUpdate(request_id="r", error_code=8, error_message="full")
     assert _update_from_proto(failed)._replace(received_s=0.0) == DecodeUpdate(
         "r", [], None, 8, "full")
