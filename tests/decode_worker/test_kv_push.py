@@ -4,7 +4,6 @@ writing, and frees reservations whose K/V never arrives (lease)."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import crc32c
 import grpc
@@ -101,13 +100,22 @@ def test_push_without_reservation_is_not_found(qwen3_deployment: Deployment) -> 
 def test_reservation_without_kv_expires_with_its_lease(qwen3_deployment: Deployment) -> None:
     chan, decode, _ = _stubs(qwen3_deployment)
     with chan:
+        # A long lease first, so that checking the reservation cannot race its expiry.
         reply = decode.Reserve(worker_pb2.ReserveRequest(
-            request_id="orphan", num_prompt_tokens=40, max_tokens=40, lease_s=0.5), timeout=10)
-        assert reply.num_blocks == 3  # prompt + the first decode slot; the rest grows
-        stats = decode.GetStats(worker_pb2.GetStatsRequest(), timeout=10)
-        assert stats.reserved_blocks == 3 and stats.num_waiting == 1
-        time.sleep(1.5)
-    assert_pools_clean(qwen3_deployment, timeout_s=0.1)
+            request_id="orphan", num_prompt_tokens=40, max_tokens=40, lease_s=60), timeout=10)
+        try:
+            assert reply.num_blocks == 3  # prompt + the first decode slot; the rest grows
+            stats = decode.GetStats(worker_pb2.GetStatsRequest(), timeout=10)
+            assert stats.reserved_blocks == 3 and stats.num_waiting == 1
+        finally:  # from now on nothing renews it: the lease runs out in 0.5 s
+            renewed = decode.RenewLeases(worker_pb2.RenewLeasesRequest(
+                request_ids=["orphan"], lease_s=0.5), timeout=10)
+        assert list(renewed.unknown_ids) == []
+        # Polled until the expiry freed it (nothing else would; 60 s only bounds a hang).
+        assert_pools_clean(qwen3_deployment, timeout_s=60)
+        gone = decode.RenewLeases(worker_pb2.RenewLeasesRequest(
+            request_ids=["orphan"], lease_s=0.5), timeout=10)
+        assert list(gone.unknown_ids) == ["orphan"]
 
 
 async def _push_again(deployment: Deployment, stats: worker_pb2.WorkerStats, request_id: str,

@@ -6,20 +6,23 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 import time
 from collections.abc import Awaitable
+from typing import Any
 
 import pytest
 import torch
 
 from decode_worker.kv_receiver import KvReceiver
-from decode_worker.nixl_puller import NixlPuller, PullOffer
+from decode_worker.nixl_puller import NixlPuller, Pull, PullOffer
 from decode_worker.sequence import DecodeSeq
 from kvferry.cache.layout import KvLayout, blocks_for_tokens
 from kvferry.cache.pool import KvPool
-from kvferry.errors import DataLoss, InvalidArgument, NotFound
+from kvferry.errors import DataLoss, InvalidArgument, NotFound, Unavailable
 from kvferry.transfer import nixl_pages, wire
 from kvferry.transfer.nixl_push import NixlKvSender
+from tests.waiting import DEADLINE_S, within
 
 NUM_TOKENS = 45  # 3 blocks of 16
 
@@ -33,10 +36,26 @@ def _pool(seed: int | None) -> KvPool:
     return pool
 
 
+class HeldPuller(NixlPuller):
+    """A puller whose READs wait, on its NIXL thread, until the test opens `release`: a READ
+    the test knows is under way (`started`) for as long as it needs."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.started = threading.Event()
+        self.release = threading.Event()
+
+    def _read(self, pull: Pull, local: Any, remote: Any) -> None:
+        self.started.set()
+        if not self.release.wait(DEADLINE_S):
+            raise Unavailable("the test never released the READ", "data")
+        super()._read(pull, local, remote)
+
+
 class Pair:
     """A prefill pool registered with one agent, a decode pool and its puller."""
 
-    def __init__(self, read_delay_s: float = 0.0) -> None:
+    def __init__(self, puller: type[NixlPuller] = NixlPuller) -> None:
         self.src = _pool(seed=3)
         self.dst = _pool(seed=None)
         self.layout = KvLayout.of_pool(self.dst, "fp")
@@ -46,7 +65,7 @@ class Pair:
         self.completed: list[str] = []
         self.receiver = KvReceiver(self.layout, self.dst, self.seqs,
                                    lambda seq: self.completed.append(seq.request_id))
-        self.puller = NixlPuller(self.receiver, self.dst, read_delay_s=read_delay_s)
+        self.puller = puller(self.receiver, self.dst)
         self.src_table = [9, 10, 2]
         self.seq = self.reserve("r1")
 
@@ -81,7 +100,7 @@ class Pair:
 
 
 async def _later(value: int) -> int:
-    await asyncio.sleep(0.01)
+    await asyncio.sleep(0.01)  # paces: the checksum comes after its group, as on the stream
     return value
 
 
@@ -143,7 +162,9 @@ def test_non_finite_pages_are_refused_and_zeroed(pair: Pair) -> None:
 def test_blocks_freed_mid_read_wait_for_the_read() -> None:
     """The reservation is released (abort, lease expiry) while a READ writes into its blocks:
     they stay out of the pool until the READ is over, then come back; the group fails."""
-    pair = Pair(read_delay_s=0.6)
+    pair = Pair(HeldPuller)
+    puller = pair.puller
+    assert isinstance(puller, HeldPuller)
     try:
         allocator = pair.dst.allocator
         blocks = list(pair.seq.block_table)
@@ -152,7 +173,7 @@ def test_blocks_freed_mid_read_wait_for_the_read() -> None:
         async def run() -> None:
             pull = await pair.puller.begin(pair.begin_msg())
             reading = asyncio.create_task(pair.puller.group(pull, *pair.group(span)))
-            await asyncio.sleep(0.2)  # the READ is under way
+            assert await asyncio.to_thread(puller.started.wait, DEADLINE_S), "no READ started"
             del pair.seqs["r1"]
             allocator.free(blocks)  # what abort and lease expiry do
             fenced = blocks[:span.num_blocks]
@@ -162,38 +183,45 @@ def test_blocks_freed_mid_read_wait_for_the_read() -> None:
             assert not set(taken) & set(fenced)
             allocator.free(taken)
             assert allocator.check_integrity().ok
+            puller.release.set()
             with pytest.raises(NotFound):
-                await reading
-            await asyncio.sleep(0.05)  # the fence drops on the loop after the read
+                await within(reading, "the group")
+            # The fence drops on the loop once the READ and its check are over.
+            await within(pair.puller.settled("r1"), "the READ's fence dropped")
             assert pair.puller.num_fenced_blocks == 0
             assert allocator.num_free == allocator.num_blocks
 
         asyncio.run(run())
         assert allocator.check_integrity().ok
     finally:
+        puller.release.set()
         pair.close()
 
 
 def test_a_stream_cancelled_mid_read_keeps_the_fence_until_the_read_ends() -> None:
-    pair = Pair(read_delay_s=0.6)
+    pair = Pair(HeldPuller)
+    puller = pair.puller
+    assert isinstance(puller, HeldPuller)
     try:
         span = SPANS[0]
 
         async def run() -> None:
             pull = await pair.puller.begin(pair.begin_msg())
             reading = asyncio.create_task(pair.puller.group(pull, *pair.group(span)))
-            await asyncio.sleep(0.2)
+            assert await asyncio.to_thread(puller.started.wait, DEADLINE_S), "no READ started"
             reading.cancel()  # the prefill worker's stream broke
             with pytest.raises(asyncio.CancelledError):
                 await reading
             assert pair.puller.num_fenced_blocks == span.num_blocks  # READ still running
-            await asyncio.sleep(0.8)
+            puller.release.set()
+            await within(pair.puller.settled("r1"), "the READ's fence dropped")
             assert pair.puller.num_fenced_blocks == 0
 
         asyncio.run(run())
         pair.dst.allocator.free(pair.seq.block_table)
         assert pair.dst.allocator.num_free == pair.dst.allocator.num_blocks
     finally:
+        puller.release.set()
         pair.close()
 
 

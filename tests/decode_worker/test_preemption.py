@@ -20,6 +20,7 @@ from kvferry.model.config import load_model_config
 from kvferry.model.sampling import FinishReason, SamplingParams
 from kvferry.model.transformer import Transformer
 from kvferry.transfer import wire
+from tests.waiting import until, within
 
 BLOCK_SIZE = 4
 PROMPT = 10  # tokens; a reservation holds 3 blocks (the first decode slot included)
@@ -70,17 +71,18 @@ def _decode_both(engine: DecodeEngine) -> dict[str, list[int]]:
             for request_id, queue in queues.items():
                 tokens[request_id] = []
                 while True:
-                    event = await asyncio.wait_for(queue.get(), 60)
+                    event = await within(queue.get(), f"{request_id}'s next update")
                     if not isinstance(event, TokensEvent):
                         assert isinstance(event, FinishedEvent), event
                         assert event.reason is FinishReason.LENGTH
                         break
                     tokens[request_id] += event.token_ids
-            for _ in range(1000):  # the loop's next pass finds nothing to run
+
+            def is_idle() -> bool:  # the loop's next pass found nothing to run
                 stage = engine.steps.stage
-                if not engine.steps.running and (stage is None or stage.capacity == (0, 0)):
-                    break
-                await asyncio.sleep(0.005)
+                return not engine.steps.running and (stage is None or stage.capacity == (0, 0))
+
+            await until(is_idle, "the step loop idle, its stage's memory given back")
             return tokens
         finally:
             await engine.stop()
@@ -138,7 +140,7 @@ def test_the_dense_stage_gives_the_same_tokens_and_its_memory_back_when_idle(
     for num_blocks in (SMALL_POOL, 4 * SMALL_POOL):
         staged = _engine(model, num_blocks, stage_bytes=1 << 24)
         assert staged.steps.stage is not None
-        staged.steps.stage.hold_s = 0.3  # (HOLD_S, 5 s, would outlast _decode_both's wait)
+        staged.steps.stage.hold_s = 0.3  # (HOLD_S, 5 s: the test would wait that long idle)
         assert _decode_both(staged) == want
         assert staged.steps.stage is not None and staged.steps.stage.capacity == (0, 0)
         assert staged.steps.stage.num_gathered_tokens > 0  # the steps did run on the stage
@@ -159,16 +161,13 @@ def test_a_sequence_swapped_out_by_an_idle_reservation_resumes_when_it_is_aborte
             _push(engine, "A", 1)
             queue = engine.attach("A", 7, SamplingParams(temperature=0.0), MAX_TOKENS - 1, [])
             await engine.reserve("B", PROMPT, MAX_TOKENS, 30.0)
-            for _ in range(6000):
-                if engine.steps.swapped:
-                    break
-                await asyncio.sleep(0.005)
+            await until(lambda: engine.steps.swapped, "A swapped out")
             assert [s.request_id for s in engine.steps.swapped] == ["A"]
             assert not engine.steps.running
             engine.abort("B")
             tokens: list[int] = []
             while True:
-                event = await asyncio.wait_for(queue.get(), 30)
+                event = await within(queue.get(), "A's next update")
                 if not isinstance(event, TokensEvent):
                     assert isinstance(event, FinishedEvent), event
                     assert event.reason is FinishReason.LENGTH

@@ -22,6 +22,7 @@ from kvferry.model.config import load_model_config
 from kvferry.model.sampling import SamplingParams
 from kvferry.model.transformer import Transformer
 from kvferry.transfer import wire
+from tests.waiting import until, within
 
 BLOCK_SIZE = 4
 GREEDY = SamplingParams(temperature=0.0)
@@ -48,7 +49,7 @@ async def _generate(engine: DecodeEngine, request_id: str, prompt: list[int],
     queue = engine.attach(request_id, first, GREEDY, max_tokens - 1, [])
     tokens = [first]
     while True:
-        event = await asyncio.wait_for(queue.get(), 60)
+        event = await within(queue.get(), f"{request_id}'s next update")
         if isinstance(event, TokensEvent):
             tokens += event.token_ids
             continue
@@ -192,8 +193,8 @@ def test_preempting_a_request_on_shared_blocks_keeps_tokens(model: Transformer) 
             engine.start()
             try:
                 a = asyncio.ensure_future(_generate(engine, "A", prompts["A"], 16))
-                while not engine.pool.allocator.events.seq and not a.done():
-                    await asyncio.sleep(0.005)  # until A's prompt blocks are indexed
+                await until(lambda: engine.pool.allocator.events.seq or a.done(),
+                            "A's prompt blocks indexed")
                 b = asyncio.ensure_future(_generate(engine, "B", prompts["B"], 16))
                 return {"A": await a, "B": await b}
             finally:

@@ -9,7 +9,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -17,6 +16,7 @@ import pytest
 
 from deploy import client
 from deploy.launcher import _spawn
+from tests.waiting import until_sync
 
 pytestmark = pytest.mark.slow
 
@@ -60,10 +60,8 @@ def test_serve_generate_and_sigterm(qwen3_checkpoint: Path, tmp_path: Path) -> N
         serve.send_signal(signal.SIGTERM)
         code = serve.wait(timeout=60)
     assert code == 0
-    deadline = time.monotonic() + 10
-    while _processes_mentioning(str(qwen3_checkpoint)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert _processes_mentioning(str(qwen3_checkpoint)) == []
+    until_sync(lambda: not _processes_mentioning(str(qwen3_checkpoint)),
+               "every process of the deployment exited", poll_s=0.1)
 
 
 def test_router_refuses_a_worker_of_another_model(qwen3_checkpoint: Path, llama_checkpoint: Path,
@@ -123,10 +121,8 @@ def test_demo_on_ray_starts_and_stops_its_own_ray(qwen3_checkpoint: Path, tmp_pa
         capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "[5 tokens, finish FINISH_REASON_LENGTH]" in out.stdout
-    deadline = time.monotonic() + 10
-    while _processes_mentioning(ray_tmp) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert _processes_mentioning(ray_tmp) == []  # no raylet or actor left behind
+    until_sync(lambda: not _processes_mentioning(ray_tmp),  # no raylet or actor left behind
+               "every Ray process exited", poll_s=0.2)
     shutil.rmtree(ray_tmp, ignore_errors=True)
 
 

@@ -47,7 +47,7 @@ def test_stale_parts_of_a_killed_process_are_removed() -> None:
     code = ("from deploy import netns\n"
             "net = netns.Network.create(); net.add('prefill-0')\n"
             "print(net.tag, net.links['prefill-0'].namespace, flush=True)\n"
-            "import time; time.sleep(60)\n")
+            "import signal; signal.pause()\n")  # alive until the test kills it
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout is not None

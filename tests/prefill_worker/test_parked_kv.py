@@ -21,6 +21,7 @@ from kvferry.model.sampling import SamplingParams
 from kvferry.model.transformer import Transformer
 from kvferry.transfer.sender import LayersReady, PushResult
 from prefill_worker.engine import FirstTokenEvent, PrefillEngine, PushedEvent
+from tests.waiting import until, within
 
 BLOCK_SIZE = 16
 PROMPT = list(range(10, 30))  # 20 tokens: 2 blocks
@@ -78,14 +79,6 @@ class Call:
             self.first_token.set()
 
 
-async def _settle(engine: PrefillEngine) -> None:
-    for _ in range(50):
-        await asyncio.sleep(0.01)
-        if engine.batcher.num_pending == 0:
-            await asyncio.sleep(0.01)
-            return
-
-
 def _assert_clean(engine: PrefillEngine) -> None:
     stats = engine.stats(check_integrity=True)
     assert stats.integrity_ok, stats.integrity_error
@@ -98,23 +91,23 @@ def test_a_reserved_prefill_evicts_the_newest_parked_kv(qwen3_checkpoint: Path) 
         engine, sender = _engine(qwen3_checkpoint, num_blocks=4)
         try:
             old = Call(engine, "old", defer=True)
-            await old.first_token.wait()
+            await within(old.first_token.wait(), "old's first token")
             new = Call(engine, "new", defer=True)
-            await new.first_token.wait()
+            await within(new.first_token.wait(), "new's first token")
             assert engine.stats().num_parked == 2 and engine.pool.allocator.num_free == 0
 
             reserved = Call(engine, "reserved", decode_address="decode-a:1")
-            await asyncio.wait_for(reserved.task, 30)  # would wait for "new" to ship, forever
+            await within(reserved.task, "the reserved prefill")  # would wait for "new" forever
             assert sender.pushes["reserved"][0] == "decode-a:1"
             assert isinstance(reserved.events[-1], PushedEvent)
             with pytest.raises(Aborted, match="evicted"):
-                await new.task
+                await within(new.task, "the evicted prefill")
             assert engine.stats().num_evictions == 1
 
             with pytest.raises(NotFound, match="no deferred prefill 'new'"):
                 engine.ship("new", "decode-b:1")
             engine.ship("old", "decode-b:1")  # the older one kept its K/V
-            await asyncio.wait_for(old.task, 30)
+            await within(old.task, "the shipped prefill")
             assert sender.pushes["old"][0] == "decode-b:1"
             assert [type(e) for e in old.events] == [FirstTokenEvent, PushedEvent]
             _assert_clean(engine)
@@ -131,18 +124,19 @@ def test_evicted_and_kept_kv_match_a_fresh_prefill(qwen3_checkpoint: Path) -> No
         engine, sender = _engine(qwen3_checkpoint, num_blocks=4)
         try:
             kept = Call(engine, "kept", defer=True)
-            await kept.first_token.wait()
+            await within(kept.first_token.wait(), "kept's first token")
             evicted = Call(engine, "evicted", defer=True, prompt=PROMPT[::-1])
-            await evicted.first_token.wait()
+            await within(evicted.first_token.wait(), "evicted's first token")
             reserved = Call(engine, "reserved", decode_address="d:1", prompt=PROMPT[::-1])
-            await asyncio.wait_for(reserved.task, 30)
-            await asyncio.gather(evicted.task, return_exceptions=True)
+            await within(reserved.task, "the reserved prefill")
+            with pytest.raises(Aborted, match="evicted"):
+                await within(evicted.task, "the evicted prefill")
             engine.ship("kept", "d:1")
-            await asyncio.wait_for(kept.task, 30)
+            await within(kept.task, "the kept prefill")
             _assert_clean(engine)
 
             alone = Call(engine, "alone", decode_address="d:1")
-            await asyncio.wait_for(alone.task, 30)
+            await within(alone.task, "the prefill alone")
             return sender.pushes["kept"][1], sender.pushes["alone"][1]
         finally:
             await engine.stop()
@@ -163,8 +157,10 @@ def test_a_deferred_prefill_parking_while_a_reserved_one_waits_is_evicted_at_onc
             first = Call(engine, "first", defer=True)
             second = Call(engine, "second", defer=True)
             reserved = Call(engine, "reserved", decode_address="d:1")
-            await asyncio.wait_for(reserved.task, 30)
-            await _settle(engine)
+            await within(reserved.task, "the reserved prefill")
+            # Settled: each deferred prefill has ended (evicted) or is parked.
+            await until(lambda: sum(c.task.done() for c in (first, second))
+                        + engine.stats().num_parked == 2, "both deferred prefills settled")
             assert engine.stats().num_evictions == 1
             assert engine.stats().num_parked == 1
             done = [c for c in (first, second) if c.task.done()]
@@ -172,7 +168,7 @@ def test_a_deferred_prefill_parking_while_a_reserved_one_waits_is_evicted_at_onc
             assert isinstance(done[0].events[0], FirstTokenEvent)
             waiting = second if done[0] is first else first
             engine.ship("second" if waiting is second else "first", "d:2")
-            await asyncio.wait_for(waiting.task, 30)
+            await within(waiting.task, "the parked prefill, shipped")
             _assert_clean(engine)
         finally:
             await engine.stop()
@@ -187,15 +183,16 @@ def test_a_deferred_prefill_takes_no_block_a_reserved_one_waits_for(
         try:
             busy = Call(engine, "busy", decode_address="d:1", prompt=PROMPT + PROMPT[:20])
             reserved = Call(engine, "reserved", decode_address="d:1", prompt=PROMPT * 2)
-            await asyncio.sleep(0)
+            await until(lambda: engine.blocks.num_waiting == 1, "the reserved prefill queued")
             deferred = Call(engine, "deferred", defer=True, prompt=PROMPT[:5])  # 1 block
-            await asyncio.wait_for(asyncio.gather(busy.task, reserved.task), 30)
-            await deferred.first_token.wait()
+            await within(asyncio.gather(busy.task, reserved.task), "the reserved prefills")
+            await within(deferred.first_token.wait(), "deferred's first token")
             # The deferred one fitted in the block left free all along, yet went last.
             assert list(sender.pushes) == ["busy", "reserved"]
             assert engine.stats().num_evictions == 0
             engine.abort("deferred")
-            await asyncio.gather(deferred.task, return_exceptions=True)
+            with pytest.raises(asyncio.CancelledError):  # abort cancels the caller's call
+                await within(deferred.task, "the aborted prefill")
             _assert_clean(engine)
         finally:
             await engine.stop()

@@ -17,6 +17,7 @@ from kvferry.rpc import chunk_codec
 from kvferry.transfer import grpc_push, wire
 from kvferry.transfer.grpc_push import GrpcKvSender
 from kvferry.v1 import worker_pb2
+from tests.waiting import within
 
 
 class _FakePushKv:
@@ -32,6 +33,9 @@ class _FakePushKv:
 
 
 def test_layer_groups_leave_as_soon_as_written() -> None:
+    """The forward writes one layer at a time and computes the next only once the sender has
+    sent all it could and waits for a layer not yet written: each group must have left by
+    then, with exactly its own layers written."""
     pool = KvPool(num_layers=8, num_kv_heads=2, head_dim=8, block_size=4, num_blocks=16,
                   dtype=torch.float32)
     layout = KvLayout.of_pool(pool, "fp")
@@ -40,15 +44,18 @@ def test_layer_groups_leave_as_soon_as_written() -> None:
     sender = GrpcKvSender()
     sender._push_kv = lambda address: _FakePushKv(released, log)  # type: ignore[method-assign]
     progress = asyncio.Event()
+    waiting = asyncio.Event()  # the sender waits for a layer the forward has not written
 
     async def ready(count: int) -> None:
         while released[0] < count:
             progress.clear()
+            waiting.set()
             await progress.wait()
 
     async def forward() -> None:  # one layer at a time, like the prefill forward
         for layer in range(8):
-            await asyncio.sleep(0.01)
+            await within(waiting.wait(), f"the sender waiting for layer {layer + 1}")
+            waiting.clear()
             released[0] = layer + 1
             progress.set()
 
@@ -56,12 +63,12 @@ def test_layer_groups_leave_as_soon_as_written() -> None:
         push = asyncio.ensure_future(sender.push("x", "r", layout, 13, pool, [0, 1, 2, 3],
                                                  None, ready=ready))
         await forward()
-        result = await push
+        result = await within(push, "the push")
         assert result.num_bytes == 8 * 4 * layout.bytes_per_layer_block
 
     asyncio.run(scenario())
-    assert [end for end, _ in log] == [2, 4, 6, 8]  # 4 layer groups
-    assert log[0][1] < 8  # the first group left while later layers were still computing
+    # 4 layer groups, each sent when its last layer was written and before the next one was
+    assert log == [(2, 2), (4, 4), (6, 6), (8, 8)]
 
 
 class _RefusingPushKv:
