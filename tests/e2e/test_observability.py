@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 from pathlib import Path
 
 import grpc
@@ -25,22 +26,27 @@ def _records(path: Path) -> list[dict[str, object]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
 
 
-def test_json_logs_carry_the_request_id_through_every_process(qwen3_checkpoint: Path,
-                                                              tmp_path: Path) -> None:
-    with Deployment(model=str(qwen3_checkpoint), log_dir=tmp_path, log_format="json") as dep:
-        request = client.make_request(list(range(5, 60)), request_id="trace-me-42",
-                                      temperature=0.0, max_tokens=5, ignore_eos=True)
-        got = asyncio.run(client.generate(dep.router_address, request, 60))
-        assert len(got.token_ids) == 5
-    for name in ("router", "prefill-0", "decode-0"):
-        records = _records(tmp_path / f"{name}.log")
-        assert records, f"{name} wrote no JSON lines"
-        assert all({"time", "level", "logger", "message"} <= r.keys() for r in records)
+def test_json_logs_carry_the_request_id_through_every_process(
+        qwen3_2p2d_deployment: Deployment) -> None:
+    """On the shared 2p2d deployment, which logs JSON (--log-format json)."""
+    deployment = qwen3_2p2d_deployment
+    assert deployment.log_format == "json" and deployment.log_dir is not None
+    request_id = f"trace-me-{uuid.uuid4().hex[:8]}"
+    request = client.make_request(list(range(5, 60)), request_id=request_id,
+                                  temperature=0.0, max_tokens=5, ignore_eos=True)
+    got = asyncio.run(client.generate(deployment.router_address, request, 60))
+    assert len(got.token_ids) == 5
+    for role in ("router", "prefill", "decode"):
+        logs = {path.stem: _records(path) for path in deployment.log_dir.glob(f"{role}*.log")
+                if role != "router" or path.stem == "router"}
+        assert logs and all(logs.values()), f"a {role} wrote no JSON lines"
+        for records in logs.values():
+            assert all({"time", "level", "logger", "message"} <= r.keys() for r in records)
         # Workers know the request as `<id>@<router instance>` (ids are scoped per router).
-        mine = [r for r in records
-                if str(r.get("request_id", "")).partition("@")[0] == "trace-me-42"]
-        assert mine, f"{name} logged nothing with the request id"
-        assert all("trace-me-42" in str(r["message"]) for r in mine)
+        mine = [r for records in logs.values() for r in records
+                if str(r.get("request_id", "")).partition("@")[0] == request_id]
+        assert mine, f"no {role} logged anything with the request id"
+        assert all(request_id in str(r["message"]) for r in mine)
 
 
 @pytest.mark.parametrize("role, service", [

@@ -36,18 +36,19 @@ def _generate(deployment: Deployment, prompts: list[list[int]], max_tokens: int 
     return asyncio.run(client.generate_many(deployment.router_address, requests, 120))
 
 
-def _shared_prefix_rounds(deployment: Deployment, seed: int
+def _shared_prefix_rounds(deployment: Deployment, seed: int, salt: str = ""
                           ) -> tuple[list[list[int]], list[client.Completion]]:
     """A first request alone, then prompts sharing its prefix (on a block boundary, off it,
-    the whole prompt again, shorter than it) at once, then all of them again."""
+    the whole prompt again, shorter than it) at once, then all of them again; `salt`: the
+    cache salt of them all (a test's own: what other tests cached never counts)."""
     prefix = _tokens(seed, 2 * BLOCK + 8)
     first = prefix + _tokens(seed + 1, 5)
     followers = [prefix[:2 * BLOCK] + _tokens(seed + 2, 7), prefix + _tokens(seed + 3, 20),
                  first, prefix[:2 * BLOCK], prefix[:BLOCK + 3]]
     prompts = [first] + followers + followers
-    results = _generate(deployment, [first])
-    results += _generate(deployment, followers)
-    results += _generate(deployment, followers)
+    results = _generate(deployment, [first], salt=salt)
+    results += _generate(deployment, followers, salt=salt)
+    results += _generate(deployment, followers, salt=salt)
     return prompts, results
 
 
@@ -63,7 +64,8 @@ def _check_exact(checkpoint: Path, prompts: list[list[int]],
 def test_shared_prefixes_match_transformers(fixture: str, qwen3_checkpoint: Path,
                                             request: pytest.FixtureRequest) -> None:
     deployment: Deployment = request.getfixturevalue(fixture)
-    prompts, results = _shared_prefix_rounds(deployment, seed=1800)
+    prompts, results = _shared_prefix_rounds(deployment, seed=1800,
+                                             salt=f"test_shared_prefixes-{fixture}")
     _check_exact(qwen3_checkpoint, prompts, results)
     cached = [r.finished.usage.cached_prompt_tokens for r in results]
     # Every full block found but the one holding the prompt's last token (recomputed): the
@@ -79,10 +81,11 @@ def test_a_second_chat_turn_reuses_the_first_on_both_sides(
     """Turn 2 = turn 1's prompt + its answer + a new message. The prefill worker holds turn
     1's prompt blocks; the decode worker holds those and the answer's, so the push skips
     them."""
+    salt = "test_a_second_chat_turn"
     turn1 = _tokens(1900, 3 * BLOCK + 4)
-    (first,) = _generate(qwen3_deployment, [turn1], max_tokens=2 * BLOCK)
+    (first,) = _generate(qwen3_deployment, [turn1], max_tokens=2 * BLOCK, salt=salt)
     turn2 = turn1 + first.token_ids + _tokens(1901, 9)
-    (second,) = _generate(qwen3_deployment, [turn2])
+    (second,) = _generate(qwen3_deployment, [turn2], salt=salt)
     assert second.token_ids == _reference(qwen3_checkpoint, turn2, 12)
     usage = second.finished.usage
     assert usage.cached_prompt_tokens == 3 * BLOCK  # turn 1's prompt, on the prefill worker
@@ -90,7 +93,7 @@ def test_a_second_chat_turn_reuses_the_first_on_both_sides(
     # turn 2's 93, so the push carries only the sixth.
     per_block = usage.kv_bytes_shipped
     assert per_block > 0 and usage.kv_bytes_not_shipped == 5 * per_block
-    (again,) = _generate(qwen3_deployment, [turn2])
+    (again,) = _generate(qwen3_deployment, [turn2], salt=salt)
     assert again.token_ids == second.token_ids
     assert again.finished.usage.cached_prompt_tokens == 5 * BLOCK
     assert again.finished.usage.kv_bytes_not_shipped == 5 * per_block
@@ -99,9 +102,9 @@ def test_a_second_chat_turn_reuses_the_first_on_both_sides(
 
 def test_different_salts_never_share(qwen3_deployment: Deployment) -> None:
     prompt = _tokens(2000, 3 * BLOCK)
-    (a,) = _generate(qwen3_deployment, [prompt], salt="tenant-a")
-    (b,) = _generate(qwen3_deployment, [prompt], salt="tenant-b")
-    (a2,) = _generate(qwen3_deployment, [prompt], salt="tenant-a")
+    (a,) = _generate(qwen3_deployment, [prompt], salt="test_different_salts-a")
+    (b,) = _generate(qwen3_deployment, [prompt], salt="test_different_salts-b")
+    (a2,) = _generate(qwen3_deployment, [prompt], salt="test_different_salts-a")
     assert a.token_ids == b.token_ids == a2.token_ids
     assert b.finished.usage.cached_prompt_tokens == 0
     assert b.finished.usage.kv_bytes_not_shipped == 0
