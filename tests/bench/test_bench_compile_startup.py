@@ -23,6 +23,7 @@ def test_bad_input_exits_2(argv: list[str]) -> None:
     assert exc.value.code == 2
 
 
+@pytest.mark.slow  # compiles every bucket twice: minutes on 2 cores
 def test_a_warm_start_loads_every_bucket_from_the_cache(tmp_path: Path) -> None:
     out = tmp_path / "startup.json"
     done = subprocess.run(

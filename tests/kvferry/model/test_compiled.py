@@ -58,6 +58,8 @@ def _decode_all(model: Transformer, pool: KvPool) -> list[list[int]]:
     return tokens
 
 
+# The tests that compile (a minute or more each on 2 cores) run in the full tier only.
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 def test_compiled_decode_matches_eager_and_transformers(arch: str, tmp_path: Path,
                                                         request: pytest.FixtureRequest) -> None:
@@ -108,6 +110,7 @@ def test_batch_sizes_are_sorted_and_distinct() -> None:
     assert parse_batch_sizes("8, 1,4,4") == (1, 4, 8)
 
 
+@pytest.mark.slow
 def test_auto_times_both_modes_keeps_the_faster_and_a_restart_obeys_its_record(
         qwen3_checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     config = load_model_config(qwen3_checkpoint)
@@ -191,6 +194,7 @@ def copying_build(cached: Cached, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("corruption", sorted(CORRUPTIONS))
+@pytest.mark.slow
 @pytest.mark.usefixtures("copying_build")
 def test_a_bad_package_is_never_loaded_but_rebuilt_with_one_warning(
         cached: Cached, tmp_path: Path, corruption: str,
@@ -207,6 +211,7 @@ def test_a_bad_package_is_never_loaded_but_rebuilt_with_one_warning(
     assert (entry / PACKAGE).read_bytes() == cached.package.read_bytes()
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("copying_build")
 def test_a_bad_choice_record_is_timed_again_with_one_warning(
         cached: Cached, tmp_path: Path, caplog: pytest.LogCaptureFixture,
@@ -226,6 +231,7 @@ def test_a_bad_choice_record_is_timed_again_with_one_warning(
     assert json.loads((record / CHOICE).read_text())["mode"] == "default"
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("copying_build")
 def test_a_cache_others_may_write_is_refused_with_one_line(
         cached: Cached, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
