@@ -51,6 +51,13 @@ async def _stream_answer(address: str, creds: Credentials, turns: list[tuple[str
                     answer.text += msg.chunk.text
                     print(msg.chunk.text, end="", flush=True)
         except grpc.aio.AioRpcError as exc:
+            task = asyncio.current_task()
+            if (exc.code() == grpc.StatusCode.CANCELLED and task is not None
+                    and task.cancelling()):
+                # Ctrl-C: asyncio.run cancelled this task and grpc reported the call it
+                # cancelled as an error; the cancellation must go on, so that asyncio.run
+                # raises KeyboardInterrupt and the answer is shown as stopped.
+                raise asyncio.CancelledError from exc
             answer.error = f"{exc.code().name}: {exc.details()}"
 
 
