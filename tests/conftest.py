@@ -24,7 +24,7 @@ from suite_order import order, shared, stop_after_last_user
 from deploy.launcher import Deployment, Process
 from deploy.start_log import START_LOG_ENV
 from kvferry.faults import FAULTS_ENV, PER_REQUEST
-from kvferry.model.checkpoint import LLAMA_SPEC, ModelSpec, make_model
+from kvferry.model.checkpoint import CHATML_TEMPLATE, LLAMA_SPEC, ModelSpec, make_model
 from kvferry.rpc.grpc_util import CHANNEL_OPTIONS
 from kvferry.v1 import worker_pb2, worker_pb2_grpc
 
@@ -154,7 +154,7 @@ def assert_pools_clean(deployment: Deployment, timeout_s: float = 10.0,
                     and s.num_waiting == 0 for s in stats)
         if clean or time.monotonic() > deadline:
             break
-        time.sleep(0.1)
+        time.sleep(0.1)  # paces the polling
     for s in stats:
         assert s.integrity_ok, f"{s.role}: {s.integrity_error}"
         assert s.free_blocks == s.total_blocks, f"{s.role} leaked blocks: {s}"
@@ -232,6 +232,22 @@ def qwen3_tiny_deployment(qwen3_checkpoint: Path, tmp_path_factory: pytest.TempP
     logs = tmp_path_factory.mktemp("qwen3-tiny-logs")
     yield from shared("qwen3_tiny_deployment", lambda: _start(
         qwen3_checkpoint, logs, kv_pool_size=f"{12 * QWEN3_BLOCK_BYTES}B"), _stop)
+
+
+@pytest.fixture(scope="session")
+def chat_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The seeded Qwen3 model with a ChatML template, served as "tiny-chat"."""
+    return make_model(tmp_path_factory.mktemp("chat") / "tiny-chat",
+                      ModelSpec(chat_template=CHATML_TEMPLATE))
+
+
+@pytest.fixture(scope="session")
+def chat_deployment(chat_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+                    ) -> Iterator[Deployment]:
+    """The chat model behind both public APIs (gRPC and OpenAI-compatible HTTP)."""
+    logs = tmp_path_factory.mktemp("chat-logs")
+    yield from shared("chat_deployment", lambda: _start(
+        chat_checkpoint, logs, http_port=0, router_args=[*METRICS, *DETAILS]), _stop)
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ import pytest
 # Shared fixtures in the order their groups run; `ray_session` last so it outlives the Ray
 # deployments that need it.
 SHARED = ("qwen3_deployment", "qwen3_2p2d_deployment", "qwen3_tiny_deployment",
-          "colocated_deployment", "llama_deployment",
+          "colocated_deployment", "chat_deployment", "llama_deployment",
           "qwen3_nixl_deployment", "llama_nixl_deployment", "qwen3_ray_deployment",
           "llama_ray_deployment", "ray_session")
 

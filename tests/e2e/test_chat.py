@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -18,7 +17,6 @@ from transformers import AutoTokenizer
 
 from deploy import client
 from deploy.launcher import Deployment
-from kvferry.model.checkpoint import CHATML_TEMPLATE, ModelSpec, make_model
 from kvferry.rpc import grpc_util
 from tests.conftest import assert_alive, assert_pools_clean
 
@@ -26,21 +24,6 @@ pytestmark = pytest.mark.slow
 
 GREEDY = dict(temperature=0.0, max_tokens=8, ignore_eos=True)
 CONVERSATION = [("system", "Be brief."), ("user", "The quick brown fox")]
-
-
-@pytest.fixture(scope="module")
-def chat_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_model(tmp_path_factory.mktemp("qwen3-chat"),
-                      ModelSpec(chat_template=CHATML_TEMPLATE))
-
-
-@pytest.fixture(scope="module")
-def chat_deployment(chat_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
-                    ) -> Iterator[Deployment]:
-    deployment = Deployment(model=str(chat_checkpoint),
-                            log_dir=tmp_path_factory.mktemp("chat-logs")).start()
-    yield deployment
-    deployment.stop()
 
 
 def _template_ids(checkpoint: Path, messages: list[tuple[str, str]]) -> list[int]:
@@ -157,7 +140,7 @@ def test_ctrl_c_in_chat_stops_the_answer_and_keeps_the_session(
                 errors.seek(0)
                 pytest.fail(f"waiting for {what}: stdout {bytes(out)[-400:]!r}, "
                             f"stderr {errors.read().decode(errors='replace')[-2000:]!r}")
-            time.sleep(0.02)
+            time.sleep(0.02)  # paces the polling
 
     def interrupt_the_answer() -> None:
         start = len(out)

@@ -31,15 +31,24 @@ def _health(address: str) -> int:
             health_pb2.HealthCheckRequest(service=""), timeout=5).status
 
 
-async def _reports_not_serving(address: str, within_s: float = 2.0) -> bool:
-    """Health turns NOT_SERVING soon after SIGTERM (before the drain ends and it closes)."""
+async def _reports_not_serving(address: str, within_s: float = 60.0) -> bool:
+    """Health turns NOT_SERVING after SIGTERM (before the drain ends and it closes)."""
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
         if await asyncio.to_thread(_health, address) == (
                 health_pb2.HealthCheckResponse.NOT_SERVING):
             return True
-        await asyncio.sleep(0.02)
+        await asyncio.sleep(0.02)  # paces the polling
     return False
+
+
+async def _router_logs(deployment: Deployment, line: str) -> None:
+    """Until the router has logged `line` (it has seen what the line says)."""
+    assert deployment.log_dir is not None
+    deadline = time.monotonic() + 60
+    while line not in (deployment.log_dir / "router.log").read_text():
+        assert time.monotonic() < deadline, f"the router never logged {line!r}"
+        await asyncio.sleep(0.02)  # paces the polling
 
 
 @pytest.mark.parametrize("drain_timeout_s, migrates", [(60.0, False), (0.3, True)])
@@ -63,7 +72,8 @@ def test_sigterm_drains_a_decode_worker(drain_timeout_s: float, migrates: bool,
                         victim.popen.send_signal(signal.SIGTERM)
                         signalled = time.monotonic()
                         assert await _reports_not_serving(victim.address)
-                        await asyncio.sleep(0.25)  # the router has seen it by now
+                        await _router_logs(deployment, f"decode worker {victim.address} is "
+                                           "not serving (draining)")
                         # New work goes elsewhere while the victim drains.
                         other = await client.generate(
                             deployment.router_address,

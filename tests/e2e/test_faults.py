@@ -250,10 +250,10 @@ def test_burst_of_cancels_and_aborts(qwen3_deployment: Deployment) -> None:
         request = _request(prompt, max_tokens, f"burst-{i}")
         task = asyncio.ensure_future(client.collect(stub, request, timeout_s=120))
         if mode == 1:  # client-side cancel
-            await asyncio.sleep(after_s)
+            await asyncio.sleep(after_s)  # paces: the plan's moment to cancel
             task.cancel()
         elif mode >= 2:  # Abort RPC (it may find the request finished already)
-            await asyncio.sleep(after_s / (mode - 1))
+            await asyncio.sleep(after_s / (mode - 1))  # paces: the plan's moment to abort
             try:
                 await stub.Abort(generation_pb2.AbortRequest(request_id=request.request_id),
                                  timeout=30)

@@ -86,8 +86,13 @@ def test_queue_bound_gives_resource_exhausted(short_queue_deployment: Deployment
             stub = worker_pb2_grpc.DecodeServiceStub(chan)
             await stub.Reserve(reserve("holder"), timeout=10)
             waiting = asyncio.ensure_future(stub.Reserve(reserve("waiter"), timeout=30))
-            await asyncio.sleep(0.5)
-            assert not waiting.done()  # the pool is full: it waits, it does not fail
+            # The pool is full: the waiter is queued (the worker says so), it does not fail.
+            deadline = asyncio.get_running_loop().time() + 60
+            while not (await stub.GetStats(worker_pb2.GetStatsRequest(), timeout=10)
+                       ).num_waiting:
+                assert asyncio.get_running_loop().time() < deadline and not waiting.done()
+                await asyncio.sleep(0.02)  # paces the polling
+            assert not waiting.done()
             with pytest.raises(grpc.aio.AioRpcError) as exc:
                 await stub.Reserve(reserve("third"), timeout=10)
             await stub.Abort(generation_pb2.AbortRequest(request_id="holder"), timeout=10)

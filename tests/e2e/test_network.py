@@ -29,10 +29,10 @@ pytestmark = pytest.mark.slow
 
 ISOLATION = os.environ.get("KVFERRY_TEST_ISOLATION", "netns")
 PUSH_CHUNK_DELAY_S = 0.4  # 4 chunks: a push outlives its first token by about a second
-# Keepalive finds a silent peer within 5-10 s (kvferry/rpc/grpc_util.py); the rest is the
-# prefill of the migrated request and its K/V push. Without keepalive the stall would last
-# until TCP gives up: many minutes on a cut link, forever on a stopped process.
-MAX_STALL_S = 20.0
+# Keepalive finds a silent peer within 5-10 s (kvferry/rpc/grpc_util.py); without it the stall
+# would last until TCP gives up: many minutes on a cut link, forever on a stopped process, so
+# the stream's own 120 s deadline would end it. The longest stall is printed, not asserted
+# (timing belongs in benchmarks): the router's log says how the peer was found.
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +120,6 @@ def _check_recovered(isolated: Deployment, seen: CutRun, expected: list[int], ro
     try:
         assert seen.token_ids == expected
         assert router_says.format(address=seen.victim.address) in _router_log(isolated)
-        assert seen.max_stall_s < MAX_STALL_S, f"silent peer found after {seen.max_stall_s:.1f} s"
         print(f"{isolated.isolation_used}: {seen.victim.name} cut; the stream stalled "
               f"{seen.max_stall_s:.1f} s at most, then {then}")
     finally:

@@ -10,7 +10,6 @@ import asyncio
 import json
 import re
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -19,8 +18,7 @@ import pytest
 
 from deploy import client
 from deploy.launcher import Deployment
-from kvferry.model.checkpoint import CHATML_TEMPLATE, ModelSpec, make_model
-from tests.conftest import DETAILS, METRICS, assert_alive, assert_pools_clean
+from tests.conftest import assert_alive, assert_pools_clean
 from tests.e2e.test_metrics import scrape, value
 
 pytestmark = pytest.mark.slow
@@ -35,13 +33,9 @@ HTTP_GREEDY = dict(temperature=0, max_tokens=8,
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    checkpoint = make_model(tmp_path_factory.mktemp("openai") / "tiny-chat",
-                            ModelSpec(chat_template=CHATML_TEMPLATE))
-    deployment = Deployment(model=str(checkpoint), http_port=0, router_args=[*METRICS, *DETAILS],
-                            log_dir=tmp_path_factory.mktemp("openai-logs")).start()
-    yield deployment
-    deployment.stop()
+def deployment(chat_deployment: Deployment) -> Deployment:
+    """The shared chat deployment (gRPC and HTTP, metrics, cached-token details)."""
+    return chat_deployment
 
 
 @pytest.fixture(scope="module")

@@ -65,7 +65,7 @@ async def _follow_ups(deployment: Deployment, holder: str, before: float
     deadline = time.monotonic() + 30
     while (await asyncio.to_thread(_decode_metrics, deployment))[holder][0] == before:
         assert time.monotonic() < deadline and not long.done(), "the long request went astray"
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # paces the polling
     await asyncio.sleep(0.5)  # the router's next stats refresh sees it running there
     short = [await client.generate(address, _request([300 + i, 301 + i, 302 + i]), 60)
              for i in range(4)]

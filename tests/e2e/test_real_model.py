@@ -1,7 +1,8 @@
 """The real default model (SmolLM2-135M-Instruct) end to end: greedy output through router +
 prefill + decode processes is token-identical to transformers `generate` (fp32), for plain
-and chat-templated prompts of 1 to ~500 tokens; and `--model FILE.gguf` serves the same
-tokens as the directory it is converted into."""
+and chat-templated prompts of 1 to ~500 tokens. The deployment is given the `.gguf` file:
+its processes load the directory it was converted into, the one transformers loads here, so
+one deployment checks both the conversion and the serving."""
 
 from __future__ import annotations
 
@@ -60,15 +61,16 @@ def _deploy(model: Path, logs: Path) -> Iterator[Deployment]:
 
 
 @pytest.fixture(scope="module")
-def dir_deployment(smollm2_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
-                   ) -> Iterator[Deployment]:
-    yield from _deploy(smollm2_checkpoint, tmp_path_factory.mktemp("smollm2-dir-logs"))
+def gguf_deployment(smollm2_gguf: Path, smollm2_checkpoint: Path,
+                    tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    """Given the .gguf file; smollm2_checkpoint (the conversion) exists before it starts."""
+    yield from _deploy(smollm2_gguf, tmp_path_factory.mktemp("smollm2-gguf-logs"))
 
 
 @pytest.fixture(scope="module")
-def served(dir_deployment: Deployment, prompts: list[list[int]]) -> list[list[int]]:
-    """The directory deployment's greedy tokens for every prompt, one request at a time."""
-    return [_serve(dir_deployment, prompt) for prompt in prompts]
+def served(gguf_deployment: Deployment, prompts: list[list[int]]) -> list[list[int]]:
+    """The deployment's greedy tokens for every prompt, one request at a time."""
+    return [_serve(gguf_deployment, prompt) for prompt in prompts]
 
 
 def _serve(deployment: Deployment, prompt: list[int]) -> list[int]:
@@ -88,7 +90,7 @@ def test_prompts_cover_plain_and_chat_and_1_to_500_tokens(prompts: list[list[int
 
 def test_greedy_matches_transformers(smollm2_checkpoint: Path, prompts: list[list[int]],
                                      served: list[list[int]],
-                                     dir_deployment: Deployment) -> None:
+                                     gguf_deployment: Deployment) -> None:
     hf = AutoModelForCausalLM.from_pretrained(smollm2_checkpoint, dtype=torch.float32).eval()
     for prompt, got in zip(prompts, served):
         with torch.no_grad():
@@ -97,8 +99,8 @@ def test_greedy_matches_transformers(smollm2_checkpoint: Path, prompts: list[lis
         expected = out[0, len(prompt):].tolist()
         assert got == expected, f"prompt of {len(prompt)} tokens"
         assert len(got) == MAX_NEW_TOKENS or got[-1] == 2  # a full answer, or one that ended
-    assert_pools_clean(dir_deployment)
-    assert_alive(dir_deployment)
+    assert_pools_clean(gguf_deployment)
+    assert_alive(gguf_deployment)
 
 
 def test_chat_answer_is_sensible(served: list[list[int]], tokenizer) -> None:
@@ -107,27 +109,17 @@ def test_chat_answer_is_sensible(served: list[list[int]], tokenizer) -> None:
     assert "Paris" in answer, answer
 
 
-def test_gguf_file_serves_the_same_tokens(smollm2_gguf: Path, prompts: list[list[int]],
-                                          served: list[list[int]],
-                                          tmp_path_factory: pytest.TempPathFactory) -> None:
-    """One deployment given the .gguf file: its processes load the cached conversion."""
-    logs = tmp_path_factory.mktemp("smollm2-gguf-logs")
-    with Deployment(model=str(smollm2_gguf), log_dir=logs) as deployment:
-        for prompt, expected in zip(prompts[1:], served[1:]):
-            assert _serve(deployment, prompt) == expected
-        assert_alive(deployment)
-
-
 def test_compiled_decode_serves_the_same_tokens(smollm2_checkpoint: Path,
                                                 prompts: list[list[int]],
                                                 served: list[list[int]],
                                                 tmp_path_factory: pytest.TempPathFactory
                                                 ) -> None:
-    """The real model with its decode step compiled (--compile default), every prompt at once
+    """The real model from its directory, with its decode step compiled (--compile default),
+    every prompt at once
     (batches of 1 to 6, each padded to the one bucket, 8: one graph to compile keeps this
     test's start-up short; the tiny models' compiled test covers several buckets and the
-    eager fallback): the tokens the eager deployment served (which match transformers,
-    above), and no compile after start-up."""
+    eager fallback): the tokens the eager deployment served from the .gguf file (which match
+    transformers, above), and no compile after start-up."""
     logs = tmp_path_factory.mktemp("smollm2-compiled-logs")
     with Deployment(model=str(smollm2_checkpoint), compile="default", compile_batch_sizes="8",
                     log_dir=logs) as deployment:

@@ -246,7 +246,7 @@ def test_one_cap_counts_the_requests_of_both_fronts(deployment: Deployment) -> N
                     if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or \
                             loop.time() > deadline:
                         raise
-                    await asyncio.sleep(0.05)
+                    await asyncio.sleep(0.05)  # paces the retries
             assert len(done.token_ids) == 4
 
     asyncio.run(run())

@@ -14,7 +14,7 @@ from kvferry.errors import ResourceExhausted
 
 async def _settle() -> None:
     for _ in range(3):
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # paces: one turn of the event loop
 
 
 def test_waiters_are_granted_in_order_as_blocks_free() -> None:

@@ -226,7 +226,7 @@ class PoolMachine(RuleBasedStateMachine):
     def _settle(self) -> None:
         """Let woken reservations run, then take in the ones that completed."""
         for _ in range(4):
-            self.loop.run_until_complete(asyncio.sleep(0))
+            self.loop.run_until_complete(asyncio.sleep(0))  # paces: one loop turn
         for request_id, pending in list(self.pending.items()):
             if not pending.task.done():
                 continue
@@ -256,7 +256,7 @@ class PoolMachine(RuleBasedStateMachine):
         task = self.loop.create_task(engine.reserve(request_id, len(prompt), max_tokens, 60.0,
                                                     prompt, salt))
         for _ in range(2):
-            self.loop.run_until_complete(asyncio.sleep(0))
+            self.loop.run_until_complete(asyncio.sleep(0))  # paces: one loop turn
         if num_hits:
             event("a reservation shared cached blocks")
         if task.done():
@@ -511,7 +511,7 @@ class PoolMachine(RuleBasedStateMachine):
         pending = self.pending.pop(request_id)
         pending.task.cancel()
         for _ in range(2):
-            self.loop.run_until_complete(asyncio.sleep(0))
+            self.loop.run_until_complete(asyncio.sleep(0))  # paces: one loop turn
         assert pending.task.cancelled()
         assert request_id not in self._seqs(pending.leg.worker)
 
@@ -666,7 +666,7 @@ class PoolMachine(RuleBasedStateMachine):
         finally:
             for pending in self.pending.values():
                 pending.task.cancel()
-            self.loop.run_until_complete(asyncio.sleep(0))
+            self.loop.run_until_complete(asyncio.sleep(0))  # paces: one loop turn
             self.loop.close()
             for engine in self.engines:
                 engine.steps.executor.shutdown(wait=False)
@@ -675,7 +675,7 @@ class PoolMachine(RuleBasedStateMachine):
         for request_id in sorted(self.pending):
             self.pending.pop(request_id).task.cancel()
         for _ in range(2):
-            self.loop.run_until_complete(asyncio.sleep(0))
+            self.loop.run_until_complete(asyncio.sleep(0))  # paces: one loop turn
         for leg in sorted(self.legs.values(), key=lambda leg: leg.request_id):
             if leg.request_id in self._seqs(leg.worker):
                 self._abort(leg)

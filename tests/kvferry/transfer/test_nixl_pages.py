@@ -81,7 +81,7 @@ def test_an_idle_agent_does_not_spin() -> None:
     pool = _pool()
     agent.register_memory(pool.cache)
     started = time.process_time()
-    time.sleep(1.0)
+    time.sleep(1.0)  # paces: the idle second whose CPU time is measured
     assert time.process_time() - started < 0.3  # CPU seconds in one second of idling
 
 
@@ -98,6 +98,7 @@ def test_transfer_threads_are_named_and_pinned_apart(tmp_path) -> None:
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         pytest.fail("needs 2 CPUs to pin apart")
+    # The child sleeps only to wait for its kill.
     child = subprocess.Popen(
         [sys.executable, "-c", "from kvferry.transfer import nixl_pages; import time; "
          "agent = nixl_pages.make_agent('pin-test'); print('ready', flush=True); "
