@@ -75,3 +75,46 @@ def test_decode_worker_killed_mid_stream(seed: int | None, fixture: str,
     assert all(int(context) > len(prompt) for context, _ in legs)
     assert int(legs[0][1]) >= len(prompt) // DEFAULT_BLOCK_SIZE * DEFAULT_BLOCK_SIZE, legs
     assert_pools_clean(deployment)
+
+
+def test_a_decode_worker_killed_under_load_migrates_every_stream(
+        qwen3_2p2d_deployment: Deployment, qwen3_deployment: Deployment) -> None:
+    """Eight greedy streams at once over both decode workers; once each has tokens, the
+    decode worker holding the most is killed: every stream still completes with exactly its
+    undisturbed tokens (those on the victim migrate, the others are untouched)."""
+    deployment = qwen3_2p2d_deployment
+    requests = [client.make_request(list(range(20 + 9 * i, 80 + 9 * i)), temperature=0.0,
+                                    max_tokens=200, ignore_eos=True) for i in range(8)]
+    for i, one in enumerate(requests):
+        one.cache_salt = f"test_migration_under_load-{i}"
+    undisturbed = asyncio.run(client.generate_many(qwen3_deployment.router_address, requests,
+                                                   300))
+
+    async def run() -> tuple[list[client.Completion], Process]:
+        async with grpc_util.channel(deployment.router_address) as chan:
+            stub = generation_pb2_grpc.GenerationServiceStub(chan)
+            progress = [client.Completion() for _ in requests]
+            all_started = asyncio.Event()
+
+            async def follow(i: int) -> client.Completion:
+                async for _, latest in client.stream(stub, requests[i], timeout_s=300):
+                    progress[i] = latest
+                    if all(len(c.token_ids) >= 5 for c in progress):
+                        all_started.set()
+                return progress[i]
+
+            streams = [asyncio.ensure_future(follow(i)) for i in range(len(requests))]
+            await asyncio.wait_for(all_started.wait(), 120)
+            victim = await asyncio.to_thread(
+                busy_process, deployment, "decode",
+                lambda s: s.num_running if s.num_running >= len(requests) // 2 else 0)
+            assert victim is not None, "no decode worker held half the streams"
+            os.kill(victim.popen.pid, signal.SIGKILL)
+            await asyncio.to_thread(victim.popen.wait, 10)
+            return list(await asyncio.gather(*streams)), victim
+
+    got, victim = asyncio.run(run())
+    respawn(victim.name, deployment)
+    assert [c.token_ids for c in got] == [c.token_ids for c in undisturbed]
+    assert sum(c.finished.timing.num_migrations for c in got) >= len(requests) // 2
+    assert_pools_clean(deployment)

@@ -122,3 +122,24 @@ def test_compiled_decode_matches_transformers(qwen3_checkpoint: Path,
         assert_alive(deployment)
     finally:
         deployment.stop()
+
+
+@SLOW
+@pytest.mark.parametrize("fixture", ["qwen3_2p2d_deployment", "llama_deployment"])
+def test_contexts_past_2000_tokens_match_transformers(fixture: str,
+                                                      request: pytest.FixtureRequest) -> None:
+    """A 2,000-token prompt and 100 generated tokens (context 2,100: 132 blocks; Llama's
+    RoPE scaling past its original 512 positions), through chunked prefill on the 2p2d
+    workers: the same greedy tokens as transformers."""
+    deployment: Deployment = request.getfixturevalue(fixture)
+    checkpoint: Path = request.getfixturevalue(f"{fixture.split('_', 1)[0]}_checkpoint")
+    vocab = _hf_model(checkpoint).config.vocab_size
+    prompt = torch.randint(1, vocab, (2000,), generator=torch.Generator().manual_seed(2000)
+                           ).tolist()
+    generate = client.make_request(prompt, temperature=0.0, max_tokens=100)
+    generate.cache_salt = f"test_contexts_past_2000_tokens-{fixture}"
+    got = asyncio.run(client.generate(deployment.router_address, generate, 300))
+    expected = _reference(checkpoint, prompt, 100)
+    assert len(expected) > 50  # a long answer: the context really passes 2,000 tokens
+    assert got.token_ids == expected
+    assert_pools_clean(deployment)
