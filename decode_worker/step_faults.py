@@ -4,7 +4,9 @@ worker attempts, or by a request's own, counted over the steps that hold that re
 
 from __future__ import annotations
 
-from kvferry.faults import Faults, InjectedFault, step_numbers
+import os
+
+from kvferry.faults import FAULTS_ENV, PER_REQUEST, Faults, InjectedFault, step_numbers
 
 __all__ = ["InjectedFault", "StepFaults"]
 
@@ -16,6 +18,8 @@ class StepFaults:
         self.faults = faults
         self._is_faulty = step_numbers(faults.decode_steps)
         self._num_attempts = 0
+        # Read once: the step loop then never looks at request ids where no id can arm faults.
+        self._is_per_request = os.environ.get(FAULTS_ENV) == PER_REQUEST
         # Steps attempted holding each request armed with decode_steps (test requests only).
         self._request_attempts: dict[str, int] = {}
 
@@ -25,6 +29,8 @@ class StepFaults:
         if self._is_faulty(self._num_attempts):
             raise InjectedFault(f"injected fault in decode step {self._num_attempts}")
         delay_s = self.faults.decode_step_delay_s
+        if not self._is_per_request:
+            return delay_s
         for request_id in request_ids:
             armed = self.faults.for_request(request_id)
             if armed is self.faults:
