@@ -26,19 +26,6 @@ def _stop(proc: Process, grace_s: float = 10.0) -> int:
         return proc.popen.wait()
 
 
-def router_command(deployment: Deployment, router_args: list[str], is_http: bool = False,
-                   ) -> list[str]:
-    """A router's command line for the deployment's workers, with only `router_args`."""
-    args = ["--log-format", deployment.log_format, "router", "--model", str(deployment.model),
-            "--host", deployment.host, "--port", "0", *router_args]
-    if is_http:
-        args += ["--http-port", "0"]
-    for proc in deployment.processes:
-        if not _is_router(proc):
-            args += [f"--{proc.name.rsplit('-', 1)[0]}", proc.address]
-    return args
-
-
 def _is_router(proc: Process) -> bool:
     return proc.name == "router" or proc.name.startswith("router-")
 
@@ -50,13 +37,15 @@ def routed(deployment: Deployment, name: str, router_args: list[str], is_http: b
     logging to `<name>.log`), as a view: a Deployment whose router is the new one. Never
     stop the view: on exit its router stops, the workers go on serving their deployment.
     Workers tell the routers' requests apart by router instance."""
-    proc = _spawn(name, router_command(deployment, router_args, is_http), deployment.log_dir,
-                  deployment.env)
+    workers = [p for p in deployment.processes if not _is_router(p)]
+    view = dataclasses.replace(deployment, router_args=router_args, router_port=0,
+                               http_port=0 if is_http else None, processes=workers)
+    args = view._router_args(deployment.host, {p.name: p.address for p in workers})
+    proc = _spawn(name, args, deployment.log_dir, deployment.env)
     try:
         proc.wait_ready(READY_TIMEOUT_S)
-        yield dataclasses.replace(
-            deployment, router_args=router_args, http_port=0 if is_http else None,
-            processes=[*(p for p in deployment.processes if not _is_router(p)), proc])
+        view.processes = [*workers, proc]
+        yield view
     finally:
         _stop(proc)
 

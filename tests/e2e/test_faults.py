@@ -104,6 +104,7 @@ def _expected(deployment: Deployment, request: generation_pb2.GenerateRequest) -
 
 
 def _router_log(view: Deployment) -> str:
+    assert view.log_dir is not None
     return (view.log_dir / f"{view.processes[-1].name}.log").read_text()
 
 

@@ -27,7 +27,13 @@ from kvferry.rpc import grpc_util
 from kvferry.v1 import generation_pb2, generation_pb2_grpc
 from tests.conftest import assert_alive, assert_pools_clean
 from tests.deployments import respawn, routed
-from tests.e2e.test_faults import LONG_PROMPT, _expected, _kill_after_first_token, sessions_alive
+from tests.e2e.test_faults import (
+    LONG_PROMPT,
+    _expected,
+    _kill_after_first_token,
+    _router_log,
+    sessions_alive,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -51,11 +57,6 @@ def faulty(qwen3_nixl_deployment: Deployment) -> Iterator[Deployment]:
     with routed(qwen3_nixl_deployment, "router-nixl-faults", ["--lease-s", str(LEASE_S)]
                 ) as view:
         yield view
-
-
-def _router_log(view: Deployment) -> str:
-    assert view.log_dir is not None
-    return (view.log_dir / f"{view.processes[-1].name}.log").read_text()
 
 
 def test_prefill_worker_killed_mid_read_is_prefilled_again(
