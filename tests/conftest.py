@@ -65,14 +65,18 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter,
     path = config.stash.get(_START_LOG, None)
     if path is None:
         return
-    lines = path.read_text().split("\n") if path.exists() else []
-    kinds = Counter(line.split(" ", 1)[0] for line in lines if line)
-    shapes = Counter(line.split(" ", 1)[1] for line in lines if " " in line
-                     and not line.startswith("server"))
+    lines = [line.split("\t")[0].split(" ", 1) + [line.partition("\t")[2]]
+             for line in (path.read_text().split("\n") if path.exists() else []) if " " in line]
+    kinds = Counter(kind for kind, _, _ in lines)
+    starts = [(shape, test) for kind, shape, test in lines if kind != "server"]
+    shapes = Counter(shape for shape, _ in starts)
     terminalreporter.write_line(
-        f"kvferry: {kinds['deployment'] + kinds['ray-deployment']} deployments started "
+        f"kvferry: {len(starts)} deployments started "
         f"({', '.join(f'{n} x {s}' for s, n in sorted(shapes.items())) or 'none'}), "
         f"{kinds['server']} servers")
+    by_file = Counter(test.split("::")[0] or "(outside a test)" for _, test in starts)
+    for file, count in by_file.most_common():
+        terminalreporter.write_line(f"  {count:3d}  {file}")
     path.unlink(missing_ok=True)
 
 
