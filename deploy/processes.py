@@ -249,6 +249,7 @@ async def build_router(settings: RouterSettings) -> Built:
 
         registry = metrics.CollectorRegistry()
         router_metrics = metrics.RouterMetrics(registry)
+        registry.register(metrics.RouterWorkersCollector(lambda: workers.workers))
         router.downstream.on_prefill_retry = router_metrics.prefill_retries.inc
         metrics_port = metrics.serve(settings.metrics_port, settings.host, registry)
     router_server.add_to_server(server, router, router_metrics, keys)

@@ -57,6 +57,7 @@ class Worker:
     pending_prefill_tokens: int = 0  # from stats
     num_running: int = 0  # from stats
     stats_issued_at: float = 0.0  # when the snapshot applied last was asked for
+    num_stats_refreshes: int = 0  # stats snapshots applied (kvferry_router_worker_*)
     num_in_flight: int = 0  # requests this router has open there now
     in_flight: dict[str, InFlight] = field(default_factory=dict)
     is_healthy: bool = False
@@ -114,6 +115,7 @@ class Worker:
         if issued_at < self.stats_issued_at:
             return
         self.stats_issued_at = issued_at
+        self.num_stats_refreshes += 1
         self.total_blocks = stats.total_blocks
         self.projected_blocks = stats.projected_blocks
         self.pending_prefill_tokens = stats.num_pending_prefill_tokens

@@ -2,7 +2,9 @@
 
 The router measures what clients see (TTFT, ITL, TPOT, end-to-end latency), the per-request
 breakdown it gets from the workers (queue, prefill, K/V transfer, admission wait), outcomes,
-failures by gRPC status, migrations and prefill retries. Workers export their pool and queue
+failures by gRPC status, migrations and prefill retries, and its view of each worker at scrape
+time (`kvferry_router_worker_*`: health, the load its last stats showed, the cache blocks its
+mirror holds, what it has open there). Workers export their pool and queue
 state at scrape time (a collector over the engine's stats, so the numbers are never stale) and
 the K/V bytes they shipped or received. Names follow vLLM's where one exists
 (`kv_cache_usage_perc` is a fraction, as there).
@@ -11,7 +13,8 @@ the K/V bytes they shipped or received. Names follow vLLM's where one exists
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sized
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -120,6 +123,77 @@ class WorkerCollector(Collector):
         yield CounterMetricFamily(f"kvferry_kv_bytes_{direction}",
                                   f"K/V page bytes {direction} over the transport.",
                                   self._kv_bytes())
+
+
+class ReportedKeys(Protocol):
+    @property
+    def keys(self) -> Sized: ...  # the block keys the worker's cache events reported
+
+
+class RouterWorkerView(Protocol):
+    """What the router believes about one worker (`router.workers.Worker` is one), read at
+    scrape time from the metrics thread: plain fields only, nothing iterated."""
+
+    @property
+    def address(self) -> str: ...
+    @property
+    def role(self) -> str: ...
+    @property
+    def is_healthy(self) -> bool: ...
+    @property
+    def num_running(self) -> int: ...  # from its last stats snapshot
+    @property
+    def num_in_flight(self) -> int: ...  # requests the router has open there
+    @property
+    def total_blocks(self) -> int: ...
+    @property
+    def projected_blocks(self) -> int: ...
+    @property
+    def num_stats_refreshes(self) -> int: ...
+    @property
+    def cache(self) -> ReportedKeys: ...
+
+
+# The router's per-worker gauges: name, help, and how to read it off a `RouterWorkerView`.
+_ROUTER_WORKER_GAUGES: tuple[tuple[str, str, Callable[[RouterWorkerView], float]], ...] = (
+    ("kvferry_router_worker_healthy", "1 while the router routes to the worker (serving, its "
+     "stats answered, its layout compatible), else 0.", lambda w: int(w.is_healthy)),
+    ("kvferry_router_worker_num_running", "Requests running on the worker, as its last stats "
+     "snapshot applied said.", lambda w: w.num_running),
+    ("kvferry_router_worker_num_in_flight", "Requests this router has open on the worker now "
+     "(on a prefill worker, until their prefill ends).", lambda w: w.num_in_flight),
+    ("kvferry_router_worker_total_blocks", "Blocks in the worker's K/V pool, as its last stats "
+     "snapshot said.", lambda w: w.total_blocks),
+    ("kvferry_router_worker_projected_blocks", "Blocks the worker's live requests may grow to, "
+     "as its last stats snapshot said.", lambda w: w.projected_blocks),
+    ("kvferry_router_worker_cached_blocks", "Prefix-cache blocks the worker's cache events "
+     "reported, in the router's mirror (its predictions not counted).",
+     lambda w: len(w.cache.keys)),
+)
+
+
+class RouterWorkersCollector(Collector):
+    """The router's view of its workers, one sample per worker labelled by its address and
+    role: what routing decides on, so a test (or an operator) can wait until the router sees
+    what a worker did, instead of waiting for a few stats refreshes."""
+
+    def __init__(self, workers: Callable[[], Iterable[RouterWorkerView]]) -> None:
+        self._workers = workers
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        labels = ["worker", "role"]
+        workers = list(self._workers())  # a copy: the event loop may add or drop one
+        for name, doc, read in _ROUTER_WORKER_GAUGES:
+            gauge = GaugeMetricFamily(name, doc, labels=labels)
+            for w in workers:
+                gauge.add_metric([w.address, w.role], read(w))
+            yield gauge
+        refreshes = CounterMetricFamily("kvferry_router_worker_stats_refreshes",
+                                        "Stats snapshots from the worker the router applied.",
+                                        labels=labels)
+        for w in workers:
+            refreshes.add_metric([w.address, w.role], w.num_stats_refreshes)
+        yield refreshes
 
 
 def serve(port: int, host: str, registry: CollectorRegistry) -> int:

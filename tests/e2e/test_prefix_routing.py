@@ -17,9 +17,10 @@ from deploy import client
 from deploy.launcher import Deployment
 from kvferry.settings import DEFAULT_BLOCK_SIZE
 from kvferry.v1 import generation_pb2
-from tests.conftest import assert_pools_clean
+from tests.conftest import METRICS, assert_pools_clean
 from tests.deployments import routed
 from tests.e2e.test_metrics import scrape, value
+from tests.waiting import until_sync
 
 pytestmark = pytest.mark.slow
 
@@ -29,6 +30,7 @@ HITS = "kvferry_prefix_cache_hits_total"
 QUERIES = "kvferry_prefix_cache_queries_total"
 CACHED = "kvferry_prefix_cache_blocks"
 SALT = "test_prefix_routing"
+POLL_S = 0.05  # a scrape of every worker, or of the router, per poll
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +39,7 @@ def prefix_deployment(qwen3_2p2d_deployment: Deployment) -> Iterator[Deployment]
     # plus the few a finished request's stats may still show (9).
     with routed(qwen3_2p2d_deployment, "router-prefix", [
             "--policy", "prefix", "--prefix-weight", "8",
-            "--local-prefill-threshold", str(THRESHOLD)]) as deployment:
+            "--local-prefill-threshold", str(THRESHOLD), *METRICS]) as deployment:
         yield deployment
 
 
@@ -56,6 +58,15 @@ def _decode_metrics(deployment: Deployment) -> dict[str, tuple[float, float, flo
             for name, s in samples.items()}
 
 
+def _router_view(deployment: Deployment, holder: str, *names: str) -> list[float]:
+    """What the router believes about decode worker `holder`, from one scrape: its
+    `kvferry_router_worker_<name>` samples."""
+    address = next(p.address for p in deployment.processes if p.name == holder)
+    samples = scrape(deployment.processes[-1].metrics_port)
+    return [value(samples, f"kvferry_router_worker_{name}", worker=address, role="decode")
+            for name in names]
+
+
 async def _follow_ups(deployment: Deployment, holder: str, before: float
                       ) -> tuple[list[client.Completion], client.Completion]:
     """A long request sharing the prefix (it goes to the holder and keeps it the fuller
@@ -66,7 +77,16 @@ async def _follow_ups(deployment: Deployment, holder: str, before: float
     while (await asyncio.to_thread(_decode_metrics, deployment))[holder][0] == before:
         assert time.monotonic() < deadline and not long.done(), "the long request went astray"
         await asyncio.sleep(0.05)  # paces the polling
-    await asyncio.sleep(0.5)  # the router's next stats refresh sees it running there
+    # The router sees it running there: a stats snapshot asked for after it started (the
+    # second applied from here; the first may have been on its way) counts it.
+    refreshes, = _router_view(deployment, holder, "stats_refreshes_total")
+
+    def seen_running() -> bool:
+        now, running = _router_view(deployment, holder, "stats_refreshes_total", "num_running")
+        return now >= refreshes + 2 and running >= 1
+
+    await asyncio.to_thread(until_sync, seen_running, "the router saw the long request running",
+                            poll_s=POLL_S)
     short = [await client.generate(address, _request([300 + i, 301 + i, 302 + i]), 60)
              for i in range(4)]
     return short, await long
@@ -87,7 +107,10 @@ def test_requests_sharing_a_prefix_go_where_it_is_cached(prefix_deployment: Depl
         assert time.monotonic() < deadline, "no decode worker cached the prefix"
         time.sleep(0.1)  # paces the polling
     holder = grown[0]
-    time.sleep(1.0)  # a few of the router's stats refreshes (every 0.2 s): its events too
+    # The router's mirror of the holder's cache catches up with it, the prefix among it: it
+    # counts every block indexed there, at least the blocks only the cache holds.
+    until_sync(lambda: _router_view(deployment, holder, "cached_blocks")[0] >= before[holder][1],
+               "the router's mirror showed the holder's cache", poll_s=POLL_S)
     short, long = asyncio.run(_follow_ups(deployment, holder, before[holder][0]))
     after = _decode_metrics(deployment)
     hits = {name: after[name][0] - before[name][0] for name in after}

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -24,6 +25,7 @@ pytestmark = pytest.mark.slow
 
 THRESHOLD = 32
 RETRIES = "kvferry_prefill_retries_total"
+OPEN_ON = "kvferry_router_worker_num_in_flight"
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +56,13 @@ def test_conditional_disaggregation_paths(two_prefill_deployment: Deployment,
     assert_pools_clean(two_prefill_deployment)
 
 
-async def _stream_then_kill(address: str, prompts: list[list[int]], victim: Process
-                           ) -> tuple[list[client.Completion], int]:
+def _open_on(router_port: int, worker: Process) -> float:
+    """Requests the router has open on prefill `worker` now (its prompts not yet prefilled)."""
+    return value(scrape(router_port), OPEN_ON, worker=worker.address, role="prefill")
+
+
+async def _stream_then_kill(address: str, router_port: int, prompts: list[list[int]],
+                            victim: Process) -> tuple[list[client.Completion], int]:
     """Stream every prompt at once (the victim is stopped, so the ones sent to it wait there
     for their first token); once the others' first tokens are out, kill -9 the victim.
     Returns the completions and how many streams had no token yet at the kill."""
@@ -72,8 +79,13 @@ async def _stream_then_kill(address: str, prompts: list[list[int]], victim: Proc
 
         streams = [asyncio.ensure_future(one(i, p)) for i, p in enumerate(prompts)]
         await asyncio.wait_for(any_token.wait(), 60)  # the live worker serves its share
-        await asyncio.sleep(1.0)
-        num_waiting = sum(not c.token_ids for c in progress)
+        # The others' first tokens are out: every stream still without one is a prompt the
+        # router has open on the stopped victim.
+        deadline = time.monotonic() + 60
+        while (num_waiting := sum(not c.token_ids for c in progress)) != (
+                await asyncio.to_thread(_open_on, router_port, victim)):
+            assert time.monotonic() < deadline, "streams neither served nor on the victim"
+            await asyncio.sleep(0.05)  # paces the polling
         os.kill(victim.popen.pid, signal.SIGKILL)
         return list(await asyncio.gather(*streams)), num_waiting
 
@@ -93,8 +105,8 @@ def test_dead_prefill_worker_is_retried_transparently(two_prefill_deployment: De
     before = value(scrape(router_port), RETRIES)
     os.kill(victim.popen.pid, signal.SIGSTOP)  # healthy to the router for ~2 s more
     try:
-        got, num_waiting = asyncio.run(_stream_then_kill(deployment.router_address, prompts,
-                                                         victim))
+        got, num_waiting = asyncio.run(_stream_then_kill(deployment.router_address, router_port,
+                                                         prompts, victim))
     finally:
         if victim.popen.poll() is None:
             os.kill(victim.popen.pid, signal.SIGKILL)
