@@ -50,17 +50,46 @@ def routed(deployment: Deployment, name: str, router_args: list[str], is_http: b
         _stop(proc)
 
 
-def respawn(name: str, deployment: Deployment, *views: Deployment) -> Process:
+def respawn(name: str, deployment: Deployment, *views: Deployment,
+            extra_args: tuple[str, ...] = ()) -> Process:
     """Start worker `name` of `deployment` again at the address it had, with the flags it
-    had (its log goes on in the same file), in place of the process that exited or was
-    killed, there and in `views` of it."""
-    old = next(p for p in deployment.processes if p.name == name)
-    if old.popen.poll() is None:
-        raise ValueError(f"{name} is still running")
-    args = deployment._worker_args(name.rsplit("-", 1)[0])
-    args[args.index("--port") + 1] = str(old.port)
-    proc = _spawn(name, args, deployment.log_dir, deployment.env)
-    proc.wait_ready(READY_TIMEOUT_S)
-    for where in (deployment, *views):
-        where.processes[:] = [proc if p is old else p for p in where.processes]
+    had and then `extra_args` (a flag given twice takes its last value; its log goes on in
+    the same file), in place of the process that exited or was killed, there and in `views`
+    of it."""
+    (proc,) = _respawn([name], deployment, views, extra_args)
     return proc
+
+
+def _respawn(names: list[str], deployment: Deployment, views: tuple[Deployment, ...],
+             extra_args: tuple[str, ...]) -> list[Process]:
+    """`respawn` for several workers at once: all start, then all are waited for."""
+    started = []
+    for name in names:
+        old = next(p for p in deployment.processes if p.name == name)
+        if old.popen.poll() is None:
+            raise ValueError(f"{name} is still running")
+        args = [*deployment._worker_args(name.rsplit("-", 1)[0]), *extra_args]
+        args[args.index("--port") + 1] = str(old.port)
+        started.append((old, _spawn(name, args, deployment.log_dir, deployment.env)))
+    for old, proc in started:
+        proc.wait_ready(READY_TIMEOUT_S)
+        for where in (deployment, *views):
+            where.processes[:] = [proc if p is old else p for p in where.processes]
+    return [proc for _, proc in started]
+
+
+@contextmanager
+def reconfigured(deployment: Deployment, names: list[str], extra_args: list[str]
+                 ) -> Iterator[list[Process]]:
+    """Workers `names` of `deployment` restarted with `extra_args` after their own flags, at
+    their addresses, for the duration; then restarted with their own flags again (those the
+    test stopped or killed too). A test that needs a worker flag the shared deployment lacks
+    pays a worker restart, not a deployment start."""
+    for name in names:
+        _stop(next(p for p in deployment.processes if p.name == name))
+    try:
+        yield _respawn(names, deployment, (), tuple(extra_args))
+    finally:
+        for name in names:
+            _stop(next(p for p in deployment.processes if p.name == name))
+        _respawn(names, deployment, (), ())

@@ -1,24 +1,25 @@
 """Drain on SIGTERM (issue 8): the worker reports NOT_SERVING at once and takes no new
 requests, its in-flight stream finishes in place within --drain-timeout-s (or, past that
-timeout, migrates), then the process exits 0. Clients see exactly the undisturbed tokens."""
+timeout, migrates), then the process exits 0. Clients see exactly the undisturbed tokens.
+On the shared 2p2d deployment: the drained worker is started again afterwards."""
 
 from __future__ import annotations
 
 import asyncio
 import signal
 import time
-from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from deploy import client
-from deploy.launcher import Deployment
+from deploy.launcher import Deployment, Process
 from kvferry.rpc import grpc_util
 from kvferry.rpc.grpc_util import CHANNEL_OPTIONS
-from kvferry.v1 import generation_pb2_grpc
+from kvferry.v1 import generation_pb2, generation_pb2_grpc
 from tests.conftest import assert_pools_clean, busy_process
+from tests.deployments import reconfigured, respawn
 
 pytestmark = pytest.mark.slow
 
@@ -42,51 +43,67 @@ async def _reports_not_serving(address: str, within_s: float = 60.0) -> bool:
     return False
 
 
-async def _router_logs(deployment: Deployment, line: str) -> None:
-    """Until the router has logged `line` (it has seen what the line says)."""
+async def _router_logs(deployment: Deployment, line: str, after: int) -> None:
+    """Until the router has logged `line` past byte `after` of its log (it has seen what the
+    line says; earlier tests on the shared deployment may have logged the same line)."""
     assert deployment.log_dir is not None
     deadline = time.monotonic() + 60
-    while line not in (deployment.log_dir / "router.log").read_text():
+    while line not in (deployment.log_dir / "router.log").read_text()[after:]:
         assert time.monotonic() < deadline, f"the router never logged {line!r}"
         await asyncio.sleep(0.02)  # paces the polling
 
 
-@pytest.mark.parametrize("drain_timeout_s, migrates", [(60.0, False), (0.3, True)])
-def test_sigterm_drains_a_decode_worker(drain_timeout_s: float, migrates: bool,
-                                        qwen3_checkpoint: Path, qwen3_deployment: Deployment,
-                                        tmp_path: Path) -> None:
-    request = client.make_request(PROMPT, temperature=0.0, max_tokens=400, ignore_eos=True)
-    undisturbed = asyncio.run(client.generate(qwen3_deployment.router_address, request, 120))
-    with Deployment(model=str(qwen3_checkpoint), num_decode=2, log_dir=tmp_path,
-                    worker_args=["--drain-timeout-s", str(drain_timeout_s)]) as deployment:
-        async def run() -> tuple[client.Completion, client.Completion, float]:
-            async with grpc_util.channel(deployment.router_address) as chan:
-                stub = generation_pb2_grpc.GenerationServiceStub(chan)
-                completion = client.Completion()
-                victim, other, signalled = None, None, 0.0
-                async for _, latest in client.stream(stub, request, timeout_s=120):
-                    completion = latest
-                    if victim is None and len(completion.token_ids) >= 10:
-                        victim = await asyncio.to_thread(busy_process, deployment, "decode")
-                        assert victim is not None
-                        victim.popen.send_signal(signal.SIGTERM)
-                        signalled = time.monotonic()
-                        assert await _reports_not_serving(victim.address)
-                        await _router_logs(deployment, f"decode worker {victim.address} is "
-                                           "not serving (draining)")
-                        # New work goes elsewhere while the victim drains.
-                        other = await client.generate(
-                            deployment.router_address,
-                            client.make_request(PROMPT, temperature=0.0, max_tokens=8,
-                                                ignore_eos=True), 60)
-                assert victim is not None
-                code = await asyncio.to_thread(victim.popen.wait, 30)
-                assert code == 0, f"{victim.name} exited with {code}"
-                deployment.processes.remove(victim)
-                return completion, other, time.monotonic() - signalled
+def _drain(deployment: Deployment, request: generation_pb2.GenerateRequest
+           ) -> tuple[client.Completion, client.Completion, Process]:
+    """Stream `request`; once it has 10 tokens, SIGTERM the decode worker serving it, check
+    that it says NOT_SERVING and that the router stops sending it work, and wait for it to
+    exit 0. Returns the stream, a short request sent during the drain, and the victim."""
+    assert deployment.log_dir is not None
+    log_size = (deployment.log_dir / "router.log").stat().st_size
 
-        got, other, _ = asyncio.run(run())
-        assert got.token_ids == undisturbed.token_ids
-        assert other.token_ids == undisturbed.token_ids[:8]
-        assert got.finished.timing.num_migrations == (1 if migrates else 0)
-        assert_pools_clean(deployment)
+    async def run() -> tuple[client.Completion, client.Completion, Process]:
+        async with grpc_util.channel(deployment.router_address) as chan:
+            stub = generation_pb2_grpc.GenerationServiceStub(chan)
+            completion = client.Completion()
+            victim, other = None, None
+            async for _, latest in client.stream(stub, request, timeout_s=120):
+                completion = latest
+                if victim is None and len(completion.token_ids) >= 10:
+                    victim = await asyncio.to_thread(busy_process, deployment, "decode")
+                    assert victim is not None
+                    victim.popen.send_signal(signal.SIGTERM)
+                    assert await _reports_not_serving(victim.address)
+                    await _router_logs(deployment, f"decode worker {victim.address} is "
+                                       "not serving (draining)", log_size)
+                    # New work goes elsewhere while the victim drains.
+                    other = await client.generate(
+                        deployment.router_address,
+                        client.make_request(PROMPT, temperature=0.0, max_tokens=8,
+                                            ignore_eos=True), 60)
+            assert victim is not None and other is not None
+            code = await asyncio.to_thread(victim.popen.wait, 30)
+            assert code == 0, f"{victim.name} exited with {code}"
+            return completion, other, victim
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("migrates", [False, True], ids=["finishes-in-place", "migrates"])
+def test_sigterm_drains_a_decode_worker(migrates: bool, qwen3_2p2d_deployment: Deployment
+                                        ) -> None:
+    """The shared 2p2d workers drain for up to 30 s (the default): the stream finishes on
+    the draining worker. Restarted with --drain-timeout-s 0.3, the stream outlives the
+    drain and migrates."""
+    deployment = qwen3_2p2d_deployment
+    request = client.make_request(PROMPT, temperature=0.0, max_tokens=400, ignore_eos=True)
+    undisturbed = asyncio.run(client.generate(deployment.router_address, request, 120))
+    if migrates:
+        with reconfigured(deployment, ["decode-0", "decode-1"], ["--drain-timeout-s", "0.3"]):
+            got, other, _ = _drain(deployment, request)
+    else:
+        got, other, victim = _drain(deployment, request)
+        respawn(victim.name, deployment)
+    assert got.token_ids == undisturbed.token_ids
+    assert other.token_ids == undisturbed.token_ids[:8]
+    assert got.finished.timing.num_migrations == (1 if migrates else 0)
+    assert_pools_clean(deployment)
