@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import pytest
@@ -16,7 +15,7 @@ from deploy.launcher import Deployment
 from kvferry.rpc import grpc_util
 from kvferry.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 from tests.conftest import QWEN3_BLOCK_BYTES, assert_alive, assert_pools_clean, worker_stats
-from tests.deployments import routed
+from tests.deployments import reconfigured, routed
 
 pytestmark = pytest.mark.slow
 
@@ -35,14 +34,13 @@ def tiny_deployment(request: pytest.FixtureRequest, qwen3_tiny_deployment: Deplo
         yield deployment
 
 
-@pytest.fixture(scope="module")
-def short_queue_deployment(qwen3_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
-                           ) -> Iterator[Deployment]:
-    deployment = Deployment(model=str(qwen3_checkpoint), kv_pool_size=f"{4 * BLOCK_BYTES}B",
-                            worker_args=["--max-waiting", "1"],
-                            log_dir=tmp_path_factory.mktemp("queue-logs")).start()
-    yield deployment
-    deployment.stop()
+@pytest.fixture
+def short_queue_deployment(qwen3_tiny_deployment: Deployment) -> Iterator[Deployment]:
+    """The shared tiny deployment, its decode worker restarted with a 4-block pool and room
+    for one waiter, then restarted as it was."""
+    with reconfigured(qwen3_tiny_deployment, ["decode-0"],
+                      ["--kv-pool-size", f"{4 * BLOCK_BYTES}B", "--max-waiting", "1"]):
+        yield qwen3_tiny_deployment
 
 
 def _decode_stats(deployment: Deployment) -> worker_pb2.WorkerStats:
