@@ -5,7 +5,8 @@ loads a model), so a few deployments are shared by many test modules (tests/conf
 Pytest keeps a session fixture until the session ends; here instead each shared deployment
 stops right after the last test that uses it, and modules are ordered so that its users run
 together: first the modules that start nothing (unit tests, on a quiet machine), then the
-modules grouped by the first shared deployment they use. Module order never splits a module,
+modules grouped by the first shared deployment they use, those that set FIRST_ON_SHARED
+first in their group (they need the deployment as it starts). Module order never splits a module,
 so module-scoped fixtures still start once.
 """
 
@@ -66,9 +67,10 @@ def order(config: pytest.Config, items: list[pytest.Item]) -> None:
         modules.setdefault(item.module if hasattr(item, "module") else item.parent, []
                            ).append(item)
 
-    def rank(group: list[pytest.Item]) -> int:
+    def rank(group: list[pytest.Item]) -> tuple[int, bool]:
         used = {name for item in group for name in _uses(item)}
-        return min((SHARED.index(name) + 1 for name in used), default=0)
+        first = getattr(getattr(group[0], "module", None), "FIRST_ON_SHARED", False)
+        return min((SHARED.index(name) + 1 for name in used), default=0), not first
 
     items[:] = [item for group in sorted(modules.values(), key=rank) for item in group]
     last: dict[str, str] = {}
