@@ -1,11 +1,15 @@
 """Issue 18, acceptance 1 and 2 through the processes: prompts sharing prefixes that end on
 and off block boundaries, and a second chat turn, give greedy tokens identical to
-`transformers` with prefix caching on (both transports, disaggregated and colocated) and off;
-Usage reports what the caches saved; different cache salts never share; pools end clean."""
+`transformers` with prefix caching on (gRPC, NIXL and Ray transports, disaggregated and
+colocated) and off; Usage reports what the caches saved (and, disaggregated, that the push
+carried exactly the blocks the decode worker's cache lacked); different cache salts never
+share; pools end clean."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import pytest
@@ -13,7 +17,9 @@ import torch
 
 from deploy import client
 from deploy.launcher import Deployment
-from tests.conftest import assert_alive, assert_pools_clean
+from kvferry.cache.layout import blocks_for_tokens
+from tests.conftest import DETAILS, QWEN3_BLOCK_BYTES, assert_alive, assert_pools_clean
+from tests.deployments import routed
 from tests.e2e.test_token_exact import _reference
 
 pytestmark = pytest.mark.slow
@@ -58,22 +64,46 @@ def _check_exact(checkpoint: Path, prompts: list[list[int]],
         assert got.token_ids == _reference(checkpoint, prompt, 12), f"{len(prompt)} tokens"
 
 
+def _routed_on_caches(deployment: Deployment, name: str) -> AbstractContextManager[Deployment]:
+    """`deployment` itself when it has one worker of each role; else its workers behind a
+    router of their own that weighs the workers' prefix caches alone (no load, no recent
+    demand), so every request goes to the prefill and decode worker holding its prefix. The
+    shared router's default weights trade cached blocks for load: which worker a follower
+    sent at once with four others lands on, and so what it finds cached, depends on timing."""
+    if max(len(deployment.addresses("prefill")), len(deployment.addresses("decode"))) < 2:
+        return contextlib.nullcontext(deployment)
+    return routed(deployment, name, [*DETAILS, "--policy", "prefix", "--load-weight", "0",
+                                     "--demand-weight", "0"])
+
+
 @pytest.mark.parametrize("fixture", [
-    "qwen3_deployment", "colocated_deployment",
+    "qwen3_deployment", "colocated_deployment", "qwen3_nixl_deployment",
     pytest.param("qwen3_ray_deployment", marks=pytest.mark.ray)])
 def test_shared_prefixes_match_transformers(fixture: str, qwen3_checkpoint: Path,
                                             request: pytest.FixtureRequest) -> None:
-    deployment: Deployment = request.getfixturevalue(fixture)
-    prompts, results = _shared_prefix_rounds(deployment, seed=1800,
-                                             salt=f"test_shared_prefixes-{fixture}")
+    shared: Deployment = request.getfixturevalue(fixture)
+    with _routed_on_caches(shared, "router-prefix-cache") as deployment:
+        prompts, results = _shared_prefix_rounds(deployment, seed=1800,
+                                                 salt=f"test_shared_prefixes-{fixture}")
     _check_exact(qwen3_checkpoint, prompts, results)
     cached = [r.finished.usage.cached_prompt_tokens for r in results]
     # Every full block found but the one holding the prompt's last token (recomputed): the
     # first round finds the first request's, the second also the followers' own.
-    assert cached == [0] + [2 * BLOCK, 2 * BLOCK, 2 * BLOCK, BLOCK, BLOCK] + [
+    expected = [0] + [2 * BLOCK, 2 * BLOCK, 2 * BLOCK, BLOCK, BLOCK] + [
         2 * BLOCK, 3 * BLOCK, 2 * BLOCK, BLOCK, BLOCK]
-    assert_pools_clean(deployment)
-    assert_alive(deployment)
+    assert cached == expected
+    if not shared.is_colocated:
+        # One decode worker served the same requests as the prefill worker, so its cache
+        # held the same blocks: the push skipped those and carried every other prompt block
+        # once (a NIXL pull reads only those).
+        not_shipped = [r.finished.usage.kv_bytes_not_shipped for r in results]
+        assert not_shipped == [n // BLOCK * QWEN3_BLOCK_BYTES for n in expected]
+        covered = [r.finished.usage.kv_bytes_shipped + r.finished.usage.kv_bytes_not_shipped
+                   for r in results]
+        assert covered == [blocks_for_tokens(len(p), BLOCK) * QWEN3_BLOCK_BYTES
+                           for p in prompts]
+    assert_pools_clean(shared)
+    assert_alive(shared)
 
 
 def test_a_second_chat_turn_reuses_the_first_on_both_sides(
