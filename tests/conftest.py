@@ -26,6 +26,7 @@ from deploy.start_log import START_LOG_ENV
 from kvferry.faults import FAULTS_ENV, PER_REQUEST
 from kvferry.model.checkpoint import CHATML_TEMPLATE, LLAMA_SPEC, ModelSpec, make_model
 from kvferry.rpc.grpc_util import CHANNEL_OPTIONS
+from kvferry.trace import TRACE_ENV
 from kvferry.v1 import worker_pb2, worker_pb2_grpc
 
 _START_LOG = pytest.StashKey[Path]()
@@ -184,10 +185,11 @@ def assert_alive(deployment: Deployment) -> None:
 ORACLE_DTYPE = ["--dtype", "float32"]
 
 
-def _start(model: Path, tmp: Path, **kwargs: object) -> Deployment:
+def _start(model: Path, tmp: Path, env: dict[str, str] | None = None, **kwargs: object
+           ) -> Deployment:
     """A shared deployment: fp32 workers that take faults from request ids (tags())."""
     kwargs["worker_args"] = [*ORACLE_DTYPE, *kwargs.get("worker_args", [])]
-    return Deployment(model=str(model), log_dir=tmp, env={FAULTS_ENV: PER_REQUEST},
+    return Deployment(model=str(model), log_dir=tmp, env={FAULTS_ENV: PER_REQUEST, **(env or {})},
                       **kwargs).start()
 
 
@@ -248,10 +250,17 @@ def chat_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def chat_deployment(chat_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
                     ) -> Iterator[Deployment]:
-    """The chat model behind both public APIs (gRPC and OpenAI-compatible HTTP)."""
+    """The chat model behind both public APIs (gRPC and OpenAI-compatible HTTP); every
+    process traces into `trace_dir` (kvferry/trace.py), for tests/e2e/test_trace.py."""
     logs = tmp_path_factory.mktemp("chat-logs")
-    yield from shared("chat_deployment", lambda: _start(
-        chat_checkpoint, logs, http_port=0, router_args=[*METRICS, *DETAILS]), _stop)
+
+    def start() -> Deployment:
+        deployment = _start(chat_checkpoint, logs, env={TRACE_ENV: str(logs / "trace")},
+                            http_port=0, router_args=[*METRICS, *DETAILS])
+        deployment.trace_dir = logs / "trace"  # type: ignore[attr-defined]
+        return deployment
+
+    yield from shared("chat_deployment", start, _stop)
 
 
 @pytest.fixture(scope="session")
