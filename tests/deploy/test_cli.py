@@ -91,21 +91,6 @@ def test_router_refuses_a_worker_of_another_model(qwen3_checkpoint: Path, llama_
             proc.popen.wait(30)
 
 
-def test_demo_on_nixl_reads_pages_with_nixl(qwen3_checkpoint: Path, tmp_path: Path) -> None:
-    """`kvferry demo --kv-transport nixl`: every worker runs the NIXL transport, and the
-    prefill worker registered its pool with a NIXL agent for the decode worker to read."""
-    out = subprocess.run(
-        [sys.executable, "-m", "deploy.cli", "demo", "--model", str(qwen3_checkpoint),
-         "--kv-transport", "nixl", "--prompt", "hello there", "--max-tokens", "5",
-         "--temperature", "0", "--ignore-eos", "--log-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "[5 tokens, finish FINISH_REASON_LENGTH]" in out.stdout
-    for role in ("prefill", "decode"):
-        assert "nixl K/V transport" in (tmp_path / f"{role}-0.log").read_text()
-    assert "registered a" in (tmp_path / "prefill-0.log").read_text()
-
-
 @pytest.mark.ray
 def test_demo_on_ray_starts_and_stops_its_own_ray(qwen3_checkpoint: Path, tmp_path: Path) -> None:
     """`kvferry demo --kv-transport ray`: a local Ray instance, router and workers as actors,
@@ -126,14 +111,17 @@ def test_demo_on_ray_starts_and_stops_its_own_ray(qwen3_checkpoint: Path, tmp_pa
     shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
-def test_demo_asks_the_real_model_and_keeps_logs_apart(smollm2_checkpoint: Path,
-                                                       tmp_path: Path) -> None:
-    """`kvferry demo`: a chat question to the real model, answered greedily; the answer, the
-    finish reason and the timings stream on stdout, the processes' logs go to files."""
+def test_demo_asks_the_real_model_over_nixl_and_keeps_logs_apart(smollm2_checkpoint: Path,
+                                                                 tmp_path: Path) -> None:
+    """`kvferry demo --kv-transport nixl`: a chat question to the real model, answered
+    greedily; the answer, the finish reason and the timings stream on stdout, the processes'
+    logs go to files. Every worker runs the NIXL transport, and the prefill worker registered
+    its pool with a NIXL agent for the decode worker to read. (The default transport, gRPC,
+    is `serve`'s above.)"""
     log_dir = tmp_path / "logs"
     out = subprocess.run(
         [sys.executable, "-m", "deploy.cli", "demo", "--model", str(smollm2_checkpoint),
-         "--log-dir", str(log_dir)],
+         "--kv-transport", "nixl", "--log-dir", str(log_dir)],
         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "> What is the capital of France?" in out.stdout
@@ -144,3 +132,6 @@ def test_demo_asks_the_real_model_and_keeps_logs_apart(smollm2_checkpoint: Path,
     logs = {path.name: path.read_text() for path in log_dir.iterdir()}
     assert {"router.log", "prefill-0.log", "decode-0.log"} <= set(logs)
     assert " INFO " in logs["router.log"]
+    for role in ("prefill", "decode"):
+        assert "nixl K/V transport" in logs[f"{role}-0.log"]
+    assert "registered a" in logs["prefill-0.log"]
