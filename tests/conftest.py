@@ -233,11 +233,12 @@ QWEN3_BLOCK_BYTES = 64 << 10
 @pytest.fixture(scope="session")
 def qwen3_tiny_deployment(qwen3_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
                           ) -> Iterator[Deployment]:
-    """One prefill and one decode worker with 12-block pools: memory pressure on purpose
-    (preemption, parked K/V); router policies on routers of their own."""
+    """Two prefill and one decode worker with 12-block pools: memory pressure on purpose
+    (preemption, admission waits, parked K/V); router policies on routers of their own."""
     logs = tmp_path_factory.mktemp("qwen3-tiny-logs")
     yield from shared("qwen3_tiny_deployment", lambda: _start(
-        qwen3_checkpoint, logs, kv_pool_size=f"{12 * QWEN3_BLOCK_BYTES}B"), _stop)
+        qwen3_checkpoint, logs, num_prefill=2, kv_pool_size=f"{12 * QWEN3_BLOCK_BYTES}B"),
+        _stop)
 
 
 @pytest.fixture(scope="session")

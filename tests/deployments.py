@@ -31,13 +31,14 @@ def _is_router(proc: Process) -> bool:
 
 
 @contextmanager
-def routed(deployment: Deployment, name: str, router_args: list[str], is_http: bool = False
-           ) -> Iterator[Deployment]:
-    """The deployment's workers behind a router of their own (flags `router_args` only,
-    logging to `<name>.log`), as a view: a Deployment whose router is the new one. Never
-    stop the view: on exit its router stops, the workers go on serving their deployment.
-    Workers tell the routers' requests apart by router instance."""
-    workers = [p for p in deployment.processes if not _is_router(p)]
+def routed(deployment: Deployment, name: str, router_args: list[str], is_http: bool = False,
+           only: list[str] | None = None) -> Iterator[Deployment]:
+    """The deployment's workers (those named in `only`, if given) behind a router of their
+    own (flags `router_args` only, logging to `<name>.log`), as a view: a Deployment whose
+    router is the new one. Never stop the view: on exit its router stops, the workers go on
+    serving their deployment. Workers tell the routers' requests apart by router instance."""
+    workers = [p for p in deployment.processes
+               if not _is_router(p) and (only is None or p.name in only)]
     view = dataclasses.replace(deployment, router_args=router_args, router_port=0,
                                http_port=0 if is_http else None, processes=workers)
     args = view._router_args(deployment.host, {p.name: p.address for p in workers})

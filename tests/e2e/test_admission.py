@@ -8,8 +8,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import pytest
@@ -19,8 +17,8 @@ from deploy.launcher import Deployment
 from kvferry.faults import tag
 from kvferry.rpc import grpc_util
 from kvferry.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
-from tests.conftest import QWEN3_BLOCK_BYTES as BLOCK_BYTES
 from tests.conftest import assert_pools_clean, worker_stats
+from tests.deployments import respawn, routed
 
 pytestmark = pytest.mark.slow
 
@@ -30,15 +28,10 @@ SMALL = client.make_request(list(range(70, 120)), temperature=0.0, max_tokens=20
                             ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def full_pool_deployment(qwen3_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
-                         ) -> Iterator[Deployment]:
-    deployment = Deployment(model=str(qwen3_checkpoint), kv_pool_size=f"{12 * BLOCK_BYTES}B",
-                            num_prefill=2,
-                            role_args={"prefill": ["--kv-pool-size", "64MiB"]},
-                            log_dir=tmp_path_factory.mktemp("admission-logs")).start()
-    yield deployment
-    deployment.stop()
+@pytest.fixture
+def full_pool_deployment(qwen3_tiny_deployment: Deployment) -> Deployment:
+    """The shared deployment of 12-block pools: two prefill workers, one decode worker."""
+    return qwen3_tiny_deployment
 
 
 async def _big_then_small(address: str, on_small_first_token=None
@@ -137,13 +130,13 @@ def test_prefill_worker_lost_while_holding_deferred_kv(full_pool_deployment: Dep
             if stats.num_running:
                 os.kill(proc.popen.pid, signal.SIGKILL)
                 proc.popen.wait(10)
-                full_pool_deployment.processes.remove(proc)
                 killed.append(proc.name)
                 return  # only the holder: the router may already be retrying on the other
 
     _, got_small, _ = asyncio.run(_big_then_small(full_pool_deployment.router_address,
                                                   kill_the_holder))
     assert len(killed) == 1
+    respawn(killed[0], full_pool_deployment)  # for the tests that follow
     assert got_small.token_ids == expected.token_ids
     assert got_small.finished.timing.admission_wait_s > 0
     assert_pools_clean(full_pool_deployment)
@@ -174,7 +167,15 @@ def test_a_reserved_request_is_not_held_behind_parked_kv(
     """Without eviction TINY would wait for LONG to end: the parked requests wait for decode
     memory LONG holds, and TINY for prefill memory they hold. (All 8 requests of
     test_memory_pressure arriving at once stalled that way, for the 30 s admission timeout.)"""
-    small_pools_deployment = qwen3_tiny_deployment
+    with routed(qwen3_tiny_deployment, "router-one-prefill", [],
+                only=["prefill-0", "decode-0"]) as one_prefill:
+        _parked_kv_is_evicted_for_a_reservation(one_prefill, qwen3_deployment)
+
+
+def _parked_kv_is_evicted_for_a_reservation(small_pools_deployment: Deployment,
+                                            qwen3_deployment: Deployment) -> None:
+    """The test above, behind a router that knows one of the two prefill workers (the
+    parked prompts must fill that one's pool)."""
     plain_long = generation_pb2.GenerateRequest()
     plain_long.CopyFrom(LONG)
     plain_long.request_id = ""
