@@ -62,7 +62,8 @@ def respawn(name: str, deployment: Deployment, *views: Deployment,
 
 
 def _respawn(names: list[str], deployment: Deployment, views: tuple[Deployment, ...],
-             extra_args: tuple[str, ...]) -> list[Process]:
+             extra_args: tuple[str, ...], extra_env: dict[str, str] | None = None
+             ) -> list[Process]:
     """`respawn` for several workers at once: all start, then all are waited for."""
     started = []
     for name in names:
@@ -71,7 +72,8 @@ def _respawn(names: list[str], deployment: Deployment, views: tuple[Deployment, 
             raise ValueError(f"{name} is still running")
         args = [*deployment._worker_args(name.rsplit("-", 1)[0]), *extra_args]
         args[args.index("--port") + 1] = str(old.port)
-        started.append((old, _spawn(name, args, deployment.log_dir, deployment.env)))
+        env = {**deployment.env, **(extra_env or {})}
+        started.append((old, _spawn(name, args, deployment.log_dir, env)))
     for old, proc in started:
         proc.wait_ready(READY_TIMEOUT_S)
         for where in (deployment, *views):
@@ -80,17 +82,20 @@ def _respawn(names: list[str], deployment: Deployment, views: tuple[Deployment, 
 
 
 @contextmanager
-def reconfigured(deployment: Deployment, names: list[str], extra_args: list[str]
+def reconfigured(deployment: Deployment, names: list[str], extra_args: list[str],
+                 extra_env: dict[str, str] | None = None, restore: bool = True
                  ) -> Iterator[list[Process]]:
-    """Workers `names` of `deployment` restarted with `extra_args` after their own flags, at
-    their addresses, for the duration; then restarted with their own flags again (those the
-    test stopped or killed too). A test that needs a worker flag the shared deployment lacks
-    pays a worker restart, not a deployment start."""
+    """Workers `names` of `deployment` restarted with `extra_args` after their own flags
+    (and `extra_env` in their environment), at their addresses, for the duration; then, if
+    `restore`, restarted with their own flags again (those the test stopped or killed too).
+    A test that needs a worker flag the shared deployment lacks pays a worker restart, not a
+    deployment start."""
     for name in names:
         _stop(next(p for p in deployment.processes if p.name == name))
     try:
-        yield _respawn(names, deployment, (), tuple(extra_args))
+        yield _respawn(names, deployment, (), tuple(extra_args), extra_env)
     finally:
-        for name in names:
-            _stop(next(p for p in deployment.processes if p.name == name))
-        _respawn(names, deployment, (), ())
+        if restore:
+            for name in names:
+                _stop(next(p for p in deployment.processes if p.name == name))
+            _respawn(names, deployment, (), ())

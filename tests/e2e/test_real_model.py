@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from deploy import client
 from deploy.launcher import Deployment
 from tests.conftest import assert_alive, assert_pools_clean, worker_stats
+from tests.deployments import reconfigured
 
 pytestmark = pytest.mark.slow
 
@@ -109,20 +110,18 @@ def test_chat_answer_is_sensible(served: list[list[int]], tokenizer) -> None:
     assert "Paris" in answer, answer
 
 
-def test_compiled_decode_serves_the_same_tokens(smollm2_checkpoint: Path,
-                                                prompts: list[list[int]],
+def test_compiled_decode_serves_the_same_tokens(prompts: list[list[int]],
                                                 served: list[list[int]],
-                                                tmp_path_factory: pytest.TempPathFactory
-                                                ) -> None:
-    """The real model from its directory, with its decode step compiled (--compile default),
-    every prompt at once
+                                                gguf_deployment: Deployment) -> None:
+    """The real model with its decode step compiled (--compile default: the eager
+    deployment's decode worker restarted so, last in this module), every prompt at once
     (batches of 1 to 6, each padded to the one bucket, 8: one graph to compile keeps this
     test's start-up short; the tiny models' compiled test covers several buckets and the
-    eager fallback): the tokens the eager deployment served from the .gguf file (which match
-    transformers, above), and no compile after start-up."""
-    logs = tmp_path_factory.mktemp("smollm2-compiled-logs")
-    with Deployment(model=str(smollm2_checkpoint), compile="default", compile_batch_sizes="8",
-                    log_dir=logs) as deployment:
+    eager fallback): the tokens the eager worker served (which match transformers, above),
+    and no compile after start-up."""
+    deployment = gguf_deployment
+    with reconfigured(deployment, ["decode-0"],
+                      ["--compile", "default", "--compile-batch-sizes", "8"], restore=False):
         requests = [client.make_request(p, temperature=0.0, max_tokens=MAX_NEW_TOKENS)
                     for p in prompts]
         results = asyncio.run(client.generate_many(deployment.router_address, requests, 300))

@@ -14,6 +14,7 @@ from deploy import client
 from deploy.launcher import Deployment
 from kvferry.v1 import generation_pb2
 from tests.conftest import assert_alive, assert_pools_clean, worker_stats
+from tests.deployments import reconfigured
 
 # The fast tier keeps the main deployment's case; the rest run in the full tier (--full).
 SLOW = pytest.mark.slow
@@ -104,15 +105,15 @@ def test_text_prompt_streams_the_decoded_completion(qwen3_checkpoint: Path,
 
 @SLOW
 def test_compiled_decode_matches_transformers(qwen3_checkpoint: Path,
-                                              tmp_path_factory: pytest.TempPathFactory) -> None:
+                                              qwen3_deployment: Deployment) -> None:
     """Decode steps compiled (--compile default) through the processes: the same tokens, and
     no graph compiled after start-up although the batch runs 1 to 20 requests (padded to 4
-    or 16; above the largest bucket, eager) and contexts grow from 1 to 364 tokens."""
+    or 16; above the largest bucket, eager) and contexts grow from 1 to 364 tokens. The
+    shared deployment's decode worker, restarted compiled, then as it was."""
     buckets = "4,16"
-    deployment = Deployment(model=str(qwen3_checkpoint), compile="default",
-                            compile_batch_sizes=buckets,
-                            log_dir=tmp_path_factory.mktemp("compiled-logs")).start()
-    try:
+    deployment = qwen3_deployment
+    with reconfigured(deployment, ["decode-0"],
+                      ["--compile", "default", "--compile-batch-sizes", buckets]):
         for prompt, limit, got in _generate_all(qwen3_checkpoint, deployment):
             assert got.token_ids == _reference(qwen3_checkpoint, prompt, limit), \
                 f"prompt of {len(prompt)} tokens"
@@ -120,8 +121,6 @@ def test_compiled_decode_matches_transformers(qwen3_checkpoint: Path,
         assert [s.num_compiles for s in decode] == [len(buckets.split(","))]
         assert_pools_clean(deployment)
         assert_alive(deployment)
-    finally:
-        deployment.stop()
 
 
 @SLOW

@@ -4,7 +4,6 @@ on a machine without a GPU) gives the same tokens as the torch path."""
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,15 +11,16 @@ import torch
 from deploy import client
 from deploy.launcher import Deployment
 from tests.conftest import assert_pools_clean
+from tests.deployments import reconfigured
 
 pytestmark = [pytest.mark.slow, pytest.mark.triton]
 
 INTERPRET = {} if torch.cuda.is_available() else {"TRITON_INTERPRET": "1"}
 
 
-def test_triton_backend_matches_torch_backend(qwen3_checkpoint: Path,
-                                              qwen3_deployment: Deployment,
-                                              tmp_path: Path) -> None:
+def test_triton_backend_matches_torch_backend(qwen3_deployment: Deployment) -> None:
+    """The shared deployment's decode worker restarted with --attention-backend triton, then
+    as it was."""
     prompts = [[5, 6, 7], list(range(20, 57))]
     requests = [client.make_request(p, temperature=0.0, max_tokens=5, ignore_eos=True)
                 for p in prompts]
@@ -28,12 +28,14 @@ def test_triton_backend_matches_torch_backend(qwen3_checkpoint: Path,
     def run(address: str) -> list[list[int]]:
         return [c.token_ids for c in asyncio.run(client.generate_many(address, requests, 600))]
 
-    with Deployment(model=str(qwen3_checkpoint), attention_backend="triton",
-                    log_dir=tmp_path, env=INTERPRET) as triton_deployment:
-        got = run(triton_deployment.router_address)
-        assert_pools_clean(triton_deployment)
-        log = (tmp_path / "decode-0.log").read_text()
-        assert "backend triton" in log
     expected = run(qwen3_deployment.router_address)
+    assert qwen3_deployment.log_dir is not None
+    log = qwen3_deployment.log_dir / "decode-0.log"
+    log_size = log.stat().st_size
+    with reconfigured(qwen3_deployment, ["decode-0"], ["--attention-backend", "triton"],
+                      extra_env=INTERPRET):
+        got = run(qwen3_deployment.router_address)
+        assert_pools_clean(qwen3_deployment)
+        assert "backend triton" in log.read_text()[log_size:]
     assert got == expected
     assert all(len(t) == 5 for t in got)
