@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import json
 import os
@@ -232,11 +233,14 @@ def run_phase(deployment: Deployment, args: argparse.Namespace, phase: str) -> P
     return result
 
 
-def run_all(args: argparse.Namespace, model: str, log_dir: Path) -> list[dict[str, Phase]]:
-    deployment = Deployment(model=model, num_prefill=1, num_decode=1, http_port=0,
-                            torch_threads=args.torch_threads, log_dir=log_dir)
+def run_all(args: argparse.Namespace, model: str, log_dir: Path,
+            running: Deployment | None = None) -> list[dict[str, Phase]]:
+    """Every phase, against `running` (with its HTTP front; its router last) or a deployment
+    started here."""
+    deployment = running or Deployment(model=model, num_prefill=1, num_decode=1, http_port=0,
+                                       torch_threads=args.torch_threads, log_dir=log_dir)
     repetitions = []
-    with deployment:
+    with contextlib.nullcontext() if running else deployment:
         run_phase(deployment, args, "alone")  # warm-up, not reported
         for r in range(args.repeats):
             print(f"repetition {r + 1}", flush=True)
@@ -321,7 +325,9 @@ def payload(args: argparse.Namespace, model: str, argv: Sequence[str],
                             for rep in repetitions]}
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, running: Deployment | None = None) -> int:
+    """The command; `running`: a deployment to measure instead of starting one (from Python:
+    the test suite points it at a shared deployment)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     if args.attack is not None:
@@ -332,7 +338,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"model {args.model} ({Path(model).name}); logs {log_dir}", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds: the deployment stops
     try:
-        repetitions = run_all(args, model, log_dir)
+        repetitions = run_all(args, model, log_dir, running)
     except (RuntimeError, ValueError) as exc:
         print(f"bench_http_attacks: {exc} (logs: {log_dir})", file=sys.stderr)
         return 1

@@ -19,6 +19,7 @@ from bench.bench_http_attacks import (
     ratios,
     summarize,
 )
+from deploy.launcher import Deployment
 
 
 def _phase(p99_itl_ms: float) -> Phase:
@@ -61,11 +62,13 @@ def test_ratios_summary_and_report() -> None:
 
 
 @pytest.mark.slow
-def test_a_tiny_run_reports_every_phase(tmp_path: Path) -> None:
+def test_a_tiny_run_reports_every_phase(chat_deployment: Deployment, tmp_path: Path) -> None:
+    """Against the shared deployment with an HTTP front (its router survives the attacks:
+    the tests that follow use it)."""
     out = tmp_path / "attacks.json"
     code = main(["--repeats", "1", "--duration-s", "1", "--half-open", "20", "--header-mib", "4",
                  "--attack-bodies", "1", "--output-len", "8", "--out", str(out),
-                 "--log-dir", str(tmp_path / "logs")])
+                 "--log-dir", str(tmp_path / "logs")], running=chat_deployment)
     assert code == 0
     data = json.loads(out.read_text())
     (rep,) = data["repetitions"]
