@@ -295,14 +295,6 @@ def qwen3_nixl_deployment(qwen3_checkpoint: Path, tmp_path_factory: pytest.TempP
 
 
 @pytest.fixture(scope="session")
-def llama_nixl_deployment(llama_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
-                          ) -> Iterator[Deployment]:
-    logs = tmp_path_factory.mktemp("llama-nixl-logs")
-    yield from shared("llama_nixl_deployment", lambda: _start(
-        llama_checkpoint, logs, worker_args=NIXL), _stop)
-
-
-@pytest.fixture(scope="session")
 def ray_session() -> Iterator[None]:
     """One local Ray instance for the Ray deployments (stopped after their last user)."""
     ray = pytest.importorskip("ray")

@@ -20,7 +20,7 @@ import pytest
 # deployments that need it.
 SHARED = ("qwen3_deployment", "qwen3_2p2d_deployment", "qwen3_tiny_deployment",
           "colocated_deployment", "chat_deployment", "llama_deployment",
-          "qwen3_nixl_deployment", "llama_nixl_deployment", "qwen3_ray_deployment",
+          "qwen3_nixl_deployment", "qwen3_ray_deployment",
           "llama_ray_deployment", "ray_session")
 
 _LAST_USER = pytest.StashKey[dict[str, str]]()  # fixture -> nodeid of its last user

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from deploy import client
 from deploy.launcher import Deployment
 from kvferry.v1 import generation_pb2
-from tests.conftest import assert_alive, assert_pools_clean, worker_stats
+from tests.conftest import NIXL, assert_alive, assert_pools_clean, worker_stats
 from tests.deployments import reconfigured
 
 # The fast tier keeps the main deployment's case; the rest run in the full tier (--full).
@@ -57,17 +57,33 @@ def _generate_all(checkpoint: Path, deployment: Deployment
     return list(zip(prompts, max_tokens, results))
 
 
-# One shared deployment per architecture and K/V transport: gRPC streams between processes,
-# NIXL reads of the prefill worker's pool, Ray object refs between actors.
-@pytest.mark.parametrize("fixture", ["qwen3_deployment"] + [
-    pytest.param(f"{arch}_{transport}deployment", marks=SLOW)
-    for transport in ("", "nixl_") for arch in ("qwen3", "llama") if arch + transport != "qwen3"
-] + [pytest.param(f"{arch}_ray_deployment", marks=[pytest.mark.ray, SLOW])
-     for arch in ("qwen3", "llama")])
-def test_greedy_matches_transformers(fixture: str, request: pytest.FixtureRequest) -> None:
+# Each architecture over each K/V transport: gRPC streams between processes, NIXL reads of the
+# prefill worker's pool, Ray object refs between actors. Shared deployments, except Llama over
+# NIXL: the Llama deployment's workers restarted with --kv-transport nixl, then as they were.
+@pytest.mark.parametrize("fixture, restarted_with", [
+    pytest.param("qwen3_deployment", [], id="qwen3_deployment"),
+    pytest.param("qwen3_nixl_deployment", [], marks=SLOW, id="qwen3_nixl_deployment"),
+    pytest.param("llama_deployment", [], marks=SLOW, id="llama_deployment"),
+    pytest.param("llama_deployment", NIXL, marks=SLOW, id="llama_deployment-on-nixl"),
+    *(pytest.param(f"{arch}_ray_deployment", [], marks=[pytest.mark.ray, SLOW],
+                   id=f"{arch}_ray_deployment") for arch in ("qwen3", "llama"))])
+def test_greedy_matches_transformers(fixture: str, restarted_with: list[str],
+                                     request: pytest.FixtureRequest) -> None:
     arch = fixture.split("_", 1)[0]
     checkpoint: Path = request.getfixturevalue(f"{arch}_checkpoint")
     deployment: Deployment = request.getfixturevalue(fixture)
+    if restarted_with:
+        assert deployment.log_dir is not None
+        log = deployment.log_dir / "decode-0.log"
+        log_size = log.stat().st_size
+        with reconfigured(deployment, ["prefill-0", "decode-0"], restarted_with):
+            _check_greedy(checkpoint, deployment)
+            assert "nixl K/V transport" in log.read_text()[log_size:]
+    else:
+        _check_greedy(checkpoint, deployment)
+
+
+def _check_greedy(checkpoint: Path, deployment: Deployment) -> None:
     for prompt, limit, got in _generate_all(checkpoint, deployment):
         expected = _reference(checkpoint, prompt, limit)
         assert got.token_ids == expected, f"prompt of {len(prompt)} tokens"
