@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from deploy.launcher import Deployment, Process, _spawn
+from tests.waiting import until_sync
 
 READY_TIMEOUT_S = 180.0
 
@@ -78,7 +79,28 @@ def _respawn(names: list[str], deployment: Deployment, views: tuple[Deployment, 
         proc.wait_ready(READY_TIMEOUT_S)
         for where in (deployment, *views):
             where.processes[:] = [proc if p is old else p for p in where.processes]
-    return [proc for _, proc in started]
+    procs = [proc for _, proc in started]
+    if not extra_args:
+        for where in (deployment, *views):
+            _until_router_takes(where, procs)
+    return procs
+
+
+def _until_router_takes(deployment: Deployment, workers: list[Process]) -> None:
+    """Until the deployment's router, if it serves metrics, counts `workers` healthy (a router
+    that refused a worker restarted with another layout takes it back at its next stats
+    refresh, not when a request arrives)."""
+    router = next((p for p in deployment.processes if _is_router(p)), None)
+    if router is None or not router.metrics_port:
+        return
+    from tests.e2e.test_metrics import scrape, value
+
+    def takes_them() -> bool:
+        samples = scrape(router.metrics_port)
+        return all(value(samples, "kvferry_router_worker_healthy", worker=p.address,
+                         role=p.name.rsplit("-", 1)[0]) == 1 for p in workers)
+
+    until_sync(takes_them, f"{router.name} counts {[p.name for p in workers]} healthy")
 
 
 @contextmanager
@@ -96,6 +118,12 @@ def reconfigured(deployment: Deployment, names: list[str], extra_args: list[str]
         yield _respawn(names, deployment, (), tuple(extra_args), extra_env)
     finally:
         if restore:
-            for name in names:
-                _stop(next(p for p in deployment.processes if p.name == name))
-            _respawn(names, deployment, (), ())
+            restart(deployment, names)
+
+
+def restart(deployment: Deployment, names: list[str]) -> list[Process]:
+    """Workers `names` of `deployment` stopped (if running) and started again with their own
+    flags, at their addresses."""
+    for name in names:
+        _stop(next(p for p in deployment.processes if p.name == name))
+    return _respawn(names, deployment, (), ())

@@ -1,6 +1,6 @@
 """Quantized K/V end to end (issue 21, acceptance 4): router, prefill and decode processes
-with int8 pages on gRPC and fp8 (e4m3) pages on NIXL. Greedy tokens equal an in-process
-reference that uses the same quantization (transformers generate whose cache stores K/V
+with int8 pages on gRPC and fp8 (e4m3) pages on NIXL (the shared deployment's workers,
+restarted so). Greedy tokens equal an in-process reference that uses the same quantization (transformers generate whose cache stores K/V
 fake-quantized by the formula written out in tests/kvferry/model/test_quant_model.py, not by
 kvferry's quantizer), so any difference is a bug, not rounding; a second round of the same
 requests finds every full block but the last token's in the prefix cache and gives the same
@@ -26,7 +26,8 @@ from transformers import AutoModelForCausalLM
 from deploy import client
 from deploy.launcher import Deployment
 from kvferry.v1 import generation_pb2
-from tests.conftest import DETAILS, ORACLE_DTYPE, assert_alive, assert_pools_clean, worker_stats
+from tests.conftest import DETAILS, assert_alive, assert_pools_clean, worker_stats
+from tests.deployments import reconfigured, restart, routed
 from tests.kvferry.model.test_quant_model import (
     NEW_TOKENS,
     _oracle,
@@ -40,15 +41,27 @@ PROMPT_LENGTHS = [1, 17, 40, 100, 200]
 BLOCK = 16  # the deployments' block size (the default)
 
 
+WORKERS = ["prefill-0", "decode-0"]
+
+
+@pytest.fixture(scope="module")
+def quant_workers(qwen3_deployment: Deployment) -> Iterator[Deployment]:
+    """The shared deployment, whose workers each case restarts with its pages and transport;
+    restarted as they were after the last case."""
+    yield qwen3_deployment
+    restart(qwen3_deployment, WORKERS)
+
+
 @pytest.fixture(scope="module", params=[("grpc", "int8"), ("nixl", "fp8_e4m3")],
                 ids=["grpc-int8", "nixl-fp8"])
-def quant_deployment(request: pytest.FixtureRequest, qwen3_checkpoint: Path,
-                     tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+def quant_deployment(request: pytest.FixtureRequest, quant_workers: Deployment
+                     ) -> Iterator[Deployment]:
+    """The workers restarted with quantized pages, behind a router of their own (the shared
+    router, which knew their fp32 layout, refuses them meanwhile)."""
     transport, kv_dtype = request.param
-    with Deployment(model=str(qwen3_checkpoint), router_args=DETAILS,
-                    log_dir=tmp_path_factory.mktemp(f"{kv_dtype}-{transport}-logs"),
-                    worker_args=[*ORACLE_DTYPE, "--kv-cache-dtype", kv_dtype,
-                                 "--kv-transport", transport]) as deployment:
+    with (reconfigured(quant_workers, WORKERS, ["--kv-cache-dtype", kv_dtype,
+                                                "--kv-transport", transport], restore=False),
+          routed(quant_workers, f"router-{kv_dtype}", DETAILS) as deployment):
         deployment.kv_dtype = kv_dtype  # type: ignore[attr-defined]
         yield deployment
 
