@@ -19,7 +19,7 @@ from deploy import client
 from deploy.launcher import Deployment
 from kvferry.cache.layout import blocks_for_tokens
 from tests.conftest import DETAILS, QWEN3_BLOCK_BYTES, assert_alive, assert_pools_clean
-from tests.deployments import routed
+from tests.deployments import reconfigured, routed
 from tests.e2e.test_token_exact import _reference
 
 pytestmark = pytest.mark.slow
@@ -141,10 +141,14 @@ def test_different_salts_never_share(qwen3_deployment: Deployment) -> None:
     assert a2.finished.usage.cached_prompt_tokens == 2 * BLOCK
 
 
-def test_caching_off_gives_the_same_tokens(qwen3_checkpoint: Path, tmp_path: Path) -> None:
-    with Deployment(model=str(qwen3_checkpoint), log_dir=tmp_path,
-                    worker_args=["--no-prefix-caching"]) as deployment:
-        prompts, results = _shared_prefix_rounds(deployment, seed=1800)
+def test_caching_off_gives_the_same_tokens(qwen3_checkpoint: Path,
+                                          qwen3_deployment: Deployment) -> None:
+    """The shared deployment's workers restarted with --no-prefix-caching, then as they
+    were."""
+    deployment = qwen3_deployment
+    with reconfigured(deployment, ["prefill-0", "decode-0"], ["--no-prefix-caching"]):
+        prompts, results = _shared_prefix_rounds(deployment, seed=1800,
+                                                 salt="test_caching_off")
         _check_exact(qwen3_checkpoint, prompts, results)
         assert all(r.finished.usage.cached_prompt_tokens == 0 for r in results)
         assert all(r.finished.usage.kv_bytes_not_shipped == 0 for r in results)
