@@ -112,8 +112,7 @@ def reconfigured(deployment: Deployment, names: list[str], extra_args: list[str]
     `restore`, restarted with their own flags again (those the test stopped or killed too).
     A test that needs a worker flag the shared deployment lacks pays a worker restart, not a
     deployment start."""
-    for name in names:
-        _stop(next(p for p in deployment.processes if p.name == name))
+    _stop_named(deployment, names)
     try:
         yield _respawn(names, deployment, (), tuple(extra_args), extra_env)
     finally:
@@ -124,6 +123,10 @@ def reconfigured(deployment: Deployment, names: list[str], extra_args: list[str]
 def restart(deployment: Deployment, names: list[str]) -> list[Process]:
     """Workers `names` of `deployment` stopped (if running) and started again with their own
     flags, at their addresses."""
+    _stop_named(deployment, names)
+    return _respawn(names, deployment, (), ())
+
+
+def _stop_named(deployment: Deployment, names: list[str]) -> None:
     for name in names:
         _stop(next(p for p in deployment.processes if p.name == name))
-    return _respawn(names, deployment, (), ())
