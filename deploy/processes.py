@@ -121,7 +121,8 @@ def _make_sender(settings: WorkerSettings, creds: security.Credentials) -> KvSen
     sender = NixlKvSender if settings.kv_transport == "nixl" else GrpcKvSender
     return sender(max_resends=settings.kv_max_resends, corrupt_pushes=faults.corrupt_pushes,
                   chunk_delay_s=faults.push_chunk_delay_s,
-                  done_delay_s=faults.push_done_delay_s, credentials=creds)
+                  done_delay_s=faults.push_done_delay_s, credentials=creds,
+                  break_pushes=faults.break_pushes)
 
 
 def _then(stop: Callable[[], Awaitable[None]], close: Callable[[], None]

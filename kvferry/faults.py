@@ -2,8 +2,8 @@
 
 For a whole process, by environment variables read when a worker starts (every request):
 KVFERRY_FAULT_PUSH_CHUNK_DELAY_S, KVFERRY_FAULT_PUSH_DONE_DELAY_S, KVFERRY_FAULT_CORRUPT_PUSHES,
-KVFERRY_FAULT_NIXL_READ_DELAY_S, KVFERRY_FAULT_DECODE_STEP_DELAY_S and KVFERRY_FAULT_DECODE_STEPS
-(one per field of `Faults`).
+KVFERRY_FAULT_BREAK_PUSHES, KVFERRY_FAULT_NIXL_READ_DELAY_S, KVFERRY_FAULT_DECODE_STEP_DELAY_S
+and KVFERRY_FAULT_DECODE_STEPS (one per field of `Faults`).
 
 For one request, only in a process started with KVFERRY_FAULTS=per-request: the request's id
 carries `!<field>=<value>` tags, e.g. `t7!push_chunk_delay_s=0.4!corrupt_pushes=1`, which
@@ -37,6 +37,9 @@ class Faults:
     push_chunk_delay_s: float = 0.0  # prefill: sleep before each K/V chunk but the first
     push_done_delay_s: float = 0.0  # prefill: hold a push's done after the receiver took it
     corrupt_pushes: int = 0  # prefill: flip a byte in the first N pushes, after the checksum
+    # prefill (gRPC, NIXL): the first N pushes of a request fail as over a cut link (UNAVAILABLE),
+    # counted by each prefill worker over that request id's pushes
+    break_pushes: int = 0
     nixl_read_delay_s: float = 0.0  # decode: sleep before each NIXL read of the K/V
     decode_step_delay_s: float = 0.0  # decode: each step (holding the request) that much slower
     decode_steps: str = ""  # decode: steps whose forward raises, from 1: "3,7" or "3-"

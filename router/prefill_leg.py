@@ -29,6 +29,8 @@ from router.workers import Worker, WorkerSet
 log = logging.getLogger("kvferry.router")
 
 _Msg = TypeVar("_Msg", FirstToken, PrefillDone)
+# A push failed between workers that both still serve is prefilled again this many times.
+MAX_PUSH_RETRIES = 1
 
 
 def _cancelled_from_outside() -> bool:
@@ -45,7 +47,8 @@ def _expect(kind: type[_Msg], msg: FirstToken | PrefillDone | None) -> _Msg | No
 
 class PrefillLeg:
     """Owns how one request's prompt is prefilled and its K/V reaches the decode
-    reservation; `retried` is called each time a lost prefill worker is replaced."""
+    reservation; `retried` is called each time a lost prefill worker is replaced or a lost
+    push prefilled again."""
 
     def __init__(self, workers: WorkerSet, policy: Policy, local_prefill_threshold: int,
                  retried: Callable[[], None]) -> None:
@@ -124,7 +127,8 @@ class PrefillLeg:
             try:
                 return _expect(FirstToken, await self._prefill_read(state, call))
             except grpc.aio.AioRpcError as exc:
-                if not await self._lose_prefill(state, exc):
+                if not (await self._lose_prefill(state, exc)
+                        or await self._push_lost(state, exc)):
                     raise
 
     async def prefill_done(self, state: RouterRequest, prompt: list[int],
@@ -144,7 +148,7 @@ class PrefillLeg:
                     elif await self._decode_lost(state, exc):
                         raise StreamBroken(f"decode worker lost during the K/V push: "
                                            f"{exc.details()}") from exc
-                    else:
+                    elif not await self._push_lost(state, exc):
                         raise
                 else:
                     if done is not None:  # the K/V is in the reservation: the prefill is over
@@ -197,6 +201,27 @@ class PrefillLeg:
             return False
         await self.workers.refresh(worker)
         return not worker.is_healthy
+
+    async def _push_lost(self, state: RouterRequest, exc: grpc.aio.AioRpcError) -> bool:
+        """The push failed UNAVAILABLE between two workers that both still serve (a link cut
+        and healed: the prefill worker's connection to the decode worker died): the prompt
+        is prefilled again, once, and pushed afresh (the reservation forgot the broken
+        push's pages). False otherwise: the caller raises."""
+        prefill, decode = state.prefill_worker, state.decode_worker
+        if (exc.code() != grpc.StatusCode.UNAVAILABLE or prefill is None or decode is None
+                or prefill is decode or not (exc.details() or "").startswith("downstream:")
+                or state.num_push_retries >= MAX_PUSH_RETRIES):
+            return False
+        await self.workers.refresh(decode)
+        if not decode.is_healthy:
+            return False
+        log.warning("request %s: K/V push from %s to %s failed (%s); prefilling again",
+                    state.request_id, prefill.address, decode.address, exc.details())
+        state.num_push_retries += 1
+        state.drop_prefill_worker()
+        state.prefill_call = None
+        self.retried()
+        return True
 
     def _next_prefill(self, state: RouterRequest, num_prompt: int) -> Worker:
         """Best prefill worker by policy, skipping those that already failed this request."""

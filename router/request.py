@@ -22,6 +22,7 @@ class RouterRequest:
     decode_worker: Worker | None = None
     holds_decode: bool = False  # the decode worker still holds this request's blocks
     failed_prefill: set[str] = field(default_factory=set)  # prefill workers that failed it
+    num_push_retries: int = 0  # prefilled again after a push failed between healthy workers
     is_decoding: bool = False  # the Decode stream is open
     # A Reserve whose answer never came (cancelled, deadline): it may have landed all the
     # same, so the release sends an Abort there.

@@ -73,21 +73,25 @@ class GrpcKvSender:
     have one byte of their first chunk flipped after its checksum was taken,
     `chunk_delay_s` sleeps before every chunk but the first (a push a test can interrupt), and
     `done_delay_s` sleeps once the receiver has accepted a push, before it counts as done (a
-    worker a test can kill after its K/V was delivered, before the router hears of it). A
+    worker a test can kill after its K/V was delivered, before the router hears of it), and
+    `break_pushes` fails a request's first N pushes with UNAVAILABLE, as a healed link's dead
+    connection does (the router prefills such a request again, once). A
     request armed with faults of its own (kvferry/faults.py) gets those instead, its
     corrupt_pushes counted over its own pushes."""
 
     def __init__(self, chunk_bytes: int = wire.CHUNK_TARGET_BYTES, max_resends: int = 2,
                  corrupt_pushes: int = 0, chunk_delay_s: float = 0.0,
                  done_delay_s: float = 0.0,
-                 credentials: security.Credentials = security.PLAINTEXT) -> None:
+                 credentials: security.Credentials = security.PLAINTEXT,
+                 break_pushes: int = 0) -> None:
         self.chunk_bytes = chunk_bytes
         self.max_resends = max_resends
         self._corrupt_left = corrupt_pushes
         self.num_corrupt_pushes = 0  # refused by the receiver's checksum check
         self.num_lost_statuses = 0  # pushes sent again after grpc.aio lost their status
         self.faults = Faults(push_chunk_delay_s=chunk_delay_s, push_done_delay_s=done_delay_s,
-                             corrupt_pushes=corrupt_pushes)
+                             corrupt_pushes=corrupt_pushes, break_pushes=break_pushes)
+        self._broken: dict[str, int] = {}  # request id -> its pushes broken (break_pushes)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._credentials = credentials  # TLS and token of the decode workers' K/V service
 
@@ -152,6 +156,8 @@ class GrpcKvSender:
         num_corrupt = num_lost = 0
         is_lost = False
         armed = self.faults.for_request(request_id)
+        if armed.break_pushes:
+            self._break(request_id, armed.break_pushes)
         own_corrupt_left = armed.corrupt_pushes  # a request armed with faults of its own
         while True:
             if not is_lost:  # a push resent after a lost status goes again as it was
@@ -192,6 +198,17 @@ class GrpcKvSender:
                 if num_corrupt > self.max_resends:
                     raise Remote(f"K/V for {request_id!r} corrupted in flight {num_corrupt} "
                                  "times", grpc.StatusCode.DATA_LOSS.value[0]) from exc
+
+    def _break(self, request_id: str, num_pushes: int) -> None:
+        """Fault injection: the request's first `num_pushes` pushes fail as they do over a
+        link that was cut and has healed (the channel's old connection is dead)."""
+        num_broken = self._broken.get(request_id, 0)
+        if num_broken < num_pushes:
+            self._broken[request_id] = num_broken + 1
+            log.info("request %s: K/V push %d broken (fault injection)", request_id,
+                     num_broken + 1)
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
+                                       grpc.aio.Metadata(), "link broken (fault injection)")
 
     async def close(self) -> None:
         for chan in self._channels.values():

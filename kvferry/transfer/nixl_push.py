@@ -55,9 +55,9 @@ class NixlKvSender(GrpcKvSender):
     def __init__(self, max_resends: int = 2, corrupt_pushes: int = 0,
                  chunk_delay_s: float = 0.0, done_delay_s: float = 0.0,
                  credentials: security.Credentials = security.PLAINTEXT,
-                 agent: Any = None) -> None:
+                 agent: Any = None, break_pushes: int = 0) -> None:
         super().__init__(1 << 62, max_resends, corrupt_pushes, chunk_delay_s, done_delay_s,
-                         credentials)
+                         credentials, break_pushes)
         self._owns_agent = agent is None  # then `close` closes it
         self.agent = agent if agent is not None else nixl_pages.make_agent("prefill")
         self._registered: dict[int, tuple[Any, nixl_pages.PoolMemory]] = {}

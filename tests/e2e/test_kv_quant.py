@@ -1,10 +1,11 @@
-"""Quantized K/V end to end (issue 21, acceptance 4): router, prefill and decode processes
-with int8 pages on gRPC and fp8 (e4m3) pages on NIXL (the shared deployment's workers,
-restarted so). Greedy tokens equal an in-process reference that uses the same quantization (transformers generate whose cache stores K/V
-fake-quantized by the formula written out in tests/kvferry/model/test_quant_model.py, not by
-kvferry's quantizer), so any difference is a bug, not rounding; a second round of the same
-requests finds every full block but the last token's in the prefix cache and gives the same
-tokens; every pool ends all free. A decode worker's stats name its K/V dtype.
+"""Quantized K/V end to end (issue 21, acceptance 4): router, prefill and decode processes with
+int8 pages on gRPC and fp8 (e4m3) pages on NIXL (the shared deployment's workers, restarted
+so). Greedy tokens equal an in-process reference that uses the same quantization
+(transformers generate whose cache stores K/V fake-quantized by the formula written out in
+tests/kvferry/model/test_quant_model.py, not by kvferry's quantizer), so any difference is a
+bug, not rounding; a second round of the same requests finds every full block but the last
+token's in the prefix cache and gives the same tokens; every pool ends all free. A decode
+worker's stats name its K/V dtype.
 
 The exact rounds send one request at a time. The decode step is not batch-invariant (nor is
 vLLM's or SGLang's by default): a row's logits differ by ~1e-6 between a batch of 1 and a
