@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from deploy import netns
+from deploy import netns, zygote
 from deploy.affinity import pin_threads
 from deploy.default_model import ensure_default_model
 from deploy.start_log import record_start
@@ -46,7 +46,7 @@ ISOLATIONS = ("loopback", "netns")
 @dataclass
 class Process:
     name: str
-    popen: subprocess.Popen[str]
+    popen: subprocess.Popen[str] | zygote.ZygoteProcess  # forked by the zygote in tests
     host: str = "127.0.0.1"  # where to reach it (its own address in a network namespace)
     port: int = 0
     metrics_port: int = 0  # 0: no metrics server
@@ -86,7 +86,8 @@ def _spawn(name: str, args: list[str], log_dir: Path | None, env: dict[str, str]
            place: Placement = LOOPBACK) -> Process:
     """Start `deploy.cli args` in a session of its own; its log appends (a worker restarted)."""
     stderr = open(log_dir / f"{name}.log", "a") if log_dir else None  # noqa: SIM115
-    popen = subprocess.Popen(
+    popen = None if place.prefix else zygote.spawn(args, {**os.environ, **env}, stderr)
+    popen = popen or subprocess.Popen(
         [*place.prefix, sys.executable, "-m", "deploy.cli", *args],
         stdout=subprocess.PIPE, stderr=stderr, text=True, env={**os.environ, **env},
         start_new_session=True,

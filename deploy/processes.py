@@ -93,12 +93,12 @@ async def _serve(built: Built, role: str) -> None:
     await start(built)
     tracer = trace.start(role)  # KVFERRY_TRACE_DIR: per-token attribution (kvferry/trace.py)
     lag_probe = asyncio.create_task(tracer.watch_loop_lag()) if tracer else None
-    grpc_util.announce_ready(built.port, built.metrics_port,
-                             None if built.http is None else built.http.port)
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT):  # before "ready": a SIGTERM then drains too
         loop.add_signal_handler(sig, stopping.set)
+    grpc_util.announce_ready(built.port, built.metrics_port,
+                             None if built.http is None else built.http.port)
     set_on_fatal = getattr(built.engine, "set_on_fatal", None)
     if set_on_fatal is not None:  # a worker that can no longer serve drains and exits
         set_on_fatal(stopping.set)

@@ -11,6 +11,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import re  # noqa: E402
+import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from collections import Counter  # noqa: E402
@@ -21,6 +22,7 @@ import grpc
 import pytest
 from suite_order import order, shared, stop_after_last_user
 
+from deploy import zygote
 from deploy.launcher import Deployment, Process
 from deploy.start_log import START_LOG_ENV
 from kvferry.faults import FAULTS_ENV, PER_REQUEST
@@ -30,6 +32,7 @@ from kvferry.trace import TRACE_ENV
 from kvferry.v1 import worker_pb2, worker_pb2_grpc
 
 _START_LOG = pytest.StashKey[Path]()
+_ZYGOTE = pytest.StashKey[subprocess.Popen[bytes] | None]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -43,6 +46,9 @@ def pytest_configure(config: pytest.Config) -> None:
         path = Path(tempfile.mkstemp(prefix="kvferry-starts-", suffix=".log")[1])
         os.environ[START_LOG_ENV] = str(path)
         config.stash[_START_LOG] = path
+    # Servers are forked from one process that imported torch once (deploy/zygote.py): kept
+    # here for the whole run, it exits with pytest. KVFERRY_ZYGOTE=off starts each afresh.
+    config.stash[_ZYGOTE] = zygote.start()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -303,7 +303,8 @@ def test_decode_worker_killed_mid_push_migrates(qwen3_2p2d_deployment: Deploymen
 
 @pytest.mark.parametrize("num_broken", [1, 5], ids=["once", "every-time"])
 def test_push_broken_between_serving_workers_is_prefilled_again_once(
-        num_broken: int, faulty: Deployment, qwen3_deployment: Deployment) -> None:
+        num_broken: int, qwen3_2p2d_deployment: Deployment,
+        qwen3_deployment: Deployment) -> None:
     """A push fails UNAVAILABLE while both workers still serve (a cut link has healed but
     the prefill worker's connection died): the router prefills the prompt again and pushes
     afresh, once. Broken once, the stream is exact; broken every time, the client gets
@@ -313,17 +314,18 @@ def test_push_broken_between_serving_workers_is_prefilled_again_once(
     request_id = uuid.uuid4().hex + tag(break_pushes=num_broken)
     request = client.make_request(prompt, request_id, temperature=0.0, max_tokens=12,
                                   ignore_eos=True)
+    deployment = qwen3_2p2d_deployment
     retried = f"request {request_id}@"
     if num_broken == 1:
-        got = asyncio.run(client.generate(faulty.router_address, request, 60))
+        got = asyncio.run(client.generate(deployment.router_address, request, 60))
         assert got.token_ids == _expected(qwen3_deployment, request)
     else:
         with pytest.raises(grpc.aio.AioRpcError) as exc:
-            asyncio.run(client.generate(faulty.router_address, request, 60))
+            asyncio.run(client.generate(deployment.router_address, request, 60))
         assert exc.value.code() == grpc.StatusCode.UNAVAILABLE, exc.value.details()
         assert "a worker failed (UNAVAILABLE)" in (exc.value.details() or "")
-    lines = [line for line in _router_log(faulty).splitlines() if retried in line]
+    lines = [line for line in _router_log(deployment).splitlines() if retried in line]
     assert sum("prefilling again" in line for line in lines) == 1, lines
     assert "link broken (fault injection)" in lines[0]
-    assert_pools_clean(faulty)
-    assert_alive(faulty)
+    assert_pools_clean(deployment)
+    assert_alive(deployment)

@@ -1,0 +1,90 @@
+"""deploy/zygote.py: servers forked from a process that imported torch once run as a fresh
+`python -m deploy.cli` would (their own session, the caller's environment, working directory,
+stdout and stderr), report their exit codes and signals as `subprocess.Popen` does, and the
+launcher falls back to a fresh interpreter once the zygote is gone."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from deploy import zygote
+from deploy.start_log import START_LOG_ENV
+from kvferry.rpc.grpc_util import parse_ready
+
+
+@pytest.fixture
+def own_zygote(monkeypatch: pytest.MonkeyPatch) -> Iterator[subprocess.Popen[bytes]]:
+    """A zygote of this test's own (not the run's), stopped by closing its stdin."""
+    monkeypatch.delenv(zygote.ZYGOTE_ENV, raising=False)
+    started = zygote.start()
+    assert started is not None
+    yield started
+    assert started.stdin is not None
+    started.stdin.close()  # a second close (a test closed it) does nothing
+    assert started.wait(30) == 0
+
+
+def _ready_line(process: zygote.ZygoteProcess) -> str:
+    for line in process.stdout:
+        if parse_ready(line) is not None:
+            return line
+    raise AssertionError(f"no ready line; exit code {process.wait(30)}")
+
+
+def test_a_forked_worker_runs_in_its_own_session_with_the_callers_environment(
+        own_zygote: subprocess.Popen[bytes], qwen3_checkpoint: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "model").symlink_to(qwen3_checkpoint)
+    monkeypatch.chdir(tmp_path)  # the relative --model below resolves here
+    starts = tmp_path / "starts.log"
+    env = {**os.environ, START_LOG_ENV: str(starts), "PYTEST_CURRENT_TEST": "zygote-env"}
+    with open(tmp_path / "worker.log", "a") as stderr:
+        worker = zygote.spawn(["prefill-worker", "--model", "model"], env, stderr)
+    assert isinstance(worker, zygote.ZygoteProcess)
+    try:
+        assert _ready_line(worker)  # on the stdout pipe
+        assert os.getsid(worker.pid) == worker.pid  # a session of its own
+        assert worker.poll() is None
+        assert starts.read_text().endswith("\tzygote-env\n")  # its environment, not ours
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(60) == 0  # drained and exited, as from a fresh interpreter
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+    assert "prefill worker" in (tmp_path / "worker.log").read_text().lower()  # its stderr
+
+
+def test_exit_codes_and_signals_come_back_as_from_popen(
+        own_zygote: subprocess.Popen[bytes], qwen3_checkpoint: Path, tmp_path: Path) -> None:
+    with open(tmp_path / "bad.log", "a") as stderr:
+        bad = zygote.spawn(["plan", "--layers", "zero"], dict(os.environ), stderr)
+    assert bad is not None
+    assert bad.wait(60) == 2  # one line and exit code 2, as the command line promises
+    assert "--layers" in (tmp_path / "bad.log").read_text()
+    with pytest.raises(subprocess.TimeoutExpired):
+        zygote.ZygoteProcess.wait(worker := _spawned(qwen3_checkpoint), 0.01)
+    worker.kill()
+    assert worker.wait(30) == -signal.SIGKILL
+    worker.kill()  # gone: nothing is sent (its pid may be another process's by now)
+
+
+def _spawned(checkpoint: Path) -> zygote.ZygoteProcess:
+    worker = zygote.spawn(["prefill-worker", "--model", str(checkpoint)], dict(os.environ),
+                          None)
+    assert worker is not None
+    _ready_line(worker)
+    return worker
+
+
+def test_without_a_zygote_the_launcher_starts_a_fresh_interpreter(
+        own_zygote: subprocess.Popen[bytes]) -> None:
+    assert own_zygote.stdin is not None
+    own_zygote.stdin.close()
+    assert own_zygote.wait(30) == 0  # it exits with the process that started it
+    assert zygote.spawn(["plan"], dict(os.environ), None) is None
