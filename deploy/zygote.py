@@ -177,8 +177,8 @@ class ZygoteProcess:
         self.send_signal(signal.SIGKILL)
 
 
-def spawn(args: list[str], env: dict[str, str], stderr: IO[str] | None
-          ) -> ZygoteProcess | None:
+def spawn(args: list[str], env: dict[str, str], stderr: IO[str] | None,
+          cwd: str | Path | None = None) -> ZygoteProcess | None:
     """`deploy.cli args` forked by the zygote named in KVFERRY_ZYGOTE, its stdout a pipe to
     us; None when there is none (the caller starts a fresh interpreter)."""
     path = os.environ.get(ZYGOTE_ENV, "")
@@ -188,7 +188,8 @@ def spawn(args: list[str], env: dict[str, str], stderr: IO[str] | None
     read_fd, write_fd = os.pipe()
     try:
         conn.connect(path)
-        message = json.dumps({"argv": args, "env": env, "cwd": os.getcwd()}).encode()
+        message = json.dumps({"argv": args, "env": env,
+                              "cwd": str(cwd or os.getcwd())}).encode()
         socket.send_fds(conn, [message], [write_fd, (stderr or sys.stderr).fileno()])
         answer = conn.recv(64).decode()
     except OSError:
@@ -201,6 +202,22 @@ def spawn(args: list[str], env: dict[str, str], stderr: IO[str] | None
         return None
     stdout = open(read_fd, encoding="utf-8", errors="replace")  # noqa: SIM115
     return ZygoteProcess(["deploy.cli", *args], int(answer.split()[1]), conn, stdout)
+
+
+def run(args: list[str], env: dict[str, str], cwd: str | Path, timeout_s: float
+        ) -> subprocess.CompletedProcess[str]:
+    """`subprocess.run([python, -m, deploy.cli, *args], capture_output=True, text=True)`,
+    forked by the zygote when there is one (a bad-input check then takes a fraction of a
+    second instead of an import of torch)."""
+    with tempfile.TemporaryFile("w+") as stderr:
+        forked = spawn(args, env, stderr, cwd)
+        if forked is None:
+            return subprocess.run([sys.executable, "-m", "deploy.cli", *args], cwd=cwd, env=env,
+                                  capture_output=True, text=True, timeout=timeout_s)
+        stdout = forked.stdout.read()  # to its end: the server exited, or closed it
+        code = forked.wait(timeout_s)
+        stderr.seek(0)
+        return subprocess.CompletedProcess(forked.args, code, stdout, stderr.read())
 
 
 def start() -> subprocess.Popen[bytes] | None:

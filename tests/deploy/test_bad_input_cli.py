@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from deploy import zygote
+
 REPO = Path(__file__).resolve().parents[2]
 GPT2 = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_layer": 2, "n_head": 2,
         "n_embd": 8}
@@ -45,8 +47,12 @@ def bad(tmp_path_factory: pytest.TempPathFactory, qwen3_checkpoint: Path) -> dic
             "root": root}
 
 
-def _run(argv: list[str], home: Path) -> subprocess.CompletedProcess:
+def _run(argv: list[str], home: Path, fresh: bool) -> subprocess.CompletedProcess:
+    """The command in a fresh interpreter, or (not `fresh`) forked by the run's zygote
+    (deploy/zygote.py: the same `deploy.cli` in a process that imported torch already)."""
     env = {**os.environ, "KVFERRY_HOME": str(home)}  # where a .gguf would be converted
+    if not fresh:
+        return zygote.run(argv, env, REPO, 120)
     return subprocess.run([sys.executable, "-m", "deploy.cli", *argv], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=120)
 
@@ -119,8 +125,9 @@ OTHER_CASES = [
 ]
 
 
-# Cases marked slow run in the default `pytest` too (CI runs them all); `-m "not slow"` keeps
-# one of each kind (each subprocess imports torch and transformers: seconds apiece).
+# Cases marked slow run in the full tier only, forked by the run's zygote; the fast tier keeps
+# one of each kind, each in a fresh interpreter (which imports torch and transformers: seconds
+# apiece).
 QUICK = {"plan --model {garbage_gguf}", "serve --model {missing} --port 99999",
          "prefill-worker --model {missing}", "router --model {gpt2} --prefill 127.0.0.1:1 "
          "--decode 127.0.0.1:2", "serve --model {missing} --cluster-token-file {token}"}
@@ -133,4 +140,4 @@ CASES = [pytest.param(command, names, marks=() if command in QUICK else pytest.m
 def test_bad_input_is_one_line_and_status_2(command: str, names: list[str],
                                             bad: dict[str, Path]) -> None:
     argv = [part.format(**{k: str(v) for k, v in bad.items()}) for part in command.split()]
-    _assert_one_line(_run(argv, bad["root"] / "home"), *names)
+    _assert_one_line(_run(argv, bad["root"] / "home", fresh=command in QUICK), *names)

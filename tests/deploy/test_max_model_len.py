@@ -9,14 +9,13 @@ import asyncio
 import logging
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from decode_worker.engine import DecodeEngine
-from deploy import cli
+from deploy import cli, zygote
 from deploy.args import build_parser, worker_settings
 from deploy.worker_model import max_model_len_for
 from kernels.dispatch import get_attention_backend
@@ -33,9 +32,8 @@ CONTEXT = 4096
 
 
 def _run(argv: list[str], home: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "KVFERRY_HOME": str(home)}
-    return subprocess.run([sys.executable, "-m", "deploy.cli", *argv], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=120)
+    """The command forked by the run's zygote (a fresh interpreter without one)."""
+    return zygote.run(argv, {**os.environ, "KVFERRY_HOME": str(home)}, REPO, 120)
 
 
 def _one_line(result: subprocess.CompletedProcess) -> str:
