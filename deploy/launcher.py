@@ -86,12 +86,10 @@ def _spawn(name: str, args: list[str], log_dir: Path | None, env: dict[str, str]
            place: Placement = LOOPBACK) -> Process:
     """Start `deploy.cli args` in a session of its own; its log appends (a worker restarted)."""
     stderr = open(log_dir / f"{name}.log", "a") if log_dir else None  # noqa: SIM115
-    popen = None if place.prefix else zygote.spawn(args, {**os.environ, **env}, stderr)
-    popen = popen or subprocess.Popen(
-        [*place.prefix, sys.executable, "-m", "deploy.cli", *args],
-        stdout=subprocess.PIPE, stderr=stderr, text=True, env={**os.environ, **env},
-        start_new_session=True,
-    )
+    env = {**os.environ, **env}
+    popen = (None if place.prefix else zygote.spawn(args, env, stderr)) or subprocess.Popen(
+        [*place.prefix, sys.executable, "-m", "deploy.cli", *args], stdout=subprocess.PIPE,
+        stderr=stderr, text=True, env=env, start_new_session=True)
     proc = Process(name, popen, place.reach_host)
     threading.Thread(target=proc._watch, daemon=True).start()
     return proc

@@ -11,6 +11,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import re  # noqa: E402
+import signal  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -46,6 +47,11 @@ def pytest_configure(config: pytest.Config) -> None:
         path = Path(tempfile.mkstemp(prefix="kvferry-starts-", suffix=".log")[1])
         os.environ[START_LOG_ENV] = str(path)
         config.stash[_START_LOG] = path
+    # Started in the background by a non-interactive shell (`.ci/run &`), pytest inherits
+    # SIGINT ignored, and so would every process it starts: the Ctrl-C tests need it as a
+    # terminal leaves it.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     # Servers are forked from one process that imported torch once (deploy/zygote.py): kept
     # here for the whole run, it exits with pytest. KVFERRY_ZYGOTE=off starts each afresh.
     config.stash[_ZYGOTE] = zygote.start()

@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from deploy import client
+from deploy import client, zygote
 from deploy.launcher import _spawn
 from tests.waiting import until_sync
 
@@ -36,12 +36,14 @@ def _processes_mentioning(text: str) -> list[int]:
 
 
 def test_serve_generate_and_sigterm(qwen3_checkpoint: Path, tmp_path: Path) -> None:
-    # A private copy, so that only this deployment's processes name its path.
+    # A private copy, so that only this deployment's processes name its path. Its servers
+    # start as a user's do, in fresh interpreters (not forked by the run's zygote, whose
+    # children's command lines name no model).
     qwen3_checkpoint = Path(shutil.copytree(qwen3_checkpoint, tmp_path / "model"))
     serve = subprocess.Popen(
         [sys.executable, "-m", "deploy.cli", "serve", "--model", str(qwen3_checkpoint),
          "--port", "0", "--http-port", "0"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-        text=True)
+        text=True, env={**os.environ, zygote.ZYGOTE_ENV: "off"})
     try:
         assert serve.stdout is not None
         line = serve.stdout.readline()

@@ -21,7 +21,7 @@ from kvferry.cache.layout import KvLayout
 from kvferry.cache.stats import PoolStats
 from kvferry.model import identity
 from kvferry.model.checkpoint import ModelSpec, make_model
-from kvferry.model.compiled import compile_decode
+from kvferry.model.compiled import PACKAGE, CompiledDecode, compile_decode
 from kvferry.model.config import load_model_config
 from kvferry.model.transformer import Transformer
 from router import workers as router_workers
@@ -85,11 +85,20 @@ def test_tokenizer_and_generation_config_are_part_of_the_identity(twins: Twins,
 
 
 @pytest.mark.slow  # two real AOTInductor builds, about two minutes here
-def test_the_second_checkpoint_misses_the_compile_cache(twins: Twins, tmp_path: Path) -> None:
+def test_the_second_checkpoint_misses_the_compile_cache(
+        twins: Twins, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cache = tmp_path / "cache"
     models = [Transformer(load_model_config(path), get_attention_backend("torch"))
               for path in twins]
     first = compile_decode(models[0], "default", (1,), cache)
+    assert first is not None
+    package = next((cache / "aoti").glob(f"decode-*/{PACKAGE}"))
+
+    def build(self: CompiledDecode, size: int, mode: str, scratch: Path) -> None:
+        shutil.copy(package, scratch / PACKAGE)  # the cache's key is under test, not inductor
+        self.num_builds += 1
+
+    monkeypatch.setattr(CompiledDecode, "_build", build)
     second = compile_decode(models[1], "default", (1,), cache)
     assert first is not None and (first.num_builds, first.num_cache_hits) == (1, 0)
     assert second is not None and (second.num_builds, second.num_cache_hits) == (1, 0)
