@@ -179,9 +179,10 @@ class ZygoteProcess:
 
 def spawn(args: list[str], env: dict[str, str], stderr: IO[str] | None,
           cwd: str | Path | None = None) -> ZygoteProcess | None:
-    """`deploy.cli args` forked by the zygote named in KVFERRY_ZYGOTE, its stdout a pipe to
-    us; None when there is none (the caller starts a fresh interpreter)."""
-    path = os.environ.get(ZYGOTE_ENV, "")
+    """`deploy.cli args` forked by the zygote that KVFERRY_ZYGOTE names in `env` (the
+    server's environment), its stdout a pipe to us; None when there is none or it says "off"
+    (the caller starts a fresh interpreter)."""
+    path = env.get(ZYGOTE_ENV, "")
     if not path or path == "off":
         return None
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -207,7 +208,7 @@ def spawn(args: list[str], env: dict[str, str], stderr: IO[str] | None,
 def run(args: list[str], env: dict[str, str], cwd: str | Path, timeout_s: float
         ) -> subprocess.CompletedProcess[str]:
     """`subprocess.run([python, -m, deploy.cli, *args], capture_output=True, text=True)`,
-    forked by the zygote when there is one (a bad-input check then takes a fraction of a
+    forked by the zygote when `env` names one (a bad-input check then takes a fraction of a
     second instead of an import of torch)."""
     with tempfile.TemporaryFile("w+") as stderr:
         forked = spawn(args, env, stderr, cwd)
@@ -238,8 +239,11 @@ def start() -> subprocess.Popen[bytes] | None:
 
 
 def main() -> None:
-    became = _serve(sys.argv[1])
-    if became is None:
+    path = Path(sys.argv[1])
+    became = _serve(str(path))
+    if became is None:  # the zygote exits: its socket, and the folder start() made for it, go
+        path.unlink(missing_ok=True)
+        path.parent.rmdir()
         return
     argv, cwd = became
     os.chdir(cwd)

@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -51,10 +50,9 @@ def _run(argv: list[str], home: Path, fresh: bool) -> subprocess.CompletedProces
     """The command in a fresh interpreter, or (not `fresh`) forked by the run's zygote
     (deploy/zygote.py: the same `deploy.cli` in a process that imported torch already)."""
     env = {**os.environ, "KVFERRY_HOME": str(home)}  # where a .gguf would be converted
-    if not fresh:
-        return zygote.run(argv, env, REPO, 120)
-    return subprocess.run([sys.executable, "-m", "deploy.cli", *argv], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=120)
+    if fresh:
+        env[zygote.ZYGOTE_ENV] = "off"
+    return zygote.run(argv, env, REPO, 120)
 
 
 def _assert_one_line(result: subprocess.CompletedProcess, *names: str) -> None:
