@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -216,11 +217,17 @@ def cached(qwen3_built: Built, tmp_path_factory: pytest.TempPathFactory) -> Cach
 def copying_build(cached: Cached, monkeypatch: pytest.MonkeyPatch) -> None:
     """Builds copy the fixture's package (compiling it again would take a minute): what is
     under test is the cache around the build."""
+    monkeypatch.setattr(CompiledDecode, "_build", copying(cached.package))
+
+
+def copying(package: Path) -> Callable[[CompiledDecode, int, str, Path], None]:
+    """A `CompiledDecode._build` that copies `package` instead of compiling it, counted as a
+    build: for tests of what surrounds the build (the cache, its keys)."""
     def build(self: CompiledDecode, size: int, mode: str, scratch: Path) -> None:
-        shutil.copy(cached.package, scratch / PACKAGE)
+        shutil.copy(package, scratch / PACKAGE)
         self.num_builds += 1
 
-    monkeypatch.setattr(CompiledDecode, "_build", build)
+    return build
 
 
 @pytest.mark.parametrize("corruption", sorted(CORRUPTIONS))

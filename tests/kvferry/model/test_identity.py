@@ -27,6 +27,7 @@ from kvferry.model.transformer import Transformer
 from router import workers as router_workers
 from router.records import WorkerStats
 from router.workers import Worker, WorkerSet
+from tests.kvferry.model.test_compiled import copying
 
 EDGE_BYTES = 1 << 16  # what the old fingerprint read at each end of a weight file
 
@@ -93,12 +94,8 @@ def test_the_second_checkpoint_misses_the_compile_cache(
     first = compile_decode(models[0], "default", (1,), cache)
     assert first is not None
     package = next((cache / "aoti").glob(f"decode-*/{PACKAGE}"))
-
-    def build(self: CompiledDecode, size: int, mode: str, scratch: Path) -> None:
-        shutil.copy(package, scratch / PACKAGE)  # the cache's key is under test, not inductor
-        self.num_builds += 1
-
-    monkeypatch.setattr(CompiledDecode, "_build", build)
+    # The cache's key is under test, not inductor: the second build copies the first's.
+    monkeypatch.setattr(CompiledDecode, "_build", copying(package))
     second = compile_decode(models[1], "default", (1,), cache)
     assert first is not None and (first.num_builds, first.num_cache_hits) == (1, 0)
     assert second is not None and (second.num_builds, second.num_cache_hits) == (1, 0)
