@@ -19,7 +19,6 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from typing import NamedTuple
 
 from decode_worker.kv_receiver import KvReceiver
 from decode_worker.leases import LeaseKeeper
@@ -30,14 +29,17 @@ from decode_worker.sequence import (
     ErrorEvent,
     FinishedEvent,
     Phase,
+    Reservation,
     check_reservation,
     lookup,
 )
 from decode_worker.steps import StepLoop
+from kvferry.cache.allocator import IntegrityReport
 from kvferry.cache.block_queue import BlockQueue
 from kvferry.cache.layout import KvLayout, blocks_for_tokens, blocks_needed
-from kvferry.cache.pool import IntegrityReport, KvPool
+from kvferry.cache.pool import KvPool
 from kvferry.cache.stats import PoolStats
+from kvferry.cache.tiers.tiered import TieredCache
 from kvferry.errors import Aborted, InvalidArgument, Unavailable
 from kvferry.model.prefill_batch import PrefillJob
 from kvferry.model.sampling import FinishReason, SamplingParams
@@ -48,11 +50,6 @@ from kvferry.transfer import wire
 log = logging.getLogger("kvferry.decode")
 
 
-class Reservation(NamedTuple):
-    num_blocks: int  # blocks the reservation holds
-    num_cached_blocks: int  # of those, leading prompt blocks shared from the prefix cache
-
-
 class DecodeEngine:
     """Owns the pool and the reservations (request lifecycles); composes the K/V receiver
     (`receiver`) and the step loop (`steps`). Not thread-safe: call from the event loop;
@@ -60,7 +57,8 @@ class DecodeEngine:
 
     def __init__(self, model: Transformer, pool: KvPool, layout: KvLayout,
                  max_waiting: int = DEFAULT_MAX_WAITING, stage_bytes: int = 0,
-                 max_model_len: int | None = None, **prefill_options: int) -> None:
+                 max_model_len: int | None = None, cache: TieredCache | None = None,
+                 **prefill_options: int) -> None:
         self.model = model
         self.max_model_len = max_model_len or model.config.max_position_embeddings
         self.pool = pool
@@ -74,7 +72,9 @@ class DecodeEngine:
                               **prefill_options)
         self.batcher = self.steps.batcher  # colocated prefill, run by the step loop
         self.receiver = KvReceiver(layout, pool, self._seqs, self._kv_complete)
-        self.prefix_cache = DecodePrefixCache(pool, layout)
+        self.cache = cache or TieredCache(pool)  # the prefix cache, over its tiers
+        self.cache.on_release = self.blocks.grant
+        self.prefix_cache = DecodePrefixCache(self.cache, layout)
         self.leases = LeaseKeeper(self._seqs, self._finish)
         self._prefill_jobs: dict[str, PrefillJob] = {}
         self._tasks: list[asyncio.Task[None]] = []
@@ -115,6 +115,7 @@ class DecodeEngine:
         for seq in list(self._seqs.values()):
             self._finish(seq, ErrorEvent(seq.request_id, Aborted("decode worker stopped")))
         self.steps.executor.shutdown(wait=True)
+        self.cache.close()
 
     # ---- reservations ----------------------------------------------------------------------
     async def reserve(self, request_id: str, num_prompt_tokens: int, max_tokens: int,
@@ -128,27 +129,23 @@ class DecodeEngine:
         check_reservation(request_id, num_prompt_tokens, max_tokens, lease_s, self._seqs,
                           self.max_model_len, self.pool)
         prompt = list(prompt_token_ids or [])
-        seed, cached = self.prefix_cache.lookup(prompt, num_prompt_tokens, cache_salt)
-        allocator = self.pool.allocator
-        try:
-            blocks = cached + await self.blocks.alloc(
-                blocks_for_tokens(num_prompt_tokens + 1, self.pool.block_size) - len(cached))
-        except BaseException:
-            allocator.free(cached)
-            raise
+        seed, blocks, num_cached = await self.prefix_cache.acquire(
+            prompt, num_prompt_tokens, cache_salt, self.blocks,
+            blocks_for_tokens(num_prompt_tokens + 1, self.pool.block_size))
         if request_id in self._seqs:  # a twin arrived while we waited
-            allocator.free(blocks)
+            self.pool.allocator.free(blocks)
+            self.blocks.grant()
             raise InvalidArgument(f"request_id {request_id!r} already reserved", "request_id")
         seq = DecodeSeq(
             request_id=request_id, num_prompt_tokens=num_prompt_tokens, max_tokens=max_tokens,
             block_table=blocks, lease_deadline=time.monotonic() + lease_s, lease_s=lease_s,
             received=wire.coverage(self.layout, num_prompt_tokens),
             arrival=next(self._arrivals), prompt_token_ids=prompt, cache_seed=seed,
-            num_cached_blocks=len(cached),
+            num_cached_blocks=num_cached,
         )
         seq.reset_received()
         self._seqs[request_id] = seq
-        return Reservation(len(blocks), len(cached))
+        return Reservation(len(blocks), num_cached)
 
     def _kv_complete(self, seq: DecodeSeq) -> None:
         """A reservation's prompt K/V is all in place: index its full blocks, and step."""
@@ -276,7 +273,7 @@ class DecodeEngine:
     # ---- stats -------------------------------------------------------------------------------
     def stats(self, check_integrity: bool = False) -> PoolStats:
         reserved = [s for s in self._seqs.values() if s.phase is Phase.RESERVED]
-        report = (self.pool.allocator.check_integrity() if check_integrity
+        report = (self.cache.check_integrity() if check_integrity
                   else IntegrityReport(False, "not checked"))
         return PoolStats(
             total_blocks=self.pool.num_usable_blocks,
@@ -296,5 +293,5 @@ class DecodeEngine:
                                  for s in self._seqs.values()),
             prefix_cache_queries=self.pool.allocator.num_query_tokens,
             prefix_cache_hits=self.pool.allocator.num_hit_tokens,
-            cached_blocks=self.pool.allocator.num_cached,
+            cached_blocks=self.pool.allocator.num_cached, tiers=self.cache.stats(),
         )

@@ -91,6 +91,11 @@ class DecodeSeq:
         return self.num_prompt_tokens + len(self.tokens) - 1
 
 
+class Reservation(NamedTuple):
+    num_blocks: int  # blocks the reservation holds
+    num_cached_blocks: int  # of those, leading prompt blocks the prefix cache supplied
+
+
 def check_reservation(request_id: str, num_prompt_tokens: int, max_tokens: int, lease_s: float,
                       seqs: Mapping[str, DecodeSeq], context: int, pool: KvPool) -> None:
     """A Reserve's fields, each named when wrong; RESOURCE_EXHAUSTED when the request could

@@ -10,6 +10,7 @@ from deploy.client_args import add_client_commands, sampling_args
 from deploy.default_model import ensure_default_model
 from deploy.policy_args import policy_args, policy_settings
 from deploy.security_args import api_keys, public_access_args, security_settings, tls_args
+from deploy.tier_args import tier_args, tier_settings
 from kvferry.limits import PublicLimits
 from kvferry.settings import (
     ATTENTION_BACKENDS,
@@ -120,6 +121,7 @@ def _worker_parser(sub: argparse._SubParsersAction, role: str) -> None:
                    help="how prefill ships K/V pages: gRPC streams, Ray object refs (workers "
                         "as Ray actors), or nixl: the decode worker reads them from the "
                         "prefill worker's pool with NIXL (UCX); the same on every worker")
+    tier_args(p)
     _server_process_args(p)
     p.set_defaults(role=role)
 
@@ -161,6 +163,7 @@ def _deployment_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ray-address", default=None,
                    help="with --kv-transport ray: an existing cluster (auto, ray://HOST:PORT); "
                         "default: start a local Ray instance")
+    tier_args(p, is_deployment=True)
     tls_args(p)
     public_access_args(p)
 
@@ -262,6 +265,7 @@ def worker_settings(args: argparse.Namespace, model: str | None = None) -> Worke
         kv_max_resends=args.kv_max_resends,
         kv_transport=args.kv_transport, drain_timeout_s=args.drain_timeout_s,
         metrics_port=args.metrics_port, security=security_settings(args),
+        tiers=tier_settings(args),
     )
 
 

@@ -22,6 +22,7 @@ from deploy.security_args import (
     security_argv,
     security_settings,
 )
+from deploy.tier_args import tier_argv
 
 if TYPE_CHECKING:
     from kvferry.rpc.security import Credentials
@@ -80,7 +81,8 @@ def _deployment(args: argparse.Namespace):
                                            else ["--no-prefix-caching"])
         + (["--kv-transport", "nixl"] if args.kv_transport == "nixl" else [])
         + (["--kv-cache-dtype", args.kv_cache_dtype] if args.kv_cache_dtype != "auto" else [])
-        + ([] if args.max_model_len is None else ["--max-model-len", str(args.max_model_len)]),
+        + ([] if args.max_model_len is None else ["--max-model-len", str(args.max_model_len)])
+        + tier_argv(args),
     )
     if args.kv_transport == "ray":
         from deploy.ray_launcher import RayDeployment
@@ -146,7 +148,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     from kvferry.cache.capacity import format_plan, plan
     from kvferry.cache.layout import KvShape
-    from kvferry.settings import parse_pool_size
+    from kvferry.sizes import parse_pool_size
 
     if args.model:
         shape = KvShape.from_config(args.model, args.dtype)

@@ -10,8 +10,10 @@ from dataclasses import replace
 from deploy.args import router_settings, worker_settings
 from deploy.default_model import ensure_default_model
 from deploy.security_args import security_settings
+from deploy.tier_args import tier_settings
 from kvferry.rpc.security import refuse_plaintext_token
-from kvferry.settings import RouterSettings, WorkerSettings, parse_batch_sizes, parse_pool_size
+from kvferry.settings import RouterSettings, WorkerSettings, parse_batch_sizes
+from kvferry.sizes import parse_pool_size
 
 
 def _check_model(model: str | None) -> None:
@@ -71,7 +73,7 @@ def _check_deployment(args: argparse.Namespace) -> None:
         attention_backend=args.attention_backend, metrics_port=args.metrics_port,
         compile=args.compile, compile_batch_sizes=args.compile_batch_sizes,
         kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
-        security=security_settings(args))
+        security=security_settings(args), tiers=tier_settings(args))
     refuse_plaintext_token(settings.security)
     _check_model(args.model)  # last: without --model, the default model may be converted
     _check_tokenizer(args.model)

@@ -14,6 +14,7 @@ from deploy.start_log import record_start
 from deploy.worker_model import build_model
 from kvferry import trace
 from kvferry.cache.layout import KvLayout
+from kvferry.cache.tiers.tiered import build_tiered_cache
 from kvferry.faults import Faults
 from kvferry.model.config import load_model_config
 from kvferry.model.prefill_batch import token_budget_for
@@ -154,6 +155,7 @@ def build_worker(settings: WorkerSettings) -> tuple[Built, object]:
                            else settings.decode_stage_mib << 20)
         engine = DecodeEngine(model, pool, layout, settings.max_waiting,
                               stage_bytes=stage_bytes, max_model_len=settings.max_model_len,
+                              cache=build_tiered_cache(pool, settings.tiers),
                               token_budget=token_budget,
                               chunk_size=settings.prefill_chunk_size)
         on_stop, puller = engine.stop, None
@@ -171,7 +173,7 @@ def build_worker(settings: WorkerSettings) -> tuple[Built, object]:
 
         engine = PrefillEngine(model, pool, layout, _make_sender(settings, creds),
                                token_budget, settings.prefill_chunk_size,
-                               settings.max_waiting)
+                               settings.max_waiting, build_tiered_cache(pool, settings.tiers))
         prefill_server.add_to_server(server, engine)
         on_stop = engine.stop
         names = prefill_server.SERVICE_NAMES

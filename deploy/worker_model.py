@@ -13,7 +13,8 @@ import torch
 from kvferry.cache.layout import KvShape, dtype_name, torch_dtype
 from kvferry.cache.pool import KvPool
 from kvferry.model.config import load_model_config
-from kvferry.settings import COMPILE_CACHE_DIR, WorkerSettings, parse_batch_sizes, parse_pool_size
+from kvferry.settings import COMPILE_CACHE_DIR, WorkerSettings, parse_batch_sizes
+from kvferry.sizes import parse_pool_size
 
 if TYPE_CHECKING:
     from kvferry.model.transformer import Transformer

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvferry.cache.tiers.config import TierSettings
 from kvferry.limits import PublicLimits
 
 # Where kvferry keeps what it makes: converted and seeded models, demo logs.
@@ -60,26 +60,6 @@ DEFAULT_PREFILL_PREFIX_WEIGHT = 4.0
 DEFAULT_LOAD_WEIGHT = 1.0
 DEFAULT_DEMAND_WEIGHT = 0.25  # per block of recent demand on decode, decaying over:
 DEMAND_TAU_S = 10.0
-
-_SIZE = re.compile(r"^\s*([0-9.]+)\s*(B|KB|KiB|MB|MiB|GB|GiB)?\s*$", re.IGNORECASE)
-_UNITS = {"b": 1, "kb": 10**3, "kib": 2**10, "mb": 10**6, "mib": 2**20, "gb": 10**9, "gib": 2**30}
-
-
-def parse_pool_size(value: str, total_memory_bytes: int) -> int:
-    """"256MiB", "2GB", "1048576" (bytes) or a fraction "0.3" of device memory -> bytes."""
-    match = _SIZE.match(value)
-    if not match:
-        raise ValueError(f"kv_pool_size: cannot parse {value!r}")
-    number, unit = float(match.group(1)), match.group(2)
-    if unit is None and number <= 1.0:
-        if number <= 0:
-            raise ValueError(f"kv_pool_size: fraction must be > 0, got {value!r}")
-        return int(number * total_memory_bytes)
-    size = int(number * _UNITS[(unit or "b").lower()])
-    if size <= 0:
-        raise ValueError(f"kv_pool_size: must be > 0, got {value!r}")
-    return size
-
 
 def parse_http_port(value: str) -> int | None:
     """An --http-port value: a port (0: any free one), or "off" for none."""
@@ -176,6 +156,7 @@ class WorkerSettings:
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S  # SIGTERM: to finish in-flight requests
     metrics_port: int | None = None  # Prometheus /metrics on this HTTP port (0: any free)
     security: SecuritySettings = field(default_factory=SecuritySettings)
+    tiers: TierSettings = field(default_factory=TierSettings)  # K/V tiers below the pool
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

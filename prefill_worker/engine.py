@@ -21,11 +21,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from kvferry.cache.allocator import IntegrityReport
 from kvferry.cache.block_queue import BlockQueue
 from kvferry.cache.layout import KvLayout, blocks_for_tokens
-from kvferry.cache.pool import IntegrityReport, KvPool
+from kvferry.cache.pool import KvPool
 from kvferry.cache.prefix import block_keys, cache_seed, check_skip_blocks, max_shared_blocks
 from kvferry.cache.stats import PoolStats
+from kvferry.cache.tiers.tiered import TieredCache
 from kvferry.errors import Aborted, InvalidArgument, NotFound, Unavailable
 from kvferry.model.prefill_batch import PrefillBatcher, PrefillJob
 from kvferry.model.sampling import SamplingParams, validate_prompt
@@ -66,7 +68,8 @@ class PrefillEngine:
     def __init__(self, model: Transformer, pool: KvPool, layout: KvLayout,
                  sender: KvSender, token_budget: int = DEFAULT_PREFILL_TOKEN_BUDGET,
                  chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE,
-                 max_waiting: int = DEFAULT_MAX_WAITING) -> None:
+                 max_waiting: int = DEFAULT_MAX_WAITING, cache: TieredCache | None = None
+                 ) -> None:
         self.model = model
         self.pool = pool
         self.layout = layout
@@ -76,6 +79,8 @@ class PrefillEngine:
         self.batcher = PrefillBatcher(model, pool, self._executor, self._wake.set,
                                       token_budget, chunk_size)
         self.blocks = BlockQueue(pool.allocator, max_waiting, on_wait=self._evict_parked)
+        self.cache = cache or TieredCache(pool)  # the prefix cache, over its tiers
+        self.cache.on_release = self.blocks.grant
         self._active: dict[str, asyncio.Task[object]] = {}
         # Deferred prefills waiting for Ship, oldest first (dicts keep insertion order).
         self._parked: dict[str, Parked] = {}
@@ -100,6 +105,7 @@ class PrefillEngine:
         if self._loop_task is not None:
             self._loop_task.cancel()
         self._executor.shutdown(wait=True)
+        self.cache.close()
         await self.sender.close()
 
     def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
@@ -133,18 +139,17 @@ class PrefillEngine:
             self._active[request_id] = task
         block_size = self.pool.block_size
         keys = self._block_keys(prompt, cache_salt)
-        allocator = self.pool.allocator
-        cached = allocator.match(keys[:max_shared_blocks(len(prompt), block_size)], len(prompt))
         try:
-            blocks = cached + await self.blocks.alloc(
-                blocks_for_tokens(len(prompt), block_size) - len(cached), deferrable=defer_push)
+            hit = await self.cache.acquire(
+                keys[:max_shared_blocks(len(prompt), block_size)], len(prompt), self.blocks,
+                blocks_for_tokens(len(prompt), block_size), deferrable=defer_push)
         except BaseException:
-            allocator.free(cached)
             self._active.pop(request_id, None)
             raise
+        blocks, num_cached = hit.block_ids, hit.num_cached * block_size
         job = PrefillJob(request_id, prompt, params, blocks,
                          asyncio.get_running_loop().create_future(), output_index,
-                         num_computed=len(cached) * block_size)
+                         num_computed=num_cached)
         push: asyncio.Future[PushResult] | None = None
         parked: Parked | None = None
         try:
@@ -157,13 +162,12 @@ class PrefillEngine:
                     timeout_s, ready=job.wait_layers, first_block=skip_blocks,
                 ))
             token = await job.first_token
-            allocator.register(keys, blocks)  # every full prompt block is final now
+            self.cache.register(keys, blocks)  # every full prompt block is final now
             if defer_push:
                 parked = Parked(job, asyncio.get_running_loop().create_future())
                 self._parked[request_id] = parked
                 self._evict_parked()  # a prefill with a reservation may wait for blocks
-            yield FirstTokenEvent(token, time.perf_counter() - job.started_at,
-                                  len(cached) * block_size)
+            yield FirstTokenEvent(token, time.perf_counter() - job.started_at, num_cached)
             if parked is not None:
                 address, skip = await parked.ship
                 push = asyncio.ensure_future(self.sender.push(
@@ -233,7 +237,7 @@ class PrefillEngine:
         task.cancel()
 
     def stats(self, check_integrity: bool = False) -> PoolStats:
-        report = (self.pool.allocator.check_integrity() if check_integrity
+        report = (self.cache.check_integrity() if check_integrity
                   else IntegrityReport(False, "not checked"))
         return PoolStats(
             total_blocks=self.pool.num_blocks, free_blocks=self.pool.allocator.num_free,
@@ -246,5 +250,5 @@ class PrefillEngine:
             num_parked=len(self._parked), num_evictions=self.num_evictions,
             prefix_cache_queries=self.pool.allocator.num_query_tokens,
             prefix_cache_hits=self.pool.allocator.num_hit_tokens,
-            cached_blocks=self.pool.allocator.num_cached,
+            cached_blocks=self.pool.allocator.num_cached, tiers=self.cache.stats(),
         )

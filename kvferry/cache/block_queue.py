@@ -15,7 +15,7 @@ import asyncio
 from collections import deque
 from collections.abc import Callable
 
-from kvferry.cache.pool import BlockAllocator
+from kvferry.cache.allocator import BlockAllocator
 from kvferry.errors import ResourceExhausted
 
 Waiter = tuple[int, asyncio.Future[list[int]]]

@@ -8,18 +8,20 @@ fingerprint, the K/V dtype and the request's `cache_salt`, so two models, two dt
 tenants never share a page. Only full blocks have keys: a sequence's last, partly filled
 block stays private, and append-only decoding never writes a shared block.
 
-The index itself lives in `kvferry.cache.pool.BlockAllocator` (which blocks hold which keys,
-and the least-recently-used order of the ones no request holds). `CacheEvents` is its change
-log: every store and eviction gets a sequence number, and a router polling a worker's stats
-asks for the events after the last one it applied (Dynamo's KV events, pulled instead of
-published), or gets a snapshot when it fell too far behind.
+The index itself lives in `kvferry.cache.allocator.BlockAllocator` (which blocks hold which
+keys, and the least-recently-used order of the ones no request holds), and below it in the
+worker's lower tiers (`kvferry.cache.tiers`: host memory, disk, a shared store). `CacheEvents`
+is their change log: every store and eviction, in whichever tier, gets a sequence number, and
+a router polling a worker's stats asks for the events after the last one it applied (Dynamo's
+KV events, pulled instead of published), or gets a snapshot when it fell too far behind.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from enum import IntEnum
 from typing import NamedTuple
 
 import numpy as np
@@ -82,15 +84,25 @@ def check_cache_salt(cache_salt: str) -> None:
                               "cache_salt")
 
 
+class Tier(IntEnum):
+    """Where a worker holds a cached block, fastest first (proto `KvTier`)."""
+
+    DEVICE = 0  # the K/V pool itself
+    HOST = 1  # host memory (--kv-host-cache-size)
+    DISK = 2  # local disk (--kv-disk-cache-dir)
+    STORE = 3  # a store shared by the deployment's workers (--kv-store-url)
+
+
 class CacheEvent(NamedTuple):
     seq: int
     stored: list[bytes]
     removed: list[bytes]
+    tier: Tier = Tier.DEVICE
 
 
 class EventsSince(NamedTuple):
     """What a poller gets: the latest sequence number, and the events after its cursor (or,
-    with `is_snapshot`, one event storing every key held now)."""
+    with `is_snapshot`, one event per tier storing every key it holds now)."""
 
     seq: int
     events: list[CacheEvent]
@@ -98,23 +110,25 @@ class EventsSince(NamedTuple):
 
 
 class CacheEvents:
-    """A bounded log of index changes; the oldest events fall off past `max_events`."""
+    """A bounded log of index changes, every tier's in one sequence; the oldest events fall
+    off past `max_events`."""
 
     def __init__(self, max_events: int = DEFAULT_MAX_EVENTS) -> None:
         self.seq = 0
         self._log: deque[CacheEvent] = deque(maxlen=max_events)
 
-    def add(self, stored: list[bytes], removed: list[bytes]) -> None:
+    def add(self, stored: list[bytes], removed: list[bytes], tier: Tier = Tier.DEVICE) -> None:
         if stored or removed:
             self.seq += 1
-            self._log.append(CacheEvent(self.seq, stored, removed))
+            self._log.append(CacheEvent(self.seq, stored, removed, tier))
 
-    def since(self, after: int, keys_now: Iterable[bytes]) -> EventsSince:
-        """Events after `after`; a snapshot of `keys_now` when they are not all kept (or the
-        cursor is 0, or from before this worker restarted)."""
+    def since(self, after: int, keys_now: Mapping[Tier, Iterable[bytes]]) -> EventsSince:
+        """Events after `after`; a snapshot of `keys_now` (each tier's keys) when they are not
+        all kept (or the cursor is 0, or from before this worker restarted)."""
         if after == self.seq:
             return EventsSince(self.seq, [], False)
         oldest = self._log[0].seq if self._log else self.seq + 1
         if 0 < after < self.seq and oldest <= after + 1:
             return EventsSince(self.seq, [e for e in self._log if e.seq > after], False)
-        return EventsSince(self.seq, [CacheEvent(self.seq, list(keys_now), [])], True)
+        return EventsSince(self.seq, [CacheEvent(self.seq, list(keys), [], tier)
+                                      for tier, keys in keys_now.items()], True)

@@ -4,7 +4,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvferry.cache.prefix import EventsSince
+from kvferry.cache.prefix import EventsSince, Tier
+
+
+@dataclass(frozen=True)
+class TierStats:
+    """One tier below a worker's pool (mirrors proto TierStats); counters since start."""
+
+    tier: Tier
+    capacity_blocks: int
+    used_blocks: int  # blocks it holds (visible)
+    hit_tokens: int = 0  # prompt tokens served from it (promoted into the pool)
+    bytes_in: int = 0  # written into it
+    bytes_out: int = 0  # read out of it into the pool
+    evictions: int = 0  # blocks it dropped to make room
+    dropped_writes: int = 0  # blocks it did not take (full of pinned slots, queue full)
+    corrupt_blocks: int = 0  # blocks that failed their check and were dropped
+    num_promotions: int = 0  # lookups that promoted blocks from it
+    promotion_s: float = 0.0  # their time, summed
 
 
 @dataclass(frozen=True)
@@ -30,5 +47,6 @@ class PoolStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, found
     cached_blocks: int = 0  # held by the prefix cache alone (reclaimable; counted free)
+    tiers: tuple[TierStats, ...] = ()  # the tiers below the pool, fastest first
     # Prefix-cache index changes since the caller's cursor (GetStats answers only).
     cache_events: EventsSince | None = None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvferry.cache.layout import KvLayout
-from kvferry.cache.prefix import CacheEvent, EventsSince
+from kvferry.cache.prefix import CacheEvent, EventsSince, Tier
 from kvferry.cache.stats import PoolStats
 from kvferry.model.sampling import DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, SamplingParams
 from kvferry.v1 import generation_pb2, worker_pb2
@@ -56,7 +56,8 @@ def stats_to_proto(role: str, stats: PoolStats, layout: worker_pb2.KvLayout
 def add_cache_events(msg: worker_pb2.WorkerStats, events: EventsSince) -> None:
     msg.cache_event_seq = events.seq
     msg.cache_snapshot = events.is_snapshot
-    msg.cache_events.extend(worker_pb2.CacheEvent(stored=e.stored, removed=e.removed)
+    msg.cache_events.extend(worker_pb2.CacheEvent(stored=e.stored, removed=e.removed,
+                                                  tier=int(e.tier))
                             for e in events.events)
 
 
@@ -91,6 +92,7 @@ def stats_from_proto(msg: worker_pb2.WorkerStats) -> PoolStats:
         prefix_cache_hits=msg.prefix_cache_hits, cached_blocks=msg.cached_blocks,
         cache_events=EventsSince(
             msg.cache_event_seq,
-            [CacheEvent(0, list(e.stored), list(e.removed)) for e in msg.cache_events],
+            [CacheEvent(0, list(e.stored), list(e.removed), Tier(e.tier))
+             for e in msg.cache_events],
             msg.cache_snapshot),
     )

@@ -12,8 +12,8 @@ import grpc
 
 from kvferry import logs
 from kvferry.cache.layout import KvLayout
-from kvferry.cache.pool import KvPool
 from kvferry.cache.stats import PoolStats
+from kvferry.cache.tiers.tiered import TieredCache
 from kvferry.rpc import convert, grpc_util
 from kvferry.v1 import generation_pb2, worker_pb2
 
@@ -26,7 +26,7 @@ class WorkerEngine(Protocol):
     def stats(self, check_integrity: bool = False) -> PoolStats: ...
 
     @property
-    def pool(self) -> KvPool: ...
+    def cache(self) -> TieredCache: ...
 
 
 EngineT = TypeVar("EngineT", bound=WorkerEngine)
@@ -53,8 +53,7 @@ class WorkerServicer(Generic[EngineT]):
                        context: grpc.aio.ServicerContext) -> worker_pb2.WorkerStats:
         msg = convert.stats_to_proto(self.role, self.engine.stats(request.check_integrity),
                                      self.layout_msg)
-        convert.add_cache_events(msg, self.engine.pool.allocator.events_since(
-            request.cache_events_after))
+        convert.add_cache_events(msg, self.engine.cache.events_since(request.cache_events_after))
         return msg
 
 

@@ -1,11 +1,23 @@
 from kvferry.v1 import generation_pb2 as _generation_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class KvTier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_TIER_DEVICE: _ClassVar[KvTier]
+    KV_TIER_HOST: _ClassVar[KvTier]
+    KV_TIER_DISK: _ClassVar[KvTier]
+    KV_TIER_STORE: _ClassVar[KvTier]
+KV_TIER_DEVICE: KvTier
+KV_TIER_HOST: KvTier
+KV_TIER_DISK: KvTier
+KV_TIER_STORE: KvTier
 
 class KvLayout(_message.Message):
     __slots__ = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "model_fingerprint")
@@ -266,12 +278,14 @@ class GetStatsRequest(_message.Message):
     def __init__(self, check_integrity: _Optional[bool] = ..., cache_events_after: _Optional[int] = ...) -> None: ...
 
 class CacheEvent(_message.Message):
-    __slots__ = ("stored", "removed")
+    __slots__ = ("stored", "removed", "tier")
     STORED_FIELD_NUMBER: _ClassVar[int]
     REMOVED_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     stored: _containers.RepeatedScalarFieldContainer[bytes]
     removed: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    tier: KvTier
+    def __init__(self, stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ..., tier: _Optional[_Union[KvTier, str]] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
     __slots__ = ("role", "total_blocks", "free_blocks", "reserved_blocks", "num_running", "num_waiting", "layout", "integrity_ok", "integrity_error", "num_preemptions", "num_pending_prefill_tokens", "num_decode_steps", "max_abort_delay_steps", "projected_blocks", "num_corrupt_pushes", "num_parked", "num_parked_evictions", "num_compiles", "cache_event_seq", "cache_events", "cache_snapshot", "prefix_cache_queries", "prefix_cache_hits", "cached_blocks")

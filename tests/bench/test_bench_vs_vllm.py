@@ -28,7 +28,7 @@ from bench.bench_vs_vllm import (
     vllm_bench_command,
 )
 from bench.vllm_peer import VLLM_ENV
-from kvferry.settings import parse_pool_size
+from kvferry.sizes import parse_pool_size
 
 REPO = Path(__file__).resolve().parents[2]
 

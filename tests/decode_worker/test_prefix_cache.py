@@ -17,6 +17,9 @@ from decode_worker.sequence import FinishedEvent, TokensEvent
 from kernels.dispatch import get_attention_backend
 from kvferry.cache.layout import KvLayout, blocks_for_tokens
 from kvferry.cache.pool import KvPool
+from kvferry.cache.prefix import Tier
+from kvferry.cache.tiers.host import HostTier
+from kvferry.cache.tiers.tiered import TieredCache
 from kvferry.errors import InvalidArgument
 from kvferry.model.config import load_model_config
 from kvferry.model.sampling import SamplingParams
@@ -34,11 +37,14 @@ def model(qwen3_checkpoint: Path) -> Transformer:
                        torch.float32, torch.device("cpu"))
 
 
-def _engine(model: Transformer, num_blocks: int, caching: bool = True) -> DecodeEngine:
+def _engine(model: Transformer, num_blocks: int, caching: bool = True,
+            host_blocks: int = 0) -> DecodeEngine:
     config = model.config
     pool = KvPool(config.num_layers, config.num_kv_heads, config.head_dim, BLOCK_SIZE,
                   num_blocks, torch.float32, torch.device("cpu"), prefix_caching=caching)
-    return DecodeEngine(model, pool, KvLayout.of_pool(pool, config.fingerprint))
+    host = HostTier(pool, host_blocks, pool.allocator.events) if host_blocks else None
+    return DecodeEngine(model, pool, KvLayout.of_pool(pool, config.fingerprint),
+                        cache=TieredCache(pool, host))
 
 
 async def _generate(engine: DecodeEngine, request_id: str, prompt: list[int],
@@ -68,7 +74,8 @@ def _run(engine: DecodeEngine, batches: list[list[tuple[list[int], int]]], salt:
                 results += await asyncio.gather(*(
                     _generate(engine, f"r{b}.{i}", prompt, n, salt)
                     for i, (prompt, n) in enumerate(batch)))
-                report = engine.pool.allocator.check_integrity()
+                await until(lambda: engine.cache.is_idle, "the tier copies to finish")
+                report = engine.cache.check_integrity()
                 assert report.ok, report.error
                 after_batch(b)
             return results
@@ -126,6 +133,27 @@ def test_eviction_under_a_small_pool_keeps_tokens_and_integrity(model: Transform
     plain = _run(_engine(model, 64, caching=False), batches)
     assert [t for t, _ in results] == [t for t, _ in plain]
     assert small.pool.allocator.num_free == 16
+
+
+def test_a_prefix_the_pool_evicted_comes_back_from_the_host_tier(model: Transformer) -> None:
+    """A small pool evicts every conversation between its turns; the host tier holds them
+    all, so each second turn is promoted from host memory, and the tokens match an engine
+    without any cache."""
+    vocab = model.config.vocab_size
+    prompts = [_tokens(30 + p, 17, vocab) for p in range(4)]  # 4 full blocks and a token
+    first = [[(prompt, 4)] for prompt in prompts]
+    again = [[(prompt + _tokens(40 + p, 3, vocab), 4)] for p, prompt in enumerate(prompts)]
+    tiered = _engine(model, 12, host_blocks=64)
+    results = _run(tiered, first + again)
+    stats = tiered.stats(check_integrity=True)
+    assert stats.integrity_ok, stats.integrity_error
+    host, = stats.tiers
+    assert host.tier is Tier.HOST and host.num_promotions >= 3
+    assert [c for _, c in results[4:]] == [16] * 4  # every second turn: 4 blocks cached
+    assert host.hit_tokens + stats.prefix_cache_hits == 4 * 16
+    assert host.hit_tokens >= 3 * 16  # the pool kept at most the last one
+    plain = _run(_engine(model, 64, caching=False), first + again)
+    assert [t for t, _ in results] == [t for t, _ in plain]
 
 
 def test_different_salts_never_share(model: Transformer) -> None:

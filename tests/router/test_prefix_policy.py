@@ -11,11 +11,12 @@ from collections import Counter
 import pytest
 
 from deploy.args import build_parser, router_settings
+from kvferry.cache.allocator import BlockAllocator
 from kvferry.cache.layout import KvLayout
-from kvferry.cache.pool import BlockAllocator
 from kvferry.cache.prefix import (
     CacheEvent,
     EventsSince,
+    Tier,
     block_keys,
     cache_seed,
     max_shared_blocks,
@@ -201,24 +202,42 @@ def test_events_apply_in_order_and_move_the_cursor() -> None:
     k = KEYS
     worker.apply_stats(_stats(events=EventsSince(3, [CacheEvent(0, k[:3], []),
                                                      CacheEvent(0, [], k[:1])], False)), 1.0)
-    assert worker.cache.keys == set(k[1:3]) and worker.cache.event_seq == 3
+    assert set(worker.cache.keys) == set(k[1:3]) and worker.cache.event_seq == 3
     worker.apply_stats(_stats(events=EventsSince(4, [CacheEvent(0, [], k[2:3])], False)), 2.0)
-    assert worker.cache.keys == {k[1]} and worker.cache.event_seq == 4
+    assert set(worker.cache.keys) == {k[1]} and worker.cache.event_seq == 4
     worker.apply_stats(_stats(events=EventsSince(4, [], False)), 3.0)  # nothing new
-    assert worker.cache.keys == {k[1]} and worker.cache.event_seq == 4
+    assert set(worker.cache.keys) == {k[1]} and worker.cache.event_seq == 4
+
+
+def test_the_mirror_tracks_each_tier_and_keeps_a_key_while_any_tier_holds_it() -> None:
+    worker = _worker("a")
+    k = KEYS
+    worker.apply_stats(_stats(events=EventsSince(3, [
+        CacheEvent(0, k[:3], []), CacheEvent(0, k[:2], [], Tier.HOST),
+        CacheEvent(0, [], k[:2])], False)), 1.0)  # the device evicts 0, 1: the host keeps them
+    assert worker.cache.leading_tiers(k) == [Tier.HOST, Tier.HOST, Tier.DEVICE]
+    assert worker.cache.num_cached_blocks(k) == 3
+    worker.apply_stats(_stats(events=EventsSince(4, [
+        CacheEvent(0, [], k[1:2], Tier.HOST)], False)), 2.0)
+    assert worker.cache.leading_tiers(k) == [Tier.HOST]  # no tier holds key 1 now
+    assert set(worker.cache.keys) == {k[0], k[2]}
+    worker.apply_stats(_stats(events=EventsSince(6, [
+        CacheEvent(0, k[2:4], [], Tier.DISK), CacheEvent(0, k[:2], [], Tier.DEVICE)],
+        True)), 3.0)  # a snapshot: one event per tier
+    assert worker.cache.leading_tiers(k) == [Tier.DEVICE, Tier.DEVICE, Tier.DISK, Tier.DISK]
 
 
 def test_a_snapshot_replaces_the_set() -> None:
     worker = _worker("a", cached=KEYS[:4])
     worker.apply_stats(_stats(events=_stored(9, KEYS[6:], snapshot=True)), 1.0)
-    assert worker.cache.keys == set(KEYS[6:]) and worker.cache.event_seq == 9
+    assert set(worker.cache.keys) == set(KEYS[6:]) and worker.cache.event_seq == 9
 
 
 def test_an_older_answer_applies_no_events_and_keeps_the_cursor() -> None:
     worker = _worker("a")
     worker.apply_stats(_stats(events=_stored(5, KEYS[:2])), issued_at=2.0)
     worker.apply_stats(_stats(events=_stored(3, KEYS[2:4])), issued_at=1.0)  # issued before
-    assert worker.cache.keys == set(KEYS[:2]) and worker.cache.event_seq == 5
+    assert set(worker.cache.keys) == set(KEYS[:2]) and worker.cache.event_seq == 5
 
 
 def test_a_later_answer_from_an_older_cursor_replays_to_the_same_state() -> None:
@@ -229,7 +248,7 @@ def test_a_later_answer_from_an_older_cursor_replays_to_the_same_state() -> None
     worker.apply_stats(_stats(events=EventsSince(3, [store, evict], False)), issued_at=1.0)
     worker.apply_stats(_stats(events=EventsSince(
         4, [store, evict, CacheEvent(0, KEYS[5:6], [])], False)), issued_at=2.0)
-    assert worker.cache.keys == {KEYS[1], KEYS[5]} and worker.cache.event_seq == 4
+    assert set(worker.cache.keys) == {KEYS[1], KEYS[5]} and worker.cache.event_seq == 4
 
 
 def test_an_unhealthy_worker_is_forgotten_and_older_answers_refused() -> None:
@@ -241,7 +260,7 @@ def test_an_unhealthy_worker_is_forgotten_and_older_answers_refused() -> None:
     worker.apply_stats(_stats(events=_stored(7, KEYS)), issued_at=4.0)  # asked before
     assert not worker.cache.keys
     worker.apply_stats(_stats(events=_stored(2, KEYS[:1], snapshot=True)), issued_at=5.0)
-    assert worker.cache.keys == {KEYS[0]} and worker.cache.event_seq == 2
+    assert set(worker.cache.keys) == {KEYS[0]} and worker.cache.event_seq == 2
 
 
 def test_predicted_keys_count_until_events_retract_them_or_they_lapse(
@@ -296,14 +315,24 @@ def test_a_workers_allocator_reaches_the_router_through_the_proto() -> None:
     allocator.register(block_keys(PROMPT, BLOCK, seed), blocks)
     allocator.free(blocks)
     poll(1.0)  # cursor 0: a snapshot
-    assert worker.cache.keys == set(allocator.cached_keys()) and worker.cache.event_seq > 0
+    assert set(worker.cache.keys) == set(allocator.cached_keys()) and worker.cache.event_seq > 0
     state = RouterRequest("r", cache_salt="t")
     downstream.key_prompt(state, PROMPT)
     assert worker.cache.num_cached_blocks(state.block_keys) == 8
     allocator.alloc(64 - 8 + 2)  # evicts the two least recently released blocks
     poll(2.0)  # events after the cursor
-    assert worker.cache.keys == set(allocator.cached_keys())
+    assert set(worker.cache.keys) == set(allocator.cached_keys())
     assert worker.cache.num_cached_blocks(state.block_keys) == 6
+
+
+def test_a_tier_survives_the_proto() -> None:
+    since = EventsSince(4, [CacheEvent(0, KEYS[:2], [], Tier.HOST),
+                            CacheEvent(0, [], KEYS[:1], Tier.STORE)], False)
+    msg = worker_pb2.WorkerStats(total_blocks=1)
+    convert.add_cache_events(msg, since)
+    assert [e.tier for e in msg.cache_events] == [worker_pb2.KV_TIER_HOST,
+                                                  worker_pb2.KV_TIER_STORE]
+    assert convert.stats_from_proto(msg).cache_events == since
 
 
 # ---- plumbing: keys, admission, settings --------------------------------------------------

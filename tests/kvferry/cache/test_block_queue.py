@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
+from kvferry.cache.allocator import BlockAllocator
 from kvferry.cache.block_queue import BlockQueue
-from kvferry.cache.pool import BlockAllocator
 from kvferry.errors import ResourceExhausted
 
 

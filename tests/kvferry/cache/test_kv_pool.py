@@ -3,8 +3,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvferry.cache.allocator import BlockAllocator
 from kvferry.cache.layout import blocks_for_tokens
-from kvferry.cache.pool import BlockAllocator, KvPool
+from kvferry.cache.pool import KvPool
 from kvferry.errors import ResourceExhausted
 
 

@@ -11,9 +11,11 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvferry.cache.pool import BlockAllocator
+from kvferry.cache.allocator import BlockAllocator
 from kvferry.cache.prefix import (
     KEY_BYTES,
+    CacheEvents,
+    Tier,
     block_keys,
     cache_seed,
     check_cache_salt,
@@ -129,6 +131,21 @@ def test_events_are_incremental_until_the_log_forgets() -> None:
     alloc.register(block_keys(list(range(90, 94)), 4, SEED), [0])
     assert alloc.events_since(first.seq).is_snapshot  # the log kept only the last 2
     assert alloc.events_since(alloc.events.seq + 5).is_snapshot  # a cursor from before a restart
+
+
+def test_every_tier_logs_in_one_sequence_and_snapshots_one_event_per_tier() -> None:
+    events = CacheEvents()
+    a, b = block_keys(list(range(8)), 4, SEED)
+    events.add([a, b], [])
+    events.add([a], [], Tier.HOST)
+    events.add([], [a])
+    since = events.since(1, {})
+    assert [(e.seq, e.stored, e.removed, e.tier) for e in since.events] == [
+        (2, [a], [], Tier.HOST), (3, [], [a], Tier.DEVICE)]
+    snapshot = events.since(0, {Tier.DEVICE: [b], Tier.HOST: [a]})
+    assert snapshot.is_snapshot and snapshot.seq == 3
+    assert [(e.stored, e.tier) for e in snapshot.events] == [([b], Tier.DEVICE),
+                                                             ([a], Tier.HOST)]
 
 
 class AllocatorMachine(RuleBasedStateMachine):

@@ -1,0 +1,34 @@
+"""The K/V tier flags (host memory for now): one place for the worker commands, for
+`kvferry serve` / `demo`, which pass them to every worker, and for the settings they build."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvferry.cache.tiers.config import WRITE_POLICIES, TierSettings
+
+
+def tier_args(p: argparse.ArgumentParser, is_deployment: bool = False) -> None:
+    every = "every worker: " if is_deployment else ""
+    p.add_argument("--kv-host-cache-size", default=None, metavar="SIZE",
+                   help=f"{every}keep prefix-cache blocks in host memory below the K/V pool: "
+                        "bytes (16GiB) or a fraction (0.2) of the host memory available; a "
+                        "prompt whose prefix left the pool is copied back instead of "
+                        "recomputed (default: no host tier)")
+    p.add_argument("--kv-host-write-policy", default=WRITE_POLICIES[0], choices=WRITE_POLICIES,
+                   help=f"{every}write_through: blocks are copied to host memory as soon as "
+                        "they are indexed, so the pool evicts them for free")
+
+
+def tier_settings(args: argparse.Namespace) -> TierSettings:
+    return TierSettings(host_cache_size=args.kv_host_cache_size,
+                        host_write_policy=args.kv_host_write_policy)
+
+
+def tier_argv(args: argparse.Namespace) -> list[str]:
+    """The tier flags of `args` as a worker's command line (what serve passes on)."""
+    argv: list[str] = []
+    if args.kv_host_cache_size is not None:
+        argv += ["--kv-host-cache-size", args.kv_host_cache_size,
+                 "--kv-host-write-policy", args.kv_host_write_policy]
+    return argv

@@ -1,0 +1,64 @@
+"""The tiers a worker runs with (`WorkerSettings.tiers`): flags' values, checked. No torch
+here: settings import it (`kvferry.cache.tiers.tiered.build_tiered_cache` builds the tiers)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvferry.sizes import parse_pool_size
+
+WRITE_POLICIES = ("write_through",)
+_CGROUP_LIMIT = Path("/sys/fs/cgroup/memory.max")
+
+
+@dataclass(frozen=True)
+class TierSettings:
+    """None everywhere: the pool alone (today's prefix cache)."""
+
+    # Host-memory tier: bytes ("4GiB") or a fraction ("0.2") of the memory this process may
+    # use (MemAvailable, or the cgroup's limit when lower).
+    host_cache_size: str | None = None
+    host_write_policy: str = WRITE_POLICIES[0]
+
+    def __post_init__(self) -> None:
+        if self.host_write_policy not in WRITE_POLICIES:
+            raise ValueError(f"kv_host_write_policy: expected one of {', '.join(WRITE_POLICIES)}"
+                             f", got {self.host_write_policy!r}")
+        if self.host_cache_size is not None:
+            host_cache_bytes(self.host_cache_size)
+
+    @property
+    def is_tiered(self) -> bool:
+        return self.host_cache_size is not None
+
+
+def host_memory_bytes() -> int:
+    """Host memory this process may still take: MemAvailable, capped by a cgroup v2 limit
+    (SGLang sized its host pool from the machine and got OOM-killed in containers)."""
+    available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        limit = _CGROUP_LIMIT.read_text().strip()
+        if limit != "max":
+            available = min(available, int(limit))
+    except (OSError, ValueError):
+        pass
+    return available
+
+
+def host_cache_bytes(value: str) -> int:
+    """--kv-host-cache-size in bytes; ValueError naming the flag when unparsable or more
+    than the host has available."""
+    available = host_memory_bytes()
+    size = parse_pool_size(value, available, "kv_host_cache_size")
+    if size > available:
+        raise ValueError(f"kv_host_cache_size: {size} bytes is more than the {available} "
+                         "bytes of host memory available")
+    return size

@@ -1,0 +1,170 @@
+"""The host-memory tier: copies of cached K/V blocks in a region of host memory of its own.
+
+One slot holds one block of every layer's K and V, laid out as the pool holds it
+(`[layers, 2, *page]`: dense K/V or quantized pages with their scales), so a copy in or out is
+one `index_copy_` of whole blocks. The index lives on the event loop; the bytes move on the
+tiered cache's threads. A slot being written is invisible until `commit`; a slot being read
+(or written) is pinned, and eviction (least recently used first) skips pinned slots, so no
+slot is reused under a running copy.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from kvferry.cache.allocator import IntegrityReport
+from kvferry.cache.pool import KvPool
+from kvferry.cache.prefix import CacheEvents, Tier
+
+
+class Slot(NamedTuple):
+    key: bytes
+    slot: int
+
+
+class HostTier:
+    """`num_slots` blocks of host memory below `pool`, logging to the pool's event log."""
+
+    tier = Tier.HOST
+
+    def __init__(self, pool: KvPool, num_slots: int, events: CacheEvents) -> None:
+        if num_slots < 1:
+            raise ValueError(f"kv_host_cache_size: holds no block (a block is "
+                             f"{block_nbytes(pool)} bytes)")
+        block_shape = (pool.cache.shape[0], 2, *pool.cache.shape[3:])
+        # [num_slots, layers, 2, *page]: one block of every layer per slot
+        self.data = torch.empty((num_slots, *block_shape), dtype=pool.cache.dtype)
+        self.num_slots = num_slots
+        self.events = events
+        self._slot_of: OrderedDict[bytes, int] = OrderedDict()  # committed; LRU first
+        self._writing: dict[bytes, int] = {}  # reserved by a write not committed yet
+        self._pins = [0] * num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
+        self.num_evictions = 0
+        self.num_dropped_writes = 0  # no unpinned slot to take
+
+    @property
+    def num_used(self) -> int:
+        return self.num_slots - len(self._free)
+
+    def keys(self) -> list[bytes]:
+        return list(self._slot_of)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._slot_of
+
+    def leading(self, keys: Sequence[bytes]) -> int:
+        """How many of `keys`, from the first, this tier holds (committed)."""
+        count = 0
+        for key in keys:
+            if key not in self._slot_of:
+                break
+            count += 1
+        return count
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """Mark held keys most recently used (the device just served them)."""
+        for key in keys:
+            if key in self._slot_of:
+                self._slot_of.move_to_end(key)
+
+    def pin(self, keys: Sequence[bytes]) -> list[int]:
+        """The slots of `keys` (all held), pinned until `unpin`, and marked recently used."""
+        slots = [self._slot_of[key] for key in keys]
+        self.touch(keys)
+        for slot in slots:
+            self._pins[slot] += 1
+        return slots
+
+    def unpin(self, slots: Sequence[int]) -> None:
+        for slot in slots:
+            if self._pins[slot] <= 0:
+                raise ValueError(f"host slot {slot} unpinned twice")
+            self._pins[slot] -= 1
+
+    def reserve(self, keys: Sequence[bytes]) -> list[Slot]:
+        """Pinned slots to write the keys this tier lacks into (held keys are only marked
+        used). A slot comes from the free list or from evicting the least recently used
+        unpinned block; with neither, the rest is dropped and counted."""
+        taken: list[Slot] = []
+        removed: list[bytes] = []
+        for key in keys:
+            if key in self._slot_of:
+                self._slot_of.move_to_end(key)
+                continue
+            if key in self._writing:
+                continue
+            slot = self._take(removed)
+            if slot is None:
+                self.num_dropped_writes += 1
+                continue
+            self._pins[slot] += 1
+            self._writing[key] = slot
+            taken.append(Slot(key, slot))
+        self.events.add([], removed, Tier.HOST)
+        return taken
+
+    def _take(self, removed: list[bytes]) -> int | None:
+        if self._free:
+            return self._free.pop()
+        for key, slot in self._slot_of.items():
+            if self._pins[slot] == 0:
+                del self._slot_of[key]
+                removed.append(key)
+                self.num_evictions += 1
+                return slot
+        return None
+
+    def commit(self, written: Sequence[Slot], is_ok: bool) -> None:
+        """Writes into `written` (from `reserve`) ended: visible when `is_ok`, else freed."""
+        stored: list[bytes] = []
+        for key, slot in written:
+            del self._writing[key]
+            self._pins[slot] -= 1
+            if is_ok:
+                self._slot_of[key] = slot
+                stored.append(key)
+            else:
+                self._free.append(slot)
+        self.events.add(stored, [], Tier.HOST)
+
+    def check_integrity(self) -> IntegrityReport:
+        """Every slot is free, committed or being written, exactly once; no pin is left on
+        a slot when `is_idle`."""
+        held = list(self._slot_of.values()) + list(self._writing.values()) + self._free
+        if sorted(held) != list(range(self.num_slots)):
+            return IntegrityReport(False, f"host slots: {len(held)} accounted for, "
+                                   f"{len(set(held))} distinct, of {self.num_slots}")
+        if any(count < 0 for count in self._pins):
+            return IntegrityReport(False, "a host slot has a negative pin count")
+        return IntegrityReport(True, "")
+
+    @property
+    def is_idle(self) -> bool:
+        return not self._writing and not any(self._pins)
+
+
+def block_nbytes(pool: KvPool) -> int:
+    """Bytes of one block of every layer's K and V (a slot)."""
+    return 2 * pool.num_layers * pool.page_nbytes
+
+
+def copy_out(pool: KvPool, block_ids: Sequence[int], host: HostTier,
+             slots: Sequence[int]) -> None:
+    """Pool blocks -> host slots (a tier thread; the blocks are final and referenced)."""
+    ids = torch.tensor(block_ids, dtype=torch.int64, device=pool.cache.device)
+    # [layers, 2, n, *page] -> [n, layers, 2, *page]
+    pages = pool.cache.index_select(2, ids).movedim(2, 0)
+    host.data.index_copy_(0, torch.tensor(slots, dtype=torch.int64), pages.to("cpu"))
+
+
+def copy_in(host: HostTier, slots: Sequence[int], pool: KvPool,
+            block_ids: Sequence[int]) -> None:
+    """Host slots -> pool blocks no request reads yet (a tier thread; the slots are pinned)."""
+    pages = host.data.index_select(0, torch.tensor(slots, dtype=torch.int64))
+    ids = torch.tensor(block_ids, dtype=torch.int64, device=pool.cache.device)
+    pool.cache.index_copy_(2, ids, pages.movedim(0, 2).to(pool.cache.device))
