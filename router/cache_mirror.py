@@ -10,6 +10,11 @@ request's prompt keys count as cached on the worker it was sent to for `PREDICTE
 (Dynamo's approximate mode, SGLang's router tree), so a burst of requests sharing a prefix
 lands on one worker before any event reports it; the worker's events confirm them (stored)
 or retract them (evicted), and unconfirmed ones lapse.
+
+Each key carries the set of tiers the worker holds it in (device pool, host memory, disk,
+shared store: `kvferry.cache.prefix.Tier`), as a bitmask; a key leaves the mirror when no tier
+holds it. `num_cached_blocks` counts a key in any tier (the `prefix` policy is tier-agnostic,
+as Dynamo's merged view); `leading_tiers` says which tier is the fastest for each.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvferry.cache.prefix import EventsSince
+from kvferry.cache.prefix import EventsSince, Tier
 
 # How long a key predicted on a worker (a request sent there) counts as cached without the
 # worker's events confirming it: a long prefill and push, plus a few stats refreshes.
@@ -29,7 +34,8 @@ PREDICTED_KEY_TTL_S = 10.0
 class CacheMirror:
     """One worker's prefix-cache index as the router knows it."""
 
-    keys: set[bytes] = field(default_factory=set)  # reported by the worker's events
+    # Reported by the worker's events: key -> bitmask of the tiers holding it (1 << Tier).
+    keys: dict[bytes, int] = field(default_factory=dict)
     # Sequence number of the last event applied (0: none, the next answer is a snapshot).
     event_seq: int = 0
     predicted: dict[bytes, float] = field(default_factory=dict)  # key -> monotonic expiry
@@ -51,6 +57,20 @@ class CacheMirror:
             count += 1
         return count
 
+    def leading_tiers(self, keys: Sequence[bytes]) -> list[Tier]:
+        """For each leading key the worker holds, the fastest tier holding it (a predicted
+        key counts as on the device)."""
+        now = time.monotonic()
+        tiers: list[Tier] = []
+        for key in keys:
+            mask = self.keys.get(key, 0)
+            if self.predicted.get(key, 0.0) > now:
+                mask |= 1 << Tier.DEVICE
+            if not mask:
+                break
+            tiers.append(Tier((mask & -mask).bit_length() - 1))
+        return tiers
+
     def apply(self, since: EventsSince) -> None:
         """Apply the events of one answer, in order. An answer issued later than the one
         applied last but asked with an older cursor replays events already applied: replaying
@@ -60,11 +80,15 @@ class CacheMirror:
         if since.is_snapshot:
             self.keys.clear()
         for event in since.events:
-            self.keys.difference_update(event.removed)
-            self.keys.update(event.stored)
+            bit = 1 << event.tier
             for key in event.removed:
-                self.predicted.pop(key, None)
+                mask = self.keys.pop(key, 0) & ~bit
+                if mask:
+                    self.keys[key] = mask
+                if event.tier is Tier.DEVICE:
+                    self.predicted.pop(key, None)
             for key in event.stored:
+                self.keys[key] = self.keys.get(key, 0) | bit
                 self.predicted.pop(key, None)
         self.event_seq = since.seq
         now = time.monotonic()
