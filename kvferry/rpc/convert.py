@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from kvferry.cache.layout import KvLayout
 from kvferry.cache.prefix import CacheEvent, EventsSince, Tier
-from kvferry.cache.stats import PoolStats
+from kvferry.cache.stats import PoolStats, TierStats
 from kvferry.model.sampling import DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, SamplingParams
 from kvferry.v1 import generation_pb2, worker_pb2
 
@@ -50,7 +52,14 @@ def stats_to_proto(role: str, stats: PoolStats, layout: worker_pb2.KvLayout
         num_parked=stats.num_parked, num_parked_evictions=stats.num_evictions,
         num_compiles=stats.num_compiles, prefix_cache_queries=stats.prefix_cache_queries,
         prefix_cache_hits=stats.prefix_cache_hits, cached_blocks=stats.cached_blocks,
+        tiers=[worker_pb2.TierStats(**{**dataclasses.asdict(t), "tier": int(t.tier)})
+               for t in stats.tiers],
     )
+
+
+def _tier_from_proto(msg: worker_pb2.TierStats) -> TierStats:
+    values = {f.name: getattr(msg, f.name) for f in dataclasses.fields(TierStats)}
+    return TierStats(**{**values, "tier": Tier(msg.tier)})
 
 
 def add_cache_events(msg: worker_pb2.WorkerStats, events: EventsSince) -> None:
@@ -90,6 +99,7 @@ def stats_from_proto(msg: worker_pb2.WorkerStats) -> PoolStats:
         num_parked=msg.num_parked, num_evictions=msg.num_parked_evictions,
         num_compiles=msg.num_compiles, prefix_cache_queries=msg.prefix_cache_queries,
         prefix_cache_hits=msg.prefix_cache_hits, cached_blocks=msg.cached_blocks,
+        tiers=tuple(_tier_from_proto(t) for t in msg.tiers),
         cache_events=EventsSince(
             msg.cache_event_seq,
             [CacheEvent(0, list(e.stored), list(e.removed), Tier(e.tier))

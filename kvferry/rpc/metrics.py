@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvferry.cache.stats import PoolStats
+from kvferry.cache.stats import PoolStats, TierStats
 
 log = logging.getLogger("kvferry.metrics")
 
@@ -123,6 +123,43 @@ class WorkerCollector(Collector):
         yield CounterMetricFamily(f"kvferry_kv_bytes_{direction}",
                                   f"K/V page bytes {direction} over the transport.",
                                   self._kv_bytes())
+        yield from _tier_metrics(s.tiers)
+
+
+# name, kind, help, TierStats field: one sample per tier, labelled {tier}
+_TIER_METRICS = (
+    ("kvferry_external_prefix_cache_hits", CounterMetricFamily,
+     "Prompt tokens found in a tier below the pool and promoted into it (vLLM's "
+     "external_prefix_cache_hits).", "hit_tokens"),
+    ("kvferry_kv_tier_blocks", GaugeMetricFamily, "Blocks the tier holds.", "used_blocks"),
+    ("kvferry_kv_tier_capacity_blocks", GaugeMetricFamily, "Blocks the tier can hold.",
+     "capacity_blocks"),
+    ("kvferry_kv_tier_bytes_in", CounterMetricFamily, "Bytes written into the tier.",
+     "bytes_in"),
+    ("kvferry_kv_tier_bytes_out", CounterMetricFamily,
+     "Bytes read out of the tier into the pool.", "bytes_out"),
+    ("kvferry_kv_tier_evictions", CounterMetricFamily,
+     "Blocks the tier dropped to make room.", "evictions"),
+    ("kvferry_kv_tier_dropped_writes", CounterMetricFamily,
+     "Blocks the tier did not take (slots pinned, write queue full).", "dropped_writes"),
+    ("kvferry_kv_tier_corrupt_blocks", CounterMetricFamily,
+     "Blocks that failed their check on read and were dropped.", "corrupt_blocks"),
+    ("kvferry_kv_tier_promotions", CounterMetricFamily,
+     "Lookups that promoted blocks from the tier.", "num_promotions"),
+    ("kvferry_kv_tier_promotion_seconds", CounterMetricFamily,
+     "Seconds promotions from the tier took, summed.", "promotion_s"),
+)
+
+
+def _tier_metrics(tiers: tuple[TierStats, ...]
+                  ) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    if not tiers:
+        return
+    for name, kind, doc, field in _TIER_METRICS:
+        family = kind(name, doc, labels=["tier"])
+        for stats in tiers:
+            family.add_metric([stats.tier.name.lower()], getattr(stats, field))
+        yield family
 
 
 class ReportedKeys(Protocol):
