@@ -1,0 +1,99 @@
+"""The host-memory K/V tier end to end (issue 35, acceptance 1): workers restarted with pools
+of 12 blocks and a host tier; a prompt, then four others that push it out of every pool, then
+the prompt again. The second time, each worker finds its prefix in host memory and copies it
+back (its host `hit_tokens` grow by the prompt's full blocks, its pool's prefix hits do not),
+and the tokens are those of transformers generate, as the first time. Over gRPC and NIXL
+between prefill and decode processes, and on a colocated worker."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from deploy import client
+from deploy.launcher import Deployment
+from kvferry.v1 import worker_pb2
+from tests.conftest import (
+    DETAILS,
+    NIXL,
+    QWEN3_BLOCK_BYTES,
+    assert_alive,
+    assert_pools_clean,
+    worker_stats,
+)
+from tests.deployments import reconfigured, restart, routed
+from tests.e2e.test_token_exact import _hf_model, _reference
+
+pytestmark = pytest.mark.slow
+
+BLOCK = 16  # the deployments' block size (the default)
+PROMPT_TOKENS = 5 * BLOCK + 1  # 5 full blocks, and the last token's block
+MAX_TOKENS = 8
+POOL = f"{12 * QWEN3_BLOCK_BYTES}B"  # 12 blocks: four other prompts push one out
+HOST = ["--kv-pool-size", POOL, "--kv-host-cache-size", "64MiB"]
+SALT = "test_kv_tiers"
+
+CASES = {"grpc": ("qwen3_deployment", ["prefill-0", "decode-0"], []),
+         "nixl": ("qwen3_deployment", ["prefill-0", "decode-0"], NIXL),
+         "colocated": ("colocated_deployment", ["colocated-0"], [])}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def tier_deployment(request: pytest.FixtureRequest) -> Iterator[Deployment]:
+    """The shared deployment's workers restarted with small pools over a host tier, behind
+    a router of their own; restarted as they were afterwards."""
+    fixture, names, transport = CASES[request.param]
+    shared: Deployment = request.getfixturevalue(fixture)
+    try:
+        with (reconfigured(shared, names, [*HOST, *transport], restore=False),
+              routed(shared, f"router-tiers-{request.param}", DETAILS) as deployment):
+            yield deployment
+    finally:
+        restart(shared, names)
+
+
+def _prompt(seed: int, vocab: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(1, vocab, (PROMPT_TOKENS,), generator=gen).tolist()
+
+
+def _generate(deployment: Deployment, prompt: list[int]) -> client.Completion:
+    request = client.make_request(prompt, temperature=0.0, max_tokens=MAX_TOKENS,
+                                  ignore_eos=True)
+    request.cache_salt = SALT
+    return asyncio.run(client.generate(deployment.router_address, request, 300))
+
+
+def _host(stats: worker_pb2.WorkerStats) -> worker_pb2.TierStats:
+    (host,) = stats.tiers
+    assert host.tier == worker_pb2.KV_TIER_HOST
+    return host
+
+
+def test_a_prefix_pushed_out_of_every_pool_comes_back_from_host_memory(
+        tier_deployment: Deployment, qwen3_checkpoint: Path) -> None:
+    vocab = _hf_model(qwen3_checkpoint).config.vocab_size
+    prompt = _prompt(0, vocab)
+    expected = _reference(qwen3_checkpoint, prompt, MAX_TOKENS)
+    cold = _generate(tier_deployment, prompt)
+    assert cold.token_ids == expected
+    assert cold.finished.usage.cached_prompt_tokens == 0
+    for seed in range(1, 5):
+        _generate(tier_deployment, _prompt(seed, vocab))
+    assert_pools_clean(tier_deployment)  # also: every write-through copy has let go
+    before = worker_stats(tier_deployment)
+    again = _generate(tier_deployment, prompt)
+    assert again.token_ids == expected
+    assert again.finished.usage.cached_prompt_tokens == 5 * BLOCK
+    after = worker_stats(tier_deployment)
+    for old, new in zip(before, after):
+        assert new.prefix_cache_hits == old.prefix_cache_hits, f"{new.role}: a pool hit"
+        assert _host(new).hit_tokens - _host(old).hit_tokens == 5 * BLOCK, new.role
+        assert _host(new).bytes_out > _host(old).bytes_out
+        assert _host(new).num_promotions == _host(old).num_promotions + 1
+    assert_pools_clean(tier_deployment)
+    assert_alive(tier_deployment)
