@@ -15,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from deploy import client
 from deploy.launcher import Deployment, Process
+from kvferry.faults import tag
 from kvferry.rpc import grpc_util
 from kvferry.rpc.grpc_util import CHANNEL_OPTIONS
 from kvferry.v1 import generation_pb2, generation_pb2_grpc
@@ -92,14 +93,17 @@ def _drain(deployment: Deployment, request: generation_pb2.GenerateRequest
 def test_sigterm_drains_a_decode_worker(migrates: bool, qwen3_2p2d_deployment: Deployment
                                         ) -> None:
     """The shared 2p2d workers drain for up to 30 s (the default): the stream finishes on
-    the draining worker. Restarted with --drain-timeout-s 0.3, the stream outlives the
-    drain and migrates."""
+    the draining worker. Restarted with --drain-timeout-s 5, the stream (each of its steps
+    held 40 ms by a fault) outlives the drain and migrates; the 5 s leave the router, which
+    polls health every refresh, time to see the drain on a loaded machine (0.3 s did not)."""
     deployment = qwen3_2p2d_deployment
     request = client.make_request(PROMPT, temperature=0.0, max_tokens=400, ignore_eos=True)
     undisturbed = asyncio.run(client.generate(deployment.router_address, request, 120))
     if migrates:
-        with reconfigured(deployment, ["decode-0", "decode-1"], ["--drain-timeout-s", "0.3"]):
-            got, other, _ = _drain(deployment, request)
+        slow = client.make_request(PROMPT, "drained" + tag(decode_step_delay_s=0.04),
+                                   temperature=0.0, max_tokens=400, ignore_eos=True)
+        with reconfigured(deployment, ["decode-0", "decode-1"], ["--drain-timeout-s", "5"]):
+            got, other, _ = _drain(deployment, slow)
     else:
         got, other, victim = _drain(deployment, request)
         respawn(victim.name, deployment)
