@@ -14,7 +14,7 @@ from deploy.start_log import record_start
 from deploy.worker_model import build_model
 from kvferry import trace
 from kvferry.cache.layout import KvLayout
-from kvferry.cache.tiers.tiered import build_tiered_cache
+from kvferry.cache.tiers.build import build_tiered_cache
 from kvferry.faults import Faults
 from kvferry.model.config import load_model_config
 from kvferry.model.prefill_batch import token_budget_for

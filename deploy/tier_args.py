@@ -1,11 +1,11 @@
-"""The K/V tier flags (host memory for now): one place for the worker commands, for
+"""The K/V tier flags (host memory, disk): one place for the worker commands, for
 `kvferry serve` / `demo`, which pass them to every worker, and for the settings they build."""
 
 from __future__ import annotations
 
 import argparse
 
-from kvferry.cache.tiers.config import WRITE_POLICIES, TierSettings
+from kvferry.cache.tiers.config import DEFAULT_DISK_CACHE_SIZE, WRITE_POLICIES, TierSettings
 
 
 def tier_args(p: argparse.ArgumentParser, is_deployment: bool = False) -> None:
@@ -18,11 +18,20 @@ def tier_args(p: argparse.ArgumentParser, is_deployment: bool = False) -> None:
     p.add_argument("--kv-host-write-policy", default=WRITE_POLICIES[0], choices=WRITE_POLICIES,
                    help=f"{every}write_through: blocks are copied to host memory as soon as "
                         "they are indexed, so the pool evicts them for free")
+    p.add_argument("--kv-disk-cache-dir", default=None, metavar="DIR",
+                   help=f"{every}also keep blocks as files under DIR (needs "
+                        "--kv-host-cache-size), found again after a restart; workers may "
+                        "share DIR, each takes a subdirectory of its own")
+    p.add_argument("--kv-disk-cache-size", default=DEFAULT_DISK_CACHE_SIZE, metavar="SIZE",
+                   help=f"{every}the disk tier's cap: bytes, or a fraction of the free space "
+                        "under --kv-disk-cache-dir")
 
 
 def tier_settings(args: argparse.Namespace) -> TierSettings:
     return TierSettings(host_cache_size=args.kv_host_cache_size,
-                        host_write_policy=args.kv_host_write_policy)
+                        host_write_policy=args.kv_host_write_policy,
+                        disk_cache_dir=args.kv_disk_cache_dir,
+                        disk_cache_size=args.kv_disk_cache_size)
 
 
 def tier_argv(args: argparse.Namespace) -> list[str]:
@@ -31,4 +40,7 @@ def tier_argv(args: argparse.Namespace) -> list[str]:
     if args.kv_host_cache_size is not None:
         argv += ["--kv-host-cache-size", args.kv_host_cache_size,
                  "--kv-host-write-policy", args.kv_host_write_policy]
+    if args.kv_disk_cache_dir is not None:
+        argv += ["--kv-disk-cache-dir", args.kv_disk_cache_dir,
+                 "--kv-disk-cache-size", args.kv_disk_cache_size]
     return argv

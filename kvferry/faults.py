@@ -2,8 +2,9 @@
 
 For a whole process, by environment variables read when a worker starts (every request):
 KVFERRY_FAULT_PUSH_CHUNK_DELAY_S, KVFERRY_FAULT_PUSH_DONE_DELAY_S, KVFERRY_FAULT_CORRUPT_PUSHES,
-KVFERRY_FAULT_BREAK_PUSHES, KVFERRY_FAULT_NIXL_READ_DELAY_S, KVFERRY_FAULT_DECODE_STEP_DELAY_S
-and KVFERRY_FAULT_DECODE_STEPS (one per field of `Faults`).
+KVFERRY_FAULT_BREAK_PUSHES, KVFERRY_FAULT_NIXL_READ_DELAY_S, KVFERRY_FAULT_DECODE_STEP_DELAY_S,
+KVFERRY_FAULT_DECODE_STEPS, KVFERRY_FAULT_DISK_FULL_AFTER_BYTES and
+KVFERRY_FAULT_TIER_WRITE_DELAY_S (one per field of `Faults`).
 
 For one request, only in a process started with KVFERRY_FAULTS=per-request: the request's id
 carries `!<field>=<value>` tags, e.g. `t7!push_chunk_delay_s=0.4!corrupt_pushes=1`, which
@@ -43,6 +44,8 @@ class Faults:
     nixl_read_delay_s: float = 0.0  # decode: sleep before each NIXL read of the K/V
     decode_step_delay_s: float = 0.0  # decode: each step (holding the request) that much slower
     decode_steps: str = ""  # decode: steps whose forward raises, from 1: "3,7" or "3-"
+    disk_full_after_bytes: int = 0  # disk tier: writes fail with ENOSPC past this many bytes
+    tier_write_delay_s: float = 0.0  # disk tier: pause between a block's bytes and its rename
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> Faults:

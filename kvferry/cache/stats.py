@@ -3,8 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import IntEnum
 
 from kvferry.cache.prefix import EventsSince, Tier
+
+
+class TierState(IntEnum):
+    """What a tier below the pool does now (proto TierStats.state)."""
+
+    ENABLED = 0
+    READ_ONLY = 1  # full: serves what it holds, takes nothing new
+    DISABLED = 2  # failing: neither serves nor takes
 
 
 @dataclass(frozen=True)
@@ -22,6 +31,7 @@ class TierStats:
     corrupt_blocks: int = 0  # blocks that failed their check and were dropped
     num_promotions: int = 0  # lookups that promoted blocks from it
     promotion_s: float = 0.0  # their time, summed
+    state: TierState = TierState.ENABLED
 
 
 @dataclass(frozen=True)

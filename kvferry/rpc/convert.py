@@ -6,7 +6,7 @@ import dataclasses
 
 from kvferry.cache.layout import KvLayout
 from kvferry.cache.prefix import CacheEvent, EventsSince, Tier
-from kvferry.cache.stats import PoolStats, TierStats
+from kvferry.cache.stats import PoolStats, TierState, TierStats
 from kvferry.model.sampling import DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, SamplingParams
 from kvferry.v1 import generation_pb2, worker_pb2
 
@@ -52,14 +52,15 @@ def stats_to_proto(role: str, stats: PoolStats, layout: worker_pb2.KvLayout
         num_parked=stats.num_parked, num_parked_evictions=stats.num_evictions,
         num_compiles=stats.num_compiles, prefix_cache_queries=stats.prefix_cache_queries,
         prefix_cache_hits=stats.prefix_cache_hits, cached_blocks=stats.cached_blocks,
-        tiers=[worker_pb2.TierStats(**{**dataclasses.asdict(t), "tier": int(t.tier)})
+        tiers=[worker_pb2.TierStats(**{**dataclasses.asdict(t), "tier": int(t.tier),
+                                        "state": int(t.state)})
                for t in stats.tiers],
     )
 
 
 def _tier_from_proto(msg: worker_pb2.TierStats) -> TierStats:
     values = {f.name: getattr(msg, f.name) for f in dataclasses.fields(TierStats)}
-    return TierStats(**{**values, "tier": Tier(msg.tier)})
+    return TierStats(**{**values, "tier": Tier(msg.tier), "state": TierState(msg.state)})
 
 
 def add_cache_events(msg: worker_pb2.WorkerStats, events: EventsSince) -> None:

@@ -148,6 +148,8 @@ _TIER_METRICS = (
      "Lookups that promoted blocks from the tier.", "num_promotions"),
     ("kvferry_kv_tier_promotion_seconds", CounterMetricFamily,
      "Seconds promotions from the tier took, summed.", "promotion_s"),
+    ("kvferry_kv_tier_state", GaugeMetricFamily,
+     "0: enabled, 1: read-only (full), 2: disabled (failing).", "state"),
 )
 
 

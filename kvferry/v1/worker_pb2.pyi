@@ -342,7 +342,7 @@ class WorkerStats(_message.Message):
     def __init__(self, role: _Optional[str] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., reserved_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., integrity_ok: _Optional[bool] = ..., integrity_error: _Optional[str] = ..., num_preemptions: _Optional[int] = ..., num_pending_prefill_tokens: _Optional[int] = ..., num_decode_steps: _Optional[int] = ..., max_abort_delay_steps: _Optional[int] = ..., projected_blocks: _Optional[int] = ..., num_corrupt_pushes: _Optional[int] = ..., num_parked: _Optional[int] = ..., num_parked_evictions: _Optional[int] = ..., num_compiles: _Optional[int] = ..., cache_event_seq: _Optional[int] = ..., cache_events: _Optional[_Iterable[_Union[CacheEvent, _Mapping]]] = ..., cache_snapshot: _Optional[bool] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ...) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("tier", "capacity_blocks", "used_blocks", "hit_tokens", "bytes_in", "bytes_out", "evictions", "dropped_writes", "corrupt_blocks", "num_promotions", "promotion_s")
+    __slots__ = ("tier", "capacity_blocks", "used_blocks", "hit_tokens", "bytes_in", "bytes_out", "evictions", "dropped_writes", "corrupt_blocks", "num_promotions", "promotion_s", "state")
     TIER_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -354,6 +354,7 @@ class TierStats(_message.Message):
     CORRUPT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMOTIONS_FIELD_NUMBER: _ClassVar[int]
     PROMOTION_S_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
     tier: KvTier
     capacity_blocks: int
     used_blocks: int
@@ -365,4 +366,5 @@ class TierStats(_message.Message):
     corrupt_blocks: int
     num_promotions: int
     promotion_s: float
-    def __init__(self, tier: _Optional[_Union[KvTier, str]] = ..., capacity_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., evictions: _Optional[int] = ..., dropped_writes: _Optional[int] = ..., corrupt_blocks: _Optional[int] = ..., num_promotions: _Optional[int] = ..., promotion_s: _Optional[float] = ...) -> None: ...
+    state: int
+    def __init__(self, tier: _Optional[_Union[KvTier, str]] = ..., capacity_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., evictions: _Optional[int] = ..., dropped_writes: _Optional[int] = ..., corrupt_blocks: _Optional[int] = ..., num_promotions: _Optional[int] = ..., promotion_s: _Optional[float] = ..., state: _Optional[int] = ...) -> None: ...

@@ -10,6 +10,7 @@ from pathlib import Path
 from kvferry.sizes import parse_pool_size
 
 WRITE_POLICIES = ("write_through",)
+DEFAULT_DISK_CACHE_SIZE = "16GiB"
 _CGROUP_LIMIT = Path("/sys/fs/cgroup/memory.max")
 
 
@@ -21,6 +22,10 @@ class TierSettings:
     # use (MemAvailable, or the cgroup's limit when lower).
     host_cache_size: str | None = None
     host_write_policy: str = WRITE_POLICIES[0]
+    # Disk tier (needs the host tier): a directory worker processes may share (each takes a
+    # subdirectory of its own), and each one's cap in bytes.
+    disk_cache_dir: str | None = None
+    disk_cache_size: str = DEFAULT_DISK_CACHE_SIZE
 
     def __post_init__(self) -> None:
         if self.host_write_policy not in WRITE_POLICIES:
@@ -28,6 +33,11 @@ class TierSettings:
                              f", got {self.host_write_policy!r}")
         if self.host_cache_size is not None:
             host_cache_bytes(self.host_cache_size)
+        if self.disk_cache_dir is not None:
+            if self.host_cache_size is None:
+                raise ValueError("kv_disk_cache_dir: needs a host tier (--kv-host-cache-size): "
+                                 "disk blocks are read through host memory")
+            disk_cache_bytes(self)
 
     @property
     def is_tiered(self) -> bool:
@@ -62,3 +72,15 @@ def host_cache_bytes(value: str) -> int:
         raise ValueError(f"kv_host_cache_size: {size} bytes is more than the {available} "
                          "bytes of host memory available")
     return size
+
+
+def disk_cache_bytes(settings: TierSettings) -> int:
+    """--kv-disk-cache-size in bytes (a fraction: of the free space under the directory)."""
+    import shutil
+
+    assert settings.disk_cache_dir is not None
+    path = Path(settings.disk_cache_dir)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return parse_pool_size(settings.disk_cache_size, shutil.disk_usage(path).free,
+                           "kv_disk_cache_size")

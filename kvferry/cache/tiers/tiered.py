@@ -1,16 +1,17 @@
-"""A worker's prefix cache across its tiers: the device pool's index, then host memory.
+"""A worker's prefix cache across its tiers: the device pool's index, host memory, disk.
 
 `acquire` replaces "match, then allocate" in both engines: it takes the leading blocks the
-pool holds, then the run after them that a lower tier holds, allocates the rest, and copies
-that run into the first new blocks before returning, so every block it reports cached is in
-the pool and final. `register` indexes final blocks in the pool and, write-through, copies
-the newly indexed ones to the host tier: each stays referenced until its copy has read it, so
-no block is reused or rewritten under a copy, and evicting it from the pool later costs
-nothing.
+pool holds, then the run after them that the host tier holds, then the run after that the
+disk holds (read into host slots, verified, which also makes them host hits next time),
+allocates the rest, and copies the host run into the first new blocks before returning: every
+block it reports cached is in the pool, final and verified. `register` indexes final blocks
+in the pool and, write-through, copies the newly indexed ones to the host tier, then from
+there to disk: each pool block stays referenced until its copy has read it, so no block is
+reused or rewritten under a copy, and evicting it from the pool later costs nothing.
 
 Index state lives on the event loop; bytes move on two tier threads (`kvferry-tier-read` for
 promotions, `kvferry-tier-write` for write-through), so a write never queues ahead of a
-promotion and the forward-pass executors never wait on a copy.
+promotion and the forward-pass executors never wait on tier I/O.
 """
 
 from __future__ import annotations
@@ -19,56 +20,63 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import NamedTuple
+from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple, TypeVar
 
 from kvferry.cache.allocator import IntegrityReport
 from kvferry.cache.block_queue import BlockQueue
 from kvferry.cache.pool import KvPool
 from kvferry.cache.prefix import EventsSince, Tier
 from kvferry.cache.stats import TierStats
+from kvferry.cache.tiers import codec
 from kvferry.cache.tiers import host as host_tier
-from kvferry.cache.tiers.config import TierSettings, host_cache_bytes
+from kvferry.cache.tiers.disk import DiskTier
 from kvferry.cache.tiers.host import HostTier, Slot, block_nbytes
+from kvferry.cache.tiers.write_through import TierCounts, WriteThrough
 
 log = logging.getLogger("kvferry.tiers")
-
-# Write-through copies queued on the write thread before new ones are dropped (and counted):
-# a burst of registrations must not hold pool blocks hostage behind a slow copy.
-MAX_QUEUED_WRITES = 64
-
+T = TypeVar("T")
 
 class TierHit(NamedTuple):
     block_ids: list[int]  # the blocks asked for; the first `num_cached` hold cached K/V
     num_cached: int  # leading blocks in place: device hits, then promoted ones
-    num_promoted: int  # of those, copied in from the host tier
+    num_promoted: int  # of those, copied in from the host tier (some read from disk first)
     promotion_s: float  # time the promotion took (0: none)
 
 
-class TieredCache:
-    """The pool's prefix index plus the host tier (None: the plain prefix cache). Event
-    loop only; `on_release` is called whenever blocks return to the pool (the engine's
-    `BlockQueue.grant`)."""
+class _Promotion(NamedTuple):
+    host_slots: list[int]  # pinned host slots of the host run
+    staged: list[Slot]  # host slots reserved for the disk run, in key order
+    disk_keys: list[bytes]  # that run's keys, pinned on disk
 
-    def __init__(self, pool: KvPool, host: HostTier | None = None) -> None:
+
+class TieredCache:
+    """The pool's prefix index plus a host tier and, below it, a disk tier (each optional;
+    disk needs host). Event loop only; `on_release` is called whenever blocks return to the
+    pool (the engine's `BlockQueue.grant`)."""
+
+    def __init__(self, pool: KvPool, host: HostTier | None = None,
+                 disk: DiskTier | None = None) -> None:
+        if disk is not None and host is None:
+            raise ValueError("kv_disk_cache_dir: needs a host tier (--kv-host-cache-size)")
         self.pool = pool
         self.allocator = pool.allocator
         self.host = host
+        self.disk = disk
         self.on_release: Callable[[], None] = lambda: None
-        self._reader = self._writer = None
+        self._counts = {Tier.HOST: TierCounts(), Tier.DISK: TierCounts()}
+        self._block_nbytes = block_nbytes(pool)
+        self._reader = self._writes = None
         if host is not None:
             self._reader = ThreadPoolExecutor(1, thread_name_prefix="kvferry-tier-read")
-            self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvferry-tier-write")
-        self._num_queued_writes = 0
-        self.num_hit_tokens = 0  # promoted from the host tier
-        self.num_promotions = 0
-        self.promotion_s = 0.0
-        self.bytes_in = self.bytes_out = 0  # into the host tier, out of it into the pool
+            self._writes = WriteThrough(pool, host, disk, self._counts,
+                                        lambda: self.on_release())
 
     @property
     def prefix_caching(self) -> bool:
         return self.allocator.prefix_caching
 
+    # ---- lookups --------------------------------------------------------------------------
     async def acquire(self, keys: Sequence[bytes], num_query_tokens: int, blocks: BlockQueue,
                       num_blocks: int, deferrable: bool = False) -> TierHit:
         """`num_blocks` blocks whose leading ones hold the longest cached run of `keys`
@@ -76,127 +84,153 @@ class TieredCache:
         `blocks`' queue; cancelled, it gives back everything it took."""
         device = self.allocator.match(list(keys), num_query_tokens)
         rest = list(keys[len(device):])
-        slots: list[int] = []
-        if self.host is not None:
-            self.host.touch(keys[:len(device)])
-            slots = self.host.pin(rest[:self.host.leading(rest)])
+        plan = self._plan(keys[:len(device)], rest)
         try:
             fresh = await blocks.alloc(num_blocks - len(device), deferrable)
         except BaseException:
-            self._give_back(device, slots)
+            self._end_promotion(plan, 0, None)
+            self._give_back(device)
             raise
         ids = device + fresh
-        if not slots:
+        if plan is None:
             return TierHit(ids, len(device), 0, 0.0)
-        assert self.host is not None and self._reader is not None
-        targets = fresh[:len(slots)]
         started = time.perf_counter()
-        copy = asyncio.wrap_future(self._reader.submit(
-            host_tier.copy_in, self.host, slots, self.pool, targets))
+        assert self._reader is not None
+        read = asyncio.wrap_future(self._reader.submit(self._promote, plan, fresh))
         try:
-            await asyncio.shield(copy)
+            num_read, error = await asyncio.shield(read)
         except asyncio.CancelledError:
-            # The copy still writes into `targets`: give them back once it is done.
-            copy.add_done_callback(lambda _: self._give_back(ids, slots))
+            # The copy still writes into `fresh`: give everything back once it is done.
+            read.add_done_callback(lambda done: self._cancelled(done, plan, ids))
             raise
         except BaseException:
-            self._give_back(ids, slots)
+            self._end_promotion(plan, 0, None)
+            self._give_back(ids)
             raise
-        self.host.unpin(slots)
+        self._end_promotion(plan, num_read, error)
+        num_promoted = len(plan.host_slots) + num_read
+        self.allocator.register(rest[:num_promoted], fresh[:num_promoted])
         promotion_s = time.perf_counter() - started
-        self.allocator.register(rest[:len(slots)], targets)
-        self.num_hit_tokens += len(slots) * self.pool.block_size
-        self.num_promotions += 1
-        self.promotion_s += promotion_s
-        self.bytes_out += len(slots) * host_tier.block_nbytes(self.pool)
-        return TierHit(ids, len(device) + len(slots), len(slots), promotion_s)
+        self._count(Tier.HOST, len(plan.host_slots), 0.0 if num_read else promotion_s)
+        self._count(Tier.DISK, num_read, promotion_s)
+        return TierHit(ids, len(device) + num_promoted, num_promoted, promotion_s)
 
-    def _give_back(self, block_ids: list[int], slots: list[int]) -> None:
+    def _plan(self, device_keys: Sequence[bytes], rest: list[bytes]) -> _Promotion | None:
+        """Pin the host run after the device run, and stage the disk run after that."""
+        if self.host is None:
+            return None
+        self.host.touch(device_keys)
+        num_host = self.host.leading(rest)
+        slots = self.host.pin(rest[:num_host])
+        staged: list[Slot] = []
+        if self.disk is not None:
+            after = rest[num_host:]
+            taken = self.host.reserve(after[:self.disk.leading(after)])
+            run = 0
+            while run < len(taken) and taken[run].key == after[run]:
+                run += 1
+            self.host.commit(taken[run:], is_ok=False)
+            staged = taken[:run]
+            self.disk.pin(after[:run])
+        if not slots and not staged:
+            return None
+        return _Promotion(slots, staged, [s.key for s in staged])
+
+    def _promote(self, plan: _Promotion, fresh: list[int]) -> tuple[int, Exception | None]:
+        """A tier thread: read the disk run into its host slots (verified; stops at the first
+        that fails), then copy the host slots into the first fresh blocks."""
+        assert self.host is not None
+        num_read, error = 0, None
+        for key, slot in zip(plan.disk_keys, plan.staged):
+            try:
+                self.disk.read_into(key, self.host.data[slot.slot])  # type: ignore[union-attr]
+            except (codec.BadValue, OSError) as exc:
+                error = exc
+                break
+            num_read += 1
+        slots = plan.host_slots + [s.slot for s in plan.staged[:num_read]]
+        host_tier.copy_in(self.host, slots, self.pool, fresh[:len(slots)])
+        return num_read, error
+
+    def _end_promotion(self, plan: _Promotion | None, num_read: int,
+                       error: Exception | None) -> None:
+        if plan is None:
+            return
+        assert self.host is not None
+        self.host.unpin(plan.host_slots)
+        self.host.commit(plan.staged[:num_read], is_ok=True)  # disk hits are host hits now
+        self.host.commit(plan.staged[num_read:], is_ok=False)
+        if self.disk is not None:
+            self.disk.unpin(plan.disk_keys)
+            if error is not None:
+                self.disk.drop_bad(plan.disk_keys[num_read], error)
+
+    def _cancelled(self, done: asyncio.Future[tuple[int, Exception | None]],
+                   plan: _Promotion, ids: list[int]) -> None:
+        num_read, error = (0, None) if done.cancelled() or done.exception() else done.result()
+        self._end_promotion(plan, num_read, error)
+        self._give_back(ids)
+
+    def _give_back(self, block_ids: list[int]) -> None:
         self.allocator.free(block_ids)
-        if self.host is not None:
-            self.host.unpin(slots)
         self.on_release()
 
+    def _count(self, tier: Tier, num_blocks: int, promotion_s: float) -> None:
+        if num_blocks:
+            counts = self._counts[tier]
+            counts.hit_tokens += num_blocks * self.pool.block_size
+            counts.bytes_out += num_blocks * self._block_nbytes
+            counts.num_promotions += 1
+            counts.promotion_s += promotion_s
+
+    # ---- write-through --------------------------------------------------------------------
     def register(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
         """Index final blocks in the pool; write the newly indexed ones through to the host
-        tier."""
+        tier, then from there to disk."""
         stored = self.allocator.register(list(keys), list(block_ids))
-        if self.host is None or not stored or self._writer is None:
-            return
-        if self._num_queued_writes >= MAX_QUEUED_WRITES:
-            self.host.num_dropped_writes += len(stored)
-            return
-        taken = self.host.reserve([key for key, _ in stored])
-        if not taken:
-            return
-        block_of = dict(stored)
-        ids = [block_of[slot.key] for slot in taken]
-        self.allocator.incref(ids)
-        self._num_queued_writes += 1
-        future = self._writer.submit(host_tier.copy_out, self.pool, ids, self.host,
-                                     [slot.slot for slot in taken])
-        loop = asyncio.get_running_loop()
+        if self._writes is not None and stored:
+            self._writes.write(stored)
 
-        def done(copied: Future[None]) -> None:
-            if not loop.is_closed():  # else the worker is gone, and its pool with it
-                loop.call_soon_threadsafe(self._written, copied, taken, ids)
-
-        future.add_done_callback(done)
-
-    def _written(self, done: Future[None], taken: list[Slot], block_ids: list[int]) -> None:
-        self._num_queued_writes -= 1
-        error = done.exception()
-        if error is not None:
-            log.error("host tier: a write-through copy failed: %r", error)
-        assert self.host is not None
-        self.host.commit(taken, is_ok=error is None)
-        if error is None:
-            self.bytes_in += len(taken) * host_tier.block_nbytes(self.pool)
-        self.allocator.free(block_ids)
-        self.on_release()
-
+    # ---- state ----------------------------------------------------------------------------
     def events_since(self, after: int) -> EventsSince:
         keys = {Tier.DEVICE: self.allocator.cached_keys()}
         if self.host is not None:
             keys[Tier.HOST] = self.host.keys()
+        if self.disk is not None:
+            keys[Tier.DISK] = self.disk.keys()
         return self.allocator.events.since(after, keys)
 
     def check_integrity(self) -> IntegrityReport:
-        report = self.allocator.check_integrity()
-        if report.ok and self.host is not None:
-            return self.host.check_integrity()
-        return report
+        for part in (self.allocator, self.host, self.disk):
+            if part is not None and not (report := part.check_integrity()).ok:
+                return report
+        return IntegrityReport(True, "")
 
     @property
     def is_idle(self) -> bool:
         """No copy in flight (tests wait for this before counting free blocks)."""
-        return self.host is None or (self._num_queued_writes == 0 and self.host.is_idle)
+        return self._writes is None or (self._writes.is_idle and self.host.is_idle)
 
     def stats(self) -> tuple[TierStats, ...]:
-        if self.host is None:
-            return ()
-        return (TierStats(
-            tier=Tier.HOST, capacity_blocks=self.host.num_slots,
-            used_blocks=len(self.host.keys()), hit_tokens=self.num_hit_tokens,
-            bytes_in=self.bytes_in, bytes_out=self.bytes_out,
-            evictions=self.host.num_evictions, dropped_writes=self.host.num_dropped_writes,
-            num_promotions=self.num_promotions, promotion_s=self.promotion_s),)
+        tiers = []
+        if self.host is not None:
+            c = self._counts[Tier.HOST]
+            tiers.append(TierStats(
+                Tier.HOST, self.host.num_slots, len(self.host.keys()), c.hit_tokens,
+                c.bytes_in, c.bytes_out, self.host.num_evictions, self.host.num_dropped_writes,
+                0, c.num_promotions, c.promotion_s))
+        if self.disk is not None:
+            c = self._counts[Tier.DISK]
+            tiers.append(TierStats(
+                Tier.DISK, self.disk.capacity_blocks, len(self.disk.keys()), c.hit_tokens,
+                c.bytes_in, c.bytes_out, self.disk.num_evictions, self.disk.num_dropped_writes,
+                self.disk.num_corrupt, c.num_promotions, c.promotion_s, self.disk.state))
+        return tuple(tiers)
 
     def close(self) -> None:
-        for executor in (self._reader, self._writer):
-            if executor is not None:
-                executor.shutdown(wait=True)
-
-
-def build_tiered_cache(pool: KvPool, settings: TierSettings) -> TieredCache:
-    """The prefix cache over `pool` and the tiers `settings` asks for."""
-    host = None
-    if settings.host_cache_size is not None:
-        num_slots = host_cache_bytes(settings.host_cache_size) // block_nbytes(pool)
-        host = HostTier(pool, num_slots, pool.allocator.events)
-        if num_slots < pool.num_blocks:
-            log.warning("kv_host_cache_size holds %d blocks, fewer than the pool's %d: the "
-                        "host tier adds little under it", num_slots, pool.num_blocks)
-        log.info("host K/V tier: %d blocks (%d bytes), %s", num_slots,
-                 num_slots * block_nbytes(pool), settings.host_write_policy)
-    return TieredCache(pool, host)
+        if self._reader is not None:
+            self._reader.shutdown(wait=True)
+        if self._writes is not None:
+            self._writes.close()
+        if self.disk is not None:
+            self.disk.close()

@@ -1,0 +1,120 @@
+"""Write-through: blocks the pool indexes are copied to the host tier on a thread of their
+own, then from the host tier to disk. A pool block stays referenced until its copy has read
+it (so it is never reused or rewritten under the copy), a host slot stays pinned until its
+disk write has read it, and each tier's index takes a block only once its copy is complete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TypeVar
+
+from kvferry.cache.pool import KvPool
+from kvferry.cache.prefix import Tier
+from kvferry.cache.tiers import host as host_tier
+from kvferry.cache.tiers.disk import DiskTier
+from kvferry.cache.tiers.host import HostTier, Slot, block_nbytes
+
+log = logging.getLogger("kvferry.tiers")
+T = TypeVar("T")
+
+# Write-through jobs queued on the write thread before new ones are dropped (and counted):
+# a burst of registrations must not hold pool blocks hostage behind slow copies.
+MAX_QUEUED_WRITES = 64
+
+
+@dataclass(slots=True)
+class TierCounts:
+    """One tier's traffic since start (TierStats' counters)."""
+
+    hit_tokens: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    num_promotions: int = 0
+    promotion_s: float = 0.0
+
+
+class WriteThrough:
+    """The write thread and what is queued on it. Event loop only, but for the copies."""
+
+    def __init__(self, pool: KvPool, host: HostTier, disk: DiskTier | None,
+                 counts: dict[Tier, TierCounts], on_release: Callable[[], None]) -> None:
+        self.pool = pool
+        self.allocator = pool.allocator
+        self.host = host
+        self.disk = disk
+        self._counts = counts
+        self._on_release = on_release
+        self._block_nbytes = block_nbytes(pool)
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvferry-tier-write")
+        self._num_queued = 0
+
+    @property
+    def is_idle(self) -> bool:
+        return self._num_queued == 0
+
+    def close(self) -> None:
+        self._writer.shutdown(wait=True)
+
+    def write(self, stored: list[tuple[bytes, int]]) -> None:
+        """Copy blocks the pool just indexed ((key, block) pairs) to the host tier, then to
+        disk; each block is referenced until its copy has read it."""
+        if self._num_queued >= MAX_QUEUED_WRITES:
+            self.host.num_dropped_writes += len(stored)
+            return
+        taken = self.host.reserve([key for key, _ in stored])
+        if not taken:
+            return
+        block_of = dict(stored)
+        ids = [block_of[slot.key] for slot in taken]
+        self.allocator.incref(ids)
+        self._num_queued += 1
+        _then(self._writer.submit(host_tier.copy_out, self.pool, ids, self.host,
+                            [slot.slot for slot in taken]),
+                   lambda done: self._copied_out(done, taken, ids))
+
+    def _copied_out(self, done: Future[None], taken: list[Slot], block_ids: list[int]) -> None:
+        self._num_queued -= 1
+        error = done.exception()
+        if error is not None:
+            log.error("host K/V tier: a write-through copy failed: %r", error)
+        self.host.commit(taken, is_ok=error is None)
+        self.allocator.free(block_ids)
+        self._on_release()
+        if error is not None:
+            return
+        self._counts[Tier.HOST].bytes_in += len(taken) * self._block_nbytes
+        if self.disk is not None:
+            keys, evicted = self.disk.reserve([slot.key for slot in taken])
+            if keys or evicted:
+                slot_of = {slot.key: slot.slot for slot in taken}
+                slots = self.host.pin(keys)  # committed above: read them while pinned
+                assert [slot_of[key] for key in keys] == slots
+                self._num_queued += 1
+                _then(self._writer.submit(self.disk.write, keys,
+                                    [self.host.data[s] for s in slots], evicted),
+                           lambda done: self._written_to_disk(done, keys, slots))
+
+    def _written_to_disk(self, done: Future[tuple[int, OSError | None]], keys: list[bytes],
+                         slots: list[int]) -> None:
+        self._num_queued -= 1
+        assert self.disk is not None
+        self.host.unpin(slots)
+        num_written, error = (0, done.exception()) if done.exception() else done.result()
+        self.disk.commit(keys, num_written, error)
+        self._counts[Tier.DISK].bytes_in += num_written * self._block_nbytes
+
+
+def _then(future: Future[T], callback: Callable[[Future[T]], None]) -> None:
+    """`callback(future)` on this event loop once the thread's job is done."""
+    loop = asyncio.get_running_loop()
+
+    def done(finished: Future[T]) -> None:
+        if not loop.is_closed():  # else the worker is gone, and its pool with it
+            loop.call_soon_threadsafe(callback, finished)
+
+    future.add_done_callback(done)
