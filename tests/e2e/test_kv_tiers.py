@@ -1,9 +1,13 @@
-"""The host-memory K/V tier end to end (issue 35, acceptance 1): workers restarted with pools
-of 12 blocks and a host tier; a prompt, then four others that push it out of every pool, then
-the prompt again. The second time, each worker finds its prefix in host memory and copies it
-back (its host `hit_tokens` grow by the prompt's full blocks, its pool's prefix hits do not),
-and the tokens are those of transformers generate, as the first time. Over gRPC and NIXL
-between prefill and decode processes, and on a colocated worker."""
+"""The K/V tiers end to end (issue 35, acceptances 1 and 4).
+
+Host memory: workers restarted with pools of 12 blocks and a host tier; a prompt, then four
+others that push it out of every pool, then the prompt again. The second time, each worker
+finds its prefix in host memory and copies it back (its host `hit_tokens` grow by the
+prompt's full blocks, its pool's prefix hits do not), and the tokens are those of
+transformers generate, as the first time. Over gRPC and NIXL between prefill and decode
+processes, and on a colocated worker.
+
+Disk: a restart keeps the prefix (disk hits, token-identical), and a flipped bit is dropped."""
 
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import torch
 
 from deploy import client
 from deploy.launcher import Deployment
+from kvferry.cache.prefix import block_keys, cache_seed
 from kvferry.v1 import worker_pb2
 from tests.conftest import (
     DETAILS,
@@ -27,6 +32,7 @@ from tests.conftest import (
 )
 from tests.deployments import reconfigured, restart, routed
 from tests.e2e.test_token_exact import _hf_model, _reference
+from tests.waiting import until_sync
 
 pytestmark = pytest.mark.slow
 
@@ -97,3 +103,70 @@ def test_a_prefix_pushed_out_of_every_pool_comes_back_from_host_memory(
         assert _host(new).num_promotions == _host(old).num_promotions + 1
     assert_pools_clean(tier_deployment)
     assert_alive(tier_deployment)
+
+
+def _disk(stats: worker_pb2.WorkerStats) -> worker_pb2.TierStats:
+    host, disk = stats.tiers
+    assert (host.tier, disk.tier) == (worker_pb2.KV_TIER_HOST, worker_pb2.KV_TIER_DISK)
+    return disk
+
+
+def _files_of(root: Path, key: bytes) -> list[Path]:
+    return list(root.glob(f"*/*/{key[:1].hex()}/{key.hex()}.kvb"))
+
+
+def test_a_restarted_deployment_finds_its_prefixes_on_disk_and_drops_a_corrupt_one(
+        qwen3_deployment: Deployment, qwen3_checkpoint: Path, tmp_path: Path) -> None:
+    """Prefill and decode workers share one disk directory (each takes a subdirectory).
+    After both restart, the prompt's blocks are disk hits, token-identical; a block whose
+    file had a bit flipped meanwhile ends the run there (counted corrupt, deleted, never
+    served) and the rest is computed."""
+    names = ["prefill-0", "decode-0"]
+    root = tmp_path / "kv"
+    flags = [*HOST, "--kv-disk-cache-dir", str(root)]
+    vocab = _hf_model(qwen3_checkpoint).config.vocab_size
+    prompt = _prompt(100, vocab)
+    expected = _reference(qwen3_checkpoint, prompt, MAX_TOKENS)
+    try:
+        with (reconfigured(qwen3_deployment, names, flags, restore=False),
+              routed(qwen3_deployment, "router-disk-1", DETAILS) as deployment):
+            assert _generate(deployment, prompt).token_ids == expected
+            until_sync(lambda: all(_disk(s).used_blocks >= 5
+                                   for s in worker_stats(deployment)),
+                       "every worker's prompt blocks on disk")
+        layout = worker_stats(qwen3_deployment)[0].layout
+        keys = block_keys(prompt, BLOCK, cache_seed(layout.model_fingerprint, layout.dtype,
+                                                    SALT))
+        with (reconfigured(qwen3_deployment, names, flags, restore=False),
+              routed(qwen3_deployment, "router-disk-2", DETAILS) as deployment):
+            before = worker_stats(deployment)
+            assert all(_disk(s).used_blocks >= 5 and s.cached_blocks == 0 for s in before)
+            again = _generate(deployment, prompt)
+            assert again.token_ids == expected
+            assert again.finished.usage.cached_prompt_tokens == 5 * BLOCK
+            after = worker_stats(deployment)
+            for old, new in zip(before, after):
+                assert _disk(new).hit_tokens - _disk(old).hit_tokens == 5 * BLOCK, new.role
+        with (reconfigured(qwen3_deployment, names, flags, restore=False),
+              routed(qwen3_deployment, "router-disk-3", DETAILS) as deployment):
+            corrupted = _files_of(root, keys[2])
+            assert len(corrupted) == 2  # one per worker's directory
+            flipped = {}
+            for path in corrupted:
+                data = bytearray(path.read_bytes())
+                data[len(data) // 2] ^= 0x10
+                path.write_bytes(bytes(data))
+                flipped[path] = bytes(data)
+            third = _generate(deployment, prompt)
+            assert third.token_ids == expected
+            assert third.finished.usage.cached_prompt_tokens == 2 * BLOCK
+            for stats in worker_stats(deployment):
+                assert _disk(stats).corrupt_blocks == 1, stats.role
+                assert stats.integrity_ok, stats.integrity_error
+            # Deleted, then written again from the block computed afresh.
+            until_sync(lambda: all(_disk(s).used_blocks >= 5 for s in worker_stats(deployment)),
+                       "the recomputed block on disk again")
+            assert all(not p.exists() or p.read_bytes() != data for p, data in flipped.items())
+            assert_pools_clean(deployment)
+    finally:
+        restart(qwen3_deployment, names)
