@@ -1,4 +1,4 @@
-"""The K/V tier flags (host memory, disk): one place for the worker commands, for
+"""The K/V tier flags (host memory, disk, a shared store): one place for the worker commands, for
 `kvferry serve` / `demo`, which pass them to every worker, and for the settings they build."""
 
 from __future__ import annotations
@@ -22,6 +22,11 @@ def tier_args(p: argparse.ArgumentParser, is_deployment: bool = False) -> None:
                    help=f"{every}also keep blocks as files under DIR (needs "
                         "--kv-host-cache-size), found again after a restart; workers may "
                         "share DIR, each takes a subdirectory of its own")
+    p.add_argument("--kv-store-url", default=None, metavar="URL",
+                   help=f"{every}also keep blocks in a Redis-protocol store every worker "
+                        "shares (redis://HOST:PORT or unix:///PATH; needs "
+                        "--kv-host-cache-size): a prefix one worker computed is a hit on "
+                        "the others")
     p.add_argument("--kv-disk-cache-size", default=DEFAULT_DISK_CACHE_SIZE, metavar="SIZE",
                    help=f"{every}the disk tier's cap: bytes, or a fraction of the free space "
                         "under --kv-disk-cache-dir")
@@ -31,7 +36,8 @@ def tier_settings(args: argparse.Namespace) -> TierSettings:
     return TierSettings(host_cache_size=args.kv_host_cache_size,
                         host_write_policy=args.kv_host_write_policy,
                         disk_cache_dir=args.kv_disk_cache_dir,
-                        disk_cache_size=args.kv_disk_cache_size)
+                        disk_cache_size=args.kv_disk_cache_size,
+                        store_url=args.kv_store_url)
 
 
 def tier_argv(args: argparse.Namespace) -> list[str]:
@@ -43,4 +49,6 @@ def tier_argv(args: argparse.Namespace) -> list[str]:
     if args.kv_disk_cache_dir is not None:
         argv += ["--kv-disk-cache-dir", args.kv_disk_cache_dir,
                  "--kv-disk-cache-size", args.kv_disk_cache_size]
+    if args.kv_store_url is not None:
+        argv += ["--kv-store-url", args.kv_store_url]
     return argv

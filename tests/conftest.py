@@ -332,3 +332,12 @@ def qwen3_ray_deployment(qwen3_checkpoint: Path, ray_session: None) -> Iterator[
 @pytest.fixture(scope="session")
 def llama_ray_deployment(llama_checkpoint: Path, ray_session: None) -> Iterator[Deployment]:
     yield from shared("llama_ray_deployment", lambda: _start_ray(llama_checkpoint), _stop)
+
+
+@pytest.fixture(scope="session")
+def kv_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A shared K/V store server (Valkey, on a Unix socket): its --kv-store-url."""
+    from deploy.store_server import StoreServer
+
+    server = StoreServer(tmp_path_factory.mktemp("kv-store"), 256 << 20)
+    yield from shared("kv_store", lambda: server.start().url, lambda _: server.stop())

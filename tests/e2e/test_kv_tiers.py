@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -43,20 +44,21 @@ POOL = f"{12 * QWEN3_BLOCK_BYTES}B"  # 12 blocks: four other prompts push one ou
 HOST = ["--kv-pool-size", POOL, "--kv-host-cache-size", "64MiB"]
 SALT = "test_kv_tiers"
 
-CASES = {"grpc": ("qwen3_deployment", ["prefill-0", "decode-0"], []),
-         "nixl": ("qwen3_deployment", ["prefill-0", "decode-0"], NIXL),
-         "colocated": ("colocated_deployment", ["colocated-0"], [])}
+# (shared deployment, its workers restarted with tiers, transport flags): the deployment's
+# name is a parameter, so the suite's order sees who uses it (tests/suite_order.py).
+CASES = [pytest.param("qwen3_deployment", ["prefill-0", "decode-0"], [], id="grpc"),
+         pytest.param("qwen3_deployment", ["prefill-0", "decode-0"], NIXL, id="nixl"),
+         pytest.param("colocated_deployment", ["colocated-0"], [], id="colocated")]
 
 
-@pytest.fixture(scope="module", params=list(CASES))
-def tier_deployment(request: pytest.FixtureRequest) -> Iterator[Deployment]:
-    """The shared deployment's workers restarted with small pools over a host tier, behind
-    a router of their own; restarted as they were afterwards."""
-    fixture, names, transport = CASES[request.param]
-    shared: Deployment = request.getfixturevalue(fixture)
+@contextmanager
+def _tiered(shared: Deployment, names: list[str], flags: list[str], router: str
+            ) -> Iterator[Deployment]:
+    """`shared`'s workers `names` restarted with `flags`, behind a router of their own;
+    restarted as they were afterwards."""
     try:
-        with (reconfigured(shared, names, [*HOST, *transport], restore=False),
-              routed(shared, f"router-tiers-{request.param}", DETAILS) as deployment):
+        with (reconfigured(shared, names, flags, restore=False),
+              routed(shared, router, DETAILS) as deployment):
             yield deployment
     finally:
         restart(shared, names)
@@ -80,8 +82,16 @@ def _host(stats: worker_pb2.WorkerStats) -> worker_pb2.TierStats:
     return host
 
 
+@pytest.mark.parametrize("fixture, names, transport", CASES)
 def test_a_prefix_pushed_out_of_every_pool_comes_back_from_host_memory(
-        tier_deployment: Deployment, qwen3_checkpoint: Path) -> None:
+        fixture: str, names: list[str], transport: list[str], qwen3_checkpoint: Path,
+        request: pytest.FixtureRequest) -> None:
+    shared: Deployment = request.getfixturevalue(fixture)
+    with _tiered(shared, names, [*HOST, *transport], f"router-tiers-{fixture}") as deployment:
+        _host_round_trip(deployment, qwen3_checkpoint)
+
+
+def _host_round_trip(tier_deployment: Deployment, qwen3_checkpoint: Path) -> None:
     vocab = _hf_model(qwen3_checkpoint).config.vocab_size
     prompt = _prompt(0, vocab)
     expected = _reference(qwen3_checkpoint, prompt, MAX_TOKENS)

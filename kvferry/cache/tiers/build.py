@@ -34,4 +34,11 @@ def build_tiered_cache(pool: KvPool, settings: TierSettings) -> TieredCache:
                         faults.disk_full_after_bytes, faults.tier_write_delay_s)
         log.info("disk K/V tier %s: %d blocks of %d bytes", disk.dir, disk.capacity_blocks,
                  disk.file_nbytes)
-    return TieredCache(pool, host, disk)
+    store = None
+    if settings.store_url is not None:
+        from kvferry.cache.tiers.store import StoreTier
+
+        store = StoreTier(settings.store_url, codec.layout_hash(pool), block_nbytes(pool),
+                          pool.allocator.events)
+        log.info("store K/V tier at %s", settings.store_url)
+    return TieredCache(pool, host, disk, store)

@@ -11,6 +11,7 @@ from kvferry.sizes import parse_pool_size
 
 WRITE_POLICIES = ("write_through",)
 DEFAULT_DISK_CACHE_SIZE = "16GiB"
+STORE_SCHEMES = ("redis://", "rediss://", "unix://")
 _CGROUP_LIMIT = Path("/sys/fs/cgroup/memory.max")
 
 
@@ -26,6 +27,9 @@ class TierSettings:
     # subdirectory of its own), and each one's cap in bytes.
     disk_cache_dir: str | None = None
     disk_cache_size: str = DEFAULT_DISK_CACHE_SIZE
+    # Store tier (needs the host tier): a Redis-protocol server every worker shares,
+    # redis://HOST:PORT[/DB] or unix:///PATH.
+    store_url: str | None = None
 
     def __post_init__(self) -> None:
         if self.host_write_policy not in WRITE_POLICIES:
@@ -38,6 +42,13 @@ class TierSettings:
                 raise ValueError("kv_disk_cache_dir: needs a host tier (--kv-host-cache-size): "
                                  "disk blocks are read through host memory")
             disk_cache_bytes(self)
+        if self.store_url is not None:
+            if self.host_cache_size is None:
+                raise ValueError("kv_store_url: needs a host tier (--kv-host-cache-size): "
+                                 "store blocks are read through host memory")
+            if not self.store_url.startswith(STORE_SCHEMES):
+                raise ValueError(f"kv_store_url: expected {', '.join(STORE_SCHEMES)}..., got "
+                                 f"{self.store_url!r}")
 
     @property
     def is_tiered(self) -> bool:

@@ -21,17 +21,19 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import NamedTuple, TypeVar
 
 from kvferry.cache.allocator import IntegrityReport
 from kvferry.cache.block_queue import BlockQueue
 from kvferry.cache.pool import KvPool
 from kvferry.cache.prefix import EventsSince, Tier
-from kvferry.cache.stats import TierStats
+from kvferry.cache.stats import TierState, TierStats
 from kvferry.cache.tiers import codec
 from kvferry.cache.tiers import host as host_tier
 from kvferry.cache.tiers.disk import DiskTier
 from kvferry.cache.tiers.host import HostTier, Slot, block_nbytes
+from kvferry.cache.tiers.store import StoreTier
 from kvferry.cache.tiers.write_through import TierCounts, WriteThrough
 
 log = logging.getLogger("kvferry.tiers")
@@ -44,10 +46,12 @@ class TierHit(NamedTuple):
     promotion_s: float  # time the promotion took (0: none)
 
 
-class _Promotion(NamedTuple):
+@dataclass(slots=True)
+class _Promotion:
     host_slots: list[int]  # pinned host slots of the host run
-    staged: list[Slot]  # host slots reserved for the disk run, in key order
-    disk_keys: list[bytes]  # that run's keys, pinned on disk
+    staged: list[Slot]  # host slots reserved for the disk and store runs after it, in order
+    tiers: list[Tier]  # where each staged block is read from
+    is_open: bool = True  # every key staged so far: a lower tier's run may follow
 
 
 class TieredCache:
@@ -56,21 +60,24 @@ class TieredCache:
     pool (the engine's `BlockQueue.grant`)."""
 
     def __init__(self, pool: KvPool, host: HostTier | None = None,
-                 disk: DiskTier | None = None) -> None:
-        if disk is not None and host is None:
-            raise ValueError("kv_disk_cache_dir: needs a host tier (--kv-host-cache-size)")
+                 disk: DiskTier | None = None, store: StoreTier | None = None) -> None:
+        if (disk is not None or store is not None) and host is None:
+            raise ValueError("kv_disk_cache_dir/kv_store_url: need a host tier "
+                             "(--kv-host-cache-size): their blocks are read through it")
         self.pool = pool
         self.allocator = pool.allocator
         self.host = host
         self.disk = disk
+        self.store = store
         self.on_release: Callable[[], None] = lambda: None
-        self._counts = {Tier.HOST: TierCounts(), Tier.DISK: TierCounts()}
+        self._counts = {tier: TierCounts() for tier in (Tier.HOST, Tier.DISK, Tier.STORE)}
         self._block_nbytes = block_nbytes(pool)
         self._reader = self._writes = None
+        self._probe: asyncio.Task[None] | None = None
         if host is not None:
             self._reader = ThreadPoolExecutor(1, thread_name_prefix="kvferry-tier-read")
-            self._writes = WriteThrough(pool, host, disk, self._counts,
-                                        lambda: self.on_release())
+            self._writes = WriteThrough(pool, host, disk, store, self._counts,
+                                        lambda: self.on_release(), self._probe_store)
 
     @property
     def prefix_caching(self) -> bool:
@@ -86,13 +93,16 @@ class TieredCache:
         rest = list(keys[len(device):])
         plan = self._plan(keys[:len(device)], rest)
         try:
+            if plan is not None and self.store is not None and plan.is_open:
+                await self._plan_store(plan, rest)
             fresh = await blocks.alloc(num_blocks - len(device), deferrable)
         except BaseException:
             self._end_promotion(plan, 0, None)
             self._give_back(device)
             raise
         ids = device + fresh
-        if plan is None:
+        if plan is None or not (plan.host_slots or plan.staged):
+            self._end_promotion(plan, 0, None)
             return TierHit(ids, len(device), 0, 0.0)
         started = time.perf_counter()
         assert self._reader is not None
@@ -111,8 +121,11 @@ class TieredCache:
         num_promoted = len(plan.host_slots) + num_read
         self.allocator.register(rest[:num_promoted], fresh[:num_promoted])
         promotion_s = time.perf_counter() - started
-        self._count(Tier.HOST, len(plan.host_slots), 0.0 if num_read else promotion_s)
-        self._count(Tier.DISK, num_read, promotion_s)
+        slowest = max(plan.tiers[:num_read], default=Tier.HOST)
+        for tier in (Tier.HOST, Tier.DISK, Tier.STORE):
+            num = (len(plan.host_slots) if tier is Tier.HOST
+                   else plan.tiers[:num_read].count(tier))
+            self._count(tier, num, promotion_s if tier is slowest else 0.0)
         return TierHit(ids, len(device) + num_promoted, num_promoted, promotion_s)
 
     def _plan(self, device_keys: Sequence[bytes], rest: list[bytes]) -> _Promotion | None:
@@ -121,30 +134,50 @@ class TieredCache:
             return None
         self.host.touch(device_keys)
         num_host = self.host.leading(rest)
-        slots = self.host.pin(rest[:num_host])
-        staged: list[Slot] = []
+        plan = _Promotion(self.host.pin(rest[:num_host]), [], [])
         if self.disk is not None:
             after = rest[num_host:]
-            taken = self.host.reserve(after[:self.disk.leading(after)])
-            run = 0
-            while run < len(taken) and taken[run].key == after[run]:
-                run += 1
-            self.host.commit(taken[run:], is_ok=False)
-            staged = taken[:run]
-            self.disk.pin(after[:run])
-        if not slots and not staged:
-            return None
-        return _Promotion(slots, staged, [s.key for s in staged])
+            self._stage(plan, after[:self.disk.leading(after)], Tier.DISK)
+            self.disk.pin([s.key for s in plan.staged])
+        return plan
+
+    def _stage(self, plan: _Promotion, keys: list[bytes], tier: Tier) -> None:
+        """Reserve host slots for the run `keys` of `tier`, as far as slots are free."""
+        assert self.host is not None
+        taken = self.host.reserve(keys)
+        run = 0
+        while run < len(taken) and taken[run].key == keys[run]:
+            run += 1
+        self.host.commit(taken[run:], is_ok=False)
+        plan.staged.extend(taken[:run])
+        plan.tiers.extend([tier] * run)
+        plan.is_open = run == len(keys)
+
+    async def _plan_store(self, plan: _Promotion, rest: list[bytes]) -> None:
+        """Stage the store's run after the host and disk runs (one round trip to it)."""
+        assert self.store is not None and self._reader is not None
+        if not self.store.is_enabled:
+            return
+        after = rest[len(plan.host_slots) + len(plan.staged):]
+        try:
+            num = await asyncio.wrap_future(self._reader.submit(self.store.leading, after))
+        except Exception as exc:
+            if self.store.failed(exc):
+                self._probe_store()
+                return
+            raise
+        self._stage(plan, after[:num], Tier.STORE)
 
     def _promote(self, plan: _Promotion, fresh: list[int]) -> tuple[int, Exception | None]:
-        """A tier thread: read the disk run into its host slots (verified; stops at the first
-        that fails), then copy the host slots into the first fresh blocks."""
+        """A tier thread: read the staged runs into their host slots (verified; stops at the
+        first that fails), then copy the host slots into the first fresh blocks."""
         assert self.host is not None
         num_read, error = 0, None
-        for key, slot in zip(plan.disk_keys, plan.staged):
+        for slot, tier in zip(plan.staged, plan.tiers):
+            source = self.disk if tier is Tier.DISK else self.store
             try:
-                self.disk.read_into(key, self.host.data[slot.slot])  # type: ignore[union-attr]
-            except (codec.BadValue, OSError) as exc:
+                source.read_into(slot.key, self.host.data[slot.slot])  # type: ignore[union-attr]
+            except Exception as exc:  # a bad value, or the disk or store failing
                 error = exc
                 break
             num_read += 1
@@ -158,12 +191,32 @@ class TieredCache:
             return
         assert self.host is not None
         self.host.unpin(plan.host_slots)
-        self.host.commit(plan.staged[:num_read], is_ok=True)  # disk hits are host hits now
+        self.host.commit(plan.staged[:num_read], is_ok=True)  # lower hits are host hits now
         self.host.commit(plan.staged[num_read:], is_ok=False)
         if self.disk is not None:
-            self.disk.unpin(plan.disk_keys)
-            if error is not None:
-                self.disk.drop_bad(plan.disk_keys[num_read], error)
+            self.disk.unpin([s.key for s, t in zip(plan.staged, plan.tiers) if t is Tier.DISK])
+        if self.store is not None:
+            self.store.stored([s.key for s, t in zip(plan.staged[:num_read],
+                                                     plan.tiers[:num_read]) if t is Tier.STORE])
+        if error is None:
+            return
+        key, tier = plan.staged[num_read].key, plan.tiers[num_read]
+        if tier is Tier.DISK and self.disk is not None:
+            self.disk.drop_bad(key, error)
+        elif self.store is not None and not self.store.failed(error):
+            self.store.removed(key, error)
+            if isinstance(error, codec.BadValue) and self._writes is not None:
+                self._writes.forget(key)  # delete it there, on the write thread
+        elif self.store is not None:
+            self._probe_store()
+
+    def _probe_store(self) -> None:
+        """Ping a disabled store, backing off, until it answers (then it is enabled)."""
+        if self._probe is not None and not self._probe.done():
+            return
+        assert self.store is not None and self._reader is not None
+        self._probe = asyncio.get_running_loop().create_task(
+            self.store.probe_until_up(self._reader))
 
     def _cancelled(self, done: asyncio.Future[tuple[int, Exception | None]],
                    plan: _Promotion, ids: list[int]) -> None:
@@ -198,6 +251,8 @@ class TieredCache:
             keys[Tier.HOST] = self.host.keys()
         if self.disk is not None:
             keys[Tier.DISK] = self.disk.keys()
+        if self.store is not None:
+            keys[Tier.STORE] = self.store.keys()
         return self.allocator.events.since(after, keys)
 
     def check_integrity(self) -> IntegrityReport:
@@ -213,18 +268,18 @@ class TieredCache:
 
     def stats(self) -> tuple[TierStats, ...]:
         tiers = []
-        if self.host is not None:
-            c = self._counts[Tier.HOST]
+        for tier, part in ((Tier.HOST, self.host), (Tier.DISK, self.disk),
+                           (Tier.STORE, self.store)):
+            if part is None:
+                continue
+            c = self._counts[tier]
+            used = len(part.keys())
+            capacity = getattr(part, "num_slots", getattr(part, "capacity_blocks", used))
             tiers.append(TierStats(
-                Tier.HOST, self.host.num_slots, len(self.host.keys()), c.hit_tokens,
-                c.bytes_in, c.bytes_out, self.host.num_evictions, self.host.num_dropped_writes,
-                0, c.num_promotions, c.promotion_s))
-        if self.disk is not None:
-            c = self._counts[Tier.DISK]
-            tiers.append(TierStats(
-                Tier.DISK, self.disk.capacity_blocks, len(self.disk.keys()), c.hit_tokens,
-                c.bytes_in, c.bytes_out, self.disk.num_evictions, self.disk.num_dropped_writes,
-                self.disk.num_corrupt, c.num_promotions, c.promotion_s, self.disk.state))
+                tier, capacity, used, c.hit_tokens, c.bytes_in, c.bytes_out,
+                getattr(part, "num_evictions", 0), part.num_dropped_writes,
+                getattr(part, "num_corrupt", 0), c.num_promotions, c.promotion_s,
+                getattr(part, "state", TierState.ENABLED)))
         return tuple(tiers)
 
     def close(self) -> None:
@@ -234,3 +289,7 @@ class TieredCache:
             self._writes.close()
         if self.disk is not None:
             self.disk.close()
+        if self._probe is not None:
+            self._probe.cancel()
+        if self.store is not None:
+            self.store.client.close()

@@ -18,6 +18,7 @@ from kvferry.cache.prefix import Tier
 from kvferry.cache.tiers import host as host_tier
 from kvferry.cache.tiers.disk import DiskTier
 from kvferry.cache.tiers.host import HostTier, Slot, block_nbytes
+from kvferry.cache.tiers.store import StoreTier
 
 log = logging.getLogger("kvferry.tiers")
 T = TypeVar("T")
@@ -42,11 +43,14 @@ class WriteThrough:
     """The write thread and what is queued on it. Event loop only, but for the copies."""
 
     def __init__(self, pool: KvPool, host: HostTier, disk: DiskTier | None,
-                 counts: dict[Tier, TierCounts], on_release: Callable[[], None]) -> None:
+                 store: StoreTier | None, counts: dict[Tier, TierCounts],
+                 on_release: Callable[[], None], on_store_down: Callable[[], None]) -> None:
         self.pool = pool
         self.allocator = pool.allocator
         self.host = host
         self.disk = disk
+        self.store = store
+        self._on_store_down = on_store_down
         self._counts = counts
         self._on_release = on_release
         self._block_nbytes = block_nbytes(pool)
@@ -96,8 +100,14 @@ class WriteThrough:
                 assert [slot_of[key] for key in keys] == slots
                 self._num_queued += 1
                 _then(self._writer.submit(self.disk.write, keys,
-                                    [self.host.data[s] for s in slots], evicted),
-                           lambda done: self._written_to_disk(done, keys, slots))
+                                          [self.host.data[s] for s in slots], evicted),
+                      lambda done: self._written_to_disk(done, keys, slots))
+        if self.store is not None and self.store.is_enabled:
+            keys = [slot.key for slot in taken]
+            slots = self.host.pin(keys)
+            self._num_queued += 1
+            _then(self._writer.submit(self.store.write, keys, [self.host.data[s] for s in slots]),
+                  lambda done: self._written_to_store(done, slots))
 
     def _written_to_disk(self, done: Future[tuple[int, OSError | None]], keys: list[bytes],
                          slots: list[int]) -> None:
@@ -107,6 +117,27 @@ class WriteThrough:
         num_written, error = (0, done.exception()) if done.exception() else done.result()
         self.disk.commit(keys, num_written, error)
         self._counts[Tier.DISK].bytes_in += num_written * self._block_nbytes
+
+
+    def _written_to_store(self, done: Future[tuple[list[bytes], int]], slots: list[int]
+                          ) -> None:
+        self._num_queued -= 1
+        assert self.store is not None
+        self.host.unpin(slots)
+        error = done.exception()
+        if error is not None:
+            if not self.store.failed(error):
+                raise error
+            self._on_store_down()
+            return
+        held, num_new = done.result()
+        self.store.stored(held)
+        self._counts[Tier.STORE].bytes_in += num_new * self._block_nbytes
+
+    def forget(self, key: bytes) -> None:
+        """Delete a value that failed its check from the store (best effort)."""
+        assert self.store is not None
+        self._writer.submit(self.store.delete, key)
 
 
 def _then(future: Future[T], callback: Callable[[Future[T]], None]) -> None:
