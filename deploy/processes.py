@@ -213,7 +213,7 @@ async def build_router(settings: RouterSettings) -> Built:
     from router.identity import ApiKeys
     from router.leases import renew_loop
     from router.policy import make_policy
-    from router.workers import WorkerSet
+    from router.worker_set import WorkerSet
 
     config = load_model_config(settings.model)
     tokenizer = AutoTokenizer.from_pretrained(config.path)  # a .gguf model: its converted dir

@@ -25,7 +25,8 @@ from router.policy import HeadroomPolicy, Policy
 from router.prefill_leg import PrefillLeg
 from router.records import FirstToken, PrefillDone
 from router.request import RouterRequest, remaining_s
-from router.workers import Worker, WorkerSet
+from router.worker_set import WorkerSet
+from router.workers import Worker
 
 log = logging.getLogger("kvferry.router")
 

@@ -31,7 +31,7 @@ from router.prompt_bounds import PromptBounds, check_prompt_bounds
 from router.records import DecodeStart
 from router.request import OpenRequests, RouterRequest, remaining_s
 from router.validation import GenerateInput
-from router.workers import WorkerSet
+from router.worker_set import WorkerSet
 
 log = logging.getLogger("kvferry.router")
 TOKENIZE_QUEUE = 2  # prompts queued on the tokenizer thread at once

@@ -24,7 +24,8 @@ from router.policy import Policy
 from router.prefill_client import PrefillCall
 from router.records import FirstToken, PrefillDone, PrefillStart
 from router.request import RouterRequest, remaining_s
-from router.workers import Worker, WorkerSet
+from router.worker_set import WorkerSet
+from router.workers import Worker
 
 log = logging.getLogger("kvferry.router")
 

@@ -11,7 +11,8 @@ from kvferry.cache.layout import KvLayout
 from router.downstream import Downstream
 from router.policy import HeadroomPolicy
 from router.request import RouterRequest
-from router.workers import Worker, WorkerSet
+from router.worker_set import WorkerSet
+from router.workers import Worker
 from tests.waiting import until, within
 
 LAYOUT = KvLayout(2, 2, 64, 16, "bfloat16", "fp")

@@ -21,7 +21,7 @@ from kvferry.v1 import generation_pb2
 from router.engine import Router
 from router.http_front import HttpFront
 from router.server import _input
-from router.workers import WorkerSet
+from router.worker_set import WorkerSet
 
 VOCAB = 512
 CONFIG = ModelConfig(

@@ -10,7 +10,7 @@ import pytest
 from deploy import client
 from deploy.launcher import _spawn
 from router.discovery import discover_once, resolve, split_host_port
-from router.workers import WorkerSet
+from router.worker_set import WorkerSet
 
 
 def test_workers_follow_the_resolved_addresses() -> None:

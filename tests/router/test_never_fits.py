@@ -18,7 +18,8 @@ from router.downstream import Downstream
 from router.engine import Router
 from router.http_front import HttpFront
 from router.policy import HeadroomPolicy
-from router.workers import Worker, WorkerSet
+from router.worker_set import WorkerSet
+from router.workers import Worker
 from tests.router.test_bad_text_and_numbers import CONFIG, FakeTokenizer
 
 LAYOUT = KvLayout(2, 2, 32, 16, "float32", "fp")

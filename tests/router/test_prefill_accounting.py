@@ -13,7 +13,8 @@ from router.downstream import Downstream
 from router.policy import HeadroomPolicy
 from router.records import FirstToken, PrefillDone, PrefillStart
 from router.request import RouterRequest
-from router.workers import Worker, WorkerSet
+from router.worker_set import WorkerSet
+from router.workers import Worker
 
 
 class _Call:

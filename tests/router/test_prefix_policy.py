@@ -30,7 +30,8 @@ from router.downstream import Downstream
 from router.policy import HeadroomPolicy, PrefixPolicy, make_policy
 from router.request import RouterRequest
 from router.worker_client import WorkerClient
-from router.workers import Worker, WorkerSet
+from router.worker_set import WorkerSet
+from router.workers import Worker
 
 BLOCK = 16
 LAYOUT = KvLayout(2, 2, 64, BLOCK, "bfloat16", "fp")

@@ -21,7 +21,8 @@ from router.downstream import Downstream
 from router.policy import HeadroomPolicy
 from router.records import DecodeFinished, DecodeUpdate
 from router.worker_client import stats_from_reply
-from router.workers import Worker, WorkerSet
+from router.worker_set import WorkerSet
+from router.workers import Worker
 
 
 def _layout(block_size: int) -> KvLayout:

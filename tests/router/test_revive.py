@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
-from router.workers import Worker, WorkerSet
+from router.worker_set import WorkerSet
+from router.workers import Worker
 from tests.waiting import until, within
 
 

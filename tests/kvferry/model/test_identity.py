@@ -24,9 +24,10 @@ from kvferry.model.checkpoint import ModelSpec, make_model
 from kvferry.model.compiled import PACKAGE, CompiledDecode, compile_decode
 from kvferry.model.config import load_model_config
 from kvferry.model.transformer import Transformer
-from router import workers as router_workers
+from router import worker_set as router_workers
 from router.records import WorkerStats
-from router.workers import Worker, WorkerSet
+from router.worker_set import WorkerSet
+from router.workers import Worker
 from tests.kvferry.model.test_compiled import copying
 
 EDGE_BYTES = 1 << 16  # what the old fingerprint read at each end of a weight file
