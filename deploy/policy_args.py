@@ -16,7 +16,11 @@ from kvferry.settings import (
 
 
 def policy_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--policy", default=POLICIES[0], choices=POLICIES)
+    p.add_argument("--policy", default=POLICIES[0], choices=POLICIES,
+                   help="prefix: cached blocks and load, in blocks (router/policy.py); "
+                        "priced: the same in seconds, each cache tier priced by what the "
+                        "workers measure (router/priced_policy.py); headroom, round_robin, "
+                        "least_requests: no cache")
     p.add_argument("--prefix-weight", type=float, default=DEFAULT_PREFIX_WEIGHT,
                    help="prefix policy: cost of each prompt block not cached on a decode "
                         "worker (a block pushed there)")

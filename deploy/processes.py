@@ -212,7 +212,7 @@ async def build_router(settings: RouterSettings) -> Built:
     from router.engine import Router
     from router.identity import ApiKeys
     from router.leases import renew_loop
-    from router.policy import make_policy
+    from router.policies import make_policy
     from router.worker_set import WorkerSet
 
     config = load_model_config(settings.model)

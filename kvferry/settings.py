@@ -51,7 +51,8 @@ DEFAULT_COMPILE_BATCH_SIZES = "1,2,4,8,16,32"
 # Decode step on CUDA with Triton attention: replayed from CUDA graphs per bucket (the same
 # buckets), or eager ("off", vLLM's --enforce-eager); kvferry/model/cuda_graphs.py.
 CUDA_GRAPH_MODES = ("on", "off")
-POLICIES = ("prefix", "headroom", "round_robin", "least_requests")  # router/policy.py
+POLICIES = ("prefix", "headroom", "round_robin", "least_requests",  # router/policy.py
+            "priced")  # router/priced_policy.py
 # The prefix policy's cost weights (router/policy.py, which says how each was measured): per
 # prompt block not cached on a decode worker (a block pushed) or on a prefill worker (a block
 # computed), and per block of load there; headroom for the request stays a hard constraint.

@@ -251,4 +251,5 @@ class PrefillEngine:
             prefix_cache_queries=self.pool.allocator.num_query_tokens,
             prefix_cache_hits=self.pool.allocator.num_hit_tokens,
             cached_blocks=self.pool.allocator.num_cached, tiers=self.cache.stats(),
+            prefill_s_per_token=self.batcher.s_per_token,
         )

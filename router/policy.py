@@ -60,7 +60,6 @@ from kvferry.settings import (
     DEFAULT_PREFILL_PREFIX_WEIGHT,
     DEFAULT_PREFIX_WEIGHT,
 )
-from kvferry.settings import POLICIES as POLICY_NAMES
 from router.workers import Worker
 
 
@@ -167,21 +166,3 @@ class LeastRequestsPolicy:
     def order_prefill(self, workers: list[Worker], prompt_tokens: int,
                       keys: Sequence[bytes] = ()) -> list[Worker]:
         return sorted(workers, key=lambda w: (w.num_in_flight, w.address))
-
-
-# Keyed by kvferry.settings.POLICIES, the names flags and settings accept, in their order.
-POLICIES: dict[str, type[Policy]] = {
-    cls.name: cls
-    for cls in (PrefixPolicy, HeadroomPolicy, RoundRobinPolicy, LeastRequestsPolicy)}
-
-
-def make_policy(name: str, prefix_weight: float = DEFAULT_PREFIX_WEIGHT,
-                load_weight: float = DEFAULT_LOAD_WEIGHT,
-                prefill_prefix_weight: float = DEFAULT_PREFILL_PREFIX_WEIGHT,
-                demand_weight: float = DEFAULT_DEMAND_WEIGHT) -> Policy:
-    """The policy called `name`; the weights are the prefix policy's (the others have none)."""
-    if name not in POLICY_NAMES or name not in POLICIES:
-        raise ValueError(f"policy: unknown {name!r}; one of {list(POLICY_NAMES)}")
-    if name == PrefixPolicy.name:
-        return PrefixPolicy(prefix_weight, load_weight, prefill_prefix_weight, demand_weight)
-    return POLICIES[name]()

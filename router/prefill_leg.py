@@ -154,6 +154,8 @@ class PrefillLeg:
                 else:
                     if done is not None:  # the K/V is in the reservation: the prefill is over
                         state.kv_bytes_shipped += done.kv_bytes
+                        if state.decode_worker is not None:
+                            state.decode_worker.note_push(done.kv_bytes, done.kv_transfer_s)
                         self._count_skipped(state)
                         state.drop_prefill_worker()
                     return done

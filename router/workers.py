@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from kvferry.cache.layout import KvLayout
-from kvferry.cache.stats import PoolStats
+from kvferry.cache.prefix import Tier
+from kvferry.cache.stats import PoolStats, TierStats
 from kvferry.errors import Unavailable
 from router.cache_mirror import CacheMirror
 from router.decode_client import DecodeClient
@@ -33,6 +34,9 @@ from router.prefill_client import PrefillClient
 
 log = logging.getLogger("kvferry.router")
 
+
+MIN_MEASURED_PUSH_BYTES = 1 << 20
+LINK_EWMA_WEIGHT = 0.2
 
 @dataclass(slots=True)
 class InFlight:
@@ -61,6 +65,10 @@ class Worker:
     refuse_reason: str = ""
     cache: CacheMirror = field(default_factory=CacheMirror)  # its prefix-cache index
     demand: RecentDemand = field(default_factory=RecentDemand)  # blocks recently sent here
+    # Measured figures the `priced` policy reads (router.priced_policy); 0: none yet.
+    prefill_s_per_token: float = 0.0  # from stats: forward seconds per prompt token
+    tiers: tuple[TierStats, ...] = ()  # from stats: the tiers below its pool
+    link_bytes_per_s: float = 0.0  # K/V pushed to it, bytes per second (an EWMA)
     # Every worker serves Prefill (a decode worker prefills short prompts locally); decode
     # and colocated workers also serve Decode, over one shared DecodeStream.
     prefill_client: PrefillClient | None = None
@@ -117,11 +125,29 @@ class Worker:
         self.projected_blocks = stats.projected_blocks
         self.pending_prefill_tokens = stats.num_pending_prefill_tokens
         self.num_running = stats.num_running
+        self.prefill_s_per_token = stats.prefill_s_per_token
+        self.tiers = stats.tiers
         for request_id, entry in list(self.in_flight.items()):
             if entry.accepted_at is not None and entry.accepted_at < issued_at:
                 del self.in_flight[request_id]  # the snapshot counts it now
         if stats.cache_events is not None:
             self.cache.apply(stats.cache_events)
+
+    def note_push(self, num_bytes: int, seconds: float) -> None:
+        """A K/V push to this (decode) worker took `seconds`: update the link's rate. Pushes
+        under MIN_MEASURED_PUSH_BYTES are mostly round trips and are not counted."""
+        if num_bytes >= MIN_MEASURED_PUSH_BYTES and seconds > 0:
+            sample = num_bytes / seconds
+            self.link_bytes_per_s = (sample if not self.link_bytes_per_s else
+                                     (1 - LINK_EWMA_WEIGHT) * self.link_bytes_per_s
+                                     + LINK_EWMA_WEIGHT * sample)
+
+    def tier_read_bytes_per_s(self, tier: Tier) -> float:
+        """What promotions from `tier` read per second there so far (0: none yet)."""
+        for stats in self.tiers:
+            if stats.tier is tier and stats.promotion_s > 0:
+                return stats.bytes_out / stats.promotion_s
+        return 0.0
 
     def forget_cache(self, now: float) -> None:
         """The worker is unhealthy (unreachable, draining, refused, perhaps restarting):

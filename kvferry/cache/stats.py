@@ -58,5 +58,6 @@ class PoolStats:
     prefix_cache_hits: int = 0  # of those, found
     cached_blocks: int = 0  # held by the prefix cache alone (reclaimable; counted free)
     tiers: tuple[TierStats, ...] = ()  # the tiers below the pool, fastest first
+    prefill_s_per_token: float = 0.0  # measured forward time per prompt token (0: none yet)
     # Prefix-cache index changes since the caller's cursor (GetStats answers only).
     cache_events: EventsSince | None = None

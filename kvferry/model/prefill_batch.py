@@ -32,6 +32,11 @@ from kvferry.settings import (
 log = logging.getLogger("kvferry.prefill")
 
 
+# Batches this long measure the per-token forward time (shorter ones are all overhead); each
+# moves the average by this weight.
+MIN_MEASURED_TOKENS = 64
+EWMA_WEIGHT = 0.2
+
 def token_budget_for(device: torch.device, budget: int | None = None) -> int:
     """`budget`, or where it is None the default for prefills on `device`. On CPU 512 prompt
     tokens per forward already run the GEMMs at full speed (2048 was 2-3% faster per token on
@@ -93,6 +98,9 @@ class PrefillBatcher:
         self.chunk_size = chunk_size
         self._queue: list[PrefillJob] = []
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Forward seconds per prompt token, an EWMA over batches of at least
+        # MIN_MEASURED_TOKENS (0: none yet): what routers price a recompute with.
+        self.s_per_token = 0.0
 
     @property
     def num_pending(self) -> int:
@@ -180,6 +188,7 @@ class PrefillBatcher:
         tracer, traced_from = trace.get(), time.monotonic()
         try:
             tokens = await run_to_completion(self.executor, self._forward, items)
+            self._measure(sum(it.end - it.start for it in items), time.perf_counter() - now)
             if tracer:
                 tracer.event("prefill", t0=traced_from, t1=time.monotonic(),
                              ids=[it.job.request_id for it in items],
@@ -201,6 +210,12 @@ class PrefillBatcher:
                 if not it.job.first_token.done():
                     it.job.first_token.set_result(token)
         return True
+
+    def _measure(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens >= MIN_MEASURED_TOKENS:
+            sample = seconds / num_tokens
+            self.s_per_token = (sample if not self.s_per_token
+                                else (1 - EWMA_WEIGHT) * self.s_per_token + EWMA_WEIGHT * sample)
 
     def _fail(self, job: PrefillJob, exc: Exception) -> None:
         if job in self._queue:

@@ -52,6 +52,7 @@ def stats_to_proto(role: str, stats: PoolStats, layout: worker_pb2.KvLayout
         num_parked=stats.num_parked, num_parked_evictions=stats.num_evictions,
         num_compiles=stats.num_compiles, prefix_cache_queries=stats.prefix_cache_queries,
         prefix_cache_hits=stats.prefix_cache_hits, cached_blocks=stats.cached_blocks,
+        prefill_s_per_token=stats.prefill_s_per_token,
         tiers=[worker_pb2.TierStats(**{**dataclasses.asdict(t), "tier": int(t.tier),
                                         "state": int(t.state)})
                for t in stats.tiers],
@@ -101,6 +102,7 @@ def stats_from_proto(msg: worker_pb2.WorkerStats) -> PoolStats:
         num_compiles=msg.num_compiles, prefix_cache_queries=msg.prefix_cache_queries,
         prefix_cache_hits=msg.prefix_cache_hits, cached_blocks=msg.cached_blocks,
         tiers=tuple(_tier_from_proto(t) for t in msg.tiers),
+        prefill_s_per_token=msg.prefill_s_per_token,
         cache_events=EventsSince(
             msg.cache_event_seq,
             [CacheEvent(0, list(e.stored), list(e.removed), Tier(e.tier))

@@ -123,6 +123,9 @@ class WorkerCollector(Collector):
         yield CounterMetricFamily(f"kvferry_kv_bytes_{direction}",
                                   f"K/V page bytes {direction} over the transport.",
                                   self._kv_bytes())
+        yield GaugeMetricFamily("kvferry_prefill_seconds_per_token",
+                                "Measured forward seconds per prompt token (0: none yet).",
+                                s.prefill_s_per_token)
         yield from _tier_metrics(s.tiers)
 
 

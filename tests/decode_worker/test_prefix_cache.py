@@ -156,6 +156,16 @@ def test_a_prefix_the_pool_evicted_comes_back_from_the_host_tier(model: Transfor
     assert [t for t, _ in results] == [t for t, _ in plain]
 
 
+def test_prefills_of_64_tokens_or_more_measure_seconds_per_token(model: Transformer) -> None:
+    measured: list[float] = []
+    for length in (20, 70):
+        engine = _engine(model, 64)
+        _run(engine, [[(_tokens(length, length, model.config.vocab_size), 2)]],
+             after_batch=lambda _, e=engine: measured.append(e.stats().prefill_s_per_token))
+    assert measured[0] == 0.0  # 20 tokens: all overhead, not counted
+    assert measured[1] > 0.0
+
+
 def test_different_salts_never_share(model: Transformer) -> None:
     prompt = _tokens(5, 20, model.config.vocab_size)
     engine = _engine(model, 64)

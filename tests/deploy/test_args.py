@@ -12,7 +12,7 @@ from deploy.launcher import Deployment
 from deploy.loadgen.targets import make_deployment
 from kvferry import settings
 from kvferry.rpc.grpc_util import announce_ready, parse_ready
-from router.policy import POLICIES
+from router.policies import POLICIES
 
 
 def test_worker_flags_default_to_the_settings_defaults() -> None:

@@ -8,7 +8,8 @@ import pytest
 
 from kvferry.rpc.convert import stats_from_proto
 from kvferry.v1 import worker_pb2
-from router.policy import HeadroomPolicy, LeastRequestsPolicy, RoundRobinPolicy, make_policy
+from router.policies import make_policy
+from router.policy import HeadroomPolicy, LeastRequestsPolicy, RoundRobinPolicy
 from router.workers import Worker
 
 

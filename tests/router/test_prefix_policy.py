@@ -27,7 +27,8 @@ from kvferry.settings import DEMAND_TAU_S, RouterSettings
 from kvferry.v1 import worker_pb2
 from router import cache_mirror
 from router.downstream import Downstream
-from router.policy import HeadroomPolicy, PrefixPolicy, make_policy
+from router.policies import make_policy
+from router.policy import HeadroomPolicy, PrefixPolicy
 from router.request import RouterRequest
 from router.worker_client import WorkerClient
 from router.worker_set import WorkerSet
