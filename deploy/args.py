@@ -187,6 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--pool-size", default="40GiB", help="pool bytes, e.g. 40GiB")
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
+    for tier in ("host-cache", "disk-cache", "store"):
+        p.add_argument(f"--{tier}-size", default=None,
+                       help=f"also what a {tier.split('-')[0]} tier of this many bytes holds")
 
     p = sub.add_parser("make-certs", help="write a test CA, a cluster certificate and a token "
                                           "(needs the cryptography package)")

@@ -146,7 +146,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from kvferry.cache.capacity import format_plan, plan
+    from kvferry.cache.capacity import format_plan, format_tiers, plan, tier_plans
     from kvferry.cache.layout import KvShape
     from kvferry.sizes import parse_pool_size
 
@@ -161,6 +161,12 @@ def _plan(args: argparse.Namespace) -> int:
     result = plan(shape, args.prompt_tokens, args.output_tokens, args.batch, pool_bytes,
                   args.block_size)
     print(format_plan(shape, result, args.batch, args.block_size))
+    sizes = {tier: parse_pool_size(size, 0, f"{tier}_cache_size") for tier, size in
+             (("host", args.host_cache_size), ("disk", args.disk_cache_size),
+              ("store", args.store_size)) if size is not None}
+    if sizes:
+        print(format_tiers(tier_plans(shape, args.block_size, result.blocks_per_request,
+                                      sizes)))
     return 0
 
 

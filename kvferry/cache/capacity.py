@@ -1,4 +1,5 @@
-"""`kvferry plan`: what a batch of requests costs in K/V and how many fit in a pool.
+"""`kvferry plan`: what a batch of requests costs in K/V and how many fit in a pool, and in
+each tier below it (host memory, disk, a shared store).
 
 The byte arithmetic itself is `KvShape`'s (kvferry/cache/layout.py); this only adds it up.
 """
@@ -38,6 +39,37 @@ def plan(shape: KvShape, prompt_tokens: int, output_tokens: int, batch: int,
     pool_blocks = pool_bytes // shape.bytes_per_block(block_size)
     return Plan(shape.bytes_per_token, tokens, per_request, per_request * batch, blocks,
                 pool_blocks, pool_blocks // blocks if blocks else 0)
+
+
+class TierPlan(NamedTuple):
+    tier: str  # "host", "disk" or "store"
+    size_bytes: int
+    blocks: int
+    tokens: int
+    requests: int  # of the plan's size, whole blocks each
+
+
+# Bytes a disk file or a store value adds to each block (kvferry/cache/tiers/codec.py).
+VALUE_HEADER_BYTES = 64
+
+
+def tier_plans(shape: KvShape, block_size: int, blocks_per_request: int,
+               sizes: dict[str, int]) -> list[TierPlan]:
+    """What each tier of `sizes` (name -> bytes; host holds bare blocks, disk and store
+    blocks with a header each) holds: the articles' size formula, tier by tier."""
+    plans = []
+    for tier, size in sizes.items():
+        per_block = shape.bytes_per_block(block_size) + (VALUE_HEADER_BYTES if tier != "host"
+                                                          else 0)
+        blocks = size // per_block
+        plans.append(TierPlan(tier, size, blocks, blocks * block_size,
+                              blocks // blocks_per_request if blocks_per_request else 0))
+    return plans
+
+
+def format_tiers(plans: list[TierPlan]) -> str:
+    return "\n".join(f"{p.tier} tier {p.size_bytes / (1 << 30):.3f} GiB: {p.blocks:,} blocks, "
+                     f"{p.tokens:,} tokens -> {p.requests:,} requests" for p in plans)
 
 
 def format_plan(shape: KvShape, result: Plan, batch: int, block_size: int) -> str:

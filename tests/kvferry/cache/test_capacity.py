@@ -63,6 +63,18 @@ def test_plan_command_reads_a_checkpoint(qwen3_checkpoint: Path,
     assert "bytes per token: 4,096" in out and "pool holds 4,096 blocks" in out
 
 
+def test_plan_sizes_each_tier(qwen3_checkpoint: Path, capsys: pytest.CaptureFixture) -> None:
+    """Host blocks are bare (64 KiB here); disk files and store values add a 64-byte header."""
+    assert main(["plan", "--model", str(qwen3_checkpoint), "--dtype", "float32",
+                 "--prompt-tokens", "100", "--host-cache-size", "64MiB",
+                 "--disk-cache-size", "1GiB", "--store-size", "65600B"]) == 0
+    out = capsys.readouterr().out
+    # 100 tokens: 7 blocks a request
+    assert "host tier 0.062 GiB: 1,024 blocks, 16,384 tokens -> 146 requests" in out
+    assert "disk tier 1.000 GiB: 16,368 blocks, 261,888 tokens -> 2,338 requests" in out
+    assert "store tier 0.000 GiB: 1 blocks, 16 tokens -> 0 requests" in out
+
+
 def test_bad_dtype_is_named() -> None:
     with pytest.raises(ValueError, match="dtype"):
         KvShape(1, 1, 1, "float64")
