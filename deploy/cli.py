@@ -22,7 +22,7 @@ from deploy.security_args import (
     security_argv,
     security_settings,
 )
-from deploy.tier_args import tier_argv
+from deploy.tier_args import store_bytes, tier_argv
 
 if TYPE_CHECKING:
     from kvferry.rpc.security import Credentials
@@ -64,7 +64,7 @@ async def _print_stream(address: str, prompt: str | None, sampling: dict[str, ob
     return 0
 
 
-def _deployment(args: argparse.Namespace):
+def _deployment(args: argparse.Namespace, store_url: str | None = None):
     from deploy.launcher import Deployment
 
     kwargs = dict(
@@ -82,7 +82,7 @@ def _deployment(args: argparse.Namespace):
         + (["--kv-transport", "nixl"] if args.kv_transport == "nixl" else [])
         + (["--kv-cache-dtype", args.kv_cache_dtype] if args.kv_cache_dtype != "auto" else [])
         + ([] if args.max_model_len is None else ["--max-model-len", str(args.max_model_len)])
-        + tier_argv(args),
+        + tier_argv(args, store_url),
     )
     if args.kv_transport == "ray":
         from deploy.ray_launcher import RayDeployment
@@ -99,8 +99,21 @@ def _http_line(deployment, args: argparse.Namespace) -> str:
     return f"OpenAI-compatible HTTP API on {scheme}://{deployment.http_address}/v1"
 
 
+def _store(args: argparse.Namespace):
+    """The store `--kv-store-size` asks serve or demo to start (a context: its URL or None)."""
+    from deploy.store_server import deployment_store
+
+    size = args.kv_store_size
+    return deployment_store(None if size is None else store_bytes(size))
+
+
 def _serve(args: argparse.Namespace) -> int:
-    deployment = _deployment(args).start()
+    with _store(args) as store_url:
+        return _serve_with(args, store_url)
+
+
+def _serve_with(args: argparse.Namespace, store_url: str | None) -> int:
+    deployment = _deployment(args, store_url).start()
     print(f"kvferry serving on {deployment.router_address} (Ctrl-C to stop)", flush=True)
     print(_http_line(deployment, args), flush=True)
     stop = {"flag": False}
@@ -131,16 +144,17 @@ def _demo(args: argparse.Namespace) -> int:
     chat = None if args.prompt is not None else (args.chat or DEMO_QUESTION)
     log_dir = Path(args.log_dir or KVFERRY_HOME / "logs" / time.strftime("demo-%Y%m%d-%H%M%S"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    deployment = _deployment(args)
-    deployment.log_dir = log_dir
-    with deployment:
-        print(f"deployment up: router {deployment.router_address}", file=sys.stderr)
-        print(_http_line(deployment, args), file=sys.stderr)
-        if chat is not None:
-            print(f"> {chat}", flush=True)
-        sampling = {"temperature": 0.0, **_sampling_kwargs(args)}  # greedy unless told
-        code = asyncio.run(_print_stream(deployment.router_address, args.prompt, sampling,
-                                         public_client_credentials(args), chat))
+    with _store(args) as store_url:
+        deployment = _deployment(args, store_url)
+        deployment.log_dir = log_dir
+        with deployment:
+            print(f"deployment up: router {deployment.router_address}", file=sys.stderr)
+            print(_http_line(deployment, args), file=sys.stderr)
+            if chat is not None:
+                print(f"> {chat}", flush=True)
+            sampling = {"temperature": 0.0, **_sampling_kwargs(args)}  # greedy unless told
+            code = asyncio.run(_print_stream(deployment.router_address, args.prompt, sampling,
+                                             public_client_credentials(args), chat))
     print(f"logs: {log_dir}")
     return code
 

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 READY_TIMEOUT_S = 30.0
@@ -84,3 +87,17 @@ class StoreServer:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+
+
+@contextmanager
+def deployment_store(size_bytes: int | None) -> Iterator[str | None]:
+    """`kvferry serve --kv-store-size`: a store for the deployment's lifetime (its URL), or
+    None without the flag."""
+    if size_bytes is None:
+        yield None
+        return
+    server = StoreServer(Path(tempfile.mkdtemp(prefix="kvferry-store-")), size_bytes).start()
+    try:
+        yield server.url
+    finally:
+        server.stop()

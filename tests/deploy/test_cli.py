@@ -119,11 +119,13 @@ def test_demo_asks_the_real_model_over_nixl_and_keeps_logs_apart(smollm2_checkpo
     greedily; the answer, the finish reason and the timings stream on stdout, the processes'
     logs go to files. Every worker runs the NIXL transport, and the prefill worker registered
     its pool with a NIXL agent for the decode worker to read. (The default transport, gRPC,
-    is `serve`'s above.)"""
+    is `serve`'s above.) The workers also run a host tier and the shared store demo started
+    (`--kv-store-size`), which it stops with them."""
     log_dir = tmp_path / "logs"
     out = subprocess.run(
         [sys.executable, "-m", "deploy.cli", "demo", "--model", str(smollm2_checkpoint),
-         "--kv-transport", "nixl", "--log-dir", str(log_dir)],
+         "--kv-transport", "nixl", "--log-dir", str(log_dir), "--kv-host-cache-size", "128MiB",
+         "--kv-store-size", "64MiB"],
         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "> What is the capital of France?" in out.stdout
@@ -137,3 +139,8 @@ def test_demo_asks_the_real_model_over_nixl_and_keeps_logs_apart(smollm2_checkpo
     for role in ("prefill", "decode"):
         assert "nixl K/V transport" in logs[f"{role}-0.log"]
     assert "registered a" in logs["prefill-0.log"]
+    for role in ("prefill", "decode"):
+        assert "store K/V tier at unix://" in logs[f"{role}-0.log"]
+        assert "host K/V tier: " in logs[f"{role}-0.log"]
+    until_sync(lambda: not _processes_mentioning("kvferry-store-"), "the store server stopped",
+               poll_s=0.2)
