@@ -38,6 +38,7 @@ from kvferry.cache.allocator import IntegrityReport
 from kvferry.cache.block_queue import BlockQueue
 from kvferry.cache.layout import KvLayout, blocks_for_tokens, blocks_needed
 from kvferry.cache.pool import KvPool
+from kvferry.cache.prefix import TierTokens
 from kvferry.cache.stats import PoolStats
 from kvferry.cache.tiers.tiered import TieredCache
 from kvferry.errors import Aborted, InvalidArgument, Unavailable
@@ -129,9 +130,10 @@ class DecodeEngine:
         check_reservation(request_id, num_prompt_tokens, max_tokens, lease_s, self._seqs,
                           self.max_model_len, self.pool)
         prompt = list(prompt_token_ids or [])
-        seed, blocks, num_cached = await self.prefix_cache.acquire(
+        hit = await self.prefix_cache.acquire(
             prompt, num_prompt_tokens, cache_salt, self.blocks,
             blocks_for_tokens(num_prompt_tokens + 1, self.pool.block_size))
+        blocks, num_cached = hit.block_ids, hit.num_cached_blocks
         if request_id in self._seqs:  # a twin arrived while we waited
             self.pool.allocator.free(blocks)
             self.blocks.grant()
@@ -140,9 +142,8 @@ class DecodeEngine:
             request_id=request_id, num_prompt_tokens=num_prompt_tokens, max_tokens=max_tokens,
             block_table=blocks, lease_deadline=time.monotonic() + lease_s, lease_s=lease_s,
             received=wire.coverage(self.layout, num_prompt_tokens),
-            arrival=next(self._arrivals), prompt_token_ids=prompt, cache_seed=seed,
-            num_cached_blocks=num_cached,
-        )
+            arrival=next(self._arrivals), prompt_token_ids=prompt, cache_seed=hit.seed,
+            num_cached_blocks=num_cached, cached_by_tier=hit.by_tier)
         seq.reset_received()
         self._seqs[request_id] = seq
         return Reservation(len(blocks), num_cached)
@@ -160,10 +161,10 @@ class DecodeEngine:
         return lookup(self._seqs, request_id)
 
     async def prefill_local(self, request_id: str, prompt: list[int], params: SamplingParams,
-                            output_index: int = 0) -> tuple[int, float, int]:
+                            output_index: int = 0) -> tuple[int, float, int, TierTokens]:
         """Colocated mode: prefill a reserved request's prompt into its own blocks, in the
         step loop, from the end of its cached prefix. Returns the first token, the prefill
-        time and the prompt tokens the cache held."""
+        time, the prompt tokens the cache held and of those, the ones from each lower tier."""
         seq = self._get(request_id)
         if seq.is_kv_complete or request_id in self._prefill_jobs:
             raise InvalidArgument(f"K/V for {request_id!r} is already complete", "request_id")
@@ -192,7 +193,7 @@ class DecodeEngine:
         if not seq.prompt_token_ids:
             seq.prompt_token_ids = list(prompt)
         self._kv_complete(seq)
-        return token, time.perf_counter() - job.started_at, num_cached
+        return token, time.perf_counter() - job.started_at, num_cached, seq.cached_by_tier
 
     # ---- decoding ----------------------------------------------------------------------------
     def attach(self, request_id: str, first_token_id: int, params: SamplingParams,

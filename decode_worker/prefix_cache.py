@@ -15,7 +15,13 @@ from typing import NamedTuple
 from decode_worker.sequence import DecodeSeq
 from kvferry.cache.block_queue import BlockQueue
 from kvferry.cache.layout import KvLayout
-from kvferry.cache.prefix import block_keys, cache_seed, check_cache_salt, max_shared_blocks
+from kvferry.cache.prefix import (
+    TierTokens,
+    block_keys,
+    cache_seed,
+    check_cache_salt,
+    max_shared_blocks,
+)
 from kvferry.cache.tiers.tiered import TieredCache
 from kvferry.errors import InvalidArgument
 
@@ -24,6 +30,7 @@ class CacheHit(NamedTuple):
     seed: bytes  # the parent key of the prompt's first block (model, K/V dtype, salt)
     block_ids: list[int]  # the reservation's blocks, referenced
     num_cached_blocks: int  # of those, leading prompt blocks whose K/V the cache supplied
+    by_tier: TierTokens  # of those, tokens promoted from each tier below the pool
 
 
 class DecodePrefixCache:
@@ -51,7 +58,7 @@ class DecodePrefixCache:
                               max_shared_blocks(num_prompt_tokens, self.block_size))
         hit = await self.cache.acquire(keys, num_prompt_tokens if prompt else 0, blocks,
                                        num_blocks)
-        return CacheHit(seed, hit.block_ids, hit.num_cached)
+        return CacheHit(seed, hit.block_ids, hit.num_cached, hit.by_tier)
 
     def index(self, seq: DecodeSeq, num_written: int) -> None:
         """Index the full blocks of positions [0, num_written) of `seq`, whose K/V is final."""

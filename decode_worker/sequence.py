@@ -15,6 +15,7 @@ import torch
 
 from kvferry.cache.layout import blocks_for_tokens
 from kvferry.cache.pool import KvPool
+from kvferry.cache.prefix import NO_TIER_TOKENS, TierTokens
 from kvferry.errors import InvalidArgument, NotFound, ResourceExhausted
 from kvferry.model.sampling import FinishReason, SamplingParams
 
@@ -73,6 +74,7 @@ class DecodeSeq:
     prompt_token_ids: list[int] = field(default_factory=list)
     cache_seed: bytes = b""
     num_cached_blocks: int = 0
+    cached_by_tier: TierTokens = NO_TIER_TOKENS  # of those, promoted from lower tiers
 
     def reset_received(self) -> None:
         """Nothing pushed yet: only the pages shared from the prefix cache are in place."""

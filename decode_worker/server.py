@@ -266,10 +266,10 @@ class LocalPrefillServicer(PrefillStreamServicer[DecodeEngine],
         if not request.is_local_decode:
             raise InvalidArgument("a decode worker prefills only its own reservations",
                                   "is_local_decode")
-        token, prefill_s, num_cached = await self.engine.prefill_local(
+        token, prefill_s, num_cached, by_tier = await self.engine.prefill_local(
             request.request_id, list(request.prompt_token_ids),
             convert.sampling_from_proto(request.sampling), request.num_generated)
-        yield first_token(token, prefill_s, num_cached)
+        yield first_token(token, prefill_s, num_cached, by_tier)
         yield worker_pb2.PrefillResponse(done=worker_pb2.PrefillDone())  # nothing shipped
 
 

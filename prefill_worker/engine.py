@@ -25,7 +25,13 @@ from kvferry.cache.allocator import IntegrityReport
 from kvferry.cache.block_queue import BlockQueue
 from kvferry.cache.layout import KvLayout, blocks_for_tokens
 from kvferry.cache.pool import KvPool
-from kvferry.cache.prefix import block_keys, cache_seed, check_skip_blocks, max_shared_blocks
+from kvferry.cache.prefix import (
+    TierTokens,
+    block_keys,
+    cache_seed,
+    check_skip_blocks,
+    max_shared_blocks,
+)
 from kvferry.cache.stats import PoolStats
 from kvferry.cache.tiers.tiered import TieredCache
 from kvferry.errors import Aborted, InvalidArgument, NotFound, Unavailable
@@ -46,6 +52,7 @@ class FirstTokenEvent(NamedTuple):
     token_id: int
     prefill_s: float
     num_cached_tokens: int = 0  # leading prompt tokens the prefix cache held
+    cached_by_tier: TierTokens = TierTokens()  # of those, promoted from each lower tier
 
 
 class PushedEvent(NamedTuple):
@@ -167,7 +174,8 @@ class PrefillEngine:
                 parked = Parked(job, asyncio.get_running_loop().create_future())
                 self._parked[request_id] = parked
                 self._evict_parked()  # a prefill with a reservation may wait for blocks
-            yield FirstTokenEvent(token, time.perf_counter() - job.started_at, num_cached)
+            yield FirstTokenEvent(token, time.perf_counter() - job.started_at, num_cached,
+                                  hit.by_tier)
             if parked is not None:
                 address, skip = await parked.ship
                 push = asyncio.ensure_future(self.sender.push(

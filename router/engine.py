@@ -98,6 +98,7 @@ class Router:
             async for event in self._run(state, prompt, params, received, deadline):
                 if isinstance(event, DoneEvent) and self.is_prompt_tokens_details:
                     event = event._replace(cached_prompt_tokens=state.num_cached_tokens,
+                                           cached_by_tier=state.cached_by_tier,
                                            kv_bytes_not_shipped=state.kv_bytes_not_shipped,
                                            kv_bytes_shipped=state.kv_bytes_shipped)
                 yield event
@@ -158,6 +159,7 @@ class Router:
                 timing = timing._replace(prefill_s=first_msg.prefill_s,
                                          time_to_first_token_s=time.perf_counter() - received)
                 state.num_cached_tokens = first_msg.num_cached_tokens
+                state.cached_by_tier = first_msg.cached_by_tier
             else:  # a migrated leg: Usage counts the first leg's cache; the log shows this one's
                 log.info("request %s: migrated leg prefilled %d context tokens, %d from the "
                          "prefix cache", state.request_id, len(context),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from kvferry.cache.prefix import TierTokens
 from kvferry.model.sampling import FinishReason
 
 
@@ -32,3 +33,4 @@ class DoneEvent(NamedTuple):
     cached_prompt_tokens: int = 0  # found in the first prefill's prefix cache
     kv_bytes_not_shipped: int = 0  # K/V the decode worker's prefix cache held already
     kv_bytes_shipped: int = 0  # K/V pushed to decode workers, every leg
+    cached_by_tier: TierTokens = TierTokens()  # of cached_prompt_tokens, from lower tiers

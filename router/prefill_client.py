@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import grpc
 
+from kvferry.cache.prefix import TierTokens
 from kvferry.rpc import convert
 from kvferry.v1 import worker_pb2, worker_pb2_grpc
 from router.records import FirstToken, PrefillDone, PrefillStart
@@ -29,8 +30,10 @@ class PrefillCall:
             return None
         if msg.WhichOneof("kind") == "done":
             return PrefillDone(msg.done.kv_transfer_s, msg.done.kv_bytes)
-        return FirstToken(msg.first_token.token_id, msg.first_token.prefill_s,
-                          msg.first_token.num_cached_tokens)
+        first = msg.first_token
+        return FirstToken(first.token_id, first.prefill_s, first.num_cached_tokens,
+                          TierTokens(first.num_cached_host_tokens, first.num_cached_disk_tokens,
+                                     first.num_cached_store_tokens))
 
     def cancel(self) -> bool:
         return self._call.cancel()

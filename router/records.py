@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from kvferry.cache.layout import KvLayout
+from kvferry.cache.prefix import TierTokens
 from kvferry.cache.stats import PoolStats
 from kvferry.model.sampling import FinishReason, SamplingParams
 
@@ -23,6 +24,7 @@ class FirstToken(NamedTuple):
     token_id: int
     prefill_s: float
     num_cached_tokens: int = 0  # prompt tokens its prefix cache held
+    cached_by_tier: TierTokens = TierTokens()  # of those, from each tier below its pool
 
 
 class PrefillDone(NamedTuple):

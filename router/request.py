@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from kvferry.cache.prefix import TierTokens
 from kvferry.errors import InvalidArgument, ResourceExhausted
 from router.prefill_client import PrefillCall
 from router.workers import Worker
@@ -33,6 +34,7 @@ class RouterRequest:
     # workers' prefix caches ([] for the others); recomputed for each leg (migration).
     block_keys: list[bytes] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens the first prefill found cached (Usage)
+    cached_by_tier: TierTokens = TierTokens()  # of those, from each tier below the pool
     kv_bytes_not_shipped: int = 0  # K/V bytes pushes skipped: the decode cache held them
     kv_bytes_shipped: int = 0  # K/V bytes pushed, every leg
     last_token_s: float = 0.0  # time.monotonic() its latest tokens reached the router

@@ -93,6 +93,17 @@ class Tier(IntEnum):
     STORE = 3  # a store shared by the deployment's workers (--kv-store-url)
 
 
+class TierTokens(NamedTuple):
+    """Prompt tokens a lookup found in each tier below the pool (promoted into it)."""
+
+    host: int = 0
+    disk: int = 0
+    store: int = 0
+
+
+NO_TIER_TOKENS = TierTokens()
+
+
 class CacheEvent(NamedTuple):
     seq: int
     stored: list[bytes]

@@ -12,6 +12,7 @@ import grpc
 
 from kvferry import logs
 from kvferry.cache.layout import KvLayout
+from kvferry.cache.prefix import NO_TIER_TOKENS, TierTokens
 from kvferry.cache.stats import PoolStats
 from kvferry.cache.tiers.tiered import TieredCache
 from kvferry.rpc import convert, grpc_util
@@ -82,7 +83,9 @@ class PrefillStreamServicer(WorkerServicer[EngineT]):
             await grpc_util.abort_with(context, exc, request.request_id)
 
 
-def first_token(token_id: int, prefill_s: float, num_cached_tokens: int = 0
-                ) -> worker_pb2.PrefillResponse:
+def first_token(token_id: int, prefill_s: float, num_cached_tokens: int = 0,
+                by_tier: TierTokens = NO_TIER_TOKENS) -> worker_pb2.PrefillResponse:
     return worker_pb2.PrefillResponse(first_token=worker_pb2.FirstToken(
-        token_id=token_id, prefill_s=prefill_s, num_cached_tokens=num_cached_tokens))
+        token_id=token_id, prefill_s=prefill_s, num_cached_tokens=num_cached_tokens,
+        num_cached_host_tokens=by_tier.host, num_cached_disk_tokens=by_tier.disk,
+        num_cached_store_tokens=by_tier.store))

@@ -72,14 +72,20 @@ class ShipResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class FirstToken(_message.Message):
-    __slots__ = ("token_id", "prefill_s", "num_cached_tokens")
+    __slots__ = ("token_id", "prefill_s", "num_cached_tokens", "num_cached_host_tokens", "num_cached_disk_tokens", "num_cached_store_tokens")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_HOST_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_DISK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_STORE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     prefill_s: float
     num_cached_tokens: int
-    def __init__(self, token_id: _Optional[int] = ..., prefill_s: _Optional[float] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    num_cached_host_tokens: int
+    num_cached_disk_tokens: int
+    num_cached_store_tokens: int
+    def __init__(self, token_id: _Optional[int] = ..., prefill_s: _Optional[float] = ..., num_cached_tokens: _Optional[int] = ..., num_cached_host_tokens: _Optional[int] = ..., num_cached_disk_tokens: _Optional[int] = ..., num_cached_store_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillDone(_message.Message):
     __slots__ = ("kv_transfer_s", "kv_bytes")

@@ -51,7 +51,7 @@ async def _generate(engine: DecodeEngine, request_id: str, prompt: list[int],
                     max_tokens: int, salt: str = "") -> tuple[list[int], int]:
     """Reserve, prefill locally, decode greedily: (tokens, prompt tokens found cached)."""
     await engine.reserve(request_id, len(prompt), max_tokens, 30.0, prompt, salt)
-    first, _, num_cached = await engine.prefill_local(request_id, prompt, GREEDY)
+    first, _, num_cached, _ = await engine.prefill_local(request_id, prompt, GREEDY)
     queue = engine.attach(request_id, first, GREEDY, max_tokens - 1, [])
     tokens = [first]
     while True:

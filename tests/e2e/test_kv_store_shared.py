@@ -58,6 +58,8 @@ def test_a_prefix_computed_on_one_prefill_worker_is_a_store_hit_on_the_other(
             (before,) = [_store(s) for s in worker_stats(other) if s.role == "prefill"]
             again = _generate(other, prompt)
             assert again.token_ids == expected
+            usage = again.finished.usage
+            assert usage.cached_prompt_tokens == usage.cached_store_tokens == 6 * BLOCK
             (after,) = [_store(s) for s in worker_stats(other) if s.role == "prefill"]
             assert after.hit_tokens - before.hit_tokens == 6 * BLOCK
             assert after.bytes_out - before.bytes_out == 6 * QWEN3_BLOCK_BYTES

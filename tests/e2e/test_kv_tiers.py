@@ -104,7 +104,9 @@ def _host_round_trip(tier_deployment: Deployment, qwen3_checkpoint: Path) -> Non
     before = worker_stats(tier_deployment)
     again = _generate(tier_deployment, prompt)
     assert again.token_ids == expected
-    assert again.finished.usage.cached_prompt_tokens == 5 * BLOCK
+    usage = again.finished.usage
+    assert usage.cached_prompt_tokens == usage.cached_host_tokens == 5 * BLOCK
+    assert usage.cached_disk_tokens == usage.cached_store_tokens == 0
     after = worker_stats(tier_deployment)
     for old, new in zip(before, after):
         assert new.prefix_cache_hits == old.prefix_cache_hits, f"{new.role}: a pool hit"
@@ -153,7 +155,8 @@ def test_a_restarted_deployment_finds_its_prefixes_on_disk_and_drops_a_corrupt_o
             assert all(_disk(s).used_blocks >= 5 and s.cached_blocks == 0 for s in before)
             again = _generate(deployment, prompt)
             assert again.token_ids == expected
-            assert again.finished.usage.cached_prompt_tokens == 5 * BLOCK
+            usage = again.finished.usage
+            assert usage.cached_prompt_tokens == usage.cached_disk_tokens == 5 * BLOCK
             after = worker_stats(deployment)
             for old, new in zip(before, after):
                 assert _disk(new).hit_tokens - _disk(old).hit_tokens == 5 * BLOCK, new.role

@@ -27,7 +27,7 @@ from typing import NamedTuple, TypeVar
 from kvferry.cache.allocator import IntegrityReport
 from kvferry.cache.block_queue import BlockQueue
 from kvferry.cache.pool import KvPool
-from kvferry.cache.prefix import EventsSince, Tier
+from kvferry.cache.prefix import EventsSince, Tier, TierTokens
 from kvferry.cache.stats import TierState, TierStats
 from kvferry.cache.tiers import codec
 from kvferry.cache.tiers import host as host_tier
@@ -44,6 +44,7 @@ class TierHit(NamedTuple):
     num_cached: int  # leading blocks in place: device hits, then promoted ones
     num_promoted: int  # of those, copied in from the host tier (some read from disk first)
     promotion_s: float  # time the promotion took (0: none)
+    by_tier: TierTokens = TierTokens()  # the promoted ones' tokens, by the tier they came from
 
 
 @dataclass(slots=True)
@@ -122,11 +123,14 @@ class TieredCache:
         self.allocator.register(rest[:num_promoted], fresh[:num_promoted])
         promotion_s = time.perf_counter() - started
         slowest = max(plan.tiers[:num_read], default=Tier.HOST)
-        for tier in (Tier.HOST, Tier.DISK, Tier.STORE):
-            num = (len(plan.host_slots) if tier is Tier.HOST
-                   else plan.tiers[:num_read].count(tier))
+        counts = {tier: plan.tiers[:num_read].count(tier) for tier in (Tier.DISK, Tier.STORE)}
+        counts[Tier.HOST] = len(plan.host_slots)
+        for tier, num in counts.items():
             self._count(tier, num, promotion_s if tier is slowest else 0.0)
-        return TierHit(ids, len(device) + num_promoted, num_promoted, promotion_s)
+        bs = self.pool.block_size
+        by_tier = TierTokens(counts[Tier.HOST] * bs, counts[Tier.DISK] * bs,
+                             counts[Tier.STORE] * bs)
+        return TierHit(ids, len(device) + num_promoted, num_promoted, promotion_s, by_tier)
 
     def _plan(self, device_keys: Sequence[bytes], rest: list[bytes]) -> _Promotion | None:
         """Pin the host run after the device run, and stage the disk run after that."""

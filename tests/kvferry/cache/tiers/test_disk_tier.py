@@ -16,7 +16,7 @@ import torch
 
 from kvferry.cache.block_queue import BlockQueue
 from kvferry.cache.pool import KvPool
-from kvferry.cache.prefix import Tier, block_keys, cache_seed
+from kvferry.cache.prefix import Tier, TierTokens, block_keys, cache_seed
 from kvferry.cache.stats import TierState
 from kvferry.cache.tiers import codec
 from kvferry.cache.tiers.disk import DiskTier
@@ -186,6 +186,7 @@ def test_a_block_dropped_by_pool_and_host_comes_back_from_disk(tmp_path: Path) -
         assert cache.disk is not None and cache.disk.leading(keys) == 3
         again = await cache.acquire(keys, 3 * BLOCK + 1, blocks, 4)
         assert (again.num_cached, again.num_promoted) == (3, 3)
+        assert again.by_tier == TierTokens(disk=3 * BLOCK)
         for block_id, block in zip(again.block_ids, contents):
             assert torch.equal(pool.cache[:, :, block_id], block)
         assert cache.host.leading(keys) == 3  # read through host memory: host hits next

@@ -16,7 +16,7 @@ import torch
 from deploy.store_server import StoreServer
 from kvferry.cache.block_queue import BlockQueue
 from kvferry.cache.pool import KvPool
-from kvferry.cache.prefix import Tier, block_keys, cache_seed
+from kvferry.cache.prefix import Tier, TierTokens, block_keys, cache_seed
 from kvferry.cache.stats import TierState
 from kvferry.cache.tiers import codec, store
 from kvferry.cache.tiers.host import HostTier, block_nbytes
@@ -70,6 +70,7 @@ def test_a_block_one_worker_stored_is_a_hit_on_another(server: StoreServer) -> N
         assert a.store is not None and set(a.store.keys()) == set(keys)
         hit = await b.acquire(keys, 3 * BLOCK + 1, b_blocks, 4)
         assert (hit.num_cached, hit.num_promoted) == (3, 3)
+        assert hit.by_tier == TierTokens(store=3 * BLOCK)
         for block_id, block in zip(hit.block_ids, contents):
             assert torch.equal(b_pool.cache[:, :, block_id], block)
         b_pool.allocator.free(hit.block_ids)

@@ -14,7 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvferry.cache.block_queue import BlockQueue
 from kvferry.cache.pool import KvPool
-from kvferry.cache.prefix import Tier, block_keys, cache_seed
+from kvferry.cache.prefix import Tier, TierTokens, block_keys, cache_seed
 from kvferry.cache.tiers.host import HostTier, block_nbytes
 from kvferry.cache.tiers.tiered import TieredCache
 from tests.waiting import until
@@ -74,6 +74,7 @@ def test_a_block_evicted_from_the_pool_comes_back_from_host_bit_for_bit(
         pool.allocator.free(flush)
         again = await cache.acquire(keys, 3 * BLOCK + 1, blocks, 4)
         assert again.num_cached == 3 and again.num_promoted == 3
+        assert again.by_tier == TierTokens(host=3 * BLOCK)
         for key, block_id, block in zip(keys, again.block_ids, contents.values()):
             assert torch.equal(pool.cache[:, :, block_id].view(torch.uint8),
                                block.view(torch.uint8)), key
