@@ -14,7 +14,6 @@ from deploy.start_log import record_start
 from deploy.worker_model import build_model
 from kvferry import trace
 from kvferry.cache.layout import KvLayout
-from kvferry.cache.tiers.build import build_tiered_cache
 from kvferry.faults import Faults
 from kvferry.model.config import load_model_config
 from kvferry.model.prefill_batch import token_budget_for
@@ -137,6 +136,8 @@ def _then(stop: Callable[[], Awaitable[None]], close: Callable[[], None]
 
 def build_worker(settings: WorkerSettings) -> tuple[Built, object]:
     """The worker's server (not started) and its engine (started: needs a running loop)."""
+    from kvferry.cache.tiers.build import build_tiered_cache
+
     model, pool, backend_name = build_model(settings)
     layout = KvLayout.of_pool(pool, model.config.fingerprint)
     creds = security.load(settings.security)
