@@ -23,7 +23,10 @@ def tier_args(p: argparse.ArgumentParser, is_deployment: bool = False) -> None:
                         "recomputed (default: no host tier)")
     p.add_argument("--kv-host-write-policy", default=WRITE_POLICIES[0], choices=WRITE_POLICIES,
                    help=f"{every}write_through: blocks are copied to host memory as soon as "
-                        "they are indexed, so the pool evicts them for free")
+                        "they are indexed, so the pool evicts them for free; write_back: the "
+                        "cached blocks next in line for eviction are copied once fewer than a "
+                        "quarter of the pool's blocks are free (fewer copies; a block evicted "
+                        "before its copy is lost)")
     p.add_argument("--kv-disk-cache-dir", default=None, metavar="DIR",
                    help=f"{every}also keep blocks as files under DIR (needs "
                         "--kv-host-cache-size), found again after a restart; workers may "

@@ -92,10 +92,31 @@ class BlockAllocator:
                 raise ValueError(f"block {block_id} is free; cannot share it")
             self._refcount[block_id] += 1
 
-    def free(self, ids: list[int]) -> None:
+    def coldest(self, n: int) -> list[tuple[bytes, int]]:
+        """Up to `n` (key, block) pairs of the cached blocks no request holds, the next to be
+        evicted first."""
+        found = []
+        for block_id in self._evictable:
+            if len(found) >= n:
+                break
+            found.append((self._key_of[block_id], block_id))
+        return found
+
+    def retain(self, ids: list[int]) -> None:
+        """One more reference to each indexed block, held by a request or only cached (a
+        copy of it is about to read it: it must not be evicted meanwhile)."""
+        for block_id in ids:
+            if block_id not in self._key_of:
+                raise ValueError(f"block {block_id} is not indexed; cannot retain it")
+            if self._refcount[block_id] == 0:
+                del self._evictable[block_id]
+            self._refcount[block_id] += 1
+
+    def free(self, ids: list[int], is_cold: bool = False) -> None:
         """Drop one reference to each block. One reaching 0 goes back to the free list, or,
         when indexed, to the cache's eviction order (a sequence's last blocks are released
-        first, so they are evicted before the prefix they extend)."""
+        first, so they are evicted before the prefix they extend); with `is_cold`, to the
+        front of that order (a block `retain`ed only to copy it keeps its place)."""
         for block_id in reversed(ids):
             count = self._refcount[block_id]
             if count <= 0:
@@ -104,6 +125,8 @@ class BlockAllocator:
             if count == 1:
                 if block_id in self._key_of:
                     self._evictable[block_id] = None
+                    if is_cold:
+                        self._evictable.move_to_end(block_id, last=False)
                 else:
                     self._free.append(block_id)
 

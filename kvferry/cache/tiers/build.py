@@ -41,4 +41,4 @@ def build_tiered_cache(pool: KvPool, settings: TierSettings) -> TieredCache:
         store = StoreTier(settings.store_url, codec.layout_hash(pool), block_nbytes(pool),
                           pool.allocator.events)
         log.info("store K/V tier at %s", settings.store_url)
-    return TieredCache(pool, host, disk, store)
+    return TieredCache(pool, host, disk, store, settings.host_write_policy)

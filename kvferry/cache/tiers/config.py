@@ -9,7 +9,7 @@ from pathlib import Path
 
 from kvferry.sizes import parse_pool_size
 
-WRITE_POLICIES = ("write_through",)
+WRITE_POLICIES = ("write_through", "write_back")
 DEFAULT_DISK_CACHE_SIZE = "16GiB"
 STORE_SCHEMES = ("redis://", "rediss://", "unix://")
 _CGROUP_LIMIT = Path("/sys/fs/cgroup/memory.max")

@@ -61,7 +61,8 @@ class TieredCache:
     pool (the engine's `BlockQueue.grant`)."""
 
     def __init__(self, pool: KvPool, host: HostTier | None = None,
-                 disk: DiskTier | None = None, store: StoreTier | None = None) -> None:
+                 disk: DiskTier | None = None, store: StoreTier | None = None,
+                 write_policy: str = "write_through") -> None:
         if (disk is not None or store is not None) and host is None:
             raise ValueError("kv_disk_cache_dir/kv_store_url: need a host tier "
                              "(--kv-host-cache-size): their blocks are read through it")
@@ -70,6 +71,7 @@ class TieredCache:
         self.host = host
         self.disk = disk
         self.store = store
+        self.is_write_back = write_policy == "write_back"
         self.on_release: Callable[[], None] = lambda: None
         self._counts = {tier: TierCounts() for tier in (Tier.HOST, Tier.DISK, Tier.STORE)}
         self._block_nbytes = block_nbytes(pool)
@@ -91,6 +93,8 @@ class TieredCache:
         (at most `num_blocks - 1` keys), each referenced for the caller. Waits for blocks in
         `blocks`' queue; cancelled, it gives back everything it took."""
         device = self.allocator.match(list(keys), num_query_tokens)
+        if self.is_write_back and self._writes is not None:
+            self._writes.copy_ahead()
         rest = list(keys[len(device):])
         plan = self._plan(keys[:len(device)], rest)
         try:
@@ -126,7 +130,8 @@ class TieredCache:
         counts = {tier: plan.tiers[:num_read].count(tier) for tier in (Tier.DISK, Tier.STORE)}
         counts[Tier.HOST] = len(plan.host_slots)
         for tier, num in counts.items():
-            self._count(tier, num, promotion_s if tier is slowest else 0.0)
+            self._counts[tier].add(num, self.pool.block_size, self._block_nbytes,
+                                   promotion_s if tier is slowest else 0.0)
         bs = self.pool.block_size
         by_tier = TierTokens(counts[Tier.HOST] * bs, counts[Tier.DISK] * bs,
                              counts[Tier.STORE] * bs)
@@ -232,20 +237,12 @@ class TieredCache:
         self.allocator.free(block_ids)
         self.on_release()
 
-    def _count(self, tier: Tier, num_blocks: int, promotion_s: float) -> None:
-        if num_blocks:
-            counts = self._counts[tier]
-            counts.hit_tokens += num_blocks * self.pool.block_size
-            counts.bytes_out += num_blocks * self._block_nbytes
-            counts.num_promotions += 1
-            counts.promotion_s += promotion_s
-
     # ---- write-through --------------------------------------------------------------------
     def register(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
         """Index final blocks in the pool; write the newly indexed ones through to the host
         tier, then from there to disk."""
         stored = self.allocator.register(list(keys), list(block_ids))
-        if self._writes is not None and stored:
+        if self._writes is not None and stored and not self.is_write_back:
             self._writes.write(stored)
 
     # ---- state ----------------------------------------------------------------------------

@@ -38,6 +38,15 @@ class TierCounts:
     num_promotions: int = 0
     promotion_s: float = 0.0
 
+    def add(self, num_blocks: int, block_size: int, block_nbytes: int,
+            promotion_s: float) -> None:
+        """A promotion read `num_blocks` blocks out of the tier."""
+        if num_blocks:
+            self.hit_tokens += num_blocks * block_size
+            self.bytes_out += num_blocks * block_nbytes
+            self.num_promotions += 1
+            self.promotion_s += promotion_s
+
 
 class WriteThrough:
     """The write thread and what is queued on it. Event loop only, but for the copies."""
@@ -64,9 +73,22 @@ class WriteThrough:
     def close(self) -> None:
         self._writer.shutdown(wait=True)
 
-    def write(self, stored: list[tuple[bytes, int]]) -> None:
-        """Copy blocks the pool just indexed ((key, block) pairs) to the host tier, then to
-        disk; each block is referenced until its copy has read it."""
+    def copy_ahead(self) -> None:
+        """Write-back: while fewer than a quarter of the pool's blocks are truly free, copy
+        the next quarter in line for eviction to the host tier, so that evicting them loses
+        nothing; allocations never wait for it (a block evicted first is lost)."""
+        low = max(self.pool.num_blocks // 4, 1)
+        if self.allocator.num_free - self.allocator.num_cached < low:
+            cold = [(key, block) for key, block in self.allocator.coldest(low)
+                    if key not in self.host]
+            if cold:
+                self.write(cold, is_cold=True)
+
+    def write(self, stored: list[tuple[bytes, int]], is_cold: bool = False) -> None:
+        """Copy indexed pool blocks ((key, block) pairs) to the host tier, then to disk and
+        the store; each block is referenced until its copy has read it. `is_cold`: blocks
+        only the cache holds (write-back), which go back to the front of the eviction order
+        once copied."""
         if self._num_queued >= MAX_QUEUED_WRITES:
             self.host.num_dropped_writes += len(stored)
             return
@@ -75,19 +97,20 @@ class WriteThrough:
             return
         block_of = dict(stored)
         ids = [block_of[slot.key] for slot in taken]
-        self.allocator.incref(ids)
+        self.allocator.retain(ids)
         self._num_queued += 1
         _then(self._writer.submit(host_tier.copy_out, self.pool, ids, self.host,
-                            [slot.slot for slot in taken]),
-                   lambda done: self._copied_out(done, taken, ids))
+                                  [slot.slot for slot in taken]),
+              lambda done: self._copied_out(done, taken, ids, is_cold))
 
-    def _copied_out(self, done: Future[None], taken: list[Slot], block_ids: list[int]) -> None:
+    def _copied_out(self, done: Future[None], taken: list[Slot], block_ids: list[int],
+                    is_cold: bool) -> None:
         self._num_queued -= 1
         error = done.exception()
         if error is not None:
             log.error("host K/V tier: a write-through copy failed: %r", error)
         self.host.commit(taken, is_ok=error is None)
-        self.allocator.free(block_ids)
+        self.allocator.free(block_ids, is_cold)
         self._on_release()
         if error is not None:
             return

@@ -28,8 +28,10 @@ def _pool(num_blocks: int = 8, kv_cache_dtype: str = "auto") -> KvPool:
                   kv_cache_dtype=kv_cache_dtype)
 
 
-def _tiered(pool: KvPool, num_slots: int) -> tuple[TieredCache, BlockQueue]:
-    cache = TieredCache(pool, HostTier(pool, num_slots, pool.allocator.events))
+def _tiered(pool: KvPool, num_slots: int, write_policy: str = "write_through"
+            ) -> tuple[TieredCache, BlockQueue]:
+    cache = TieredCache(pool, HostTier(pool, num_slots, pool.allocator.events),
+                        write_policy=write_policy)
     blocks = BlockQueue(pool.allocator, max_waiting=8)
     cache.on_release = blocks.grant
     return cache, blocks
@@ -107,6 +109,39 @@ def test_write_through_holds_the_blocks_until_copied_and_logs_host_events() -> N
             (Tier.DEVICE, tuple(keys)), (Tier.HOST, tuple(keys))}
         tiers = [e.tier for e in pool.allocator.events._log]
         assert tiers == [Tier.DEVICE, Tier.HOST]
+
+    asyncio.run(run())
+
+
+def test_write_back_copies_the_next_blocks_to_evict_once_the_pool_runs_low() -> None:
+    """Nothing is copied when blocks are indexed; once fewer than a quarter of the pool's
+    blocks are truly free, the next lookup copies the cached blocks next in line for
+    eviction, which keep their place in line, and come back from host memory after the pool
+    evicts them."""
+    pool = _pool(8)
+    cache, blocks = _tiered(pool, 16, "write_back")
+    keys = block_keys(list(range(2 * BLOCK)), BLOCK, SEED)
+
+    async def run() -> None:
+        hit = await cache.acquire(keys, 2 * BLOCK + 1, blocks, 3)
+        contents = _fill(pool, hit.block_ids[:2], seed=5)
+        cache.register(keys, hit.block_ids[:2])
+        pool.allocator.free(hit.block_ids)  # the last block first: k1, then k0, in line
+        held = await cache.acquire([], 0, blocks, 6)  # 6 truly free before: no copy
+        await _written(cache)
+        assert cache.host is not None and cache.host.keys() == []  # not written through
+        await cache.acquire([], 0, blocks, 0)  # none truly free now: copy ahead
+        await _written(cache)
+        assert set(cache.host.keys()) == set(keys)
+        assert [k for k, _ in pool.allocator.coldest(2)] == [keys[1], keys[0]]
+        pool.allocator.free(held.block_ids)
+        pool.allocator.free(pool.allocator.alloc(8))  # evicts both
+        again = await cache.acquire(keys, 2 * BLOCK + 1, blocks, 3)
+        assert again.num_promoted == 2
+        for block_id, block in zip(again.block_ids, contents.values()):
+            assert torch.equal(pool.cache[:, :, block_id], block)
+        pool.allocator.free(again.block_ids)
+        assert cache.check_integrity().ok
 
     asyncio.run(run())
 
@@ -216,6 +251,18 @@ class TieredMachine(RuleBasedStateMachine):
             assert bool((host.data[slot] == self.content[key]).all()), key
 
 
-TieredMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=30,
-                                           deadline=None)
+class WriteBackMachine(TieredMachine):
+    """The same, with blocks copied ahead of eviction instead of written through."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cache.close()
+        self.pool = _pool(8)  # a quarter of it, 2 blocks, copied ahead
+        self.cache, self.blocks = _tiered(self.pool, 8, "write_back")
+
+
+for machine in (TieredMachine, WriteBackMachine):
+    machine.TestCase.settings = settings(max_examples=40, stateful_step_count=30,
+                                         deadline=None)
 test_tiers_state_machine = TieredMachine.TestCase
+test_write_back_state_machine = WriteBackMachine.TestCase
