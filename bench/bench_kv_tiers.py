@@ -10,7 +10,10 @@ run below 4x: exit 2), and each TTFT is the prefill alone, not a queue.
 
 Runs (each a fresh deployment of --model, 1 prefill + 1 decode worker, --kv-pool-size each):
   device      no tier: a returning chat recomputes its history (the pools evicted it).
-  host        --kv-host-cache-size: the history comes back from host memory.
+  host        --kv-host-cache-size: the history comes back from host memory (blocks written
+              through as they are indexed).
+  write-back  the same with --kv-host-write-policy write_back (blocks copied only when the
+              pool runs low): which of the two is the default is decided on these figures.
   disk        host + --kv-disk-cache-dir; the whole deployment is stopped after turn
               --num-turns // 2 and started again on the same directory (host memory and
               pools empty): the turns after the restart hit on disk.
@@ -62,7 +65,7 @@ FULL = dict(repeats=3, conversations=16, num_turns=6, system_len=128, message_le
             output_len=32, kv_pool_size="32MiB", host_cache_size="2GiB")
 QUICK = dict(repeats=1, conversations=10, num_turns=4, system_len=40, message_len=8,
              output_len=8, kv_pool_size="448KiB", host_cache_size="64MiB")
-RUNS = ("device", "host", "disk", "store", "prefix-2p2d", "priced-2p2d")
+RUNS = ("device", "host", "write-back", "disk", "store", "prefix-2p2d", "priced-2p2d")
 TIERS = {worker_pb2.KV_TIER_HOST: "host", worker_pb2.KV_TIER_DISK: "disk",
          worker_pb2.KV_TIER_STORE: "store"}
 
@@ -163,6 +166,8 @@ def _deployment(run: str, model: str, args: argparse.Namespace, log_dir: Path,
     workers = ["--kv-pool-size", args.kv_pool_size]
     if run != "device":
         workers += ["--kv-host-cache-size", args.host_cache_size]
+    if run == "write-back":
+        workers += ["--kv-host-write-policy", "write_back"]
     if run == "disk":
         workers += ["--kv-disk-cache-dir", str(log_dir / "kv-disk")]
     if run == "store":
