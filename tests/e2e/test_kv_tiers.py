@@ -46,13 +46,14 @@ SALT = "test_kv_tiers"
 
 # (shared deployment, its workers restarted with tiers, transport flags): the deployment's
 # name is a parameter, so the suite's order sees who uses it (tests/suite_order.py).
+# The colocated case is tests/e2e/test_kv_tiers_colocated.py: a module of its own runs with
+# the colocated deployment's other users instead of holding it from the first group on.
 CASES = [pytest.param("qwen3_deployment", ["prefill-0", "decode-0"], [], id="grpc"),
-         pytest.param("qwen3_deployment", ["prefill-0", "decode-0"], NIXL, id="nixl"),
-         pytest.param("colocated_deployment", ["colocated-0"], [], id="colocated")]
+         pytest.param("qwen3_deployment", ["prefill-0", "decode-0"], NIXL, id="nixl")]
 
 
 @contextmanager
-def _tiered(shared: Deployment, names: list[str], flags: list[str], router: str
+def tiered(shared: Deployment, names: list[str], flags: list[str], router: str
             ) -> Iterator[Deployment]:
     """`shared`'s workers `names` restarted with `flags`, behind a router of their own;
     restarted as they were afterwards."""
@@ -87,11 +88,11 @@ def test_a_prefix_pushed_out_of_every_pool_comes_back_from_host_memory(
         fixture: str, names: list[str], transport: list[str], qwen3_checkpoint: Path,
         request: pytest.FixtureRequest) -> None:
     shared: Deployment = request.getfixturevalue(fixture)
-    with _tiered(shared, names, [*HOST, *transport], f"router-tiers-{fixture}") as deployment:
-        _host_round_trip(deployment, qwen3_checkpoint)
+    with tiered(shared, names, [*HOST, *transport], f"router-tiers-{fixture}") as deployment:
+        host_round_trip(deployment, qwen3_checkpoint)
 
 
-def _host_round_trip(tier_deployment: Deployment, qwen3_checkpoint: Path) -> None:
+def host_round_trip(tier_deployment: Deployment, qwen3_checkpoint: Path) -> None:
     vocab = _hf_model(qwen3_checkpoint).config.vocab_size
     prompt = _prompt(0, vocab)
     expected = _reference(qwen3_checkpoint, prompt, MAX_TOKENS)
