@@ -168,3 +168,5 @@ def copy_in(host: HostTier, slots: Sequence[int], pool: KvPool,
     pages = host.data.index_select(0, torch.tensor(slots, dtype=torch.int64))
     ids = torch.tensor(block_ids, dtype=torch.int64, device=pool.cache.device)
     pool.cache.index_copy_(2, ids, pages.movedim(0, 2).to(pool.cache.device))
+    if pool.cache.is_cuda:  # the kernel is queued: done before the caller hands blocks on
+        torch.cuda.current_stream(pool.cache.device).synchronize()
