@@ -158,15 +158,23 @@ def _fill(pool: KvPool, ids: list[int], seed: int) -> list[torch.Tensor]:
     return [pool.cache[:, :, block_id].clone() for block_id in ids]
 
 
-async def _evict_everywhere(cache: TieredCache, pool: KvPool, others: list[bytes],
-                            blocks: BlockQueue) -> None:
-    """Other blocks through pool and host until neither holds the first ones."""
+async def _on_disk_only(cache: TieredCache, pool: KvPool, blocks: BlockQueue,
+                        keys: list[bytes], others: list[bytes], seed: int
+                        ) -> list[torch.Tensor]:
+    """Compute `keys`' blocks (their contents returned), write them through, then push
+    `others` through pool and host until only the disk holds them."""
+    hit = await cache.acquire(keys, len(keys) * BLOCK + 1, blocks, len(keys) + 1)
+    contents = _fill(pool, hit.block_ids[:len(keys)], seed)
+    cache.register(keys, hit.block_ids[:len(keys)])
+    await until(lambda: cache.is_idle, "write-through done")
+    pool.allocator.free(hit.block_ids)
     for key in others:
         hit = await cache.acquire([key], 2 * BLOCK, blocks, 2)
         _fill(pool, hit.block_ids[:1], 9)
         cache.register([key], hit.block_ids[:1])
         await until(lambda: cache.is_idle, "write-through done")
         pool.allocator.free(hit.block_ids)
+    return contents
 
 
 def test_a_block_dropped_by_pool_and_host_comes_back_from_disk(tmp_path: Path) -> None:
@@ -176,12 +184,7 @@ def test_a_block_dropped_by_pool_and_host_comes_back_from_disk(tmp_path: Path) -
     others = block_keys(list(range(500, 500 + 6 * BLOCK)), BLOCK, SEED)
 
     async def run() -> None:
-        hit = await cache.acquire(keys, 3 * BLOCK + 1, blocks, 4)
-        contents = _fill(pool, hit.block_ids[:3], 1)
-        cache.register(keys, hit.block_ids[:3])
-        await until(lambda: cache.is_idle, "write-through done")
-        pool.allocator.free(hit.block_ids)
-        await _evict_everywhere(cache, pool, others, blocks)
+        contents = await _on_disk_only(cache, pool, blocks, keys, others, seed=1)
         assert cache.host is not None and cache.host.leading(keys) == 0
         assert cache.disk is not None and cache.disk.leading(keys) == 3
         again = await cache.acquire(keys, 3 * BLOCK + 1, blocks, 4)
@@ -206,12 +209,7 @@ def test_a_corrupt_file_is_dropped_never_served(tmp_path: Path) -> None:
     others = block_keys(list(range(700, 700 + 6 * BLOCK)), BLOCK, SEED)
 
     async def run() -> None:
-        hit = await cache.acquire(keys, 3 * BLOCK + 1, blocks, 4)
-        contents = _fill(pool, hit.block_ids[:3], 2)
-        cache.register(keys, hit.block_ids[:3])
-        await until(lambda: cache.is_idle, "write-through done")
-        pool.allocator.free(hit.block_ids)
-        await _evict_everywhere(cache, pool, others, blocks)
+        contents = await _on_disk_only(cache, pool, blocks, keys, others, seed=2)
         assert cache.disk is not None
         path = cache.disk.path(keys[1])
         data = bytearray(path.read_bytes())
