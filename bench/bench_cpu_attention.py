@@ -1,4 +1,4 @@
-"""The CPU decode step's attention, C kernel (kernels/cpu_attention.py) against the torch
+"""The CPU decode step's attention, C kernel (kvferry_kernels/cpu_attention.py) against the torch
 ops it replaces, in the same run: the stage's 30 per-layer callbacks (K/V append and
 attention, `KvStage.attend`) and the whole compiled step around them.
 
@@ -33,12 +33,12 @@ from bench.bench_step_parts import _TimedStage, add_step_arguments  # noqa: E402
 from decode_worker.sequence import step_inputs  # noqa: E402
 from deploy.default_model import bench_model  # noqa: E402
 from deploy.worker_model import tune_malloc  # noqa: E402
-from kernels.dispatch import get_attention_backend  # noqa: E402
 from kvferry.cache.pool import KvPool  # noqa: E402
 from kvferry.model.compiled import compile_decode  # noqa: E402
 from kvferry.model.config import load_model_config  # noqa: E402
 from kvferry.model.transformer import Transformer  # noqa: E402
 from kvferry.settings import COMPILE_CACHE_DIR, COMPILE_MODES  # noqa: E402
+from kvferry_kernels.dispatch import get_attention_backend  # noqa: E402
 
 SHAPES = ("equal", "spread")
 PATHS = ("torch", "kernel")

@@ -39,12 +39,12 @@ from transformers import AutoTokenizer
 
 from deploy.default_model import BENCH_MODEL_HELP, bench_model
 from deploy.worker_model import tune_malloc
-from kernels.dispatch import get_attention_backend
 from kvferry.cache.layout import KvLayout, KvShape, blocks_for_tokens, blocks_needed
 from kvferry.cache.pool import KvPool
 from kvferry.model.config import load_model_config
 from kvferry.model.transformer import Transformer
 from kvferry.transfer import wire
+from kvferry_kernels.dispatch import get_attention_backend
 
 TEXT_PATH = Path(__file__).parent / "data" / "coriolanus_opening.txt"
 BLOCK_SIZE = 16

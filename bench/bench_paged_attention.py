@@ -3,7 +3,7 @@
     python bench/bench_paged_attention.py --out results.json          # one H200, < 8 min
     python bench/bench_paged_attention.py --out dry.json --dry-run    # CPU, TRITON_INTERPRET=1
 
-Needs only torch, triton and this repo's kernels/. For each (Hq, Hkv) x batch x context it
+Needs only torch, triton and this repo's kvferry_kernels/. For each (Hq, Hkv) x batch x context it
 reports the kernel time (triton.testing.do_bench, which flushes L2 before every run; the
 median of --repeats calls, with their range), the
 achieved bandwidth counting K/V bytes read, that bandwidth as a fraction of the device's
@@ -49,7 +49,7 @@ import triton  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import paged_attention_checks as checks  # noqa: E402
 from bench.cuda_graph_timing import graph_ms  # noqa: E402
-from kernels import triton_paged_attention as tpa  # noqa: E402
+from kvferry_kernels import triton_paged_attention as tpa  # noqa: E402
 
 DRY = ARGS.dry_run
 DEVICE = torch.device("cpu" if DRY else "cuda")

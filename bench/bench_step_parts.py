@@ -38,12 +38,12 @@ from decode_worker.kv_stage import KvStage  # noqa: E402
 from decode_worker.sequence import step_inputs  # noqa: E402
 from deploy.default_model import BENCH_MODEL_HELP, bench_model  # noqa: E402
 from deploy.worker_model import tune_malloc  # noqa: E402
-from kernels.dispatch import get_attention_backend  # noqa: E402
 from kvferry.cache.pool import KvPool  # noqa: E402
 from kvferry.model.compiled import compile_decode  # noqa: E402
 from kvferry.model.config import ModelConfig, load_model_config  # noqa: E402
 from kvferry.model.transformer import Transformer  # noqa: E402
 from kvferry.settings import COMPILE_CACHE_DIR, COMPILE_MODES  # noqa: E402
+from kvferry_kernels.dispatch import get_attention_backend  # noqa: E402
 
 
 class _TimedStage(KvStage):

@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-from kernels import triton_paged_attention as tpa
-from kernels.paged_attention_ref import paged_decode_attention_ref
-from kernels.triton_kv_append import write_kv_triton
+from kvferry_kernels import triton_paged_attention as tpa
+from kvferry_kernels.paged_attention_ref import paged_decode_attention_ref
+from kvferry_kernels.triton_kv_append import write_kv_triton
 
 Check = dict[str, Any]  # one row of the report's "correctness" list
 

@@ -29,10 +29,10 @@ from decode_worker.kv_stage import KvStage
 from decode_worker.sequence import step_inputs
 from deploy.default_model import BENCH_MODEL_HELP, bench_model
 from deploy.worker_model import tune_malloc
-from kernels.dispatch import get_attention_backend
 from kvferry.cache.pool import KvPool
 from kvferry.model.config import load_model_config
 from kvferry.model.transformer import Transformer
+from kvferry_kernels.dispatch import get_attention_backend
 
 BLOCK_SIZE = 16
 

@@ -25,11 +25,11 @@ from collections.abc import Callable
 import torch
 
 from decode_worker.sequence import PagedSeq
-from kernels import cpu_attention
-from kernels.paged_attention_torch import dense_decode_attention
 from kvferry import trace
 from kvferry.cache.pool import KvPool
 from kvferry.settings import KVFERRY_HOME
+from kvferry_kernels import cpu_attention
+from kvferry_kernels.paged_attention_torch import dense_decode_attention
 
 # "torch": attend with torch ops over the batch's longest length (the path before the C
 # kernel, kept for comparison); anything else: the kernel where it builds.
@@ -58,7 +58,7 @@ class KvStage:
         self._clock = clock
         self._parked_at: float | None = None  # when the batch went empty (park)
         self._oversized_since: float | None = None  # capacity past the need since then
-        # Attention over each row's own length (kernels/cpu_attention.py), where it builds.
+        # Attention over each row's own length (kvferry_kernels/cpu_attention.py), where it builds.
         self.kernel = None
         if (pool.cache.device.type == "cpu" and pool.dtype == torch.float32
                 and os.environ.get(CPU_ATTENTION_ENV) != "torch"):

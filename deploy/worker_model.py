@@ -109,8 +109,8 @@ def build_model(settings: WorkerSettings) -> tuple[Transformer, KvPool, str]:
     """The worker's model, its pool and the attention backend's name. Decode and colocated
     workers compile (--compile) and capture (--cuda-graphs) their decode step here: before
     the server exists, so before the worker reports SERVING."""
-    from kernels.dispatch import get_attention_backend
     from kvferry.model.transformer import Transformer
+    from kvferry_kernels.dispatch import get_attention_backend
 
     tune_malloc()
     if settings.torch_threads > 0:

@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 # Lower layers never import higher ones. Role packages sit side by side: none imports another.
 LAYERS = {
-    "kernels": 0,  # attention kernels and their dispatch
+    "kvferry_kernels": 0,  # attention kernels and their dispatch
     "kvferry": 1,  # the library core: model, cache, transfer, rpc
     "router": 2,
     "prefill_worker": 2,
@@ -37,7 +37,7 @@ PROTOBUF_HOMES = (
     "deploy/loadgen/runner.py",  # the load generator's GenerationService client
 )
 MAX_LINES = 300
-LONG_FILES = {"kernels/triton_paged_attention.py"}  # one Triton kernel and its launcher
+LONG_FILES = {"kvferry_kernels/triton_paged_attention.py"}  # one Triton kernel and its launcher
 
 
 class Import(NamedTuple):

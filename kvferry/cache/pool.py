@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels import kv_quant
-from kernels.kv_quant import QuantPages
 from kvferry.cache.allocator import BlockAllocator, IntegrityReport
+from kvferry_kernels import kv_quant
+from kvferry_kernels.kv_quant import QuantPages
 
 __all__ = ["BlockAllocator", "IntegrityReport", "KvPool", "all_finite"]
 
@@ -22,7 +22,7 @@ class KvPool:
 
     `dtype` is what the model computes K/V in. `kv_cache_dtype` "auto" stores them as that
     dtype; "int8" or "fp8_e4m3" stores each block of each layer's K (and V) as one byte page
-    of quantized values followed by their per-(token, K/V head) scales (`kernels.kv_quant`),
+    of quantized values followed by their per-(token, K/V head) scales (`kvferry_kernels.kv_quant`),
     so whatever moves pages (transports, swap) moves the scales with them."""
 
     def __init__(

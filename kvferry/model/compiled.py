@@ -16,7 +16,7 @@ checkpoint's content fingerprint, dtype, device, mode, bucket, torch's version, 
 source, the CPU's vector ISA and, on CUDA, the device's compute capability), and loaded from
 there by every later start: a restart spends seconds, not minutes, where inductor's own graph
 cache keeps no graph with packed (mkldnn) weights. Packages and "auto" choice records are
-entries of `kernels.artifact_cache`: published atomically with a manifest and verified byte
+entries of `kvferry_kernels.artifact_cache`: published atomically with a manifest and verified byte
 for byte before loading; a bad one is rebuilt with one warning, and a `cache_dir` another user
 owns or group or others may write is refused with one warning (packages are then built into a
 private temporary directory for this process). `warm_up`
@@ -44,9 +44,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels import artifact_cache
 from kvferry.model.step_timing import median_ms
 from kvferry.settings import COMPILE_MODES, DEFAULT_COMPILE_BATCH_SIZES, parse_batch_sizes
+from kvferry_kernels import artifact_cache
 
 if TYPE_CHECKING:
     from kvferry.model.transformer import AttendFn, Transformer

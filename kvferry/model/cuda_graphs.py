@@ -37,8 +37,8 @@ from kvferry.cache.pool import KvPool
 from kvferry.model.compiled import smallest_bucket
 
 if TYPE_CHECKING:
-    from kernels.triton_paged_attention import DecodeWorkspace
     from kvferry.model.transformer import Transformer
+    from kvferry_kernels.triton_paged_attention import DecodeWorkspace
 
 log = logging.getLogger("kvferry.cuda_graphs")
 
@@ -85,7 +85,7 @@ class CudaGraphDecode:
             model.config.max_position_embeddings, pool.block_size, pool.num_blocks)
         self._fixed_attention: Callable[..., torch.Tensor] | None = None
         if model.backend.name == "triton":
-            from kernels.triton_paged_attention import paged_decode_attention_triton
+            from kvferry_kernels.triton_paged_attention import paged_decode_attention_triton
 
             self._fixed_attention = paged_decode_attention_triton
         self.scratch_block: int | None = pool.allocator.alloc(1)[0]
@@ -102,7 +102,10 @@ class CudaGraphDecode:
         cfg, dev = self.model.config, self.device
         workspace = None
         if self._fixed_attention is not None:
-            from kernels.triton_paged_attention import alloc_decode_workspace, default_num_splits
+            from kvferry_kernels.triton_paged_attention import (
+                alloc_decode_workspace,
+                default_num_splits,
+            )
 
             splits = default_num_splits(size, cfg.num_kv_heads,
                                         self.max_blocks * self.pool.block_size,

@@ -6,7 +6,7 @@ that needs it writes an fp32 safetensors checkpoint under KVFERRY_HOME/models/, 
 file's content (its full SHA-256, remembered per inode, size and times by
 `kvferry.model.identity.file_sha256`), and every process afterwards loads that directory.
 
-The directory is an entry of `kernels.artifact_cache`. Concurrency: a deployment starts its
+The directory is an entry of `kvferry_kernels.artifact_cache`. Concurrency: a deployment starts its
 router and workers at once, so several processes may find the cache empty together. Each
 converts into a private scratch directory, fsyncs it with a manifest (every file's SHA-256) and
 renames it into place; a rename is atomic, so a reader sees either no directory or a complete
@@ -22,9 +22,9 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from kernels import artifact_cache
 from kvferry.model.identity import file_sha256
 from kvferry.settings import KVFERRY_HOME
+from kvferry_kernels import artifact_cache
 
 log = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ import logging
 import os
 from pathlib import Path
 
-from kernels import artifact_cache
 from kvferry.settings import KVFERRY_HOME
+from kvferry_kernels import artifact_cache
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """One Llama-family decoder (Llama, Qwen3) shared by prefill and decode workers.
 
 Weights load from a Hugging Face checkpoint directory (safetensors). Attention reads and
-writes the paged K/V pool through an attention backend from `kernels/` (torch reference on
+writes the paged K/V pool through an attention backend from `kvferry_kernels/` (torch reference on
 CPU, Triton on CUDA). The math mirrors transformers' implementation op for op, so greedy
 decoding in fp32 is token-identical to `transformers` `generate`.
 """
@@ -15,11 +15,11 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from kernels.dispatch import AttentionBackend
-from kernels.kv_quant import fake_quantize
 from kvferry.cache.pool import KvPool
 from kvferry.model.config import ModelConfig
 from kvferry.model.weights import load_weights
+from kvferry_kernels.dispatch import AttentionBackend
+from kvferry_kernels.kv_quant import fake_quantize
 
 Weights = Mapping[str, torch.Tensor]  # checkpoint names (q/k/v and gate/up fused) -> tensors
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from bench.bench_step_parts import _linear_runners, linear_shapes, parse_args
-from kernels.dispatch import get_attention_backend
 from kvferry.model.config import load_model_config
 from kvferry.model.transformer import Transformer
+from kvferry_kernels.dispatch import get_attention_backend
 
 
 def test_linear_shapes_are_the_loaded_models(qwen3_checkpoint: Path) -> None:

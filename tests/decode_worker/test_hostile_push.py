@@ -18,8 +18,6 @@ from decode_worker.engine import DecodeEngine
 from decode_worker.ray_receiver import RayKvReceiver
 from decode_worker.sequence import FinishedEvent, TokensEvent
 from decode_worker.server import KvTransferServicer
-from kernels import kv_quant
-from kernels.dispatch import get_attention_backend
 from kvferry.cache.layout import KvLayout, blocks_for_tokens
 from kvferry.cache.pool import KvPool
 from kvferry.errors import Aborted, DataLoss, InvalidArgument
@@ -29,6 +27,8 @@ from kvferry.model.transformer import Transformer
 from kvferry.rpc import convert
 from kvferry.transfer import wire
 from kvferry.v1 import worker_pb2
+from kvferry_kernels import kv_quant
+from kvferry_kernels.dispatch import get_attention_backend
 from tests.waiting import within
 
 BLOCK_SIZE = 4

@@ -13,13 +13,13 @@ import torch
 
 from decode_worker.engine import DecodeEngine
 from decode_worker.sequence import DecodeSeq, FinishedEvent, TokensEvent
-from kernels.dispatch import get_attention_backend
 from kvferry.cache.layout import KvLayout, blocks_for_tokens
 from kvferry.cache.pool import KvPool
 from kvferry.model.config import load_model_config
 from kvferry.model.sampling import FinishReason, SamplingParams
 from kvferry.model.transformer import Transformer
 from kvferry.transfer import wire
+from kvferry_kernels.dispatch import get_attention_backend
 from tests.waiting import until, within
 
 BLOCK_SIZE = 4

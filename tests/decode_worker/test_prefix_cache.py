@@ -14,7 +14,6 @@ import torch
 
 from decode_worker.engine import DecodeEngine
 from decode_worker.sequence import FinishedEvent, TokensEvent
-from kernels.dispatch import get_attention_backend
 from kvferry.cache.layout import KvLayout, blocks_for_tokens
 from kvferry.cache.pool import KvPool
 from kvferry.cache.prefix import Tier
@@ -25,6 +24,7 @@ from kvferry.model.config import load_model_config
 from kvferry.model.sampling import SamplingParams
 from kvferry.model.transformer import Transformer
 from kvferry.transfer import wire
+from kvferry_kernels.dispatch import get_attention_backend
 from tests.waiting import until, within
 
 BLOCK_SIZE = 4

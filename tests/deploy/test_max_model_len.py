@@ -18,13 +18,13 @@ from decode_worker.engine import DecodeEngine
 from deploy import cli, zygote
 from deploy.args import build_parser, worker_settings
 from deploy.worker_model import max_model_len_for
-from kernels.dispatch import get_attention_backend
 from kvferry.cache.layout import KvLayout
 from kvferry.cache.pool import KvPool
 from kvferry.errors import InvalidArgument
 from kvferry.model.config import load_model_config
 from kvferry.model.transformer import Transformer
 from kvferry.settings import WorkerSettings
+from kvferry_kernels.dispatch import get_attention_backend
 
 REPO = Path(__file__).resolve().parents[2]
 # The seeded Qwen3 checkpoint on CPU: 64 KiB a 16-token block (float32), context 4096.

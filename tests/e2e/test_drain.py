@@ -92,16 +92,19 @@ def _drain(deployment: Deployment, request: generation_pb2.GenerateRequest
 @pytest.mark.parametrize("migrates", [False, True], ids=["finishes-in-place", "migrates"])
 def test_sigterm_drains_a_decode_worker(migrates: bool, qwen3_2p2d_deployment: Deployment
                                         ) -> None:
-    """The shared 2p2d workers drain for up to 30 s (the default): the stream finishes on
-    the draining worker. Restarted with --drain-timeout-s 5, the stream (each of its steps
-    held 40 ms by a fault) outlives the drain and migrates; the 5 s leave the router, which
-    polls health every refresh, time to see the drain on a loaded machine (0.3 s did not)."""
+    """The shared 2p2d workers drain for up to 30 s (the default): the stream of 400 tokens
+    finishes on the draining worker. Restarted with --drain-timeout-s 5, a stream of 200
+    (each step held 40 ms by a fault, so at least 7.6 s remain when the drain starts)
+    outlives the drain and migrates; the 5 s leave the router, which polls health every
+    refresh, time to see the drain on a loaded machine (0.3 s did not)."""
     deployment = qwen3_2p2d_deployment
-    request = client.make_request(PROMPT, temperature=0.0, max_tokens=400, ignore_eos=True)
+    max_tokens = 200 if migrates else 400
+    request = client.make_request(PROMPT, temperature=0.0, max_tokens=max_tokens,
+                                  ignore_eos=True)
     undisturbed = asyncio.run(client.generate(deployment.router_address, request, 120))
     if migrates:
         slow = client.make_request(PROMPT, "drained" + tag(decode_step_delay_s=0.04),
-                                   temperature=0.0, max_tokens=400, ignore_eos=True)
+                                   temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         with reconfigured(deployment, ["decode-0", "decode-1"], ["--drain-timeout-s", "5"]):
             got, other, _ = _drain(deployment, slow)
     else:

@@ -130,30 +130,32 @@ def _files_of(root: Path, key: bytes) -> list[Path]:
 
 def test_a_restarted_deployment_finds_its_prefixes_on_disk_and_drops_a_corrupt_one(
         qwen3_deployment: Deployment, qwen3_checkpoint: Path, tmp_path: Path) -> None:
-    """Prefill and decode workers share one disk directory (each takes a subdirectory).
-    After both restart, the prompt's blocks are disk hits, token-identical; a block whose
-    file had a bit flipped meanwhile ends the run there (counted corrupt, deleted, never
-    served) and the rest is computed."""
+    """Prefill and decode workers share one disk directory (each takes a subdirectory). Two
+    prompts go to disk; both workers restart. The first prompt's blocks are disk hits,
+    token-identical; a block of the second whose file had a bit flipped meanwhile ends its
+    run there (counted corrupt, deleted, never served) and the rest is computed."""
     names = ["prefill-0", "decode-0"]
     root = tmp_path / "kv"
     flags = [*HOST, "--kv-disk-cache-dir", str(root)]
     vocab = _hf_model(qwen3_checkpoint).config.vocab_size
-    prompt = _prompt(100, vocab)
+    prompt, other = _prompt(100, vocab), _prompt(101, vocab)
     expected = _reference(qwen3_checkpoint, prompt, MAX_TOKENS)
+    other_expected = _reference(qwen3_checkpoint, other, MAX_TOKENS)
     try:
         with (reconfigured(qwen3_deployment, names, flags, restore=False),
               routed(qwen3_deployment, "router-disk-1", DETAILS) as deployment):
             assert _generate(deployment, prompt).token_ids == expected
-            until_sync(lambda: all(_disk(s).used_blocks >= 5
+            assert _generate(deployment, other).token_ids == other_expected
+            until_sync(lambda: all(_disk(s).used_blocks >= 10
                                    for s in worker_stats(deployment)),
-                       "every worker's prompt blocks on disk")
+                       "both prompts' blocks on every worker's disk")
         layout = worker_stats(qwen3_deployment)[0].layout
-        keys = block_keys(prompt, BLOCK, cache_seed(layout.model_fingerprint, layout.dtype,
-                                                    SALT))
+        keys = block_keys(other, BLOCK, cache_seed(layout.model_fingerprint, layout.dtype,
+                                                   SALT))
         with (reconfigured(qwen3_deployment, names, flags, restore=False),
               routed(qwen3_deployment, "router-disk-2", DETAILS) as deployment):
             before = worker_stats(deployment)
-            assert all(_disk(s).used_blocks >= 5 and s.cached_blocks == 0 for s in before)
+            assert all(_disk(s).used_blocks >= 10 and s.cached_blocks == 0 for s in before)
             again = _generate(deployment, prompt)
             assert again.token_ids == expected
             usage = again.finished.usage
@@ -161,8 +163,6 @@ def test_a_restarted_deployment_finds_its_prefixes_on_disk_and_drops_a_corrupt_o
             after = worker_stats(deployment)
             for old, new in zip(before, after):
                 assert _disk(new).hit_tokens - _disk(old).hit_tokens == 5 * BLOCK, new.role
-        with (reconfigured(qwen3_deployment, names, flags, restore=False),
-              routed(qwen3_deployment, "router-disk-3", DETAILS) as deployment):
             corrupted = _files_of(root, keys[2])
             assert len(corrupted) == 2  # one per worker's directory
             flipped = {}
@@ -171,16 +171,16 @@ def test_a_restarted_deployment_finds_its_prefixes_on_disk_and_drops_a_corrupt_o
                 data[len(data) // 2] ^= 0x10
                 path.write_bytes(bytes(data))
                 flipped[path] = bytes(data)
-            third = _generate(deployment, prompt)
-            assert third.token_ids == expected
+            third = _generate(deployment, other)
+            assert third.token_ids == other_expected
             assert third.finished.usage.cached_prompt_tokens == 2 * BLOCK
             for stats in worker_stats(deployment):
                 assert _disk(stats).corrupt_blocks == 1, stats.role
                 assert stats.integrity_ok, stats.integrity_error
             # Deleted, then written again from the block computed afresh.
-            until_sync(lambda: all(_disk(s).used_blocks >= 5 for s in worker_stats(deployment)),
+            until_sync(lambda: all(p.exists() and p.read_bytes() != data
+                                   for p, data in flipped.items()),
                        "the recomputed block on disk again")
-            assert all(not p.exists() or p.read_bytes() != data for p, data in flipped.items())
             assert_pools_clean(deployment)
     finally:
         restart(qwen3_deployment, names)

@@ -25,7 +25,7 @@ from k8s_manifests import (
 from kvferry.rpc import grpc_util
 
 REPO = K8S_DIR.parent
-SOURCE_DIRS = ("kvferry", "router", "prefill_worker", "decode_worker", "kernels", "deploy")
+SOURCE_DIRS = ("kvferry", "router", "prefill_worker", "decode_worker", "kvferry_kernels", "deploy")
 GPU_TREES = ("base", "overlays/gpu", "overlays/ray", "overlays/autoscale", "overlays/tls",
              "overlays/nixl-gpu")
 CPU_DEV_TREES = ("overlays/cpu-dev", "overlays/nixl")  # cpu-dev's locally built images

@@ -92,7 +92,7 @@ import kvferry.model.checkpoint, kvferry.transfer.grpc_push
 import router.server, router.http_front, router.discovery
 import prefill_worker.server, decode_worker.server
 import kvferry.transfer.nixl_push, decode_worker.nixl_puller, nixl_cu12._api
-from kernels.dispatch import get_attention_backend
+from kvferry_kernels.dispatch import get_attention_backend
 get_attention_backend("torch")
 deploy.args.build_parser()
 print("ok")

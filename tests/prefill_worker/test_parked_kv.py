@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.dispatch import get_attention_backend
 from kvferry.cache.layout import KvLayout
 from kvferry.cache.pool import KvPool
 from kvferry.errors import Aborted, NotFound
@@ -20,6 +19,7 @@ from kvferry.model.config import load_model_config
 from kvferry.model.sampling import SamplingParams
 from kvferry.model.transformer import Transformer
 from kvferry.transfer.sender import LayersReady, PushResult
+from kvferry_kernels.dispatch import get_attention_backend
 from prefill_worker.engine import FirstTokenEvent, PrefillEngine, PushedEvent
 from tests.waiting import until, within
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import kv_quant
 from kvferry import settings
 from kvferry.cache.layout import KvLayout, KvShape
 from kvferry.cache.pool import KvPool
 from kvferry.transfer import wire
+from kvferry_kernels import kv_quant
 
 LAYERS, HEADS, DIM, BLOCK, BLOCKS = 2, 3, 64, 16, 6
 QUANTIZED = ["int8", "fp8_e4m3"]

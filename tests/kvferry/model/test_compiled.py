@@ -18,14 +18,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from kernels import artifact_cache
-from kernels.dispatch import get_attention_backend
 from kvferry.cache.layout import blocks_for_tokens
 from kvferry.cache.pool import KvPool
 from kvferry.model.compiled import AUTO_MODES, CHOICE, PACKAGE, CompiledDecode, compile_decode
 from kvferry.model.config import load_model_config
 from kvferry.model.transformer import Transformer
 from kvferry.settings import parse_batch_sizes
+from kvferry_kernels import artifact_cache
+from kvferry_kernels.dispatch import get_attention_backend
 
 BUCKETS = (1, 2)
 STEPS = 10

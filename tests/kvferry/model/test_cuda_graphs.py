@@ -12,12 +12,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kernels.dispatch import get_attention_backend
 from kvferry.cache.layout import blocks_for_tokens
 from kvferry.cache.pool import KvPool
 from kvferry.model.config import load_model_config
 from kvferry.model.cuda_graphs import CudaGraphDecode, capture_decode, max_blocks_per_seq
 from kvferry.model.transformer import Transformer
+from kvferry_kernels.dispatch import get_attention_backend
 
 BLOCK_SIZE = 16
 BUCKETS = (1, 2, 4)

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from kernels import artifact_cache
 from kvferry.model import gguf
 from kvferry.model.config import load_model_config
+from kvferry_kernels import artifact_cache
 
 REPO = Path(__file__).resolve().parents[3]
 

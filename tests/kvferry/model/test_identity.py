@@ -15,8 +15,6 @@ from typing import NamedTuple
 
 import pytest
 
-from kernels import artifact_cache
-from kernels.dispatch import get_attention_backend
 from kvferry.cache.layout import KvLayout
 from kvferry.cache.stats import PoolStats
 from kvferry.model import identity
@@ -24,6 +22,8 @@ from kvferry.model.checkpoint import ModelSpec, make_model
 from kvferry.model.compiled import PACKAGE, CompiledDecode, compile_decode
 from kvferry.model.config import load_model_config
 from kvferry.model.transformer import Transformer
+from kvferry_kernels import artifact_cache
+from kvferry_kernels.dispatch import get_attention_backend
 from router import worker_set as router_workers
 from router.records import WorkerStats
 from router.worker_set import WorkerSet

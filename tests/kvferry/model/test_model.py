@@ -8,11 +8,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from kernels.dispatch import get_attention_backend
 from kvferry.cache.layout import blocks_for_tokens
 from kvferry.cache.pool import KvPool
 from kvferry.model.config import load_model_config
 from kvferry.model.transformer import Transformer
+from kvferry_kernels.dispatch import get_attention_backend
 
 
 def _setup(checkpoint: Path) -> tuple[Transformer, torch.nn.Module, KvPool]:

@@ -1,12 +1,12 @@
 """The model over quantized K/V pages (issue 21) against an independent oracle: transformers
 `generate` whose cache stores every K/V vector fake-quantized by `_fake_quantize` below, the
 format written out from its definition (one scale per token and K/V head, int8 or fp8 e4m3)
-without `kernels.kv_quant` (issue 34: the oracle must not share kvferry's quantizer). kvferry
-quantizes where K/V is written (prefill and the decode append) and attends over what the
-pages hold, the prompt's own tokens included, so greedy tokens must be identical, whatever
-the prefill's chunking, and every step's logits must agree to LOGITS_ATOL (they are bit for
-bit equal on CPU today). Greedy tokens alone miss small quantizer errors (an int8 scale of
-amax / 126 leaves this model's tokens unchanged); that error moves the logits by ~0.1."""
+without `kvferry_kernels.kv_quant` (issue 34: the oracle must not share kvferry's quantizer).
+kvferry quantizes where K/V is written (prefill and the decode append) and attends over what
+the pages hold, the prompt's own tokens included, so greedy tokens must be identical, whatever
+the prefill's chunking, and every step's logits must agree to LOGITS_ATOL (they are bit for bit
+equal on CPU today). Greedy tokens alone miss small quantizer errors (an int8 scale of amax /
+126 leaves this model's tokens unchanged); that error moves the logits by ~0.1."""
 
 from __future__ import annotations
 
@@ -19,11 +19,11 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.cache_utils import DynamicLayer
 
-from kernels.dispatch import get_attention_backend
 from kvferry.cache.layout import blocks_for_tokens
 from kvferry.cache.pool import KvPool
 from kvferry.model.config import load_model_config
 from kvferry.model.transformer import Transformer
+from kvferry_kernels.dispatch import get_attention_backend
 
 BLOCK = 16
 PROMPT_LENGTHS = [1, 17, 40, 100]

@@ -17,10 +17,13 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from kernels.kv_quant import QuantPages, dequantize_pages, page_bytes, quantize, split_pages
-from kernels.paged_attention_ref import paged_decode_attention_ref
-from kernels.paged_attention_torch import paged_decode_attention_torch
-from kernels.triton_paged_attention import alloc_decode_workspace, paged_decode_attention_triton
+from kvferry_kernels.kv_quant import QuantPages, dequantize_pages, page_bytes, quantize, split_pages
+from kvferry_kernels.paged_attention_ref import paged_decode_attention_ref
+from kvferry_kernels.paged_attention_torch import paged_decode_attention_torch
+from kvferry_kernels.triton_paged_attention import (
+    alloc_decode_workspace,
+    paged_decode_attention_triton,
+)
 
 NAN = float("nan")
 KV_DTYPES = ["int8", "fp8_e4m3"]

@@ -35,7 +35,7 @@ SCALE_DTYPE = torch.float32
 # clamped: int8 errors past scale / 2) or underflows to 0 (0 / 0: fp8 stores NaN codes for
 # finite input). Above the largest float32 <= float32 max / qmax, qmax * scale overflows: a
 # float32 amax near float32 max would read back as inf. Both bounds are float32 values, exact
-# as written; the Triton append (kernels/triton_kv_append.py) applies the same.
+# as written; the Triton append (kvferry_kernels/triton_kv_append.py) applies the same.
 _SCALE_MIN = 2.0**-126
 _SCALE_MAX = {"int8": 2.6793883890187504e36, "fp8_e4m3": 7.595588094610019e35}
 

@@ -13,8 +13,8 @@ from typing import NamedTuple
 
 import torch
 
-from kernels.paged_attention_ref import write_kv_ref
-from kernels.paged_attention_torch import paged_decode_attention_torch
+from kvferry_kernels.paged_attention_ref import write_kv_ref
+from kvferry_kernels.paged_attention_torch import paged_decode_attention_torch
 
 # decode_attention(q, k_cache, v_cache, block_table, seq_lens, sm_scale) -> out [B, Hq, D]
 DecodeAttentionFn = Callable[
@@ -29,7 +29,7 @@ BACKEND_NAMES = ("torch", "triton")
 class AttentionBackend(NamedTuple):
     """The two paged-KV operations the model needs, from one implementation: the one
     interface between `kvferry.model.transformer` and the kernels (the core imports it from
-    here; kernels/ never imports kvferry). Both work on one layer's pages,
+    here; kvferry_kernels/ never imports kvferry). Both work on one layer's pages,
     k_cache / v_cache [num_blocks, block_size, kv_heads, head_dim]: full-precision tensors,
     or both `kv_quant.QuantPages` (int8 / fp8 values with their scales), which write_kv
     quantizes into and decode_attention dequantizes from."""
@@ -45,8 +45,8 @@ def get_attention_backend(name: str) -> AttentionBackend:
         # The batched torch path; paged_attention_ref's per-sequence loop is the tests' oracle.
         return AttentionBackend(name, paged_decode_attention_torch, write_kv_ref)
     if name == "triton":
-        from kernels.triton_kv_append import write_kv_triton
-        from kernels.triton_paged_attention import paged_decode_attention_triton
+        from kvferry_kernels.triton_kv_append import write_kv_triton
+        from kvferry_kernels.triton_paged_attention import paged_decode_attention_triton
 
         return AttentionBackend(name, paged_decode_attention_triton, write_kv_triton)
     raise ValueError(f"unknown attention backend {name!r}; expected one of {BACKEND_NAMES}")

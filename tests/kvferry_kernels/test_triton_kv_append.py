@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.paged_attention_ref import write_kv_ref
-from kernels.triton_kv_append import write_kv_triton
+from kvferry_kernels.paged_attention_ref import write_kv_ref
+from kvferry_kernels.triton_kv_append import write_kv_triton
 
 pytestmark = pytest.mark.triton
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.kv_quant import QuantPages, dequantize, kv_dtype_of, quantize
+from kvferry_kernels.kv_quant import QuantPages, dequantize, kv_dtype_of, quantize
 
 
 def _storage_bytes(data: torch.Tensor) -> torch.Tensor:

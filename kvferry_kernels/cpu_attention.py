@@ -12,11 +12,11 @@ torch extension takes a minute and ninja.
 `load(cache_dir)` builds the library once per source, compiler, CPU and flags into `cache_dir`
 (a private temporary directory when None) and returns a `CpuAttention`, or None where there is
 no compiler or the build fails (the caller keeps the torch path). The library is an entry of
-`kernels.artifact_cache`: built in scratch, fsynced and renamed into place with a manifest, and
-verified byte for byte before `ctypes.CDLL` maps it (a truncated library would SIGBUS the
-worker; a stub would silently keep it on torch). A bad entry is rebuilt with one warning; a
-cache directory another user owns, or group or others may write, is refused with one warning
-and the library built in a private temporary directory instead.
+`kvferry_kernels.artifact_cache`: built in scratch, fsynced and renamed into place with a
+manifest, and verified byte for byte before `ctypes.CDLL` maps it (a truncated library would
+SIGBUS the worker; a stub would silently keep it on torch). A bad entry is rebuilt with one
+warning; a cache directory another user owns, or group or others may write, is refused with one
+warning and the library built in a private temporary directory instead.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import artifact_cache
+from kvferry_kernels import artifact_cache
 
 log = logging.getLogger("kvferry.kernels")
 

@@ -1,8 +1,8 @@
 """Crash-safe, verified on-disk caches, shared by every cache kvferry keeps: the C attention
-library (`kernels/cpu_attention.py`), the compiled decode packages and "auto" choice records
-(`kvferry/model/compiled.py`) and GGUF conversions (`kvferry/model/gguf.py`). It lives in
-kernels/, the lowest layer, because the kernel's own cache uses it and kernels/ imports nothing
-above itself.
+library (`kvferry_kernels/cpu_attention.py`), the compiled decode packages and "auto" choice
+records (`kvferry/model/compiled.py`) and GGUF conversions (`kvferry/model/gguf.py`). It lives
+in kvferry_kernels/, the lowest layer, because the kernel's own cache uses it and
+kvferry_kernels/ imports nothing above itself.
 
 Entries: an entry is a directory `<cache>/<name>/` holding the artifact's files and
 `manifest.json` (each file's size and SHA-256). It is built in a private scratch directory

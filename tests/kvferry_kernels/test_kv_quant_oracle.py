@@ -1,4 +1,4 @@
-"""`kernels.kv_quant` against an oracle written out here, in numpy (issue 34).
+"""`kvferry_kernels.kv_quant` against an oracle written out here, in numpy (issue 34).
 
 The documented format: one float32 scale per vector (the last dim; one per token and K/V head
 in a page), symmetric, scale = amax / qmax computed in float32 (qmax 127 for int8, 448 for
@@ -24,7 +24,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from kernels.kv_quant import (
+from kvferry_kernels.kv_quant import (
     KV_CACHE_DTYPES,
     dequantize,
     fake_quantize,
@@ -34,7 +34,7 @@ from kernels.kv_quant import (
     quantize,
     split_pages,
 )
-from kernels.triton_kv_append import write_kv_triton
+from kvferry_kernels.triton_kv_append import write_kv_triton
 
 QMAX = {"int8": 127.0, "fp8_e4m3": 448.0}
 KV_DTYPES = list(QMAX)
@@ -288,7 +288,7 @@ def test_tiny_and_huge_vectors_read_back_finite_and_within_the_bound(kv_dtype: s
 def test_the_triton_append_stores_the_formulas_bytes_at_the_edges(
         kv_dtype: str, device: torch.device) -> None:
     """The Triton append quantizes in the kernel; the same edge vectors, against the
-    oracle (the rest of its range: tests/kernels/test_quant_kv_append.py)."""
+    oracle (the rest of its range: tests/kvferry_kernels/test_quant_kv_append.py)."""
     x = _edge_vectors()
     num_tokens, _, head_dim = x.shape
     pool = torch.zeros(2, 1, page_bytes(num_tokens, 1, head_dim, kv_dtype),

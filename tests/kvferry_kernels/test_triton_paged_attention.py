@@ -15,9 +15,12 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from kernels.dispatch import get_attention_backend
-from kernels.paged_attention_ref import paged_decode_attention_ref
-from kernels.triton_paged_attention import alloc_decode_workspace, paged_decode_attention_triton
+from kvferry_kernels.dispatch import get_attention_backend
+from kvferry_kernels.paged_attention_ref import paged_decode_attention_ref
+from kvferry_kernels.triton_paged_attention import (
+    alloc_decode_workspace,
+    paged_decode_attention_triton,
+)
 
 pytestmark = pytest.mark.triton
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from kernels.kv_quant import (
+from kvferry_kernels.kv_quant import (
     dequantize_pages,
     fake_quantize,
     page_bytes,
@@ -24,9 +24,9 @@ from kernels.kv_quant import (
     split_pages,
     storage_dtype,
 )
-from kernels.paged_attention_ref import paged_decode_attention_ref, write_kv_ref
-from kernels.paged_attention_torch import paged_decode_attention_torch
-from kernels.triton_kv_append import write_kv_triton
+from kvferry_kernels.paged_attention_ref import paged_decode_attention_ref, write_kv_ref
+from kvferry_kernels.paged_attention_torch import paged_decode_attention_torch
+from kvferry_kernels.triton_kv_append import write_kv_triton
 
 KV_DTYPES = ["int8", "fp8_e4m3"]
 WRITERS: dict[str, Callable[..., None]] = {"triton": write_kv_triton, "ref": write_kv_ref}

@@ -1,4 +1,4 @@
-"""The C decode attention over dense K/V rows (kernels/cpu_attention.py) against the torch
+"""The C decode attention over dense K/V rows (kvferry_kernels/cpu_attention.py) against the torch
 ops it replaces (`dense_decode_attention`, itself checked against the per-sequence oracle):
 every head size path (32, 64 and 128 in registers, any other in a plain loop), grouped
 queries, rows of every length from 1 to the row width, positions past a row's length
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import artifact_cache, cpu_attention
-from kernels.paged_attention_torch import dense_decode_attention
+from kvferry_kernels import artifact_cache, cpu_attention
+from kvferry_kernels.paged_attention_torch import dense_decode_attention
 
 
 @pytest.fixture(scope="module")

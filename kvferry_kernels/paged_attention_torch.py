@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.kv_quant import QuantPages, dequantize
+from kvferry_kernels.kv_quant import QuantPages, dequantize
 
 
 def _gather(cache: torch.Tensor, ids: torch.Tensor, batch: int, num_blocks: int,
@@ -79,7 +79,7 @@ def dense_decode_attention(
 
     Plain batched matmuls, each query head group against its KV head: with one query token
     per sequence this reads K and V once at close to memory speed, where the CPU flash
-    kernel of scaled_dot_product_attention takes ~1.3-2x longer (tests/kernels and
+    kernel of scaled_dot_product_attention takes ~1.3-2x longer (tests/kvferry_kernels and
     docs/benchmarks.md)."""
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, length = k.shape[1], k.shape[2]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.paged_attention_ref import paged_decode_attention_ref
-from kernels.paged_attention_torch import paged_decode_attention_torch
+from kvferry_kernels.paged_attention_ref import paged_decode_attention_ref
+from kvferry_kernels.paged_attention_torch import paged_decode_attention_torch
 
 
 @pytest.mark.parametrize("block_size,hq,hkv", [(1, 4, 4), (16, 8, 2), (16, 5, 1), (64, 8, 1)])

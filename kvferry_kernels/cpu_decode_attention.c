@@ -1,5 +1,5 @@
 /* Decode attention over the CPU decode worker's dense K/V stage, one pass over each
- * sequence's own length (kernels/cpu_attention.py builds and loads this file).
+ * sequence's own length (kvferry_kernels/cpu_attention.py builds and loads this file).
  *
  * For every (sequence b, KV head h): the G query heads of the group are scored against
  * K[b, h, 0:len[b]], softmaxed, and summed over V[b, h, 0:len[b]]. K and V are read from

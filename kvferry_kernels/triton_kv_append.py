@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_quant import QuantPages, kv_dtype_of
+from kvferry_kernels.kv_quant import QuantPages, kv_dtype_of
 
 # Read once: triton decides at decoration time whether a kernel is interpreted.
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -224,7 +224,7 @@ def _check_inputs(
     if not _INTERPRET and k_cache.device.type != "cuda":
         raise ValueError(
             "triton write_kv needs CUDA tensors, or TRITON_INTERPRET=1 set "
-            "before importing kernels.triton_kv_append"
+            "before importing kvferry_kernels.triton_kv_append"
         )
 
 

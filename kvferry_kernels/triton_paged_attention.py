@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_quant import QuantPages
+from kvferry_kernels.kv_quant import QuantPages
 
 # Read once: triton decides at decoration time whether a kernel is interpreted.
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -374,7 +374,7 @@ def _check_inputs(
     if not _INTERPRET and q.device.type != "cuda":
         raise ValueError(
             "triton attention needs CUDA tensors, or TRITON_INTERPRET=1 set "
-            "before importing kernels.triton_paged_attention"
+            "before importing kvferry_kernels.triton_paged_attention"
         )
 
 
