@@ -39,8 +39,10 @@ def server_binary() -> str:
 class StoreServer:
     """One server process; `url` is what workers get as --kv-store-url."""
 
-    def __init__(self, directory: Path, max_memory_bytes: int) -> None:
+    def __init__(self, directory: Path, max_memory_bytes: int,
+                 password: str | None = None) -> None:
         self.directory = directory
+        self.password = password  # requirepass (tests of --kv-store-password-file)
         self.socket = directory / "store.sock"
         self.max_memory_bytes = max_memory_bytes
         self.process: subprocess.Popen[bytes] | None = None
@@ -58,10 +60,12 @@ class StoreServer:
             [server_binary(), "--port", "0", "--unixsocket", str(self.socket),
              "--unixsocketperm", "700", "--maxmemory", str(self.max_memory_bytes),
              "--maxmemory-policy", "allkeys-lru", "--save", "", "--appendonly", "no",
-             "--dir", str(self.directory)],
+             "--dir", str(self.directory),
+             *([] if self.password is None else ["--requirepass", self.password])],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         log.close()
-        client = redis.Redis(unix_socket_path=str(self.socket), socket_timeout=1.0)
+        client = redis.Redis(unix_socket_path=str(self.socket), socket_timeout=1.0,
+                             password=self.password)
         deadline = time.monotonic() + READY_TIMEOUT_S
         while True:
             if self.process.poll() is not None:

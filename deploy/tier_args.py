@@ -36,6 +36,9 @@ def tier_args(p: argparse.ArgumentParser, is_deployment: bool = False) -> None:
                         "shares (redis://HOST:PORT or unix:///PATH; needs "
                         "--kv-host-cache-size): a prefix one worker computed is a hit on "
                         "the others")
+    p.add_argument("--kv-store-password-file", default=None, metavar="FILE",
+                   help=f"{every}the store's password (its requirepass), read from FILE (a "
+                        "mounted Secret) so that it is in no URL, command line or log")
     if is_deployment:
         p.add_argument("--kv-store-size", default=None, metavar="SIZE",
                        help="start a Valkey store of SIZE bytes (or a fraction of host "
@@ -56,11 +59,15 @@ def tier_settings(args: argparse.Namespace) -> TierSettings:
             raise ValueError("kv_store_size: needs --kv-host-cache-size: store blocks are "
                              "read through host memory")
         store_bytes(store_size)
+        if args.kv_store_password_file is not None:
+            raise ValueError("kv_store_password_file: the store --kv-store-size starts has no "
+                             "password (it listens on a Unix socket only its user may open)")
     return TierSettings(host_cache_size=args.kv_host_cache_size,
                         host_write_policy=args.kv_host_write_policy,
                         disk_cache_dir=args.kv_disk_cache_dir,
                         disk_cache_size=args.kv_disk_cache_size,
-                        store_url=args.kv_store_url)
+                        store_url=args.kv_store_url,
+                        store_password_file=args.kv_store_password_file)
 
 
 def store_bytes(size: str) -> int:
@@ -79,4 +86,6 @@ def tier_argv(args: argparse.Namespace, store_url: str | None = None) -> list[st
                  "--kv-disk-cache-size", args.kv_disk_cache_size]
     if (args.kv_store_url or store_url) is not None:
         argv += ["--kv-store-url", args.kv_store_url or store_url]
+    if args.kv_store_password_file is not None:
+        argv += ["--kv-store-password-file", args.kv_store_password_file]
     return argv

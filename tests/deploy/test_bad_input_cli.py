@@ -88,6 +88,8 @@ SERVE_CASES = [
     ("serve --model {missing} --kv-store-size 1GiB", ["kv_store_size"]),
     ("serve --model {missing} --kv-disk-cache-dir /tmp/x", ["kv_disk_cache_dir"]),
     ("demo --model {missing} --kv-host-cache-size 99TiB", ["kv_host_cache_size"]),
+    ("serve --model {missing} --kv-host-cache-size 1MiB --kv-store-size 1GiB "
+     "--kv-store-password-file {missing}", ["kv_store_password_file", "no password"]),
 ]
 PROCESS_CASES = [
     ("prefill-worker --model {missing}", ["missing"]),
@@ -98,6 +100,8 @@ PROCESS_CASES = [
     ("decode-worker --model {missing} --kv-pool-size -1", ["kv_pool_size"]),
     ("prefill-worker --model {missing} --kv-host-cache-size 1GiB --kv-store-url http://x",
      ["kv_store_url"]),
+    ("decode-worker --model {missing} --kv-host-cache-size 1MiB --kv-store-url redis://h:1 "
+     "--kv-store-password-file {missing}", ["kv_store_password_file", "cannot read"]),
     ("prefill-worker --model {missing} --block-size 3", ["block_size"]),
     ("colocated-worker --model {missing} --port 99999", ["port"]),
     ("router --model {missing} --prefill 127.0.0.1:1 --decode 127.0.0.1:2", ["missing"]),

@@ -7,7 +7,13 @@ from pathlib import Path
 
 from kvferry.cache.pool import KvPool
 from kvferry.cache.tiers import codec
-from kvferry.cache.tiers.config import TierSettings, disk_cache_bytes, host_cache_bytes
+from kvferry.cache.tiers.config import (
+    TierSettings,
+    disk_cache_bytes,
+    host_cache_bytes,
+    redacted_url,
+    store_password,
+)
 from kvferry.cache.tiers.disk import DiskTier
 from kvferry.cache.tiers.host import HostTier, block_nbytes
 from kvferry.cache.tiers.tiered import TieredCache
@@ -39,6 +45,6 @@ def build_tiered_cache(pool: KvPool, settings: TierSettings) -> TieredCache:
         from kvferry.cache.tiers.store import StoreTier
 
         store = StoreTier(settings.store_url, codec.layout_hash(pool), block_nbytes(pool),
-                          pool.allocator.events)
-        log.info("store K/V tier at %s", settings.store_url)
+                          pool.allocator.events, password=store_password(settings))
+        log.info("store K/V tier at %s", redacted_url(settings.store_url))
     return TieredCache(pool, host, disk, store, settings.host_write_policy)

@@ -30,6 +30,9 @@ class TierSettings:
     # Store tier (needs the host tier): a Redis-protocol server every worker shares,
     # redis://HOST:PORT[/DB] or unix:///PATH.
     store_url: str | None = None
+    # A file holding the store's password (a mounted Secret), so it is in no URL, command line
+    # or log; a password written into the URL is redacted from the logs.
+    store_password_file: str | None = None
 
     def __post_init__(self) -> None:
         if self.host_write_policy not in WRITE_POLICIES:
@@ -48,11 +51,43 @@ class TierSettings:
                                  "store blocks are read through host memory")
             if not self.store_url.startswith(STORE_SCHEMES):
                 raise ValueError(f"kv_store_url: expected {', '.join(STORE_SCHEMES)}..., got "
-                                 f"{self.store_url!r}")
+                                 f"{redacted_url(self.store_url)!r}")
+        if self.store_password_file is not None:
+            if self.store_url is None:
+                raise ValueError("kv_store_password_file: needs --kv-store-url")
+            if redacted_url(self.store_url) != self.store_url:
+                raise ValueError("kv_store_password_file: --kv-store-url carries a password "
+                                 "already; give it in one place")
+            store_password(self)
 
     @property
     def is_tiered(self) -> bool:
         return self.host_cache_size is not None
+
+
+def store_password(settings: TierSettings) -> str | None:
+    """The password in --kv-store-password-file (its trailing newline dropped), or None;
+    ValueError naming the flag when the file cannot be read or holds nothing."""
+    if settings.store_password_file is None:
+        return None
+    try:
+        password = Path(settings.store_password_file).read_text().rstrip("\r\n")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"kv_store_password_file: cannot read {settings.store_password_file}"
+                         f": {e}") from None
+    if not password:
+        raise ValueError(f"kv_store_password_file: {settings.store_password_file} is empty")
+    return password
+
+
+def redacted_url(url: str) -> str:
+    """`url` with the password of its user-info part replaced (for logs and messages)."""
+    scheme, sep, rest = url.partition("://")
+    netloc, slash, path = rest.partition("/")
+    userinfo, at, host = netloc.rpartition("@")
+    if not at or ":" not in userinfo:
+        return url
+    return f"{scheme}{sep}{userinfo.split(':', 1)[0]}:***@{host}{slash}{path}"
 
 
 def host_memory_bytes() -> int:

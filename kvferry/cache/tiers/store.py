@@ -24,6 +24,7 @@ import torch
 from kvferry.cache.prefix import CacheEvents, Tier
 from kvferry.cache.stats import TierState
 from kvferry.cache.tiers import codec
+from kvferry.cache.tiers.config import redacted_url
 
 log = logging.getLogger("kvferry.tiers")
 
@@ -38,12 +39,14 @@ class StoreTier:
     tier = Tier.STORE
 
     def __init__(self, url: str, layout: bytes, payload_nbytes: int, events: CacheEvents,
-                 namespace: str = "kvferry") -> None:
+                 namespace: str = "kvferry", password: str | None = None) -> None:
         import redis
 
-        self.url = url
+        self.url = redacted_url(url)  # for logs
+        # A password given apart (the URL then has none: TierSettings checks).
+        extra = {} if password is None else {"password": password}
         self.client = redis.Redis.from_url(url, socket_timeout=SOCKET_TIMEOUT_S,
-                                           socket_connect_timeout=CONNECT_TIMEOUT_S)
+                                           socket_connect_timeout=CONNECT_TIMEOUT_S, **extra)
         self.errors: tuple[type[Exception], ...] = (redis.RedisError, OSError)
         self.layout = layout
         self.payload_nbytes = payload_nbytes

@@ -19,6 +19,7 @@ from kvferry.cache.pool import KvPool
 from kvferry.cache.prefix import Tier, TierTokens, block_keys, cache_seed
 from kvferry.cache.stats import TierState
 from kvferry.cache.tiers import codec, store
+from kvferry.cache.tiers.config import TierSettings, store_password
 from kvferry.cache.tiers.host import HostTier, block_nbytes
 from kvferry.cache.tiers.store import StoreTier
 from kvferry.cache.tiers.tiered import TieredCache
@@ -35,11 +36,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StoreServer]:
     started.stop()
 
 
-def _worker(url: str, namespace: str) -> tuple[TieredCache, BlockQueue, KvPool]:
+def _worker(url: str, namespace: str, password: str | None = None
+            ) -> tuple[TieredCache, BlockQueue, KvPool]:
     pool = KvPool(2, 2, 8, BLOCK, 6, torch.float32, prefix_caching=True)
     cache = TieredCache(pool, HostTier(pool, 8, pool.allocator.events), None,
                         StoreTier(url, codec.layout_hash(pool), block_nbytes(pool),
-                                  pool.allocator.events, namespace))
+                                  pool.allocator.events, namespace, password))
     blocks = BlockQueue(pool.allocator, max_waiting=8)
     cache.on_release = blocks.grant
     return cache, blocks, pool
@@ -137,3 +139,55 @@ def test_a_store_that_goes_away_is_disabled_then_probed_back(
     finally:
         own.stop()
         cache.close()
+
+
+def test_a_store_with_a_password_is_used_with_the_one_in_the_password_file(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """--kv-store-password-file: the password read from the file (its newline dropped) opens
+    the store; without it the store refuses (NOAUTH) and the tier is disabled, serving goes
+    on. The password appears in no log line, even when a URL carries one."""
+    password = "s3cret-from-a-secret"
+    own = StoreServer(tmp_path / "s", 16 << 20, password=password).start()
+    secret = tmp_path / "password"
+    secret.write_text(password + "\n")
+    settings = TierSettings(host_cache_size="1MiB", store_url=own.url,
+                            store_password_file=str(secret))
+    keys = block_keys(list(range(400, 400 + 2 * BLOCK)), BLOCK, SEED)
+    cache, blocks, pool = _worker(own.url, "t4", store_password(settings))
+    refused, r_blocks, r_pool = _worker(own.url, "t4")
+    client = redis.Redis.from_url(own.url, password=password)
+
+    async def run() -> None:
+        await _compute(cache, blocks, pool, keys, seed=4)
+        assert cache.store is not None and all(client.exists(cache.store.name(k))
+                                               for k in keys)
+        hit = await refused.acquire(keys, 2 * BLOCK + 1, r_blocks, 3)
+        assert hit.num_cached == 0 and refused.stats()[1].state is TierState.DISABLED
+        r_pool.allocator.free(hit.block_ids)
+
+    try:
+        asyncio.run(run())
+    finally:
+        own.stop()
+        cache.close()
+        refused.close()
+    inline = StoreTier(f"redis://kvferry:{password}@127.0.0.1:1/0", b"x", 1, pool.allocator.events)
+    assert inline.url == "redis://kvferry:***@127.0.0.1:1/0"
+    assert all(password not in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize(("settings", "field"), [
+    (dict(store_password_file="{file}"), "needs --kv-store-url"),
+    (dict(store_url="unix:///s", store_password_file="{missing}"), "cannot read"),
+    (dict(store_url="unix:///s", store_password_file="{empty}"), "is empty"),
+    (dict(store_url="redis://:pw@h:1", store_password_file="{file}"), "in one place"),
+])
+def test_a_bad_password_file_is_refused_naming_the_flag(tmp_path: Path, settings: dict,
+                                                       field: str) -> None:
+    (tmp_path / "file").write_text("pw")
+    (tmp_path / "empty").write_text("\n")
+    paths = {name: str(tmp_path / name) for name in ("file", "missing", "empty")}
+    given = {k: v.format(**paths) for k, v in settings.items()}
+    with pytest.raises(ValueError, match=f"^kv_store_password_file: .*{field}") as e:
+        TierSettings(host_cache_size="1MiB", **given)
+    assert "pw" not in str(e.value).replace(str(tmp_path), "")
