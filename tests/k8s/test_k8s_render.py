@@ -103,7 +103,8 @@ ALLOWED_CRDS: dict[tuple[str, str], CrdCheck] = {
 # Which overlay may use which CRD: the base and the gpu/cpu-dev overlays are plain Kubernetes.
 EXPECTED_CRD_KINDS = {"base": set(), "overlays/gpu": set(), "overlays/cpu-dev": set(),
                       "overlays/ray": {"RayCluster"}, "overlays/autoscale": {"PodMonitor"},
-                      "overlays/tls": set(), "overlays/nixl": set(), "overlays/nixl-gpu": set()}
+                      "overlays/tls": set(), "overlays/nixl": set(), "overlays/nixl-gpu": set(),
+                      "overlays/kv-tiers": set()}
 
 
 def validate(resource: dict) -> None:
