@@ -15,11 +15,21 @@ Each key carries the set of tiers the worker holds it in (device pool, host memo
 shared store: `kvferry.cache.prefix.Tier`), as a bitmask; a key leaves the mirror when no tier
 holds it. `num_cached_blocks` counts a key in any tier (the `prefix` policy is tier-agnostic,
 as Dynamo's merged view); `leading_tiers` says which tier is the fastest for each.
+
+The store tier is shared: a block one worker wrote there is a store hit on every worker of
+the deployment whose store tier is enabled. A `StoreMirror` (one per router, `WorkerSet`)
+keeps the store keys any worker reported, until a worker reports one gone (evicted, corrupt,
+or the store unreachable from it); `leading_tiers` credits those keys as store hits to a
+worker that never saw them. A worker's snapshot does not clear it (the store outlives the
+worker that wrote a block). A key the store evicted without anyone noticing is credited too
+long, at the cost of one mispriced choice: the worker routed there recomputes the block and
+writes it to the store again.
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -28,6 +38,29 @@ from kvferry.cache.prefix import EventsSince, Tier
 # How long a key predicted on a worker (a request sent there) counts as cached without the
 # worker's events confirming it: a long prefill and push, plus a few stats refreshes.
 PREDICTED_KEY_TTL_S = 10.0
+# Store keys the router remembers, least recently reported dropped first: 32-byte keys, so
+# some 100 MiB at most; a 48 GB store of 2.3 MiB blocks (Qwen3-4B, 16 tokens) holds ~21k.
+MAX_STORE_KEYS = 1 << 20
+
+
+@dataclass(slots=True)
+class StoreMirror:
+    """The blocks the deployment's shared store holds, as any worker reported them."""
+
+    keys: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
+    max_keys: int = MAX_STORE_KEYS
+
+    def apply(self, since: EventsSince) -> None:
+        for event in since.events:
+            if event.tier is not Tier.STORE:
+                continue
+            for key in event.removed:
+                self.keys.pop(key, None)
+            for key in event.stored:
+                self.keys[key] = None
+                self.keys.move_to_end(key)
+        while len(self.keys) > self.max_keys:
+            self.keys.popitem(last=False)
 
 
 @dataclass(slots=True)
@@ -57,15 +90,20 @@ class CacheMirror:
             count += 1
         return count
 
-    def leading_tiers(self, keys: Sequence[bytes]) -> list[Tier]:
+    def leading_tiers(self, keys: Sequence[bytes], store: StoreMirror | None = None
+                      ) -> list[Tier]:
         """For each leading key the worker holds, the fastest tier holding it (a predicted
-        key counts as on the device)."""
+        key counts as on the device; with `store`, the worker's shared store, a key is in
+        its store when the shared mirror has it, whatever this worker reported)."""
         now = time.monotonic()
         tiers: list[Tier] = []
+        store_bit = 1 << Tier.STORE
         for key in keys:
             mask = self.keys.get(key, 0)
             if self.predicted.get(key, 0.0) > now:
                 mask |= 1 << Tier.DEVICE
+            if store is not None:
+                mask = (mask & ~store_bit) | (store_bit if key in store.keys else 0)
             if not mask:
                 break
             tiers.append(Tier((mask & -mask).bit_length() - 1))

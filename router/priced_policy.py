@@ -3,7 +3,8 @@ seconds, from figures the workers measure (issue 35).
 
 For a prompt of `P` tokens in blocks of `bs` tokens, `K = max_shared_blocks(P, bs)` blocks a
 cache may hold, `B` bytes per block, and per worker `w` the leading blocks it holds, each at
-its fastest tier (`CacheMirror.leading_tiers`: device, host, disk, store; `H(w)` of them):
+its fastest tier (`Worker.leading_tiers`: device, host, disk, store, the store's blocks any
+worker wrote included; `H(w)` of them):
 
     fetch_s(w)   = sum over those blocks not on the device:
                    min(B / read_rate(w, tier), bs * s_tok(w))
@@ -70,14 +71,14 @@ class PricedPolicy(PrefixPolicy):
     def priced_prefill(self, worker: Worker, prompt_tokens: int, keys: Sequence[bytes]
                        ) -> float:
         s_tok = worker.prefill_s_per_token
-        tiers = worker.cache.leading_tiers(keys)
+        tiers = worker.leading_tiers(keys)
         block_size = worker.layout.block_size if worker.layout is not None else 1
         miss_s = s_tok * (prompt_tokens - block_size * len(tiers))
         return (s_tok * worker.pending_tokens + self.fetch_s(worker, tiers, s_tok)
                 + self.alpha * miss_s)
 
     def priced_decode(self, worker: Worker, keys: Sequence[bytes], s_tok: float) -> float:
-        tiers = worker.cache.leading_tiers(keys)
+        tiers = worker.leading_tiers(keys)
         block_s = _block_bytes(worker) / worker.link_bytes_per_s
         used = worker.total_blocks - worker.headroom
         return (self.fetch_s(worker, tiers, s_tok) + (len(keys) - len(tiers)) * block_s

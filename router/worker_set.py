@@ -16,6 +16,7 @@ from kvferry.cache.layout import KvLayout
 from kvferry.errors import Unavailable
 from kvferry.rpc import security
 from router import worker_client
+from router.cache_mirror import StoreMirror
 from router.decode_client import DecodeClient
 from router.prefill_client import PrefillClient
 from router.workers import Worker
@@ -30,6 +31,8 @@ class WorkerSet:
     expected_fingerprint: str
     workers: list[Worker] = field(default_factory=list)
     credentials: security.Credentials = security.PLAINTEXT  # TLS and token for worker channels
+    # The deployment's shared K/V store as all workers reported it (`Worker.leading_tiers`).
+    store: StoreMirror = field(default_factory=StoreMirror)
     _refreshing: asyncio.Future[None] | None = None
     _reviving: asyncio.Future[list[None]] | None = None
 
@@ -47,7 +50,8 @@ class WorkerSet:
     def add(self, address: str, role: str) -> Worker:
         chan = security.channel(address, self.credentials)
         worker = Worker(address, role, chan, prefill_client=PrefillClient(chan),
-                        decode_client=DecodeClient(chan) if role != "prefill" else None)
+                        decode_client=DecodeClient(chan) if role != "prefill" else None,
+                        shared_store=self.store)
         self.workers.append(worker)
         return worker
 

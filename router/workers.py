@@ -25,9 +25,9 @@ import grpc
 
 from kvferry.cache.layout import KvLayout
 from kvferry.cache.prefix import Tier
-from kvferry.cache.stats import PoolStats, TierStats
+from kvferry.cache.stats import PoolStats, TierState, TierStats
 from kvferry.errors import Unavailable
-from router.cache_mirror import CacheMirror
+from router.cache_mirror import CacheMirror, StoreMirror
 from router.decode_client import DecodeClient
 from router.demand import RecentDemand
 from router.prefill_client import PrefillClient
@@ -69,6 +69,9 @@ class Worker:
     prefill_s_per_token: float = 0.0  # from stats: forward seconds per prompt token
     tiers: tuple[TierStats, ...] = ()  # from stats: the tiers below its pool
     link_bytes_per_s: float = 0.0  # K/V pushed to it, bytes per second (an EWMA)
+    # The deployment's shared store as every worker reported it (the router's one mirror of
+    # it; None: this worker's store keys are its own only).
+    shared_store: StoreMirror | None = None
     # Every worker serves Prefill (a decode worker prefills short prompts locally); decode
     # and colocated workers also serve Decode, over one shared DecodeStream.
     prefill_client: PrefillClient | None = None
@@ -132,6 +135,15 @@ class Worker:
                 del self.in_flight[request_id]  # the snapshot counts it now
         if stats.cache_events is not None:
             self.cache.apply(stats.cache_events)
+            if self.shared_store is not None:
+                self.shared_store.apply(stats.cache_events)
+
+    def leading_tiers(self, keys: Sequence[bytes]) -> list[Tier]:
+        """The fastest tier of each leading key it holds (`CacheMirror.leading_tiers`),
+        crediting the shared store's keys while its own store tier is enabled."""
+        has_store = any(t.tier is Tier.STORE and t.state is TierState.ENABLED
+                        for t in self.tiers)
+        return self.cache.leading_tiers(keys, self.shared_store if has_store else None)
 
     def note_push(self, num_bytes: int, seconds: float) -> None:
         """A K/V push to this (decode) worker took `seconds`: update the link's rate. Pushes

@@ -19,7 +19,8 @@ from kvferry.cache.prefix import (
     cache_seed,
     max_shared_blocks,
 )
-from kvferry.cache.stats import PoolStats, TierStats
+from kvferry.cache.stats import PoolStats, TierState, TierStats
+from router.cache_mirror import StoreMirror
 from router.policies import make_policy
 from router.policy import PrefixPolicy
 from router.priced_policy import PricedPolicy
@@ -37,14 +38,18 @@ S_TOK = 1e-3  # seconds per prompt token
 def _worker(name: str, role: str = "prefill", pending_tokens: int = 0, projected: int = 0,
             cached: dict[Tier, list[bytes]] | None = None, s_tok: float = S_TOK,
             read_bytes_per_s: dict[Tier, float] | None = None,
-            link_bytes_per_s: float = 0.0) -> Worker:
+            link_bytes_per_s: float = 0.0, store: StoreMirror | None = None,
+            store_state: TierState = TierState.ENABLED) -> Worker:
     """A worker whose stats say it holds `cached` keys per tier and promotions from each
-    tier ran at `read_bytes_per_s` (one promotion of 100 blocks)."""
+    tier ran at `read_bytes_per_s` (one promotion of 100 blocks; a store tier in
+    `store_state`), sharing the router's `store` mirror."""
     events = [CacheEvent(0, keys, [], tier) for tier, keys in (cached or {}).items()]
     tiers = tuple(TierStats(tier, 1000, 0, bytes_out=100 * B, num_promotions=1,
-                            promotion_s=100 * B / rate)
+                            promotion_s=100 * B / rate,
+                            state=store_state if tier is Tier.STORE else TierState.ENABLED)
                   for tier, rate in (read_bytes_per_s or {}).items())
-    worker = Worker(address=name, role=role, channel=None, layout=LAYOUT, is_healthy=True)
+    worker = Worker(address=name, role=role, channel=None, layout=LAYOUT, is_healthy=True,
+                    shared_store=store)
     worker.apply_stats(PoolStats(
         total_blocks=100, free_blocks=100, reserved_blocks=0, num_running=0, num_waiting=0,
         integrity_ok=True, integrity_error="", projected_blocks=projected,
@@ -94,6 +99,54 @@ def test_a_miss_beside_a_store_hit(queue: int, expected: str) -> None:
     assert policy.priced_prefill(miss, len(PROMPT), KEYS) == pytest.approx(miss_cost)
     assert (store_cost < miss_cost) == (expected == "store")
     assert _names(policy.order_prefill([miss, store], len(PROMPT), KEYS))[0] == expected
+
+
+def _events(worker: Worker, seq: int, events: list[CacheEvent], is_snapshot: bool = False
+            ) -> None:
+    worker.apply_stats(PoolStats(
+        total_blocks=100, free_blocks=100, reserved_blocks=0, num_running=0, num_waiting=0,
+        integrity_ok=True, integrity_error="", tiers=worker.tiers,
+        prefill_s_per_token=worker.prefill_s_per_token,
+        cache_events=EventsSince(seq, events, is_snapshot)), issued_at=float(seq))
+
+
+def test_a_store_block_one_worker_wrote_is_a_store_hit_on_every_worker_sharing_the_store(
+        ) -> None:
+    """The writer reported its 8 blocks in the store. A worker whose store tier is enabled
+    but never saw them is credited 8 store hits, and the policy takes it over a plain miss;
+    a worker with no store tier, or with it disabled, is credited none. A removal reported
+    by any worker (a read found the value evicted) ends the credit there for all; a writer's
+    snapshot after a restart (it no longer knows those keys) does not."""
+    policy = PricedPolicy()
+    shared = StoreMirror()
+    rate = {Tier.STORE: B / 0.004}
+    writer = _worker("writer", pending_tokens=2000, cached={Tier.STORE: KEYS},
+                     read_bytes_per_s=rate, store=shared)
+    reader = _worker("reader", read_bytes_per_s=rate, store=shared)
+    plain = _worker("plain", store=shared)
+    down = _worker("down", read_bytes_per_s=rate, store=shared, store_state=TierState.DISABLED)
+    assert reader.leading_tiers(KEYS) == [Tier.STORE] * 8
+    assert plain.leading_tiers(KEYS) == down.leading_tiers(KEYS) == []
+    assert reader.cache.keys == {}  # credited from the shared mirror, not its own events
+    assert policy.priced_prefill(reader, len(PROMPT), KEYS) == pytest.approx(
+        8 * 0.004 + policy.alpha * S_TOK * 5)
+    order = policy.order_prefill([plain, down, writer, reader], len(PROMPT), KEYS)
+    assert _names(order)[0] == "reader"
+    _events(plain, 2, [CacheEvent(1, [], [KEYS[3]], Tier.STORE)])  # evicted: a plain's read
+    assert reader.leading_tiers(KEYS) == [Tier.STORE] * 3
+    assert writer.leading_tiers(KEYS) == [Tier.STORE] * 3  # its own report is stale now
+    _events(writer, 3, [CacheEvent(2, [], [], Tier.STORE)], is_snapshot=True)
+    assert writer.leading_tiers(KEYS) == [Tier.STORE] * 3  # from the shared mirror now
+    assert writer.cache.keys == {}
+
+
+def test_the_store_mirror_keeps_the_most_recently_reported_keys() -> None:
+    shared = StoreMirror(max_keys=4)
+    shared.apply(EventsSince(1, [CacheEvent(1, KEYS[:6], [], Tier.STORE),
+                                 CacheEvent(2, KEYS[6:], [], Tier.HOST)], False))
+    assert list(shared.keys) == KEYS[2:6]  # the host tier's keys are not the store's
+    shared.apply(EventsSince(2, [CacheEvent(3, [KEYS[2]], [], Tier.STORE)], False))
+    assert list(shared.keys) == [*KEYS[3:6], KEYS[2]]
 
 
 def test_a_slow_tier_costs_no_more_than_recomputing() -> None:

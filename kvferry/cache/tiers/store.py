@@ -123,14 +123,15 @@ class StoreTier:
         self.events.add(new, [], Tier.STORE)
 
     def removed(self, key: bytes, error: Exception) -> None:
-        """A value found gone or corrupt: no longer credited to this worker."""
+        """A value found gone or corrupt: credited to no worker. Reported even when this
+        worker never reported the key: the router credits a store key any worker wrote to
+        every worker (`router.cache_mirror.StoreMirror`)."""
         if "evicted" not in str(error):
             self.num_corrupt += 1
             log.warning("store K/V tier: block %s dropped (%s); it is recomputed",
                         key.hex(), error)
-        if key in self.known:
-            del self.known[key]
-            self.events.add([], [key], Tier.STORE)
+        self.known.pop(key, None)
+        self.events.add([], [key], Tier.STORE)
 
     def failed(self, error: BaseException) -> bool:
         """A call failed. Returns whether it was the server (the tier is now disabled; the

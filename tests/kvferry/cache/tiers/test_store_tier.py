@@ -96,11 +96,19 @@ def test_a_corrupt_value_is_dropped_and_an_evicted_one_is_a_miss(server: StoreSe
         assert a.store is not None and b.store is not None
         name = a.store.name(keys[1])
         client.setrange(name, codec.HEADER_BYTES + 10, b"\xff\xfe")  # payload bytes
+        # b computes a block of its own first, so its event log has a cursor to read after.
+        await _compute(b, b_blocks, b_pool, block_keys(list(range(900, 900 + BLOCK)), BLOCK,
+                                                       SEED), seed=9)
+        seq = b.events_since(0).seq
         hit = await b.acquire(keys, 3 * BLOCK + 1, b_blocks, 4)
         assert hit.num_cached == 1  # the run ends at the corrupt value
         b_pool.allocator.free(hit.block_ids)
         await until(lambda: not client.exists(name), "the corrupt value deleted")
         assert b.stats()[1].corrupt_blocks == 1
+        # Reported gone though b never reported it stored: the router credits a store key
+        # any worker wrote to every worker.
+        assert any(keys[1] in e.removed and e.tier is Tier.STORE
+                   for e in b.events_since(seq).events)
         client.delete(a.store.name(keys[0]))  # the server evicted it: a miss, not corrupt
         fresh = await b.acquire(keys[:1], BLOCK + 1, b_blocks, 2)
         assert fresh.num_cached == 1  # a host hit now: the earlier read staged it there
