@@ -35,6 +35,8 @@ class RecordingSender:
 
     def __init__(self) -> None:
         self.pushes: dict[str, tuple[str, torch.Tensor]] = {}
+        # request id -> an event its push waits for: the request holds its blocks till then
+        self.gates: dict[str, asyncio.Event] = {}
 
     async def push(self, address: str, request_id: str, layout: KvLayout,
                    num_tokens: int, pool: KvPool, block_table: list[int],
@@ -42,6 +44,8 @@ class RecordingSender:
                    first_block: int = 0) -> PushResult:
         if ready is not None:
             await ready(layout.num_layers)
+        if request_id in self.gates:
+            await self.gates[request_id].wait()
         pages = pool.cache[:, :, block_table].clone()
         self.pushes[request_id] = (address, pages)
         return PushResult(pages.numel() * pages.element_size(), 0.0)
@@ -181,10 +185,16 @@ def test_a_deferred_prefill_takes_no_block_a_reserved_one_waits_for(
     async def scenario() -> None:
         engine, sender = _engine(qwen3_checkpoint, num_blocks=4)
         try:
+            # busy holds its 3 blocks until its push is let through (without the gate it
+            # could finish before the reserved one ever waited).
+            sender.gates["busy"] = asyncio.Event()
             busy = Call(engine, "busy", decode_address="d:1", prompt=PROMPT + PROMPT[:20])
             reserved = Call(engine, "reserved", decode_address="d:1", prompt=PROMPT * 2)
             await until(lambda: engine.blocks.num_waiting == 1, "the reserved prefill queued")
             deferred = Call(engine, "deferred", defer=True, prompt=PROMPT[:5])  # 1 block
+            await until(lambda: engine.blocks.num_waiting == 2, "the deferred prefill queued")
+            assert not deferred.first_token.is_set() and engine.pool.allocator.num_free == 1
+            sender.gates["busy"].set()
             await within(asyncio.gather(busy.task, reserved.task), "the reserved prefills")
             await within(deferred.first_token.wait(), "deferred's first token")
             # The deferred one fitted in the block left free all along, yet went last.
