@@ -3,10 +3,12 @@ K/V is at least 4x the deployment's device pools, device-only against each tier.
 
 Workload: --conversations chats of --num-turns turns. Turn 1 sends a --system-len-token system
 prompt and a --message-len-token message; each later turn adds the answer (--output-len
-tokens, greedy, EOS ignored) and a new message. Turns go round robin, one request at a time:
-every chat comes back only after all the others had their turn, so its history has long left
-the device pools (the script computes the histories' K/V against the pools' and refuses to
-run below 4x: exit 2), and each TTFT is the prefill alone, not a queue.
+tokens, greedy, EOS ignored) and a new message. Turns go round robin, by default one request
+at a time: every chat comes back only after all the others had their turn, so its history has
+long left the device pools (the script computes the histories' K/V against the pools' and
+refuses to run below 4x: exit 2), and each TTFT is the prefill alone, not a queue. With
+--concurrency N, N chats of a turn are in flight at once: requests queue on the workers, the
+load a routing policy has to weigh against where a history is cached.
 
 Runs (each a fresh deployment of --model, 1 prefill + 1 decode worker, --kv-pool-size each):
   device      no tier: a returning chat recomputes its history (the pools evicted it).
@@ -101,23 +103,29 @@ def history_bytes(args: argparse.Namespace, shape: KvShape) -> int:
 
 
 async def _turns(address: str, conversations: list[Chat], turns: range, output_len: int,
-                 salt: str) -> list[Turn]:
-    records = []
+                 salt: str, concurrency: int = 1) -> list[Turn]:
+    """Every chat's `turns`, turn by turn; within a turn, `concurrency` chats in flight."""
+    records: list[Turn] = []
+    gate = asyncio.Semaphore(concurrency)
     async with grpc_util.channel(address) as chan:
         stub = client.public_stub(chan)
-        for turn in turns:
-            for chat in conversations:
+
+        async def one(turn: int, chat: Chat) -> None:
+            async with gate:
                 prompt = chat.history + chat.messages[turn - 1]
                 request = client.make_request(prompt, temperature=0.0, max_tokens=output_len,
                                               ignore_eos=True)
                 request.cache_salt = salt
                 done = await client.collect(stub, request, timeout_s=600)
-                if len(done.token_ids) != output_len:
-                    raise RuntimeError(f"turn {turn}: {len(done.token_ids)} tokens, "
-                                       f"{client.finish_reason_name(done.finished)}")
-                chat.history = prompt + done.token_ids
-                records.append(Turn(turn, len(prompt),
-                                    done.finished.usage.cached_prompt_tokens, done.ttft_s))
+            if len(done.token_ids) != output_len:
+                raise RuntimeError(f"turn {turn}: {len(done.token_ids)} tokens, "
+                                   f"{client.finish_reason_name(done.finished)}")
+            chat.history = prompt + done.token_ids
+            records.append(Turn(turn, len(prompt), done.finished.usage.cached_prompt_tokens,
+                                done.ttft_s))
+
+        for turn in turns:
+            await asyncio.gather(*(one(turn, chat) for chat in conversations))
     return records
 
 
@@ -194,14 +202,15 @@ def run_once(run: str, model: str, args: argparse.Namespace, log_dir: Path) -> F
             vocab = asyncio.run(_vocab(deployment.router_address))
             conversations = chats(args, vocab)
             turns = asyncio.run(_turns(deployment.router_address, conversations,
-                                       range(1, restart_after + 1), args.output_len, salt))
+                                       range(1, restart_after + 1), args.output_len, salt,
+                                       args.concurrency))
             served = asyncio.run(_tier_tokens(deployment))
         if restart_after < args.num_turns:
             again = _deployment(run, model, args, log_dir, None)
             with again:
                 turns += asyncio.run(_turns(again.router_address, conversations,
                                             range(restart_after + 1, args.num_turns + 1),
-                                            args.output_len, salt))
+                                            args.output_len, salt, args.concurrency))
                 for tier, tokens in asyncio.run(_tier_tokens(again)).items():
                     served[tier] = served.get(tier, 0) + tokens
     finally:
@@ -251,6 +260,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.add_argument(f"--{name.replace('_', '-')}", type=int, help=f"default {FULL[name]}")
     p.add_argument("--kv-pool-size", help="every worker's pool (default 32MiB)")
     p.add_argument("--host-cache-size", help="every worker's host tier (default 2GiB)")
+    p.add_argument("--concurrency", type=int, default=1,
+                   help="chats in flight at once within a turn (default 1: each TTFT is the "
+                        "prefill alone; more: requests queue, which the priced policy weighs)")
     p.add_argument("--torch-threads", type=int, default=2, help="per worker")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-dir", type=Path, default=None, help="default: a new temporary one")
@@ -264,14 +276,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error(f"--runs: expected names among {', '.join(RUNS)}, got {args.runs}")
     if args.repeats < 1 or args.num_turns < 2 or args.conversations < 1:
         p.error("--repeats and --conversations must be >= 1, --num-turns >= 2")
+    if not 1 <= args.concurrency <= args.conversations:
+        p.error(f"--concurrency: expected 1 to --conversations ({args.conversations}), "
+                f"got {args.concurrency}")
     return args
+
+
+def _in_flight(concurrency: int) -> str:
+    return "one at a time" if concurrency == 1 else f"{concurrency} in flight"
 
 
 def format_report(args: argparse.Namespace, runs: dict[str, list[Figures]],
                   scale: float) -> str:
     lines = [f"{args.repeats} repetition(s), median [min-max]; {args.conversations} chats x "
              f"{args.num_turns} turns ({args.system_len} + {args.message_len} tokens, then "
-             f"{args.message_len} a turn, {args.output_len} out), round robin, one at a time; "
+             f"{args.message_len} a turn, {args.output_len} out), round robin, "
+             f"{_in_flight(args.concurrency)}; "
              f"histories' K/V = {scale:.1f}x the device pools", "",
              f"{'run':<13}{'TTFT p50 ms':>24}{'TTFT p99 ms':>24}{'tokens computed':>26}"
              f"{'hit rate %':>20}  tokens by tier"]

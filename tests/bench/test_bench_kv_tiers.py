@@ -1,7 +1,7 @@
 """bench/bench_kv_tiers.py without servers (the suite's deployment budget is spent): its
 arguments, the refusal below 4x the pools, the figures taken from turns (hit rates around
-the restart), the ratios against the targets, and the report. Its --quick run was run by
-hand (the closing note of issue 35 has it)."""
+the restart), --concurrency against a fake server, the ratios against the targets, and the
+report. Its --quick run was run by hand (the closing note of issue 35 has it)."""
 
 from __future__ import annotations
 
@@ -70,3 +70,43 @@ def test_ratios_and_report() -> None:
         in report
     assert "histories' K/V = 4.5x the device pools" in report
     assert not math.isnan(values["TTFT p50, device / host"][0])
+
+
+def test_concurrency_puts_that_many_chats_of_a_turn_in_flight(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """--concurrency N: N requests of a turn at once, never two turns of one chat at once, and
+    each chat's next prompt is its history plus its answer."""
+    import asyncio
+    import contextlib
+    from types import SimpleNamespace
+
+    in_flight, peak, prompts = 0, 0, []
+
+    async def collect(stub: object, request: object, timeout_s: float) -> SimpleNamespace:
+        nonlocal in_flight, peak
+        in_flight += 1
+        peak = max(peak, in_flight)
+        prompts.append(list(request.token_ids.ids))
+        await asyncio.sleep(0.01)  # paces the fake prefill: the others queue behind the gate
+        in_flight -= 1
+        usage = SimpleNamespace(cached_prompt_tokens=len(request.token_ids.ids) // 2)
+        return SimpleNamespace(token_ids=[7, 7], finished=SimpleNamespace(usage=usage),
+                               ttft_s=0.01)
+
+    @contextlib.asynccontextmanager
+    async def channel(address: str):  # noqa: ANN202
+        yield None
+
+    monkeypatch.setattr(bench.client, "collect", collect)
+    monkeypatch.setattr(bench.client, "public_stub", lambda chan: None)
+    monkeypatch.setattr(bench.grpc_util, "channel", channel)
+    args = bench.parse_args(["--quick", "--conversations", "6", "--num-turns", "3",
+                             "--output-len", "2", "--concurrency", "3"])
+    conversations = bench.chats(args, vocab=50)
+    turns = asyncio.run(bench._turns("fake", conversations, range(1, 4), 2, "s", 3))
+    assert peak == 3 and len(turns) == len(prompts) == 18
+    assert [t.turn for t in turns] == sorted(t.turn for t in turns)  # a turn ends before the next
+    first = conversations[0].messages
+    assert conversations[0].history == first[0] + [7, 7] + first[1] + [7, 7] + first[2] + [7, 7]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--conversations", "4", "--concurrency", "5"])
