@@ -19,6 +19,7 @@ import torch
 from kvferry.cache.allocator import IntegrityReport
 from kvferry.cache.pool import KvPool
 from kvferry.cache.prefix import CacheEvents, Tier
+from kvferry.cache.stats import TierState
 
 
 class Slot(NamedTuple):
@@ -46,6 +47,12 @@ class HostTier:
         self._free = list(range(num_slots - 1, -1, -1))
         self.num_evictions = 0
         self.num_dropped_writes = 0  # no unpinned slot to take
+        self.num_corrupt = 0  # host memory holds no checksum: nothing is found corrupt here
+        self.state = TierState.ENABLED  # never disabled: a copy into RAM cannot fail
+
+    @property
+    def capacity_blocks(self) -> int:
+        return self.num_slots
 
     @property
     def num_used(self) -> int:

@@ -55,7 +55,13 @@ class StoreTier:
         self.state = TierState.ENABLED
         self.known: dict[bytes, None] = {}  # keys this worker wrote or read there
         self.num_corrupt = self.num_dropped_writes = 0
+        self.num_evictions = 0  # the server evicts by its own policy and tells no one
         self.probe_s = PROBE_S[0]
+
+    @property
+    def capacity_blocks(self) -> int:
+        """Unknown to a client (the server's maxmemory): the blocks this worker has seen."""
+        return len(self.known)
 
     def name(self, key: bytes) -> bytes:
         return self.prefix + key.hex().encode()

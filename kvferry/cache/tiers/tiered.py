@@ -28,7 +28,7 @@ from kvferry.cache.allocator import IntegrityReport
 from kvferry.cache.block_queue import BlockQueue
 from kvferry.cache.pool import KvPool
 from kvferry.cache.prefix import EventsSince, Tier, TierTokens
-from kvferry.cache.stats import TierState, TierStats
+from kvferry.cache.stats import TierStats
 from kvferry.cache.tiers import codec
 from kvferry.cache.tiers import host as host_tier
 from kvferry.cache.tiers.disk import DiskTier
@@ -274,13 +274,10 @@ class TieredCache:
             if part is None:
                 continue
             c = self._counts[tier]
-            used = len(part.keys())
-            capacity = getattr(part, "num_slots", getattr(part, "capacity_blocks", used))
             tiers.append(TierStats(
-                tier, capacity, used, c.hit_tokens, c.bytes_in, c.bytes_out,
-                getattr(part, "num_evictions", 0), part.num_dropped_writes,
-                getattr(part, "num_corrupt", 0), c.num_promotions, c.promotion_s,
-                getattr(part, "state", TierState.ENABLED)))
+                tier, part.capacity_blocks, len(part.keys()), c.hit_tokens, c.bytes_in,
+                c.bytes_out, part.num_evictions, part.num_dropped_writes, part.num_corrupt,
+                c.num_promotions, c.promotion_s, part.state))
         return tuple(tiers)
 
     def close(self) -> None:
