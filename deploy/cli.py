@@ -159,31 +159,6 @@ def _demo(args: argparse.Namespace) -> int:
     return code
 
 
-def _plan(args: argparse.Namespace) -> int:
-    from kvferry.cache.capacity import format_plan, format_tiers, plan, tier_plans
-    from kvferry.cache.layout import KvShape
-    from kvferry.sizes import parse_pool_size
-
-    if args.model:
-        shape = KvShape.from_config(args.model, args.dtype)
-    elif None in (args.layers, args.kv_heads, args.head_dim):
-        print("plan: give --model, or --layers, --kv-heads and --head-dim", file=sys.stderr)
-        return 2
-    else:
-        shape = KvShape(args.layers, args.kv_heads, args.head_dim, args.dtype)
-    pool_bytes = parse_pool_size(args.pool_size, total_memory_bytes=0)
-    result = plan(shape, args.prompt_tokens, args.output_tokens, args.batch, pool_bytes,
-                  args.block_size)
-    print(format_plan(shape, result, args.batch, args.block_size))
-    sizes = {tier: parse_pool_size(size, 0, f"{tier}_cache_size") for tier, size in
-             (("host", args.host_cache_size), ("disk", args.disk_cache_size),
-              ("store", args.store_size)) if size is not None}
-    if sizes:
-        print(format_tiers(tier_plans(shape, args.block_size, result.blocks_per_request,
-                                      sizes)))
-    return 0
-
-
 # Bad input, reported in one line with exit status 2: settings raise ValueError naming the
 # field (json.JSONDecodeError and UnicodeDecodeError are ValueErrors too), files OSError,
 # configs KeyError. Caught only while inputs are checked and loaded (deploy/preflight.py), and
@@ -222,7 +197,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.command == "plan":
-            return _plan(args)
+            from deploy.plan_cmd import run_plan
+
+            return run_plan(args)
         if args.command in ("make-certs", "make-model"):
             return _make_files(args)
         settings = check_inputs(args)

@@ -10,11 +10,18 @@ from deploy.security_args import API_KEY_ENV, tls_args
 
 
 def sampling_args(p: argparse.ArgumentParser) -> None:
-    for flag, kind in (("--max-tokens", int), ("--temperature", float), ("--top-p", float),
-                       ("--top-k", int), ("--seed", int)):
-        p.add_argument(flag, type=kind, default=None)
-    p.add_argument("--stop", action="append", default=[])
-    p.add_argument("--ignore-eos", action="store_true")
+    for flag, kind, text in (
+            ("--max-tokens", int, "tokens to generate at most (default: the router's, "
+                                  "min(256, the context left))"),
+            ("--temperature", float, "0: greedy (default: the router's, 1.0)"),
+            ("--top-p", float, "nucleus sampling mass in (0, 1] (default: the router's, 1.0)"),
+            ("--top-k", int, "keep the k most likely tokens, 0: off (default: the router's, 0)"),
+            ("--seed", int, "same seed, same request: same tokens (default: none)")):
+        p.add_argument(flag, type=kind, default=None, help=text)
+    p.add_argument("--stop", action="append", default=[],
+                   help="a stop string: generation ends before it (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="keep generating past the model's end-of-sequence token")
 
 
 def _client_args(p: argparse.ArgumentParser) -> None:
@@ -32,7 +39,7 @@ def add_client_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chat", default=None, metavar="MESSAGE",
                    help="send MESSAGE as one user chat message (the model's chat template "
                         "applies) instead of a prompt")
-    p.add_argument("--address", default="127.0.0.1:50051")
+    p.add_argument("--address", default="127.0.0.1:50051", help="the router's public HOST:PORT")
     _client_args(p)
 
     p = sub.add_parser("chat", help="interactive conversation with a running deployment "

@@ -66,10 +66,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="launch: decode/colocated workers compile their decode step")
     t.add_argument("--compile-batch-sizes", default=DEFAULT_COMPILE_BATCH_SIZES,
                    help="launch: --compile batch-size buckets")
-    t.add_argument("--launch-log-dir", type=Path, default=None)
+    t.add_argument("--launch-log-dir", type=Path, default=None,
+                   help="where launched deployments' processes log "
+                        "(default: a new temporary folder)")
 
     w = p.add_argument_group("workload")
-    w.add_argument("--dataset-name", default="random", choices=DATASETS)
+    w.add_argument("--dataset-name", default="random", choices=DATASETS,
+                   help="where prompts come from: random token ids, or --dataset-path")
     w.add_argument("--dataset-path", type=Path, default=None, help="jsonl / sharegpt file")
     w.add_argument("--num-prompts", type=int, default=100,
                    help="requests per run; multi-turn: conversations per run")
@@ -102,10 +105,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(inf: all at once)")
     g.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape: 1 Poisson, <1 burstier, >1 more even")
-    g.add_argument("--max-concurrency", type=int, default=None)
-    g.add_argument("--num-warmups", type=int, default=0)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--max-concurrency", type=int, default=None,
+                   help="requests in flight at most (default: no limit, open loop)")
+    g.add_argument("--num-warmups", type=int, default=0,
+                   help="requests sent and not measured before the run")
+    g.add_argument("--seed", type=int, default=0, help="seeds the prompts and the arrivals")
+    g.add_argument("--temperature", type=float, default=0.0, help="every request's (0: greedy)")
     g.add_argument("--timeout-s", type=float, default=None, help="per request deadline")
 
     r = p.add_argument_group("results")
@@ -114,7 +119,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--metric-percentiles", default="90,95,99", help="comma-separated")
     r.add_argument("--result-file", type=Path, default=None, help="write the JSON here")
     r.add_argument("--plot-dir", type=Path, default=None, help="write PNG plots here")
-    r.add_argument("--disable-tqdm", action="store_true")
+    r.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     r.add_argument("--trace", type=Path, default=None, metavar="DIR",
                    help="trace every token in this process and in launched deployments "
                         "(KVFERRY_TRACE_DIR) into DIR, then print where slow gaps went")

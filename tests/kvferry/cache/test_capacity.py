@@ -149,3 +149,38 @@ def test_plan_reads_a_gguf_files_metadata(tmp_path: Path,
     assert main(["plan", "--model", str(path), "--dtype", "bfloat16"]) == 0
     # 2 x 4 layers x 2 kv heads x (64 / 8) x 2 bytes
     assert f"bytes per token: {2 * 4 * 2 * 8 * 2:,}" in capsys.readouterr().out
+
+
+# What serve would store (issue 36): the default model, its dtype on this machine, quantized
+# pages, serve's pool size. SmolLM2-135M: 30 layers x 3 kv heads x 64.
+@pytest.mark.parametrize("argv,per_token,dtype", [
+    (["--device", "cpu"], 2 * 30 * 3 * 64 * 4, "float32"),  # the workers' float32 on CPU
+    (["--device", "cuda"], 2 * 30 * 3 * 64 * 2, "bfloat16"),  # bfloat16 on CUDA
+    (["--kv-cache-dtype", "int8"], 2 * 30 * 3 * (64 + 4), "int8"),  # a scale per token, head
+    (["--device", "cuda", "--dtype", "float16"], 2 * 30 * 3 * 64 * 2, "float16"),
+])
+def test_plan_defaults_to_what_serve_stores(argv: list[str], per_token: int, dtype: str,
+                                            capsys: pytest.CaptureFixture) -> None:
+    from kvferry.settings import DEFAULT_KV_POOL_SIZE
+    from kvferry.sizes import parse_pool_size
+
+    assert main(["plan", *argv]) == 0
+    out = capsys.readouterr().out
+    assert "SmolLM2-135M-Instruct" in out and f"head dim, {dtype}\n" in out
+    assert f"bytes per token: {per_token:,}" in out
+    blocks = parse_pool_size(DEFAULT_KV_POOL_SIZE, 0) // (16 * per_token)
+    assert f"pool holds {blocks:,} blocks" in out
+
+
+def test_plan_takes_a_fraction_of_memory_and_names_partial_dimensions(
+        capsys: pytest.CaptureFixture) -> None:
+    import os
+
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert main(["plan", "--device", "cpu", "--layers", "1", "--kv-heads", "1",
+                 "--head-dim", "4", "--pool-size", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "the given dimensions" in out
+    assert f"pool holds {int(0.5 * ram) // (16 * 32):,} blocks" in out  # 32 B a token
+    assert main(["plan", "--layers", "2"]) == 2
+    assert "--layers, --kv-heads and --head-dim together" in capsys.readouterr().err

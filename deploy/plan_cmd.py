@@ -1,0 +1,121 @@
+"""`kvferry plan`: what a batch of requests costs in K/V and how many fit, sized as `serve`
+would store it on this machine (issue 36): the default model unless told, the model dtype
+`--dtype auto` resolves to (float32 on CPU, bfloat16 on CUDA, as the workers'), quantized
+pages with `--kv-cache-dtype`, and serve's own pool size."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvferry.settings import DEFAULT_BLOCK_SIZE, DEFAULT_KV_POOL_SIZE, DTYPES, KV_CACHE_DTYPES
+
+PLAN_KV_CACHE_DTYPES = (*KV_CACHE_DTYPES, "fp8")  # fp8: vLLM's (a scale per layer), sized only
+
+
+def add_plan_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="K/V memory per token, per request and how many fit")
+    p.add_argument("--model", default=None,
+                   help="checkpoint directory, config.json or .gguf file (default: the default "
+                        "model, SmolLM2-135M-Instruct, unless --layers, --kv-heads and "
+                        "--head-dim are given)")
+    p.add_argument("--layers", type=int, default=None, help="without --model: decoder layers")
+    p.add_argument("--kv-heads", type=int, default=None,
+                   help="without --model: K/V heads (GQA/MQA: fewer than query heads)")
+    p.add_argument("--head-dim", type=int, default=None, help="without --model: per head")
+    p.add_argument("--dtype", default=DTYPES[0], choices=DTYPES,
+                   help="the model's dtype, as the workers take it (auto: float32 on CPU, "
+                        "bfloat16 on CUDA, per --device)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="where serve would run (auto: cuda if this machine has one); decides "
+                        "--dtype auto and a fractional --pool-size")
+    p.add_argument("--kv-cache-dtype", default=PLAN_KV_CACHE_DTYPES[0],
+                   choices=PLAN_KV_CACHE_DTYPES,
+                   help="K/V pages as the model's dtype (auto) or quantized with a scale per "
+                        "token and K/V head, as the workers' flag; fp8: vLLM's fp8 cache")
+    p.add_argument("--prompt-tokens", type=int, default=1000, help="per request")
+    p.add_argument("--output-tokens", type=int, default=0, help="per request")
+    p.add_argument("--batch", type=int, default=1, help="requests held at once")
+    p.add_argument("--pool-size", default=DEFAULT_KV_POOL_SIZE,
+                   help="one worker's K/V pool: bytes (40GiB) or a fraction of device memory "
+                        "(0.5), as serve's --kv-pool-size")
+    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
+                   help="tokens per K/V block (page)")
+    for tier in ("host-cache", "disk-cache", "store"):
+        p.add_argument(f"--{tier}-size", default=None,
+                       help=f"also what a {tier.split('-')[0]} tier of this many bytes holds")
+
+
+def _device(name: str) -> str:
+    if name != "auto":
+        return name
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _memory_bytes(device: str) -> int:
+    import os
+
+    if device == "cuda":
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_properties(0).total_memory
+        raise ValueError("pool_size: a fraction of CUDA memory, and this machine has no GPU: "
+                         "give bytes")
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _is_fraction(size: str) -> bool:
+    try:
+        return float(size) <= 1.0  # kvferry.sizes: a bare number up to 1 is a fraction
+    except ValueError:
+        return False
+
+
+def kv_dtype(args: argparse.Namespace, device: str) -> str:
+    """The element type serve's pools would hold."""
+    if args.kv_cache_dtype != "auto":
+        return args.kv_cache_dtype
+    if args.dtype != "auto":
+        return args.dtype
+    return "float32" if device == "cpu" else "bfloat16"
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from deploy.default_model import MISSING_EXIT_STATUS, DefaultModelMissing, default_gguf_path
+    from kvferry.cache.capacity import format_plan, format_tiers, plan, tier_plans
+    from kvferry.cache.layout import KvShape
+    from kvferry.sizes import parse_pool_size
+
+    device = _device(args.device)
+    dtype = kv_dtype(args, device)
+    dims = (args.layers, args.kv_heads, args.head_dim)
+    if args.model is None and None not in dims:
+        shape = KvShape(args.layers, args.kv_heads, args.head_dim, dtype)
+    elif args.model is None and dims != (None, None, None):
+        print("kvferry: plan: give --layers, --kv-heads and --head-dim together (or --model)",
+              file=sys.stderr)
+        return 2
+    else:
+        try:
+            shape = KvShape.from_config(args.model or default_gguf_path(), dtype)
+        except DefaultModelMissing as exc:
+            print(exc, file=sys.stderr)
+            return MISSING_EXIT_STATUS
+    memory = _memory_bytes(device) if _is_fraction(args.pool_size) else 0
+    pool_bytes = parse_pool_size(args.pool_size, memory, "pool_size")
+    result = plan(shape, args.prompt_tokens, args.output_tokens, args.batch, pool_bytes,
+                  args.block_size)
+    source = (args.model or ("the given dimensions" if args.model is None and None not in dims
+                             else "the default model, SmolLM2-135M-Instruct"))
+    print(f"model: {source}; K/V as serve stores it on {device}")
+    print(format_plan(shape, result, args.batch, args.block_size))
+    sizes = {tier: parse_pool_size(size, 0, f"{tier}_cache_size") for tier, size in
+             (("host", args.host_cache_size), ("disk", args.disk_cache_size),
+              ("store", args.store_size)) if size is not None}
+    if sizes:
+        print(format_tiers(tier_plans(shape, args.block_size, result.blocks_per_request,
+                                      sizes)))
+    return 0
