@@ -38,10 +38,12 @@ def _sampling_kwargs(args: argparse.Namespace) -> dict[str, object]:
 
 
 async def _print_stream(address: str, prompt: str | None, sampling: dict[str, object],
-                        creds: Credentials, chat: str | None = None) -> int:
+                        creds: Credentials, chat: str | None = None,
+                        command: str = "generate") -> int:
     import grpc
 
     from deploy import client
+    from deploy.client_errors import EXIT_UNREACHABLE, rpc_error_line
     from kvferry.rpc import security
 
     request = (client.make_request(prompt, **sampling) if chat is None
@@ -55,10 +57,13 @@ async def _print_stream(address: str, prompt: str | None, sampling: dict[str, ob
                 if msg.HasField("chunk"):
                     print(msg.chunk.text, end="", flush=True)
         except grpc.aio.AioRpcError as exc:
-            print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
-            return 1
-    reason = client.finish_reason_name(completion.finished)
-    print(f"\n\n[{len(completion.token_ids)} tokens, finish {reason}] "
+            if completion.token_ids:
+                print(flush=True)  # the error starts a line of its own
+            print(rpc_error_line(command, exc, address, creds.is_tls or creds.ca is not None),
+                  file=sys.stderr)
+            return EXIT_UNREACHABLE
+    reason = client.finish_reason_name(completion.finished).removeprefix("FINISH_REASON_")
+    print(f"\n\n[{len(completion.token_ids)} tokens, finish {reason.lower()}] "
           f"TTFT {completion.ttft_s * 1000:.1f} ms, "
           f"mean ITL {completion.mean_itl_s * 1000:.2f} ms")
     return 0
@@ -112,8 +117,21 @@ def _serve(args: argparse.Namespace) -> int:
         return _serve_with(args, store_url)
 
 
+def _starting_line(deployment) -> str:
+    """What serve says at once, so that the model loading that follows is not silence."""
+    from router.openai_schema import served_model_name
+
+    workers = (f"{deployment.num_decode} colocated worker(s)" if deployment.is_colocated else
+               f"{deployment.num_prefill} prefill + {deployment.num_decode} decode worker(s)")
+    return (f"kvferry: starting {workers} and a router for "
+            f"{served_model_name(deployment.model)}; each loads the model first (Ctrl-C "
+            "stops)")
+
+
 def _serve_with(args: argparse.Namespace, store_url: str | None) -> int:
-    deployment = _deployment(args, store_url).start()
+    deployment = _deployment(args, store_url)
+    print(_starting_line(deployment), file=sys.stderr, flush=True)
+    deployment.start()
     print(f"kvferry serving on {deployment.router_address} (Ctrl-C to stop)", flush=True)
     print(_http_line(deployment, args), flush=True)
     stop = {"flag": False}
@@ -154,7 +172,7 @@ def _demo(args: argparse.Namespace) -> int:
                 print(f"> {chat}", flush=True)
             sampling = {"temperature": 0.0, **_sampling_kwargs(args)}  # greedy unless told
             code = asyncio.run(_print_stream(deployment.router_address, args.prompt, sampling,
-                                             public_client_credentials(args), chat))
+                                             public_client_credentials(args), chat, "demo"))
     print(f"logs: {log_dir}")
     return code
 
@@ -188,7 +206,20 @@ def _make_files(args: argparse.Namespace) -> int:
     return 0
 
 
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a command Ctrl-C stopped
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Ctrl-C anywhere (a model loading, a deployment starting, an answer streaming): one
+    line and exit status 130; whatever had started is stopped on the way out."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("\nkvferry: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     from kvferry import logs
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from deploy.security_args import API_KEY_ENV, tls_args
+from deploy.security_args import API_KEY_ENV, client_tls_args
 
 
 def sampling_args(p: argparse.ArgumentParser) -> None:
@@ -25,7 +25,7 @@ def sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _client_args(p: argparse.ArgumentParser) -> None:
-    tls_args(p, is_member=False)
+    client_tls_args(p)
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help="the router's API key, sent as `authorization: Bearer KEY` (default: "
                         f"${API_KEY_ENV})")
@@ -44,6 +44,6 @@ def add_client_commands(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("chat", help="interactive conversation with a running deployment "
                                     "(Ctrl-C stops an answer, Ctrl-D exits)")
-    p.add_argument("address", help="the router's public HOST:PORT")
+    p.add_argument("--address", default="127.0.0.1:50051", help="the router's public HOST:PORT")
     p.add_argument("--system", default=None, help="system message that opens the conversation")
     _client_args(p)

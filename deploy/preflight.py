@@ -9,7 +9,7 @@ from dataclasses import replace
 
 from deploy.args import router_settings, worker_settings
 from deploy.default_model import ensure_default_model
-from deploy.security_args import security_settings
+from deploy.security_args import check_client_tls, security_settings
 from deploy.tier_args import tier_settings
 from kvferry.rpc.security import refuse_plaintext_token
 from kvferry.settings import RouterSettings, WorkerSettings, parse_batch_sizes
@@ -61,6 +61,26 @@ def _check_max_model_len(settings: WorkerSettings) -> None:
     max_model_len_for(settings, load_model_config(settings.model))
 
 
+def check_ports_free(host: str, ports: dict[str, int | None]) -> None:
+    """Each given port (by setting name; None or 0: any free port) can be bound on `host`,
+    checked before any model loads: ValueError naming the flag when something listens there.
+    (A port taken between this check and the bind still fails at the bind.)"""
+    import socket
+
+    for name, port in ports.items():
+        if not port or not 0 < port < 65536:  # any free port, or refused by the settings
+            continue
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind
+            try:
+                sock.bind((host, port))
+            except OSError as exc:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{name}: cannot bind {host}:{port} ({exc.strerror}); give "
+                                 f"another {flag}, or 0 for any free port") from None
+
+
 def _check_deployment(args: argparse.Namespace) -> None:
     """What `serve` and `demo` would hand their processes, refused here before any starts."""
     if args.num_decode < 1 or (args.num_prefill < 1 and not args.colocated):
@@ -75,6 +95,8 @@ def _check_deployment(args: argparse.Namespace) -> None:
         kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
         security=security_settings(args), tiers=tier_settings(args))
     refuse_plaintext_token(settings.security)
+    check_ports_free(args.host, {"port": args.port, "http_port": args.http_port,
+                                 "metrics_port": args.metrics_port})
     _check_model(args.model)  # last: without --model, the default model may be converted
     _check_tokenizer(args.model)
     if settings.max_model_len is not None:
@@ -89,6 +111,9 @@ def check_inputs(args: argparse.Namespace) -> WorkerSettings | RouterSettings | 
         settings = worker_settings(args, model="")  # flags first, model last:
         refuse_plaintext_token(settings.security)  # without --model, the default model
         parse_pool_size(settings.kv_pool_size, total_memory_bytes=1)  # may be converted
+        check_ports_free(settings.host, {"port": settings.port,
+                                         "metrics_port": settings.metrics_port,
+                                         "health_port": settings.security.health_port})
         settings = replace(settings, model=settings.model or ensure_default_model())
         _check_model(settings.model)
         if settings.role in ("decode", "colocated"):
@@ -97,6 +122,10 @@ def check_inputs(args: argparse.Namespace) -> WorkerSettings | RouterSettings | 
     if args.command == "router":
         settings = router_settings(args, model="")
         refuse_plaintext_token(settings.security)
+        check_ports_free(settings.host, {"port": settings.port,
+                                         "http_port": settings.http_port,
+                                         "metrics_port": settings.metrics_port,
+                                         "health_port": settings.security.health_port})
         settings = replace(settings, model=settings.model or ensure_default_model())
         _check_model(settings.model)
         _check_tokenizer(settings.model)
@@ -104,7 +133,7 @@ def check_inputs(args: argparse.Namespace) -> WorkerSettings | RouterSettings | 
     if args.command in ("serve", "demo"):
         _check_deployment(args)
     elif args.command in ("generate", "chat"):
-        security_settings(args)
+        check_client_tls(args)
     elif args.command == "bench":
         for path in (args.dataset_path, args.tokenizer):
             if path is not None and not path.exists():

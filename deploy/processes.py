@@ -97,8 +97,9 @@ async def _serve(built: Built, role: str) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):  # before "ready": a SIGTERM then drains too
         loop.add_signal_handler(sig, stopping.set)
-    grpc_util.announce_ready(built.port, built.metrics_port,
-                             None if built.http is None else built.http.port)
+    if not grpc_util.announce_ready(built.port, built.metrics_port,
+                                    None if built.http is None else built.http.port):
+        stopping.set()  # the launcher is gone: stop at once, as on SIGTERM
     set_on_fatal = getattr(built.engine, "set_on_fatal", None)
     if set_on_fatal is not None:  # a worker that can no longer serve drains and exits
         set_on_fatal(stopping.set)
@@ -213,6 +214,7 @@ async def build_router(settings: RouterSettings) -> Built:
     from router.engine import Router
     from router.identity import ApiKeys
     from router.leases import renew_loop
+    from router.openai_schema import served_model_name
     from router.policies import make_policy
     from router.worker_set import WorkerSet
 
@@ -256,7 +258,8 @@ async def build_router(settings: RouterSettings) -> Built:
         registry.register(metrics.RouterWorkersCollector(lambda: workers.workers))
         router.downstream.on_prefill_retry = router_metrics.prefill_retries.inc
         metrics_port = metrics.serve(settings.metrics_port, settings.host, registry)
-    router_server.add_to_server(server, router, router_metrics, keys)
+    model_name = served_model_name(settings.model, settings.served_model_name)
+    router_server.add_to_server(server, router, router_metrics, keys, model_name)
     grpc_util.add_reflection(server, router_server.SERVICE_NAMES)
     port = security.add_port(server, f"{settings.host}:{settings.port}", creds,
                              require_client_auth=settings.is_public_client_auth)
@@ -266,7 +269,7 @@ async def build_router(settings: RouterSettings) -> Built:
 
         http = HttpFront(router, settings.model, settings.host, settings.http_port,
                          settings.security, settings.is_public_client_auth, router_metrics,
-                         settings.drain_timeout_s, keys)
+                         settings.drain_timeout_s, keys, model_name)
 
     async def on_stop() -> None:
         for task in tasks:

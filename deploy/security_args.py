@@ -65,6 +65,10 @@ def public_access_args(p: argparse.ArgumentParser) -> None:
                         "A command line is visible to local users: prefer --api-keys-file")
     p.add_argument("--api-keys-file", default=None, metavar="PATH",
                    help="API keys, one per line (# comments), as --api-key")
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model id the APIs report and the OpenAI API's `model` takes "
+                        "(default: the checkpoint's own name, e.g. SmolLM2-135M-Instruct.Q4_1 "
+                        "for the default model)")
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="report each request's cached prompt tokens (HTTP usage."
                         "prompt_tokens_details, gRPC Usage.cached_prompt_tokens and K/V bytes "
@@ -96,6 +100,8 @@ def public_access_argv(args: argparse.Namespace) -> list[str]:
         argv += ["--api-keys-file", args.api_keys_file]
     if getattr(args, "enable_prompt_tokens_details", False):
         argv.append("--enable-prompt-tokens-details")
+    if getattr(args, "served_model_name", None):
+        argv += ["--served-model-name", args.served_model_name]
     return argv
 
 
@@ -108,10 +114,50 @@ def client_api_key(args: argparse.Namespace) -> str | None:
     return given or os.environ.get(API_KEY_ENV) or None
 
 
-def public_client_credentials(args: argparse.Namespace) -> Credentials:
-    """What a client of the public port dials with: TLS per the flags, no cluster token, and
-    the API key (as `authorization: Bearer`) when there is one."""
-    from kvferry.rpc import security
+def client_tls_args(p: argparse.ArgumentParser) -> None:
+    """TLS flags of a public client (generate, chat, bench): the CA alone makes the channel
+    TLS; a certificate only for a router that requires one (--public-client-auth)."""
+    p.add_argument("--tls-ca", default=None, metavar="PEM",
+                   help="CA bundle verifying the router's certificate: connect with TLS "
+                        "(the CA is enough)")
+    p.add_argument("--tls-cert", default=None, metavar="PEM",
+                   help="client certificate, only for a router started with "
+                        "--public-client-auth (mTLS); with --tls-key")
+    p.add_argument("--tls-key", default=None, metavar="PEM", help="private key of --tls-cert")
+    p.add_argument("--tls-server-name", default=None, metavar="NAME",
+                   help="name expected in the router's certificate (default: the address's "
+                        "host)")
 
-    creds = security.load(security_settings(args))._replace(token=None)
-    return creds._replace(token=client_api_key(args))
+
+def check_client_tls(args: argparse.Namespace) -> None:
+    """A public client's TLS flags: ValueError naming the flag (no server rules: a client may
+    give the CA alone)."""
+    from pathlib import Path
+
+    if (getattr(args, "tls_cert", None) is None) != (getattr(args, "tls_key", None) is None):
+        raise ValueError("tls_cert/tls_key: give both or neither (a client certificate is "
+                         "needed only by a router with --public-client-auth)")
+    for name in ("tls_cert", "tls_key", "tls_ca"):
+        path = getattr(args, name, None)
+        if path is not None and not Path(path).is_file():
+            raise ValueError(f"{name}: no such file {path!r}")
+        if path is not None and b"-----BEGIN " not in Path(path).read_bytes():
+            raise ValueError(f"{name}: {path} holds no PEM block (-----BEGIN ...)")
+
+
+def public_client_credentials(args: argparse.Namespace) -> Credentials:
+    """What a client of the public port dials with: TLS when it has a CA or a certificate,
+    a client certificate only when given, no cluster token, and the API key (as
+    `authorization: Bearer`) when there is one."""
+    from pathlib import Path
+
+    from kvferry.rpc.security import Credentials
+
+    check_client_tls(args)
+
+    def read(name: str) -> bytes | None:
+        path = getattr(args, name, None)
+        return None if path is None else Path(path).read_bytes()
+
+    return Credentials(read("tls_cert"), read("tls_key"), read("tls_ca"),
+                       getattr(args, "tls_server_name", None), client_api_key(args))

@@ -223,8 +223,11 @@ class RouterSettings:
     # Bearer keys of the public APIs, each a tenant (router/identity.py); () : none asked.
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     is_prompt_tokens_details: bool = False  # report cached prompt tokens to clients
+    served_model_name: str | None = None  # the API's model id; None: the checkpoint's name
 
     def __post_init__(self) -> None:
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ValueError("served_model_name: must not be empty")
         if self.is_public_client_auth and self.security.tls_ca is None:
             raise ValueError("is_public_client_auth: needs tls_ca to verify client certificates")
         if self.policy not in POLICIES:

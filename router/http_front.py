@@ -110,9 +110,9 @@ class HttpFront:
     def __init__(self, router: Router, model: str, host: str, port: int,
                  security: SecuritySettings, require_client_auth: bool,
                  metrics: RouterMetrics | None, drain_timeout_s: float,
-                 keys: ApiKeys | None = None) -> None:
+                 keys: ApiKeys | None = None, served_name: str | None = None) -> None:
         self.router = router
-        self.model = served_model_name(model)
+        self.model = served_model_name(model, served_name)
         self._model_names = {self.model, model}  # the name, or the --model given
         self.metrics = metrics
         self.keys = keys or ApiKeys()

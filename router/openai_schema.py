@@ -12,6 +12,7 @@ result (`UNSERVED`), and unknown ones are ignored, as vLLM does.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -31,11 +32,20 @@ UNSERVED: dict[str, object] = {
 }
 
 
-def served_model_name(model: str) -> str:
-    """The model id the API reports and expects: the checkpoint directory's name (a GGUF
-    file's name without `.gguf`)."""
+def served_model_name(model: str, given: str | None = None) -> str:
+    """The model id the API reports and expects: `given` (--served-model-name), else the
+    checkpoint's own name: a directory's name, a GGUF file's name without `.gguf`, and for a
+    GGUF file kvferry converted (KVFERRY_HOME/models/NAME-<32 hex of its hash>), NAME, so
+    that the id stays what the user installed, not a cache key."""
+    if given:
+        return given
     path = Path(model)
-    return path.stem if path.suffix.lower() == ".gguf" else path.name
+    if path.suffix.lower() == ".gguf":
+        return path.stem
+    converted = re.fullmatch(r"(.+)-[0-9a-f]{32}", path.name)
+    if converted and (path / "manifest.json").is_file():
+        return converted.group(1)
+    return path.name
 
 
 class StreamOptions(BaseModel):

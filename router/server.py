@@ -99,10 +99,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     request is looked at; without keys, the caller's scope is its connection."""
 
     def __init__(self, router: Router, metrics: RouterMetrics | None = None,
-                 keys: ApiKeys | None = None) -> None:
+                 keys: ApiKeys | None = None, model_name: str = "") -> None:
         self.router = router
         self.metrics = metrics
         self.keys = keys or ApiKeys()
+        self.model_name = model_name  # GetModelInfo's, the OpenAI API's `model`
 
     async def _caller(self, context: grpc.aio.ServicerContext) -> Caller:
         if not self.keys.is_enabled:
@@ -190,7 +191,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             max_context_tokens=cfg.max_position_embeddings,
             eos_token_ids=list(cfg.eos_token_ids), model_fingerprint=cfg.fingerprint,
             block_size=layout.block_size if layout else 0,
-            kv_dtype=layout.dtype if layout else "",
+            kv_dtype=layout.dtype if layout else "", model_name=self.model_name,
         )
 
 
@@ -198,10 +199,11 @@ SERVICE_NAMES = ["kvferry.v1.GenerationService"]
 
 
 def add_to_server(server: grpc.aio.Server, router: Router,
-                  metrics: RouterMetrics | None = None, keys: ApiKeys | None = None) -> None:
+                  metrics: RouterMetrics | None = None, keys: ApiKeys | None = None,
+                  model_name: str = "") -> None:
     """GenerationService with the parsers above (the generated registration would answer an
     unparsable request with a bare INTERNAL)."""
-    servicer = GenerationServicer(router, metrics, keys)
+    servicer = GenerationServicer(router, metrics, keys, model_name)
     pb = generation_pb2
     handlers = {
         "Generate": grpc.unary_stream_rpc_method_handler(

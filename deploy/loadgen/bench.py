@@ -91,8 +91,17 @@ class BenchmarkResult:
 
 
 async def _vocab_size(address: str) -> int:
+    """The gRPC front's vocabulary: its first call, so an unreachable one is said here, in
+    one line (Unreachable)."""
+    import grpc
+
+    from deploy.client_errors import Unreachable, rpc_error_line
+
     async with grpc_util.channel(address) as chan:
-        info = await client.model_info(chan)
+        try:
+            info = await client.model_info(chan)
+        except grpc.aio.AioRpcError as exc:
+            raise Unreachable(rpc_error_line("bench", exc, address, False)) from None
     if info.vocab_size < 1:
         raise ValueError(f"{address}: GetModelInfo reports vocab_size {info.vocab_size}")
     return info.vocab_size

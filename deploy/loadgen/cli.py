@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from deploy.client_errors import EXIT_UNREACHABLE, Unreachable
 from deploy.launcher import Deployment
 from deploy.loadgen.bench import BenchConfig, BenchmarkResult, run_benchmark
 from deploy.loadgen.metrics import Slo
@@ -249,6 +250,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:  # a target's vocabulary, model or workload: said before sending
         print(f"bench: {exc}", file=sys.stderr)
         return 2
+    except Unreachable as exc:
+        print(exc, file=sys.stderr)
+        return EXIT_UNREACHABLE
     finally:
         if args.trace is not None:
             os.environ.pop(trace.TRACE_ENV, None)

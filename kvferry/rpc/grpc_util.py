@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -152,12 +153,19 @@ async def set_serving(servicer: health.aio.HealthServicer, service_names: list[s
         await servicer.set(name, status)
 
 
-def announce_ready(port: int, metrics_port: int = 0, http_port: int | None = None) -> None:
+def announce_ready(port: int, metrics_port: int = 0, http_port: int | None = None) -> bool:
     """Tell a parent launcher which ports we bound (ports may be 0 = any free port); the
-    router's HTTP port too when it serves one."""
+    router's HTTP port too when it serves one. False when the launcher is gone (it closed
+    the pipe: stopped by Ctrl-C while this process started); stdout then goes to /dev/null,
+    so that nothing fails on it again at exit."""
     http = "" if http_port is None else f" http_port={http_port}"
-    print(f"{READY_PREFIX} metrics_port={metrics_port} port={port}{http}", flush=True)
-    sys.stdout.flush()
+    try:
+        print(f"{READY_PREFIX} metrics_port={metrics_port} port={port}{http}", flush=True)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return False
+    return True
 
 
 class Ready(NamedTuple):

@@ -155,7 +155,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("architecture", "vocab_size", "max_context_tokens", "eos_token_ids", "model_fingerprint", "block_size", "kv_dtype")
+    __slots__ = ("architecture", "vocab_size", "max_context_tokens", "eos_token_ids", "model_fingerprint", "block_size", "kv_dtype", "model_name")
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -163,6 +163,7 @@ class ModelInfo(_message.Message):
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     architecture: str
     vocab_size: int
     max_context_tokens: int
@@ -170,4 +171,5 @@ class ModelInfo(_message.Message):
     model_fingerprint: str
     block_size: int
     kv_dtype: str
-    def __init__(self, architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., kv_dtype: _Optional[str] = ...) -> None: ...
+    model_name: str
+    def __init__(self, architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., model_name: _Optional[str] = ...) -> None: ...

@@ -25,7 +25,7 @@ def test_generate_chat_parses() -> None:
 
 
 def test_chat_command_parses() -> None:
-    args = build_parser().parse_args(["chat", "10.0.0.1:50051", "--system", "Be brief.",
-                                      "--temperature", "0", "--stop", "\n"])
+    args = build_parser().parse_args(["chat", "--address", "10.0.0.1:50051", "--system",
+                                      "Be brief.", "--temperature", "0", "--stop", "\n"])
     assert (args.command, args.address, args.system) == ("chat", "10.0.0.1:50051", "Be brief.")
     assert args.temperature == 0.0 and args.stop == ["\n"]

@@ -56,7 +56,7 @@ def test_serve_generate_and_sigterm(qwen3_checkpoint: Path, tmp_path: Path) -> N
              "--max-tokens", "6", "--temperature", "0", "--ignore-eos"],
             capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
-        assert "[6 tokens, finish FINISH_REASON_LENGTH]" in out.stdout
+        assert "[6 tokens, finish length]" in out.stdout
         assert "TTFT" in out.stdout and "mean ITL" in out.stdout
     finally:
         serve.send_signal(signal.SIGTERM)
@@ -107,7 +107,7 @@ def test_demo_on_ray_starts_and_stops_its_own_ray(qwen3_checkpoint: Path, tmp_pa
          "--temperature", "0", "--ignore-eos"],
         capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "[5 tokens, finish FINISH_REASON_LENGTH]" in out.stdout
+    assert "[5 tokens, finish length]" in out.stdout
     until_sync(lambda: not _processes_mentioning(ray_tmp),  # no raylet or actor left behind
                "every Ray process exited", poll_s=0.2)
     shutil.rmtree(ray_tmp, ignore_errors=True)
@@ -130,7 +130,7 @@ def test_demo_asks_the_real_model_over_nixl_and_keeps_logs_apart(smollm2_checkpo
     assert out.returncode == 0, out.stderr[-3000:]
     assert "> What is the capital of France?" in out.stdout
     assert "Paris" in out.stdout
-    assert "finish FINISH_REASON_STOP]" in out.stdout
+    assert "finish stop]" in out.stdout
     assert f"logs: {log_dir}" in out.stdout
     assert " INFO " not in out.stdout and " INFO " not in out.stderr
     logs = {path.name: path.read_text() for path in log_dir.iterdir()}

@@ -95,7 +95,7 @@ def test_generate_chat_flag(chat_deployment: Deployment) -> None:
                 "--temperature", "0", "--ignore-eos"])
     assert out.returncode == 0, out.stderr
     assert expected and expected in out.stdout
-    assert "[8 tokens, finish FINISH_REASON_LENGTH]" in out.stdout
+    assert "[8 tokens, finish length]" in out.stdout
 
 
 def test_chat_command_keeps_history_and_exits_on_eof(chat_deployment: Deployment) -> None:
@@ -104,8 +104,8 @@ def test_chat_command_keeps_history_and_exits_on_eof(chat_deployment: Deployment
     second = _answer(address, [("user", "hello"), ("assistant", first), ("user", "fox")],
                      **GREEDY)
     assert first and second
-    out = _cli(["chat", address, "--max-tokens", "8", "--temperature", "0", "--ignore-eos"],
-               stdin="hello\nfox\n")
+    out = _cli(["chat", "--address", address, "--max-tokens", "8", "--temperature", "0",
+                "--ignore-eos"], stdin="hello\nfox\n")
     assert out.returncode == 0, out.stderr
     assert f"{first}\n" in out.stdout and f"{second}\n" in out.stdout
     assert out.stdout.index(first) < out.stdout.index(second)
@@ -124,8 +124,9 @@ def test_ctrl_c_in_chat_stops_the_answer_and_keeps_the_session(
     # stderr to a file, so that a failed wait shows it (an answer that ended early says why)
     errors = tempfile.TemporaryFile()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "deploy.cli", "chat", chat_deployment.router_address,
-         "--max-tokens", "3000", "--temperature", "0", "--ignore-eos"],
+        [sys.executable, "-m", "deploy.cli", "chat", "--address",
+         chat_deployment.router_address, "--max-tokens", "3000", "--temperature", "0",
+         "--ignore-eos"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors, bufsize=0,
         env={**os.environ, "PYTHONUNBUFFERED": "1"})
     out = bytearray()

@@ -5,7 +5,9 @@ Also the public port's message size cap, on the plaintext deployment."""
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
@@ -15,7 +17,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from deploy import client
+from deploy import client, zygote
 from deploy.certs import CertFiles, make_certs
 from deploy.launcher import Deployment
 from kvferry.rpc import grpc_util, security
@@ -168,6 +170,27 @@ def test_plaintext_client_cannot_reach_workers_or_router(secure_deployment: Depl
 
 
 @pytest.mark.parametrize("who", ["no client certificate", "certificate of another CA"])
+def _cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    return zygote.run(list(argv), dict(os.environ), Path(__file__).resolve().parents[2], 120)
+
+
+def test_the_cli_client_needs_only_the_ca(secure_deployment: Deployment,
+                                          certs: CertFiles) -> None:
+    """Issue 36, friction 1: `generate --tls-ca` alone (no client certificate: the public port
+    does not ask for one) streams an answer; without it, the one line says to give it."""
+    address = secure_deployment.router_address
+    ok = _cli("generate", "--address", address, "--tls-ca", str(certs.ca_cert),
+              "--max-tokens", "4", "--temperature", "0", "--ignore-eos", "The quick brown fox")
+    assert ok.returncode == 0, ok.stderr
+    assert "[4 tokens, finish length]" in ok.stdout
+    plain = _cli("generate", "--address", address, "--max-tokens", "4", "hello")
+    assert plain.returncode == 1, plain.stderr
+    lines = plain.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvferry: generate: UNAVAILABLE at "), lines
+    assert "give --tls-ca" in lines[0]
+    _assert_secure_pools_clean(secure_deployment, certs)
+
+
 def test_tls_client_without_cluster_certificate_cannot_call_a_worker(
         who: str, secure_deployment: Deployment, certs: CertFiles,
         rogue_certs: CertFiles) -> None:

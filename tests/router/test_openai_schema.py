@@ -5,6 +5,7 @@ router/openai_errors.py)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import grpc
 import pytest
@@ -141,6 +142,21 @@ def test_a_body_of_the_wrong_shape_names_the_parameter() -> None:
     assert body_error(exc.value.errors())[0] == "temperature"
 
 
-def test_the_served_model_name_is_the_checkpoint_directorys() -> None:
+def test_the_served_model_name_is_the_checkpoint_directorys(tmp_path: Path) -> None:
     assert served_model_name("/models/qwen3-tiny/") == "qwen3-tiny"
     assert served_model_name("/m/SmolLM2-135M-Instruct.Q4_1.gguf") == "SmolLM2-135M-Instruct.Q4_1"
+    assert served_model_name("/models/qwen3-tiny", "my-model") == "my-model"  # the flag's
+
+
+def test_a_converted_gguf_is_served_under_its_own_name_not_its_cache_key(
+        tmp_path: Path) -> None:
+    """Issue 36, friction 7: KVFERRY_HOME/models/NAME-<hash> (a conversion, with its
+    manifest) is served as NAME; a folder that only looks like one keeps its name."""
+    key = "b179c9523d0e6a0f98a330c7562b6827"
+    converted = tmp_path / f"SmolLM2-135M-Instruct.Q4_1-{key}"
+    converted.mkdir()
+    (converted / "manifest.json").write_text("{}")
+    assert served_model_name(str(converted)) == "SmolLM2-135M-Instruct.Q4_1"
+    lookalike = tmp_path / f"mine-{key}"
+    lookalike.mkdir()
+    assert served_model_name(str(lookalike)) == lookalike.name
