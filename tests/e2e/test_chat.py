@@ -165,3 +165,105 @@ def test_ctrl_c_in_chat_stops_the_answer_and_keeps_the_session(
             proc.kill()
     assert out.count(b" [stopped]") == 2
     assert_pools_clean(chat_deployment)
+
+
+class _Terminal:
+    """`kvferry chat` on a pseudo-terminal, as a user runs it: readline is on, keys are
+    bytes written to the terminal, the screen is what the command wrote back."""
+
+    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+        import pty
+
+        self.pid, self.fd = pty.fork()
+        if self.pid == 0:  # the child: the command, its stdin and stdout the terminal
+            os.execvpe(sys.executable, [sys.executable, "-m", "deploy.cli", *argv], env)
+        self.screen = b""
+
+    def read_until(self, text: bytes, timeout_s: float = 60.0) -> bytes:
+        """The screen up to and including the next `text` after what was read so far."""
+        import select
+        import time
+
+        start = len(self.screen)
+        deadline = time.monotonic() + timeout_s
+        while text not in self.screen[start:]:
+            left = deadline - time.monotonic()
+            ready, _, _ = select.select([self.fd], [], [], max(left, 0))
+            if not ready:
+                pytest.fail(f"waiting for {text!r}: screen {self.screen[-600:]!r}")
+            try:
+                chunk = os.read(self.fd, 4096)
+            except OSError:  # the command exited: the terminal is closed
+                chunk = b""
+            if not chunk:
+                pytest.fail(f"exited before {text!r}: screen {self.screen[-600:]!r}")
+            self.screen += chunk
+        end = self.screen.index(text, start) + len(text)
+        return self.screen[start:end]
+
+    def type(self, keys: bytes) -> None:
+        os.write(self.fd, keys)
+
+    def exit_status(self) -> int:
+        _, status = os.waitpid(self.pid, 0)
+        os.close(self.fd)
+        return os.waitstatus_to_exitcode(status)
+
+
+def test_chat_in_a_terminal_has_a_banner_commands_and_line_history(
+        chat_deployment: Deployment, tmp_path: Path) -> None:
+    """Issue 36, friction 4: a banner naming the model and address; /help, /system, /clear,
+    an unknown command refused without reaching the model, /exit; the Up arrow recalls the
+    last line (readline, not `^[[A`), and the history outlives the session."""
+    address = chat_deployment.router_address
+    env = {**os.environ, "KVFERRY_HOME": str(tmp_path), "TERM": "xterm"}
+    term = _Terminal(["chat", "--address", address, "--max-tokens", "4", "--temperature", "0",
+                      "--ignore-eos"], env)
+    banner = term.read_until(b"> ")
+    assert f"kvferry chat with tiny-chat at {address}".encode() in banner
+    term.type(b"/help\r")
+    assert b"/system [TEXT]" in term.read_until(b"> ")
+    term.type(b"/nope\r")
+    assert b"unknown command /nope" in term.read_until(b"> ")
+    term.type(b"hello\r")
+    first = term.read_until(b"> ")
+    term.type(b"\x1b[A")  # Up: the last line comes back, to send again
+    assert b"hello" in term.read_until(b"hello")
+    term.type(b"\r")
+    term.read_until(b"> ")
+    term.type(b"/system Be brief.\r")
+    assert b"system message set; conversation restarted" in term.read_until(b"> ")
+    term.type(b"/clear\r")
+    assert b"conversation cleared" in term.read_until(b"> ")
+    term.type(b"/exit\r")
+    assert term.exit_status() == 0
+    assert b"^[[A" not in term.screen
+    expected = _answer(address, [("user", "hello")], temperature=0.0, max_tokens=4,
+                       ignore_eos=True)
+    assert expected and expected.encode() in first.replace(b"\r\n", b"\n")
+    assert "hello" in (tmp_path / "chat_history").read_text()
+    assert_pools_clean(chat_deployment)
+
+
+def test_ctrl_c_during_generate_is_one_line_and_status_130(
+        chat_deployment: Deployment) -> None:
+    """Issue 36, friction 3: no KeyboardInterrupt traceback; the call is cancelled, so its
+    blocks come back."""
+    import signal
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "deploy.cli", "generate", "--address",
+         chat_deployment.router_address, "--max-tokens", "3000", "--temperature", "0",
+         "--ignore-eos", "The quick brown fox"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ,
+                                                             "PYTHONUNBUFFERED": "1"})
+    try:
+        assert proc.stdout is not None and proc.stdout.read(20)  # the answer streams
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert err.decode().strip().splitlines() == ["kvferry: interrupted"]
+    assert_pools_clean(chat_deployment)
