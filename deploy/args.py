@@ -12,6 +12,7 @@ from deploy.parser import Parser, add_global_args_to_commands, global_args
 from deploy.plan_cmd import add_plan_parser
 from deploy.policy_args import policy_args, policy_settings
 from deploy.security_args import api_keys, public_access_args, security_settings, tls_args
+from deploy.serve_args import serve_process_args
 from deploy.tier_args import tier_args, tier_settings
 from kvferry.limits import PublicLimits
 from kvferry.settings import (
@@ -51,7 +52,7 @@ USAGE = """The `kvferry` command line.
   kvferry serve [--model DIR] [--num-prefill P] ...      router + workers on localhost
   kvferry generate --address HOST:PORT PROMPT            stream a completion
   kvferry generate --address HOST:PORT --chat MESSAGE    one user message, chat template
-  kvferry chat HOST:PORT                                 conversation in the terminal
+  kvferry chat --address HOST:PORT                       conversation in the terminal
   kvferry demo                                           serve + one Generate + shut down
   kvferry serve --colocated                              the non-disaggregated baseline
   kvferry bench [--address HOST:PORT | --compare T ...]  load test: TTFT/TPOT/ITL, goodput
@@ -175,6 +176,7 @@ def _deployment_args(p: argparse.ArgumentParser) -> None:
     tier_args(p, is_deployment=True)
     tls_args(p)
     public_access_args(p)
+    serve_process_args(p)
 
 
 def build_parser() -> argparse.ArgumentParser:

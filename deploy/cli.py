@@ -22,6 +22,7 @@ from deploy.security_args import (
     security_argv,
     security_settings,
 )
+from deploy.serve_args import serve_process_argv
 from deploy.tier_args import store_bytes, tier_argv
 
 if TYPE_CHECKING:
@@ -72,6 +73,7 @@ async def _print_stream(address: str, prompt: str | None, sampling: dict[str, ob
 def _deployment(args: argparse.Namespace, store_url: str | None = None):
     from deploy.launcher import Deployment
 
+    router_flags, worker_flags = serve_process_argv(args)
     kwargs = dict(
         model=args.model or ensure_default_model(), num_prefill=args.num_prefill,
         num_decode=args.num_decode, router_port=args.port, http_port=args.http_port,
@@ -81,13 +83,13 @@ def _deployment(args: argparse.Namespace, store_url: str | None = None):
         compile=args.compile, compile_batch_sizes=args.compile_batch_sizes,
         router_args=([] if args.metrics_port is None else ["--metrics-port",
                                                             str(args.metrics_port)])
-        + security_argv(args) + public_access_argv(args),
+        + security_argv(args) + public_access_argv(args) + router_flags,
         worker_args=security_argv(args) + ([] if args.prefix_caching
                                            else ["--no-prefix-caching"])
         + (["--kv-transport", "nixl"] if args.kv_transport == "nixl" else [])
         + (["--kv-cache-dtype", args.kv_cache_dtype] if args.kv_cache_dtype != "auto" else [])
         + ([] if args.max_model_len is None else ["--max-model-len", str(args.max_model_len)])
-        + tier_argv(args, store_url),
+        + tier_argv(args, store_url) + worker_flags,
     )
     if args.kv_transport == "ray":
         from deploy.ray_launcher import RayDeployment

@@ -95,8 +95,13 @@ def _check_deployment(args: argparse.Namespace) -> None:
         kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
         security=security_settings(args), tiers=tier_settings(args))
     refuse_plaintext_token(settings.security)
+    if args.public_client_auth and args.tls_ca is None:
+        raise ValueError("public_client_auth: needs --tls-ca to verify client certificates")
+    if args.drain_timeout_s < 0:
+        raise ValueError(f"drain_timeout_s: must be >= 0, got {args.drain_timeout_s}")
     check_ports_free(args.host, {"port": args.port, "http_port": args.http_port,
-                                 "metrics_port": args.metrics_port})
+                                 "metrics_port": args.metrics_port,
+                                 "health_port": args.health_port})
     _check_model(args.model)  # last: without --model, the default model may be converted
     _check_tokenizer(args.model)
     if settings.max_model_len is not None:

@@ -1,0 +1,37 @@
+"""The router and process flags `serve` and `demo` pass on (issue 36: the README promises
+them for every process): the routing policy and its weights, the drain timeout, the public
+ports' client certificates and the router's plaintext health port."""
+
+from __future__ import annotations
+
+import argparse
+
+from deploy.policy_args import policy_args
+from kvferry.settings import DEFAULT_DRAIN_TIMEOUT_S
+
+
+def serve_process_args(p: argparse.ArgumentParser) -> None:
+    policy_args(p)
+    p.add_argument("--drain-timeout-s", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
+                   help="every process, on SIGTERM: report NOT_SERVING, refuse new requests "
+                        "and let in-flight ones finish for up to this long, then exit")
+    p.add_argument("--public-client-auth", action="store_true",
+                   help="the router's public ports (gRPC and HTTP) also require client "
+                        "certificates signed by --tls-ca")
+    p.add_argument("--health-port", type=int, default=None,
+                   help="the router also serves grpc.health.v1 alone, in plaintext, on this "
+                        "port (probes that cannot speak TLS)")
+
+
+def serve_process_argv(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """(the router's flags, every worker's) from the flags above."""
+    router = ["--policy", args.policy, "--prefix-weight", str(args.prefix_weight),
+              "--prefill-prefix-weight", str(args.prefill_prefix_weight),
+              "--load-weight", str(args.load_weight), "--demand-weight", str(args.demand_weight),
+              "--local-prefill-threshold", str(args.local_prefill_threshold)]
+    drain = ["--drain-timeout-s", str(args.drain_timeout_s)]
+    if args.public_client_auth:
+        router.append("--public-client-auth")
+    if args.health_port is not None:
+        router += ["--health-port", str(args.health_port)]
+    return router + drain, drain
