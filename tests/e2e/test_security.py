@@ -169,7 +169,6 @@ def test_plaintext_client_cannot_reach_workers_or_router(secure_deployment: Depl
             assert exc.value.code() == grpc.StatusCode.UNAVAILABLE, address
 
 
-@pytest.mark.parametrize("who", ["no client certificate", "certificate of another CA"])
 def _cli(*argv: str) -> subprocess.CompletedProcess[str]:
     return zygote.run(list(argv), dict(os.environ), Path(__file__).resolve().parents[2], 120)
 
@@ -191,6 +190,7 @@ def test_the_cli_client_needs_only_the_ca(secure_deployment: Deployment,
     _assert_secure_pools_clean(secure_deployment, certs)
 
 
+@pytest.mark.parametrize("who", ["no client certificate", "certificate of another CA"])
 def test_tls_client_without_cluster_certificate_cannot_call_a_worker(
         who: str, secure_deployment: Deployment, certs: CertFiles,
         rogue_certs: CertFiles) -> None:
