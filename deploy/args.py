@@ -285,6 +285,7 @@ def router_settings(args: argparse.Namespace, model: str | None = None) -> Route
         limits=PublicLimits.from_flags(args), http_port=args.http_port,
         api_keys=api_keys(args), is_prompt_tokens_details=args.enable_prompt_tokens_details,
         served_model_name=args.served_model_name,
+        override_generation_config=args.override_generation_config,
     )
 
 

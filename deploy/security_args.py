@@ -69,6 +69,11 @@ def public_access_args(p: argparse.ArgumentParser) -> None:
                    help="the model id the APIs report and the OpenAI API's `model` takes "
                         "(default: the checkpoint's own name, e.g. SmolLM2-135M-Instruct.Q4_1 "
                         "for the default model)")
+    p.add_argument("--override-generation-config", default=None, metavar="JSON",
+                   help="sampling defaults for requests that leave a field unset, over the "
+                        "checkpoint's generation_config.json, e.g. '{\"temperature\": 0.7}' "
+                        "(keys: temperature, top_p, top_k); default: the checkpoint's, else "
+                        "temperature 1.0, top_p 1.0, top_k off")
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="report each request's cached prompt tokens (HTTP usage."
                         "prompt_tokens_details, gRPC Usage.cached_prompt_tokens and K/V bytes "
@@ -102,6 +107,8 @@ def public_access_argv(args: argparse.Namespace) -> list[str]:
         argv.append("--enable-prompt-tokens-details")
     if getattr(args, "served_model_name", None):
         argv += ["--served-model-name", args.served_model_name]
+    if getattr(args, "override_generation_config", None):
+        argv += ["--override-generation-config", args.override_generation_config]
     return argv
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from kvferry.cache.tiers.config import TierSettings
 from kvferry.limits import PublicLimits
+from kvferry.model.sampling_defaults import SamplingDefaults
 
 # Where kvferry keeps what it makes: converted and seeded models, demo logs.
 KVFERRY_HOME = Path(os.environ.get("KVFERRY_HOME", Path.home() / ".cache" / "kvferry"))
@@ -224,10 +225,13 @@ class RouterSettings:
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     is_prompt_tokens_details: bool = False  # report cached prompt tokens to clients
     served_model_name: str | None = None  # the API's model id; None: the checkpoint's name
+    override_generation_config: str | None = None  # JSON over the checkpoint's sampling
+    # defaults (kvferry/model/sampling_defaults.py), as vLLM's flag of that name
 
     def __post_init__(self) -> None:
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise ValueError("served_model_name: must not be empty")
+        SamplingDefaults().overridden(self.override_generation_config)  # ValueError naming it
         if self.is_public_client_auth and self.security.tls_ca is None:
             raise ValueError("is_public_client_auth: needs tls_ca to verify client certificates")
         if self.policy not in POLICIES:

@@ -236,7 +236,8 @@ class HttpFront:
             if body.model is not None and body.model not in self._model_names:
                 raise NotFound(f"model: {body.model!r} is not served here; this server serves "
                                f"{self.model!r} (GET /v1/models)", "model")
-            events = self.router.generate(body.to_input(request_id), None, caller)
+            events = self.router.generate(
+                body.to_input(request_id, self.router.config.sampling_defaults), None, caller)
             reply = Reply(request_id, self.model, isinstance(body, ChatCompletionRequest),
                           body.include_usage, body.return_token_ids)
             if not body.stream:

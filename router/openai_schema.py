@@ -20,7 +20,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from kvferry.errors import InvalidArgument
-from kvferry.model.sampling import DEFAULT_TEMPERATURE, SamplingParams
+from kvferry.model.sampling import SamplingParams
+from kvferry.model.sampling_defaults import KVFERRY_DEFAULTS, SamplingDefaults
 from router.validation import ChatMessage, GenerateInput
 
 # Parameters refused unless neutral (absent, null, false, 0, empty, or the value listed).
@@ -101,25 +102,26 @@ class OpenAIRequest(BaseModel):
             if value not in (None, False, 0, "", [], {}, neutral):
                 raise InvalidArgument(f"{name}: not supported by kvferry", name)
 
-    def _sampling(self) -> tuple[SamplingParams, bool]:
-        """The sampling parameters, and whether max_tokens was given."""
+    def _sampling(self, defaults: SamplingDefaults) -> tuple[SamplingParams, bool]:
+        """The sampling parameters (unset: the model's `defaults`), and whether max_tokens
+        was given."""
         max_tokens = self.requested_max_tokens()
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         params = SamplingParams(
-            temperature=DEFAULT_TEMPERATURE if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k in (None, -1) else self.top_k,
+            temperature=defaults.temperature if self.temperature is None else self.temperature,
+            top_p=defaults.top_p if self.top_p is None else self.top_p,
+            top_k=defaults.top_k if self.top_k is None else 0 if self.top_k == -1 else self.top_k,
             seed=self.seed, stop=stop, stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             **({} if max_tokens is None else {"max_tokens": max_tokens}),
         )
         return params, max_tokens is not None
 
-    def _input(self, request_id: str, text: str | None = None,
+    def _input(self, request_id: str, defaults: SamplingDefaults, text: str | None = None,
                token_ids: list[int] | None = None,
                messages: tuple[ChatMessage, ...] | None = None) -> GenerateInput:
         self._check_served()
-        params, is_max_tokens_set = self._sampling()
+        params, is_max_tokens_set = self._sampling(defaults)
         return GenerateInput(request_id=request_id, text=text, token_ids=token_ids,
                              messages=messages, params=params,
                              is_max_tokens_set=is_max_tokens_set, cache_salt=self.cache_salt or "")
@@ -172,9 +174,10 @@ class ChatCompletionRequest(OpenAIRequest):
             return "messages"
         return super().param(field)
 
-    def to_input(self, request_id: str) -> GenerateInput:
+    def to_input(self, request_id: str,
+                 defaults: SamplingDefaults = KVFERRY_DEFAULTS) -> GenerateInput:
         messages = tuple(ChatMessage(m.role, m.text(i)) for i, m in enumerate(self.messages))
-        return self._input(request_id, messages=messages)
+        return self._input(request_id, defaults, messages=messages)
 
 
 class CompletionRequest(OpenAIRequest):
@@ -187,7 +190,8 @@ class CompletionRequest(OpenAIRequest):
             return "prompt"
         return super().param(field)
 
-    def to_input(self, request_id: str) -> GenerateInput:
+    def to_input(self, request_id: str,
+                 defaults: SamplingDefaults = KVFERRY_DEFAULTS) -> GenerateInput:
         prompt = self.prompt
         if prompt and not isinstance(prompt, str) and not isinstance(prompt[0], int):
             if len(prompt) > 1:
@@ -195,8 +199,8 @@ class CompletionRequest(OpenAIRequest):
                                       f"{len(prompt)}; send one request each", "prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            return self._input(request_id, text=prompt)
-        return self._input(request_id, token_ids=list(prompt))
+            return self._input(request_id, defaults, text=prompt)
+        return self._input(request_id, defaults, token_ids=list(prompt))
 
 
 def _is_union_tag(part: str) -> bool:

@@ -19,6 +19,7 @@ from google.protobuf.message import DecodeError
 
 from kvferry import logs
 from kvferry.errors import InvalidArgument, ResourceExhausted, Unauthenticated
+from kvferry.model.sampling_defaults import KVFERRY_DEFAULTS, SamplingDefaults
 from kvferry.rpc import convert, grpc_util
 from kvferry.rpc.metrics import RouterMetrics
 from kvferry.rpc.proto_utf8 import Malformed, invalid_utf8_field
@@ -34,7 +35,8 @@ from router.validation import ChatMessage, GenerateInput
 log = logging.getLogger("kvferry.router")
 
 
-def _input(request: generation_pb2.GenerateRequest) -> GenerateInput:
+def _input(request: generation_pb2.GenerateRequest,
+           defaults: SamplingDefaults = KVFERRY_DEFAULTS) -> GenerateInput:
     which = request.WhichOneof("input")
     return GenerateInput(
         request_id=request.request_id,
@@ -42,7 +44,7 @@ def _input(request: generation_pb2.GenerateRequest) -> GenerateInput:
         token_ids=list(request.token_ids.ids) if which == "token_ids" else None,
         messages=(tuple(ChatMessage(m.role, m.content) for m in request.messages.messages)
                   if which == "messages" else None),
-        params=convert.sampling_from_proto(request.sampling),
+        params=convert.sampling_from_proto(request.sampling, defaults=defaults),
         is_max_tokens_set=request.sampling.HasField("max_tokens"),
         cache_salt=request.cache_salt,
     )
@@ -139,7 +141,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         logs.request_id.set(request_id)
         clock = StreamClock(self.metrics)
         try:
-            events = self.router.generate(_input(request), context.time_remaining(), caller)
+            events = self.router.generate(_input(request, self.router.config.sampling_defaults),
+                                          context.time_remaining(), caller)
             async with aclosing(events):
                 async for event in events:
                     if isinstance(event, str):

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvferry.model.identity import checkpoint_fingerprint
+from kvferry.model.sampling_defaults import SamplingDefaults
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM")
 
@@ -32,18 +33,22 @@ class ModelConfig:
     mlp_bias: bool
     eos_token_ids: tuple[int, ...]
     fingerprint: str  # over every byte of weights, config and tokenizer (model/identity.py)
+    # unset sampling fields: generation_config.json's, then --override-generation-config's
+    sampling_defaults: SamplingDefaults = SamplingDefaults()
 
     @property
     def num_kv_groups(self) -> int:
         return self.num_heads // self.num_kv_heads
 
 
+def _generation_config(checkpoint: Path) -> dict:
+    path = checkpoint / "generation_config.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
 def _eos_ids(raw: dict, checkpoint: Path) -> tuple[int, ...]:
     ids: list[int] = []
-    sources = [raw.get("eos_token_id")]
-    gen_path = checkpoint / "generation_config.json"
-    if gen_path.exists():
-        sources.append(json.loads(gen_path.read_text()).get("eos_token_id"))
+    sources = [raw.get("eos_token_id"), _generation_config(checkpoint).get("eos_token_id")]
     for value in sources:
         if isinstance(value, int):
             ids.append(value)
@@ -52,8 +57,11 @@ def _eos_ids(raw: dict, checkpoint: Path) -> tuple[int, ...]:
     return tuple(sorted(set(ids)))
 
 
-def load_model_config(path: str | Path) -> ModelConfig:
-    """Read a checkpoint directory's config through transformers' AutoConfig (local only).
+def load_model_config(path: str | Path, override_generation_config: str | None = None
+                      ) -> ModelConfig:
+    """Read a checkpoint directory's config through transformers' AutoConfig (local only);
+    the sampling defaults from its generation_config.json, with the router's
+    `--override-generation-config` JSON over them.
 
     A `.gguf` file is converted once into a cached checkpoint directory (kvferry.model.gguf),
     and the config's `path` names that directory: load weights and tokenizer from it."""
@@ -90,4 +98,6 @@ def load_model_config(path: str | Path) -> ModelConfig:
         mlp_bias=bool(getattr(hf, "mlp_bias", False)),
         eos_token_ids=_eos_ids(hf.to_dict(), checkpoint),
         fingerprint=checkpoint_fingerprint(checkpoint),
+        sampling_defaults=SamplingDefaults.from_generation_config(
+            _generation_config(checkpoint)).overridden(override_generation_config),
     )

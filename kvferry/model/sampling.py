@@ -15,8 +15,8 @@ from enum import Enum
 import torch
 
 from kvferry.errors import InvalidArgument
+from kvferry.model.sampling_defaults import DEFAULT_TEMPERATURE
 
-DEFAULT_TEMPERATURE = 1.0
 DEFAULT_MAX_TOKENS = 256
 _MIX = 0x9E3779B97F4A7C15
 _MASK63 = (1 << 63) - 1

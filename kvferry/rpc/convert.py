@@ -7,17 +7,20 @@ import dataclasses
 from kvferry.cache.layout import KvLayout
 from kvferry.cache.prefix import CacheEvent, EventsSince, Tier
 from kvferry.cache.stats import PoolStats, TierState, TierStats
-from kvferry.model.sampling import DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, SamplingParams
+from kvferry.model.sampling import DEFAULT_MAX_TOKENS, SamplingParams
+from kvferry.model.sampling_defaults import KVFERRY_DEFAULTS, SamplingDefaults
 from kvferry.v1 import generation_pb2, worker_pb2
 
 
 def sampling_from_proto(msg: generation_pb2.SamplingParams,
-                        default_max_tokens: int = DEFAULT_MAX_TOKENS) -> SamplingParams:
-    """Unset optional fields take their defaults; validation is the caller's job."""
+                        default_max_tokens: int = DEFAULT_MAX_TOKENS,
+                        defaults: SamplingDefaults = KVFERRY_DEFAULTS) -> SamplingParams:
+    """Unset optional fields take their defaults (the model's, kvferry/model/
+    sampling_defaults.py); validation is the caller's job."""
     return SamplingParams(
-        temperature=msg.temperature if msg.HasField("temperature") else DEFAULT_TEMPERATURE,
-        top_p=msg.top_p if msg.HasField("top_p") else 1.0,
-        top_k=msg.top_k if msg.HasField("top_k") else 0,
+        temperature=msg.temperature if msg.HasField("temperature") else defaults.temperature,
+        top_p=msg.top_p if msg.HasField("top_p") else defaults.top_p,
+        top_k=msg.top_k if msg.HasField("top_k") else defaults.top_k,
         seed=msg.seed if msg.HasField("seed") else None,
         max_tokens=msg.max_tokens if msg.HasField("max_tokens") else default_max_tokens,
         stop=tuple(msg.stop),

@@ -116,16 +116,17 @@ def test_demo_on_ray_starts_and_stops_its_own_ray(qwen3_checkpoint: Path, tmp_pa
 def test_demo_asks_the_real_model_over_nixl_and_keeps_logs_apart(smollm2_checkpoint: Path,
                                                                  tmp_path: Path) -> None:
     """`kvferry demo --kv-transport nixl`: a chat question to the real model, answered
-    greedily; the answer, the finish reason and the timings stream on stdout, the processes'
-    logs go to files. Every worker runs the NIXL transport, and the prefill worker registered
-    its pool with a NIXL agent for the decode worker to read. (The default transport, gRPC,
-    is `serve`'s above.) The workers also run a host tier and the shared store demo started
-    (`--kv-store-size`), which it stops with them."""
+    greedily (asked for: unasked, demo samples as the model's defaults say); the answer, the
+    finish reason and the timings stream on stdout, the processes' logs go to files. Every
+    worker runs the NIXL transport, and the prefill worker registered its pool with a NIXL
+    agent for the decode worker to read. (The default transport, gRPC, is `serve`'s above.)
+    The workers also run a host tier and the shared store demo started (`--kv-store-size`),
+    which it stops with them."""
     log_dir = tmp_path / "logs"
     out = subprocess.run(
         [sys.executable, "-m", "deploy.cli", "demo", "--model", str(smollm2_checkpoint),
          "--kv-transport", "nixl", "--log-dir", str(log_dir), "--kv-host-cache-size", "128MiB",
-         "--kv-store-size", "64MiB"],
+         "--kv-store-size", "64MiB", "--temperature", "0"],
         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "> What is the capital of France?" in out.stdout

@@ -21,6 +21,7 @@ from kvferry.errors import InvalidArgument, ResourceExhausted
 from kvferry.limits import PublicLimits
 from kvferry.model.checkpoint import CHATML_TEMPLATE
 from kvferry.model.sampling import FinishReason, SamplingParams
+from kvferry.model.sampling_defaults import KVFERRY_DEFAULTS
 from kvferry.settings import SecuritySettings
 from router.events import ChunkEvent, DoneEvent, Timing
 from router.http_body import BodyParser, BodyRefusal, count_roles, parse_json
@@ -52,7 +53,8 @@ class FakeRouter:
     """Answers every request with three tokens; records what reached it."""
 
     def __init__(self, limits: PublicLimits) -> None:
-        self.config = SimpleNamespace(max_position_embeddings=4096)
+        self.config = SimpleNamespace(max_position_embeddings=4096,
+                                      sampling_defaults=KVFERRY_DEFAULTS)
         self.limits = limits
         self.open = _Streams(limits.max_streams)
         self.inputs: list[GenerateInput] = []

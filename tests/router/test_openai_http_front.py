@@ -18,6 +18,7 @@ import pytest
 from kvferry.errors import Unavailable
 from kvferry.limits import PublicLimits
 from kvferry.model.sampling import FinishReason
+from kvferry.model.sampling_defaults import KVFERRY_DEFAULTS
 from kvferry.settings import SecuritySettings
 from router.events import ChunkEvent, DoneEvent, Timing
 from router.http_front import HttpFront
@@ -36,7 +37,8 @@ class FakeRouter:
 
     def __init__(self, num_tokens: int = 10_000, fail: bool = False, max_streams: int = 8,
                  texts: list[str] | None = None, hold: bool = False):
-        self.config = SimpleNamespace(max_position_embeddings=4096)
+        self.config = SimpleNamespace(max_position_embeddings=4096,
+                                      sampling_defaults=KVFERRY_DEFAULTS)
         self.limits = PublicLimits(max_streams=max_streams)
         self.num_tokens, self.fail = num_tokens, fail
         self.texts = texts  # token i's text, "" where it is held back; else "t{i} "
