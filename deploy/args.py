@@ -47,7 +47,7 @@ DEMO_QUESTION = "What is the capital of France?"  # kvferry demo's default
 
 USAGE = """The `kvferry` command line.
 
-  kvferry make-model [--out DIR] [--arch qwen3|llama]   seeded checkpoint (HF format)
+  kvferry make-model --out DIR [--arch qwen3|llama]     tiny random-weight test model
   kvferry make-certs --out DIR                           test CA, cluster cert, token
   kvferry serve [--model DIR] [--num-prefill P] ...      router + workers on localhost
   kvferry generate --address HOST:PORT PROMPT            stream a completion
@@ -194,7 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="subject alternative name (DNS name or IP); default: localhost, 127.0.0.1")
 
     p = sub.add_parser("make-model", help="write a seeded checkpoint in Hugging Face format")
-    p.add_argument("--out", default=str(DEFAULT_MODEL_DIR), help="the checkpoint's folder")
+    p.add_argument("--out", required=True,
+                   help="the checkpoint's folder, e.g. ./tiny-qwen3 (the tests make their own "
+                        f"in {DEFAULT_MODEL_DIR.parent})")
     p.add_argument("--arch", default="qwen3", choices=["qwen3", "llama"],
                    help="the tiny model's architecture")
 

@@ -204,7 +204,10 @@ def _make_files(args: argparse.Namespace) -> int:
         return 0
     from kvferry.model.checkpoint import SPECS, make_model
 
-    print(make_model(Path(args.out), SPECS[args.arch]))
+    path = make_model(Path(args.out), SPECS[args.arch])
+    print(f"wrote a tiny {args.arch} checkpoint with seeded random weights to {path}: for "
+          "tests and wiring, its answers are noise (the real default model needs no "
+          "--model)")
     return 0
 
 

@@ -7,8 +7,8 @@ parallel; the router starts once they are all serving.
 `isolation="netns"` runs every component in its own network namespace with its own address
 (deploy/netns.py), so `cut(name)` can partition it; where the machine does not allow that
 (not root, no iproute2) the deployment runs on loopback and `cut` stops the process instead
-(SIGSTOP): its peers see the same silence, though its kernel still answers TCP.
-`isolation_used` says which one ran.
+(SIGSTOP): its peers see the same silence, though its kernel still answers TCP
+(`isolation_used` says which one ran).
 """
 
 from __future__ import annotations
@@ -246,10 +246,9 @@ class Deployment:
                 pin_threads(proc.popen.pid, cpus, transfer_cpus)
 
     def _process(self, name: str) -> Process:
-        found = [p for p in self.processes if p.name == name]
-        if not found:
-            raise ValueError(f"name: no process {name!r} in this deployment")
-        return found[0]
+        for proc in (p for p in self.processes if p.name == name):
+            return proc
+        raise ValueError(f"name: no process {name!r} in this deployment")
 
     def cut(self, name: str) -> None:
         """Make component `name` silent to everyone: its link goes down (netns: packets
@@ -271,21 +270,22 @@ class Deployment:
         return [p.name for p in self.processes if p.popen.poll() is not None]
 
     def stop(self, grace_s: float = 10.0) -> list[int | None]:
-        """SIGTERM everything (router first), wait, SIGKILL stragglers; then remove the
-        namespaces, veths and bridge, if any, whatever failed before. Returns exit codes."""
+        """SIGTERM the router, wait, then the workers (so it logs none as unreachable); SIGKILL
+        what is left at `grace_s`; then remove the namespaces, veths and bridge, if any,
+        whatever failed before. Returns exit codes, the router's first."""
         try:
-            for proc in reversed(self.processes):
-                if proc.popen.poll() is None:
+            deadline, codes = time.monotonic() + grace_s, []
+            router = [p for p in self.processes if p.name == "router"]
+            for group in (router, [p for p in reversed(self.processes) if p not in router]):
+                for proc in (p for p in group if p.popen.poll() is None):
                     proc.popen.send_signal(signal.SIGTERM)
                     proc.popen.send_signal(signal.SIGCONT)  # a stopped one must see it
-            deadline = time.monotonic() + grace_s
-            codes = []
-            for proc in reversed(self.processes):
-                try:
-                    codes.append(proc.popen.wait(max(deadline - time.monotonic(), 0.1)))
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.popen.pid, signal.SIGKILL)
-                    codes.append(proc.popen.wait())
+                for proc in group:
+                    try:
+                        codes.append(proc.popen.wait(max(deadline - time.monotonic(), 0.1)))
+                    except subprocess.TimeoutExpired:
+                        os.killpg(proc.popen.pid, signal.SIGKILL)
+                        codes.append(proc.popen.wait())
             self.processes = []
         finally:
             if self.network is not None:  # after the processes: nothing left inside

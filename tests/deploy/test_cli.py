@@ -40,9 +40,10 @@ def test_serve_generate_and_sigterm(qwen3_checkpoint: Path, tmp_path: Path) -> N
     # start as a user's do, in fresh interpreters (not forked by the run's zygote, whose
     # children's command lines name no model).
     qwen3_checkpoint = Path(shutil.copytree(qwen3_checkpoint, tmp_path / "model"))
+    errors = (tmp_path / "serve.err").open("w+")  # every process logs here
     serve = subprocess.Popen(
         [sys.executable, "-m", "deploy.cli", "serve", "--model", str(qwen3_checkpoint),
-         "--port", "0", "--http-port", "0"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+         "--port", "0", "--http-port", "0"], stdout=subprocess.PIPE, stderr=errors,
         text=True, env={**os.environ, zygote.ZYGOTE_ENV: "off"})
     try:
         assert serve.stdout is not None
@@ -64,6 +65,12 @@ def test_serve_generate_and_sigterm(qwen3_checkpoint: Path, tmp_path: Path) -> N
     assert code == 0
     until_sync(lambda: not _processes_mentioning(str(qwen3_checkpoint)),
                "every process of the deployment exited", poll_s=0.1)
+    errors.seek(0)
+    log = errors.read()
+    # issue 36: serve says what it starts at once; a normal stop stops the router before the
+    # workers, so it reports none of them unreachable, and nothing prints a traceback
+    assert log.startswith("kvferry: starting 1 prefill + 1 decode worker(s) and a router")
+    assert "unreachable" not in log and "Traceback" not in log, log[-3000:]
 
 
 def test_router_refuses_a_worker_of_another_model(qwen3_checkpoint: Path, llama_checkpoint: Path,
