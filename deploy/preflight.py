@@ -152,6 +152,6 @@ def check_inputs(args: argparse.Namespace) -> WorkerSettings | RouterSettings | 
             check_tokenizer_file(args.tokenizer)
         parse_pool_size(args.kv_pool_size, total_memory_bytes=1)
         parse_batch_sizes(args.compile_batch_sizes)
-        if args.model is not None:
+        if args.model not in ("default", "tiny"):  # keywords: bench_model resolves them
             _check_model(args.model)
     return None

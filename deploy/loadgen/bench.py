@@ -17,6 +17,7 @@ of requests: num_requests and the rates count conversations, the records every t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -41,6 +42,7 @@ from deploy.loadgen.runner import (
 from deploy.loadgen.targets import Endpoint, Target, open_target, parse_target
 from deploy.loadgen.workload import BenchRequest, Conversation, ConversationWorkload, Workload
 from kvferry.rpc import grpc_util
+from kvferry.v1 import generation_pb2
 
 if TYPE_CHECKING:
     from tqdm import tqdm
@@ -64,6 +66,8 @@ class BenchConfig:
     tokenizer: Path | None = None  # OpenAI backends: decodes chat prompts, counts answers
     served_model_name: str | None = None  # OpenAI `model`; None: the first of GET /models
     extra_body: dict[str, Any] = field(default_factory=dict)  # OpenAI: more body fields
+    reuse_prompts: bool = False  # every rate sends the same prompts (default: fresh per rate,
+    # seeded seed + rate index, so a later rate does not hit what an earlier one cached)
 
     def __post_init__(self) -> None:
         if self.num_requests < 1:
@@ -81,6 +85,7 @@ class RunResult:
     metrics: BenchmarkMetrics
     records: tuple[RequestRecord, ...]
     backend: str = "grpc"
+    model: str = ""  # what the target serves: GetModelInfo's name, the OpenAI `model`
 
 
 @dataclass(frozen=True)
@@ -88,11 +93,16 @@ class BenchmarkResult:
     config: BenchConfig
     workload: str  # the workload's repr: what was sent
     runs: tuple[RunResult, ...]
+    workload_params: dict[str, Any] = field(default_factory=dict)  # its fields, structured
+
+    @property
+    def models(self) -> list[str]:
+        return list(dict.fromkeys(run.model for run in self.runs if run.model))
 
 
-async def _vocab_size(address: str) -> int:
-    """The gRPC front's vocabulary: its first call, so an unreachable one is said here, in
-    one line (Unreachable)."""
+async def _model_info(address: str) -> generation_pb2.ModelInfo:
+    """The gRPC front's model: its first call, so an unreachable one is said here, in one
+    line (Unreachable)."""
     import grpc
 
     from deploy.client_errors import Unreachable, rpc_error_line
@@ -104,7 +114,7 @@ async def _vocab_size(address: str) -> int:
             raise Unreachable(rpc_error_line("bench", exc, address, False)) from None
     if info.vocab_size < 1:
         raise ValueError(f"{address}: GetModelInfo reports vocab_size {info.vocab_size}")
-    return info.vocab_size
+    return info
 
 
 def _progress(total: int, label: str, enabled: bool) -> tqdm | None:
@@ -155,6 +165,9 @@ async def _open_sender(target: Target, endpoint: Endpoint, config: BenchConfig,
         yield sender
 
 
+Items = Sequence[BenchRequest] | Sequence[Conversation]
+
+
 async def run_target(name: str, address: str,
                      requests: Sequence[BenchRequest] | Sequence[Conversation],
                      config: BenchConfig) -> list[RunResult]:
@@ -165,17 +178,22 @@ async def run_target(name: str, address: str,
 
 async def run_endpoint(target: Target, endpoint: Endpoint,
                        requests: Sequence[BenchRequest] | Sequence[Conversation],
-                       config: BenchConfig, codec: Codec | None = None) -> list[RunResult]:
+                       config: BenchConfig, codec: Codec | None = None,
+                       per_rate: Sequence[Items] | None = None,
+                       model: str = "") -> list[RunResult]:
     """Every configured rate against one running server, over one gRPC channel or one HTTP
     client as target.backend says. `requests` may be conversations (each starting at its
-    arrival time, its turns one after another)."""
+    arrival time, its turns one after another); `per_rate`: the requests of each rate
+    instead (fresh prompts per rate); `model`: the served model, for the results."""
     check_workload(target.backend, requests, codec)
     name, results = target.name, []
     total = sum(r.num_turns if isinstance(r, Conversation) else 1 for r in requests)
     async with _open_sender(target, endpoint, config, codec) as sender:
+        model = model or getattr(sender, "model", "")
         if config.num_warmups:
             await _warm_up(sender, _first_request(requests[0]), config, name)
-        for rate in config.request_rates:
+        for index, rate in enumerate(config.request_rates):
+            requests = per_rate[index] if per_rate is not None else requests
             offsets = arrival_offsets_s(len(requests), rate, config.burstiness, config.seed)
             bar = _progress(total, f"{name} @ {rate:g} req/s", config.show_progress)
             on_done = None if bar is None else (lambda _, b=bar: b.update(1))
@@ -187,23 +205,25 @@ async def run_endpoint(target: Target, endpoint: Endpoint,
                     bar.close()
             metrics = calculate_metrics(outcome.records, outcome.duration_s, config.slo,
                                         config.percentiles)
-            results.append(RunResult(name, rate, metrics, outcome.records, target.backend))
+            results.append(RunResult(name, rate, metrics, outcome.records, target.backend,
+                                     model))
     return results
 
 
 def _target_vocab(target: Target, endpoint: Endpoint, config: BenchConfig,
-                  codec: Codec | None, built: Sequence[int]) -> int:
+                  codec: Codec | None, built: Sequence[int]) -> tuple[int, str]:
     """The vocabulary random prompts are drawn from: the configured one, else the gRPC
     front's GetModelInfo, else (an OpenAI server, which does not say) the tokenizer's, else
-    the one of the targets before it."""
-    if config.vocab_size:
-        return config.vocab_size
+    the one of the targets before it; and the model's name where the gRPC front says it."""
     if endpoint.grpc_address is not None:
-        return asyncio.run(_vocab_size(endpoint.grpc_address))
+        info = asyncio.run(_model_info(endpoint.grpc_address))
+        return config.vocab_size or info.vocab_size, info.model_name or info.architecture
+    if config.vocab_size:
+        return config.vocab_size, ""
     if codec is not None:
-        return codec.vocab_size
+        return codec.vocab_size, ""
     if len(built) == 1:
-        return built[0]
+        return built[0], ""
     raise ValueError(f"{target.name}: an OpenAI server does not report its vocabulary: give "
                      "--vocab-size or --tokenizer, or compare it after a gRPC target")
 
@@ -225,15 +245,21 @@ def run_benchmark(targets: Sequence[Target | str], workload: Workload | Conversa
     for target in parsed:  # before anything is launched: a sample of the requests
         check_workload(target.backend, workload.build(1, config.vocab_size or 2, config.seed),
                        codec)
-    built: dict[int, list[BenchRequest] | list[Conversation]] = {}
+    built: dict[int, list[Items]] = {}  # per vocabulary, the requests of each rate
     runs: list[RunResult] = []
+    seeds = [config.seed + (0 if config.reuse_prompts else i)
+             for i in range(len(config.request_rates))]
     for target in parsed:
         with open_target(target, launch) as endpoint:
-            vocab = _target_vocab(target, endpoint, config, codec, list(built))
+            vocab, model = _target_vocab(target, endpoint, config, codec, list(built))
             if built and vocab not in built:
                 raise ValueError(f"{target.name} serves a vocabulary of {vocab}, the targets "
                                  f"before it {sorted(built)}: the workloads would differ")
             if vocab not in built:
-                built[vocab] = workload.build(config.num_requests, vocab, config.seed)
-            runs += asyncio.run(run_endpoint(target, endpoint, built[vocab], config, codec))
-    return BenchmarkResult(config, repr(workload), tuple(runs))
+                built[vocab] = [workload.build(config.num_requests, vocab, seed)
+                                for seed in seeds]
+            runs += asyncio.run(run_endpoint(target, endpoint, built[vocab][0], config, codec,
+                                             built[vocab], model))
+    params = dataclasses.asdict(workload) if dataclasses.is_dataclass(workload) else {}
+    return BenchmarkResult(config, repr(workload), tuple(runs),
+                           {"kind": type(workload).__name__, **params})

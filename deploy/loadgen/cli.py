@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 from deploy.client_errors import EXIT_UNREACHABLE, Unreachable
+from deploy.default_model import bench_model
 from deploy.launcher import Deployment
 from deploy.loadgen.bench import BenchConfig, BenchmarkResult, run_benchmark
 from deploy.loadgen.metrics import Slo
@@ -32,6 +35,7 @@ from kvferry.settings import (
     DEFAULT_COMPILE_BATCH_SIZES,
     DEFAULT_KV_POOL_SIZE,
     DEPLOYMENT_TORCH_THREADS,
+    KVFERRY_HOME,
 )
 
 DATASETS = ("random", "shared-prefix", "multi-turn", "jsonl", "sharegpt")
@@ -57,7 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="several targets, same workload and seed: [NAME=][BACKEND:]WHERE, "
                         "WHERE a HOST:PORT, an http(s):// base URL or launch:disagg|colocated;"
                         " BACKEND defaults to --backend")
-    t.add_argument("--model", default=None, help="launch: checkpoint (default: tiny Qwen3)")
+    t.add_argument("--model", default="default",
+                   help="launch: 'default' (the real default model, as serve), 'tiny' (the "
+                        "seeded tiny model, for quick checks) or a checkpoint / .gguf file")
     t.add_argument("--num-prefill", type=int, default=1, help="launch: prefill workers")
     t.add_argument("--num-decode", type=int, default=1, help="launch: decode/colocated workers")
     t.add_argument("--kv-pool-size", default=DEFAULT_KV_POOL_SIZE, help="launch: per worker")
@@ -68,8 +74,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--compile-batch-sizes", default=DEFAULT_COMPILE_BATCH_SIZES,
                    help="launch: --compile batch-size buckets")
     t.add_argument("--launch-log-dir", type=Path, default=None,
-                   help="where launched deployments' processes log "
-                        "(default: a new temporary folder)")
+                   help="where launched deployments' processes log (default: a new folder "
+                        "under KVFERRY_HOME/logs, named on the terminal)")
 
     w = p.add_argument_group("workload")
     w.add_argument("--dataset-name", default="random", choices=DATASETS,
@@ -121,6 +127,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--result-file", type=Path, default=None, help="write the JSON here")
     r.add_argument("--plot-dir", type=Path, default=None, help="write PNG plots here")
     r.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    r.add_argument("--reuse-prompts", action="store_true",
+                   help="every rate sends the same prompts (default: fresh ones per rate, so "
+                        "a later rate does not hit the prefix cache an earlier one filled)")
     r.add_argument("--trace", type=Path, default=None, metavar="DIR",
                    help="trace every token in this process and in launched deployments "
                         "(KVFERRY_TRACE_DIR) into DIR, then print where slow gaps went")
@@ -166,7 +175,7 @@ def make_config(args: argparse.Namespace) -> BenchConfig:
                          timeout_s=args.timeout_s),
         vocab_size=args.vocab_size, show_progress=not args.disable_tqdm,
         tokenizer=args.tokenizer, served_model_name=args.served_model_name,
-        extra_body=_extra_body(args.extra_body),
+        extra_body=_extra_body(args.extra_body), reuse_prompts=args.reuse_prompts,
     )
 
 
@@ -237,9 +246,20 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"bench: {exc}", file=sys.stderr)
         return 2
-    launch = Deployment(model=args.model, num_prefill=args.num_prefill,
+    launches = any(t.launch is not None for t in targets)
+    is_openai = any(t.backend != "grpc" for t in targets)
+    if is_openai and config.tokenizer is None and (launches or args.model != "default"):
+        # as vLLM's bench: the tokenizer defaults to the model's (a launched one, or --model)
+        config = dataclasses.replace(config, tokenizer=Path(bench_model(args.model)))
+    log_dir = args.launch_log_dir
+    if launches and log_dir is None:  # the servers' logs in a file, not on the terminal
+        log_dir = KVFERRY_HOME / "logs" / time.strftime("bench-%Y%m%d-%H%M%S")
+    if launches:
+        print(f"bench: launched deployments log to {log_dir}", file=sys.stderr)
+    launch = Deployment(model=bench_model(args.model) if launches else None,
+                        num_prefill=args.num_prefill,
                         num_decode=args.num_decode, kv_pool_size=args.kv_pool_size,
-                        torch_threads=args.torch_threads, log_dir=args.launch_log_dir,
+                        torch_threads=args.torch_threads, log_dir=log_dir,
                         compile=args.compile, compile_batch_sizes=args.compile_batch_sizes,
                         router_args=["--enable-prompt-tokens-details"])  # cache hit rates
     if args.trace is not None:  # launched workers inherit the variable

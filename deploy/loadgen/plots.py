@@ -3,7 +3,8 @@
 - latency_vs_rate.png: TTFT p50/p99 and ITL p50/p99 against request rate, one line per
   target. An infinite rate is plotted at the throughput the run achieved.
 - ttft_vs_itl.png: one point per completed request, TTFT against its mean ITL, a colour
-  per target.
+  per target and a marker per rate.
+Each is titled with the model(s) and the workload; every axis starts at 0.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 from types import ModuleType
 
 from deploy.loadgen.bench import BenchmarkResult, RunResult
+from deploy.loadgen.report import describe
 
 PANELS = (("ttft", 50.0), ("ttft", 99.0), ("itl", 50.0), ("itl", 99.0))
 
@@ -58,9 +60,13 @@ def plot_latency_vs_rate(result: BenchmarkResult, path: Path) -> Path:
         ax.set_title(f"{metric.upper()} p{p:g}")
         ax.set_ylabel("ms")
         ax.grid(alpha=0.3)
+    for ax in axes.flat:
+        ax.set_xlim(left=0)
+        ax.set_ylim(bottom=0)
     for ax in axes[1]:
         ax.set_xlabel("request rate (req/s)")
     axes[0][0].legend()
+    fig.suptitle(describe(result), fontsize=9, wrap=True)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -72,18 +78,22 @@ def plot_latency_vs_rate(result: BenchmarkResult, path: Path) -> Path:
 def plot_ttft_vs_itl(result: BenchmarkResult, path: Path) -> Path:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 5))
-    for target in _targets(result):
-        xs, ys = [], []
+    markers = "os^Dvx+*"
+    rates = list(dict.fromkeys(run.request_rate for run in result.runs))
+    for colour, target in enumerate(_targets(result)):
         for run in (r for r in result.runs if r.target == target):
-            for record in run.records:
-                if record.is_success and record.itls_s:
-                    xs.append(record.ttft_s * 1000)
-                    ys.append(sum(record.itls_s) / len(record.itls_s) * 1000)
-        ax.scatter(xs, ys, s=12, alpha=0.6, label=target)
+            done = [r for r in run.records if r.is_success and r.itls_s]
+            ax.scatter([r.ttft_s * 1000 for r in done],
+                       [sum(r.itls_s) / len(r.itls_s) * 1000 for r in done], s=12, alpha=0.6,
+                       color=f"C{colour}", marker=markers[rates.index(run.request_rate) % 8],
+                       label=f"{target} @ {run.request_rate:g} req/s")
     ax.set_xlabel("TTFT (ms)")
     ax.set_ylabel("mean ITL of the request (ms)")
+    ax.set_xlim(left=0)
+    ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
+    ax.set_title(describe(result), fontsize=9, wrap=True)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

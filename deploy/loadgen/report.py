@@ -38,7 +38,7 @@ def _finite(value: float) -> float | str:
 def run_to_dict(run: RunResult) -> dict[str, Any]:
     m, records = run.metrics, run.records
     out: dict[str, Any] = {
-        "target": run.target, "backend": run.backend,
+        "target": run.target, "backend": run.backend, "model": run.model,
         "request_rate": _finite(run.request_rate),
         "duration": m.duration_s, "completed": m.completed, "failed": m.failed,
         "failures_by_status": m.failures_by_status,
@@ -85,7 +85,9 @@ def result_to_dict(result: BenchmarkResult) -> dict[str, Any]:
     runs = [run_to_dict(run) for run in result.runs]
     out: dict[str, Any] = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "config": _config_dict(result), "workload": result.workload,
+        "config": _config_dict(result), "models": result.models,
+        "workload": result.workload_params or result.workload,
+        "workload_repr": result.workload,
     }
     if len(runs) == 1:
         out.update(runs[0])
@@ -122,8 +124,9 @@ def format_run(run: RunResult) -> str:
               " Prefix cache ".center(50, "-"),
               _row("Cached prompt tokens:", m.total_cached_prompt_tokens),
               _row("Prefix cache hit rate (%):", 100 * m.prefix_cache_hit_rate),
-              _row("K/V bytes shipped per request:", m.mean_kv_bytes_shipped),
-              _row("K/V bytes not shipped per request:", m.mean_kv_bytes_not_shipped)]
+              _row("K/V bytes shipped per request:", _known(run, m.mean_kv_bytes_shipped)),
+              _row("K/V bytes not shipped per request:",
+                   _known(run, m.mean_kv_bytes_not_shipped))]
     for name in METRIC_NAMES:
         stats, label = m.stats(name), _LABELS[name]
         lines.append(f" {label} ".center(50, "-"))
@@ -151,14 +154,29 @@ def format_comparison(result: BenchmarkResult) -> str:
         for name in ("ttft", "itl", "tpot"):
             stats = m.stats(name)
             cells += [f"{stats.median_ms:.1f}", f"{stats.percentile_ms(p):.1f}"]
+        shipped = _known(run, m.mean_kv_bytes_shipped / 1024)
         cells += [f"{100 * m.prefix_cache_hit_rate:.1f}%",
-                  f"{m.mean_kv_bytes_shipped / 1024:.1f}"]
+                  shipped if isinstance(shipped, str) else f"{shipped:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
+def _known(run: RunResult, value: float) -> float | str:
+    """K/V bytes are reported by kvferry's gRPC front only: elsewhere they are unknown."""
+    return value if run.backend == "grpc" else "unknown"
+
+
+def describe(result: BenchmarkResult) -> str:
+    """One line naming what was measured: the model(s) and the workload."""
+    params = result.workload_params
+    shape = ", ".join(f"{k}={v}" for k, v in params.items() if k != "kind") or result.workload
+    models = ", ".join(result.models) or "model not reported"
+    return f"{models}; {params.get('kind', 'workload')}({shape})"
+
+
 def format_result(result: BenchmarkResult) -> str:
-    """vLLM's block for a single run; a comparison table for several (JSON has the rest)."""
-    if len(result.runs) == 1:
-        return format_run(result.runs[0])
-    return format_comparison(result)
+    """A line naming model and workload, then vLLM's block for a single run, or a comparison
+    table for several (JSON has the rest)."""
+    body = (format_run(result.runs[0]) if len(result.runs) == 1
+            else format_comparison(result))
+    return f"{describe(result)}\n{body}"

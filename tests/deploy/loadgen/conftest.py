@@ -108,7 +108,7 @@ class ScriptedServicer(generation_pb2_grpc.GenerationServiceServicer):
     def GetModelInfo(self, request: generation_pb2.GetModelInfoRequest,  # noqa: N802
                      context: grpc.ServicerContext) -> generation_pb2.ModelInfo:
         return generation_pb2.ModelInfo(architecture="Scripted", vocab_size=VOCAB_SIZE,
-                                        max_context_tokens=4096)
+                                        max_context_tokens=4096, model_name="scripted-model")
 
 
 @dataclass

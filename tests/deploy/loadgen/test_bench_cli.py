@@ -47,21 +47,66 @@ def test_cli_single_target(fake_server: FakeServer, tmp_path: Path,
         assert (plot_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     out = capsys.readouterr().out
     assert "Mean TTFT (ms):" in out and "Request goodput (req/s):" in out
+    # issue 36: every output names the model and the workload, the workload as fields
+    assert out.startswith("scripted-model; RandomWorkload(input_len=6, output_len=5")
+    assert data["model"] == "scripted-model" and data["models"] == ["scripted-model"]
+    assert data["workload"]["kind"] == "RandomWorkload" and data["workload"]["input_len"] == 6
 
 
-def test_compare_and_sweep_send_the_same_requests(fake_server: FakeServer) -> None:
+def test_plots_are_titled_from_zero_and_tell_rates_apart(fake_server: FakeServer,
+                                                        tmp_path: Path) -> None:
+    """Issue 36, friction 10: the model and workload in each title, axes from 0, and in the
+    TTFT-vs-ITL scatter a marker per rate (a legend entry per target and rate)."""
+    from deploy.loadgen import plots
+
+    config = BenchConfig(num_requests=3, request_rates=(40.0, 80.0), seed=2)
+    result = run_benchmark([fake_server.address],
+                           RandomWorkload(input_len=4, output_len=4, range_ratio=0.0), config)
+    plt = plots._pyplot()
+    figures: list = []
+    real_close = plt.close
+    plt.close = lambda fig: figures.append(fig)  # keep them to look at
+    try:
+        plots.write_plots(result, tmp_path / "plots")
+    finally:
+        plt.close = real_close
+    rate_fig, scatter_fig = figures
+    assert rate_fig._suptitle.get_text().startswith("scripted-model; RandomWorkload(")
+    for ax in rate_fig.axes + scatter_fig.axes:
+        assert ax.get_ylim()[0] == 0 and ax.get_xlim()[0] == 0
+    scatter = scatter_fig.axes[0]
+    assert scatter.get_title().startswith("scripted-model; RandomWorkload(")
+    labels = [t.get_text() for t in scatter.get_legend().get_texts()]
+    assert labels == [f"{fake_server.address} @ 40 req/s", f"{fake_server.address} @ 80 req/s"]
+    markers = {c.get_paths()[0].vertices.tobytes() for c in scatter.collections}
+    assert len(markers) == 2  # one marker shape per rate
+    for fig in figures:
+        real_close(fig)
+
+
+@pytest.mark.parametrize("reuse", [False, True], ids=["fresh per rate", "--reuse-prompts"])
+def test_compare_sends_the_same_requests_and_each_rate_fresh_ones(
+        fake_server: FakeServer, reuse: bool) -> None:
+    """Targets are compared on the same requests; a later rate of a sweep sends prompts of
+    its own (issue 36: the second rate hit what the first had cached, and TTFT fell as load
+    rose), unless --reuse-prompts. Every run names the model its target serves."""
     config = BenchConfig(num_requests=3, request_rates=(50.0, float("inf")), seed=5,
-                         num_warmups=1)
+                         num_warmups=1, reuse_prompts=reuse)
     result = run_benchmark([f"a={fake_server.address}", Target("b", fake_server.address)],
                            RandomWorkload(input_len=4, output_len=3, range_ratio=0.5),
                            config)
     assert [(r.target, r.request_rate) for r in result.runs] == [
         ("a", 50.0), ("a", float("inf")), ("b", 50.0), ("b", float("inf"))]
     assert all(r.metrics.completed == 3 for r in result.runs)
+    assert {r.model for r in result.runs} == {"scripted-model"} and \
+        result.models == ["scripted-model"]
+    assert result.workload_params["kind"] == "RandomWorkload"
+    assert result.workload_params["input_len"] == 4
     prompts = [tuple(q.token_ids.ids) for q in fake_server.servicer.requests]
     warmup_a, run_a, warmup_b, run_b = prompts[0], prompts[1:7], prompts[7], prompts[8:]
     assert warmup_a == warmup_b and sorted(run_a) == sorted(run_b)
-    assert sorted(run_a[:3]) == sorted(run_a[3:])  # each rate: the same requests
+    assert sorted(run_a[:3]) == sorted(run_b[:3])  # a rate: the same requests everywhere
+    assert (sorted(run_a[:3]) == sorted(run_a[3:])) == reuse
 
 
 def test_failures_are_counted_by_status(fake_server: FakeServer, tmp_path: Path) -> None:

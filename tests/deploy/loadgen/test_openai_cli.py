@@ -36,7 +36,11 @@ def test_cli_single_openai_target(openai_server: FakeOpenAI, tmp_path: Path,
         assert len(body["prompt"]) == 6 and all(0 <= t < 300 for t in body["prompt"])
         assert body["max_tokens"] == 5 and body["ignore_eos"] and body["model"] == MODEL
         assert body["top_k"] == 5  # --extra-body
-    assert "Mean TTFT (ms):" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "Mean TTFT (ms):" in out
+    # issue 36: an OpenAI server does not report K/V bytes: unknown, not 0.00
+    assert "K/V bytes shipped per request:           unknown" in out
+    assert out.startswith(f"{MODEL}; RandomWorkload(") and data["model"] == MODEL
 
 
 def test_compare_grpc_and_openai_servers_on_one_plot(fake_server: FakeServer,
