@@ -42,7 +42,6 @@ from deploy.loadgen.runner import (
 from deploy.loadgen.targets import Endpoint, Target, open_target, parse_target
 from deploy.loadgen.workload import BenchRequest, Conversation, ConversationWorkload, Workload
 from kvferry.rpc import grpc_util
-from kvferry.v1 import generation_pb2
 
 if TYPE_CHECKING:
     from tqdm import tqdm
@@ -100,9 +99,9 @@ class BenchmarkResult:
         return list(dict.fromkeys(run.model for run in self.runs if run.model))
 
 
-async def _model_info(address: str) -> generation_pb2.ModelInfo:
-    """The gRPC front's model: its first call, so an unreachable one is said here, in one
-    line (Unreachable)."""
+async def _model_info(address: str) -> tuple[int, str]:
+    """The gRPC front's vocabulary and model name: its first call, so an unreachable one is
+    said here, in one line (Unreachable)."""
     import grpc
 
     from deploy.client_errors import Unreachable, rpc_error_line
@@ -114,7 +113,7 @@ async def _model_info(address: str) -> generation_pb2.ModelInfo:
             raise Unreachable(rpc_error_line("bench", exc, address, False)) from None
     if info.vocab_size < 1:
         raise ValueError(f"{address}: GetModelInfo reports vocab_size {info.vocab_size}")
-    return info
+    return info.vocab_size, info.model_name or info.architecture
 
 
 def _progress(total: int, label: str, enabled: bool) -> tqdm | None:
@@ -216,8 +215,8 @@ def _target_vocab(target: Target, endpoint: Endpoint, config: BenchConfig,
     front's GetModelInfo, else (an OpenAI server, which does not say) the tokenizer's, else
     the one of the targets before it; and the model's name where the gRPC front says it."""
     if endpoint.grpc_address is not None:
-        info = asyncio.run(_model_info(endpoint.grpc_address))
-        return config.vocab_size or info.vocab_size, info.model_name or info.architecture
+        vocab, model = asyncio.run(_model_info(endpoint.grpc_address))
+        return config.vocab_size or vocab, model
     if config.vocab_size:
         return config.vocab_size, ""
     if codec is not None:
