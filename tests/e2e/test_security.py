@@ -24,6 +24,7 @@ from kvferry.rpc import grpc_util, security
 from kvferry.rpc.grpc_util import CHANNEL_OPTIONS
 from kvferry.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.conftest import assert_alive, assert_pools_clean
+from tests.doc_commands import find
 
 pytestmark = pytest.mark.slow
 
@@ -37,9 +38,23 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _readme(prefix: str, folder: Path) -> list[str]:
+    """The README's security command starting with `prefix`, as written, its `certs/`
+    folder being `folder` (issue 36: the docs' TLS commands run as shown)."""
+    return [w.replace("certs/", f"{folder}/") if w.startswith("certs/") else
+            (str(folder) if w == "certs" else w)
+            for w in find("README.md", prefix).argv()]
+
+
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> CertFiles:
-    return make_certs(tmp_path_factory.mktemp("certs"))
+    """Made by the README's `kvferry make-certs` command, run as written."""
+    from deploy.cli import main
+
+    folder = tmp_path_factory.mktemp("readme") / "certs"
+    assert main(_readme("kvferry make-certs", folder)) == 0
+    return CertFiles(folder / "ca.crt", folder / "private" / "ca.key", folder / "tls.crt",
+                     folder / "tls.key", folder / "token")
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +71,9 @@ def health_port() -> int:
 @pytest.fixture(scope="module")
 def secure_deployment(qwen3_checkpoint: Path, certs: CertFiles, health_port: int,
                       tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    flags = ["--tls-cert", str(certs.cert), "--tls-key", str(certs.key),
-             "--tls-ca", str(certs.ca_cert), "--cluster-token-file", str(certs.token)]
+    flags = _readme("kvferry serve --tls-cert", certs.ca_cert.parent)[1:]  # the README's
+    assert flags == ["--tls-cert", str(certs.cert), "--tls-key", str(certs.key),
+                     "--tls-ca", str(certs.ca_cert), "--cluster-token-file", str(certs.token)]
     deployment = Deployment(model=str(qwen3_checkpoint),
                             log_dir=tmp_path_factory.mktemp("secure-logs"), worker_args=flags,
                             role_args={"decode": ["--health-port", str(health_port)]},
@@ -178,8 +194,10 @@ def test_the_cli_client_needs_only_the_ca(secure_deployment: Deployment,
     """Issue 36, friction 1: `generate --tls-ca` alone (no client certificate: the public port
     does not ask for one) streams an answer; without it, the one line says to give it."""
     address = secure_deployment.router_address
-    ok = _cli("generate", "--address", address, "--tls-ca", str(certs.ca_cert),
-              "--max-tokens", "4", "--temperature", "0", "--ignore-eos", "The quick brown fox")
+    readme = _readme("kvferry generate --address 127.0.0.1:50051 --tls-ca",
+                     certs.ca_cert.parent)  # as written
+    readme[readme.index("--address") + 1] = address
+    ok = _cli(*readme, "--max-tokens", "4", "--temperature", "0", "--ignore-eos")
     assert ok.returncode == 0, ok.stderr
     assert "[4 tokens, finish length]" in ok.stdout
     plain = _cli("generate", "--address", address, "--max-tokens", "4", "hello")
