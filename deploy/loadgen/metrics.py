@@ -45,6 +45,8 @@ class RequestRecord:
     cached_prompt_tokens: int = 0  # usage: prompt tokens the prefill worker had cached
     kv_bytes_shipped: int = 0  # usage: K/V bytes pushed to decode workers for it
     kv_bytes_not_shipped: int = 0  # usage: K/V bytes the decode worker already held
+    template_tokens: int = 0  # prompt tokens the server added (a chat template), not in
+    # prompt_len: the --input-len a chat request asked for stays what it reports
 
     @property
     def is_success(self) -> bool:
@@ -138,6 +140,7 @@ class BenchmarkMetrics:
     max_output_tokens_per_s: float
     max_concurrent_requests: int
     failures_by_status: dict[str, int] = field(default_factory=dict)
+    total_template_tokens: int = 0  # chat template tokens servers added (not in total_input)
 
     def stats(self, name: str) -> Stats:
         return {"ttft": self.ttft, "tpot": self.tpot, "itl": self.itl, "e2el": self.e2el}[name]
@@ -185,7 +188,8 @@ def calculate_metrics(records: Sequence[RequestRecord], duration_s: float, slo: 
     total_input = sum(r.prompt_len for r in done)
     total_output = sum(r.output_len for r in done)
     good = sum(1 for r in done if slo.is_met(r))
-    total_cached = sum(r.cached_prompt_tokens for r in done)
+    total_cached = sum(r.cached_prompt_tokens for r in done)  # of every prompt token
+    total_template = sum(r.template_tokens for r in done)
     max_tokens_per_s, max_concurrent = _peaks(done)
     return BenchmarkMetrics(
         duration_s=duration_s, completed=len(done), failed=len(records) - len(done),
@@ -195,7 +199,8 @@ def calculate_metrics(records: Sequence[RequestRecord], duration_s: float, slo: 
         output_throughput=total_output / duration_s,
         total_token_throughput=(total_input + total_output) / duration_s,
         total_cached_prompt_tokens=total_cached,
-        prefix_cache_hit_rate=total_cached / total_input if total_input else 0.0,
+        prefix_cache_hit_rate=(total_cached / (total_input + total_template)
+                               if total_input + total_template else 0.0),
         mean_kv_bytes_shipped=_mean([r.kv_bytes_shipped for r in done]),
         mean_kv_bytes_not_shipped=_mean([r.kv_bytes_not_shipped for r in done]),
         ttft=Stats.of([r.ttft_s for r in done], percentiles),
@@ -204,4 +209,5 @@ def calculate_metrics(records: Sequence[RequestRecord], duration_s: float, slo: 
         e2el=Stats.of([r.latency_s for r in done], percentiles),
         max_output_tokens_per_s=max_tokens_per_s, max_concurrent_requests=max_concurrent,
         failures_by_status=dict(Counter(r.status for r in records if not r.is_success)),
+        total_template_tokens=total_template,
     )

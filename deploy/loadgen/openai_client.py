@@ -161,8 +161,12 @@ class OpenAISender:
         if answer is not None:
             answer.extend(ids)
         details = usage.get("prompt_tokens_details") or {}
+        served = int(usage.get("prompt_tokens") or request.prompt_len or 0)
+        # a chat request's prompt is the tokens asked for plus the template the server adds
+        asked = request.prompt_len if self.backend == "openai-chat" and request.prompt_len \
+            and served > request.prompt_len else served
         return RequestRecord(
-            prompt_len=int(usage.get("prompt_tokens") or request.prompt_len or 0),
+            prompt_len=asked, template_tokens=served - asked,
             output_len=int(usage.get("completion_tokens") or len(ids) or stream.num_chunks),
             start_s=start - origin_s, ttft_s=stream.ttft, itls_s=tuple(stream.itls),
             latency_s=stream.last - start, status=status, error=error, tag=request.tag,

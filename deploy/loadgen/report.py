@@ -49,6 +49,7 @@ def run_to_dict(run: RunResult) -> dict[str, Any]:
         "max_output_tokens_per_s": m.max_output_tokens_per_s,
         "max_concurrent_requests": m.max_concurrent_requests,
         "total_cached_prompt_tokens": m.total_cached_prompt_tokens,
+        "total_template_tokens": m.total_template_tokens,
         "prefix_cache_hit_rate": m.prefix_cache_hit_rate,
         "mean_kv_bytes_shipped": m.mean_kv_bytes_shipped,
         "mean_kv_bytes_not_shipped": m.mean_kv_bytes_not_shipped,
@@ -71,6 +72,7 @@ def run_to_dict(run: RunResult) -> dict[str, Any]:
         "cached_prompt_tokens": [r.cached_prompt_tokens for r in records],
         "kv_bytes_shipped": [r.kv_bytes_shipped for r in records],
         "kv_bytes_not_shipped": [r.kv_bytes_not_shipped for r in records],
+        "template_tokens": [r.template_tokens for r in records],
     })
     return out
 
@@ -114,8 +116,10 @@ def format_run(run: RunResult) -> str:
              _row("Successful requests:", m.completed), _row("Failed requests:", m.failed)]
     lines += [_row(f"  {status}:", count) for status, count in m.failures_by_status.items()]
     lines += [_row("Benchmark duration (s):", m.duration_s),
-              _row("Total input tokens:", m.total_input),
-              _row("Total generated tokens:", m.total_output),
+              _row("Total input tokens:", m.total_input)]
+    if m.total_template_tokens:
+        lines.append(_row("  + chat template tokens:", m.total_template_tokens))
+    lines += [_row("Total generated tokens:", m.total_output),
               _row("Request throughput (req/s):", m.request_throughput)]
     if m.request_goodput is not None:
         lines.append(_row("Request goodput (req/s):", m.request_goodput))

@@ -45,9 +45,12 @@ def mode_of(body: dict[str, Any]) -> str:
     return "ok"
 
 
+CHAT_TEMPLATE_TOKENS = 4  # what a chat template adds around a message, as a server counts
+
+
 def _prompt_tokens(body: dict[str, Any]) -> int:
     if "messages" in body:
-        return len(str(body["messages"][-1]["content"]).split())
+        return len(str(body["messages"][-1]["content"]).split()) + CHAT_TEMPLATE_TOKENS
     prompt = body["prompt"]
     return len(prompt) if isinstance(prompt, list) else len(prompt.split())
 

@@ -91,7 +91,12 @@ def test_chat_role_chunk_is_not_the_first_token(tmp_path: Path) -> None:
     for r in outcome.records:
         assert r.status == "OK" and len(r.itls_s) == 3 and r.output_len == 5
         assert r.ttft_s == approx(0.040) and r.latency_s == approx(0.190)
-    assert outcome.records[0].prompt_len == 2  # the server's usage
+    text, ids = outcome.records
+    assert (text.prompt_len, text.template_tokens) == (2 + 4, 0)  # the usage: no length asked
+    # token ids of a known length (--input-len): the template's tokens apart (issue 36)
+    assert (ids.prompt_len, ids.template_tokens) == (3, 4)
+    metrics = calculate_metrics(outcome.records, 1.0)
+    assert (metrics.total_input, metrics.total_template_tokens) == (9, 4)
     contents = [b["messages"][0]["content"] for b in record.bodies]
     assert sorted(contents) == ["hello there", "hello there again"]  # ids decoded
 
