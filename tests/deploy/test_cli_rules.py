@@ -88,3 +88,23 @@ def test_every_option_has_help_and_shows_its_default(command: str) -> None:
         # argparse prints the default where the help does not already name it
         assert f"(default: {default})" in text or "default" in action.help, \
             f"kvferry {command} {flag}: default {default!r} not shown"
+
+
+def test_client_commands_describe_tls_as_a_client() -> None:
+    """Issue 36, friction 5: `generate --help` and `chat --help` say what a client does with
+    each TLS flag, not what a server does."""
+    for command in ("generate", "chat"):
+        text = " ".join(_commands()[command].format_help().split())
+        assert "--tls-ca PEM CA bundle verifying the router's certificate" in text
+        assert "only for a router started with --public-client-auth" in text
+        assert "serve TLS" not in text
+
+
+def test_make_model_needs_out_and_says_its_weights_are_random(tmp_path: Path) -> None:
+    """Issue 36, friction 11: no shared default folder, and the output says what it is."""
+    result = _run("make-model")
+    assert result.returncode == 2 and "--out" in result.stderr
+    result = _run("make-model", "--out", str(tmp_path / "tiny"))
+    assert result.returncode == 0, result.stderr
+    assert "seeded random weights" in result.stdout and "noise" in result.stdout
+    assert (tmp_path / "tiny" / "config.json").is_file()

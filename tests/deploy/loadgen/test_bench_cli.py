@@ -160,3 +160,32 @@ def test_cli_multi_turn_reports_hit_rates(fake_server: FakeServer, tmp_path: Pat
     assert len(prompts) == 6
     out = capsys.readouterr().out
     assert "Prefix cache hit rate (%):" in out and "K/V bytes shipped per request:" in out
+
+
+@pytest.mark.parametrize("model", ["default", "tiny"])
+def test_launch_targets_serve_the_model_asked_and_log_to_a_folder(
+        model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 36, friction 9: `launch:` targets serve the real default model unless told (as
+    serve does); their servers log to a folder bench names, not to the terminal; an OpenAI
+    launch target's tokenizer is the launched model's. The launch itself is not run here."""
+    from deploy import default_model
+    from deploy.loadgen import cli as bench_cli
+
+    seen = {}
+
+    def fake_run(targets, workload, config, launch):  # noqa: ANN001, ANN202
+        seen.update(launch=launch, config=config)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(bench_cli, "run_benchmark", fake_run)
+    monkeypatch.setattr(bench_cli, "KVFERRY_HOME", tmp_path)
+    argv = ["bench", "--compare", "launch:disagg", "openai-chat:launch:colocated",
+            "--num-prompts", "2", "--disable-tqdm"]
+    assert main(argv if model == "default" else [*argv, "--model", model]) == 2
+    expected = default_model.bench_model(model)
+    assert seen["launch"].model == expected
+    assert str(seen["config"].tokenizer) == expected
+    log_dir = seen["launch"].log_dir
+    assert log_dir.parent == tmp_path / "logs" and log_dir.name.startswith("bench-")
+    assert f"launched deployments log to {log_dir}" in capsys.readouterr().err
