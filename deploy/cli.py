@@ -75,7 +75,7 @@ def _deployment(args: argparse.Namespace, store_url: str | None = None):
 
     router_flags, worker_flags = serve_process_argv(args)
     kwargs = dict(
-        model=args.model or ensure_default_model(), num_prefill=args.num_prefill,
+        model=args.model, num_prefill=args.num_prefill,  # None: the launcher's default model
         num_decode=args.num_decode, router_port=args.port, http_port=args.http_port,
         block_size=args.block_size,
         kv_pool_size=args.kv_pool_size, torch_threads=args.torch_threads,
@@ -126,7 +126,8 @@ def _starting_line(deployment) -> str:
     workers = (f"{deployment.num_decode} colocated worker(s)" if deployment.is_colocated else
                f"{deployment.num_prefill} prefill + {deployment.num_decode} decode worker(s)")
     return (f"kvferry: starting {workers} and a router for "
-            f"{served_model_name(deployment.model)}; each loads the model first (Ctrl-C "
+            f"{served_model_name(deployment.model or ensure_default_model())}; each loads "
+            "the model first (Ctrl-C "
             "stops)")
 
 

@@ -68,6 +68,14 @@ def test_the_default_model_samples_as_its_card_says() -> None:
     assert default[-2:] == card
     given = Deployment(model="/models/m")._router_args("127.0.0.1", {})
     assert "--override-generation-config" not in given
+    from deploy import cli
+    from deploy.args import build_parser
+
+    for command in ("serve", "demo"):  # without --model: the launcher picks the default model
+        args = cli._deployment(build_parser().parse_args([command]))._router_args(
+            "127.0.0.1", {})
+        flag = args.index("--override-generation-config")
+        assert args[flag:flag + 2] == card
     own = ["--override-generation-config", '{"temperature": 1}']
     mine = Deployment(model=None, router_args=own)._router_args("127.0.0.1", {})
     assert mine.count("--override-generation-config") == 1 and own[1] in mine
