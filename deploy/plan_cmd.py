@@ -55,39 +55,36 @@ def _device(name: str) -> str:
 
 
 def _memory_bytes(device: str) -> int:
-    import os
+    """The workers' rule (deploy/worker_model.py), refused for CUDA on a machine without."""
+    import torch
 
-    if device == "cuda":
-        import torch
+    from deploy.worker_model import memory_bytes
 
-        if torch.cuda.is_available():
-            return torch.cuda.get_device_properties(0).total_memory
+    if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("pool_size: a fraction of CUDA memory, and this machine has no GPU: "
                          "give bytes")
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def _is_fraction(size: str) -> bool:
-    try:
-        return float(size) <= 1.0  # kvferry.sizes: a bare number up to 1 is a fraction
-    except ValueError:
-        return False
+    return memory_bytes(torch.device(device))
 
 
 def kv_dtype(args: argparse.Namespace, device: str) -> str:
-    """The element type serve's pools would hold."""
+    """The element type serve's pools would hold: the workers' `--dtype auto` rule."""
+    import torch
+
+    from deploy.worker_model import default_dtype
+    from kvferry.cache.layout import dtype_name
+
     if args.kv_cache_dtype != "auto":
         return args.kv_cache_dtype
     if args.dtype != "auto":
         return args.dtype
-    return "float32" if device == "cpu" else "bfloat16"
+    return dtype_name(default_dtype(torch.device(device)))
 
 
 def run_plan(args: argparse.Namespace) -> int:
     from deploy.default_model import MISSING_EXIT_STATUS, DefaultModelMissing, default_gguf_path
     from kvferry.cache.capacity import format_plan, format_tiers, plan, tier_plans
     from kvferry.cache.layout import KvShape
-    from kvferry.sizes import parse_pool_size
+    from kvferry.sizes import is_fraction, parse_pool_size
 
     device = _device(args.device)
     dtype = kv_dtype(args, device)
@@ -104,7 +101,7 @@ def run_plan(args: argparse.Namespace) -> int:
         except DefaultModelMissing as exc:
             print(exc, file=sys.stderr)
             return MISSING_EXIT_STATUS
-    memory = _memory_bytes(device) if _is_fraction(args.pool_size) else 0
+    memory = _memory_bytes(device) if is_fraction(args.pool_size) else 0
     pool_bytes = parse_pool_size(args.pool_size, memory, "pool_size")
     result = plan(shape, args.prompt_tokens, args.output_tokens, args.batch, pool_bytes,
                   args.block_size)

@@ -42,17 +42,20 @@ def _device_and_dtype(settings: WorkerSettings) -> tuple[torch.device, torch.dty
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
-    if settings.dtype != "auto":
-        dtype = torch_dtype(settings.dtype)
-    else:
-        dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
+    dtype = torch_dtype(settings.dtype) if settings.dtype != "auto" else default_dtype(dev)
     backend = settings.attention_backend
     if backend == "auto":
         backend = "triton" if dev.type == "cuda" else "torch"
     return dev, dtype, backend
 
 
-def _memory_bytes(device: torch.device) -> int:
+def default_dtype(device: torch.device) -> torch.dtype:
+    """`--dtype auto`: float32 on CPU, bfloat16 elsewhere."""
+    return torch.float32 if device.type == "cpu" else torch.bfloat16
+
+
+def memory_bytes(device: torch.device) -> int:
+    """What a fractional `--kv-pool-size` is a fraction of: the device's total memory."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -60,7 +63,7 @@ def _memory_bytes(device: torch.device) -> int:
 
 def _num_blocks(settings: WorkerSettings, config, device: torch.device,
                 dtype: torch.dtype) -> int:
-    size = parse_pool_size(settings.kv_pool_size, _memory_bytes(device))
+    size = parse_pool_size(settings.kv_pool_size, memory_bytes(device))
     kv_dtype = (dtype_name(dtype) if settings.kv_cache_dtype == "auto"
                 else settings.kv_cache_dtype)
     shape = KvShape(config.num_layers, config.num_kv_heads, config.head_dim, kv_dtype)
