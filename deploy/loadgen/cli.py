@@ -248,15 +248,18 @@ def run(args: argparse.Namespace) -> int:
         return 2
     launches = any(t.launch is not None for t in targets)
     is_openai = any(t.backend != "grpc" for t in targets)
-    if is_openai and config.tokenizer is None and (launches or args.model != "default"):
+    # the checkpoint, resolved (converted, verified) once and only where it is needed
+    model = bench_model(args.model) if launches or (
+        is_openai and args.model != "default") else None
+    if is_openai and config.tokenizer is None and model is not None:
         # as vLLM's bench: the tokenizer defaults to the model's (a launched one, or --model)
-        config = dataclasses.replace(config, tokenizer=Path(bench_model(args.model)))
+        config = dataclasses.replace(config, tokenizer=Path(model))
     log_dir = args.launch_log_dir
     if launches and log_dir is None:  # the servers' logs in a file, not on the terminal
         log_dir = KVFERRY_HOME / "logs" / time.strftime("bench-%Y%m%d-%H%M%S")
     if launches:
         print(f"bench: launched deployments log to {log_dir}", file=sys.stderr)
-    launch = Deployment(model=bench_model(args.model) if launches else None,
+    launch = Deployment(model=model if launches else None,
                         num_prefill=args.num_prefill,
                         num_decode=args.num_decode, kv_pool_size=args.kv_pool_size,
                         torch_threads=args.torch_threads, log_dir=log_dir,
