@@ -46,9 +46,9 @@ def _generation_config(checkpoint: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def _eos_ids(raw: dict, checkpoint: Path) -> tuple[int, ...]:
+def _eos_ids(raw: dict, generation: dict) -> tuple[int, ...]:
     ids: list[int] = []
-    sources = [raw.get("eos_token_id"), _generation_config(checkpoint).get("eos_token_id")]
+    sources = [raw.get("eos_token_id"), generation.get("eos_token_id")]
     for value in sources:
         if isinstance(value, int):
             ids.append(value)
@@ -80,6 +80,7 @@ def load_model_config(path: str | Path, override_generation_config: str | None =
         )
     num_heads = hf.num_attention_heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
+    generation = _generation_config(checkpoint)  # eos ids and sampling defaults
     return ModelConfig(
         path=str(checkpoint),
         architecture=architecture,
@@ -96,8 +97,8 @@ def load_model_config(path: str | Path, override_generation_config: str | None =
         has_qk_norm=architecture == "Qwen3ForCausalLM",
         attention_bias=bool(getattr(hf, "attention_bias", False)),
         mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-        eos_token_ids=_eos_ids(hf.to_dict(), checkpoint),
+        eos_token_ids=_eos_ids(hf.to_dict(), generation),
         fingerprint=checkpoint_fingerprint(checkpoint),
         sampling_defaults=SamplingDefaults.from_generation_config(
-            _generation_config(checkpoint)).overridden(override_generation_config),
+            generation).overridden(override_generation_config),
     )
