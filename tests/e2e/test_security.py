@@ -299,7 +299,8 @@ def test_oversize_generate_is_resource_exhausted(qwen3_deployment: Deployment) -
     error = asyncio.run(send())
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error.details()
     got = asyncio.run(client.generate(qwen3_deployment.router_address,
-                                      client.make_request([1, 2, 3], max_tokens=3), 60))
+                                      client.make_request([1, 2, 3], max_tokens=3,
+                                                          ignore_eos=True), 60))
     assert len(got.token_ids) == 3
     assert_alive(qwen3_deployment)
     assert_pools_clean(qwen3_deployment)
