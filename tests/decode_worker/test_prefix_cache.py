@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from decode_worker.engine import DecodeEngine
-from decode_worker.sequence import FinishedEvent, TokensEvent
+from decode_worker.sequence import DecodeEvent, FinishedEvent, TokensEvent
 from kvferry.cache.layout import KvLayout, blocks_for_tokens
 from kvferry.cache.pool import KvPool
 from kvferry.cache.prefix import Tier
@@ -53,14 +53,18 @@ async def _generate(engine: DecodeEngine, request_id: str, prompt: list[int],
     await engine.reserve(request_id, len(prompt), max_tokens, 30.0, prompt, salt)
     first, _, num_cached, _ = await engine.prefill_local(request_id, prompt, GREEDY)
     queue = engine.attach(request_id, first, GREEDY, max_tokens - 1, [])
+    return await _collect(queue, request_id, first), num_cached
+
+
+async def _collect(queue: asyncio.Queue[DecodeEvent], request_id: str, first: int) -> list[int]:
+    """The tokens an attached request streams, after its first, until it finishes."""
     tokens = [first]
     while True:
         event = await within(queue.get(), f"{request_id}'s next update")
-        if isinstance(event, TokensEvent):
-            tokens += event.token_ids
-            continue
-        assert isinstance(event, FinishedEvent), event
-        return tokens, num_cached
+        if isinstance(event, FinishedEvent):
+            return tokens
+        assert isinstance(event, TokensEvent), event
+        tokens += event.token_ids
 
 
 def _run(engine: DecodeEngine, batches: list[list[tuple[list[int], int]]], salt: str = "",
@@ -228,13 +232,19 @@ def test_preempting_a_request_on_shared_blocks_keeps_tokens(model: Transformer) 
 
     def run(engine: DecodeEngine) -> tuple[dict[str, tuple[list[int], int]], int]:
         async def go() -> dict[str, tuple[list[int], int]]:
+            # Both prompts are in before either decodes, so they grow in the same steps
+            # whatever the machine's speed: A's prefill indexes the blocks B's shares.
             engine.start()
             try:
-                a = asyncio.ensure_future(_generate(engine, "A", prompts["A"], 16))
-                await until(lambda: engine.pool.allocator.events.seq or a.done(),
-                            "A's prompt blocks indexed")
-                b = asyncio.ensure_future(_generate(engine, "B", prompts["B"], 16))
-                return {"A": await a, "B": await b}
+                firsts: dict[str, tuple[int, int]] = {}
+                for rid in ("A", "B"):
+                    await engine.reserve(rid, len(prompts[rid]), 16, 30.0, prompts[rid])
+                    first, _, cached, _ = await engine.prefill_local(rid, prompts[rid], GREEDY)
+                    firsts[rid] = first, cached
+                queues = {rid: engine.attach(rid, first, GREEDY, 15, [])
+                          for rid, (first, _) in firsts.items()}
+                return {rid: (await _collect(queue, rid, firsts[rid][0]), firsts[rid][1])
+                        for rid, queue in queues.items()}
             finally:
                 await engine.stop()
         results = asyncio.run(go())
