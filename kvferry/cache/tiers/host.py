@@ -3,9 +3,11 @@
 One slot holds one block of every layer's K and V, laid out as the pool holds it
 (`[layers, 2, *page]`: dense K/V or quantized pages with their scales), so a copy in or out is
 one `index_copy_` of whole blocks. The index lives on the event loop; the bytes move on the
-tiered cache's threads. A slot being written is invisible until `commit`; a slot being read
-(or written) is pinned, and eviction (least recently used first) skips pinned slots, so no
-slot is reused under a running copy.
+tiered cache's threads. Under a CUDA pool the region is pinned and the copies run on a CUDA
+stream of their own, so they overlap the step loop's kernels instead of queueing behind
+them. A slot being written is invisible until `commit`; a slot being read (or written) is
+pinned, and eviction (least recently used first) skips pinned slots, so no slot is reused
+under a running copy.
 """
 
 from __future__ import annotations
@@ -38,7 +40,11 @@ class HostTier:
                              f"{block_nbytes(pool)} bytes)")
         block_shape = (pool.cache.shape[0], 2, *pool.cache.shape[3:])
         # [num_slots, layers, 2, *page]: one block of every layer per slot
-        self.data = torch.empty((num_slots, *block_shape), dtype=pool.cache.dtype)
+        is_cuda = pool.cache.is_cuda
+        self.data = torch.empty((num_slots, *block_shape), dtype=pool.cache.dtype,
+                                pin_memory=is_cuda)
+        # The tier threads' copies (None on CPU: a copy there is a memcpy on that thread)
+        self.stream = torch.cuda.Stream(pool.cache.device) if is_cuda else None
         self.num_slots = num_slots
         self.events = events
         self._slot_of: OrderedDict[bytes, int] = OrderedDict()  # committed; LRU first
@@ -163,17 +169,36 @@ def block_nbytes(pool: KvPool) -> int:
 def copy_out(pool: KvPool, block_ids: Sequence[int], host: HostTier,
              slots: Sequence[int]) -> None:
     """Pool blocks -> host slots (a tier thread; the blocks are final and referenced)."""
-    ids = torch.tensor(block_ids, dtype=torch.int64, device=pool.cache.device)
-    # [layers, 2, n, *page] -> [n, layers, 2, *page]
-    pages = pool.cache.index_select(2, ids).movedim(2, 0)
-    host.data.index_copy_(0, torch.tensor(slots, dtype=torch.int64), pages.to("cpu"))
+    if host.stream is None:
+        ids = torch.tensor(block_ids, dtype=torch.int64)
+        # [layers, 2, n, *page] -> [n, layers, 2, *page]
+        pages = pool.cache.index_select(2, ids).movedim(2, 0)
+        host.data.index_copy_(0, torch.tensor(slots, dtype=torch.int64), pages)
+        return
+    # The blocks' last writes are queued on the step loop's stream: the copy waits for them.
+    host.stream.wait_stream(torch.cuda.default_stream(pool.cache.device))
+    with torch.cuda.stream(host.stream):
+        ids = torch.tensor(block_ids, dtype=torch.int64, device=pool.cache.device)
+        pages = pool.cache.index_select(2, ids).movedim(2, 0)
+        for i, slot in enumerate(slots):  # into pinned memory: asynchronous DMA
+            host.data[slot].copy_(pages[i], non_blocking=True)
+    host.stream.synchronize()  # the slot is complete before the index commits it
 
 
 def copy_in(host: HostTier, slots: Sequence[int], pool: KvPool,
             block_ids: Sequence[int]) -> None:
     """Host slots -> pool blocks no request reads yet (a tier thread; the slots are pinned)."""
-    pages = host.data.index_select(0, torch.tensor(slots, dtype=torch.int64))
-    ids = torch.tensor(block_ids, dtype=torch.int64, device=pool.cache.device)
-    pool.cache.index_copy_(2, ids, pages.movedim(0, 2).to(pool.cache.device))
-    if pool.cache.is_cuda:  # the kernel is queued: done before the caller hands blocks on
-        torch.cuda.current_stream(pool.cache.device).synchronize()
+    if host.stream is None:
+        pages = host.data.index_select(0, torch.tensor(slots, dtype=torch.int64))
+        pool.cache.index_copy_(2, torch.tensor(block_ids, dtype=torch.int64),
+                               pages.movedim(0, 2))
+        return
+    # Writes still queued into the fresh blocks (their last owner's) land first.
+    host.stream.wait_stream(torch.cuda.default_stream(pool.cache.device))
+    with torch.cuda.stream(host.stream):
+        ids = torch.tensor(block_ids, dtype=torch.int64, device=pool.cache.device)
+        pages = torch.stack([host.data[slot].to(pool.cache.device, non_blocking=True)
+                             for slot in slots])
+        pool.cache.index_copy_(2, ids, pages.movedim(0, 2))
+    # Done before the caller hands the blocks on: the step loop's stream then reads them.
+    host.stream.synchronize()

@@ -23,9 +23,9 @@ BLOCK = 4
 SEED = cache_seed("fingerprint", "float32")
 
 
-def _pool(num_blocks: int = 8, kv_cache_dtype: str = "auto") -> KvPool:
-    return KvPool(2, 2, 8, BLOCK, num_blocks, torch.float32, prefix_caching=True,
-                  kv_cache_dtype=kv_cache_dtype)
+def _pool(num_blocks: int = 8, kv_cache_dtype: str = "auto", device: str = "cpu") -> KvPool:
+    return KvPool(2, 2, 8, BLOCK, num_blocks, torch.float32, torch.device(device),
+                  prefix_caching=True, kv_cache_dtype=kv_cache_dtype)
 
 
 def _tiered(pool: KvPool, num_slots: int, write_policy: str = "write_through"
@@ -55,11 +55,20 @@ async def _written(cache: TieredCache) -> None:
     await until(lambda: cache.is_idle, "the write-through copies to finish")
 
 
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                     reason="needs CUDA"))
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 def test_a_block_evicted_from_the_pool_comes_back_from_host_bit_for_bit(
-        kv_cache_dtype: str) -> None:
-    pool = _pool(8, kv_cache_dtype)
+        kv_cache_dtype: str, device: str) -> None:
+    """On CUDA the host region is pinned and the copies run on the tier's own stream."""
+    pool = _pool(8, kv_cache_dtype, device)
     cache, blocks = _tiered(pool, 16)
+    assert cache.host is not None
+    assert cache.host.data.is_pinned() == (device == "cuda")
+    assert (cache.host.stream is not None) == (device == "cuda")
     keys = block_keys(list(range(3 * BLOCK)), BLOCK, SEED)
 
     async def run() -> None:
