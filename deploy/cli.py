@@ -79,6 +79,7 @@ def _deployment(args: argparse.Namespace, store_url: str | None = None):
         num_decode=args.num_decode, router_port=args.port, http_port=args.http_port,
         block_size=args.block_size,
         kv_pool_size=args.kv_pool_size, torch_threads=args.torch_threads,
+        pin_cores=args.pin_cores == "auto", memory_utilization=args.memory_utilization,
         attention_backend=args.attention_backend, is_colocated=args.colocated, host=args.host,
         compile=args.compile, compile_batch_sizes=args.compile_batch_sizes,
         router_args=([] if args.metrics_port is None else ["--metrics-port",
@@ -240,6 +241,10 @@ def _main(argv: list[str] | None) -> int:
         if args.command in ("make-certs", "make-model"):
             return _make_files(args)
         settings = check_inputs(args)
+        if getattr(args, "cpus", None) is not None:  # a worker or router placed by serve
+            from deploy.placement import parse_cpu_list, pin_self
+
+            pin_self(parse_cpu_list(args.cpus))
     except INPUT_ERRORS as exc:
         print(f"kvferry: {_one_line(exc)}", file=sys.stderr)
         return 2

@@ -9,6 +9,9 @@ parallel; the router starts once they are all serving.
 (not root, no iproute2) the deployment runs on loopback and `cut` stops the process instead
 (SIGSTOP): its peers see the same silence, though its kernel still answers TCP
 (`isolation_used` says which one ran).
+
+`pin_cores` gives each worker cores (and with several GPUs, a GPU) of its own
+(deploy/placement.py); the processes themselves (deploy/spawn.py) are started alike either way.
 """
 
 from __future__ import annotations
@@ -17,87 +20,36 @@ import logging
 import os
 import signal
 import subprocess
-import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
 
-from deploy import netns, zygote
+from deploy import netns
 from deploy.affinity import pin_threads
 from deploy.default_model import default_model_router_args, ensure_default_model
+from deploy.placement import (
+    CorePlan,
+    gpu_env,
+    memory_share,
+    placed_argv,
+    plan_cores,
+    visible_gpus,
+)
+from deploy.spawn import Placement, Process, _spawn, serves
 from deploy.start_log import record_start
 from kvferry.model.gguf import ensure_converted, is_gguf
-from kvferry.rpc.grpc_util import parse_ready
 from kvferry.settings import (
     ATTENTION_BACKENDS,
     COMPILE_MODES,
     DEFAULT_BLOCK_SIZE,
     DEFAULT_COMPILE_BATCH_SIZES,
-    DEFAULT_KV_POOL_SIZE,
     DEPLOYMENT_TORCH_THREADS,
+    LAUNCHED_KV_POOL_SIZE,
 )
+from kvferry.sizes import AUTO
 
 log = logging.getLogger("kvferry")
 ISOLATIONS = ("loopback", "netns")
-
-
-@dataclass
-class Process:
-    name: str
-    popen: subprocess.Popen[str] | zygote.ZygoteProcess  # forked by the zygote in tests
-    host: str = "127.0.0.1"  # where to reach it (its own address in a network namespace)
-    port: int = 0
-    metrics_port: int = 0  # 0: no metrics server
-    http_port: int = 0  # the router's OpenAI-compatible HTTP API; 0: none
-    _ready: threading.Event = field(default_factory=threading.Event)
-
-    @property
-    def address(self) -> str:
-        return f"{self.host}:{self.port}"
-
-    def _watch(self) -> None:
-        assert self.popen.stdout is not None  # noqa: S101 - created with stdout=PIPE
-        for line in self.popen.stdout:
-            if (ready := parse_ready(line)) is not None:
-                self.port, self.metrics_port, self.http_port = ready
-                self._ready.set()
-        self._ready.set()  # exited: wake the waiter, who checks the return code
-
-    def wait_ready(self, timeout_s: float) -> None:
-        if not self._ready.wait(timeout_s) or self.port == 0:
-            code = self.popen.poll()
-            raise RuntimeError(f"{self.name} did not become ready (exit code {code})")
-
-
-class Placement(NamedTuple):
-    """Where a component runs: the host it binds, where others reach it, how it is started."""
-
-    bind_host: str
-    reach_host: str
-    prefix: tuple[str, ...] = ()  # before the command: `ip netns exec NS` in a namespace
-
-
-LOOPBACK = Placement("127.0.0.1", "127.0.0.1")
-
-
-def _spawn(name: str, args: list[str], log_dir: Path | None, env: dict[str, str],
-           place: Placement = LOOPBACK) -> Process:
-    """Start `deploy.cli args` in a session of its own; its log appends (a worker restarted)."""
-    stderr = open(log_dir / f"{name}.log", "a") if log_dir else None  # noqa: SIM115
-    env = {**os.environ, **env}
-    popen = (None if place.prefix else zygote.spawn(args, env, stderr)) or subprocess.Popen(
-        [*place.prefix, sys.executable, "-m", "deploy.cli", *args], stdout=subprocess.PIPE,
-        stderr=stderr, text=True, env=env, start_new_session=True)
-    proc = Process(name, popen, place.reach_host)
-    threading.Thread(target=proc._watch, daemon=True).start()
-    return proc
-
-
-def serves(name: str, role: str) -> bool:
-    """Whether component `name` ("decode-0") serves `role`: colocated workers also decode."""
-    return name.startswith(role) or (role == "decode" and name.startswith("colocated"))
 
 
 @dataclass
@@ -112,8 +64,11 @@ class Deployment:
     router_port: int = 0
     http_port: int | None = None  # the router's OpenAI-compatible HTTP API (0: any free port)
     block_size: int = DEFAULT_BLOCK_SIZE
-    kv_pool_size: str = DEFAULT_KV_POOL_SIZE
-    torch_threads: int = DEPLOYMENT_TORCH_THREADS  # per worker: they share the machine
+    kv_pool_size: str = LAUNCHED_KV_POOL_SIZE  # serve's default is auto
+    memory_utilization: float | None = None  # kv_pool_size auto: every worker's, together
+    torch_threads: int = DEPLOYMENT_TORCH_THREADS  # per worker (0: one per core it is placed on)
+    pin_cores: bool = False  # workers on cores (and GPUs) of their own: deploy/placement.py
+    core_plan: CorePlan | None = None  # once started with pin_cores: where each process runs
     attention_backend: str = ATTENTION_BACKENDS[0]
     compile: str = COMPILE_MODES[0]  # decode and colocated workers' --compile
     compile_batch_sizes: str = DEFAULT_COMPILE_BATCH_SIZES
@@ -198,23 +153,48 @@ class Deployment:
         try:
             self._start_network()
             self._convert_gguf_once()
+            plan, gpus = self._core_plan(), gpu_env(self._worker_names(), self._gpus())
+            self.core_plan = plan
             for name in self._worker_names():
                 place = self._place(name)
-                role = name.rsplit("-", 1)[0]
-                self.processes.append(_spawn(name, self._worker_args(role, place.bind_host),
-                                             self.log_dir, self.env, place))
+                args = (self._worker_args(name.rsplit("-", 1)[0], place.bind_host)
+                        + placed_argv(plan, name, self.torch_threads) + self._memory_argv())
+                self.processes.append(_spawn(name, args, self.log_dir,
+                                             {**self.env, **gpus.get(name, {})}, place))
             workers = list(self.processes)
             for proc in workers:
                 proc.wait_ready(timeout_s)
             place = self._place("router")
             args = self._router_args(place.bind_host, {p.name: p.address for p in workers})
-            router = _spawn("router", args, self.log_dir, self.env, place)
+            router = _spawn("router", args + placed_argv(plan, "router", 1), self.log_dir,
+                            self.env, place)
             self.processes.append(router)
             router.wait_ready(timeout_s)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _core_plan(self) -> CorePlan | None:
+        """With `pin_cores`: where each process runs, logged (and a warning when shared)."""
+        if not self.pin_cores:
+            return None
+        plan = plan_cores(self._worker_names(), sorted(os.sched_getaffinity(0)))
+        log.info("%s", plan.line())
+        if plan.warning:
+            log.warning("%s", plan.warning)
+        return plan
+
+    def _gpus(self) -> list[str]:
+        return visible_gpus() if self.pin_cores else []
+
+    def _memory_argv(self) -> list[str]:
+        """With kv_pool_size auto, each worker's share of its device (deploy/placement.py)."""
+        if self.kv_pool_size != AUTO:
+            return []
+        share = memory_share(self.memory_utilization, len(self._worker_names()),
+                             visible_gpus(), self.pin_cores)
+        return ["--memory-utilization", f"{share:.6g}"]
 
     @property
     def shape(self) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from kvferry.settings import DEFAULT_BLOCK_SIZE, DEFAULT_KV_POOL_SIZE, DTYPES, KV_CACHE_DTYPES
 
@@ -37,8 +38,14 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output-tokens", type=int, default=0, help="per request")
     p.add_argument("--batch", type=int, default=1, help="requests held at once")
     p.add_argument("--pool-size", default=DEFAULT_KV_POOL_SIZE,
-                   help="one worker's K/V pool: bytes (40GiB) or a fraction of device memory "
-                        "(0.5), as serve's --kv-pool-size")
+                   help="one decode worker's K/V pool, as serve's --kv-pool-size: auto (sized "
+                        "from the device as serve sizes it), bytes (40GiB) or a fraction of "
+                        "device memory (0.5)")
+    p.add_argument("--memory-utilization", type=float, default=None,
+                   help="with --pool-size auto: as serve's flag")
+    p.add_argument("--workers", type=int, default=2,
+                   help="with --pool-size auto: the workers serve starts sharing the device "
+                        "(default 2: one prefill, one decode)")
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
                    help="tokens per K/V block (page)")
     for tier in ("host-cache", "disk-cache", "store"):
@@ -66,6 +73,47 @@ def _memory_bytes(device: str) -> int:
     return memory_bytes(torch.device(device))
 
 
+def _sizable(args: argparse.Namespace) -> bool:
+    """Whether plan has the weights `--pool-size auto` is sized from: the default model, or
+    a checkpoint directory (not a config.json, a .gguf's metadata or bare dimensions)."""
+    if args.model is None:
+        return args.layers is None
+    return Path(args.model).is_dir() and any(Path(args.model).glob("*.safetensors"))
+
+
+def _auto_pool_bytes(args: argparse.Namespace, device: str) -> int:
+    """A decode worker's pool as serve would size it (deploy/worker_model.py), whole blocks;
+    the sizing printed on its own line."""
+    import torch
+
+    from deploy.default_model import ensure_default_model
+    from deploy.placement import memory_share
+    from deploy.worker_model import auto_pool_bytes_for, device_and_dtype, kv_block_bytes
+    from kvferry.model.config import load_model_config
+    from kvferry.settings import WorkerSettings
+
+    if args.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"pool_size: auto sizes kvferry's pools, and {args.kv_cache_dtype} "
+                         "is vLLM's: give bytes")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("pool_size: auto sizes from CUDA memory, and this machine has no GPU: "
+                         "give bytes")
+    model = args.model or ensure_default_model()
+    share = memory_share(args.memory_utilization, args.workers,
+                         ["0"] if device == "cuda" else [], spread=False)
+    settings = WorkerSettings(role="decode", model=model, device=device, dtype=args.dtype,
+                              block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype,
+                              memory_utilization=share)
+    config = load_model_config(model)
+    dev = torch.device(device)
+    _, dtype, _ = device_and_dtype(settings)
+    per_block = kv_block_bytes(settings, config, dtype)
+    pool = auto_pool_bytes_for(settings, config, dev, dtype) // per_block * per_block
+    print(f"pool: auto, a decode worker's {share:.4g} of {device} memory less weights and "
+          f"activations: {pool} bytes ({pool // per_block} blocks)")
+    return pool
+
+
 def kv_dtype(args: argparse.Namespace, device: str) -> str:
     """The element type serve's pools would hold: the workers' `--dtype auto` rule."""
     import torch
@@ -84,7 +132,7 @@ def run_plan(args: argparse.Namespace) -> int:
     from deploy.default_model import MISSING_EXIT_STATUS, DefaultModelMissing, default_gguf_path
     from kvferry.cache.capacity import format_plan, format_tiers, plan, tier_plans
     from kvferry.cache.layout import KvShape
-    from kvferry.sizes import is_fraction, parse_pool_size
+    from kvferry.sizes import AUTO, is_fraction, parse_pool_size
 
     device = _device(args.device)
     dtype = kv_dtype(args, device)
@@ -101,14 +149,25 @@ def run_plan(args: argparse.Namespace) -> int:
         except DefaultModelMissing as exc:
             print(exc, file=sys.stderr)
             return MISSING_EXIT_STATUS
-    memory = _memory_bytes(device) if is_fraction(args.pool_size) else 0
-    pool_bytes = parse_pool_size(args.pool_size, memory, "pool_size")
+    unsized = args.pool_size == AUTO and not _sizable(args)
+    if unsized:
+        print("pool: auto is sized from a checkpoint's weights, and plan has none here (a "
+              "config, a .gguf's metadata or dimensions): --pool-size BYTES shows what fits")
+        pool_bytes = 0
+    elif args.pool_size == AUTO:
+        pool_bytes = _auto_pool_bytes(args, device)
+    else:
+        memory = _memory_bytes(device) if is_fraction(args.pool_size) else 0
+        pool_bytes = parse_pool_size(args.pool_size, memory, "pool_size")
     result = plan(shape, args.prompt_tokens, args.output_tokens, args.batch, pool_bytes,
                   args.block_size)
     source = (args.model or ("the given dimensions" if args.model is None and None not in dims
                              else "the default model, SmolLM2-135M-Instruct"))
     print(f"model: {source}; K/V as serve stores it on {device}")
-    print(format_plan(shape, result, args.batch, args.block_size))
+    lines = format_plan(shape, result, args.batch, args.block_size).splitlines()
+    if unsized:  # no pool: blocks per request only
+        lines[-1] = lines[-1].split(", pool holds")[0]
+    print("\n".join(lines))
     sizes = {tier: parse_pool_size(size, 0, f"{tier}_cache_size") for tier, size in
              (("host", args.host_cache_size), ("disk", args.disk_cache_size),
               ("store", args.store_size)) if size is not None}

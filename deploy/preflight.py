@@ -14,7 +14,7 @@ from deploy.tier_args import tier_settings
 from kvferry.model.sampling_defaults import SamplingDefaults
 from kvferry.rpc.security import refuse_plaintext_token
 from kvferry.settings import RouterSettings, WorkerSettings, parse_batch_sizes
-from kvferry.sizes import parse_pool_size
+from kvferry.sizes import check_pool_size
 
 
 def _check_model(model: str | None) -> None:
@@ -87,10 +87,11 @@ def _check_deployment(args: argparse.Namespace) -> None:
     if args.num_decode < 1 or (args.num_prefill < 1 and not args.colocated):
         raise ValueError(f"num_prefill/num_decode: need >= 1 of each (--colocated: >= 1 decode), "
                          f"got {args.num_prefill}/{args.num_decode}")
-    parse_pool_size(args.kv_pool_size, total_memory_bytes=1)
+    check_pool_size(args.kv_pool_size)
     settings = WorkerSettings(
         role="colocated", model=args.model or "", host=args.host, port=args.port,
         block_size=args.block_size, kv_pool_size=args.kv_pool_size,
+        memory_utilization=args.memory_utilization,
         attention_backend=args.attention_backend, metrics_port=args.metrics_port,
         compile=args.compile, compile_batch_sizes=args.compile_batch_sizes,
         kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
@@ -117,7 +118,7 @@ def check_inputs(args: argparse.Namespace) -> WorkerSettings | RouterSettings | 
     if args.command in ("prefill-worker", "decode-worker", "colocated-worker"):
         settings = worker_settings(args, model="")  # flags first, model last:
         refuse_plaintext_token(settings.security)  # without --model, the default model
-        parse_pool_size(settings.kv_pool_size, total_memory_bytes=1)  # may be converted
+        check_pool_size(settings.kv_pool_size)  # may be converted
         check_ports_free(settings.host, {"port": settings.port,
                                          "metrics_port": settings.metrics_port,
                                          "health_port": settings.security.health_port})
@@ -150,7 +151,7 @@ def check_inputs(args: argparse.Namespace) -> WorkerSettings | RouterSettings | 
                 raise FileNotFoundError(f"no such file or directory: {path}")
         if args.tokenizer is not None:
             check_tokenizer_file(args.tokenizer)
-        parse_pool_size(args.kv_pool_size, total_memory_bytes=1)
+        check_pool_size(args.kv_pool_size)
         parse_batch_sizes(args.compile_batch_sizes)
         if args.model not in ("default", "tiny"):  # keywords: bench_model resolves them
             _check_model(args.model)

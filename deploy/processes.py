@@ -186,8 +186,7 @@ def build_worker(settings: WorkerSettings) -> tuple[Built, object]:
                              require_client_auth=settings.security.tls_ca is not None)
     log.info("%s worker on %s:%d: %d blocks of %d tokens, %s, %s, backend %s, %s K/V transport",
              settings.role, settings.host, port, pool.num_blocks, pool.block_size, model.dtype,
-             model.device,
-             backend_name, settings.kv_transport)
+             model.device, backend_name, settings.kv_transport)
     metrics_port = 0
     if settings.metrics_port is not None:
         from kvferry.rpc import metrics
@@ -195,7 +194,8 @@ def build_worker(settings: WorkerSettings) -> tuple[Built, object]:
         registry = metrics.CollectorRegistry()
         kv_bytes = ((lambda: engine.kv_bytes_sent) if settings.role == "prefill"
                     else (lambda: engine.kv_bytes_received))
-        registry.register(metrics.WorkerCollector(settings.role, engine.stats, kv_bytes))
+        registry.register(metrics.WorkerCollector(settings.role, engine.stats, kv_bytes,
+                                                  pool.cache.nbytes))
         metrics_port = metrics.serve(settings.metrics_port, settings.host, registry)
     return Built(server, health, names, port, on_stop, settings.drain_timeout_s,
                  engine, metrics_port, _health_server(health, settings.host,

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import ray
 
 from deploy.launcher import Deployment, serves
+from deploy.placement import placed_argv
 from deploy.start_log import record_start
 from kvferry.cache.layout import KvLayout
 from kvferry.transfer.ray_push import NAMESPACE, ChunkAck, PushBegun
@@ -168,7 +169,9 @@ class RayDeployment(Deployment):
 
     def _worker_args(self, role: str) -> list[str]:
         extra = ["--kv-transport", "ray"] if role == "prefill" else []
-        return [*super()._worker_args(role), *extra]
+        # Ray places its actors: no cores of their own, so an auto thread count is the default
+        return [*super()._worker_args(role), *extra, *placed_argv(None, role, self.torch_threads),
+                *self._memory_argv()]
 
     @property
     def router_address(self) -> str:

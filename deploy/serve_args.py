@@ -1,17 +1,30 @@
 """The router and process flags `serve` and `demo` pass on (issue 36: the README promises
 them for every process): the routing policy and its weights, the drain timeout, the public
-ports' client certificates and the router's plaintext health port."""
+ports' client certificates and the router's plaintext health port; and where the processes
+run and how much memory the workers take (issue 37: deploy/placement.py)."""
 
 from __future__ import annotations
 
 import argparse
 
 from deploy.policy_args import policy_args
-from kvferry.settings import DEFAULT_DRAIN_TIMEOUT_S
+from kvferry.cache.pool_budget import CPU_UTILIZATION, CUDA_UTILIZATION
+from kvferry.settings import DEFAULT_DRAIN_TIMEOUT_S, DEPLOYMENT_TORCH_THREADS
+
+MEMORY_HELP = (f"with --kv-pool-size auto: the share of the device the workers use (default "
+               f"{CUDA_UTILIZATION} of a GPU, {CPU_UTILIZATION} of RAM), weights, activations "
+               "and pool together; serve divides it among the workers sharing a device")
 
 
 def serve_process_args(p: argparse.ArgumentParser) -> None:
     policy_args(p)
+    p.add_argument("--torch-threads", type=int, default=0,
+                   help="per worker process (0: one per core it is placed on; "
+                        f"{DEPLOYMENT_TORCH_THREADS} when not placed)")
+    p.add_argument("--pin-cores", default="auto", choices=("auto", "off"),
+                   help="auto: each worker on cores (and GPUs) of its own where the machine "
+                        "has enough, the router on what is left; off: the kernel places them")
+    p.add_argument("--memory-utilization", type=float, default=None, help=MEMORY_HELP)
     p.add_argument("--drain-timeout-s", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
                    help="every process, on SIGTERM: report NOT_SERVING, refuse new requests "
                         "and let in-flight ones finish for up to this long, then exit")

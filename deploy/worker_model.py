@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from typing import TYPE_CHECKING
 
 import torch
 
 from kvferry.cache.layout import KvShape, dtype_name, torch_dtype
 from kvferry.cache.pool import KvPool
+from kvferry.cache.pool_budget import device_memory
 from kvferry.model.config import load_model_config
 from kvferry.settings import COMPILE_CACHE_DIR, WorkerSettings, parse_batch_sizes
-from kvferry.sizes import parse_pool_size
+from kvferry.sizes import AUTO, parse_pool_size
 
 if TYPE_CHECKING:
     from kvferry.model.transformer import Transformer
@@ -37,7 +37,7 @@ def tune_malloc() -> None:
     libc.mallopt(m_trim_threshold, 1 << 30)
 
 
-def _device_and_dtype(settings: WorkerSettings) -> tuple[torch.device, torch.dtype, str]:
+def device_and_dtype(settings: WorkerSettings) -> tuple[torch.device, torch.dtype, str]:
     device = settings.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -55,19 +55,70 @@ def default_dtype(device: torch.device) -> torch.dtype:
 
 
 def memory_bytes(device: torch.device) -> int:
-    """What a fractional `--kv-pool-size` is a fraction of: the device's total memory."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    """What a fractional `--kv-pool-size` is a fraction of: the device's total memory (RAM
+    capped by a cgroup limit on CPU)."""
+    return device_memory(device)
+
+
+def auto_pool_bytes_for(settings: WorkerSettings, config, device: torch.device,
+                        dtype: torch.dtype) -> int:
+    """`--kv-pool-size auto` (kvferry/cache/pool_budget.py): this worker's share of the
+    device less its weights and a prefill's activations; on CPU also less the host tier and,
+    for a decode worker's default dense stage (as many tokens as the pool, in the model's
+    dtype), the stage's share."""
+    from kvferry.cache.pool_budget import (
+        activation_bytes,
+        auto_pool_bytes,
+        default_utilization,
+        weight_bytes,
+    )
+    from kvferry.cache.tiers.config import host_cache_bytes
+    from kvferry.model.prefill_batch import token_budget_for
+
+    utilization = settings.memory_utilization or default_utilization(device.type)
+    tokens = token_budget_for(device, settings.prefill_token_budget)
+    activations = activation_bytes(config, tokens, settings.prefill_chunk_size, dtype)
+    reserved = 0
+    staged = 0.0  # stage bytes per pool byte
+    if device.type == "cpu":
+        tiers = settings.tiers.host_cache_size
+        reserved += host_cache_bytes(tiers) if tiers is not None else 0
+        if settings.role != "prefill" and settings.attention_backend in ("auto", "torch"):
+            if settings.decode_stage_mib is None:
+                staged = (_shape(config, dtype_name(dtype)).bytes_per_token
+                          / _shape(config, _kv_dtype(settings, dtype)).bytes_per_token)
+            else:
+                reserved += settings.decode_stage_mib << 20
+    left = auto_pool_bytes(memory_bytes(device), utilization,
+                           weight_bytes(settings.model, dtype), activations, reserved)
+    return int(left / (1 + staged))
+
+
+def pool_bytes(settings: WorkerSettings, config, device: torch.device,
+               dtype: torch.dtype) -> int:
+    """`--kv-pool-size` in bytes, before rounding down to whole blocks."""
+    if settings.kv_pool_size == AUTO:
+        return auto_pool_bytes_for(settings, config, device, dtype)
+    return parse_pool_size(settings.kv_pool_size, memory_bytes(device))
+
+
+def _kv_dtype(settings: WorkerSettings, dtype: torch.dtype) -> str:
+    return dtype_name(dtype) if settings.kv_cache_dtype == "auto" else settings.kv_cache_dtype
+
+
+def _shape(config, kv_dtype: str) -> KvShape:
+    return KvShape(config.num_layers, config.num_kv_heads, config.head_dim, kv_dtype)
+
+
+def kv_block_bytes(settings: WorkerSettings, config, dtype: torch.dtype) -> int:
+    """Bytes of one block of every layer's K and V, as the pool stores it."""
+    return _shape(config, _kv_dtype(settings, dtype)).bytes_per_block(settings.block_size)
 
 
 def _num_blocks(settings: WorkerSettings, config, device: torch.device,
                 dtype: torch.dtype) -> int:
-    size = parse_pool_size(settings.kv_pool_size, memory_bytes(device))
-    kv_dtype = (dtype_name(dtype) if settings.kv_cache_dtype == "auto"
-                else settings.kv_cache_dtype)
-    shape = KvShape(config.num_layers, config.num_kv_heads, config.head_dim, kv_dtype)
-    per_block = shape.bytes_per_block(settings.block_size)
+    size = pool_bytes(settings, config, device, dtype)
+    per_block = kv_block_bytes(settings, config, dtype)
     num_blocks = size // per_block
     if num_blocks < 1:
         raise ValueError(f"kv_pool_size: {size} bytes holds no {per_block}-byte block")
@@ -79,10 +130,10 @@ def max_model_len_for(settings: WorkerSettings, config) -> int:
     `--max-model-len`, refused (ValueError naming the flags) when the pool cannot hold one
     such request or the model's context is shorter; without it, the model's context, lowered
     (and logged) to what the pool holds. vLLM refuses to start in that case too, but its
-    pools are sized from the device; ours default to a fixed DEFAULT_KV_POOL_SIZE, smaller
-    than one request of the default model's full context."""
+    pools are sized from the device, as ours are by default (auto); a pool given in bytes
+    may be smaller than one request of the model's full context."""
     context = config.max_position_embeddings
-    device, dtype, _ = _device_and_dtype(settings)
+    device, dtype, _ = device_and_dtype(settings)
     capacity = _num_blocks(settings, config, device, dtype) * settings.block_size
     if settings.max_model_len is None:
         if capacity < context:
@@ -103,6 +154,12 @@ def max_model_len_for(settings: WorkerSettings, config) -> int:
 def build_pool(settings: WorkerSettings, config, device: torch.device,
                dtype: torch.dtype) -> KvPool:
     num_blocks = _num_blocks(settings, config, device, dtype)
+    per_block = kv_block_bytes(settings, config, dtype)
+    how = (f"auto, {settings.memory_utilization or 'the default share'} of {device.type} "
+           "memory less weights and activations" if settings.kv_pool_size == AUTO
+           else settings.kv_pool_size)
+    log.info("%s worker's K/V pool: %d bytes, %d blocks (--kv-pool-size %s)", settings.role,
+             num_blocks * per_block, num_blocks, how)
     return KvPool(config.num_layers, config.num_kv_heads, config.head_dim, settings.block_size,
                   num_blocks, dtype, device, prefix_caching=settings.prefix_caching,
                   kv_cache_dtype=settings.kv_cache_dtype)
@@ -119,7 +176,7 @@ def build_model(settings: WorkerSettings) -> tuple[Transformer, KvPool, str]:
     if settings.torch_threads > 0:
         torch.set_num_threads(settings.torch_threads)
     config = load_model_config(settings.model)
-    device, dtype, backend_name = _device_and_dtype(settings)
+    device, dtype, backend_name = device_and_dtype(settings)
     model = Transformer(config, get_attention_backend(backend_name), dtype, device)
     if settings.role in ("decode", "colocated") and settings.max_model_len is not None:
         max_model_len_for(settings, config)  # checked before the pool is allocated

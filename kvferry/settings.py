@@ -18,7 +18,9 @@ COMPILE_CACHE_DIR = Path(os.environ.get("KVFERRY_COMPILE_CACHE",  # --compile's 
 
 # The one place for defaults and names shared by settings, flags and launchers.
 DEFAULT_BLOCK_SIZE = 16  # tokens per K/V block
-DEFAULT_KV_POOL_SIZE = "256MiB"
+DEFAULT_KV_POOL_SIZE = "auto"  # sized from the device (kvferry/cache/pool_budget.py)
+# Deployments the tests and benchmarks launch: fixed, so that several fit on one machine
+LAUNCHED_KV_POOL_SIZE = "256MiB"
 DEFAULT_PREFILL_TOKEN_BUDGET = 2048  # prompt tokens per prefill forward
 CPU_PREFILL_TOKEN_BUDGET = 512  # the same on CPU (kvferry/model/prefill_batch.py says why)
 DEFAULT_PREFILL_CHUNK_SIZE = 512
@@ -133,6 +135,9 @@ class WorkerSettings:
     port: int = 0
     block_size: int = DEFAULT_BLOCK_SIZE
     kv_pool_size: str = DEFAULT_KV_POOL_SIZE
+    # kv_pool_size auto: the share of the device this worker may use (None: the device's
+    # default, kvferry/cache/pool_budget.py)
+    memory_utilization: float | None = None
     dtype: str = DTYPES[0]  # auto: float32 on CPU, the checkpoint's dtype (or bfloat16) on CUDA
     device: str = "auto"
     attention_backend: str = ATTENTION_BACKENDS[0]  # auto: triton on CUDA, torch on CPU
@@ -164,6 +169,9 @@ class WorkerSettings:
         if self.role not in ROLES:
             raise ValueError(f"role: expected prefill, decode or colocated, got {self.role!r}")
         _check_common(self.drain_timeout_s, self.metrics_port)
+        if self.memory_utilization is not None and not 0 < self.memory_utilization <= 1:
+            raise ValueError(f"memory_utilization: expected a fraction in (0, 1], got "
+                             f"{self.memory_utilization}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype: expected one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")

@@ -15,6 +15,15 @@ def is_fraction(value: str) -> bool:
     return bool(match) and match.group(2) is None and float(match.group(1)) <= 1.0
 
 
+AUTO = "auto"  # --kv-pool-size: sized from the device (kvferry/cache/pool_budget.py)
+
+
+def check_pool_size(value: str) -> None:
+    """ValueError naming --kv-pool-size unless it is auto, bytes or a fraction."""
+    if value != AUTO:
+        parse_pool_size(value, total_memory_bytes=1)
+
+
 def parse_pool_size(value: str, total_memory_bytes: int, name: str = "kv_pool_size") -> int:
     """"256MiB", "2GB", "1048576" (bytes) or a fraction "0.3" of device memory -> bytes;
     errors name the setting `name`."""

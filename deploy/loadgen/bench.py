@@ -85,6 +85,7 @@ class RunResult:
     records: tuple[RequestRecord, ...]
     backend: str = "grpc"
     model: str = ""  # what the target serves: GetModelInfo's name, the OpenAI `model`
+    placement: dict[str, str] = field(default_factory=dict)  # Endpoint.placement
 
 
 @dataclass(frozen=True)
@@ -205,7 +206,7 @@ async def run_endpoint(target: Target, endpoint: Endpoint,
             metrics = calculate_metrics(outcome.records, outcome.duration_s, config.slo,
                                         config.percentiles)
             results.append(RunResult(name, rate, metrics, outcome.records, target.backend,
-                                     model))
+                                     model, endpoint.placement or {}))
     return results
 
 

@@ -67,8 +67,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--num-prefill", type=int, default=1, help="launch: prefill workers")
     t.add_argument("--num-decode", type=int, default=1, help="launch: decode/colocated workers")
     t.add_argument("--kv-pool-size", default=DEFAULT_KV_POOL_SIZE, help="launch: per worker")
-    t.add_argument("--torch-threads", type=int, default=DEPLOYMENT_TORCH_THREADS,
-                   help="launch: per worker")
+    t.add_argument("--torch-threads", type=int, default=0,
+                   help="launch: per worker (0: one per core it is placed on; "
+                        f"{DEPLOYMENT_TORCH_THREADS} when not placed)")
+    t.add_argument("--pin-cores", default="auto", choices=("auto", "off"),
+                   help="launch: as `serve --pin-cores` (this client runs on the router's "
+                        "cores); the placement is in the JSON")
     t.add_argument("--compile", default=COMPILE_MODES[0], choices=COMPILE_MODES,
                    help="launch: decode/colocated workers compile their decode step")
     t.add_argument("--compile-batch-sizes", default=DEFAULT_COMPILE_BATCH_SIZES,
@@ -263,6 +267,7 @@ def run(args: argparse.Namespace) -> int:
                         num_prefill=args.num_prefill,
                         num_decode=args.num_decode, kv_pool_size=args.kv_pool_size,
                         torch_threads=args.torch_threads, log_dir=log_dir,
+                        pin_cores=args.pin_cores == "auto",
                         compile=args.compile, compile_batch_sizes=args.compile_batch_sizes,
                         router_args=["--enable-prompt-tokens-details"])  # cache hit rates
     if args.trace is not None:  # launched workers inherit the variable

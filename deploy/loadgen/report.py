@@ -39,6 +39,7 @@ def run_to_dict(run: RunResult) -> dict[str, Any]:
     m, records = run.metrics, run.records
     out: dict[str, Any] = {
         "target": run.target, "backend": run.backend, "model": run.model,
+        "placement": run.placement,
         "request_rate": _finite(run.request_rate),
         "duration": m.duration_s, "completed": m.completed, "failed": m.failed,
         "failures_by_status": m.failures_by_status,

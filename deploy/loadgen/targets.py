@@ -19,6 +19,7 @@ from typing import NamedTuple
 from deploy.default_model import tiny_model
 from deploy.launcher import Deployment
 from deploy.loadgen.openai_client import BACKENDS, OPENAI_BACKENDS
+from deploy.placement import beside_router, client_placement
 
 LAUNCH_KINDS = ("disagg", "colocated")
 
@@ -61,6 +62,9 @@ class Endpoint(NamedTuple):
 
     grpc_address: str | None
     base_url: str | None
+    # Where its processes and this client ran: name -> core list ("router" and "client"
+    # included); a target not launched here: the client's only
+    placement: dict[str, str] | None = None
 
 
 def _split_backend(spec: str, default: str) -> tuple[str, str]:
@@ -124,9 +128,9 @@ def open_target(target: Target, launch: Deployment | None = None) -> Iterator[En
     """Where to send the benchmark; a launched deployment lives until the block ends.
     `launch`: the template of `launch:` targets (default: Deployment())."""
     if target.address is not None or target.base_url is not None:
-        yield Endpoint(target.address, target.base_url)
+        yield Endpoint(target.address, target.base_url, client_placement())
         return
     deployment = target.deployment or make_deployment(
         str(target.launch), launch or Deployment(), http=target.backend != "grpc")
-    with deployment:
-        yield _endpoint(deployment, target.backend)
+    with deployment, beside_router(deployment.core_plan) as placement:
+        yield _endpoint(deployment, target.backend)._replace(placement=placement)

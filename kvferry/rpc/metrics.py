@@ -77,10 +77,11 @@ class WorkerCollector(Collector):
     """Pool and queue gauges plus the worker's counters, read from the engine at scrape."""
 
     def __init__(self, role: str, stats: Callable[[], PoolStats],
-                 kv_bytes: Callable[[], int]) -> None:
+                 kv_bytes: Callable[[], int], pool_bytes: int = 0) -> None:
         self.role = role
         self._stats = stats
         self._kv_bytes = kv_bytes
+        self.pool_bytes = pool_bytes  # as allocated (--kv-pool-size, auto or given)
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         s = self._stats()
@@ -89,6 +90,9 @@ class WorkerCollector(Collector):
                                 "Fraction of the K/V pool's blocks in use (0 to 1).", usage)
         yield GaugeMetricFamily("kvferry_kv_cache_total_blocks", "Blocks in the K/V pool.",
                                 s.total_blocks)
+        yield GaugeMetricFamily("kvferry_kv_cache_pool_bytes",
+                                "Bytes of the K/V pool as allocated (--kv-pool-size).",
+                                self.pool_bytes)
         yield GaugeMetricFamily("kvferry_num_requests_running",
                                 "Requests being prefilled or decoded.", s.num_running)
         yield GaugeMetricFamily("kvferry_num_requests_waiting",

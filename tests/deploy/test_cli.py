@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -16,6 +17,8 @@ import pytest
 
 from deploy import client, zygote
 from deploy.launcher import _spawn
+from deploy.placement import ROUTER, CorePlan, plan_cores
+from tests.e2e.test_metrics import scrape, value
 from tests.waiting import until_sync
 
 pytestmark = pytest.mark.slow
@@ -43,8 +46,9 @@ def test_serve_generate_and_sigterm(qwen3_checkpoint: Path, tmp_path: Path) -> N
     errors = (tmp_path / "serve.err").open("w+")  # every process logs here
     serve = subprocess.Popen(
         [sys.executable, "-m", "deploy.cli", "serve", "--model", str(qwen3_checkpoint),
-         "--port", "0", "--http-port", "0"], stdout=subprocess.PIPE, stderr=errors,
-        text=True, env={**os.environ, zygote.ZYGOTE_ENV: "off"})
+         "--port", "0", "--http-port", "0", "--memory-utilization", "0.02"],
+        stdout=subprocess.PIPE, stderr=errors, text=True,
+        env={**os.environ, zygote.ZYGOTE_ENV: "off"})
     try:
         assert serve.stdout is not None
         line = serve.stdout.readline()
@@ -52,6 +56,7 @@ def test_serve_generate_and_sigterm(qwen3_checkpoint: Path, tmp_path: Path) -> N
         address = line.split("serving on ")[1].split()[0]
         assert "OpenAI-compatible HTTP API on http://127.0.0.1:" in serve.stdout.readline()
         assert len(_processes_mentioning(str(qwen3_checkpoint))) == 4  # serve + 3 children
+        placed = _check_placement(str(qwen3_checkpoint))
         out = subprocess.run(
             [sys.executable, "-m", "deploy.cli", "generate", "--address", address, "hello",
              "--max-tokens", "6", "--temperature", "0", "--ignore-eos"],
@@ -71,16 +76,53 @@ def test_serve_generate_and_sigterm(qwen3_checkpoint: Path, tmp_path: Path) -> N
     # workers, so it reports none of them unreachable, and nothing prints a traceback
     assert log.startswith("kvferry: starting 1 prefill + 1 decode worker(s) and a router")
     assert "unreachable" not in log and "Traceback" not in log, log[-3000:]
+    # issue 37: where each process runs, said once; the pool sized from the machine's memory
+    assert placed.line() in log and (placed.warning in log if placed.warning else True)
+    assert _pool_line(log, "decode") == _planned_pool(qwen3_checkpoint, "0.02", "2")
+
+
+def _check_placement(model: str) -> CorePlan:
+    """The workers of the deployment serving `model` run on the cores serve planned."""
+    plan = plan_cores(["prefill-0", "decode-0"], sorted(os.sched_getaffinity(0)))
+    for pid in _processes_mentioning(model):
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+        if "serve" in args:
+            continue  # serve itself runs where it was started
+        name = ("prefill-0" if "prefill-worker" in args else
+                "decode-0" if "decode-worker" in args else ROUTER)
+        want = set(plan.cores[name]) if plan.is_pinned else os.sched_getaffinity(0)
+        assert os.sched_getaffinity(pid) == want, (name, pid)
+    return plan
+
+
+def _pool_line(log: str, role: str) -> tuple[int, int]:
+    """(bytes, blocks) of a worker's pool, as it logged them."""
+    match = re.search(rf"{role} worker's K/V pool: (\d+) bytes, (\d+) blocks", log)
+    assert match, log[-3000:]
+    return int(match.group(1)), int(match.group(2))
+
+
+def _planned_pool(model: Path, utilization: str, workers: str) -> tuple[int, int]:
+    """(bytes, blocks) of a decode worker's pool as `kvferry plan` sizes it."""
+    out = subprocess.run([sys.executable, "-m", "deploy.cli", "plan", "--model", str(model),
+                          "--device", "cpu", "--memory-utilization", utilization,
+                          "--workers", workers], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    match = re.search(r"pool: auto, .*: (\d+) bytes \((\d+) blocks\)", out.stdout)
+    assert match, out.stdout
+    return int(match.group(1)), int(match.group(2))
 
 
 def test_router_refuses_a_worker_of_another_model(qwen3_checkpoint: Path, llama_checkpoint: Path,
                                                   tmp_path: Path) -> None:
     procs = []
     try:
-        prefill = _spawn("prefill", ["prefill-worker", "--model", str(qwen3_checkpoint)],
+        # Pools sized from the device (auto), small: also what /metrics and plan say of one
+        auto = ["--memory-utilization", "0.01"]
+        prefill = _spawn("prefill", ["prefill-worker", "--model", str(qwen3_checkpoint), *auto],
                          tmp_path, {})
-        decode = _spawn("decode", ["decode-worker", "--model", str(llama_checkpoint)],
-                        tmp_path, {})
+        decode = _spawn("decode", ["decode-worker", "--model", str(llama_checkpoint), *auto,
+                                   "--metrics-port", "0"], tmp_path, {})
         procs += [prefill, decode]
         prefill.wait_ready(120)
         decode.wait_ready(120)
@@ -94,6 +136,9 @@ def test_router_refuses_a_worker_of_another_model(qwen3_checkpoint: Path, llama_
         assert "no healthy decode worker" in exc.value.details()
         log = (tmp_path / "router.log").read_text()
         assert "refusing decode worker" in log and "fingerprint" in log
+        pool = _planned_pool(llama_checkpoint, "0.01", "1")
+        assert _pool_line((tmp_path / "decode.log").read_text(), "decode") == pool
+        assert value(scrape(decode.metrics_port), "kvferry_kv_cache_pool_bytes") == pool[0]
     finally:
         for proc in procs:
             proc.popen.terminate()
@@ -111,6 +156,7 @@ def test_demo_on_ray_starts_and_stops_its_own_ray(qwen3_checkpoint: Path, tmp_pa
     out = subprocess.run(
         [sys.executable, "-m", "deploy.cli", "demo", "--model", str(qwen3_checkpoint),
          "--kv-transport", "ray", "--prompt", "hello there", "--max-tokens", "5",
+         "--kv-pool-size", "256MiB",
          "--temperature", "0", "--ignore-eos"],
         capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -133,7 +179,7 @@ def test_demo_asks_the_real_model_over_nixl_and_keeps_logs_apart(smollm2_checkpo
     out = subprocess.run(
         [sys.executable, "-m", "deploy.cli", "demo", "--model", str(smollm2_checkpoint),
          "--kv-transport", "nixl", "--log-dir", str(log_dir), "--kv-host-cache-size", "128MiB",
-         "--kv-store-size", "64MiB", "--temperature", "0"],
+         "--kv-store-size", "64MiB", "--temperature", "0", "--kv-pool-size", "256MiB"],
         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "> What is the capital of France?" in out.stdout

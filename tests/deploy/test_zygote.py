@@ -45,7 +45,8 @@ def test_a_forked_worker_runs_in_its_own_session_with_the_callers_environment(
     starts = tmp_path / "starts.log"
     env = {**os.environ, START_LOG_ENV: str(starts), "PYTEST_CURRENT_TEST": "zygote-env"}
     with open(tmp_path / "worker.log", "a") as stderr:
-        worker = zygote.spawn(["prefill-worker", "--model", "model"], env, stderr)
+        worker = zygote.spawn(["prefill-worker", "--model", "model", "--kv-pool-size",
+                               "64MiB"], env, stderr)
     assert isinstance(worker, zygote.ZygoteProcess)
     try:
         assert _ready_line(worker)  # on the stdout pipe
@@ -75,8 +76,8 @@ def test_exit_codes_and_signals_come_back_as_from_popen(
 
 
 def _spawned(checkpoint: Path) -> zygote.ZygoteProcess:
-    worker = zygote.spawn(["prefill-worker", "--model", str(checkpoint)], dict(os.environ),
-                          None)
+    worker = zygote.spawn(["prefill-worker", "--model", str(checkpoint), "--kv-pool-size",
+                           "64MiB"], dict(os.environ), None)
     assert worker is not None
     _ready_line(worker)
     return worker

@@ -44,9 +44,10 @@ def test_bad_names_are_refused() -> None:
 def test_router_discovers_workers_by_dns(qwen3_checkpoint: Path, tmp_path: Path) -> None:
     procs = []
     try:
-        prefill = _spawn("prefill", ["prefill-worker", "--model", str(qwen3_checkpoint)],
+        pool = ["--kv-pool-size", "64MiB"]
+        prefill = _spawn("prefill", ["prefill-worker", "--model", str(qwen3_checkpoint), *pool],
                          tmp_path, {})
-        decode = _spawn("decode", ["decode-worker", "--model", str(qwen3_checkpoint)],
+        decode = _spawn("decode", ["decode-worker", "--model", str(qwen3_checkpoint), *pool],
                         tmp_path, {})
         procs += [prefill, decode]
         prefill.wait_ready(120)

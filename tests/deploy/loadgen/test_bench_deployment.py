@@ -11,6 +11,7 @@ import pytest
 from deploy.cli import main
 from deploy.launcher import Deployment
 from deploy.loadgen import RandomWorkload
+from deploy.placement import ROUTER, cpu_list, plan_cores
 
 pytestmark = pytest.mark.slow
 
@@ -52,6 +53,7 @@ def test_compare_a_running_deployment_and_the_traced_http_front_of_a_launched_on
     result_file, folder = tmp_path / "compare.json", tmp_path / "trace"
     code = main(["bench", "--compare", f"grpc={qwen3_deployment.router_address}",
                  "http=openai-completions:launch:colocated", "--model", str(qwen3_checkpoint),
+                 "--kv-pool-size", "256MiB",
                  "--launch-log-dir", str(tmp_path / "logs"), "--num-prompts", "4",
                  "--input-len", "16", "--output-len", "12", "--request-rate", "20",
                  "--disable-tqdm", "--result-file", str(result_file),
@@ -60,6 +62,12 @@ def test_compare_a_running_deployment_and_the_traced_http_front_of_a_launched_on
     runs = json.loads(result_file.read_text())["runs"]
     assert [(r["target"], r["backend"]) for r in runs] == [("grpc", "grpc"),
                                                            ("http", "openai-completions")]
+    client = cpu_list(sorted(os.sched_getaffinity(0)))  # where pytest runs, restored
+    assert runs[0]["placement"] == {"client": client}  # a running target: the client's only
+    plan = plan_cores(["colocated-0"], sorted(os.sched_getaffinity(0)))
+    if plan.is_pinned:  # issue 37: the launched one's processes, and the client on the router's
+        want = {name: cpu_list(cores) for name, cores in plan.cores.items()}
+        assert runs[1]["placement"] == {**want, "client": want[ROUTER]}
     for run in runs:
         assert run["completed"] == 4 and run["failed"] == 0
         assert run["input_lens"] == [16] * 4 and run["output_lens"] == [12] * 4  # usage

@@ -161,14 +161,11 @@ def test_plan_reads_a_gguf_files_metadata(tmp_path: Path,
 ])
 def test_plan_defaults_to_what_serve_stores(argv: list[str], per_token: int, dtype: str,
                                             capsys: pytest.CaptureFixture) -> None:
-    from kvferry.settings import DEFAULT_KV_POOL_SIZE
-    from kvferry.sizes import parse_pool_size
-
-    assert main(["plan", *argv]) == 0
+    assert main(["plan", *argv, "--pool-size", "256MiB"]) == 0
     out = capsys.readouterr().out
     assert "SmolLM2-135M-Instruct" in out and f"head dim, {dtype}\n" in out
     assert f"bytes per token: {per_token:,}" in out
-    blocks = parse_pool_size(DEFAULT_KV_POOL_SIZE, 0) // (16 * per_token)
+    blocks = (256 << 20) // (16 * per_token)
     assert f"pool holds {blocks:,} blocks" in out
 
 

@@ -1,0 +1,194 @@
+"""Where `serve`, `demo` and `bench`'s launched deployments run each process on one machine
+(issue 37): every worker on cores of its own, so a prefill burst cannot take a decode
+worker's core, and the router (with the clients started beside it) on what is left.
+
+With more cores than workers, one core in 16 (at least one) is left to the router and the
+clients, and the rest is split evenly, contiguous ranges, decode workers taking the
+remainder first (inter-token latency is the figure disaggregation protects). With exactly
+one core per worker, the router shares the prefill workers' cores: a router is idle between
+messages, and prefill is the side whose latency (TTFT) a short router turn dilutes most.
+With fewer cores than workers, nothing is pinned (the kernel balances better than a fixed
+round robin) and one warning says the workers share cores. Each worker runs as many torch
+threads as it has cores.
+
+GPUs: with several, worker i sees GPU i modulo their number (CUDA_VISIBLE_DEVICES).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import NamedTuple
+
+from kvferry.settings import DEPLOYMENT_TORCH_THREADS
+
+ROUTER = "router"  # the router and the clients started beside it
+
+
+class CorePlan(NamedTuple):
+    """Cores per process name (the workers' and ROUTER's); empty when nothing is pinned."""
+
+    cores: dict[str, tuple[int, ...]]
+    num_cores: int
+    num_workers: int
+
+    @property
+    def is_pinned(self) -> bool:
+        return bool(self.cores)
+
+    @property
+    def warning(self) -> str:
+        """One line when workers must share cores ("" when each has its own)."""
+        if self.is_pinned:
+            return ""
+        return (f"placement: {self.num_workers} workers share {self.num_cores} core(s), so "
+                "prefill bursts will slow decode steps (fewer workers or more cores give "
+                "each worker its own)")
+
+    def line(self) -> str:
+        """Where each process runs, in one log line."""
+        if not self.is_pinned:
+            return f"placement: not pinned ({self.num_workers} workers, {self.num_cores} cores)"
+        parts = [f"{name} on {cpu_list(cores)}" for name, cores in self.cores.items()]
+        return "placement: " + ", ".join(parts) + " (--pin-cores off: let the kernel place)"
+
+
+def cpu_list(cores: Sequence[int]) -> str:
+    """(0, 1, 2, 5) -> "0-2,5", as taskset and /sys write core lists."""
+    out: list[str] = []
+    run: list[int] = []
+    for core in sorted(cores):
+        if run and core != run[-1] + 1:
+            out.append(_span(run))
+            run = []
+        run.append(core)
+    if run:
+        out.append(_span(run))
+    return ",".join(out)
+
+
+def _span(run: list[int]) -> str:
+    return str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}"
+
+
+def parse_cpu_list(text: str) -> set[int]:
+    """"0-2,5" -> {0, 1, 2, 5}; ValueError naming --cpus otherwise."""
+    cores: set[int] = set()
+    try:
+        for part in text.split(","):
+            low, _, high = part.strip().partition("-")
+            cores.update(range(int(low), int(high or low) + 1))
+    except ValueError:
+        raise ValueError(f"cpus: expected core numbers like 0-2,5, got {text!r}") from None
+    if not cores or min(cores) < 0:
+        raise ValueError(f"cpus: expected core numbers like 0-2,5, got {text!r}")
+    return cores
+
+
+def plan_cores(workers: Sequence[str], cpus: Sequence[int]) -> CorePlan:
+    """Cores for `workers` (names like "prefill-0", "decode-1", "colocated-0") and ROUTER,
+    from the cores this process may use (`os.sched_getaffinity(0)`)."""
+    cpus = sorted(cpus)
+    n, w = len(cpus), len(workers)
+    if w == 0 or n < w:
+        return CorePlan({}, n, w)
+    spare = max(1, n // 16) if n > w else 0
+    base, extra = divmod(n - spare, w)
+    # Decode (and colocated) workers take the remainder first, then prefill workers.
+    order = sorted(range(w), key=lambda i: workers[i].startswith("prefill"))
+    counts = [base] * w
+    for i in order[:extra]:
+        counts[i] += 1
+    cores: dict[str, tuple[int, ...]] = {}
+    start = 0
+    for name, count in zip(workers, counts):
+        cores[name] = tuple(cpus[start:start + count])
+        start += count
+    if spare:
+        cores[ROUTER] = tuple(cpus[start:])
+    else:  # share the prefill workers' cores (colocated: every worker's)
+        shared = [c for name in workers if not name.startswith(("decode",))
+                  for c in cores[name]]
+        cores[ROUTER] = tuple(sorted(shared))
+    return CorePlan(cores, n, w)
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs workers may use: CUDA_VISIBLE_DEVICES's entries, else the driver's."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [g.strip() for g in listed.split(",") if g.strip()]
+    try:
+        return [str(i) for i in range(len(os.listdir("/proc/driver/nvidia/gpus")))]
+    except OSError:
+        return []
+
+
+def gpu_env(workers: Sequence[str], gpus: Sequence[str]) -> dict[str, dict[str, str]]:
+    """CUDA_VISIBLE_DEVICES per worker: worker i sees GPU i modulo their number (several GPUs
+    only: with one, every worker shares it as before)."""
+    if len(gpus) < 2:
+        return {}
+    return {name: {"CUDA_VISIBLE_DEVICES": gpus[i % len(gpus)]}
+            for i, name in enumerate(workers)}
+
+
+def memory_share(utilization: float | None, num_workers: int, gpus: Sequence[str],
+                 spread: bool) -> float:
+    """What each worker may use of its device with `--kv-pool-size auto`: serve's
+    `utilization` (None: the device's default) divided among the workers sharing a device:
+    every one on CPU or on one GPU, those given the same GPU when `spread` over several."""
+    from kvferry.cache.pool_budget import default_utilization
+
+    total = utilization if utilization is not None else default_utilization(
+        "cuda" if gpus else "cpu")
+    sharing = -(-num_workers // len(gpus)) if spread and len(gpus) >= 2 else num_workers
+    return total / max(sharing, 1)
+
+
+def placed_argv(plan: CorePlan | None, name: str, torch_threads: int) -> list[str]:
+    """Flags placing process `name` by `plan` (None: placement off). A worker's
+    `torch_threads` of 0 (auto) becomes one per core of its own, else
+    DEPLOYMENT_TORCH_THREADS; given later on its command line, these win."""
+    cores = plan.cores.get(name) if plan is not None else None
+    argv = ["--cpus", cpu_list(cores)] if cores else []
+    if name != ROUTER and torch_threads == 0:
+        argv += ["--torch-threads", str(len(cores) if cores else DEPLOYMENT_TORCH_THREADS)]
+    return argv
+
+
+def pin_self(cores: set[int]) -> None:
+    """This process, every thread it has and every one it starts, onto `cores`."""
+    from deploy.affinity import pin_threads
+
+    allowed = os.sched_getaffinity(0)
+    if not cores <= allowed:
+        raise ValueError(f"cpus: {cpu_list(sorted(cores - allowed))} not among the cores this "
+                         f"process may use ({cpu_list(sorted(allowed))})")
+    os.sched_setaffinity(0, cores)
+    pin_threads(os.getpid(), cores)
+
+
+def client_placement() -> dict[str, str]:
+    """Where this process (a benchmark's client) may run."""
+    return {"client": cpu_list(sorted(os.sched_getaffinity(0)))}
+
+
+@contextmanager
+def beside_router(plan: CorePlan | None) -> Iterator[dict[str, str]]:
+    """This process (a client of a launched deployment) on the router's cores while the
+    block runs, then back where it was. Yields the placement: every process's cores."""
+    from deploy.affinity import pin_threads
+
+    if plan is None or not plan.is_pinned:
+        yield client_placement()
+        return
+    before = os.sched_getaffinity(0)
+    pin_self(set(plan.cores[ROUTER]))
+    try:
+        yield {**{name: cpu_list(cores) for name, cores in plan.cores.items()},
+               **client_placement()}
+    finally:
+        os.sched_setaffinity(0, before)
+        pin_threads(os.getpid(), before)
