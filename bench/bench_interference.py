@@ -17,6 +17,10 @@ target is disaggregated <= 1.5x while colocated's is >= 3x. Writes a JSON (every
 and a PNG (the first repetition's ITL percentiles and token gaps over time). Usage:
 
     .venv/bin/python bench/bench_interference.py [--model tiny|default|PATH] --out-dir docs
+
+With --launch serve the deployments are started by `kvferry serve` with its defaults instead
+(issue 37: what a user who tries the headline sees): the placement and pool sizes are serve's
+own, the colocated one is `serve --colocated --num-decode 1`, and this client floats.
 """
 
 from __future__ import annotations
@@ -26,8 +30,13 @@ import asyncio
 import json
 import os
 import platform
+import signal
 import statistics
+import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.* helpers
@@ -51,6 +60,45 @@ def _phase(address: str, name: str, requests, config: BenchConfig) -> dict[str, 
             "ttft_p50_ms": m.ttft.percentile_ms(50), "ttft_p99_ms": m.ttft.percentile_ms(99),
             "num_short": len(short), "num_long": len(run.records) - len(short),
             "num_failed": len(failed), "gaps": gaps}
+
+
+@contextmanager
+def _pinned(deployment: Deployment, pinning: dict[str, set[int]],
+            transfer: dict[str, set[int]], client: set[int]) -> Iterator[str]:
+    """A deployment started here, its processes pinned as asked; its router's address."""
+    with deployment:
+        for role, cpus in pinning.items():
+            deployment.pin(role, cpus, transfer.get(role))
+        pin_threads(os.getpid(), client)
+        yield deployment.router_address
+
+
+@contextmanager
+def _served(model: str, name: str, env: dict[str, str],
+            placements: dict[str, str]) -> Iterator[str]:
+    """`kvferry serve` with its defaults for deployment `name`; its router's address. The
+    placement line of its log goes to `placements[name]`."""
+    extra = (["--colocated", "--num-decode", "1"] if name == "colocated"
+             else ["--kv-transport", "nixl"] if name.endswith("nixl") else [])
+    log = tempfile.TemporaryFile("w+")
+    serve = subprocess.Popen([sys.executable, "-m", "deploy.cli", "serve", "--model", model,
+                              "--port", "0", "--http-port", "off", *extra],
+                             stdout=subprocess.PIPE, stderr=log, text=True,
+                             env={**os.environ, **env})
+    try:
+        assert serve.stdout is not None
+        line = serve.stdout.readline()
+        log.seek(0)
+        if "serving on " not in line:
+            raise RuntimeError(f"kvferry serve did not start (exit code {serve.wait()}): "
+                               f"{log.read()[-2000:]}")
+        placements[name] = next((x.split("placement: ", 1)[1] for x in log
+                                 if "placement: " in x), "not logged")
+        yield line.split("serving on ")[1].split()[0]
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        serve.wait(120)
+        log.close()
 
 
 def _times(record) -> list[float]:
@@ -87,6 +135,11 @@ def main() -> None:
     parser.add_argument("--isolate-decode-core", action="store_true",
                         help="disaggregated: the router and this client run on the prefill "
                              "worker's core too, so nothing but the decode worker uses its core")
+    parser.add_argument("--launch", default="deployment", choices=["deployment", "serve"],
+                        help="serve: each deployment started as a user starts it, `kvferry "
+                             "serve` with its defaults (its own placement and pool sizing, "
+                             "issue 37), this client unpinned; deployment (default): started "
+                             "here and pinned as the flags above say")
     parser.add_argument("--out-dir", type=Path, default=None)
     parser.add_argument("--out-stem", default=None,
                         help="file names in --out-dir (default bench_interference[_MODEL])")
@@ -121,17 +174,20 @@ def main() -> None:
     transfer_pinning = {name: {"decode": {cores[0]}} for name in setups
                         if "nixl" in name and args.pin_transfer_threads}
     runs: dict[str, list[dict[str, dict[str, object]]]] = {name: [] for name in setups}
+    served: dict[str, str] = {}  # --launch serve: each deployment's placement, as it logged
     for repeat in range(args.repeats):
         for name, kwargs in setups.items():
             folder = None if args.trace is None else args.trace / f"{name}-{repeat + 1}"
             traced = {} if folder is None else {"env": {trace.TRACE_ENV: str(folder)}}
             trace.switch("client", folder)
-            with Deployment(**kwargs, **traced) as deployment:
-                if args.pin:
-                    for role, cpus in pinning[name].items():
-                        deployment.pin(role, cpus, transfer_pinning.get(name, {}).get(role))
-                pin_threads(os.getpid(), client_cpus[name])
-                run = {phase: _phase(deployment.router_address, f"{name}-{phase}",
+            if args.launch == "serve":
+                started = _served(model, name, traced.get("env", {}), served)
+            else:
+                started = _pinned(Deployment(**kwargs, **traced),
+                                  pinning[name] if args.pin else {},
+                                  transfer_pinning.get(name, {}), client_cpus[name])
+            with started as address:
+                run = {phase: _phase(address, f"{name}-{phase}",
                                      workload.build(args.num_requests, 512, args.seed), config)
                        for phase, workload in (("unloaded", unloaded), ("loaded", loaded))}
             trace.switch("client", None)
@@ -145,6 +201,8 @@ def main() -> None:
         name: {**{role: sorted(cpus) for role, cpus in pinning[name].items()},
                "client": sorted(client_cpus[name])} if args.pin else "unpinned"
         for name in setups}
+    if args.launch == "serve":
+        placement = {name: f"serve: {line}; client unpinned" for name, line in served.items()}
     print(f"placement (cores): {placement}")
     print(f"model {model}; {args.repeats} repetitions, median [min-max]")
     print(f"{args.num_requests} requests at {args.rate:g}/s; short {args.short_input}->"

@@ -2,11 +2,12 @@
 (issue 37): every worker on cores of its own, so a prefill burst cannot take a decode
 worker's core, and the router (with the clients started beside it) on what is left.
 
-With more cores than workers, one core in 16 (at least one) is left to the router and the
-clients, and the rest is split evenly, contiguous ranges, decode workers taking the
-remainder first (inter-token latency is the figure disaggregation protects). With exactly
-one core per worker, the router shares the prefill workers' cores: a router is idle between
-messages, and prefill is the side whose latency (TTFT) a short router turn dilutes most.
+With more than two cores per worker, one core in 16 (at least one) is left to the router
+and the clients, and the rest is split evenly, contiguous ranges, decode workers taking the
+remainder first (inter-token latency is the figure disaggregation protects). With fewer, the
+workers split every core and the router shares the prefill workers' (a colocated worker's):
+a router is idle between messages, and prefill is the side whose latency (TTFT) a short
+router turn dilutes most, while a core taken from a worker of two would halve it.
 With fewer cores than workers, nothing is pinned (the kernel balances better than a fixed
 round robin) and one warning says the workers share cores. Each worker runs as many torch
 threads as it has cores.
@@ -93,7 +94,7 @@ def plan_cores(workers: Sequence[str], cpus: Sequence[int]) -> CorePlan:
     n, w = len(cpus), len(workers)
     if w == 0 or n < w:
         return CorePlan({}, n, w)
-    spare = max(1, n // 16) if n > w else 0
+    spare = max(1, n // 16) if n > 2 * w else 0
     base, extra = divmod(n - spare, w)
     # Decode (and colocated) workers take the remainder first, then prefill workers.
     order = sorted(range(w), key=lambda i: workers[i].startswith("prefill"))

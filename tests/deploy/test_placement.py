@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 import pytest
 
 from deploy import placement
+from deploy.cli import main
 from deploy.launcher import Deployment
 from deploy.placement import (
     ROUTER,
@@ -43,9 +45,11 @@ def test_sixteen_cores_split_evenly_decode_first_with_one_left_to_the_router() -
 
 
 def test_an_affinity_mask_is_what_is_split_not_the_machine() -> None:
-    plan = plan_cores(["prefill-0", "decode-0"], [8, 9, 2, 3])  # e.g. a cgroup's cpuset
-    assert plan.cores == {"prefill-0": (2,), "decode-0": (3, 8), ROUTER: (9,)}
-    assert cpu_list(plan.cores["decode-0"]) == "3,8"
+    plan = plan_cores(["prefill-0", "decode-0"], [8, 9, 2, 3, 11])  # e.g. a cgroup's cpuset
+    assert plan.cores == {"prefill-0": (2, 3), "decode-0": (8, 9), ROUTER: (11,)}
+    assert cpu_list(plan.cores["decode-0"]) == "8-9"
+    plan = plan_cores(["prefill-0", "decode-0"], [8, 9, 2, 3])  # two each: none to spare
+    assert plan.cores == {"prefill-0": (2, 3), "decode-0": (8, 9), ROUTER: (2, 3)}
 
 
 def test_workers_sharing_cores_are_not_pinned_and_one_warning_says_so() -> None:
@@ -60,6 +64,8 @@ def test_workers_sharing_cores_are_not_pinned_and_one_warning_says_so() -> None:
 def test_colocated_workers_share_their_cores_with_the_router_when_none_is_left() -> None:
     plan = plan_cores(["colocated-0", "colocated-1"], [0, 1])
     assert plan.cores == {"colocated-0": (0,), "colocated-1": (1,), ROUTER: (0, 1)}
+    plan = plan_cores(["colocated-0"], [0, 1])  # a worker of two cores keeps both
+    assert plan.cores == {"colocated-0": (0, 1), ROUTER: (0, 1)}
 
 
 def test_placed_flags_give_cores_and_one_torch_thread_per_core_unless_threads_are_set() -> None:
@@ -117,3 +123,13 @@ def test_a_client_beside_the_router_runs_on_its_cores_then_where_it_was() -> Non
     assert os.sched_getaffinity(0) == before
     with beside_router(None) as where:
         assert where == {"client": cpu_list(sorted(before))}
+
+
+@pytest.mark.parametrize("cpus,said", [("abc", "expected core numbers"),
+                                       ("4096", "not among the cores")])
+def test_a_bad_cpus_flag_is_one_line_naming_it(cpus: str, said: str, qwen3_checkpoint: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["router", "--model", str(qwen3_checkpoint), "--colocated", "127.0.0.1:1",
+                 "--cpus", cpus]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvferry: cpus: ") and said in err and err.count("\n") == 1
