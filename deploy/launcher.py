@@ -176,11 +176,16 @@ class Deployment:
         return self
 
     def _core_plan(self) -> CorePlan | None:
-        """With `pin_cores`: where each process runs, logged (and a warning when shared)."""
+        """With `pin_cores`: where each process runs, logged (in `log_dir/placement.log` with a
+        log folder), and a warning when workers must share cores."""
         if not self.pin_cores:
             return None
         plan = plan_cores(self._worker_names(), sorted(os.sched_getaffinity(0)))
-        log.info("%s", plan.line())
+        if self.log_dir is not None:  # with the processes' logs (demo's terminal stays quiet)
+            with open(self.log_dir / "placement.log", "a") as out:
+                out.write(plan.line() + "\n")
+        else:
+            log.info("%s", plan.line())
         if plan.warning:
             log.warning("%s", plan.warning)
         return plan

@@ -189,6 +189,7 @@ def test_demo_asks_the_real_model_over_nixl_and_keeps_logs_apart(smollm2_checkpo
     assert " INFO " not in out.stdout and " INFO " not in out.stderr
     logs = {path.name: path.read_text() for path in log_dir.iterdir()}
     assert {"router.log", "prefill-0.log", "decode-0.log"} <= set(logs)
+    assert logs["placement.log"].startswith("placement: ")  # issue 37: where each one ran
     assert " INFO " in logs["router.log"]
     for role in ("prefill", "decode"):
         assert "nixl K/V transport" in logs[f"{role}-0.log"]
