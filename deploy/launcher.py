@@ -199,7 +199,7 @@ class Deployment:
             return []
         share = memory_share(self.memory_utilization, len(self._worker_names()),
                              visible_gpus(), self.pin_cores)
-        return ["--memory-utilization", f"{share:.6g}"]
+        return [] if share is None else ["--memory-utilization", f"{share:.6g}"]
 
     @property
     def shape(self) -> str:

@@ -136,14 +136,17 @@ def gpu_env(workers: Sequence[str], gpus: Sequence[str]) -> dict[str, dict[str, 
 
 
 def memory_share(utilization: float | None, num_workers: int, gpus: Sequence[str],
-                 spread: bool) -> float:
+                 spread: bool) -> float | None:
     """What each worker may use of its device with `--kv-pool-size auto`: serve's
     `utilization` (None: the device's default) divided among the workers sharing a device:
-    every one on CPU or on one GPU, those given the same GPU when `spread` over several."""
+    every one on CPU or on one GPU, those given the same GPU when `spread` over several.
+    None: no share (CPU without one asked for: the workers' CPU_POOL_BYTES)."""
     from kvferry.cache.pool_budget import default_utilization
 
     total = utilization if utilization is not None else default_utilization(
         "cuda" if gpus else "cpu")
+    if total is None:
+        return None
     sharing = -(-num_workers // len(gpus)) if spread and len(gpus) >= 2 else num_workers
     return total / max(sharing, 1)
 

@@ -109,8 +109,9 @@ def _auto_pool_bytes(args: argparse.Namespace, device: str) -> int:
     _, dtype, _ = device_and_dtype(settings)
     per_block = kv_block_bytes(settings, config, dtype)
     pool = auto_pool_bytes_for(settings, config, dev, dtype) // per_block * per_block
-    print(f"pool: auto, a decode worker's {share:.4g} of {device} memory less weights and "
-          f"activations: {pool} bytes ({pool // per_block} blocks)")
+    how = (f"a decode worker's {share:.4g} of {device} memory less weights and activations"
+           if share is not None else "on CPU without --memory-utilization, a fixed size")
+    print(f"pool: auto, {how}: {pool} bytes ({pool // per_block} blocks)")
     return pool
 
 

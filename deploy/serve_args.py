@@ -8,12 +8,13 @@ from __future__ import annotations
 import argparse
 
 from deploy.policy_args import policy_args
-from kvferry.cache.pool_budget import CPU_UTILIZATION, CUDA_UTILIZATION
+from kvferry.cache.pool_budget import CPU_POOL_BYTES, CUDA_UTILIZATION
 from kvferry.settings import DEFAULT_DRAIN_TIMEOUT_S, DEPLOYMENT_TORCH_THREADS
 
-MEMORY_HELP = (f"with --kv-pool-size auto: the share of the device the workers use (default "
-               f"{CUDA_UTILIZATION} of a GPU, {CPU_UTILIZATION} of RAM), weights, activations "
-               "and pool together; serve divides it among the workers sharing a device")
+MEMORY_HELP = (f"with --kv-pool-size auto: the share of the device the workers use, weights, "
+               f"activations and pool together (default {CUDA_UTILIZATION} of a GPU; on CPU "
+               f"none: {CPU_POOL_BYTES >> 20}MiB pools); serve divides it among the workers "
+               "sharing a device")
 
 
 def serve_process_args(p: argparse.ArgumentParser) -> None:

@@ -11,7 +11,7 @@ import torch
 
 from kvferry.cache.layout import KvShape, dtype_name, torch_dtype
 from kvferry.cache.pool import KvPool
-from kvferry.cache.pool_budget import device_memory
+from kvferry.cache.pool_budget import default_utilization, device_memory
 from kvferry.model.config import load_model_config
 from kvferry.settings import COMPILE_CACHE_DIR, WorkerSettings, parse_batch_sizes
 from kvferry.sizes import AUTO, parse_pool_size
@@ -67,6 +67,7 @@ def auto_pool_bytes_for(settings: WorkerSettings, config, device: torch.device,
     for a decode worker's default dense stage (as many tokens as the pool, in the model's
     dtype), the stage's share."""
     from kvferry.cache.pool_budget import (
+        CPU_POOL_BYTES,
         activation_bytes,
         auto_pool_bytes,
         default_utilization,
@@ -76,6 +77,8 @@ def auto_pool_bytes_for(settings: WorkerSettings, config, device: torch.device,
     from kvferry.model.prefill_batch import token_budget_for
 
     utilization = settings.memory_utilization or default_utilization(device.type)
+    if utilization is None:  # CPU, no share asked for
+        return CPU_POOL_BYTES
     tokens = token_budget_for(device, settings.prefill_token_budget)
     activations = activation_bytes(config, tokens, settings.prefill_chunk_size, dtype)
     reserved = 0
@@ -155,9 +158,10 @@ def build_pool(settings: WorkerSettings, config, device: torch.device,
                dtype: torch.dtype) -> KvPool:
     num_blocks = _num_blocks(settings, config, device, dtype)
     per_block = kv_block_bytes(settings, config, dtype)
-    how = (f"auto, {settings.memory_utilization or 'the default share'} of {device.type} "
-           "memory less weights and activations" if settings.kv_pool_size == AUTO
-           else settings.kv_pool_size)
+    share = settings.memory_utilization or default_utilization(device.type)
+    how = (settings.kv_pool_size if settings.kv_pool_size != AUTO else
+           f"auto, {share:g} of {device.type} memory less weights and activations" if share
+           else "auto: on CPU without --memory-utilization, a fixed size")
     log.info("%s worker's K/V pool: %d bytes, %d blocks (--kv-pool-size %s)", settings.role,
              num_blocks * per_block, num_blocks, how)
     return KvPool(config.num_layers, config.num_kv_heads, config.head_dim, settings.block_size,

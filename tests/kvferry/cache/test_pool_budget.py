@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from deploy.launcher import Deployment
 from deploy.placement import memory_share
 from deploy.worker_model import auto_pool_bytes_for, build_pool, kv_block_bytes
 from kvferry.cache import pool_budget
 from kvferry.cache.layout import KvShape
 from kvferry.cache.pool_budget import (
-    CPU_UTILIZATION,
+    CPU_POOL_BYTES,
     CUDA_UTILIZATION,
     activation_bytes,
     auto_pool_bytes,
@@ -100,8 +101,8 @@ def test_nothing_left_for_the_pool_names_the_flags(qwen3_checkpoint: Path) -> No
 
 
 def test_serve_divides_its_share_among_the_workers_on_a_device() -> None:
-    assert memory_share(None, 2, [], spread=True) == CPU_UTILIZATION / 2  # every one in RAM
-    assert memory_share(0.5, 4, [], spread=True) == 0.125
+    assert memory_share(None, 2, [], spread=True) is None  # CPU: none unless asked for
+    assert memory_share(0.5, 4, [], spread=True) == 0.125  # every one in RAM
     assert memory_share(None, 4, ["0"], spread=True) == CUDA_UTILIZATION / 4  # one GPU
     assert memory_share(None, 4, ["0", "1"], spread=True) == CUDA_UTILIZATION / 2
     assert memory_share(None, 4, ["0", "1"], spread=False) == CUDA_UTILIZATION / 4  # not spread
@@ -117,3 +118,15 @@ def test_a_cgroup_limit_caps_the_machines_memory(tmp_path: Path,
     assert device_memory(CPU) == ram // 4
     limit.write_text("max\n")
     assert device_memory(CPU) == ram
+
+
+def test_on_cpu_without_a_share_the_pool_is_the_fixed_size(qwen3_checkpoint: Path) -> None:
+    """Issue 37's measurement keeps CPU pools fixed unless a share is asked for (see
+    CPU_POOL_BYTES); serve then passes the workers no share either."""
+    config = load_model_config(qwen3_checkpoint)
+    settings = _settings(qwen3_checkpoint, "decode", memory_utilization=None)
+    assert auto_pool_bytes_for(settings, config, CPU, torch.float32) == CPU_POOL_BYTES
+    assert Deployment(model="m", kv_pool_size="auto")._memory_argv() == []
+    assert Deployment(model="m", kv_pool_size="auto", memory_utilization=0.5,
+                      num_prefill=1, num_decode=3)._memory_argv() == ["--memory-utilization",
+                                                                      "0.125"]
