@@ -92,7 +92,7 @@ def _served(model: str, name: str, env: dict[str, str],
         if "serving on " not in line:
             raise RuntimeError(f"kvferry serve did not start (exit code {serve.wait()}): "
                                f"{log.read()[-2000:]}")
-        placements[name] = next((x.split("placement: ", 1)[1] for x in log
+        placements[name] = next((x.split("placement: ", 1)[1].strip() for x in log
                                  if "placement: " in x), "not logged")
         yield line.split("serving on ")[1].split()[0]
     finally:

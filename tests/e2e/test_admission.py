@@ -22,7 +22,12 @@ from tests.deployments import respawn, routed
 
 pytestmark = pytest.mark.slow
 
-BIG = client.make_request(list(range(20, 60)), temperature=0.0, max_tokens=140,
+# Decode steps holding BIG or LONG (below) are slowed, so that they outlast what arrives
+# after them on any machine: unpaced, BIG's 140 steps could end before SMALL came (no wait,
+# nothing parked, nothing to kill or abort).
+STEP_DELAY_S = 0.03
+BIG = client.make_request(list(range(20, 60)), "big" + tag(decode_step_delay_s=STEP_DELAY_S),
+                          temperature=0.0, max_tokens=140,
                           ignore_eos=True)  # 180 tokens: all 12 blocks of the decode pool
 SMALL = client.make_request(list(range(70, 120)), temperature=0.0, max_tokens=20,
                             ignore_eos=True)
@@ -148,7 +153,6 @@ def test_prefill_worker_lost_while_holding_deferred_kv(full_pool_deployment: Dep
 # are slowed (STEP_DELAY_S, armed for LONG: every step holding it) so LONG's 150 steps outlast
 # the parked prefills and TINY on any machine: unpaced, a loaded CI machine once let LONG end
 # first, and the ordering proved nothing. On the shared 12-block deployment.
-STEP_DELAY_S = 0.03
 LONG = client.make_request(list(range(200, 220)), "long" + tag(decode_step_delay_s=STEP_DELAY_S),
                            temperature=0.0, max_tokens=150,
                            ignore_eos=True)  # 170 tokens: 11 of the decode pool's 12 blocks

@@ -15,6 +15,7 @@ import pytest
 
 from deploy import client
 from deploy.launcher import Deployment
+from kvferry.faults import tag
 from kvferry.settings import DEFAULT_BLOCK_SIZE
 from kvferry.v1 import generation_pb2
 from tests.conftest import METRICS, assert_pools_clean
@@ -43,9 +44,10 @@ def prefix_deployment(qwen3_2p2d_deployment: Deployment) -> Iterator[Deployment]
         yield deployment
 
 
-def _request(suffix: list[int], max_tokens: int = 4) -> generation_pb2.GenerateRequest:
-    request = client.make_request(PREFIX + suffix, temperature=0.0, max_tokens=max_tokens,
-                                  ignore_eos=True)
+def _request(suffix: list[int], max_tokens: int = 4, request_id: str = ""
+             ) -> generation_pb2.GenerateRequest:
+    request = client.make_request(PREFIX + suffix, request_id, temperature=0.0,
+                                  max_tokens=max_tokens, ignore_eos=True)
     request.cache_salt = SALT  # what other tests left in the shared workers' caches never hits
     return request
 
@@ -72,7 +74,10 @@ async def _follow_ups(deployment: Deployment, holder: str, before: float
     """A long request sharing the prefix (it goes to the holder and keeps it the fuller
     worker), then, while it decodes, four short ones, one after another."""
     address = deployment.router_address
-    long = asyncio.ensure_future(client.generate(address, _request([9, 9, 9], 400), 120))
+    # Its steps paced (10 ms each: 4 s in all), so that it still runs when the router's
+    # second stats snapshot and the four short requests come, however fast the machine.
+    long = asyncio.ensure_future(client.generate(
+        address, _request([9, 9, 9], 400, "long" + tag(decode_step_delay_s=0.01)), 120))
     deadline = time.monotonic() + 30
     while (await asyncio.to_thread(_decode_metrics, deployment))[holder][0] == before:
         assert time.monotonic() < deadline and not long.done(), "the long request went astray"

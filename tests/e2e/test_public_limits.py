@@ -13,6 +13,7 @@ import pytest
 
 from deploy import client
 from deploy.launcher import Deployment
+from kvferry.faults import tag
 from kvferry.limits import PublicLimits
 from kvferry.rpc import grpc_util
 from kvferry.v1 import generation_pb2
@@ -129,7 +130,10 @@ def test_streams_past_the_cap_are_resource_exhausted(capped_deployment: Deployme
 
             async def long(i: int) -> client.Completion:
                 completion = client.Completion()
-                async for _, completion in client.stream(stub, _normal(400), 120):
+                # Paced (10 ms a step while it runs: 4 s), so that both still hold their
+                # slots when the third request comes, however fast the machine.
+                paced = _normal(400, f"long{i}" + tag(decode_step_delay_s=0.01))
+                async for _, completion in client.stream(stub, paced, 120):
                     if completion.token_ids:
                         first_tokens[i].set()
                 return completion
