@@ -20,6 +20,7 @@ import pytest
 
 from deploy import client, netns
 from deploy.launcher import Deployment, Process
+from kvferry.faults import FAULTS_ENV, PER_REQUEST, tag
 from kvferry.rpc import grpc_util
 from kvferry.v1 import generation_pb2, generation_pb2_grpc
 from tests.conftest import assert_alive, assert_pools_clean, busy_process
@@ -28,7 +29,10 @@ from tests.e2e.test_faults import sessions_alive
 pytestmark = pytest.mark.slow
 
 ISOLATION = os.environ.get("KVFERRY_TEST_ISOLATION", "netns")
-PUSH_CHUNK_DELAY_S = 0.4  # 4 chunks: a push outlives its first token by about a second
+# The prefill cut's request (tagged): its 3 chunks after the first wait this long each, so the
+# push outlives its first token by about 3 s. At 0.4 s (a 1.2 s window, for every request)
+# a loaded clean-clone run once found the push over before the test looked for its worker.
+PUSH_CHUNK_DELAY_S = 1.0
 # Keepalive finds a silent peer within 5-10 s (kvferry/rpc/grpc_util.py); without it the stall
 # would last until TCP gives up: many minutes on a cut link, forever on a stopped process, so
 # the stream's own 120 s deadline would end it. The longest stall is printed, not asserted
@@ -42,8 +46,7 @@ def isolated(qwen3_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
     log_dir = tmp_path_factory.mktemp("network-logs")
     deployment = Deployment(model=str(qwen3_checkpoint), num_prefill=2, num_decode=2,
                             isolation=ISOLATION, log_dir=log_dir,
-                            env={"KVFERRY_FAULT_PUSH_CHUNK_DELAY_S": str(PUSH_CHUNK_DELAY_S)}
-                            ).start()
+                            env={FAULTS_ENV: PER_REQUEST}).start()
     expected = "netns" if ISOLATION == "netns" and netns.is_available() else "loopback"
     print(f"\nisolation: {deployment.isolation_used} (router at {deployment.router_address})")
     assert deployment.isolation_used == expected
@@ -56,8 +59,10 @@ def isolated(qwen3_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
         assert network.leftovers() == [], "namespaces or links left behind"
 
 
-def _request(prompt: list[int], max_tokens: int) -> generation_pb2.GenerateRequest:
-    return client.make_request(prompt, temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+def _request(prompt: list[int], max_tokens: int, request_id: str = ""
+             ) -> generation_pb2.GenerateRequest:
+    return client.make_request(prompt, request_id, temperature=0.0, max_tokens=max_tokens,
+                               ignore_eos=True)
 
 
 def _expected(deployment: Deployment, request: generation_pb2.GenerateRequest) -> list[int]:
@@ -140,8 +145,9 @@ def test_decode_worker_cut_mid_stream_migrates(isolated: Deployment,
 
 def test_prefill_worker_cut_mid_push_is_prefilled_again(isolated: Deployment,
                                                          qwen3_deployment: Deployment) -> None:
-    request = _request([i % 500 + 1 for i in range(300)], 30)  # 19 blocks, 4 slow chunks
-    expected = _expected(qwen3_deployment, request)
+    prompt = [i % 500 + 1 for i in range(300)]  # 19 blocks, 4 chunks, 3 of them slow
+    expected = _expected(qwen3_deployment, _request(prompt, 30))
+    request = _request(prompt, 30, "cut" + tag(push_chunk_delay_s=PUSH_CHUNK_DELAY_S))
     seen = _stream_and_cut(isolated, request, "prefill", 1)  # first token out, push going
     _check_recovered(isolated, seen, expected, "prefill worker {address} unavailable",
                      "another worker prefilled it")
