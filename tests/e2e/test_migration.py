@@ -13,6 +13,7 @@ import pytest
 
 from deploy import client
 from deploy.launcher import Deployment, Process
+from kvferry.faults import tag
 from kvferry.rpc import grpc_util
 from kvferry.settings import DEFAULT_BLOCK_SIZE
 from kvferry.v1 import generation_pb2_grpc
@@ -83,8 +84,12 @@ def test_a_decode_worker_killed_under_load_migrates_every_stream(
     decode worker holding the most is killed: every stream still completes with exactly its
     undisturbed tokens (those on the victim migrate, the others are untouched)."""
     deployment = qwen3_2p2d_deployment
-    requests = [client.make_request(list(range(20 + 9 * i, 80 + 9 * i)), temperature=0.0,
-                                    max_tokens=200, ignore_eos=True) for i in range(8)]
+    # Steps holding them paced (20 ms: 4 s a stream at least), so that every stream still
+    # runs when the last has its 5 tokens and the victim's stats are read, on any machine.
+    requests = [client.make_request(list(range(20 + 9 * i, 80 + 9 * i)),
+                                    f"load{i}" + tag(decode_step_delay_s=0.02),
+                                    temperature=0.0, max_tokens=200, ignore_eos=True)
+                for i in range(8)]
     for i, one in enumerate(requests):
         one.cache_salt = f"test_migration_under_load-{i}"
     undisturbed = asyncio.run(client.generate_many(qwen3_deployment.router_address, requests,
