@@ -153,12 +153,13 @@ class Deployment:
         try:
             self._start_network()
             self._convert_gguf_once()
-            plan, gpus = self._core_plan(), gpu_env(self._worker_names(), self._gpus())
-            self.core_plan = plan
-            for name in self._worker_names():
+            names = self._worker_names()
+            plan = self.core_plan = self._core_plan()
+            gpus, memory = gpu_env(names, self._gpus()), self._memory_argv()
+            for name in names:
                 place = self._place(name)
                 args = (self._worker_args(name.rsplit("-", 1)[0], place.bind_host)
-                        + placed_argv(plan, name, self.torch_threads) + self._memory_argv())
+                        + placed_argv(plan, name, self.torch_threads) + memory)
                 self.processes.append(_spawn(name, args, self.log_dir,
                                              {**self.env, **gpus.get(name, {})}, place))
             workers = list(self.processes)

@@ -109,7 +109,7 @@ def plan_cores(workers: Sequence[str], cpus: Sequence[int]) -> CorePlan:
     if spare:
         cores[ROUTER] = tuple(cpus[start:])
     else:  # share the prefill workers' cores (colocated: every worker's)
-        shared = [c for name in workers if not name.startswith(("decode",))
+        shared = [c for name in workers if not name.startswith("decode")
                   for c in cores[name]]
         cores[ROUTER] = tuple(sorted(shared))
     return CorePlan(cores, n, w)
@@ -163,13 +163,18 @@ def placed_argv(plan: CorePlan | None, name: str, torch_threads: int) -> list[st
 
 
 def pin_self(cores: set[int]) -> None:
-    """This process, every thread it has and every one it starts, onto `cores`."""
-    from deploy.affinity import pin_threads
-
+    """This process, every thread it has and every one it starts, onto `cores` (among those
+    it may use: ValueError naming --cpus otherwise)."""
     allowed = os.sched_getaffinity(0)
     if not cores <= allowed:
         raise ValueError(f"cpus: {cpu_list(sorted(cores - allowed))} not among the cores this "
                          f"process may use ({cpu_list(sorted(allowed))})")
+    _pin(cores)
+
+
+def _pin(cores: set[int]) -> None:
+    from deploy.affinity import pin_threads
+
     os.sched_setaffinity(0, cores)
     pin_threads(os.getpid(), cores)
 
@@ -183,8 +188,6 @@ def client_placement() -> dict[str, str]:
 def beside_router(plan: CorePlan | None) -> Iterator[dict[str, str]]:
     """This process (a client of a launched deployment) on the router's cores while the
     block runs, then back where it was. Yields the placement: every process's cores."""
-    from deploy.affinity import pin_threads
-
     if plan is None or not plan.is_pinned:
         yield client_placement()
         return
@@ -194,5 +197,4 @@ def beside_router(plan: CorePlan | None) -> Iterator[dict[str, str]]:
         yield {**{name: cpu_list(cores) for name, cores in plan.cores.items()},
                **client_placement()}
     finally:
-        os.sched_setaffinity(0, before)
-        pin_threads(os.getpid(), before)
+        _pin(before)

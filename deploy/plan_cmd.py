@@ -65,12 +65,12 @@ def _memory_bytes(device: str) -> int:
     """The workers' rule (deploy/worker_model.py), refused for CUDA on a machine without."""
     import torch
 
-    from deploy.worker_model import memory_bytes
+    from kvferry.cache.pool_budget import device_memory
 
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("pool_size: a fraction of CUDA memory, and this machine has no GPU: "
                          "give bytes")
-    return memory_bytes(torch.device(device))
+    return device_memory(torch.device(device))
 
 
 def _sizable(args: argparse.Namespace) -> bool:

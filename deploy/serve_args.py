@@ -8,8 +8,12 @@ from __future__ import annotations
 import argparse
 
 from deploy.policy_args import policy_args
-from kvferry.cache.pool_budget import CPU_POOL_BYTES, CUDA_UTILIZATION
-from kvferry.settings import DEFAULT_DRAIN_TIMEOUT_S, DEPLOYMENT_TORCH_THREADS
+from kvferry.settings import (
+    CPU_POOL_BYTES,
+    CUDA_UTILIZATION,
+    DEFAULT_DRAIN_TIMEOUT_S,
+    DEPLOYMENT_TORCH_THREADS,
+)
 
 MEMORY_HELP = (f"with --kv-pool-size auto: the share of the device the workers use, weights, "
                f"activations and pool together (default {CUDA_UTILIZATION} of a GPU; on CPU "
@@ -17,14 +21,21 @@ MEMORY_HELP = (f"with --kv-pool-size auto: the share of the device the workers u
                "sharing a device")
 
 
-def serve_process_args(p: argparse.ArgumentParser) -> None:
-    policy_args(p)
+def placement_args(p: argparse.ArgumentParser, prefix: str = "", pin_note: str = "") -> None:
+    """--torch-threads and --pin-cores of a deployment serve starts (bench's launched ones:
+    `prefix` "launch: ", and `pin_note` what differs there)."""
     p.add_argument("--torch-threads", type=int, default=0,
-                   help="per worker process (0: one per core it is placed on; "
+                   help=f"{prefix}per worker process (0: one per core it is placed on; "
                         f"{DEPLOYMENT_TORCH_THREADS} when not placed)")
     p.add_argument("--pin-cores", default="auto", choices=("auto", "off"),
-                   help="auto: each worker on cores (and GPUs) of its own where the machine "
-                        "has enough, the router on what is left; off: the kernel places them")
+                   help=f"{prefix}auto: each worker on cores (and GPUs) of its own where the "
+                        "machine has enough, the router on what is left; off: the kernel "
+                        f"places them{pin_note}")
+
+
+def serve_process_args(p: argparse.ArgumentParser) -> None:
+    policy_args(p)
+    placement_args(p)
     p.add_argument("--memory-utilization", type=float, default=None, help=MEMORY_HELP)
     p.add_argument("--drain-timeout-s", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
                    help="every process, on SIGTERM: report NOT_SERVING, refuse new requests "

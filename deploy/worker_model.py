@@ -11,9 +11,15 @@ import torch
 
 from kvferry.cache.layout import KvShape, dtype_name, torch_dtype
 from kvferry.cache.pool import KvPool
-from kvferry.cache.pool_budget import default_utilization, device_memory
+from kvferry.cache.pool_budget import (
+    activation_bytes,
+    auto_pool_bytes,
+    default_utilization,
+    device_memory,
+    weight_bytes,
+)
 from kvferry.model.config import load_model_config
-from kvferry.settings import COMPILE_CACHE_DIR, WorkerSettings, parse_batch_sizes
+from kvferry.settings import COMPILE_CACHE_DIR, CPU_POOL_BYTES, WorkerSettings, parse_batch_sizes
 from kvferry.sizes import AUTO, parse_pool_size
 
 if TYPE_CHECKING:
@@ -54,25 +60,12 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "cpu" else torch.bfloat16
 
 
-def memory_bytes(device: torch.device) -> int:
-    """What a fractional `--kv-pool-size` is a fraction of: the device's total memory (RAM
-    capped by a cgroup limit on CPU)."""
-    return device_memory(device)
-
-
 def auto_pool_bytes_for(settings: WorkerSettings, config, device: torch.device,
                         dtype: torch.dtype) -> int:
     """`--kv-pool-size auto` (kvferry/cache/pool_budget.py): this worker's share of the
     device less its weights and a prefill's activations; on CPU also less the host tier and,
     for a decode worker's default dense stage (as many tokens as the pool, in the model's
     dtype), the stage's share."""
-    from kvferry.cache.pool_budget import (
-        CPU_POOL_BYTES,
-        activation_bytes,
-        auto_pool_bytes,
-        default_utilization,
-        weight_bytes,
-    )
     from kvferry.cache.tiers.config import host_cache_bytes
     from kvferry.model.prefill_batch import token_budget_for
 
@@ -92,7 +85,7 @@ def auto_pool_bytes_for(settings: WorkerSettings, config, device: torch.device,
                           / _shape(config, _kv_dtype(settings, dtype)).bytes_per_token)
             else:
                 reserved += settings.decode_stage_mib << 20
-    left = auto_pool_bytes(memory_bytes(device), utilization,
+    left = auto_pool_bytes(device_memory(device), utilization,
                            weight_bytes(settings.model, dtype), activations, reserved)
     return int(left / (1 + staged))
 
@@ -102,7 +95,7 @@ def pool_bytes(settings: WorkerSettings, config, device: torch.device,
     """`--kv-pool-size` in bytes, before rounding down to whole blocks."""
     if settings.kv_pool_size == AUTO:
         return auto_pool_bytes_for(settings, config, device, dtype)
-    return parse_pool_size(settings.kv_pool_size, memory_bytes(device))
+    return parse_pool_size(settings.kv_pool_size, device_memory(device))
 
 
 def _kv_dtype(settings: WorkerSettings, dtype: torch.dtype) -> str:

@@ -21,6 +21,15 @@ DEFAULT_BLOCK_SIZE = 16  # tokens per K/V block
 DEFAULT_KV_POOL_SIZE = "auto"  # sized from the device (kvferry/cache/pool_budget.py)
 # Deployments the tests and benchmarks launch: fixed, so that several fit on one machine
 LAUNCHED_KV_POOL_SIZE = "256MiB"
+# --kv-pool-size auto: the share of a GPU a worker takes unless told (vLLM's
+# gpu_memory_utilization default)
+CUDA_UTILIZATION = 0.9
+# On CPU a share of RAM is taken only when --memory-utilization is given; without it the pool
+# is this size. A decode pool sized from RAM (1.2 GiB on the real model here) made the
+# short streams' loaded p99 ITL 7-18x their unloaded p50 against 2.5-2.8x at this size,
+# with the long prompts' K/V staging 3-5x slower (docs/benchmarks.md, issue 37): not yet
+# understood, so not yet the default.
+CPU_POOL_BYTES = 256 << 20
 DEFAULT_PREFILL_TOKEN_BUDGET = 2048  # prompt tokens per prefill forward
 CPU_PREFILL_TOKEN_BUDGET = 512  # the same on CPU (kvferry/model/prefill_batch.py says why)
 DEFAULT_PREFILL_CHUNK_SIZE = 512

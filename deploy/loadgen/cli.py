@@ -29,12 +29,12 @@ from deploy.loadgen.workload import (
     TokenCounter,
     Workload,
 )
+from deploy.serve_args import placement_args
 from kvferry import trace
 from kvferry.settings import (
     COMPILE_MODES,
     DEFAULT_COMPILE_BATCH_SIZES,
     DEFAULT_KV_POOL_SIZE,
-    DEPLOYMENT_TORCH_THREADS,
     KVFERRY_HOME,
 )
 
@@ -67,12 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--num-prefill", type=int, default=1, help="launch: prefill workers")
     t.add_argument("--num-decode", type=int, default=1, help="launch: decode/colocated workers")
     t.add_argument("--kv-pool-size", default=DEFAULT_KV_POOL_SIZE, help="launch: per worker")
-    t.add_argument("--torch-threads", type=int, default=0,
-                   help="launch: per worker (0: one per core it is placed on; "
-                        f"{DEPLOYMENT_TORCH_THREADS} when not placed)")
-    t.add_argument("--pin-cores", default="auto", choices=("auto", "off"),
-                   help="launch: as `serve --pin-cores` (this client runs on the router's "
-                        "cores); the placement is in the JSON")
+    placement_args(t, "launch: ", " (this client runs on the router's cores; the placement "
+                                  "is in the JSON)")
     t.add_argument("--compile", default=COMPILE_MODES[0], choices=COMPILE_MODES,
                    help="launch: decode/colocated workers compile their decode step")
     t.add_argument("--compile-batch-sizes", default=DEFAULT_COMPILE_BATCH_SIZES,

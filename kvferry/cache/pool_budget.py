@@ -12,7 +12,7 @@ rounded down to whole blocks. Every term comes from the flags and the checkpoint
 the same flags prints the same pool the worker allocates. Device memory: CUDA's total, or
 the machine's RAM capped by the cgroup's memory limit (a container's). `serve` divides its
 utilization among the workers sharing a device (on CPU, every worker it starts). On CPU a
-share is taken only when asked for (CPU_POOL_BYTES says why).
+share is taken only when asked for (`kvferry.settings.CPU_POOL_BYTES` says why).
 """
 
 from __future__ import annotations
@@ -23,13 +23,8 @@ from pathlib import Path
 
 import torch
 
-CUDA_UTILIZATION = 0.9  # vLLM's gpu_memory_utilization default
-# On CPU a share of RAM is taken only when --memory-utilization is given; without it the pool
-# is this size. A decode pool sized from RAM (1.2 GiB on the real model here) made the
-# short streams' loaded p99 ITL 7-18x their unloaded p50 against 2.5-2.8x at this size,
-# with the long prompts' K/V staging 3-5x slower (docs/benchmarks.md, issue 37): not yet
-# understood, so not yet the default.
-CPU_POOL_BYTES = 256 << 20
+from kvferry.settings import CUDA_UTILIZATION
+
 _CGROUP_LIMIT = Path("/sys/fs/cgroup/memory.max")
 
 

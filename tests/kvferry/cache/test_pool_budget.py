@@ -18,8 +18,6 @@ from deploy.worker_model import auto_pool_bytes_for, build_pool, kv_block_bytes
 from kvferry.cache import pool_budget
 from kvferry.cache.layout import KvShape
 from kvferry.cache.pool_budget import (
-    CPU_POOL_BYTES,
-    CUDA_UTILIZATION,
     activation_bytes,
     auto_pool_bytes,
     device_memory,
@@ -28,7 +26,7 @@ from kvferry.cache.pool_budget import (
 from kvferry.cache.tiers.config import TierSettings
 from kvferry.model.config import load_model_config
 from kvferry.model.transformer import Transformer
-from kvferry.settings import WorkerSettings
+from kvferry.settings import CPU_POOL_BYTES, CUDA_UTILIZATION, WorkerSettings
 from kvferry_kernels.dispatch import get_attention_backend
 
 CPU = torch.device("cpu")
