@@ -2,9 +2,9 @@
 
 For a whole process, by environment variables read when a worker starts (every request):
 KVFERRY_FAULT_PUSH_CHUNK_DELAY_S, KVFERRY_FAULT_PUSH_DONE_DELAY_S, KVFERRY_FAULT_CORRUPT_PUSHES,
-KVFERRY_FAULT_BREAK_PUSHES, KVFERRY_FAULT_NIXL_READ_DELAY_S, KVFERRY_FAULT_DECODE_STEP_DELAY_S,
-KVFERRY_FAULT_DECODE_STEPS, KVFERRY_FAULT_DISK_FULL_AFTER_BYTES and
-KVFERRY_FAULT_TIER_WRITE_DELAY_S (one per field of `Faults`).
+KVFERRY_FAULT_BREAK_PUSHES, KVFERRY_FAULT_NIXL_READ_DELAY_S, KVFERRY_FAULT_PREFILL_BATCH_DELAY_S,
+KVFERRY_FAULT_DECODE_STEP_DELAY_S, KVFERRY_FAULT_DECODE_STEPS, KVFERRY_FAULT_DISK_FULL_AFTER_BYTES
+and KVFERRY_FAULT_TIER_WRITE_DELAY_S (one per field of `Faults`).
 
 For one request, only in a process started with KVFERRY_FAULTS=per-request: the request's id
 carries `!<field>=<value>` tags, e.g. `t7!push_chunk_delay_s=0.4!corrupt_pushes=1`, which
@@ -42,6 +42,7 @@ class Faults:
     # counted by each prefill worker over that request id's pushes
     break_pushes: int = 0
     nixl_read_delay_s: float = 0.0  # decode: sleep before each NIXL read of the K/V
+    prefill_batch_delay_s: float = 0.0  # prefill: each forward batch holding the request waits
     decode_step_delay_s: float = 0.0  # decode: each step (holding the request) that much slower
     decode_steps: str = ""  # decode: steps whose forward raises, from 1: "3,7" or "3-"
     disk_full_after_bytes: int = 0  # disk tier: writes fail with ENOSPC past this many bytes

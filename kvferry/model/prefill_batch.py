@@ -4,7 +4,8 @@ Waiting prompts are packed into one varlen forward up to a token budget (no padd
 longer than the chunk size is prefilled a chunk per batch, attending over its own cached
 chunks. A job's first token is sampled when its last chunk is done. Jobs are cancellable:
 a queued job is dropped; a job inside a running batch is released once that batch finishes,
-so its blocks are never freed while a forward pass still writes into them.
+so its blocks are never freed while a forward pass still writes into them. Tests slow the
+batches that hold a request with the prefill_batch_delay_s fault (kvferry/faults.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 from kvferry import trace
 from kvferry.cache.pool import KvPool
+from kvferry.faults import Faults
 from kvferry.model.executor import run_to_completion
 from kvferry.model.sampling import SamplingParams, sample_tokens
 from kvferry.model.transformer import Transformer
@@ -101,6 +103,7 @@ class PrefillBatcher:
         # Forward seconds per prompt token, an EWMA over batches of at least
         # MIN_MEASURED_TOKENS (0: none yet): what routers price a recompute with.
         self.s_per_token = 0.0
+        self._faults = Faults.from_env()  # for tests: kvferry/faults.py
 
     @property
     def num_pending(self) -> int:
@@ -187,8 +190,13 @@ class PrefillBatcher:
                 it.job.started_at = now
         tracer, traced_from = trace.get(), time.monotonic()
         try:
+            delay_s = max(self._faults.for_request(it.job.request_id).prefill_batch_delay_s
+                          for it in items)
+            if delay_s:
+                await asyncio.sleep(delay_s)  # an injected fault: the jobs stay pending
             tokens = await run_to_completion(self.executor, self._forward, items)
-            self._measure(sum(it.end - it.start for it in items), time.perf_counter() - now)
+            self._measure(sum(it.end - it.start for it in items),
+                          time.perf_counter() - now - delay_s)
             if tracer:
                 tracer.event("prefill", t0=traced_from, t1=time.monotonic(),
                              ids=[it.job.request_id for it in items],

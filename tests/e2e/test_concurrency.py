@@ -10,6 +10,7 @@ import torch
 
 from deploy import client
 from deploy.launcher import Deployment
+from kvferry.faults import tag
 from tests.conftest import assert_alive, assert_pools_clean, worker_stats
 
 pytestmark = pytest.mark.slow
@@ -92,9 +93,13 @@ def test_cancelled_prefills_are_dropped_or_abandoned(qwen3_2p2d_deployment: Depl
 
     async def burst() -> int:
         prompts = [list(range(1 + i, 301 + i)) for i in range(8)]
+        # Each batch holding one of them waits 0.5 s before its forward (a per-request fault),
+        # so the prompts are still pending when the polling looks, on any machine.
+        slow = tag(prefill_batch_delay_s=0.5)
         tasks = [asyncio.ensure_future(client.generate(
             deployment.router_address,
-            client.make_request(p, max_tokens=50, ignore_eos=True), 60)) for p in prompts]
+            client.make_request(p, f"burst{i}{slow}", max_tokens=50, ignore_eos=True), 60))
+            for i, p in enumerate(prompts)]
         pending = 0
         while not pending and not all(t.done() for t in tasks):
             pending = await asyncio.to_thread(pending_prefill_tokens)

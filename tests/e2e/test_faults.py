@@ -33,6 +33,9 @@ pytestmark = pytest.mark.slow
 # per request (kvferry/faults.py): every request of this module carries it in its id.
 PUSH_CHUNK_DELAY_S = 0.4
 SLOW_PUSH = tag(push_chunk_delay_s=PUSH_CHUNK_DELAY_S)
+# The kill tests find their victim by polling every worker's stats after the first token,
+# which a loaded 2-core machine can stretch past a second: their pushes last 3 s.
+KILL_PUSH_CHUNK_DELAY_S = 1.0
 LEASE_S = 2.0
 LONG_PROMPT = [i % 500 + 1 for i in range(300)]  # 19 blocks, pushed in 4 delayed chunks
 SHORT_PROMPT = list(range(60, 100))
@@ -89,10 +92,11 @@ def faulty(qwen3_2p2d_deployment: Deployment) -> Iterator[Deployment]:
         yield view
 
 
-def _request(prompt: list[int], max_tokens: int, request_id: str = ""
-             ) -> generation_pb2.GenerateRequest:
-    """A greedy request whose K/V push is slow (SLOW_PUSH)."""
-    return client.make_request(prompt, (request_id or uuid.uuid4().hex) + SLOW_PUSH,
+def _request(prompt: list[int], max_tokens: int, request_id: str = "",
+             push_chunk_delay_s: float = PUSH_CHUNK_DELAY_S) -> generation_pb2.GenerateRequest:
+    """A greedy request whose K/V push is slow (SLOW_PUSH by default)."""
+    slow = tag(push_chunk_delay_s=push_chunk_delay_s)
+    return client.make_request(prompt, (request_id or uuid.uuid4().hex) + slow,
                                temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
@@ -111,7 +115,7 @@ def _router_log(view: Deployment) -> str:
 def test_prefill_worker_killed_mid_push_is_prefilled_again(
         faulty: Deployment, qwen3_2p2d_deployment: Deployment,
         qwen3_deployment: Deployment) -> None:
-    request = _request(LONG_PROMPT, 30)
+    request = _request(LONG_PROMPT, 30, push_chunk_delay_s=KILL_PUSH_CHUNK_DELAY_S)
     expected = _expected(qwen3_deployment, request)
 
     got, victim = asyncio.run(_kill_after_first_token(faulty, request, "prefill"))
@@ -290,7 +294,7 @@ def test_decode_worker_killed_mid_push_migrates(qwen3_2p2d_deployment: Deploymen
     """The decode worker holding the reservation dies while the K/V is being pushed to it:
     the request migrates (another decode worker, prompt + first token prefilled again)."""
     deployment = qwen3_2p2d_deployment
-    request = _request(LONG_PROMPT, 30)
+    request = _request(LONG_PROMPT, 30, push_chunk_delay_s=KILL_PUSH_CHUNK_DELAY_S)
     expected = _expected(qwen3_deployment, request)
     got, victim = asyncio.run(_kill_after_first_token(deployment, request, "decode",
                                                       lambda s: s.reserved_blocks))

@@ -43,6 +43,9 @@ def test_decode_worker_killed_mid_stream(seed: int | None, fixture: str,
     # migrated leg's prefill starts from cached blocks (issue 18, acceptance 1).
     warm = asyncio.run(client.generate(deployment.router_address, generate, 120))
     assert warm.token_ids == undisturbed.token_ids
+    # Paced (10 ms a step, a per-request fault): the 280 steps after the kill point outlast the
+    # stats poll that finds the victim, on any machine.
+    generate.request_id = f"migrate-{fixture}-{seed}" + tag(decode_step_delay_s=0.01)
 
     async def run() -> tuple[client.Completion, Process]:
         async with grpc_util.channel(deployment.router_address) as chan:

@@ -38,13 +38,17 @@ from tests.e2e.test_faults import (
 pytestmark = pytest.mark.slow
 
 READ_DELAY_S = 1.5  # per group (one here: the prompt's K/V is under nixl_push's 4 MiB minimum)
+# The kill tests find their victim by polling every worker's stats after the first token,
+# which a loaded 2-core machine can stretch past a second: their READs last 3 s.
+KILL_READ_DELAY_S = 3.0
 LEASE_S = 2.0
 
 
-def _request(prompt: list[int], max_tokens: int) -> generation_pb2.GenerateRequest:
+def _request(prompt: list[int], max_tokens: int, read_delay_s: float = READ_DELAY_S
+             ) -> generation_pb2.GenerateRequest:
     """A greedy request whose every NIXL READ is slow, with a cache salt of its own (no
     cached block spares it a READ)."""
-    request_id = uuid.uuid4().hex + tag(nixl_read_delay_s=READ_DELAY_S)
+    request_id = uuid.uuid4().hex + tag(nixl_read_delay_s=read_delay_s)
     request = client.make_request(prompt, request_id, temperature=0.0, max_tokens=max_tokens,
                                   ignore_eos=True)
     request.cache_salt = request_id
@@ -62,7 +66,7 @@ def faulty(qwen3_nixl_deployment: Deployment) -> Iterator[Deployment]:
 def test_prefill_worker_killed_mid_read_is_prefilled_again(
         faulty: Deployment, qwen3_nixl_deployment: Deployment,
         qwen3_deployment: Deployment) -> None:
-    request = _request(LONG_PROMPT, 30)
+    request = _request(LONG_PROMPT, 30, KILL_READ_DELAY_S)
     got, victim = asyncio.run(_kill_after_first_token(faulty, request, "prefill"))
     respawn(victim.name, qwen3_nixl_deployment, faulty)
     assert got.token_ids == _expected(qwen3_deployment, request)
@@ -122,7 +126,7 @@ def test_router_killed_mid_read_lease_expires_and_blocks_come_back(
 def test_decode_worker_killed_mid_read_migrates(qwen3_nixl_deployment: Deployment,
                                                 qwen3_deployment: Deployment) -> None:
     deployment = qwen3_nixl_deployment
-    request = _request(LONG_PROMPT, 30)
+    request = _request(LONG_PROMPT, 30, KILL_READ_DELAY_S)
     expected = _expected(qwen3_deployment, request)
     got, victim = asyncio.run(_kill_after_first_token(deployment, request, "decode",
                                                       lambda s: s.reserved_blocks))

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from concurrent.futures import Executor, Future
 
 import pytest
 
+from kvferry.faults import FAULTS_ENV, PER_REQUEST, tag
 from kvferry.model.prefill_batch import PrefillBatcher, PrefillJob
 from kvferry.model.sampling import SamplingParams
 
@@ -77,3 +79,45 @@ def test_the_first_job_always_progresses_even_with_a_budget_of_one(loop: Loop) -
     batcher.submit(_job(loop, "long", 30))
     batcher.submit(_job(loop, "short", 3))
     assert _planned(batcher) == [("long", 0, 1)]
+
+
+class _RecordingExecutor(Executor):
+    """Runs the forward at once, on the caller's thread, and records each call."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[str]] = []
+
+    def submit(self, fn, /, *args, **kwargs):  # type: ignore[no-untyped-def]
+        self.calls.append([it.job.request_id for it in args[0]])
+        future: Future = Future()
+        future.set_result([7] * len(args[0]))
+        return future
+
+
+@pytest.mark.parametrize("tagged", [False, True])
+def test_the_prefill_batch_delay_fault_holds_only_batches_with_a_tagged_request(
+        loop: Loop, tagged: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fault tests use to keep a prompt pending (kvferry/faults.py): the batch waits before
+    its forward with its jobs still queued, and a batch without a tagged job does not."""
+    monkeypatch.setenv(FAULTS_ENV, PER_REQUEST)
+    executor = _RecordingExecutor()
+    batcher = PrefillBatcher(None, None, executor, lambda: None,  # type: ignore[arg-type]
+                             token_budget=512, chunk_size=512)
+    name = "p" + (tag(prefill_batch_delay_s=0.2) if tagged else "")
+    job = _job(loop, name, 64)
+    batcher.submit(job)
+
+    async def first_yield() -> tuple[bool, list[list[str]], int]:
+        task = asyncio.ensure_future(batcher.run_once())
+        await asyncio.sleep(0)  # run_once runs up to its first await
+        seen = (job.is_in_batch, list(executor.calls), batcher.pending_tokens)
+        assert await task
+        return seen
+
+    in_batch, calls, pending = loop.run_until_complete(first_yield())
+    if tagged:
+        assert (in_batch, calls, pending) == (True, [], 64)  # waiting, nothing run yet
+    else:
+        assert calls == [[name]]
+    assert executor.calls == [[name]]
+    assert job.first_token.result() == 7 and batcher.pending_tokens == 0
