@@ -18,7 +18,6 @@ dense view of a batch is a plain slice.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 
@@ -27,13 +26,9 @@ import torch
 from decode_worker.sequence import PagedSeq
 from kvferry import trace
 from kvferry.cache.pool import KvPool
-from kvferry.settings import KVFERRY_HOME
+from kvferry.settings import KERNEL_CACHE_DIR
 from kvferry_kernels import cpu_attention
 from kvferry_kernels.paged_attention_torch import dense_decode_attention
-
-# "torch": attend with torch ops over the batch's longest length (the path before the C
-# kernel, kept for comparison); anything else: the kernel where it builds.
-CPU_ATTENTION_ENV = "KVFERRY_CPU_ATTENTION"
 
 _LENGTH_GRAIN = 64  # tokens: capacity grows in steps of at least this
 # Capacity this many times the batch's need is given back (resized to the need): a long
@@ -61,8 +56,8 @@ class KvStage:
         # Attention over each row's own length (kvferry_kernels/cpu_attention.py), where it builds.
         self.kernel = None
         if (pool.cache.device.type == "cpu" and pool.dtype == torch.float32
-                and os.environ.get(CPU_ATTENTION_ENV) != "torch"):
-            self.kernel = cpu_attention.load(KVFERRY_HOME / "kernels")
+                and cpu_attention.wanted()):
+            self.kernel = cpu_attention.load(KERNEL_CACHE_DIR)
         self._seqs: list[PagedSeq] = []  # row i holds _seqs[i]
         self._valid: list[int] = []  # positions [0, valid) of row i hold its K/V
         self._k: torch.Tensor | None = None  # [layers, rows, kv_heads, length, D]

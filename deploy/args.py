@@ -103,8 +103,9 @@ def _worker_parser(sub: argparse._SubParsersAction, role: str) -> None:
                    help="prompt tokens per chunk of a long prompt's prefill")
     p.add_argument("--decode-stage-mib", type=int, default=DEFAULT_DECODE_STAGE_MIB,
                    help="torch attention backend: memory for the running batch's K/V kept "
-                        "densely beside the pages (no gather per step; default: what the "
-                        "whole pool's tokens take densely); 0: gather every step")
+                        "densely beside the pages (default: none where the C kernel reads "
+                        "the pages in place, else what the whole pool's tokens take "
+                        "densely); 0: none")
     p.add_argument("--compile", default=COMPILE_MODES[0], choices=COMPILE_MODES,
                    help="decode/colocated workers: torch.compile the decode step, a graph "
                         "per batch-size bucket, compiled before serving (max-autotune also "

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 import grpc
 
 from deploy.start_log import record_start
-from deploy.worker_model import build_model
+from deploy.worker_model import build_model, stage_bytes
 from kvferry import trace
 from kvferry.cache.layout import KvLayout
 from kvferry.faults import Faults
@@ -149,14 +149,10 @@ def build_worker(settings: WorkerSettings) -> tuple[Built, object]:
     if settings.role in ("decode", "colocated"):
         from decode_worker import server as decode_server
         from decode_worker.engine import DecodeEngine
-        from decode_worker.kv_stage import stage_bytes_for_pool
 
-        stage_bytes = 0
-        if backend_name == "torch":
-            stage_bytes = (stage_bytes_for_pool(pool) if settings.decode_stage_mib is None
-                           else settings.decode_stage_mib << 20)
         engine = DecodeEngine(model, pool, layout, settings.max_waiting,
-                              stage_bytes=stage_bytes, max_model_len=settings.max_model_len,
+                              stage_bytes=stage_bytes(settings, pool, backend_name),
+                              max_model_len=settings.max_model_len,
                               cache=build_tiered_cache(pool, settings.tiers),
                               token_budget=token_budget,
                               chunk_size=settings.prefill_chunk_size)

@@ -19,7 +19,13 @@ from kvferry.cache.pool_budget import (
     weight_bytes,
 )
 from kvferry.model.config import load_model_config
-from kvferry.settings import COMPILE_CACHE_DIR, CPU_POOL_BYTES, WorkerSettings, parse_batch_sizes
+from kvferry.settings import (
+    COMPILE_CACHE_DIR,
+    CPU_POOL_BYTES,
+    KERNEL_CACHE_DIR,
+    WorkerSettings,
+    parse_batch_sizes,
+)
 from kvferry.sizes import AUTO, parse_pool_size
 
 if TYPE_CHECKING:
@@ -80,14 +86,37 @@ def auto_pool_bytes_for(settings: WorkerSettings, config, device: torch.device,
         tiers = settings.tiers.host_cache_size
         reserved += host_cache_bytes(tiers) if tiers is not None else 0
         if settings.role != "prefill" and settings.attention_backend in ("auto", "torch"):
-            if settings.decode_stage_mib is None:
+            if settings.decode_stage_mib is not None:
+                reserved += settings.decode_stage_mib << 20
+            elif not reads_pages_in_place(device, _kv_dtype(settings, dtype)):
                 staged = (_shape(config, dtype_name(dtype)).bytes_per_token
                           / _shape(config, _kv_dtype(settings, dtype)).bytes_per_token)
-            else:
-                reserved += settings.decode_stage_mib << 20
     left = auto_pool_bytes(device_memory(device), utilization,
                            weight_bytes(settings.model, dtype), activations, reserved)
     return int(left / (1 + staged))
+
+
+def reads_pages_in_place(device: torch.device, kv_dtype: str) -> bool:
+    """Whether the torch backend's CPU decode attention reads the pool's pages in place (float32
+    pages, and the C kernel builds here): then no dense stage is kept by default
+    (--decode-stage-mib). Quantized pages keep it: it holds them dequantized."""
+    from kvferry_kernels import cpu_attention
+
+    return (device.type == "cpu" and kv_dtype == "float32" and cpu_attention.wanted()
+            and cpu_attention.load(KERNEL_CACHE_DIR) is not None)
+
+
+def stage_bytes(settings: WorkerSettings, pool: KvPool, backend_name: str) -> int:
+    """The decode stage's budget (decode_worker/kv_stage.py): --decode-stage-mib, or by default
+    as much K/V as the pool holds where attention would otherwise gather pages every step."""
+    from decode_worker.kv_stage import stage_bytes_for_pool
+
+    if backend_name != "torch":
+        return 0
+    if settings.decode_stage_mib is not None:
+        return settings.decode_stage_mib << 20
+    kv_dtype = "quantized" if pool.is_quantized else dtype_name(pool.dtype)
+    return 0 if reads_pages_in_place(pool.cache.device, kv_dtype) else stage_bytes_for_pool(pool)
 
 
 def pool_bytes(settings: WorkerSettings, config, device: torch.device,
@@ -174,7 +203,8 @@ def build_model(settings: WorkerSettings) -> tuple[Transformer, KvPool, str]:
         torch.set_num_threads(settings.torch_threads)
     config = load_model_config(settings.model)
     device, dtype, backend_name = device_and_dtype(settings)
-    model = Transformer(config, get_attention_backend(backend_name), dtype, device)
+    kernel_dir = KERNEL_CACHE_DIR if device.type == "cpu" else None
+    model = Transformer(config, get_attention_backend(backend_name, kernel_dir), dtype, device)
     if settings.role in ("decode", "colocated") and settings.max_model_len is not None:
         max_model_len_for(settings, config)  # checked before the pool is allocated
     pool = build_pool(settings, config, device, dtype)

@@ -15,6 +15,7 @@ KVFERRY_HOME = Path(os.environ.get("KVFERRY_HOME", Path.home() / ".cache" / "kvf
 DEFAULT_MODEL_DIR = KVFERRY_HOME / "models" / "qwen3-tiny"
 COMPILE_CACHE_DIR = Path(os.environ.get("KVFERRY_COMPILE_CACHE",  # --compile's packages
                                         KVFERRY_HOME / "compile-cache"))
+KERNEL_CACHE_DIR = KVFERRY_HOME / "kernels"  # the C attention kernel, built once per machine
 
 # The one place for defaults and names shared by settings, flags and launchers.
 DEFAULT_BLOCK_SIZE = 16  # tokens per K/V block
@@ -35,7 +36,8 @@ CPU_PREFILL_TOKEN_BUDGET = 512  # the same on CPU (kvferry/model/prefill_batch.p
 DEFAULT_PREFILL_CHUNK_SIZE = 512
 DEFAULT_MAX_WAITING = 256
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
-DEFAULT_DECODE_STAGE_MIB: int | None = None  # None: as much K/V as the pool holds
+# None: none where the C kernel reads the pages in place, else as much K/V as the pool holds
+DEFAULT_DECODE_STAGE_MIB: int | None = None
 DEFAULT_KV_MAX_RESENDS = 2
 DEFAULT_LEASE_S = 30.0  # a decode reservation waits this long for its K/V
 DEFAULT_DNS_INTERVAL_S = 5.0

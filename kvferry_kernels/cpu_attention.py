@@ -1,6 +1,6 @@
-"""Decode attention on CPU over dense per-sequence K/V rows, each row read up to its own
-length: `cpu_decode_attention.c`, compiled with the machine's C compiler on first use and
-called through ctypes.
+"""Decode attention on CPU, each sequence read up to its own length, over the paged pool in
+place (`paged`) or over dense per-sequence K/V rows (`__call__`): `cpu_decode_attention.c`,
+compiled with the machine's C compiler on first use and called through ctypes.
 
 Why C and not torch ops: the torch path (`paged_attention_torch.dense_decode_attention`)
 attends every row over the batch's longest length, and its batched matmuls are G-row GEMMs
@@ -36,11 +36,16 @@ from kvferry_kernels import artifact_cache
 
 log = logging.getLogger("kvferry.kernels")
 
+# "torch": attend with torch ops (the paths before this kernel, kept for comparison); anything
+# else: this kernel where it builds.
+CPU_ATTENTION_ENV = "KVFERRY_CPU_ATTENTION"
 SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
 LIBRARY = "cpu_decode_attention.so"  # the file inside the cache entry
 CFLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
 _ARGTYPES = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6
-             + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int64])
+             + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p])
+_PAGED_ARGTYPES = ([ctypes.c_void_p] * 6 + [ctypes.c_int64] * 10
+                   + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p])
 
 
 class CpuAttention:
@@ -50,9 +55,13 @@ class CpuAttention:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._fn = ctypes.CDLL(str(path)).kvferry_decode_attention_f32
+        library = ctypes.CDLL(str(path))
+        self._fn = library.kvferry_decode_attention_f32
         self._fn.argtypes = _ARGTYPES
         self._fn.restype = None
+        self._paged = library.kvferry_paged_decode_attention_f32
+        self._paged.argtypes = _PAGED_ARGTYPES
+        self._paged.restype = ctypes.c_int
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  seq_lens: torch.Tensor, sm_scale: float) -> torch.Tensor:
@@ -73,9 +82,44 @@ class CpuAttention:
         group = num_q_heads // num_kv_heads
         stride = -(-longest // 16) * 16  # scratch per query head
         scratch = torch.empty(group * stride)
+        offsets = torch.empty(stride, dtype=torch.int64)
         self._fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lens.data_ptr(),
                  batch, num_kv_heads, group, head_dim, k.stride(0), k.stride(1), sm_scale,
-                 scratch.data_ptr(), stride)
+                 scratch.data_ptr(), stride, offsets.data_ptr())
+        return out
+
+    def paged(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              block_tables: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float
+              ) -> torch.Tensor:
+        """`paged_decode_attention_torch`'s contract over full-precision pages, read in place:
+        q [B, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D] fp32, each page
+        dense and both strided alike; block_tables [B, max_blocks]; seq_lens [B], each >= 1
+        and within its table. The same bits as `__call__` over the same K/V laid densely."""
+        batch, num_q_heads, head_dim = q.shape
+        num_blocks, block_size, num_kv_heads = k_cache.shape[:3]
+        if not (q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+                and k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
+                and k_cache.stride(2) == head_dim and k_cache.stride(1) == num_kv_heads * head_dim
+                and q.device.type == "cpu"):
+            raise ValueError("cpu paged attention: fp32 CPU pages [blocks, block_size, Hkv, D], "
+                             "each page dense, K and V strided alike")
+        lens = seq_lens.to(torch.int32).contiguous()
+        tables = block_tables.to(torch.int32).contiguous()
+        longest = int(lens.max()) if batch else 1
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        group = num_q_heads // num_kv_heads
+        stride = -(-longest // 16) * 16
+        scratch = torch.empty(group * stride)
+        offsets = torch.empty(stride, dtype=torch.int64)
+        status = self._paged(
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+            lens.data_ptr(), tables.data_ptr(), tables.shape[1], num_blocks, batch,
+            num_kv_heads, group, head_dim, block_size, k_cache.stride(0), k_cache.stride(1),
+            k_cache.stride(2), sm_scale, scratch.data_ptr(), stride, offsets.data_ptr())
+        if status != 0:
+            raise ValueError("cpu paged attention: a sequence length outside [1, its table] "
+                             "or a block table entry outside the pool")
         return out
 
 
@@ -102,6 +146,11 @@ def _build(compiler: str, scratch: Path) -> None:
                    check=True, capture_output=True, text=True, timeout=120)
 
 
+def wanted() -> bool:
+    """Whether the kernel may be used: not switched off by KVFERRY_CPU_ATTENTION=torch."""
+    return os.environ.get(CPU_ATTENTION_ENV) != "torch"
+
+
 @functools.cache
 def load(cache_dir: Path | None = None) -> CpuAttention | None:
     """The kernel, built into `cache_dir` unless a verified build is there already; None when
@@ -125,4 +174,4 @@ def load(cache_dir: Path | None = None) -> CpuAttention | None:
         return None
 
 
-__all__ = ["CpuAttention", "load"]
+__all__ = ["CPU_ATTENTION_ENV", "CpuAttention", "load", "wanted"]

@@ -1,10 +1,13 @@
-/* Decode attention over the CPU decode worker's dense K/V stage, one pass over each
- * sequence's own length (kvferry_kernels/cpu_attention.py builds and loads this file).
+/* Decode attention on CPU, one pass over each sequence's own length, over the paged pool in
+ * place or over the decode worker's dense K/V stage (kvferry_kernels/cpu_attention.py builds
+ * and loads this file).
  *
  * For every (sequence b, KV head h): the G query heads of the group are scored against
  * K[b, h, 0:len[b]], softmaxed, and summed over V[b, h, 0:len[b]]. K and V are read from
  * memory once per (b, h) and only up to the sequence's length: the torch path attends every
- * row over the batch's longest length, and its batched matmuls are G-row GEMMs.
+ * row over the batch's longest length, and its batched matmuls are G-row GEMMs. Position t
+ * of a head is read at base + off[t]: t * D in the stage, its block's and slot's place in the
+ * pool (offsets built per sequence from its block table).
  *
  * fp32 throughout, written with GCC/clang vector types (16 floats; the compiler splits them
  * on narrower units), so the reductions happen in an order fixed here, without -ffast-math.
@@ -116,14 +119,14 @@ static inline void softmax(float *s, int64_t n) {
 /* One (sequence, KV head) with D = 16 * NC: scores, softmax, weighted sum of V. */
 #define HEAD(NC)                                                                             \
     static inline void head_##NC(const float *q, const float *k, const float *v, float *o,  \
-                                 int64_t n, int64_t group, float scale, float *s,           \
-                                 int64_t stride_s) {                                        \
+                                 const int64_t *off, int64_t n, int64_t group, float scale, \
+                                 float *s, int64_t stride_s) {                              \
         int64_t t = 0;                                                                       \
         for (; t + 16 <= n; t += 16)  /* 16 positions per reduction */                      \
             for (int64_t g = 0; g < group; g++) {                                           \
                 v16 acc[16];                                                                 \
                 for (int j = 0; j < 16; j++) {                                               \
-                    const float *kj = k + (t + j) * 16 * NC;                                 \
+                    const float *kj = k + off[t + j];                                        \
                     acc[j] = load16(q + g * 16 * NC) * load16(kj);                           \
                     for (int c = 1; c < NC; c++)                                             \
                         acc[j] += load16(q + g * 16 * NC + 16 * c) * load16(kj + 16 * c);   \
@@ -133,7 +136,7 @@ static inline void softmax(float *s, int64_t n) {
             }                                                                                \
         for (; t < n; t++) {  /* the last n % 16 */                                          \
             v16 kt[NC];                                                                      \
-            for (int c = 0; c < NC; c++) kt[c] = load16(k + t * 16 * NC + 16 * c);          \
+            for (int c = 0; c < NC; c++) kt[c] = load16(k + off[t] + 16 * c);               \
             for (int64_t g = 0; g < group; g++) {                                           \
                 v16 acc = load16(q + g * 16 * NC) * kt[0];                                   \
                 for (int c = 1; c < NC; c++) acc += load16(q + g * 16 * NC + 16 * c) * kt[c]; \
@@ -146,7 +149,7 @@ static inline void softmax(float *s, int64_t n) {
             v16 acc[NC];                                                                     \
             for (int c = 0; c < NC; c++) acc[c] = (v16){0};                                  \
             for (int64_t t = 0; t < n; t++)                                                  \
-                for (int c = 0; c < NC; c++) acc[c] += p[t] * load16(v + t * 16 * NC + 16 * c); \
+                for (int c = 0; c < NC; c++) acc[c] += p[t] * load16(v + off[t] + 16 * c);      \
             memcpy(o + g * 16 * NC, acc, sizeof acc);                                        \
         }                                                                                    \
     }
@@ -154,45 +157,87 @@ HEAD(2)
 HEAD(4)
 HEAD(8)
 
-static void head_any(const float *q, const float *k, const float *v, float *o, int64_t n,
-                     int64_t group, int64_t d, float scale, float *s, int64_t stride_s) {
+static void head_any(const float *q, const float *k, const float *v, float *o,
+                     const int64_t *off, int64_t n, int64_t group, int64_t d, float scale,
+                     float *s, int64_t stride_s) {
     for (int64_t t = 0; t < n; t++)
         for (int64_t g = 0; g < group; g++) {
             float acc = 0.0f;
-            for (int64_t i = 0; i < d; i++) acc += q[g * d + i] * k[t * d + i];
+            for (int64_t i = 0; i < d; i++) acc += q[g * d + i] * k[off[t] + i];
             s[g * stride_s + t] = acc * scale;
         }
     for (int64_t g = 0; g < group; g++) softmax(s + g * stride_s, n);
     memset(o, 0, sizeof(float) * group * d);
     for (int64_t g = 0; g < group; g++)
         for (int64_t t = 0; t < n; t++)
-            for (int64_t i = 0; i < d; i++) o[g * d + i] += s[g * stride_s + t] * v[t * d + i];
+            for (int64_t i = 0; i < d; i++) o[g * d + i] += s[g * stride_s + t] * v[off[t] + i];
+}
+
+/* One sequence: each KV head h's positions t in [0, n) at k + h * head_stride + off[t]
+ * (v alike); q and out hold its Hkv * G query heads. */
+static void attend_row(const float *q, const float *k, const float *v, float *out,
+                       const int64_t *off, int64_t n, int64_t num_kv_heads, int64_t group,
+                       int64_t head_dim, int64_t head_stride, float scale, float *s,
+                       int64_t stride_s) {
+    for (int64_t h = 0; h < num_kv_heads; h++) {
+        const float *kh = k + h * head_stride;
+        const float *vh = v + h * head_stride;
+        const int64_t at = h * group * head_dim;
+        if (head_dim == 32)
+            head_2(q + at, kh, vh, out + at, off, n, group, scale, s, stride_s);
+        else if (head_dim == 64)
+            head_4(q + at, kh, vh, out + at, off, n, group, scale, s, stride_s);
+        else if (head_dim == 128)
+            head_8(q + at, kh, vh, out + at, off, n, group, scale, s, stride_s);
+        else
+            head_any(q + at, kh, vh, out + at, off, n, group, head_dim, scale, s, stride_s);
+    }
 }
 
 /* q [B, Hkv * G, D] contiguous; out the same. k and v: element (b, h, t, d) at
  * b * row_stride + h * head_stride + t * D + d (the stage's [rows, Hkv, length, D] layer
  * slice). lens[b] >= 1. scratch: G * stride_s floats, stride_s >= max(lens) rounded up to
- * a multiple of 16. */
+ * a multiple of 16; offsets: stride_s int64s. */
 void kvferry_decode_attention_f32(const float *q, const float *k, const float *v, float *out,
                                   const int32_t *lens, int64_t batch, int64_t num_kv_heads,
                                   int64_t group, int64_t head_dim, int64_t row_stride,
                                   int64_t head_stride, float scale, float *scratch,
-                                  int64_t stride_s) {
+                                  int64_t stride_s, int64_t *offsets) {
+    int64_t longest = 0;
+    for (int64_t b = 0; b < batch; b++) longest = lens[b] > longest ? lens[b] : longest;
+    for (int64_t t = 0; t < longest; t++) offsets[t] = t * head_dim;
+    const int64_t q_row = num_kv_heads * group * head_dim;
+    for (int64_t b = 0; b < batch; b++)
+        attend_row(q + b * q_row, k + b * row_stride, v + b * row_stride, out + b * q_row,
+                   offsets, lens[b], num_kv_heads, group, head_dim, head_stride, scale,
+                   scratch, stride_s);
+}
+
+/* The same attention read from the paged pool in place: one layer's K and V pages, element
+ * (block, slot, h, d) at block * block_stride + slot * token_stride + h * head_stride + d;
+ * sequence b's position t in block tables[b * table_stride + t / block_size], slot
+ * t % block_size. The same arithmetic in the same order as the dense entry, so the same bits.
+ * Returns 0, or -1 (nothing trusted written) when a length needs more table entries than a
+ * row has or a table entry it reads is not a block of the pool. */
+int kvferry_paged_decode_attention_f32(
+        const float *q, const float *k_cache, const float *v_cache, float *out,
+        const int32_t *lens, const int32_t *tables, int64_t table_stride, int64_t num_blocks,
+        int64_t batch, int64_t num_kv_heads, int64_t group, int64_t head_dim,
+        int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t head_stride,
+        float scale, float *scratch, int64_t stride_s, int64_t *offsets) {
+    const int64_t q_row = num_kv_heads * group * head_dim;
     for (int64_t b = 0; b < batch; b++) {
-        for (int64_t h = 0; h < num_kv_heads; h++) {
-            const float *kh = k + b * row_stride + h * head_stride;
-            const float *vh = v + b * row_stride + h * head_stride;
-            const int64_t at = (b * num_kv_heads + h) * group * head_dim;
-            const int64_t n = lens[b];
-            if (head_dim == 32)
-                head_2(q + at, kh, vh, out + at, n, group, scale, scratch, stride_s);
-            else if (head_dim == 64)
-                head_4(q + at, kh, vh, out + at, n, group, scale, scratch, stride_s);
-            else if (head_dim == 128)
-                head_8(q + at, kh, vh, out + at, n, group, scale, scratch, stride_s);
-            else
-                head_any(q + at, kh, vh, out + at, n, group, head_dim, scale, scratch,
-                         stride_s);
+        const int64_t n = lens[b];
+        if (n < 1 || (n + block_size - 1) / block_size > table_stride) return -1;
+        const int32_t *table = tables + b * table_stride;
+        for (int64_t t = 0, j = 0; t < n; j++) {
+            const int64_t block = table[j];
+            if (block < 0 || block >= num_blocks) return -1;
+            for (int64_t slot = 0; slot < block_size && t < n; slot++, t++)
+                offsets[t] = block * block_stride + slot * token_stride;
         }
+        attend_row(q + b * q_row, k_cache, v_cache, out + b * q_row, offsets, n, num_kv_heads,
+                   group, head_dim, head_stride, scale, scratch, stride_s);
     }
+    return 0;
 }

@@ -1,6 +1,8 @@
 """Choose the attention backend by name.
 
-"torch" is the batched torch implementation (CPU or GPU, no extra dependency). "triton" imports
+"torch" is the batched torch implementation (CPU or GPU, no extra dependency); on CPU, given a
+directory to build it in, full-precision pages are read in place by the C kernel
+(`cpu_attention`) instead, where a compiler builds it. "triton" imports
 the Triton kernels lazily, so importing this module never pulls in triton; on a machine
 without a GPU it needs `TRITON_INTERPRET=1` set before the first `get_attention_backend`
 call that names it.
@@ -8,11 +10,14 @@ call that names it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
+from kvferry_kernels import cpu_attention
 from kvferry_kernels.paged_attention_ref import write_kv_ref
 from kvferry_kernels.paged_attention_torch import paged_decode_attention_torch
 
@@ -37,19 +42,36 @@ class AttentionBackend(NamedTuple):
     name: str
     decode_attention: DecodeAttentionFn
     write_kv: WriteKVFn
+    cpu_kernel: cpu_attention.CpuAttention | None = None  # reads fp32 CPU pages in place
 
 
-def get_attention_backend(name: str) -> AttentionBackend:
-    """Return the backend called `name`; raise ValueError naming it when unknown."""
+def get_attention_backend(name: str, cpu_kernel_dir: Path | None = None) -> AttentionBackend:
+    """Return the backend called `name`; raise ValueError naming it when unknown. With
+    `cpu_kernel_dir`, "torch" builds (or finds) the C kernel there for fp32 CPU pages."""
     if name == "torch":
         # The batched torch path; paged_attention_ref's per-sequence loop is the tests' oracle.
-        return AttentionBackend(name, paged_decode_attention_torch, write_kv_ref)
+        kernel = (cpu_attention.load(cpu_kernel_dir)
+                  if cpu_kernel_dir is not None and cpu_attention.wanted() else None)
+        if kernel is None:
+            return AttentionBackend(name, paged_decode_attention_torch, write_kv_ref)
+        return AttentionBackend(name, functools.partial(_in_place, kernel), write_kv_ref,
+                                kernel)
     if name == "triton":
         from kvferry_kernels.triton_kv_append import write_kv_triton
         from kvferry_kernels.triton_paged_attention import paged_decode_attention_triton
 
         return AttentionBackend(name, paged_decode_attention_triton, write_kv_triton)
     raise ValueError(f"unknown attention backend {name!r}; expected one of {BACKEND_NAMES}")
+
+
+def _in_place(kernel: cpu_attention.CpuAttention, q: torch.Tensor, k_cache: torch.Tensor,
+              v_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+              sm_scale: float) -> torch.Tensor:
+    """The kernel over pages it can read (fp32 on CPU), the torch path over any other."""
+    if (isinstance(k_cache, torch.Tensor) and k_cache.dtype == torch.float32
+            and k_cache.device.type == "cpu"):
+        return kernel.paged(q, k_cache, v_cache, block_tables, seq_lens, sm_scale)
+    return paged_decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, sm_scale)
 
 
 __all__ = ["BACKEND_NAMES", "AttentionBackend", "get_attention_backend"]

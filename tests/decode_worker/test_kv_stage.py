@@ -10,9 +10,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from decode_worker.kv_stage import CPU_ATTENTION_ENV, HOLD_S, KvStage, stage_bytes_for_pool
+from decode_worker.kv_stage import HOLD_S, KvStage, stage_bytes_for_pool
 from decode_worker.sequence import step_inputs
 from kvferry.cache.pool import KvPool
+from kvferry_kernels.cpu_attention import CPU_ATTENTION_ENV
 from kvferry_kernels.paged_attention_ref import paged_decode_attention_ref, write_kv_ref
 
 LAYERS, HQ, HKV, D, BS = 2, 4, 2, 16, 4

@@ -2,7 +2,9 @@
 ops it replaces (`dense_decode_attention`, itself checked against the per-sequence oracle):
 every head size path (32, 64 and 128 in registers, any other in a plain loop), grouped
 queries, rows of every length from 1 to the row width, positions past a row's length
-poisoned with NaN (the kernel must never read them), and the stage's strided layer slice."""
+poisoned with NaN (the kernel must never read them), and the stage's strided layer slice. The
+paged entry reads the pool's pages in place: the same bits as the dense entry over the same
+K/V, against the torch paged path, and it refuses tables it would read outside of."""
 
 from __future__ import annotations
 
@@ -16,7 +18,10 @@ import pytest
 import torch
 
 from kvferry_kernels import artifact_cache, cpu_attention
-from kvferry_kernels.paged_attention_torch import dense_decode_attention
+from kvferry_kernels.paged_attention_torch import (
+    dense_decode_attention,
+    paged_decode_attention_torch,
+)
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +76,68 @@ def test_refuses_what_it_cannot_read(kernel: cpu_attention.CpuAttention, change,
             "v": torch.randn(2, 1, 5, 32), "seq_lens": torch.tensor([5, 3]), "sm_scale": 0.1}
     with pytest.raises(ValueError, match=error):
         kernel(**change(args))
+
+
+def _paged_case(head_dim: int, group: int, block_size: int, seed: int
+                ) -> tuple[torch.Tensor, ...]:
+    """A pool layer's K and V pages (NaN in every slot no sequence holds), shuffled block
+    tables padded with -1, lengths from 1 to a whole table, and queries."""
+    gen = torch.Generator().manual_seed(seed)
+    kv_heads, num_blocks, width = 2, 40, 5  # table entries per sequence
+    lens = torch.tensor([1, block_size, block_size + 1, 3 * block_size - 1,
+                         width * block_size, 2], dtype=torch.int32)
+    # [layers, 2, blocks, block_size, Hkv, D], as KvPool lays it out; layer 1 is attended.
+    cache = torch.full((2, 2, num_blocks, block_size, kv_heads, head_dim), float("nan"))
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = torch.full((len(lens), width), -1, dtype=torch.int32)
+    for row, n in enumerate(lens.tolist()):
+        for j in range(-(-n // block_size)):
+            block = order.pop()
+            tables[row, j] = block
+            used = min(block_size, n - j * block_size)
+            cache[:, :, block, :used] = torch.randn(2, 2, used, kv_heads, head_dim,
+                                                    generator=gen)
+    q = torch.randn(len(lens), kv_heads * group, head_dim, generator=gen)
+    return q, cache[1, 0], cache[1, 1], tables, lens
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 48])
+@pytest.mark.parametrize(("group", "block_size"), [(1, 16), (3, 16), (8, 4), (3, 7)])
+def test_paged_reads_pages_in_place_bit_for_bit_as_dense(
+        kernel: cpu_attention.CpuAttention, head_dim: int, group: int, block_size: int) -> None:
+    q, k_cache, v_cache, tables, lens = _paged_case(head_dim, group, block_size,
+                                                    head_dim + 100 * group + block_size)
+    got = kernel.paged(q, k_cache, v_cache, tables, lens, head_dim**-0.5)
+    # The same K/V gathered into dense rows (zeros past each length) through the dense entry.
+    width = tables.shape[1] * block_size
+    rows = [torch.zeros(2, k_cache.shape[2], width, head_dim) for _ in range(len(lens))]
+    for row, n in enumerate(lens.tolist()):
+        for t in range(n):
+            block, slot = int(tables[row, t // block_size]), t % block_size
+            rows[row][0, :, t] = k_cache[block, slot]
+            rows[row][1, :, t] = v_cache[block, slot]
+    dense = torch.stack(rows)
+    assert torch.equal(got, kernel(q, dense[:, 0], dense[:, 1], lens, head_dim**-0.5))
+    safe = [torch.nan_to_num(c) for c in (k_cache, v_cache)]  # torch gathers whole blocks
+    torch.testing.assert_close(got, paged_decode_attention_torch(
+        q, *safe, tables.clamp(min=0), lens, head_dim**-0.5), atol=2e-6, rtol=2e-5)
+
+
+@pytest.mark.parametrize("change, error", [
+    (lambda a: {**a, "seq_lens": torch.tensor([0, 3])}, "length outside"),
+    (lambda a: {**a, "seq_lens": torch.tensor([9, 3])}, "length outside"),  # 3 entries of 4
+    (lambda a: {**a, "block_tables": torch.tensor([[0, 9], [2, 3]])}, "outside the pool"),
+    (lambda a: {**a, "block_tables": torch.tensor([[0, -1], [2, 3]])}, "outside the pool"),
+    (lambda a: {**a, "k_cache": a["k_cache"].double()}, "fp32"),
+    (lambda a: {**a, "k_cache": torch.randn(4, 8, 1, 32)[:, ::2],
+                "v_cache": torch.randn(4, 8, 1, 32)[:, ::2]}, "each page dense")])
+def test_paged_refuses_what_it_would_read_outside_of(kernel: cpu_attention.CpuAttention,
+                                                     change, error) -> None:
+    args = {"q": torch.randn(2, 2, 32), "k_cache": torch.randn(4, 4, 1, 32),
+            "v_cache": torch.randn(4, 4, 1, 32), "block_tables": torch.tensor([[0, 1], [2, 3]]),
+            "seq_lens": torch.tensor([8, 3]), "sm_scale": 0.1}
+    with pytest.raises(ValueError, match=error):
+        kernel.paged(**change(args))
 
 
 def test_built_once_per_cache_and_none_without_a_compiler(

@@ -27,6 +27,7 @@ from kvferry.cache.tiers.config import TierSettings
 from kvferry.model.config import load_model_config
 from kvferry.model.transformer import Transformer
 from kvferry.settings import CPU_POOL_BYTES, CUDA_UTILIZATION, WorkerSettings
+from kvferry_kernels.cpu_attention import CPU_ATTENTION_ENV
 from kvferry_kernels.dispatch import get_attention_backend
 
 CPU = torch.device("cpu")
@@ -51,18 +52,19 @@ def _settings(checkpoint: Path, role: str, **kwargs: object) -> WorkerSettings:
 
 
 def test_the_pool_is_the_share_less_weights_activations_tiers_and_stage(
-        qwen3_checkpoint: Path) -> None:
+        qwen3_checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     config = load_model_config(qwen3_checkpoint)
     left = (int(0.01 * device_memory(CPU)) - weight_bytes(qwen3_checkpoint, torch.float32)
             - activation_bytes(config, 512, 512, torch.float32))
     prefill = auto_pool_bytes_for(_settings(qwen3_checkpoint, "prefill"), config, CPU,
                                   torch.float32)
     assert prefill == left
-    # A decode worker's default stage mirrors the pool in the model's dtype: float32 pages,
-    # so half each; int8 pages (64 + 4 bytes a head) against a float32 stage (256)
+    # float32 pages: the C kernel reads them in place, no stage by default; without it (the
+    # torch path) the default stage mirrors the pool in the model's dtype, so half each; int8
+    # pages (64 + 4 bytes a head) keep a float32 stage (256)
     decode = auto_pool_bytes_for(_settings(qwen3_checkpoint, "decode"), config, CPU,
                                  torch.float32)
-    assert decode == left // 2
+    assert decode == left
     int8 = auto_pool_bytes_for(_settings(qwen3_checkpoint, "decode", kv_cache_dtype="int8"),
                                config, CPU, torch.float32)
     f32, q8 = (KvShape.from_config(qwen3_checkpoint, d).bytes_per_token
@@ -75,6 +77,10 @@ def test_the_pool_is_the_share_less_weights_activations_tiers_and_stage(
         _settings(qwen3_checkpoint, "prefill", tiers=TierSettings(host_cache_size="16MiB")),
         config, CPU, torch.float32)
     assert tiered == left - (16 << 20)
+    monkeypatch.setenv(CPU_ATTENTION_ENV, "torch")
+    torch_path = auto_pool_bytes_for(_settings(qwen3_checkpoint, "decode"), config, CPU,
+                                     torch.float32)
+    assert torch_path == left // 2
 
 
 def test_the_built_pool_holds_whole_blocks_of_that_and_says_so(
