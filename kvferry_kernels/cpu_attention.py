@@ -80,8 +80,8 @@ class CpuAttention:
         q = q.contiguous()
         out = torch.empty_like(q)
         group = num_q_heads // num_kv_heads
-        stride = -(-longest // 16) * 16  # scratch per query head
-        scratch = torch.empty(group * stride)
+        stride = -(-longest // 16) * 16  # scores' scratch per query head
+        scratch = torch.empty(num_q_heads * stride)
         offsets = torch.empty(stride, dtype=torch.int64)
         self._fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lens.data_ptr(),
                  batch, num_kv_heads, group, head_dim, k.stride(0), k.stride(1), sm_scale,
@@ -110,7 +110,7 @@ class CpuAttention:
         out = torch.empty_like(q)
         group = num_q_heads // num_kv_heads
         stride = -(-longest // 16) * 16
-        scratch = torch.empty(group * stride)
+        scratch = torch.empty(num_q_heads * stride)
         offsets = torch.empty(stride, dtype=torch.int64)
         status = self._paged(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),

@@ -116,46 +116,88 @@ static inline void softmax(float *s, int64_t n) {
     }
 }
 
-/* One (sequence, KV head) with D = 16 * NC: scores, softmax, weighted sum of V. */
-#define HEAD(NC)                                                                             \
-    static inline void head_##NC(const float *q, const float *k, const float *v, float *o,  \
-                                 const int64_t *off, int64_t n, int64_t group, float scale, \
-                                 float *s, int64_t stride_s) {                              \
+/* Ask for the cache lines of positions [t, t + 16), every head, while the chunk before them
+ * is computed: a sequence's blocks lie anywhere in the pool, where the hardware's stream
+ * prefetch does not follow. */
+static inline void prefetch_chunk(const float *base, const int64_t *off, int64_t t, int64_t n,
+                                  int64_t heads, int64_t head_stride, int64_t head_dim) {
+    const int64_t end = t + 16 < n ? t + 16 : n;
+    for (; t < end; t++)
+        for (int64_t h = 0; h < heads; h++)
+            for (int64_t x = 0; x < head_dim; x += 16)
+                __builtin_prefetch(base + h * head_stride + off[t] + x);
+}
+
+/* One sequence with D = 16 * NC, every KV head (H of them, G query heads each) in 16-position
+ * chunks: a chunk's scores, then its part of the weighted sum of V, for all heads in turn.
+ * The pool interleaves heads within a position (a head's positions are H * D floats apart),
+ * so head by head over the whole length read each cache line of a block in a separate pass;
+ * chunk by chunk, a block's lines are used while in cache. The scores of query head i go to
+ * s + i * stride_s; each output accumulates its positions in order (in registers within a
+ * chunk, in o between chunks), the same additions whatever the chunking. */
+#define ROW(NC)                                                                              \
+    static inline void row_##NC(const float *q, const float *k, const float *v, float *o,   \
+                                const int64_t *off, int64_t n, int64_t heads, int64_t group, \
+                                int64_t head_stride, float scale, float *s, int64_t stride_s) { \
+        enum { D = 16 * NC, GB = 16 / NC }; /* GB query heads' sums held in registers */    \
         int64_t t = 0;                                                                       \
-        for (; t + 16 <= n; t += 16)  /* 16 positions per reduction */                      \
-            for (int64_t g = 0; g < group; g++) {                                           \
-                v16 acc[16];                                                                 \
-                for (int j = 0; j < 16; j++) {                                               \
-                    const float *kj = k + off[t + j];                                        \
-                    acc[j] = load16(q + g * 16 * NC) * load16(kj);                           \
-                    for (int c = 1; c < NC; c++)                                             \
-                        acc[j] += load16(q + g * 16 * NC + 16 * c) * load16(kj + 16 * c);   \
+        for (; t + 16 <= n; t += 16) { /* 16 positions per reduction */                     \
+            prefetch_chunk(k, off, t + 16, n, heads, head_stride, D);                        \
+            for (int64_t h = 0; h < heads; h++)                                              \
+                for (int64_t g = 0; g < group; g++) {                                        \
+                    const float *qg = q + (h * group + g) * D;                               \
+                    v16 acc[16];                                                             \
+                    for (int j = 0; j < 16; j++) {                                           \
+                        const float *kj = k + h * head_stride + off[t + j];                  \
+                        acc[j] = load16(qg) * load16(kj);                                    \
+                        for (int c = 1; c < NC; c++)                                         \
+                            acc[j] += load16(qg + 16 * c) * load16(kj + 16 * c);             \
+                    }                                                                        \
+                    v16 sums = hsum16x16(acc) * scale;                                       \
+                    memcpy(s + (h * group + g) * stride_s + t, &sums, sizeof sums);          \
                 }                                                                            \
-                v16 sums = hsum16x16(acc) * scale;                                           \
-                memcpy(s + g * stride_s + t, &sums, sizeof sums);                           \
-            }                                                                                \
-        for (; t < n; t++) {  /* the last n % 16 */                                          \
-            v16 kt[NC];                                                                      \
-            for (int c = 0; c < NC; c++) kt[c] = load16(k + off[t] + 16 * c);               \
-            for (int64_t g = 0; g < group; g++) {                                           \
-                v16 acc = load16(q + g * 16 * NC) * kt[0];                                   \
-                for (int c = 1; c < NC; c++) acc += load16(q + g * 16 * NC + 16 * c) * kt[c]; \
-                s[g * stride_s + t] = hsum16(acc) * scale;                                   \
-            }                                                                                \
         }                                                                                    \
-        for (int64_t g = 0; g < group; g++) softmax(s + g * stride_s, n);                   \
-        for (int64_t g = 0; g < group; g++) {                                               \
-            const float *p = s + g * stride_s;                                               \
-            v16 acc[NC];                                                                     \
-            for (int c = 0; c < NC; c++) acc[c] = (v16){0};                                  \
-            for (int64_t t = 0; t < n; t++)                                                  \
-                for (int c = 0; c < NC; c++) acc[c] += p[t] * load16(v + off[t] + 16 * c);      \
-            memcpy(o + g * 16 * NC, acc, sizeof acc);                                        \
+        for (; t < n; t++) /* the last n % 16 */                                             \
+            for (int64_t h = 0; h < heads; h++) {                                            \
+                v16 kt[NC];                                                                  \
+                for (int c = 0; c < NC; c++)                                                 \
+                    kt[c] = load16(k + h * head_stride + off[t] + 16 * c);                   \
+                for (int64_t g = 0; g < group; g++) {                                        \
+                    const float *qg = q + (h * group + g) * D;                               \
+                    v16 acc = load16(qg) * kt[0];                                            \
+                    for (int c = 1; c < NC; c++) acc += load16(qg + 16 * c) * kt[c];         \
+                    s[(h * group + g) * stride_s + t] = hsum16(acc) * scale;                 \
+                }                                                                            \
+            }                                                                                \
+        for (int64_t i = 0; i < heads * group; i++) softmax(s + i * stride_s, n);            \
+        for (int64_t t0 = 0; t0 < n; t0 += 16) {                                             \
+            const int64_t t1 = t0 + 16 < n ? t0 + 16 : n;                                    \
+            prefetch_chunk(v, off, t0 + 16, n, heads, head_stride, D);                       \
+            for (int64_t h = 0; h < heads; h++)                                              \
+                for (int64_t g0 = 0; g0 < group; g0 += GB) {                                 \
+                    const int64_t gn = group - g0 < GB ? group - g0 : GB;                    \
+                    float *og = o + (h * group + g0) * D;                                    \
+                    const float *pg = s + (h * group + g0) * stride_s;                       \
+                    v16 acc[GB][NC];                                                         \
+                    for (int64_t i = 0; i < gn; i++)                                         \
+                        for (int c = 0; c < NC; c++)                                         \
+                            acc[i][c] = t0 ? load16(og + i * D + 16 * c) : (v16){0};         \
+                    for (int64_t u = t0; u < t1; u++) {                                      \
+                        v16 vu[NC];                                                          \
+                        for (int c = 0; c < NC; c++)                                         \
+                            vu[c] = load16(v + h * head_stride + off[u] + 16 * c);           \
+                        for (int64_t i = 0; i < gn; i++)                                     \
+                            for (int c = 0; c < NC; c++)                                     \
+                                acc[i][c] += pg[i * stride_s + u] * vu[c];                   \
+                    }                                                                        \
+                    for (int64_t i = 0; i < gn; i++)                                         \
+                        memcpy(og + i * D, acc[i], sizeof acc[i]);                           \
+                }                                                                            \
         }                                                                                    \
     }
-HEAD(2)
-HEAD(4)
-HEAD(8)
+ROW(2)
+ROW(4)
+ROW(8)
 
 static void head_any(const float *q, const float *k, const float *v, float *o,
                      const int64_t *off, int64_t n, int64_t group, int64_t d, float scale,
@@ -174,30 +216,29 @@ static void head_any(const float *q, const float *k, const float *v, float *o,
 }
 
 /* One sequence: each KV head h's positions t in [0, n) at k + h * head_stride + off[t]
- * (v alike); q and out hold its Hkv * G query heads. */
+ * (v alike); q and out hold its Hkv * G query heads; s has Hkv * G * stride_s floats. */
 static void attend_row(const float *q, const float *k, const float *v, float *out,
                        const int64_t *off, int64_t n, int64_t num_kv_heads, int64_t group,
                        int64_t head_dim, int64_t head_stride, float scale, float *s,
                        int64_t stride_s) {
-    for (int64_t h = 0; h < num_kv_heads; h++) {
-        const float *kh = k + h * head_stride;
-        const float *vh = v + h * head_stride;
-        const int64_t at = h * group * head_dim;
-        if (head_dim == 32)
-            head_2(q + at, kh, vh, out + at, off, n, group, scale, s, stride_s);
-        else if (head_dim == 64)
-            head_4(q + at, kh, vh, out + at, off, n, group, scale, s, stride_s);
-        else if (head_dim == 128)
-            head_8(q + at, kh, vh, out + at, off, n, group, scale, s, stride_s);
-        else
-            head_any(q + at, kh, vh, out + at, off, n, group, head_dim, scale, s, stride_s);
-    }
+    if (head_dim == 32)
+        row_2(q, k, v, out, off, n, num_kv_heads, group, head_stride, scale, s, stride_s);
+    else if (head_dim == 64)
+        row_4(q, k, v, out, off, n, num_kv_heads, group, head_stride, scale, s, stride_s);
+    else if (head_dim == 128)
+        row_8(q, k, v, out, off, n, num_kv_heads, group, head_stride, scale, s, stride_s);
+    else
+        for (int64_t h = 0; h < num_kv_heads; h++) {
+            const int64_t at = h * group * head_dim;
+            head_any(q + at, k + h * head_stride, v + h * head_stride, out + at, off, n, group,
+                     head_dim, scale, s, stride_s);
+        }
 }
 
 /* q [B, Hkv * G, D] contiguous; out the same. k and v: element (b, h, t, d) at
  * b * row_stride + h * head_stride + t * D + d (the stage's [rows, Hkv, length, D] layer
- * slice). lens[b] >= 1. scratch: G * stride_s floats, stride_s >= max(lens) rounded up to
- * a multiple of 16; offsets: stride_s int64s. */
+ * slice). lens[b] >= 1. scratch: Hkv * G * stride_s floats, stride_s >= max(lens) rounded
+ * up to a multiple of 16; offsets: stride_s int64s. */
 void kvferry_decode_attention_f32(const float *q, const float *k, const float *v, float *out,
                                   const int32_t *lens, int64_t batch, int64_t num_kv_heads,
                                   int64_t group, int64_t head_dim, int64_t row_stride,
