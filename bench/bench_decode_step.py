@@ -1,12 +1,16 @@
-"""One decode step of the model alone, batch 1 against batch 32, with attention over the
-paged pool (pages gathered every step) and over the dense K/V stage (decode_worker/kv_stage.py)
-in the same run: what the engine's batching can gain at most, with no serving around it.
+"""One decode step of the model alone, batch 1 against batch 32, with attention three ways in
+the same run: over the paged pool with torch ops (pages gathered every step), over the dense
+K/V stage (decode_worker/kv_stage.py, the C kernel over its rows), and over the pages read in
+place by the C kernel (the default on CPU): what the engine's batching can gain at most, with
+no serving around it.
 
-Each round times `--steps` consecutive steps of each (mode, batch) on the tiny model, one
-torch thread, contexts starting at `--context` tokens, block tables shuffled as a busy pool
-leaves them; the figure is the median over rounds of the per-round median step time. Usage:
+Each round times `--steps` consecutive steps of each (mode, batch) on `--model` (the tiny
+model unless told), one torch thread, contexts starting at `--context` tokens, block tables
+shuffled as a busy pool leaves them; the figure is the median over rounds of the per-round
+median step time. Usage:
 
-    .venv/bin/python bench/bench_decode_step.py [--batches 1 32] [--rounds 5] [--out FILE]
+    .venv/bin/python bench/bench_decode_step.py [--model tiny|default|PATH] [--batches 1 32]
+        [--context 128] [--rounds 5] [--out FILE]
 """
 
 from __future__ import annotations
@@ -23,11 +27,12 @@ import torch
 
 from decode_worker.kv_stage import KvStage
 from decode_worker.sequence import step_inputs
-from deploy.default_model import tiny_model
+from deploy.default_model import BENCH_MODEL_HELP, bench_model
 from deploy.worker_model import tune_malloc
 from kvferry.cache.pool import KvPool
 from kvferry.model.config import ModelConfig, load_model_config
 from kvferry.model.transformer import Transformer
+from kvferry.settings import KERNEL_CACHE_DIR
 from kvferry_kernels.dispatch import get_attention_backend
 
 BLOCK_SIZE = 16
@@ -80,6 +85,7 @@ def _median_step_ms(model: Transformer, pool: KvPool, batch: int, context: int, 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny", help=BENCH_MODEL_HELP)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--steps", type=int, default=64)
@@ -88,13 +94,19 @@ def main() -> None:
     args = parser.parse_args()
     tune_malloc()
     torch.set_num_threads(1)
-    config = load_model_config(tiny_model())
-    model = Transformer(config, get_attention_backend("torch"))
+    config = load_model_config(bench_model(args.model))
+    gather = get_attention_backend("torch")
+    in_place = get_attention_backend("torch", KERNEL_CACHE_DIR)
+    if in_place.cpu_kernel is None:
+        raise SystemExit("bench_decode_step: the C attention kernel does not build here")
+    model = Transformer(config, gather)
     pool = random_pool(config, max(args.batches), args.context, args.steps)
-    modes = {"pages": False, "stage": True}
+    # mode: (attention backend, dense stage)
+    modes = {"pages": (gather, False), "stage": (gather, True), "in-place": (in_place, False)}
     times: dict[tuple[str, int], list[float]] = {(m, b): [] for m in modes for b in args.batches}
     for r in range(args.rounds):
-        for mode, staged in modes.items():
+        for mode, (backend, staged) in modes.items():
+            model.backend = backend
             for batch in args.batches:
                 times[mode, batch].append(_median_step_ms(model, pool, batch, args.context,
                                                           args.steps, staged, seed=r))
@@ -113,9 +125,18 @@ def main() -> None:
     for row in rows:
         print(f"{row['attention']:>9} {row['batch']:>5} {row['step_ms']:>8.2f} "
               f"{row['tokens_per_s']:>9.0f} {row['throughput_vs_first']:>27.2f}x")
+    # In place against the stage, step time, within each round.
+    versus = {}
+    for batch in args.batches:
+        ratios = sorted(a / b for a, b in zip(times["in-place", batch], times["stage", batch]))
+        versus[batch] = {"median": statistics.median(ratios), "min": ratios[0],
+                         "max": ratios[-1]}
+        print(f"in-place / stage step time, batch {batch}: {versus[batch]['median']:.3f} "
+              f"[{ratios[0]:.3f}-{ratios[-1]:.3f}]")
     if args.out:
-        args.out.write_text(json.dumps({"context": args.context, "steps": args.steps,
-                                        "rounds": args.rounds, "rows": rows}, indent=2))
+        args.out.write_text(json.dumps({"model": args.model, "context": args.context,
+                                        "steps": args.steps, "rounds": args.rounds,
+                                        "rows": rows, "in_place_vs_stage": versus}, indent=2))
 
 
 if __name__ == "__main__":
