@@ -2,7 +2,8 @@
 weights, a prefill's activations and, on CPU, its host tier and dense stage; the weights
 counted from the checkpoint's headers are the bytes the loaded model holds; serve divides
 its share among the workers on a device; a cgroup limit caps RAM; nothing left is refused
-naming the flags."""
+naming the flags; on a GPU (dry-run) the default pool is CUDA_UTILIZATION of its memory after
+the weights."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from kvferry.cache.pool_budget import (
 )
 from kvferry.cache.tiers.config import TierSettings
 from kvferry.model.config import load_model_config
+from kvferry.model.prefill_batch import token_budget_for
 from kvferry.model.transformer import Transformer
 from kvferry.settings import CPU_POOL_BYTES, CUDA_UTILIZATION, WorkerSettings
 from kvferry_kernels.cpu_attention import CPU_ATTENTION_ENV
@@ -134,3 +136,25 @@ def test_on_cpu_without_a_share_the_pool_is_the_fixed_size(qwen3_checkpoint: Pat
     assert Deployment(model="m", kv_pool_size="auto", memory_utilization=0.5,
                       num_prefill=1, num_decode=3)._memory_argv() == ["--memory-utilization",
                                                                       "0.125"]
+
+
+def test_on_a_gpu_the_default_pool_is_the_share_of_its_memory_after_the_weights(
+        qwen3_checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Acceptance 3 dry-run (no GPU here): a decode worker on an H200-sized device (141 GiB)
+    with no flags takes CUDA_UTILIZATION of it less its bfloat16 weights and a prefill's
+    activations at the CUDA token budget, not CPU_POOL_BYTES; a share asked for wins."""
+    total = 141 << 30
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: type("Props", (), {"total_memory": total})())
+    cuda = torch.device("cuda")
+    config = load_model_config(qwen3_checkpoint)
+    weights = weight_bytes(qwen3_checkpoint, torch.bfloat16)
+    activations = activation_bytes(config, token_budget_for(cuda), 512, torch.bfloat16)
+    settings = WorkerSettings(role="decode", model=str(qwen3_checkpoint), device="cuda")
+    pool = auto_pool_bytes_for(settings, config, cuda, torch.bfloat16)
+    assert pool == int(CUDA_UTILIZATION * total) - weights - activations
+    assert pool > 100 * CPU_POOL_BYTES
+    half = WorkerSettings(role="decode", model=str(qwen3_checkpoint), device="cuda",
+                          memory_utilization=0.45)
+    assert auto_pool_bytes_for(half, config, cuda, torch.bfloat16) == \
+        int(0.45 * total) - weights - activations
