@@ -1,11 +1,15 @@
 """Dense K/V staging for the CPU decode path: the running batch's K/V, one contiguous row per
 sequence, kept in step with the paged pool so that attention need not gather pages each step.
 
-On a GPU the Triton kernel reads pages in place. On CPU the torch path has no such kernel: it
-gathers every sequence's blocks into a padded tensor on every step, a memory-bound copy of
-the whole batch's K/V per layer that costs as much as the attention itself. The stage pays
-that copy once per sequence (when it joins the batch) and then one slot per step: each step
-appends the new token's K/V here as well as to the pool.
+On a GPU the Triton kernel reads pages in place, and on CPU so does the C kernel over float32
+pages (kvferry_kernels/cpu_attention.py; then a worker keeps no stage unless
+--decode-stage-mib asks). Where neither can (quantized pages, no C compiler, or
+KVFERRY_CPU_ATTENTION=torch), the torch path gathers every sequence's blocks into a padded
+tensor on every step, a memory-bound copy of the whole batch's K/V per layer that costs as
+much as the attention itself. The stage pays that copy once per sequence (when it joins the
+batch) and then one slot per step: each step appends the new token's K/V here as well as to
+the pool. The price: a joining long prompt's copy, and on growth every row's (issue 37 found
+those copies behind the slow gaps of long-prompt interference).
 
 The paged pool stays the source of truth (transfers, preemption, integrity checks all use
 it); the stage is a cache of it for the sequences now in the batch, rebuilt row by row when

@@ -26,10 +26,11 @@ LAUNCHED_KV_POOL_SIZE = "256MiB"
 # gpu_memory_utilization default)
 CUDA_UTILIZATION = 0.9
 # On CPU a share of RAM is taken only when --memory-utilization is given; without it the pool
-# is this size. A decode pool sized from RAM (1.2 GiB on the real model here) made the
-# short streams' loaded p99 ITL 7-18x their unloaded p50 against 2.5-2.8x at this size,
-# with the long prompts' K/V staging 3-5x slower (docs/benchmarks.md, issue 37): not yet
-# understood, so not yet the default.
+# is this size, as vLLM's CPU backend takes a fixed KV space (VLLM_CPU_KVCACHE_SPACE): the
+# pool is zeroed, so resident, from the start, and RAM is shared with everything else on the
+# machine. (Issue 37 first measured a RAM-sized decode pool at 7-18x the loaded p99 ITL of
+# this size; that was the dense stage's copies, which decode no longer makes by default, and
+# is not re-measured: docs/benchmarks.md.)
 CPU_POOL_BYTES = 256 << 20
 DEFAULT_PREFILL_TOKEN_BUDGET = 2048  # prompt tokens per prefill forward
 CPU_PREFILL_TOKEN_BUDGET = 512  # the same on CPU (kvferry/model/prefill_batch.py says why)
