@@ -1,4 +1,4 @@
-"""The router and process flags `serve` and `demo` pass on (issue 36: the README promises
+"""The router and process flags `serve` and `demo` pass on (docs/cli.md promises
 them for every process): the routing policy and its weights, the drain timeout, the public
 ports' client certificates and the router's plaintext health port; and where the processes
 run and how much memory the workers take (issue 37: deploy/placement.py)."""

@@ -13,7 +13,7 @@ then. Why pull rather than push:
   finished or cancelled, so an abort, an expired lease or a dead prefill worker cannot let
   a late write land in a block given to another request.
 - The decode worker's metadata never leaves it and nothing connects to its UCX endpoint
-  (over UCX's TCP transport, network policy is what keeps others out: README, Security).
+  (over UCX's TCP transport, network policy is what keeps others out: docs/security.md).
 - Layer pipelining stays: a group is announced as soon as its layers are final.
 
 Resends and errors follow `GrpcKvSender` (a checksum mismatch is sent again, ALREADY_EXISTS

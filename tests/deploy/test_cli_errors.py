@@ -52,7 +52,7 @@ def test_a_client_that_cannot_connect_says_so_in_one_line(argv: list[str],
 
 
 def test_a_client_takes_the_ca_alone(tmp_path: Path, dead_address: str) -> None:
-    """The README's `generate --tls-ca ca.crt` passes the flags (it once failed: "tls_ca:
+    """The documented `generate --tls-ca ca.crt` passes the flags (it once failed: "tls_ca:
     needs tls_cert and tls_key"); a certificate without its key, or a CA that is no PEM, is
     refused naming the flag."""
     certs = make_certs(tmp_path / "certs")

@@ -1,4 +1,4 @@
-"""`serve` and `demo` pass on the router and process flags the README promises for every
+"""`serve` and `demo` pass on the router and process flags docs/cli.md promises for every
 process (issue 36, friction 5): checked on the Deployment they would start (not started)."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 sync and async, streaming and not, chat and completions, against one deployment that serves
 gRPC too: greedy text and tokens equal gRPC Generate's, usage is right (cached prompt tokens
 on a repeated prompt), each bad parameter is a BadRequestError naming it, a client that goes
-away frees every block, and the README's `curl -N` command streams."""
+away frees every block, and docs/api.md's `curl -N` command streams."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from tests.e2e.test_metrics import scrape, value
 
 pytestmark = pytest.mark.slow
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+API_DOC = Path(__file__).resolve().parents[2] / "docs" / "api.md"
 CONVERSATION = [("system", "Be brief."), ("user", "The quick brown fox")]
 MESSAGES = [{"role": role, "content": content} for role, content in CONVERSATION]
 PROMPT = "The quick brown fox"
@@ -224,14 +224,14 @@ def test_a_client_that_goes_away_frees_every_block(deployment: Deployment) -> No
     assert _cancelled(deployment) - before == 2
 
 
-def _readme_curl() -> str:
-    blocks = re.findall(r"```bash\n(curl -N .*?)```", README.read_text(), re.S)
-    assert len(blocks) == 1, "README: one `curl -N` example"
+def _documented_curl() -> str:
+    blocks = re.findall(r"```bash\n(curl -N .*?)```", API_DOC.read_text(), re.S)
+    assert len(blocks) == 1, "docs/api.md: one `curl -N` example"
     return blocks[0]
 
 
-def test_curl_streams_as_the_readme_documents_it(deployment: Deployment) -> None:
-    command = _readme_curl()
+def test_curl_streams_as_the_api_page_documents_it(deployment: Deployment) -> None:
+    command = _documented_curl()
     body = json.loads(re.search(r"-d '(.*)'", command, re.S).group(1))
     expected = asyncio.run(client.generate(deployment.router_address, client.make_request(
         messages=[(m["role"], m["content"]) for m in body["messages"]],

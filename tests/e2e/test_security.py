@@ -38,21 +38,21 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _readme(prefix: str, folder: Path) -> list[str]:
-    """The README's security command starting with `prefix`, as written, its `certs/`
-    folder being `folder` (issue 36: the docs' TLS commands run as shown)."""
+def _documented(prefix: str, folder: Path) -> list[str]:
+    """docs/security.md's TLS command starting with `prefix`, as written, its `certs/`
+    folder being `folder` (the docs' TLS commands run as shown)."""
     return [w.replace("certs/", f"{folder}/") if w.startswith("certs/") else
             (str(folder) if w == "certs" else w)
-            for w in find("README.md", prefix).argv()]
+            for w in find("security.md", prefix).argv()]
 
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> CertFiles:
-    """Made by the README's `kvferry make-certs` command, run as written."""
+    """Made by docs/security.md's `kvferry make-certs` command, run as written."""
     from deploy.cli import main
 
-    folder = tmp_path_factory.mktemp("readme") / "certs"
-    assert main(_readme("kvferry make-certs", folder)) == 0
+    folder = tmp_path_factory.mktemp("documented") / "certs"
+    assert main(_documented("kvferry make-certs", folder)) == 0
     return CertFiles(folder / "ca.crt", folder / "private" / "ca.key", folder / "tls.crt",
                      folder / "tls.key", folder / "token")
 
@@ -71,7 +71,7 @@ def health_port() -> int:
 @pytest.fixture(scope="module")
 def secure_deployment(qwen3_checkpoint: Path, certs: CertFiles, health_port: int,
                       tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    flags = _readme("kvferry serve --tls-cert", certs.ca_cert.parent)[1:]  # the README's
+    flags = _documented("kvferry serve --tls-cert", certs.ca_cert.parent)[1:]  # as documented
     assert flags == ["--tls-cert", str(certs.cert), "--tls-key", str(certs.key),
                      "--tls-ca", str(certs.ca_cert), "--cluster-token-file", str(certs.token)]
     deployment = Deployment(model=str(qwen3_checkpoint),
@@ -191,13 +191,13 @@ def _cli(*argv: str) -> subprocess.CompletedProcess[str]:
 
 def test_the_cli_client_needs_only_the_ca(secure_deployment: Deployment,
                                           certs: CertFiles) -> None:
-    """Issue 36, friction 1: `generate --tls-ca` alone (no client certificate: the public port
+    """`generate --tls-ca` alone (no client certificate: the public port
     does not ask for one) streams an answer; without it, the one line says to give it."""
     address = secure_deployment.router_address
-    readme = _readme("kvferry generate --address 127.0.0.1:50051 --tls-ca",
-                     certs.ca_cert.parent)  # as written
-    readme[readme.index("--address") + 1] = address
-    ok = _cli(*readme, "--max-tokens", "4", "--temperature", "0", "--ignore-eos")
+    documented = _documented("kvferry generate --address 127.0.0.1:50051 --tls-ca",
+                             certs.ca_cert.parent)  # as written
+    documented[documented.index("--address") + 1] = address
+    ok = _cli(*documented, "--max-tokens", "4", "--temperature", "0", "--ignore-eos")
     assert ok.returncode == 0, ok.stderr
     assert "[4 tokens, finish length]" in ok.stdout
     plain = _cli("generate", "--address", address, "--max-tokens", "4", "hello")
