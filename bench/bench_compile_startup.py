@@ -1,4 +1,4 @@
-"""Worker start-up with the decode step compiled (issue 17, acceptance 3), in one run.
+"""Worker start-up with the decode step compiled, in one run.
 
 Each repetition starts a colocated deployment (one worker and the router) of `--model` three
 ways, and times `Deployment.start`, from the first spawn to every process ready (the worker

@@ -1,4 +1,4 @@
-"""A streaming client's inter-token latency beside attacks on the router's HTTP front (issue 33).
+"""A streaming client's inter-token latency beside attacks on the router's HTTP front.
 
 One deployment (router with `--http-port`, 1 prefill + 1 decode worker) serves `--num-clients`
 streaming clients, each sending completions of `--output-len` tokens (ignore_eos) one after

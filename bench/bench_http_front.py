@@ -1,4 +1,4 @@
-"""The router's OpenAI HTTP front against its gRPC front, on one deployment (issue 22).
+"""The router's OpenAI HTTP front against its gRPC front, on one deployment.
 
 One deployment (router with `--http-port`, 1 prefill + 1 decode worker, prefix caching off so
 that every front computes every prompt) serves the same workload through each front: each

@@ -1,4 +1,4 @@
-"""Headline scenario (issue 7): long prompts arriving among steady short decodes, disaggregated
+"""Headline scenario: long prompts arriving among steady short decodes, disaggregated
 against colocated, on the same machine, in one run.
 
 Deployments of `--model` (the tiny seeded model unless told; `--model default` is the real
@@ -19,7 +19,7 @@ and a PNG (the first repetition's ITL percentiles and token gaps over time). Usa
     .venv/bin/python bench/bench_interference.py [--model tiny|default|PATH] --out-dir docs
 
 With --launch serve the deployments are started by `kvferry serve` with its defaults instead
-(issue 37: what a user who tries the headline sees): the placement and pool sizes are serve's
+(what a user who tries the headline sees): the placement and pool sizes are serve's
 own, the colocated one is `serve --colocated --num-decode 1`, and this client floats.
 """
 
@@ -137,8 +137,8 @@ def main() -> None:
                              "worker's core too, so nothing but the decode worker uses its core")
     parser.add_argument("--launch", default="deployment", choices=["deployment", "serve"],
                         help="serve: each deployment started as a user starts it, `kvferry "
-                             "serve` with its defaults (its own placement and pool sizing, "
-                             "issue 37), this client unpinned; deployment (default): started "
+                             "serve` with its defaults (its own placement and pool sizing), "
+                             "this client unpinned; deployment (default): started "
                              "here and pinned as the flags above say")
     parser.add_argument("--out-dir", type=Path, default=None)
     parser.add_argument("--out-stem", default=None,

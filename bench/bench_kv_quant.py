@@ -1,4 +1,4 @@
-"""Quantized K/V pages on the real default model (issue 21, acceptance 2 and 3): accuracy,
+"""Quantized K/V pages on the real default model: accuracy,
 capacity, bytes shipped and decode speed of int8 and fp8 e4m3 pages against full precision,
 all through kvferry's paged path (`Transformer.prefill`/`decode` over a `KvPool`), in one run.
 
@@ -17,7 +17,7 @@ For each K/V dtype (auto = the model's fp32, int8, fp8_e4m3):
 4. decode step time of a batch of `--batch` sequences of `--context` tokens, the dtypes
    interleaved within each of `--reps` repetitions; median [min-max] over repetitions of
    each repetition's median step, and the ratio to fp32 within each repetition.
-Targets (issue 21): int8 perplexity within 1% of fp32, fp8 within 3%. Usage:
+Targets: int8 perplexity within 1% of fp32, fp8 within 3%. Usage:
 
     .venv/bin/python bench/bench_kv_quant.py [--out docs/bench_kv_quant.json] [--dry-run]
 """

@@ -1,4 +1,4 @@
-"""K/V tiers below the pool (issue 35, acceptances 2 and 5), in one run: multi-turn chats whose
+"""K/V tiers below the pool, in one run: multi-turn chats whose
 K/V is at least 4x the deployment's device pools, device-only against each tier.
 
 Workload: --conversations chats of --num-turns turns. Turn 1 sends a --system-len-token system

@@ -1,4 +1,4 @@
-"""Prefix caching (issue 18, acceptance 4), in one run: the cache on against off on a
+"""Prefix caching, in one run: the cache on against off on a
 shared-prefix workload, and prefix-aware against headroom routing on multi-turn chats.
 
 Every deployment is a router and 2 prefill + 2 decode workers of `--model` (the tiny seeded

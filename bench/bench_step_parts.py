@@ -1,4 +1,4 @@
-"""Where a compiled decode step's time goes (issue 17), and what its linear layers could cost.
+"""Where a compiled decode step's time goes, and what its linear layers could cost.
 
 For each `--modes` (the AOTInductor packages of kvferry.model.compiled, built or loaded from the
 compile cache for exactly `--batches`) and each `--threads`, at each batch size, with attention

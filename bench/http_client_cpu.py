@@ -1,5 +1,5 @@
 """CPU time of each process while one deployment serves the same load through its gRPC front
-and through its HTTP front with two HTTP clients (issue 22): where an HTTP front's added
+and through its HTTP front with two HTTP clients: where an HTTP front's added
 latency goes on a small machine, where the load generator shares the cores with the server.
 
 One deployment (tiny seeded model, router with `--http-port 0`, 1 prefill + 1 decode worker,

@@ -1,4 +1,4 @@
-"""Where one decode step's time goes (issue 17): the model alone, under torch.profiler, at
+"""Where one decode step's time goes: the model alone, under torch.profiler, at
 several batch sizes, with attention over the dense K/V stage as the CPU decode worker runs it.
 
 For each batch size: `--steps` steps are timed (wall clock, median), then `--steps` more are

@@ -8,8 +8,8 @@ KVFERRY_CPU_ATTENTION=torch), the torch path gathers every sequence's blocks int
 tensor on every step, a memory-bound copy of the whole batch's K/V per layer that costs as
 much as the attention itself. The stage pays that copy once per sequence (when it joins the
 batch) and then one slot per step: each step appends the new token's K/V here as well as to
-the pool. The price: a joining long prompt's copy, and on growth every row's (issue 37 found
-those copies behind the slow gaps of long-prompt interference).
+the pool. The price: a joining long prompt's copy, and on growth every row's (those copies were
+behind the slow gaps of long-prompt interference).
 
 The paged pool stays the source of truth (transfers, preemption, integrity checks all use
 it); the stage is a cache of it for the sequences now in the batch, rebuilt row by row when

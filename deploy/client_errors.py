@@ -1,4 +1,4 @@
-"""A public client's failed call, said in one line with what to do about it (issue 36): a
+"""A public client's failed call, said in one line with what to do about it: a
 client command (`generate`, `chat`, `bench`) prints `kvferry: COMMAND: ...` and exits 1,
 never a traceback. The hints name the likely cause from what gRPC reports: nothing listening,
 TLS on one side only, a CA that does not match, a missing API key."""

@@ -1,4 +1,4 @@
-"""The `kvferry` parser's rules, for every command alike (issue 36): no prefix matching of
+"""The `kvferry` parser's rules, for every command alike: no prefix matching of
 flags (`--num-prefil` is an error, not `--num-prefill`), every flag's default in its help,
 the global flags (`--log-level`, `--log-format`) accepted before or after the command, and
 `--version`."""

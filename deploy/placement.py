@@ -1,5 +1,5 @@
-"""Where `serve`, `demo` and `bench`'s launched deployments run each process on one machine
-(issue 37): every worker on cores of its own, so a prefill burst cannot take a decode
+"""Where `serve`, `demo` and `bench`'s launched deployments run each process on one
+machine: every worker on cores of its own, so a prefill burst cannot take a decode
 worker's core, and the router (with the clients started beside it) on what is left.
 
 With more than two cores per worker, one core in 16 (at least one) is left to the router

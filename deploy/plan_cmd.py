@@ -1,5 +1,5 @@
 """`kvferry plan`: what a batch of requests costs in K/V and how many fit, sized as `serve`
-would store it on this machine (issue 36): the default model unless told, the model dtype
+would store it on this machine: the default model unless told, the model dtype
 `--dtype auto` resolves to (float32 on CPU, bfloat16 on CUDA, as the workers'), quantized
 pages with `--kv-cache-dtype`, and serve's own pool size."""
 

@@ -1,7 +1,7 @@
 """The router and process flags `serve` and `demo` pass on (docs/cli.md promises
 them for every process): the routing policy and its weights, the drain timeout, the public
 ports' client certificates and the router's plaintext health port; and where the processes
-run and how much memory the workers take (issue 37: deploy/placement.py)."""
+run and how much memory the workers take (deploy/placement.py)."""
 
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ CUDA_UTILIZATION = 0.9
 # On CPU a share of RAM is taken only when --memory-utilization is given; without it the pool
 # is this size, as vLLM's CPU backend takes a fixed KV space (VLLM_CPU_KVCACHE_SPACE): the
 # pool is zeroed, so resident, from the start, and RAM is shared with everything else on the
-# machine. (Issue 37 first measured a RAM-sized decode pool at 7-18x the loaded p99 ITL of
+# machine. (A first measurement put a RAM-sized decode pool at 7-18x the loaded p99 ITL of
 # this size; that was the dense stage's copies, which decode no longer makes by default, and
 # is not re-measured: docs/benchmarks.md.)
 CPU_POOL_BYTES = 256 << 20

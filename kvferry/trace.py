@@ -1,4 +1,4 @@
-"""Per-token attribution traces (issue 20): what every process did around each token, as
+"""Per-token attribution traces: what every process did around each token, as
 JSON lines, for `deploy/loadgen/attribution.py` to join.
 
 Off unless KVFERRY_TRACE_DIR names a folder; then each process appends to

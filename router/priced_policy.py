@@ -1,5 +1,5 @@
 """The `priced` policy: the prefix policy's choice with every cached source priced in
-seconds, from figures the workers measure (issue 35).
+seconds, from figures the workers measure.
 
 For a prompt of `P` tokens in blocks of `bs` tokens, `K = max_shared_blocks(P, bs)` blocks a
 cache may hold, `B` bytes per block, and per worker `w` the leading blocks it holds, each at

@@ -1,9 +1,9 @@
-"""The `kvferry` commands the README and docs/ show, as argument lists (issue 36, acceptance
-2): every fenced shell line that runs kvferry, and every inline `kvferry ...` span. Usage
-placeholders become values: `[...]` brackets and `...` go, `A \\| B` keeps A, `generate|chat`
-keeps the first, an all-caps word (HOST:PORT, DIR, N) becomes a value, and a flag shown
-without its value gets one. tests/test_doc_commands.py parses them all; the security tests
-run the README's TLS commands as written."""
+"""The `kvferry` commands the README and docs/ show, as argument lists: every fenced shell
+line that runs kvferry, and every inline `kvferry ...` span. Usage placeholders become values:
+`[...]` brackets and `...` go, `A \\| B` keeps A, `generate|chat` keeps the first, an all-caps
+word (HOST:PORT, DIR, N) becomes a value, and a flag shown without its value gets one.
+tests/test_doc_commands.py parses them all; the security tests run docs/security.md's TLS
+commands as written."""
 
 from __future__ import annotations
 

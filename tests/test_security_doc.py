@@ -1,5 +1,5 @@
 """docs/security.md names only flags that exist, says which command takes each, and states
-the router limits' defaults as the command line has them (issue 33, acceptance 5)."""
+the router limits' defaults as the command line has them."""
 
 from __future__ import annotations
 

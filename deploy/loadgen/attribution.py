@@ -1,4 +1,4 @@
-"""Per-token latency attribution (issue 20): for every slow inter-token gap the client saw,
+"""Per-token latency attribution: for every slow inter-token gap the client saw,
 where the extra time went along the token's path, and one cause for it.
 
 An update's path: the decode step that produced its last token (counted from the tokens

@@ -1,5 +1,5 @@
 """`--kv-pool-size auto`: the K/V pool sized from the device, as vLLM sizes its cache from
-`gpu_memory_utilization` (issue 37).
+`gpu_memory_utilization`.
 
 A worker may use `utilization` of its device's memory in all; the pool gets what is left of
 that after the weights, a prefill forward's activations at the worker's token budget, and,

@@ -1,4 +1,4 @@
-"""What an unset sampling field means (issue 36, friction 6): the checkpoint's
+"""What an unset sampling field means: the checkpoint's
 generation_config.json says, as vLLM (`--generation-config auto`) and Ollama take it, and
 the router's `--override-generation-config JSON` can change it; without either, kvferry's
 defaults (temperature 1.0, top_p 1.0, top_k off). A request's own value always wins; greedy

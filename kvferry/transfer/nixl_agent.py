@@ -1,5 +1,5 @@
 """The life of a NIXL agent in a kvferry process, from UCX's environment before the first
-agent to an ordered close of every agent (issue 34).
+agent to an ordered close of every agent.
 
 Why a process with NIXL died by SIGSEGV at exit once rdma-core was installed (Debian's
 `libibverbs1`, as on every RDMA-capable node): creating an agent makes UCX load its

@@ -367,7 +367,7 @@ def test_a_ray_push_to_an_actor_that_does_not_decode_is_refused() -> None:
 def test_a_quantized_chunk_whose_scale_dequantizes_to_inf_is_data_loss(
         kv_dtype: str, qwen3_checkpoint: Path) -> None:
     """A finite scale past `kv_quant.max_scale` passes an isfinite check but reads back as
-    inf: refused with DATA_LOSS like inf itself, nothing written (issue 33, part 8). The
+    inf: refused with DATA_LOSS like inf itself, nothing written. The
     honest chunk it was made from is accepted."""
     config = load_model_config(qwen3_checkpoint)
     model = Transformer(config, get_attention_backend("torch"), torch.float32,

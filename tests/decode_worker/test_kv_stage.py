@@ -112,7 +112,7 @@ def test_stage_follows_the_pages_through_joins_and_departures() -> None:
 ])
 def test_long_rows_are_attended_over_their_own_length(lengths: list[int]) -> None:
     """A batch mixing a long context with short ones: the long rows run alone and the rest
-    over their own longest length (issue 20: padding every row to the long one multiplied
+    over their own longest length (padding every row to the long one multiplied
     the step), with the same results as the pages."""
     pool = _pool(num_blocks=3000)
     free = list(range(pool.num_blocks - 1))
@@ -235,7 +235,7 @@ def test_a_reused_row_keeps_nothing_of_its_previous_holder() -> None:
     """A sequence whose K/V went NaN leaves the batch; a shorter one takes its row while a
     long one keeps the batch's length past it. Attention masks the positions past the
     newcomer's length, which cancels only finite values, so the row must hold none of the
-    old NaN there (issue 16): the newcomer's attention stays exact."""
+    old NaN there: the newcomer's attention stays exact."""
     pool = _pool()
     free = list(range(pool.num_blocks - 1))
     gen = torch.Generator().manual_seed(3)

@@ -1,5 +1,5 @@
 """Bad input to any `kvferry` command: one line on stderr naming the problem, exit status 2,
-no traceback (issue 15, acceptance 4). Each command runs as a subprocess on input that fails
+no traceback. Each command runs as a subprocess on input that fails
 before any model loads, port binds or process starts."""
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ PROCESS_CASES = [
     ("decode-worker --block-size 3", ["block_size"]),
     ("router --prefill 127.0.0.1:1", ["prefill/decode"]),
 ]
-# A cluster token without TLS would cross the network in clear (issue 16): refused before the
+# A cluster token without TLS would cross the network in clear: refused before the
 # model is even looked at, naming the flags to add.
 TOKEN_CASES = [
     ("prefill-worker --model {missing} --cluster-token-file {token}", ["--tls-cert"]),

@@ -1,4 +1,4 @@
-"""`kvferry make-certs` (issue 16): secret files are owner-only from the moment they hold a
+"""`kvferry make-certs`: secret files are owner-only from the moment they hold a
 byte, and the CA key is kept apart from the files every process is handed."""
 
 from __future__ import annotations

@@ -72,11 +72,11 @@ def test_serve_generate_and_sigterm(qwen3_checkpoint: Path, tmp_path: Path) -> N
                "every process of the deployment exited", poll_s=0.1)
     errors.seek(0)
     log = errors.read()
-    # issue 36: serve says what it starts at once; a normal stop stops the router before the
+    # serve says what it starts at once; a normal stop stops the router before the
     # workers, so it reports none of them unreachable, and nothing prints a traceback
     assert log.startswith("kvferry: starting 1 prefill + 1 decode worker(s) and a router")
     assert "unreachable" not in log and "Traceback" not in log, log[-3000:]
-    # issue 37: where each process runs, said once; the pool sized from the machine's memory
+    # where each process runs, said once; the pool sized from the machine's memory
     assert placed.line() in log and (placed.warning in log if placed.warning else True)
     assert _pool_line(log, "decode") == _planned_pool(qwen3_checkpoint, "0.02", "2")
 
@@ -189,7 +189,7 @@ def test_demo_asks_the_real_model_over_nixl_and_keeps_logs_apart(smollm2_checkpo
     assert " INFO " not in out.stdout and " INFO " not in out.stderr
     logs = {path.name: path.read_text() for path in log_dir.iterdir()}
     assert {"router.log", "prefill-0.log", "decode-0.log"} <= set(logs)
-    assert logs["placement.log"].startswith("placement: ")  # issue 37: where each one ran
+    assert logs["placement.log"].startswith("placement: ")  # where each one ran
     assert " INFO " in logs["router.log"]
     for role in ("prefill", "decode"):
         assert "nixl K/V transport" in logs[f"{role}-0.log"]

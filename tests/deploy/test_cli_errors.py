@@ -1,5 +1,5 @@
-"""What a new user meets when something is wrong around a command (issue 36, frictions 1, 3
-and 11), each without a deployment: a client that cannot reach the router says so in one
+"""What a new user meets when something is wrong around a command, each
+without a deployment: a client that cannot reach the router says so in one
 line with a hint and exits 1; a taken port is refused before any model loads, naming the
 flag; Ctrl-C anywhere is one line and exit status 130, what had started stopped; a worker
 whose launcher is gone stops quietly. Commands run as subprocesses (forked by the zygote)."""

@@ -1,4 +1,4 @@
-"""The rules every `kvferry` command follows (issue 36, frictions 2 and 5): a mistyped flag is
+"""The rules every `kvferry` command follows: a mistyped flag is
 an error naming the flag it resembles, never a prefix match that starts a deployment; every
 option's help shows its default; the global flags work before or after the command;
 `--version`. The commands run as subprocesses (forked by the run's zygote)."""
@@ -91,7 +91,7 @@ def test_every_option_has_help_and_shows_its_default(command: str) -> None:
 
 
 def test_client_commands_describe_tls_as_a_client() -> None:
-    """Issue 36, friction 5: `generate --help` and `chat --help` say what a client does with
+    """`generate --help` and `chat --help` say what a client does with
     each TLS flag, not what a server does."""
     for command in ("generate", "chat"):
         text = " ".join(_commands()[command].format_help().split())
@@ -101,7 +101,7 @@ def test_client_commands_describe_tls_as_a_client() -> None:
 
 
 def test_make_model_needs_out_and_says_its_weights_are_random(tmp_path: Path) -> None:
-    """Issue 36, friction 11: no shared default folder, and the output says what it is."""
+    """No shared default folder, and the output says what it is."""
     result = _run("make-model")
     assert result.returncode == 2 and "--out" in result.stderr
     result = _run("make-model", "--out", str(tmp_path / "tiny"))

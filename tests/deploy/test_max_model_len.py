@@ -1,4 +1,4 @@
-"""`--max-model-len` (issue 33, part 9b): a decode worker whose pool cannot hold one request of
+"""`--max-model-len`: a decode worker whose pool cannot hold one request of
 the length asked for refuses to start in one line with exit status 2; without the flag the
 length is the model's context, lowered (and logged) to what the pool holds; `serve` forwards
 it to every worker; a decode engine refuses a reservation longer than it."""

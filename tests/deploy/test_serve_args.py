@@ -1,5 +1,5 @@
 """`serve` and `demo` pass on the router and process flags docs/cli.md promises for every
-process (issue 36, friction 5): checked on the Deployment they would start (not started)."""
+process: checked on the Deployment they would start (not started)."""
 
 from __future__ import annotations
 

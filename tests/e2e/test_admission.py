@@ -1,4 +1,4 @@
-"""Headroom admission without TTFT stalls (issue 5): when no decode worker has room for a
+"""Headroom admission without TTFT stalls: when no decode worker has room for a
 request at its longest, the router still prefills it at once and streams its first token;
 the K/V waits in the prefill worker's pool and is shipped once a reservation is made. The
 tokens stay exact, and an abort while it waits leaves nothing held anywhere."""

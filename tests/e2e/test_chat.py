@@ -212,7 +212,7 @@ class _Terminal:
 
 def test_chat_in_a_terminal_has_a_banner_commands_and_line_history(
         chat_deployment: Deployment, tmp_path: Path) -> None:
-    """Issue 36, friction 4: a banner naming the model and address; /help, /system, /clear,
+    """A banner naming the model and address; /help, /system, /clear,
     an unknown command refused without reaching the model, /exit; the Up arrow recalls the
     last line (readline, not `^[[A`), and the history outlives the session."""
     address = chat_deployment.router_address
@@ -247,7 +247,7 @@ def test_chat_in_a_terminal_has_a_banner_commands_and_line_history(
 
 def test_ctrl_c_during_generate_is_one_line_and_status_130(
         chat_deployment: Deployment) -> None:
-    """Issue 36, friction 3: no KeyboardInterrupt traceback; the call is cancelled, so its
+    """No KeyboardInterrupt traceback; the call is cancelled, so its
     blocks come back."""
     import signal
 

@@ -1,4 +1,4 @@
-"""Issue 4, acceptance 1: 32 concurrent greedy requests give exactly the tokens each gives
+"""32 concurrent greedy requests give exactly the tokens each gives
 alone — through batched prefill and the continuous-batching decode loop."""
 
 from __future__ import annotations

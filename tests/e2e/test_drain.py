@@ -1,4 +1,4 @@
-"""Drain on SIGTERM (issue 8): the worker reports NOT_SERVING at once and takes no new
+"""Drain on SIGTERM: the worker reports NOT_SERVING at once and takes no new
 requests, its in-flight stream finishes in place within --drain-timeout-s (or, past that
 timeout, migrates), then the process exits 0. Clients see exactly the undisturbed tokens.
 On the shared 2p2d deployment: the drained worker is started again afterwards."""

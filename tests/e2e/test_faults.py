@@ -1,4 +1,4 @@
-"""Issue 9, fault injection: a prefill worker killed mid push, a worker that stalls past the
+"""Fault injection: a prefill worker killed mid push, a worker that stalls past the
 client's deadline (SIGSTOP), a burst of client cancels and aborts, and the router killed
 while workers hold reservations. Each scenario ends the same way: every client gets its full,
 exact stream or a clear status; the surviving workers' pools are all free again; no process

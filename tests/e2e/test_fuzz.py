@@ -1,4 +1,4 @@
-"""Issue 9, bad input: property-based GenerateRequests through the public API (text or token
+"""Bad input: property-based GenerateRequests through the public API (text or token
 ids, in range or not, empty or huge; any sampling values, NaN and infinities included; odd or
 duplicated request ids). Each request is classified from its fields alone (`expect`): a valid
 one must be served, a complete stream with a finish reason its length and stop conditions

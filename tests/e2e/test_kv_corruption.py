@@ -1,7 +1,7 @@
 """A K/V chunk corrupted in flight is caught by its checksum before any byte is decoded on:
 the push is sent again and the request completes with the right tokens, or, once resends are
-used up, the request fails with DATA_LOSS. No block leaks either way (issue 6, point 3). On
-NIXL the decode worker checks each group where its READ put it (issue 19). Corruption is
+used up, the request fails with DATA_LOSS. No block leaks either way. On
+NIXL the decode worker checks each group where its READ put it. Corruption is
 armed per request (kvferry/faults.py) on the shared deployment of each transport."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Quantized K/V end to end (issue 21, acceptance 4): router, prefill and decode processes with
+"""Quantized K/V end to end: router, prefill and decode processes with
 int8 pages on gRPC and fp8 (e4m3) pages on NIXL (the shared deployment's workers, restarted
 so). Greedy tokens equal an in-process reference that uses the same quantization
 (transformers generate whose cache stores K/V fake-quantized by the formula written out in

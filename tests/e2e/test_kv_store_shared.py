@@ -1,4 +1,4 @@
-"""Two prefill workers sharing the K/V store (issue 35, acceptance 3): a prompt prefilled on
+"""Two prefill workers sharing the K/V store: a prompt prefilled on
 prefill-0 writes its blocks through host memory to the store; the same prompt sent to
 prefill-1 (which never saw it) finds them there: its store hits grow by the prompt's full
 blocks and its store bytes out by as many blocks' bytes, and the tokens are those of

@@ -1,4 +1,4 @@
-"""K/V tier faults through worker processes (issue 35, acceptance 4): a disk that fills up
+"""K/V tier faults through worker processes: a disk that fills up
 (an injected cap) turns its tier read-only with one warning; a worker killed with SIGKILL
 while blocks are being written to disk leaves none of them visible after its restart; a
 store server that stops mid-run disables its tier and serving goes on, and it is enabled

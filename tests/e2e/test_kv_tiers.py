@@ -1,4 +1,4 @@
-"""The K/V tiers end to end (issue 35, acceptances 1 and 4).
+"""The K/V tiers end to end.
 
 Host memory: workers restarted with pools of 12 blocks and a host tier; a prompt, then four
 others that push it out of every pool, then the prompt again. The second time, each worker

@@ -1,4 +1,4 @@
-"""The host tier end to end on a colocated worker (issue 35, acceptance 1): the case of
+"""The host tier end to end on a colocated worker: the case of
 tests/e2e/test_kv_tiers.py, in a module of its own so that it runs with the colocated
 deployment's other users (tests/suite_order.py)."""
 

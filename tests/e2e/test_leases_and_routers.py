@@ -1,4 +1,4 @@
-"""Issue 16: a request that waits longer than its reservation's lease still completes (the
+"""A request that waits longer than its reservation's lease still completes (the
 router renews the leases of the reservations it holds), and two routers sharing workers can
 run requests with the same public id at once, with an Abort through one never touching the
 other's request (ids are scoped per router downstream)."""

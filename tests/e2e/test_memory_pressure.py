@@ -1,4 +1,4 @@
-"""Issue 4, acceptance 3: memory pressure waits instead of failing. A bounded queue gives
+"""Memory pressure waits instead of failing. A bounded queue gives
 RESOURCE_EXHAUSTED past its bound; preemption under a deliberately tiny pool still
 completes every request with the right tokens."""
 

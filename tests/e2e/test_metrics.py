@@ -1,4 +1,4 @@
-"""Prometheus metrics (issue 9): the router's request histograms and counters move by exactly
+"""Prometheus metrics: the router's request histograms and counters move by exactly
 what the requests did, and the workers' pool gauges and K/V byte counters agree."""
 
 from __future__ import annotations

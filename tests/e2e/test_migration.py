@@ -1,4 +1,4 @@
-"""Issue 5, acceptance 3: kill -9 of a decode worker mid-stream. The request migrates (the
+"""Kill -9 of a decode worker mid-stream. The request migrates (the
 router re-prefills prompt + tokens so far on another pair) and the greedy stream completes
 with exactly the undisturbed tokens; the surviving workers' pools return to all free."""
 
@@ -40,7 +40,7 @@ def test_decode_worker_killed_mid_stream(seed: int | None, fixture: str,
     log_start = router_log.stat().st_size
 
     # The same request once undisturbed here first: the prefix caches hold its K/V, so the
-    # migrated leg's prefill starts from cached blocks (issue 18, acceptance 1).
+    # migrated leg's prefill starts from cached blocks.
     warm = asyncio.run(client.generate(deployment.router_address, generate, 120))
     assert warm.token_ids == undisturbed.token_ids
     # Paced (10 ms a step, a per-request fault): the 280 steps after the kill point outlast the

@@ -1,4 +1,4 @@
-"""Issue 9, a cut network link: every component in its own network namespace, with its own
+"""A cut network link: every component in its own network namespace, with its own
 address (deploy/netns.py), and one link set down mid-request, so the peer goes silent with
 no RST and no FIN. Only HTTP/2 keepalive (kvferry/rpc/grpc_util.py) notices that; the router
 then migrates the stream (decode worker cut) or prefills again elsewhere (prefill worker cut

@@ -1,4 +1,4 @@
-"""Issue 19, acceptance 1: the fault tests on `--kv-transport nixl`, where the decode worker
+"""The fault tests on `--kv-transport nixl`, where the decode worker
 READs each layer group from the prefill worker's pool. Every group's READ is slowed (the fault
 nixl_read_delay_s, armed for this module's requests alone: kvferry/faults.py) so that each
 fault lands while a READ is writing into a reservation's blocks: the prefill worker killed,

@@ -1,4 +1,4 @@
-"""Structured logs and reflection (issue 9): with --log-format json every process writes one
+"""Structured logs and reflection: with --log-format json every process writes one
 JSON object per line, and the lines about one request carry its id in router, prefill and
 decode alike; every server answers gRPC reflection for its services."""
 

@@ -1,4 +1,4 @@
-"""The router's OpenAI-compatible HTTP API (issue 22) driven by the official `openai` package,
+"""The router's OpenAI-compatible HTTP API driven by the official `openai` package,
 sync and async, streaming and not, chat and completions, against one deployment that serves
 gRPC too: greedy text and tokens equal gRPC Generate's, usage is right (cached prompt tokens
 on a repeated prompt), each bad parameter is a BadRequestError naming it, a client that goes

@@ -1,4 +1,4 @@
-"""Issue 16: a prefill worker killed (kill -9) just after its K/V push completed, before its
+"""A prefill worker killed (kill -9) just after its K/V push completed, before its
 `done` reached the router. The router prefills the prompt again on another worker, whose push
 finds the reservation's K/V complete (ALREADY_EXISTS) and counts as delivered; the client gets
 its exact stream and every pool ends free.

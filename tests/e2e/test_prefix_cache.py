@@ -1,4 +1,4 @@
-"""Issue 18, acceptance 1 and 2 through the processes: prompts sharing prefixes that end on
+"""Prompts sharing prefixes that end on
 and off block boundaries, and a second chat turn, give greedy tokens identical to
 `transformers` with prefix caching on (gRPC, NIXL and Ray transports, disaggregated and
 colocated) and off; Usage reports what the caches saved (and, disaggregated, that the push

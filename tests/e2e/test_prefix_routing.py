@@ -1,4 +1,4 @@
-"""Routing on the prefix cache (issue 18, acceptance 3): after one request leaves a long
+"""Routing on the prefix cache: after one request leaves a long
 prefix in a decode worker's cache, requests sharing that prefix all go to that worker (its
 `kvferry_prefix_cache_hits_total` grows by the prefix each time, the other worker's not at
 all), even while a long request there makes the other worker the emptier one (headroom alone

@@ -1,4 +1,4 @@
-"""Bounded public input (issue 16): oversized request ids, stop lists, prompt text, invalid
+"""Bounded public input: oversized request ids, stop lists, prompt text, invalid
 UTF-8 and too many open streams each get a clear status naming what is wrong, before
 anything reaches a worker, while normal requests alongside complete token-exact and without
 migrating."""

@@ -1,4 +1,4 @@
-"""Router behaviour across workers (issue 5): conditional disaggregation takes the local
+"""Router behaviour across workers: conditional disaggregation takes the local
 path below the threshold and the remote path above it; a prefill worker that dies before
 the first token is retried on another, transparently, as the router's
 `kvferry_prefill_retries_total` shows."""

@@ -1,4 +1,4 @@
-"""Issue 9, load: a short soak (bench/soak.py) on the shared deployment, before any other
+"""Load: a short soak (bench/soak.py) on the shared deployment, before any other
 test. Concurrent clients with mixed lengths, cancels and aborts for ~20 s after a warm-up:
 no unexpected error, every pool all free at the end, no process grew its resident memory by
 10% or more after warm-up. The full, minutes-long run and its figures are in

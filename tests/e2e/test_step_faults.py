@@ -1,4 +1,4 @@
-"""A decode step that raises (issue 16): the requests in that step end with INTERNAL, every
+"""A decode step that raises: the requests in that step end with INTERNAL, every
 other request, running then or arriving later, completes token-exact, and the pools end all
 free; a worker whose steps keep failing reports NOT_SERVING, drains and exits. Steps fail by
 fault injection armed per request (decode_steps, kvferry/faults.py), on shared deployments."""

@@ -1,4 +1,4 @@
-"""Traces join across processes (issue 20): with KVFERRY_TRACE_DIR set, every update a
+"""Traces join across processes: with KVFERRY_TRACE_DIR set, every update a
 client receives has the router's relay event, every relayed decode token has a decode step
 that carried its request, and the decode worker's steps, deliveries and stream writes are
 all there. No timing is asserted: only that the records exist and line up."""

@@ -1,4 +1,4 @@
-"""Issue 3 integration: a short decode through the Triton kernels (under TRITON_INTERPRET=1
+"""Integration: a short decode through the Triton kernels (under TRITON_INTERPRET=1
 on a machine without a GPU) gives the same tokens as the torch path."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The per-token tracer (issue 20): events land as JSON lines, garbage-collector passes and
+"""The per-token tracer: events land as JSON lines, garbage-collector passes and
 event-loop lags are caught, and nothing is written unless KVFERRY_TRACE_DIR asks for it."""
 
 from __future__ import annotations

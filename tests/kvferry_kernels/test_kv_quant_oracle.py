@@ -1,4 +1,4 @@
-"""`kvferry_kernels.kv_quant` against an oracle written out here, in numpy (issue 34).
+"""`kvferry_kernels.kv_quant` against an oracle written out here, in numpy.
 
 The documented format: one float32 scale per vector (the last dim; one per token and K/V head
 in a page), symmetric, scale = amax / qmax computed in float32 (qmax 127 for int8, 448 for

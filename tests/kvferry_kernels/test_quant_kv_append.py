@@ -1,4 +1,4 @@
-"""The K/V append into quantized pages (int8, fp8 e4m3), issue 21.
+"""The K/V append into quantized pages (int8, fp8 e4m3).
 
 Both appends (Triton, in the kernel; `write_kv_ref`, through `kv_quant.quantize`) must store
 exactly `kv_quant.quantize`'s values and scales (computed on CPU), ties included: the inputs

@@ -1,4 +1,4 @@
-"""Paged decode attention over quantized K/V pages (int8, fp8 e4m3), issue 21.
+"""Paged decode attention over quantized K/V pages (int8, fp8 e4m3).
 
 Each implementation (Triton, the batched torch path, the per-sequence reference) must equal
 the reference attending over the dequantized pages (`kv_quant.dequantize_pages`, then the

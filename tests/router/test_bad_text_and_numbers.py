@@ -1,7 +1,7 @@
 """Text UTF-8 cannot encode (JSON's lone surrogates), seeds outside [0, 2^63) and top_k past
 the vocabulary, through the real router engine's validation behind the real HTTP front (no
 workers: each is refused before any is asked): 400 naming the parameter, no traceback logged.
-The gRPC front's uint64 seed is refused the same way (issue 33, part 7)."""
+The gRPC front's uint64 seed is refused the same way."""
 
 from __future__ import annotations
 

@@ -103,7 +103,7 @@ def test_chat_checkpoint_differs_only_in_template_and_eos(qwen3_checkpoint: Path
     plain = load_model_config(qwen3_checkpoint)
     chat = load_model_config(chat_checkpoint)
     # Same weights, but a chat template and end-of-turn id change what the model answers:
-    # the fingerprint covers the tokenizer files and the generation config (issue 33).
+    # the fingerprint covers the tokenizer files and the generation config.
     assert plain.fingerprint != chat.fingerprint
     # End of a turn ends generation: <|im_end|> comes from generation_config.json.
     tokenizer = AutoTokenizer.from_pretrained(chat_checkpoint)

@@ -1,4 +1,4 @@
-"""The HTTP front's bounds (issue 33, parts 3 and 4), in-process over a fake router engine: an
+"""The HTTP front's bounds, in-process over a fake router engine: an
 unterminated request head is cut off at the header cap (431) without the router growing past
 it, half-open connections are closed at the header timeout, connections past the cap are
 closed at once, a conversation of too many messages is refused before anything is validated

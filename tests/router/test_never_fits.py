@@ -1,6 +1,6 @@
 """A request no decode worker's whole pool could hold is a bad request (INVALID_ARGUMENT, HTTP
 400 naming `max_tokens` or the prompt), not RESOURCE_EXHAUSTED (429), which OpenAI clients
-retry forever; one that fits the largest pool goes on (issue 33, part 9b). No processes: the
+retry forever; one that fits the largest pool goes on. No processes: the
 workers are the router's view of them."""
 
 from __future__ import annotations

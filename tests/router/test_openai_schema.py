@@ -150,7 +150,7 @@ def test_the_served_model_name_is_the_checkpoint_directorys(tmp_path: Path) -> N
 
 def test_a_converted_gguf_is_served_under_its_own_name_not_its_cache_key(
         tmp_path: Path) -> None:
-    """Issue 36, friction 7: KVFERRY_HOME/models/NAME-<hash> (a conversion, with its
+    """KVFERRY_HOME/models/NAME-<hash> (a conversion, with its
     manifest) is served as NAME; a folder that only looks like one keeps its name."""
     key = "b179c9523d0e6a0f98a330c7562b6827"
     converted = tmp_path / f"SmolLM2-135M-Instruct.Q4_1-{key}"

@@ -1,4 +1,4 @@
-"""Routing policies with fake workers (issue 5, acceptance 1), the burst case included."""
+"""Routing policies with fake workers, the burst case included."""
 
 from __future__ import annotations
 

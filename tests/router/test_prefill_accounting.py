@@ -1,4 +1,4 @@
-"""Prefill load accounting (issue 16): a prompt counts as pending work on its prefill worker
+"""Prefill load accounting: a prompt counts as pending work on its prefill worker
 until that prefill ends (the K/V pushed, or the prefill failed), not until the request ends,
 so a worker whose requests are all decoding elsewhere looks idle to the prefill policy."""
 

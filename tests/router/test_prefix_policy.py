@@ -1,4 +1,4 @@
-"""Routing on the workers' prefix caches (issue 18, acceptance 3) with fake workers: the cost
+"""Routing on the workers' prefix caches with fake workers: the cost
 formula of router/policy.py, and the router's mirror of each worker's cache index (events,
 snapshots, out-of-order answers, predictions)."""
 

@@ -1,4 +1,4 @@
-"""The `priced` policy (issue 35, acceptance 5): each cached source priced in seconds from
+"""The `priced` policy: each cached source priced in seconds from
 measured figures. A device hit on a busy prefill worker against a host hit on an idle one,
 and a miss beside a store hit, each on both sides of the formula's break-even; a slow tier
 is never priced above a recompute; with no lower-tier hits and workers that measure alike it

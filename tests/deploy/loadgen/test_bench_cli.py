@@ -47,7 +47,7 @@ def test_cli_single_target(fake_server: FakeServer, tmp_path: Path,
         assert (plot_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     out = capsys.readouterr().out
     assert "Mean TTFT (ms):" in out and "Request goodput (req/s):" in out
-    # issue 36: every output names the model and the workload, the workload as fields
+    # every output names the model and the workload, the workload as fields
     assert out.startswith("scripted-model; RandomWorkload(input_len=6, output_len=5")
     assert data["model"] == "scripted-model" and data["models"] == ["scripted-model"]
     assert data["workload"]["kind"] == "RandomWorkload" and data["workload"]["input_len"] == 6
@@ -55,7 +55,7 @@ def test_cli_single_target(fake_server: FakeServer, tmp_path: Path,
 
 def test_plots_are_titled_from_zero_and_tell_rates_apart(fake_server: FakeServer,
                                                         tmp_path: Path) -> None:
-    """Issue 36, friction 10: the model and workload in each title, axes from 0, and in the
+    """The model and workload in each title, axes from 0, and in the
     TTFT-vs-ITL scatter a marker per rate (a legend entry per target and rate)."""
     from deploy.loadgen import plots
 
@@ -88,7 +88,7 @@ def test_plots_are_titled_from_zero_and_tell_rates_apart(fake_server: FakeServer
 def test_compare_sends_the_same_requests_and_each_rate_fresh_ones(
         fake_server: FakeServer, reuse: bool) -> None:
     """Targets are compared on the same requests; a later rate of a sweep sends prompts of
-    its own (issue 36: the second rate hit what the first had cached, and TTFT fell as load
+    its own (the second rate hit what the first had cached, and TTFT fell as load
     rose), unless --reuse-prompts. Every run names the model its target serves."""
     config = BenchConfig(num_requests=3, request_rates=(50.0, float("inf")), seed=5,
                          num_warmups=1, reuse_prompts=reuse)
@@ -166,7 +166,7 @@ def test_cli_multi_turn_reports_hit_rates(fake_server: FakeServer, tmp_path: Pat
 def test_launch_targets_serve_the_model_asked_and_log_to_a_folder(
         model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
-    """Issue 36, friction 9: `launch:` targets serve the real default model unless told (as
+    """`launch:` targets serve the real default model unless told (as
     serve does); their servers log to a folder bench names, not to the terminal; an OpenAI
     launch target's tokenizer is the launched model's. The launch itself is not run here."""
     from deploy import default_model

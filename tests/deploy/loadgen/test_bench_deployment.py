@@ -65,7 +65,7 @@ def test_compare_a_running_deployment_and_the_traced_http_front_of_a_launched_on
     client = cpu_list(sorted(os.sched_getaffinity(0)))  # where pytest runs, restored
     assert runs[0]["placement"] == {"client": client}  # a running target: the client's only
     plan = plan_cores(["colocated-0"], sorted(os.sched_getaffinity(0)))
-    if plan.is_pinned:  # issue 37: the launched one's processes, and the client on the router's
+    if plan.is_pinned:  # the launched one's processes, and the client on the router's
         want = {name: cpu_list(cores) for name, cores in plan.cores.items()}
         assert runs[1]["placement"] == {**want, "client": want[ROUTER]}
     for run in runs:

@@ -93,7 +93,7 @@ def test_chat_role_chunk_is_not_the_first_token(tmp_path: Path) -> None:
         assert r.ttft_s == approx(0.040) and r.latency_s == approx(0.190)
     text, ids = outcome.records
     assert (text.prompt_len, text.template_tokens) == (2 + 4, 0)  # the usage: no length asked
-    # token ids of a known length (--input-len): the template's tokens apart (issue 36)
+    # token ids of a known length (--input-len): the template's tokens apart
     assert (ids.prompt_len, ids.template_tokens) == (3, 4)
     metrics = calculate_metrics(outcome.records, 1.0)
     assert (metrics.total_input, metrics.total_template_tokens) == (9, 4)

@@ -38,7 +38,7 @@ def test_cli_single_openai_target(openai_server: FakeOpenAI, tmp_path: Path,
         assert body["top_k"] == 5  # --extra-body
     out = capsys.readouterr().out
     assert "Mean TTFT (ms):" in out
-    # issue 36: an OpenAI server does not report K/V bytes: unknown, not 0.00
+    # an OpenAI server does not report K/V bytes: unknown, not 0.00
     assert "K/V bytes shipped per request:           unknown" in out
     assert out.startswith(f"{MODEL}; RandomWorkload(") and data["model"] == MODEL
 

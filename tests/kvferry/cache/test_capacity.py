@@ -1,4 +1,4 @@
-"""`kvferry plan` reproduces the reference K/V sizes (issue 5, acceptance 4)."""
+"""`kvferry plan` reproduces the reference K/V sizes."""
 
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ def test_bad_dtype_is_named() -> None:
         KvShape(1, 1, 1, "float64")
 
 
-# Other architectures' field names, read through transformers' AutoConfig (issue 15).
+# Other architectures' field names, read through transformers' AutoConfig.
 GPT2_SMALL = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_layer": 12,
               "n_head": 12, "n_embd": 768}
 LLAMA3_8B_GQA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], **LLAMA3_8B}
@@ -151,7 +151,7 @@ def test_plan_reads_a_gguf_files_metadata(tmp_path: Path,
     assert f"bytes per token: {2 * 4 * 2 * 8 * 2:,}" in capsys.readouterr().out
 
 
-# What serve would store (issue 36): the default model, its dtype on this machine, quantized
+# What serve would store: the default model, its dtype on this machine, quantized
 # pages, serve's pool size. SmolLM2-135M: 30 layers x 3 kv heads x 64.
 @pytest.mark.parametrize("argv,per_token,dtype", [
     (["--device", "cpu"], 2 * 30 * 3 * 64 * 4, "float32"),  # the workers' float32 on CPU

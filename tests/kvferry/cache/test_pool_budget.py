@@ -1,4 +1,4 @@
-"""`--kv-pool-size auto` (issue 37): the pool is the worker's share of the device less its
+"""`--kv-pool-size auto`: the pool is the worker's share of the device less its
 weights, a prefill's activations and, on CPU, its host tier and dense stage; the weights
 counted from the checkpoint's headers are the bytes the loaded model holds; serve divides
 its share among the workers on a device; a cgroup limit caps RAM; nothing left is refused
@@ -127,7 +127,7 @@ def test_a_cgroup_limit_caps_the_machines_memory(tmp_path: Path,
 
 
 def test_on_cpu_without_a_share_the_pool_is_the_fixed_size(qwen3_checkpoint: Path) -> None:
-    """Issue 37's measurement keeps CPU pools fixed unless a share is asked for (see
+    """CPU pools stay fixed unless a share is asked for (see
     CPU_POOL_BYTES); serve then passes the workers no share either."""
     config = load_model_config(qwen3_checkpoint)
     settings = _settings(qwen3_checkpoint, "decode", memory_utilization=None)

@@ -1,4 +1,4 @@
-"""Quantized K/V pools (issue 21): pages are bytes holding values then their scales, the
+"""Quantized K/V pools: pages are bytes holding values then their scales, the
 layout names the K/V dtype, sizes count the scales, transports move both, and the finite
 check covers the scales (and fp8's NaN)."""
 
@@ -120,8 +120,8 @@ def test_the_finite_check_reads_the_scales_and_fp8_nan(kv_dtype: str) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_a_finite_scale_past_the_dequantized_range_is_refused(kv_dtype: str,
                                                               dtype: torch.dtype) -> None:
-    """A scale codes would dequantize past the pool's dtype with is corrupt: refused like inf
-    (issue 33, part 8); one at the bound passes."""
+    """A scale codes would dequantize past the pool's dtype with is corrupt: refused like inf;
+    one at the bound passes."""
     pool = KvPool(LAYERS, HEADS, DIM, BLOCK, BLOCKS, dtype, kv_cache_dtype=kv_dtype)
     _fill(pool, list(range(BLOCKS)), seed=4)
     bound = kv_quant.max_scale(kv_dtype, dtype)

@@ -1,7 +1,7 @@
-"""The model over quantized K/V pages (issue 21) against an independent oracle: transformers
+"""The model over quantized K/V pages against an independent oracle: transformers
 `generate` whose cache stores every K/V vector fake-quantized by `_fake_quantize` below, the
 format written out from its definition (one scale per token and K/V head, int8 or fp8 e4m3)
-without `kvferry_kernels.kv_quant` (issue 34: the oracle must not share kvferry's quantizer).
+without `kvferry_kernels.kv_quant` (the oracle must not share kvferry's quantizer).
 kvferry quantizes where K/V is written (prefill and the decode append) and attends over what
 the pages hold, the prompt's own tokens included, so greedy tokens must be identical, whatever
 the prefill's chunking, and every step's logits must agree to LOGITS_ATOL (they are bit for bit

@@ -1,4 +1,4 @@
-"""An unset sampling field takes the model's default (issue 36, friction 6): the checkpoint's
+"""An unset sampling field takes the model's default: the checkpoint's
 generation_config.json, then the router's --override-generation-config, else kvferry's; a
 request's own value, greedy included, always wins. The default model, served without
 --model, samples as its model card says."""

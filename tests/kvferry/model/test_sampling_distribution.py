@@ -1,4 +1,4 @@
-"""`sample_tokens` draws from the distribution its parameters define (issue 34).
+"""`sample_tokens` draws from the distribution its parameters define.
 
 For fixed logits, many draws (one row per draw, a seeded stream per output index) are
 compared with the exact distribution computed here in float64: softmax(logits / T), cut to

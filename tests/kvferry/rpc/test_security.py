@@ -35,7 +35,7 @@ def test_settings_name_the_bad_field(certs: CertFiles, tmp_path: Path) -> None:
 
 
 def test_a_token_without_tls_is_refused(certs: CertFiles) -> None:
-    """It would be sent in plaintext (issue 16); with TLS it loads."""
+    """It would be sent in plaintext; with TLS it loads."""
     with pytest.raises(ValueError, match="--tls-cert"):
         security.load(SecuritySettings(cluster_token_file=str(certs.token)))
     creds = security.load(SecuritySettings(str(certs.cert), str(certs.key),
