@@ -20,7 +20,7 @@ RSS, end of the phase over its start). Usage:
 
     .venv/bin/python bench/bench_http_attacks.py [--model tiny|default|PATH] [--repeats 3]
         [--duration-s 10] [--num-clients 2] [--output-len 64] [--half-open 1000]
-        [--attack-bodies 2] [--header-mib 128] [--out docs/bench_http_attacks.json]
+        [--attack-bodies 2] [--header-mib 128] [--out bench/results/bench_http_attacks.json]
 """
 
 from __future__ import annotations

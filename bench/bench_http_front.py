@@ -28,7 +28,7 @@ does not depend on how tokens are grouped into chunks) and the content chunks pe
     .venv/bin/python bench/bench_http_front.py [--model tiny|default|PATH] [--repeats 5]
         [--num-prompts 40] [--request-rate 4] [--input-len 128] [--output-len 64]
         [--fronts grpc,http,http-ids] [--backend openai-completions|openai-chat]
-        [--sequential] [--out docs/bench_http_front.json]
+        [--sequential] [--out bench/results/bench_http_front.json]
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ unloaded and loaded, loaded TTFT p99, and the ratio loaded p99 ITL / unloaded p5
 target is disaggregated <= 1.5x while colocated's is >= 3x. Writes a JSON (every repetition)
 and a PNG (the first repetition's ITL percentiles and token gaps over time). Usage:
 
-    .venv/bin/python bench/bench_interference.py [--model tiny|default|PATH] --out-dir docs
+    .venv/bin/python bench/bench_interference.py [--model tiny|default|PATH] --out-dir bench/results
 
 With --launch serve the deployments are started by `kvferry serve` with its defaults instead
 (what a user who tries the headline sees): the placement and pool sizes are serve's

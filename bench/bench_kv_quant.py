@@ -19,7 +19,7 @@ For each K/V dtype (auto = the model's fp32, int8, fp8_e4m3):
    each repetition's median step, and the ratio to fp32 within each repetition.
 Targets: int8 perplexity within 1% of fp32, fp8 within 3%. Usage:
 
-    .venv/bin/python bench/bench_kv_quant.py [--out docs/bench_kv_quant.json] [--dry-run]
+    .venv/bin/python bench/bench_kv_quant.py [--out bench/results/bench_kv_quant.json] [--dry-run]
 """
 
 from __future__ import annotations

@@ -312,7 +312,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="servers' logs and each run's result JSON (default: "
                         "KVFERRY_HOME/logs/bench_vs_vllm-TIME)")
     p.add_argument("--out", type=Path, default=None,
-                   help="every run as JSON (default docs/bench_vs_vllm_<model>.json)")
+                   help="every run as JSON (default bench/results/bench_vs_vllm_<model>.json)")
     args = p.parse_args(argv)
     args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     unknown = [e for e in args.engines if e not in ENGINES]
@@ -336,7 +336,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error(f"--kvferry-args: {exc}")
     name = args.model if args.model in ("tiny", "default") else Path(args.model).stem
     args.model_name = name
-    args.out = args.out or REPO / "docs" / f"bench_vs_vllm_{name}.json"
+    args.out = args.out or REPO / "bench" / "results" / f"bench_vs_vllm_{name}.json"
     return args
 
 

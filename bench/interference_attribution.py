@@ -5,7 +5,7 @@ went in the loaded phase, per deployment, over every repetition
 Run alone, it reads a trace folder again (the report is a function of the traces) and
 rewrites the attribution of the benchmark's JSON:
 
-    python bench/interference_attribution.py TRACE_DIR docs/bench_interference.json
+    python bench/interference_attribution.py TRACE_DIR bench/results/bench_interference.json
 """
 
 from __future__ import annotations

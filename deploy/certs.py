@@ -54,6 +54,19 @@ def _write(path: Path, data: bytes, is_secret: bool) -> Path:
     return path
 
 
+def _sans(names: tuple[str, ...]) -> list:
+    """Subject alternative names: IP addresses as IP SANs, the rest as DNS names."""
+    from cryptography import x509
+
+    sans: list[x509.GeneralName] = []
+    for entry in names:
+        try:
+            sans.append(x509.IPAddress(ipaddress.ip_address(entry)))
+        except ValueError:
+            sans.append(x509.DNSName(entry))
+    return sans
+
+
 def make_certs(out_dir: Path, names: tuple[str, ...] = DEFAULT_NAMES,
                valid_days: int = 365) -> CertFiles:
     """Write ca.crt, tls.crt, tls.key and token into `out_dir`, and the CA key into
@@ -86,19 +99,13 @@ def make_certs(out_dir: Path, names: tuple[str, ...] = DEFAULT_NAMES,
                                      encipher_only=False, decipher_only=False), critical=True)
         .sign(ca_key, hashes.SHA256())
     )
-    sans: list[x509.GeneralName] = []
-    for entry in names:
-        try:
-            sans.append(x509.IPAddress(ipaddress.ip_address(entry)))
-        except ValueError:
-            sans.append(x509.DNSName(entry))
     key = ec.generate_private_key(ec.SECP256R1())
     cert = (
         x509.CertificateBuilder().subject_name(name("kvferry cluster")).issuer_name(ca_cert.subject)
         .public_key(key.public_key()).serial_number(x509.random_serial_number())
         .not_valid_before(start).not_valid_after(end)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        .add_extension(x509.SubjectAlternativeName(_sans(names)), critical=False)
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
                                               ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
         .sign(ca_key, hashes.SHA256())

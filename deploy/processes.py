@@ -22,7 +22,9 @@ from kvferry.settings import RouterSettings, SecuritySettings, WorkerSettings
 from kvferry.transfer.sender import KvSender
 
 if TYPE_CHECKING:
+    from router.engine import Router
     from router.http_front import HttpFront
+    from router.worker_set import WorkerSet
 
 log = logging.getLogger("kvferry")
 
@@ -183,19 +185,23 @@ def build_worker(settings: WorkerSettings) -> tuple[Built, object]:
     log.info("%s worker on %s:%d: %d blocks of %d tokens, %s, %s, backend %s, %s K/V transport",
              settings.role, settings.host, port, pool.num_blocks, pool.block_size, model.dtype,
              model.device, backend_name, settings.kv_transport)
-    metrics_port = 0
-    if settings.metrics_port is not None:
-        from kvferry.rpc import metrics
-
-        registry = metrics.CollectorRegistry()
-        kv_bytes = ((lambda: engine.kv_bytes_sent) if settings.role == "prefill"
-                    else (lambda: engine.kv_bytes_received))
-        registry.register(metrics.WorkerCollector(settings.role, engine.stats, kv_bytes,
-                                                  pool.cache.nbytes))
-        metrics_port = metrics.serve(settings.metrics_port, settings.host, registry)
     return Built(server, health, names, port, on_stop, settings.drain_timeout_s,
-                 engine, metrics_port, _health_server(health, settings.host,
-                                                      settings.security)), engine
+                 engine, _worker_metrics(settings, engine, pool.cache.nbytes),
+                 _health_server(health, settings.host, settings.security)), engine
+
+
+def _worker_metrics(settings: WorkerSettings, engine: object, pool_bytes: int) -> int:
+    """Serve the worker's Prometheus metrics with --metrics-port; their port (0: none)."""
+    if settings.metrics_port is None:
+        return 0
+    from kvferry.rpc import metrics
+
+    registry = metrics.CollectorRegistry()
+    kv_bytes = ((lambda: engine.kv_bytes_sent) if settings.role == "prefill"
+                else (lambda: engine.kv_bytes_received))
+    registry.register(metrics.WorkerCollector(settings.role, engine.stats, kv_bytes,
+                                              pool_bytes))
+    return metrics.serve(settings.metrics_port, settings.host, registry)
 
 
 async def run_worker(settings: WorkerSettings) -> None:
@@ -212,23 +218,11 @@ async def build_router(settings: RouterSettings) -> Built:
     from router.leases import renew_loop
     from router.openai_schema import served_model_name
     from router.policies import make_policy
-    from router.worker_set import WorkerSet
 
     config = load_model_config(settings.model, settings.override_generation_config)
     tokenizer = AutoTokenizer.from_pretrained(config.path)  # a .gguf model: its converted dir
     creds = security.load(settings.security)
-    workers = WorkerSet.connect(list(settings.prefill), list(settings.decode),
-                                config.fingerprint, list(settings.colocated), creds)
-    dns_names = {role: name for role, name in (("prefill", settings.prefill_dns),
-                                               ("decode", settings.decode_dns)) if name}
-    tasks = []
-    if dns_names:
-        from router.discovery import discover_once, discovery_loop
-
-        await discover_once(workers, dns_names)
-        tasks.append(asyncio.create_task(
-            discovery_loop(workers, dns_names, settings.dns_interval_s)))
-    await workers.refresh_all()
+    workers, tasks = await _router_workers(settings, config.fingerprint, creds)
     policy = make_policy(settings.policy, settings.prefix_weight, settings.load_weight,
                          settings.prefill_prefix_weight, settings.demand_weight)
     router = Router(config, tokenizer, workers, settings.lease_s, policy,
@@ -245,15 +239,7 @@ async def build_router(settings: RouterSettings) -> Built:
     # Public: a smaller receive cap, no token check (clients are not cluster members).
     server = grpc_util.make_server(max_receive_bytes=grpc_util.PUBLIC_MAX_RECEIVE_BYTES)
     health = grpc_util.add_health(server)
-    router_metrics, metrics_port = None, 0
-    if settings.metrics_port is not None:
-        from kvferry.rpc import metrics
-
-        registry = metrics.CollectorRegistry()
-        router_metrics = metrics.RouterMetrics(registry)
-        registry.register(metrics.RouterWorkersCollector(lambda: workers.workers))
-        router.downstream.on_prefill_retry = router_metrics.prefill_retries.inc
-        metrics_port = metrics.serve(settings.metrics_port, settings.host, registry)
+    router_metrics, metrics_port = _router_metrics(settings, router)
     model_name = served_model_name(settings.model, settings.served_model_name)
     router_server.add_to_server(server, router, router_metrics, keys, model_name)
     grpc_util.add_reflection(server, router_server.SERVICE_NAMES)
@@ -275,6 +261,40 @@ async def build_router(settings: RouterSettings) -> Built:
     return Built(server, health, router_server.SERVICE_NAMES, port, on_stop,
                  settings.drain_timeout_s, None, metrics_port,
                  _health_server(health, settings.host, settings.security), http)
+
+
+async def _router_workers(settings: RouterSettings, fingerprint: str,
+                          creds: security.Credentials) -> tuple[WorkerSet, list[asyncio.Task]]:
+    """The router's workers, connected and refreshed once, and the task that rediscovers
+    them by DNS (when named by a headless Service)."""
+    from router.worker_set import WorkerSet
+
+    workers = WorkerSet.connect(list(settings.prefill), list(settings.decode), fingerprint,
+                                list(settings.colocated), creds)
+    dns_names = {role: name for role, name in (("prefill", settings.prefill_dns),
+                                               ("decode", settings.decode_dns)) if name}
+    tasks = []
+    if dns_names:
+        from router.discovery import discover_once, discovery_loop
+
+        await discover_once(workers, dns_names)
+        tasks.append(asyncio.create_task(
+            discovery_loop(workers, dns_names, settings.dns_interval_s)))
+    await workers.refresh_all()
+    return workers, tasks
+
+
+def _router_metrics(settings: RouterSettings, router: Router) -> tuple[object, int]:
+    """The router's Prometheus metrics and their port, with --metrics-port (else None, 0)."""
+    if settings.metrics_port is None:
+        return None, 0
+    from kvferry.rpc import metrics
+
+    registry = metrics.CollectorRegistry()
+    router_metrics = metrics.RouterMetrics(registry)
+    registry.register(metrics.RouterWorkersCollector(lambda: router.workers.workers))
+    router.prefill.on_retry = router_metrics.prefill_retries.inc
+    return router_metrics, metrics.serve(settings.metrics_port, settings.host, registry)
 
 
 def _health_server(health: object, host: str,

@@ -30,7 +30,7 @@ CUDA_UTILIZATION = 0.9
 # pool is zeroed, so resident, from the start, and RAM is shared with everything else on the
 # machine. (A first measurement put a RAM-sized decode pool at 7-18x the loaded p99 ITL of
 # this size; that was the dense stage's copies, which decode no longer makes by default, and
-# is not re-measured: docs/benchmarks.md.)
+# is not re-measured; the current figure is in docs/performance.md.)
 CPU_POOL_BYTES = 256 << 20
 DEFAULT_PREFILL_TOKEN_BUDGET = 2048  # prompt tokens per prefill forward
 CPU_PREFILL_TOKEN_BUDGET = 512  # the same on CPU (kvferry/model/prefill_batch.py says why)

@@ -8,7 +8,7 @@ Why a scale per (token, K/V head), for keys and values alike:
 - per-channel key scales (KIVI, KVQuant) group tokens: a block's scale would change as
   tokens arrive, so the append would requantize, or keep a full-precision tail (KIVI's
   residual window). That buys accuracy at 2-4 bits; at 8 bits a per-token scale already
-  brings the error under the model's own bf16 rounding (docs/benchmarks.md), and
+  brings the error under the model's own bf16 rounding (docs/performance.md), and
   every token is written once, in place, by the append that produces it;
 - fp8 e4m3 uses the same layout. vLLM's fp8 cache has one scale per layer (1.0 unless a
   checkpoint or a calibration pass gives one); without a calibration set, a per-token scale

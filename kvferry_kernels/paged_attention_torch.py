@@ -80,7 +80,7 @@ def dense_decode_attention(
     Plain batched matmuls, each query head group against its KV head: with one query token
     per sequence this reads K and V once at close to memory speed, where the CPU flash
     kernel of scaled_dot_product_attention takes ~1.3-2x longer (tests/kvferry_kernels and
-    docs/benchmarks.md)."""
+    docs/performance.md)."""
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, length = k.shape[1], k.shape[2]
     invalid = torch.arange(length, device=q.device)[None, :] >= seq_lens[:, None].to(q.device)

@@ -49,7 +49,7 @@ _LOG2E = 1.4426950408889634
 _CPU_NUM_SPLITS = 2  # fixed split count off-GPU: the interpreter pays per program
 _MIN_TILES_PER_SPLIT = 4  # a split shorter than this costs more in overhead than it saves
 _MAX_SPLITS = 64
-# About two resident programs per SM. Measured on an H200 (docs/benchmarks.md): eight per SM
+# About two resident programs per SM. Measured on an H200 (docs/performance.md): eight per SM
 # (64 splits where this gives 33) made batch 1 with 8 K/V heads 8-12% slower over 16-32k tokens
 # and 32 K/V heads 8-12% faster; two is kept, as 8 K/V heads is the common shape.
 _PROGRAMS_PER_SM = 2
@@ -97,7 +97,7 @@ def _pick_config(dtype: torch.dtype, on_gpu: bool) -> _KernelConfig:
     if not on_gpu:
         return _KernelConfig(block_n=64, num_warps=4, num_stages=1)
     # Checked by compiling for sm_90 with triton 3.6 (D=128): no spills (bf16: 158
-    # registers), cp.async pipelining, 16-byte loads. Timed on an H200 (docs/benchmarks.md):
+    # registers), cp.async pipelining, 16-byte loads. Timed on an H200 (docs/performance.md):
     # no other tile config was better on every shape of the sweep. fp32 gets a shorter tile
     # because its exact ("ieee") dot runs on FMAs, not tensor cores.
     if dtype == torch.float32:

@@ -33,7 +33,7 @@ from kvferry.cache.prefix import (
     max_shared_blocks,
 )
 from kvferry.cache.stats import PoolStats
-from kvferry.cache.tiers.tiered import TieredCache
+from kvferry.cache.tiers.tiered import TieredCache, TierHit
 from kvferry.errors import Aborted, InvalidArgument, NotFound, Unavailable
 from kvferry.model.prefill_batch import PrefillBatcher, PrefillJob
 from kvferry.model.sampling import SamplingParams, validate_prompt
@@ -141,19 +141,9 @@ class PrefillEngine:
             raise InvalidArgument("defer_push needs an empty decode_address", "defer_push")
         self._validate(request_id, prompt, params)
         check_skip_blocks(skip_blocks, len(prompt), self.pool.block_size)
-        task = asyncio.current_task()
-        if task is not None:
-            self._active[request_id] = task
-        block_size = self.pool.block_size
         keys = self._block_keys(prompt, cache_salt)
-        try:
-            hit = await self.cache.acquire(
-                keys[:max_shared_blocks(len(prompt), block_size)], len(prompt), self.blocks,
-                blocks_for_tokens(len(prompt), block_size), deferrable=defer_push)
-        except BaseException:
-            self._active.pop(request_id, None)
-            raise
-        blocks, num_cached = hit.block_ids, hit.num_cached * block_size
+        hit = await self._acquire(request_id, prompt, keys, defer_push)
+        blocks, num_cached = hit.block_ids, hit.num_cached * self.pool.block_size
         job = PrefillJob(request_id, prompt, params, blocks,
                          asyncio.get_running_loop().create_future(), output_index,
                          num_computed=num_cached)
@@ -188,21 +178,44 @@ class PrefillEngine:
                          request_id, len(prompt), pushed.num_bytes, pushed.seconds * 1e3)
                 yield PushedEvent(pushed.seconds, pushed.num_bytes)
         finally:
-            if push is not None and not push.done():
-                push.cancel()
-                await asyncio.gather(push, return_exceptions=True)  # it reads our blocks
-            elif push is not None and not push.cancelled():
-                push.exception()  # retrieved: a failure was already raised or is moot
+            await self._end(request_id, job, push, parked)
+
+    async def _acquire(self, request_id: str, prompt: list[int], keys: list[bytes],
+                       defer_push: bool) -> TierHit:
+        """The request's blocks, its cached prefix shared (`TieredCache.acquire`), once the
+        pool has them; the request is abortable (`abort`) from now on."""
+        task = asyncio.current_task()
+        if task is not None:
+            self._active[request_id] = task
+        block_size = self.pool.block_size
+        try:
+            return await self.cache.acquire(
+                keys[:max_shared_blocks(len(prompt), block_size)], len(prompt), self.blocks,
+                blocks_for_tokens(len(prompt), block_size), deferrable=defer_push)
+        except BaseException:
             self._active.pop(request_id, None)
-            if parked is not None:
-                if self._parked.get(request_id) is parked:
-                    del self._parked[request_id]
-                if parked.ship.done() and not parked.ship.cancelled():
-                    parked.ship.exception()  # an eviction nobody awaited (a cancelled call)
-            await self.batcher.release(job)
-            if parked is None or not parked.is_evicted:
-                self.pool.allocator.free(blocks)
-                self.blocks.grant()
+            raise
+
+    async def _end(self, request_id: str, job: PrefillJob,
+                   push: asyncio.Future[PushResult] | None, parked: Parked | None) -> None:
+        """However a prefill ended: stop its push (which reads the blocks), forget it, and
+        free its blocks once no forward writes into them (evicted parked ones were freed
+        already)."""
+        if push is not None and not push.done():
+            push.cancel()
+            await asyncio.gather(push, return_exceptions=True)  # it reads our blocks
+        elif push is not None and not push.cancelled():
+            push.exception()  # retrieved: a failure was already raised or is moot
+        self._active.pop(request_id, None)
+        if parked is not None:
+            if self._parked.get(request_id) is parked:
+                del self._parked[request_id]
+            if parked.ship.done() and not parked.ship.cancelled():
+                parked.ship.exception()  # an eviction nobody awaited (a cancelled call)
+        await self.batcher.release(job)
+        if parked is None or not parked.is_evicted:
+            self.pool.allocator.free(job.block_table)
+            self.blocks.grant()
 
     def _evict_parked(self) -> None:
         """Free parked K/V, newest first, until every prefill waiting for blocks fits (the

@@ -1,11 +1,10 @@
-"""The router's calls to its workers, for one request: decode admission and reservation,
-abort and release here; the prefill leg (failover, re-prefill, shipping deferred K/V) in
-`router.prefill_leg.PrefillLeg`, which `Downstream` composes and fronts.
+"""The router's decode-side calls for one request: fitting it to a pool, waiting for
+headroom, reserving on the best decode worker, aborting and releasing there. Worker selection
+and calls only: the request's flow and state belong to `router.engine.Router` (its prefill leg
+to `router.prefill_leg.PrefillLeg`), which passes each call the request's `RouterRequest`.
 
-`Downstream` is composed by `router.engine.Router`, which owns the request's flow; the
-per-request state both share is `RouterRequest`. The RPCs themselves go through the client
-adapters (`router.prefill_client`, `router.decode_client`); their failures arrive here as
-`grpc.aio.AioRpcError`, whose status codes decide failover, migration and abort.
+The RPCs go through the client adapters (`router.decode_client`); their failures arrive here
+as `grpc.aio.AioRpcError`, whose status codes decide what to try next.
 """
 
 from __future__ import annotations
@@ -20,10 +19,7 @@ import grpc
 from kvferry.cache.layout import blocks_needed
 from kvferry.cache.prefix import block_keys, cache_seed, max_shared_blocks
 from kvferry.errors import InvalidArgument, ResourceExhausted
-from kvferry.model.sampling import SamplingParams
 from router.policy import HeadroomPolicy, Policy
-from router.prefill_leg import PrefillLeg
-from router.records import FirstToken, PrefillDone
 from router.request import RouterRequest, remaining_s
 from router.worker_set import WorkerSet
 from router.workers import Worker
@@ -35,21 +31,17 @@ _UNANSWERED = (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 class Downstream:
-    """Owns how one request's calls reach the workers: which worker, when to wait, what to
-    retry. The workers' health and load live in `workers`; the request's progress in the
-    `RouterRequest` each call is given."""
+    """Which decode worker, when to wait for one, what to retry. The workers' health and
+    load live in `workers`; each request's progress in the `RouterRequest` a call is given."""
 
     def __init__(self, workers: WorkerSet, policy: Policy, lease_s: float,
-                 local_prefill_threshold: int, admission_timeout_s: float) -> None:
+                 admission_timeout_s: float) -> None:
         self.workers = workers
         self.policy = policy
         self.lease_s = lease_s
         self.admission_timeout_s = admission_timeout_s
         # The clock admission waits by: monotonic, as request deadlines are (tests move one).
         self.clock: Callable[[], float] = time.monotonic
-        self.on_prefill_retry: Callable[[], None] = lambda: None  # metrics: count retries
-        self.prefill = PrefillLeg(workers, policy, local_prefill_threshold,
-                                  retried=lambda: self.on_prefill_retry())
 
     def key_prompt(self, state: RouterRequest, prompt: list[int]) -> None:
         """Compute the keys of the prompt's shareable blocks, as the workers' caches key them
@@ -139,30 +131,13 @@ class Downstream:
         return candidates, self.clock() - start
 
     def admission_would_wait(self, num_prompt: int, max_tokens: int) -> bool:
-        """Headroom policy, a remote prefill, and no decode worker with room right now."""
-        if (not isinstance(self.policy, HeadroomPolicy) or not self.workers.has_prefill_workers()
-                or num_prompt < self.prefill.local_prefill_threshold):
+        """Headroom policy, prefill workers to prefill on, and no decode worker with room
+        right now."""
+        if not isinstance(self.policy, HeadroomPolicy) or not self.workers.has_prefill_workers():
             return False
         workers = self.workers.decode_workers()
         need = blocks_needed(num_prompt, max_tokens, self.workers.block_size())
         return max(w.headroom for w in workers) < need
-
-    async def first_token(self, state: RouterRequest, prompt: list[int],
-                          params: SamplingParams, deadline: float | None, num_generated: int
-                          ) -> FirstToken | None:
-        """Prefill until the first token (`PrefillLeg.first_token`); None when aborted."""
-        return await self.prefill.first_token(state, prompt, params, deadline, num_generated)
-
-    async def prefill_done(self, state: RouterRequest, prompt: list[int],
-                           params: SamplingParams, deadline: float | None, num_generated: int
-                           ) -> PrefillDone | None:
-        """The end of the prefill: the K/V is in the reservation (`PrefillLeg.prefill_done`);
-        raises `StreamBroken` when the decode worker was lost during the push."""
-        return await self.prefill.prefill_done(state, prompt, params, deadline, num_generated)
-
-    async def ship(self, state: RouterRequest, deadline: float | None) -> None:
-        """Send a deferred prefill's K/V to the reservation now made (`PrefillLeg.ship`)."""
-        await self.prefill.ship(state, deadline)
 
     async def abort_decode(self, state: RouterRequest) -> None:
         worker = state.decode_worker

@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 from kvferry import trace
 from kvferry.errors import NotFound, Unavailable
@@ -27,6 +28,7 @@ from router.downstream import Downstream
 from router.events import ChunkEvent, DoneEvent, Timing
 from router.identity import ANONYMOUS, Caller, tenant_salt
 from router.policy import HeadroomPolicy, Policy
+from router.prefill_leg import PrefillLeg
 from router.prompt_bounds import PromptBounds, check_prompt_bounds
 from router.records import DecodeStart
 from router.request import OpenRequests, RouterRequest, remaining_s
@@ -35,6 +37,20 @@ from router.worker_set import WorkerSet
 
 log = logging.getLogger("kvferry.router")
 TOKENIZE_QUEUE = 2  # prompts queued on the tokenizer thread at once
+
+
+@dataclass(slots=True)
+class Ending:
+    """How a request's stream ends, whichever way it does (`Router._run`'s one exit): its
+    last chunk (these tokens and text, then the detokenizer's tail unless a stop string ended
+    it) and its finish reason."""
+
+    reason: FinishReason = FinishReason.ABORT
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    is_stopped: bool = False  # a stop string ended it: the held-back text is not sent
+    always_chunk: bool = True  # send the last chunk even when it is empty
+    first_decode_step_s: float = 0.0  # what the decode worker reported, when it decoded
 
 
 class Router:
@@ -63,8 +79,9 @@ class Router:
         self._tokenize_slots = asyncio.Semaphore(TOKENIZE_QUEUE)
         self.prompt_bounds = PromptBounds.of(tokenizer)  # sizes refused before tokenizing
         self.workers = workers
-        self.downstream = Downstream(workers, policy or HeadroomPolicy(), lease_s,
-                                     local_prefill_threshold, admission_timeout_s)
+        policy = policy or HeadroomPolicy()
+        self.downstream = Downstream(workers, policy, lease_s, admission_timeout_s)
+        self.prefill = PrefillLeg(workers, policy, local_prefill_threshold)
         self.max_migrations = max_migrations
 
     def requests(self) -> list[RouterRequest]:
@@ -121,93 +138,115 @@ class Router:
                    ) -> AsyncIterator[ChunkEvent | DoneEvent]:
         """Legs of reserve -> prefill -> first token -> decode. When a decode worker dies
         mid-stream the request migrates: a new leg prefills prompt + every token streamed so
-        far on another pair, and its first token is the stream's next one."""
+        far on another pair, and its first token is the stream's next one. However the
+        request ends (aborted, a finish on the first token, the decode's finish), it leaves
+        the loop with its `Ending`, and the last chunk and the DoneEvent are sent below."""
         self.downstream.check_fits(len(prompt), params.max_tokens)  # before any work
         detok = IncrementalDetokenizer(self.tokenizer, params.stop)
         stop_ids = validation.stop_ids(params, self.config)
         generated: list[int] = []  # every token streamed to the client
-        timing = Timing(0.0, 0.0, 0.0, 0.0, 0.0)
-        migrations = 0
+        timing = Timing(0.0, 0.0, 0.0, 0.0, 0.0)  # num_migrations counts the legs after the first
+        ending = Ending()  # aborted, unless the loop finds otherwise
         while True:
             context = prompt + generated
             remaining = params.max_tokens - len(generated)
-            self.downstream.key_prompt(state, context)
-            # No decode worker has room for it now: prefill anyway and stream the first token;
-            # the K/V waits in the prefill worker's pool until a reservation is made.
-            state.is_push_deferred = (not generated and remaining > 1
-                                      and self.downstream.admission_would_wait(
-                                          len(context), remaining))
-            if not state.is_push_deferred and (remaining > 1
-                                               or not self.workers.has_prefill_workers()):
-                waited = await self.downstream.reserve(state, context, remaining, deadline)
-                timing = timing._replace(admission_wait_s=timing.admission_wait_s + waited)
-                if state.is_aborted:
-                    yield ChunkEvent([], detok.finish())
-                    yield DoneEvent(FinishReason.ABORT, len(prompt), len(generated), timing)
-                    return
-            if not generated:
-                timing = timing._replace(queue_s=time.perf_counter() - received)
-            first_msg = await self.downstream.first_token(state, context, params, deadline,
-                                                          len(generated))
-            if first_msg is None:
-                yield ChunkEvent([], detok.finish())
-                yield DoneEvent(FinishReason.ABORT, len(prompt), len(generated), timing)
-                return
-            first = first_msg.token_id
-            state.last_token_s = time.monotonic()
-            if not generated:
-                timing = timing._replace(prefill_s=first_msg.prefill_s,
-                                         time_to_first_token_s=time.perf_counter() - received)
-                state.num_cached_tokens = first_msg.num_cached_tokens
-                state.cached_by_tier = first_msg.cached_by_tier
-            else:  # a migrated leg: Usage counts the first leg's cache; the log shows this one's
-                log.info("request %s: migrated leg prefilled %d context tokens, %d from the "
-                         "prefix cache", state.request_id, len(context),
-                         first_msg.num_cached_tokens)
+            timing = await self._reserve_first(state, context, remaining, not generated,
+                                               deadline, timing)
+            if state.is_aborted:
+                break
+            first, timing = await self._first_token(state, context, params, deadline,
+                                                    len(generated), received, timing)
+            if first is None:
+                break
             generated.append(first)
             step = detok.add([first])
-            reason: FinishReason | None = None
-            if step.is_stopped or first in stop_ids:
-                reason = FinishReason.STOP
-            elif remaining == 1:
-                reason = FinishReason.LENGTH
-            if reason is not None:
-                yield ChunkEvent([first], step.text + ("" if step.is_stopped else detok.finish()))
-                yield DoneEvent(reason, len(prompt), len(generated), timing)
-                return
+            is_stop = step.is_stopped or first in stop_ids
+            if is_stop or remaining == 1:
+                ending = Ending(FinishReason.STOP if is_stop else FinishReason.LENGTH, [first],
+                                step.text, step.is_stopped)
+                break
             yield ChunkEvent([first], step.text)
             if state.is_push_deferred:
-                waited = await self.downstream.reserve(state, context, remaining, deadline)
-                timing = timing._replace(admission_wait_s=timing.admission_wait_s + waited)
+                timing = await self._reserve(state, context, remaining, deadline, timing)
                 if state.is_aborted:
-                    yield ChunkEvent([], detok.finish())
-                    yield DoneEvent(FinishReason.ABORT, len(prompt), len(generated), timing)
-                    return
-                await self.downstream.ship(state, deadline)
+                    break
+                await self.prefill.ship(state, deadline)
             try:  # a decode worker lost during the push or the decode: migrate
-                done_msg = await self.downstream.prefill_done(state, context, params,
-                                                              deadline, len(generated) - 1)
+                done_msg = await self.prefill.prefill_done(state, context, params, deadline,
+                                                           len(generated) - 1)
                 if done_msg is None:
-                    yield ChunkEvent([], detok.finish())
-                    yield DoneEvent(FinishReason.ABORT, len(prompt), len(generated), timing)
-                    return
-                if migrations == 0:
+                    break
+                if not timing.num_migrations:
                     timing = timing._replace(kv_transfer_s=done_msg.kv_transfer_s)
+                decoded = Ending(always_chunk=False)
                 async for event in self._decode(state, params, stop_ids, detok, deadline,
-                                                len(prompt), timing, generated, remaining):
+                                                generated, remaining, decoded):
                     yield event
-                return
+                ending = decoded
+                break
             except StreamBroken as exc:
-                migrations += 1
-                if migrations > self.max_migrations:
-                    log.warning("request %s: decode failed %d times, last: %s",
-                                state.request_id, migrations, exc)
-                    raise Unavailable(f"decode failed {migrations} times") from exc
-                self._lose_decode(state, exc)
-                timing = timing._replace(num_migrations=migrations)
+                timing = timing._replace(num_migrations=timing.num_migrations + 1)
+                self._lose_decode(state, exc, timing.num_migrations)
+        text = ending.text + ("" if ending.is_stopped else detok.finish())
+        if ending.token_ids or text or ending.always_chunk:
+            yield ChunkEvent(ending.token_ids, text)
+        yield DoneEvent(ending.reason, len(prompt), len(generated),
+                        timing._replace(first_decode_step_s=ending.first_decode_step_s))
 
-    def _lose_decode(self, state: RouterRequest, exc: Exception) -> None:
-        """Forget a decode worker that died under a request, before migrating it."""
+    async def _reserve_first(self, state: RouterRequest, context: list[int], remaining: int,
+                             is_first_leg: bool, deadline: float | None, timing: Timing
+                             ) -> Timing:
+        """Reserve this leg's decode blocks before its prefill, unless the first leg finds no
+        decode worker with room now (then it prefills anyway and streams its first token, its
+        K/V waiting in the prefill worker's pool until `_reserve` after it) or nothing is
+        left to decode but the prefill's token."""
+        self.downstream.key_prompt(state, context)
+        state.is_push_deferred = (is_first_leg and remaining > 1
+                                  and len(context) >= self.prefill.local_prefill_threshold
+                                  and self.downstream.admission_would_wait(len(context),
+                                                                           remaining))
+        if not state.is_push_deferred and (remaining > 1
+                                           or not self.workers.has_prefill_workers()):
+            timing = await self._reserve(state, context, remaining, deadline, timing)
+        return timing
+
+    async def _reserve(self, state: RouterRequest, context: list[int], remaining: int,
+                       deadline: float | None, timing: Timing) -> Timing:
+        """Reserve decode blocks for this leg; `timing` with the wait for headroom added."""
+        waited = await self.downstream.reserve(state, context, remaining, deadline)
+        return timing._replace(admission_wait_s=timing.admission_wait_s + waited)
+
+    async def _first_token(self, state: RouterRequest, context: list[int],
+                           params: SamplingParams, deadline: float | None,
+                           num_generated: int, received: float, timing: Timing
+                           ) -> tuple[int | None, Timing]:
+        """Prefill this leg up to its first token: the token (None: aborted), and `timing`
+        with the first leg's queue, prefill and TTFT."""
+        if not num_generated:
+            timing = timing._replace(queue_s=time.perf_counter() - received)
+        first_msg = await self.prefill.first_token(state, context, params, deadline,
+                                                   num_generated)
+        if first_msg is None:
+            return None, timing
+        state.last_token_s = time.monotonic()
+        if not num_generated:
+            timing = timing._replace(prefill_s=first_msg.prefill_s,
+                                     time_to_first_token_s=time.perf_counter() - received)
+            state.num_cached_tokens = first_msg.num_cached_tokens
+            state.cached_by_tier = first_msg.cached_by_tier
+        else:  # a migrated leg: Usage counts the first leg's cache; the log shows this one's
+            log.info("request %s: migrated leg prefilled %d context tokens, %d from the "
+                     "prefix cache", state.request_id, len(context),
+                     first_msg.num_cached_tokens)
+        return first_msg.token_id, timing
+
+    def _lose_decode(self, state: RouterRequest, exc: StreamBroken, migrations: int) -> None:
+        """Forget a decode worker that died under a request, before its `migrations`-th
+        migration; past `max_migrations`, give up (UNAVAILABLE)."""
+        if migrations > self.max_migrations:
+            log.warning("request %s: decode failed %d times, last: %s", state.request_id,
+                        migrations, exc)
+            raise Unavailable(f"decode failed {migrations} times") from exc
         lost = state.decode_worker
         if lost is not None:
             log.warning("request %s: decode worker %s lost (%s); migrating", state.request_id,
@@ -222,10 +261,10 @@ class Router:
 
     async def _decode(self, state: RouterRequest, params: SamplingParams,
                       stop_ids: list[int], detok: IncrementalDetokenizer,
-                      deadline: float | None, num_prompt: int, timing: Timing,
-                      generated: list[int], remaining: int
-                      ) -> AsyncIterator[ChunkEvent | DoneEvent]:
-        """Stream one decode leg; appends every token to `generated`."""
+                      deadline: float | None, generated: list[int], remaining: int,
+                      ending: Ending) -> AsyncIterator[ChunkEvent]:
+        """Stream one decode leg: its tokens' chunks, each token appended to `generated`;
+        how it ended goes into `ending` (aborted unless told otherwise)."""
         worker = state.decode_worker
         client = worker.decode_client if worker is not None else None
         if client is None:
@@ -235,16 +274,9 @@ class Router:
             max_new_tokens=remaining - 1, stop_token_ids=stop_ids,
             num_generated=len(generated) - 1,
         )
-        reason = FinishReason.ABORT
-        first_step_s = 0.0
-        is_stopped = False
         if state.is_aborted:  # aborted between the push and the decode: never start it
             await self.downstream.abort_decode(state)
             state.holds_decode = False
-            tail = detok.finish()
-            if tail:
-                yield ChunkEvent([], tail)
-            yield DoneEvent(FinishReason.ABORT, num_prompt, len(generated), timing)
             return
         state.is_decoding = True
         updates = client.start(start)
@@ -258,12 +290,12 @@ class Router:
                     step = detok.add(ids)
                     yield ChunkEvent(ids, step.text)
                     if step.is_stopped:
-                        reason, is_stopped = FinishReason.STOP, True
+                        ending.reason, ending.is_stopped = FinishReason.STOP, True
                         break  # the decode worker still holds it: released in _release
                 if update.finished is not None:
                     state.holds_decode = False
-                    reason = update.finished.reason
-                    first_step_s = update.finished.first_decode_step_s
+                    ending.reason = update.finished.reason
+                    ending.first_decode_step_s = update.finished.first_decode_step_s
                     break
         finally:
             client.forget(state.request_id)
@@ -272,11 +304,6 @@ class Router:
                 # the abort can never overtake the start it answers.
                 client.abort_on_stream(state.request_id)
         state.is_decoding = False
-        tail = "" if is_stopped else detok.finish()
-        if tail:
-            yield ChunkEvent([], tail)
-        yield DoneEvent(reason, num_prompt, len(generated), timing._replace(
-            first_decode_step_s=first_step_s))
 
     def abort(self, request_id: str, caller: Caller = ANONYMOUS
               ) -> asyncio.Future[None] | None:

@@ -63,89 +63,94 @@ class _Phase(Enum):
     IDLE = 3  # a request is being answered, or the connection waits between requests
 
 
+class BoundedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol, holding every connection to the class's `limits`
+    (`bounded_protocol` makes one class per front)."""
+
+    limits: ConnectionLimits
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        self._phase = _Phase.HEAD
+        self._head_bytes = 0
+        self._timer: TimerHandle | None = None
+        self._last_data_s = 0.0
+        if len(self.connections) >= self.limits.max_connections:
+            self.transport = transport  # connection_lost closes it
+            transport.abort()
+            return
+        super().connection_made(transport)
+        self._arm(self.limits.head_timeout_s)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._phase is _Phase.BODY:
+            self._last_data_s = self.loop.time()
+        if self._phase is not _Phase.HEAD:
+            super().data_received(data)
+            return
+        room = self.limits.max_head_bytes - self._head_bytes
+        if len(data) <= room:
+            self._head_bytes += len(data)
+            super().data_received(data)
+            return
+        # Feed no more than the cap; what follows a completed head goes on normally.
+        self._head_bytes += room
+        super().data_received(data[:room])
+        if self.transport.is_closing():
+            return
+        if self._phase is _Phase.HEAD:
+            self._refuse_head()
+            return
+        self.data_received(data[room:])
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if self._timer is None:  # a later request on a kept-alive connection
+            self._arm(self.limits.head_timeout_s)
+
+    def on_headers_complete(self) -> None:
+        self._phase = _Phase.BODY
+        self._last_data_s = self.loop.time()
+        self._disarm()
+        self._arm(self.limits.head_timeout_s)
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._disarm()
+        self._phase = _Phase.HEAD  # the next bytes are the next request's head
+        self._head_bytes = 0
+
+    def _arm(self, delay_s: float) -> None:
+        self._timer = self.loop.call_later(delay_s, self._on_timer)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        if self.transport.is_closing():
+            return
+        if self._phase is _Phase.BODY:
+            idle_s = self.loop.time() - self._last_data_s
+            if self.flow.read_paused or idle_s < self.limits.head_timeout_s:
+                # The app has not taken what came (paused), or bytes still arrive.
+                self._arm(max(self.limits.head_timeout_s - idle_s, 0.05))
+                return
+        self.transport.close()
+
+    def _refuse_head(self) -> None:
+        is_answering = self.cycle is not None and not self.cycle.response_complete
+        if not is_answering:  # between responses: say why before closing
+            self.transport.write(_HEAD_TOO_LARGE)
+        self.transport.close()
+
+
 def bounded_protocol(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
     """uvicorn's httptools protocol class, holding every connection to `limits`."""
-
-    class BoundedHttpToolsProtocol(HttpToolsProtocol):
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            self._phase = _Phase.HEAD
-            self._head_bytes = 0
-            self._timer: TimerHandle | None = None
-            self._last_data_s = 0.0
-            if len(self.connections) >= limits.max_connections:
-                self.transport = transport  # connection_lost closes it
-                transport.abort()
-                return
-            super().connection_made(transport)
-            self._arm(limits.head_timeout_s)
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm()
-            super().connection_lost(exc)
-
-        def data_received(self, data: bytes) -> None:
-            if self._phase is _Phase.BODY:
-                self._last_data_s = self.loop.time()
-            if self._phase is not _Phase.HEAD:
-                super().data_received(data)
-                return
-            room = limits.max_head_bytes - self._head_bytes
-            if len(data) <= room:
-                self._head_bytes += len(data)
-                super().data_received(data)
-                return
-            # Feed no more than the cap; what follows a completed head goes on normally.
-            self._head_bytes += room
-            super().data_received(data[:room])
-            if self.transport.is_closing():
-                return
-            if self._phase is _Phase.HEAD:
-                self._refuse_head()
-                return
-            self.data_received(data[room:])
-
-        def on_message_begin(self) -> None:
-            super().on_message_begin()
-            if self._timer is None:  # a later request on a kept-alive connection
-                self._arm(limits.head_timeout_s)
-
-        def on_headers_complete(self) -> None:
-            self._phase = _Phase.BODY
-            self._last_data_s = self.loop.time()
-            self._disarm()
-            self._arm(limits.head_timeout_s)
-            super().on_headers_complete()
-
-        def on_message_complete(self) -> None:
-            super().on_message_complete()
-            self._disarm()
-            self._phase = _Phase.HEAD  # the next bytes are the next request's head
-            self._head_bytes = 0
-
-        def _arm(self, delay_s: float) -> None:
-            self._timer = self.loop.call_later(delay_s, self._on_timer)
-
-        def _disarm(self) -> None:
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
-
-        def _on_timer(self) -> None:
-            self._timer = None
-            if self.transport.is_closing():
-                return
-            if self._phase is _Phase.BODY:
-                idle_s = self.loop.time() - self._last_data_s
-                if self.flow.read_paused or idle_s < limits.head_timeout_s:
-                    # The app has not taken what came (paused), or bytes still arrive.
-                    self._arm(max(limits.head_timeout_s - idle_s, 0.05))
-                    return
-            self.transport.close()
-
-        def _refuse_head(self) -> None:
-            is_answering = self.cycle is not None and not self.cycle.response_complete
-            if not is_answering:  # between responses: say why before closing
-                self.transport.write(_HEAD_TOO_LARGE)
-            self.transport.close()
-
-    return BoundedHttpToolsProtocol
+    return type("BoundedHttpToolsProtocol", (BoundedHttpToolsProtocol,), {"limits": limits})

@@ -38,7 +38,7 @@ to load scorers with weights):
   turns). On decode a cached block is a block not pushed, worth 16 blocks of load, measured:
   at 1:1 a conversation's next turn left the worker holding its history whenever the other
   carried one request less, at 4:1 whenever it carried a few long requests less
-  (docs/benchmarks.md). On prefill a cached block is compute saved, and a queue
+  (docs/performance.md). On prefill a cached block is compute saved, and a queue
   there delays the first token as much as a recompute, so it weighs less. A
   decode worker whose headroom cannot hold the request at its longest goes after every one
   that can, whatever its cache: the cache saves a prefill, a short pool costs preemptions.

@@ -1,4 +1,4 @@
-"""The prefill leg of one request, composed by `router.downstream.Downstream`: which worker
+"""The prefill leg of one request, composed by `router.engine.Router`: which worker
 prefills (a prefill worker, or the decode worker itself when little is left to compute),
 reading the `Prefill` stream, failover to another prefill worker, prefilling again after a
 push was lost, and shipping K/V whose push was deferred.
@@ -48,17 +48,17 @@ def _expect(kind: type[_Msg], msg: FirstToken | PrefillDone | None) -> _Msg | No
 
 class PrefillLeg:
     """Owns how one request's prompt is prefilled and its K/V reaches the decode
-    reservation; `retried` is called each time a lost prefill worker is replaced or a lost
-    push prefilled again."""
+    reservation; `on_retry` is called each time a lost prefill worker is replaced or a lost
+    push prefilled again (the router's metrics count them)."""
 
-    def __init__(self, workers: WorkerSet, policy: Policy, local_prefill_threshold: int,
-                 retried: Callable[[], None]) -> None:
+    def __init__(self, workers: WorkerSet, policy: Policy, local_prefill_threshold: int
+                 ) -> None:
         self.workers = workers
         self.policy = policy
         # Conditional disaggregation: prompts shorter than this are prefilled on the decode
         # worker itself (no K/V transfer); 0 turns it off.
         self.local_prefill_threshold = local_prefill_threshold
-        self.retried = retried
+        self.on_retry: Callable[[], None] = lambda: None
 
     async def ship(self, state: RouterRequest, deadline: float | None) -> None:
         """Tell the prefill worker holding a deferred prefill where to push its K/V."""
@@ -192,7 +192,7 @@ class PrefillLeg:
         worker.is_healthy = False
         state.failed_prefill.add(worker.address)
         state.drop_prefill_worker()
-        self.retried()
+        self.on_retry()
         return True
 
     async def _decode_lost(self, state: RouterRequest, exc: grpc.aio.AioRpcError) -> bool:
@@ -223,7 +223,7 @@ class PrefillLeg:
         state.num_push_retries += 1
         state.drop_prefill_worker()
         state.prefill_call = None
-        self.retried()
+        self.on_retry()
         return True
 
     def _next_prefill(self, state: RouterRequest, num_prompt: int) -> Worker:

@@ -44,7 +44,7 @@ def token_budget_for(device: torch.device, budget: int | None = None) -> int:
     tokens per forward already run the GEMMs at full speed (2048 was 2-3% faster per token on
     the real model; 256, 6% slower) and hand a burst of prompts on to decode in quarters
     instead of all at the end of one long forward, so the decode worker steps them while the
-    prefill worker does the next (docs/benchmarks.md, the vLLM table, its item 4)."""
+    prefill worker does the next (docs/performance.md, against vLLM's CPU build)."""
     if budget is not None:
         return budget
     return CPU_PREFILL_TOKEN_BUDGET if device.type == "cpu" else DEFAULT_PREFILL_TOKEN_BUDGET
@@ -133,7 +133,7 @@ class PrefillBatcher:
         a long prompt's chunks would otherwise fill every forward and hold the first tokens
         of the short prompts behind it until it is done (measured with 512 tokens per
         forward, the CPU default: short requests' TTFT p99 among 3000-token prompts,
-        docs/benchmarks.md)."""
+        docs/performance.md)."""
         items: list[BatchItem] = []
         budget = self.token_budget
         remaining = [len(job.prompt) - job.num_computed for job in self._queue]

@@ -1,7 +1,7 @@
 """bench/bench_kv_tiers.py without servers (the suite's deployment budget is spent): its
 arguments, the refusal below 4x the pools, the figures taken from turns (hit rates around
 the restart), --concurrency against a fake server, the ratios against the targets, and the
-report. Its --quick run was run by hand (its figures are in docs/benchmarks.md)."""
+report. Its --quick run was run by hand (its figures are in docs/performance.md)."""
 
 from __future__ import annotations
 

@@ -52,7 +52,7 @@ def test_defaults_follow_the_issue() -> None:
     assert args.concurrency == [1, 8, 32] and args.repeats == 3
     assert args.engines == list(ENGINES)
     assert (args.input_len, args.output_len) == (64, 128)
-    assert args.out == REPO / "docs" / "bench_vs_vllm_tiny.json"
+    assert args.out == REPO / "bench" / "results" / "bench_vs_vllm_tiny.json"
     assert [num_prompts_at(args, c) for c in (1, 8, 32)] == [8, 32, 128]
     assert num_prompts_at(parse_args(["--num-prompts", "4"]), 32) == 4
 

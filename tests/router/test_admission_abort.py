@@ -57,8 +57,7 @@ def _full_worker() -> tuple[Downstream, Worker, _DecodeClient, list[float]]:
         refreshed_at.append(clock.now)
 
     workers.refresh_shared = unchanged  # type: ignore[method-assign]
-    downstream = Downstream(workers, HeadroomPolicy(), lease_s=30.0, local_prefill_threshold=0,
-                            admission_timeout_s=60.0)
+    downstream = Downstream(workers, HeadroomPolicy(), lease_s=30.0, admission_timeout_s=60.0)
     downstream.clock = clock
     return downstream, worker, client, refreshed_at
 

@@ -34,7 +34,7 @@ def _workers(*total_blocks: int, roles: tuple[str, ...] = ("decode",)) -> Worker
 
 
 def _downstream(workers: WorkerSet) -> Downstream:
-    return Downstream(workers, HeadroomPolicy(), 30.0, 0, 30.0)
+    return Downstream(workers, HeadroomPolicy(), 30.0, 30.0)
 
 
 def test_the_largest_pool_decides() -> None:

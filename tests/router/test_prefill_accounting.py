@@ -5,12 +5,14 @@ so a worker whose requests are all decoding elsewhere looks idle to the prefill 
 from __future__ import annotations
 
 import asyncio
+from typing import NamedTuple
 
 import grpc
 
 from kvferry.model.sampling import SamplingParams
 from router.downstream import Downstream
 from router.policy import HeadroomPolicy
+from router.prefill_leg import PrefillLeg
 from router.records import FirstToken, PrefillDone, PrefillStart
 from router.request import RouterRequest
 from router.worker_set import WorkerSet
@@ -47,7 +49,14 @@ class _PrefillClient:
         return _Call(self.error)
 
 
-def _setup(pending: dict[str, int], failing: str = "") -> tuple[Downstream, dict[str, Worker]]:
+class _Legs(NamedTuple):
+    """The router's two sides of a request, as `router.engine.Router` composes them."""
+
+    downstream: Downstream
+    prefill: PrefillLeg
+
+
+def _setup(pending: dict[str, int], failing: str = "") -> tuple[_Legs, dict[str, Worker]]:
     """Prefill workers named by `pending` (their stats' pending prompt tokens), and d1."""
     workers = WorkerSet("fp")
     for address, tokens in pending.items():
@@ -56,9 +65,9 @@ def _setup(pending: dict[str, int], failing: str = "") -> tuple[Downstream, dict
                         pending_prefill_tokens=tokens, prefill_client=_PrefillClient(error))
         workers.workers.append(worker)
     workers.workers.append(Worker("d1", "decode", channel=None, is_healthy=True))
-    downstream = Downstream(workers, HeadroomPolicy(), lease_s=30.0, local_prefill_threshold=0,
-                            admission_timeout_s=1.0)
-    return downstream, {w.address: w for w in workers.workers}
+    legs = _Legs(Downstream(workers, HeadroomPolicy(), lease_s=30.0, admission_timeout_s=1.0),
+                 PrefillLeg(workers, HeadroomPolicy(), local_prefill_threshold=0))
+    return legs, {w.address: w for w in workers.workers}
 
 
 def _reserved(request_id: str, by_name: dict[str, Worker]) -> RouterRequest:
@@ -69,24 +78,24 @@ def _reserved(request_id: str, by_name: dict[str, Worker]) -> RouterRequest:
     return state
 
 
-async def _prefill(downstream: Downstream, state: RouterRequest, num_prompt: int) -> None:
+async def _prefill(legs: _Legs, state: RouterRequest, num_prompt: int) -> None:
     prompt, params = list(range(num_prompt)), SamplingParams()
-    assert await downstream.first_token(state, prompt, params, None, 0) is not None
-    assert await downstream.prefill_done(state, prompt, params, None, 0) is not None
+    assert await legs.prefill.first_token(state, prompt, params, None, 0) is not None
+    assert await legs.prefill.prefill_done(state, prompt, params, None, 0) is not None
 
 
 def test_the_prompt_leaves_the_prefill_worker_when_its_kv_is_pushed() -> None:
-    downstream, by_name = _setup({"p1": 0})
+    legs, by_name = _setup({"p1": 0})
     p1 = by_name["p1"]
     state = _reserved("a", by_name)
 
     async def run() -> None:
         prompt, params = list(range(800)), SamplingParams()
-        await downstream.first_token(state, prompt, params, None, 0)
+        await legs.prefill.first_token(state, prompt, params, None, 0)
         assert (p1.pending_tokens, p1.num_in_flight) == (800, 1)  # still pushing its K/V
-        await downstream.prefill_done(state, prompt, params, None, 0)
+        await legs.prefill.prefill_done(state, prompt, params, None, 0)
         assert (p1.pending_tokens, p1.num_in_flight) == (0, 0)  # decoding on d1 now
-        await downstream.release(state)
+        await legs.downstream.release(state)
 
     asyncio.run(run())
     assert (p1.pending_tokens, p1.num_in_flight) == (0, 0)  # counted off once, not twice
@@ -94,11 +103,11 @@ def test_the_prompt_leaves_the_prefill_worker_when_its_kv_is_pushed() -> None:
 
 
 def test_a_worker_whose_requests_all_decode_elsewhere_gets_the_next_prefill() -> None:
-    downstream, by_name = _setup({"p1": 0, "p2": 100})
+    legs, by_name = _setup({"p1": 0, "p2": 100})
 
     async def run() -> None:
-        await _prefill(downstream, _reserved("long", by_name), 800)  # on p1: 0 < 100
-        await _prefill(downstream, _reserved("next", by_name), 50)  # "long" is decoding
+        await _prefill(legs, _reserved("long", by_name), 800)  # on p1: 0 < 100
+        await _prefill(legs, _reserved("next", by_name), 50)  # "long" is decoding
 
     asyncio.run(run())
     assert by_name["p1"].prefill_client.request_ids == ["long", "next"]  # type: ignore[union-attr]
@@ -106,12 +115,12 @@ def test_a_worker_whose_requests_all_decode_elsewhere_gets_the_next_prefill() ->
 
 
 def test_a_failed_prefill_leaves_no_count_on_either_worker() -> None:
-    downstream, by_name = _setup({"p1": 0, "p2": 100}, failing="p1")
+    legs, by_name = _setup({"p1": 0, "p2": 100}, failing="p1")
     state = _reserved("a", by_name)
 
     async def run() -> None:
-        await _prefill(downstream, state, 300)  # p1 is unavailable: retried on p2
-        await downstream.release(state)
+        await _prefill(legs, state, 300)  # p1 is unavailable: retried on p2
+        await legs.downstream.release(state)
 
     asyncio.run(run())
     assert state.failed_prefill == {"p1"}

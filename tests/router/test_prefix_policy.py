@@ -341,7 +341,7 @@ def test_a_tier_survives_the_proto() -> None:
 
 def _downstream(policy: object, *workers: Worker) -> Downstream:
     return Downstream(WorkerSet("fp", workers=list(workers)), policy, lease_s=30.0,
-                      local_prefill_threshold=0, admission_timeout_s=0.5)
+                      admission_timeout_s=0.5)
 
 
 def test_the_router_keys_prompts_as_the_workers_do() -> None:

@@ -49,8 +49,7 @@ def test_no_reported_layout_means_no_block_size_rather_than_a_guess() -> None:
 def test_admission_counts_blocks_of_the_reported_size() -> None:
     decode = Worker("d", "decode", None, layout=_layout(32), is_healthy=True, total_blocks=4)
     downstream = Downstream(_set(Worker("p", "prefill", None, is_healthy=True), decode),
-                            HeadroomPolicy(), lease_s=30.0, local_prefill_threshold=0,
-                            admission_timeout_s=1.0)
+                            HeadroomPolicy(), lease_s=30.0, admission_timeout_s=1.0)
     assert not downstream.admission_would_wait(100, 28)  # 128 tokens: 4 blocks of 32
     assert downstream.admission_would_wait(100, 29)  # 129 tokens: a fifth block
 
