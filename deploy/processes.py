@@ -235,7 +235,7 @@ async def build_router(settings: RouterSettings) -> Built:
     log.info("router instance %s: downstream request ids are <id>@%s", router.instance_id,
              router.instance_id)
     tasks.append(asyncio.create_task(_refresh_loop(workers)))
-    tasks.append(asyncio.create_task(renew_loop(router.requests, settings.lease_s)))
+    tasks.append(asyncio.create_task(renew_loop(router.open.states, settings.lease_s)))
     # Public: a smaller receive cap, no token check (clients are not cluster members).
     server = grpc_util.make_server(max_receive_bytes=grpc_util.PUBLIC_MAX_RECEIVE_BYTES)
     health = grpc_util.add_health(server)

@@ -84,10 +84,6 @@ class Router:
         self.prefill = PrefillLeg(workers, policy, local_prefill_threshold)
         self.max_migrations = max_migrations
 
-    def requests(self) -> list[RouterRequest]:
-        """The requests running now (their state)."""
-        return self.open.states()
-
     # ---- the request ---------------------------------------------------------------------
     async def generate(self, inp: GenerateInput, timeout_s: float | None,
                        caller: Caller = ANONYMOUS
