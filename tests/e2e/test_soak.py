@@ -3,12 +3,11 @@ test. Concurrent clients with mixed lengths, cancels and aborts for ~20 s after 
 no unexpected error, every pool all free at the end, no process grew its resident memory by
 10% or more after warm-up. The full, minutes-long run and its figures are in
 docs/reliability.md.
-First on the shared deployment (FIRST_ON_SHARED: tests/suite_order.py), because the CPU
-decode path's dense K/V stage keeps the largest (rows x length) the worker has staged
-(decode_worker/kv_stage.py, bounded by its budget). After earlier tests had staged prompts
-of thousands of tokens there, the soak's batch passing 8 rows doubled that stage after the
-warm-up measurement (CI run on 3594536: decode-0 +13.6%), a high-water mark of other tests'
-making, not the soak's growth."""
+First on the shared deployment (FIRST_ON_SHARED: tests/suite_order.py), so that what earlier
+tests left behind is not counted as the soak's growth: when the CPU decode path kept a dense
+K/V stage (decode_worker/kv_stage.py, now only where attention cannot read pages in place),
+earlier tests' prompts of thousands of tokens made the soak's batch of 8 rows double it after
+the warm-up measurement (decode-0 +13.6% in one CI run)."""
 
 from __future__ import annotations
 

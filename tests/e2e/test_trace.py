@@ -95,6 +95,6 @@ def test_client_router_and_decode_records_join(chat_deployment: Deployment,
     delivered = {e["s"] for e in events["decode"] if e["ev"] == "deliver"}
     assert {e["s"] for e in steps} <= delivered
     assert any(e["ev"] == "kv" for e in events["decode"])  # the pushes' chunks, gRPC
-    staged = sum(e["tokens"] for e in events["decode"] if e["ev"] == "stage")
-    assert staged >= 6 * 40  # every joining request's prompt K/V copied into the CPU stage
+    # The CPU decode reads the pool's pages in place: no joining request's K/V is copied.
+    assert [e for e in events["decode"] if e["ev"] == "stage"] == []
     assert any(e["ev"] == "prefill" for e in events["prefill"])
