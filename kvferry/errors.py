@@ -1,10 +1,21 @@
-"""Typed exceptions used inside kvferry; each server maps them to gRPC status codes."""
+"""Typed exceptions used inside kvferry; each server maps them to gRPC status codes.
+
+A failed call to another kvferry process is translated into these by its client adapter
+(`kvferry.rpc.grpc_util.from_rpc`): the class says what happened, `downstream` says it came
+from another process and `remote_code` keeps the exact status number it answered with, so
+nothing past the adapters reads gRPC status codes, and a router still tells its public
+clients no more than the status of a worker's failure."""
 
 from __future__ import annotations
 
 
 class KvferryError(Exception):
     """Base class. `field` names the offending input field when there is one."""
+
+    # Set on an error translated from another process's answer: the status number it
+    # answered with (a gRPC StatusCode value) and whether it came from a downstream call.
+    remote_code: int | None = None
+    downstream: bool = False
 
     def __init__(self, message: str, field: str | None = None) -> None:
         super().__init__(message)
@@ -40,6 +51,11 @@ class Aborted(KvferryError):
     """The request was aborted or its lease ran out while in flight (ABORTED/CANCELLED)."""
 
 
+class Cancelled(Aborted):
+    """The call was cancelled before it was answered (CANCELLED): the other side may
+    have acted on it."""
+
+
 class DeadlineExceeded(KvferryError):
     """The request's deadline passed (DEADLINE_EXCEEDED)."""
 
@@ -60,3 +76,4 @@ class Remote(KvferryError):
     def __init__(self, message: str, code: int) -> None:
         super().__init__(message)
         self.code = code
+        self.remote_code = code

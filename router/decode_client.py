@@ -6,8 +6,8 @@ per decode step holding every request's new tokens. `DecodeClient` demultiplexes
 into one queue per request. If the stream breaks, every request on it gets the error, and the
 next request opens a new stream.
 
-Protobuf stays here: callers pass and get the records of `router.records`. Unary RPC failures
-surface as `grpc.aio.AioRpcError`, unchanged, because the router reads their status codes.
+Protobuf and gRPC stay here: callers pass and get the records of `router.records`, and a
+failed call raises the `kvferry.errors` class of its status (`grpc_util.from_rpc`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import grpc
 from kvferry import trace
 from kvferry.errors import DeadlineExceeded, Remote, Unavailable
 from kvferry.model.sampling import FinishReason
-from kvferry.rpc import convert
+from kvferry.rpc import convert, grpc_util
 from kvferry.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 from router.records import DecodeFinished, DecodeStart, DecodeUpdate
 from router.worker_client import WorkerClient
@@ -57,18 +57,20 @@ class DecodeClient(WorkerClient):
                       lease_s: float, timeout_s: float | None, cache_salt: str = "") -> int:
         """Reserve blocks for the prompt; returns how many leading prompt blocks the
         worker's prefix cache shared into the reservation."""
-        response = await self._stub.Reserve(worker_pb2.ReserveRequest(
+        request = worker_pb2.ReserveRequest(
             request_id=request_id, num_prompt_tokens=len(prompt_token_ids),
             max_tokens=max_tokens, lease_s=lease_s, prompt_token_ids=prompt_token_ids,
-            cache_salt=cache_salt,
-        ), timeout=timeout_s)
+            cache_salt=cache_salt)
+        with grpc_util.translated():
+            response = await self._stub.Reserve(request, timeout=timeout_s)
         return response.num_cached_blocks
 
     async def renew_leases(self, request_ids: list[str], lease_s: float,
                            timeout_s: float) -> list[str]:
         """Restart these reservations' leases; returns the ids the worker no longer holds."""
-        response = await self._stub.RenewLeases(worker_pb2.RenewLeasesRequest(
-            request_ids=request_ids, lease_s=lease_s), timeout=timeout_s)
+        with grpc_util.translated():
+            response = await self._stub.RenewLeases(worker_pb2.RenewLeasesRequest(
+                request_ids=request_ids, lease_s=lease_s), timeout=timeout_s)
         return list(response.unknown_ids)
 
     # ---- the shared DecodeStream ---------------------------------------------------------

@@ -4,7 +4,7 @@ and calls only: the request's flow and state belong to `router.engine.Router` (i
 to `router.prefill_leg.PrefillLeg`), which passes each call the request's `RouterRequest`.
 
 The RPCs go through the client adapters (`router.decode_client`); their failures arrive here
-as `grpc.aio.AioRpcError`, whose status codes decide what to try next.
+as `kvferry.errors`, whose classes decide what to try next.
 """
 
 from __future__ import annotations
@@ -14,11 +14,17 @@ import logging
 import time
 from collections.abc import Callable
 
-import grpc
-
 from kvferry.cache.layout import blocks_needed
 from kvferry.cache.prefix import block_keys, cache_seed, max_shared_blocks
-from kvferry.errors import InvalidArgument, ResourceExhausted
+from kvferry.errors import (
+    Cancelled,
+    DeadlineExceeded,
+    InvalidArgument,
+    KvferryError,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
 from router.policy import HeadroomPolicy, Policy
 from router.request import RouterRequest, remaining_s
 from router.worker_set import WorkerSet
@@ -26,8 +32,8 @@ from router.workers import Worker
 
 log = logging.getLogger("kvferry.router")
 
-# Statuses the client side makes up when it gives up waiting: the worker may have reserved.
-_UNANSWERED = (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
+# What the client side makes up when it gives up waiting: the worker may have reserved.
+_UNANSWERED = (Cancelled, DeadlineExceeded)
 
 
 class Downstream:
@@ -93,12 +99,12 @@ class Downstream:
                 state.decode_cached_blocks = await worker.decode.reserve(
                     state.request_id, prompt, max_tokens, self.lease_s, remaining_s(deadline),
                     state.cache_salt)
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() not in _UNANSWERED:
+            except KvferryError as exc:
+                if not isinstance(exc, _UNANSWERED):
                     state.unanswered_reserve = None  # the worker refused it: nothing held
                     worker.done(state.request_id)
-                if exc.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE):
-                    last_error = f"{worker.address}: {exc.details()}"
+                if isinstance(exc, (ResourceExhausted, Unavailable)):
+                    last_error = f"{worker.address}: {exc}"
                     continue
                 raise
             state.unanswered_reserve = None
@@ -148,10 +154,11 @@ class Downstream:
     async def _abort_on(self, worker: Worker, state: RouterRequest) -> None:
         try:
             await worker.decode.abort(state.request_id, timeout_s=5.0)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() != grpc.StatusCode.NOT_FOUND:
-                log.warning("request %s: decode abort failed: %s", state.request_id,
-                            exc.code().name)
+        except NotFound:
+            pass
+        except KvferryError as exc:
+            log.warning("request %s: decode abort failed: %s: %s", state.request_id,
+                        type(exc).__name__, exc)
 
     async def release(self, state: RouterRequest) -> None:
         """However the request ended, leave nothing held downstream."""

@@ -10,8 +10,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Iterable
 
-import grpc
-
+from kvferry.errors import KvferryError
 from router.request import RouterRequest
 
 log = logging.getLogger("kvferry.router")
@@ -30,8 +29,8 @@ async def renew_once(requests: Iterable[RouterRequest], lease_s: float) -> None:
     async def renew(address: str, client: object, ids: list[str]) -> None:
         try:  # ids the worker no longer holds were released: nothing to do for them
             await client.renew_leases(ids, lease_s, timeout_s=lease_s / 3)
-        except grpc.aio.AioRpcError as exc:  # the request's own calls will see it too
-            log.warning("lease renewal on %s failed: %s", address, exc.code().name)
+        except KvferryError as exc:  # the request's own calls will see it too
+            log.warning("lease renewal on %s failed: %s", address, type(exc).__name__)
 
     await asyncio.gather(*(renew(address, client, ids)
                            for address, (client, ids) in waiting.items()))

@@ -1,8 +1,8 @@
 """Client adapter for a worker's PrefillService: Prefill, Ship, Abort and GetStats.
 
-Protobuf stays here: callers pass and get the records of `router.records`. RPC failures
-surface as `grpc.aio.AioRpcError`, unchanged, because the router's failover reads their status
-codes.
+Protobuf and gRPC stay here: callers pass and get the records of `router.records`, and a
+failed call raises the `kvferry.errors` class of its status (`grpc_util.from_rpc`), which the
+router's failover reads.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import grpc
 
 from kvferry.cache.prefix import TierTokens
-from kvferry.rpc import convert
+from kvferry.rpc import convert, grpc_util
 from kvferry.v1 import worker_pb2, worker_pb2_grpc
 from router.records import FirstToken, PrefillDone, PrefillStart
 from router.worker_client import WorkerClient
@@ -25,7 +25,8 @@ class PrefillCall:
     async def read(self) -> FirstToken | PrefillDone | None:
         """The next message; None when the stream ended. Cancelling the call makes a pending
         read raise `asyncio.CancelledError`."""
-        msg = await self._call.read()
+        with grpc_util.translated():
+            msg = await self._call.read()
         if msg is grpc.aio.EOF:
             return None
         if msg.WhichOneof("kind") == "done":
@@ -59,7 +60,8 @@ class PrefillClient(WorkerClient):
 
     async def ship(self, request_id: str, decode_address: str, skip_blocks: int,
                    timeout_s: float | None) -> None:
-        await self._stub.Ship(worker_pb2.ShipRequest(
-            request_id=request_id, decode_address=decode_address, skip_blocks=skip_blocks),
-            timeout=timeout_s)
+        with grpc_util.translated():
+            await self._stub.Ship(worker_pb2.ShipRequest(
+                request_id=request_id, decode_address=decode_address,
+                skip_blocks=skip_blocks), timeout=timeout_s)
 

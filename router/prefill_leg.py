@@ -4,8 +4,9 @@ reading the `Prefill` stream, failover to another prefill worker, prefilling aga
 push was lost, and shipping K/V whose push was deferred.
 
 The per-request state is the `RouterRequest` each call is given; the workers' health and
-load live in the `WorkerSet`. RPC failures arrive as `grpc.aio.AioRpcError`, whose status
-codes decide failover and migration (`StreamBroken` asks the engine to migrate).
+load live in the `WorkerSet`. RPC failures arrive as `kvferry.errors`, translated by the
+client adapters; their classes decide failover and migration (`StreamBroken` asks the
+engine to migrate).
 """
 
 from __future__ import annotations
@@ -15,9 +16,7 @@ import logging
 from collections.abc import Callable
 from typing import TypeVar
 
-import grpc
-
-from kvferry.errors import Unavailable
+from kvferry.errors import KvferryError, NotFound, Unavailable
 from kvferry.model.sampling import SamplingParams
 from router.decode_client import StreamBroken
 from router.policy import Policy
@@ -37,6 +36,13 @@ MAX_PUSH_RETRIES = 1
 def _cancelled_from_outside() -> bool:
     task = asyncio.current_task()
     return task is not None and task.cancelling() > 0
+
+
+def _lost(exc: KvferryError) -> bool:
+    """A worker's call failed UNAVAILABLE: the worker, or its link, may be gone. Only a
+    downstream answer counts (`StreamBroken` and this module's own errors are raised for
+    other reasons)."""
+    return isinstance(exc, Unavailable) and exc.downstream
 
 
 def _expect(kind: type[_Msg], msg: FirstToken | PrefillDone | None) -> _Msg | None:
@@ -68,10 +74,10 @@ class PrefillLeg:
             await state.prefill_worker.prefill.ship(
                 state.request_id, state.decode_worker.address, state.decode_cached_blocks,
                 remaining_s(deadline))
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.NOT_FOUND:
-                self._forget_parked(state, exc.details())
-                return
+        except NotFound as exc:
+            self._forget_parked(state, str(exc))
+            return
+        except KvferryError as exc:
             # The worker holding the K/V is gone: prefill_done prefills it again elsewhere.
             if not await self._lose_prefill(state, exc):
                 raise
@@ -127,7 +133,7 @@ class PrefillLeg:
             call = self._start_prefill(state, prompt, params, deadline, num_generated)
             try:
                 return _expect(FirstToken, await self._prefill_read(state, call))
-            except grpc.aio.AioRpcError as exc:
+            except KvferryError as exc:
                 if not (await self._lose_prefill(state, exc)
                         or await self._push_lost(state, exc)):
                     raise
@@ -143,12 +149,12 @@ class PrefillLeg:
             if state.prefill_worker is not None:  # None: lost while it held deferred K/V
                 try:
                     done = _expect(PrefillDone, await self._prefill_read(state, None))
-                except grpc.aio.AioRpcError as exc:
+                except KvferryError as exc:
                     if await self._lose_prefill(state, exc):
                         pass  # prefill it again below
                     elif await self._decode_lost(state, exc):
                         raise StreamBroken(f"decode worker lost during the K/V push: "
-                                           f"{exc.details()}") from exc
+                                           f"{exc}") from exc
                     elif not await self._push_lost(state, exc):
                         raise
                 else:
@@ -176,50 +182,48 @@ class PrefillLeg:
         state.kv_bytes_not_shipped += (state.decode_cached_blocks * layout.num_layers
                                        * layout.bytes_per_layer_block)
 
-    async def _lose_prefill(self, state: RouterRequest, exc: grpc.aio.AioRpcError) -> bool:
+    async def _lose_prefill(self, state: RouterRequest, exc: KvferryError) -> bool:
         """Forget a remote prefill worker that became unavailable under a request. False
         when the failure is of another kind, the prefill was local, or the worker still
         answers as serving (its push to the decode worker failed, say): the caller raises."""
         worker = state.prefill_worker
-        if (exc.code() != grpc.StatusCode.UNAVAILABLE or worker is None
-                or worker is state.decode_worker):
+        if (not _lost(exc) or worker is None or worker is state.decode_worker):
             return False
         await self.workers.refresh(worker)
         if worker.is_healthy:
             return False
         log.warning("request %s: prefill worker %s unavailable (%s); retrying",
-                    state.request_id, worker.address, exc.details())
+                    state.request_id, worker.address, exc)
         worker.is_healthy = False
         state.failed_prefill.add(worker.address)
         state.drop_prefill_worker()
         self.on_retry()
         return True
 
-    async def _decode_lost(self, state: RouterRequest, exc: grpc.aio.AioRpcError) -> bool:
+    async def _decode_lost(self, state: RouterRequest, exc: KvferryError) -> bool:
         """The push failed because the decode worker holding the reservation is gone (the
         prefill worker still answers): the caller migrates the request."""
         worker = state.decode_worker
-        if (exc.code() != grpc.StatusCode.UNAVAILABLE or worker is None
-                or worker is state.prefill_worker):
+        if (not _lost(exc) or worker is None or worker is state.prefill_worker):
             return False
         await self.workers.refresh(worker)
         return not worker.is_healthy
 
-    async def _push_lost(self, state: RouterRequest, exc: grpc.aio.AioRpcError) -> bool:
+    async def _push_lost(self, state: RouterRequest, exc: KvferryError) -> bool:
         """The push failed UNAVAILABLE between two workers that both still serve (a link cut
         and healed: the prefill worker's connection to the decode worker died): the prompt
         is prefilled again, once, and pushed afresh (the reservation forgot the broken
         push's pages). False otherwise: the caller raises."""
         prefill, decode = state.prefill_worker, state.decode_worker
-        if (exc.code() != grpc.StatusCode.UNAVAILABLE or prefill is None or decode is None
-                or prefill is decode or not (exc.details() or "").startswith("downstream:")
+        if (not _lost(exc) or prefill is None or decode is None or prefill is decode
+                or not str(exc).startswith("downstream:")
                 or state.num_push_retries >= MAX_PUSH_RETRIES):
             return False
         await self.workers.refresh(decode)
         if not decode.is_healthy:
             return False
         log.warning("request %s: K/V push from %s to %s failed (%s); prefilling again",
-                    state.request_id, prefill.address, decode.address, exc.details())
+                    state.request_id, prefill.address, decode.address, exc)
         state.num_push_retries += 1
         state.drop_prefill_worker()
         state.prefill_call = None

@@ -1,6 +1,7 @@
 """What a public client is told when its request fails: a status code and a message written
 for it, never internals. Worker addresses, downstream transport errors and exception text
-stay in the router's log (under the request id), which the message points to."""
+stay in the router's log (under the request id), which the message points to. Errors arrive
+as `kvferry.errors`, a downstream call's translated by its client adapter."""
 
 from __future__ import annotations
 
@@ -31,18 +32,18 @@ def scrub(message: str) -> str:
 
 def public_status(exc: BaseException, request_id: str) -> tuple[grpc.StatusCode, str]:
     """The status and message a public client gets for `exc`; details go to the log."""
+    if isinstance(exc, KvferryError) and exc.downstream:
+        code = grpc_util.status_for(exc)
+        log.warning("request %s: downstream %s: %s", request_id, code.name, exc)
+        if code in _OPAQUE:
+            return code, (f"a worker failed ({code.name}); details are in the router's log "
+                          f"under request {request_id}")
+        return code, f"downstream: {scrub(str(exc))}"
     if isinstance(exc, KvferryError):
         code, message = grpc_util.describe(exc)
         if code in _OPAQUE:
             log.warning("request %s: %s: %s", request_id, code.name, message)
         return code, scrub(message)
-    if isinstance(exc, grpc.aio.AioRpcError):
-        code = exc.code()
-        log.warning("request %s: downstream %s: %s", request_id, code.name, exc.details())
-        if code in _OPAQUE:
-            return code, (f"a worker failed ({code.name}); details are in the router's log "
-                          f"under request {request_id}")
-        return code, f"downstream: {scrub(exc.details() or '')}"
     log.error("request %s: internal error", request_id, exc_info=exc)
     return grpc.StatusCode.INTERNAL, (f"internal error; details are in the router's log "
                                       f"under request {request_id}")

@@ -10,10 +10,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-import grpc
-
 from kvferry.cache.layout import KvLayout
-from kvferry.errors import Unavailable
+from kvferry.errors import KvferryError, Unavailable
 from kvferry.rpc import security
 from router import worker_client
 from router.cache_mirror import StoreMirror
@@ -91,10 +89,10 @@ class WorkerSet:
                 worker.is_healthy = False
                 return
             stats = await client.get_stats(timeout_s, worker.cache.event_seq)
-        except grpc.aio.AioRpcError as exc:
+        except KvferryError as exc:
             if worker.is_healthy:
                 log.warning("%s worker %s unreachable: %s", worker.role, worker.address,
-                            exc.code().name)
+                            type(exc).__name__)
             worker.is_healthy = False
             return
         layout = stats.layout

@@ -21,8 +21,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import grpc
-
 from kvferry.cache.layout import KvLayout
 from kvferry.cache.prefix import Tier
 from kvferry.cache.stats import PoolStats, TierState, TierStats
@@ -31,6 +29,7 @@ from router.cache_mirror import CacheMirror, StoreMirror
 from router.decode_client import DecodeClient
 from router.demand import RecentDemand
 from router.prefill_client import PrefillClient
+from router.worker_client import Channel
 
 log = logging.getLogger("kvferry.router")
 
@@ -51,7 +50,7 @@ class InFlight:
 class Worker:
     address: str
     role: str  # "prefill", "decode" or "colocated" (serves both)
-    channel: grpc.aio.Channel | None
+    channel: Channel | None
     layout: KvLayout | None = None
     total_blocks: int = 0
     projected_blocks: int = 0  # from stats: what live requests may grow to

@@ -38,6 +38,17 @@ PROTOBUF_HOMES = (
     "deploy/client.py",  # client of the public GenerationService
     "deploy/loadgen/runner.py",  # the load generator's GenerationService client
 )
+# Where `grpc` may be imported: the edges (servers, the public status mapping, the command
+# line and process start-up) and the adapters that call other processes. Past the adapters a
+# failed call is a `kvferry.errors` class (`kvferry.rpc.grpc_util.from_rpc`): nothing in the
+# router's request flow, the engines or the cache reads a status code.
+GRPC_HOMES = (
+    *PROTOBUF_HOMES,
+    "kvferry/transfer/*",  # the K/V transports' senders (gRPC, NIXL's control call, Ray)
+    "router/public_errors.py", "router/openai_errors.py",  # the public statuses
+    "router/http_front.py",  # the HTTP edge (statuses named for the failure metrics)
+    "deploy/*",  # the command line: public-API clients, servers started in processes
+)
 # Files are sized by what they hold: past this many lines a file gets a warning to look at,
 # not a failure. Functions fail past MAX_FUNCTION_LINES, but for those listed with a reason.
 WARN_FILE_LINES = 400
@@ -205,6 +216,30 @@ def test_protobuf_only_at_edges_and_client_adapters() -> None:
             if re.search(r"_pb2(_grpc)?$", leaf):
                 bad.append(f"{rel}:{imp.line} imports {imp.target}")
     assert bad == []
+
+
+def grpc_outside_homes(imports: dict[str, list[Import]]) -> list[str]:
+    """`path:line` of every import of grpc (or its health, reflection and tools packages)
+    outside GRPC_HOMES."""
+    bad = []
+    for name, found in imports.items():
+        rel = _rel(name)
+        if any(fnmatch(rel, home) for home in GRPC_HOMES):
+            continue
+        bad += [f"{rel}:{imp.line} imports {imp.target}" for imp in found
+                if imp.target == "grpc" or imp.target.startswith(("grpc.", "grpc_"))]
+    return bad
+
+
+def test_grpc_only_at_edges_and_adapters() -> None:
+    assert grpc_outside_homes(IMPORTS) == []
+
+
+def test_the_grpc_rule_finds_a_planted_import() -> None:
+    planted = {"router.engine": [Import("router.engine", "grpc", 12)],
+               "decode_worker.steps": [Import("decode_worker.steps", "grpc_health.v1", 3)]}
+    assert grpc_outside_homes(planted) == ["router/engine.py:12 imports grpc",
+                                           "decode_worker/steps.py:3 imports grpc_health.v1"]
 
 
 def test_long_files_are_flagged_not_failed() -> None:

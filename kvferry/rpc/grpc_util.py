@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import grpc
@@ -78,6 +79,7 @@ _STATUS = {
     errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
+    errors.Cancelled: grpc.StatusCode.CANCELLED,
     errors.Aborted: grpc.StatusCode.ABORTED,
     errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     errors.DataLoss: grpc.StatusCode.DATA_LOSS,
@@ -85,9 +87,12 @@ _STATUS = {
 }
 
 
+_ERROR_FOR = {code: cls for cls, code in _STATUS.items()}
+
+
 def status_for(exc: errors.KvferryError) -> grpc.StatusCode:
-    if isinstance(exc, errors.Remote):
-        return status_code(exc.code)
+    if exc.remote_code is not None:
+        return status_code(exc.remote_code)
     for cls, code in _STATUS.items():
         if isinstance(exc, cls):
             return code
@@ -95,11 +100,34 @@ def status_for(exc: errors.KvferryError) -> grpc.StatusCode:
 
 
 def describe(exc: errors.KvferryError) -> tuple[grpc.StatusCode, str]:
-    """Status code and message (prefixed with the field it names, if any) of an error."""
+    """Status code and message (prefixed with the field it names, if any) of an error. A
+    downstream call's failure passes its status through, naming where it came from."""
     message = str(exc)
+    if exc.downstream:
+        return status_for(exc), f"downstream: {message}"
     if exc.field and not message.startswith(exc.field):
         message = f"{exc.field}: {message}"
     return status_for(exc), message
+
+
+def from_rpc(exc: grpc.aio.AioRpcError) -> errors.KvferryError:
+    """The kvferry error for a failed call to another process: the class its status maps
+    to (Internal for those kvferry never sends), with `downstream` set and the exact status
+    kept in `remote_code`."""
+    code = exc.code()
+    error = _ERROR_FOR.get(code, errors.Internal)(exc.details() or "")
+    error.remote_code = code.value[0]
+    error.downstream = True
+    return error
+
+
+@contextlib.contextmanager
+def translated() -> Iterator[None]:
+    """Around a client adapter's calls: a failed RPC leaves as `from_rpc`'s error."""
+    try:
+        yield
+    except grpc.aio.AioRpcError as exc:
+        raise from_rpc(exc) from exc
 
 
 def status_code(value: int) -> grpc.StatusCode:
@@ -110,11 +138,10 @@ def status_code(value: int) -> grpc.StatusCode:
 async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException,
                      request_id: str) -> None:
     """Map an exception to a status and abort the RPC. Unexpected ones become INTERNAL."""
+    if isinstance(exc, grpc.aio.AioRpcError):  # a call no adapter translated
+        exc = from_rpc(exc)
     if isinstance(exc, errors.KvferryError):
         await context.abort(*describe(exc))
-    if isinstance(exc, grpc.aio.AioRpcError):
-        # A downstream call failed: pass its status through, naming where it came from.
-        await context.abort(exc.code(), f"downstream: {exc.details()}")
     log.exception("request %s: internal error", request_id, exc_info=exc)
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
 

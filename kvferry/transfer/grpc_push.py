@@ -18,7 +18,7 @@ from kvferry.cache.layout import KvLayout
 from kvferry.cache.pool import KvPool
 from kvferry.errors import Remote
 from kvferry.faults import Faults
-from kvferry.rpc import chunk_codec, convert, security
+from kvferry.rpc import chunk_codec, convert, grpc_util, security
 from kvferry.transfer import wire
 from kvferry.transfer.sender import LayersReady, PushResult
 from kvferry.v1 import worker_pb2
@@ -190,7 +190,7 @@ class GrpcKvSender:
                              request_id)
                     continue
                 if not _is_corruption(exc):
-                    raise
+                    raise grpc_util.from_rpc(exc) from exc
                 num_corrupt += 1
                 self.num_corrupt_pushes += 1
                 log.warning("request %s: K/V push %d corrupted in flight (%s)", request_id,
@@ -207,8 +207,9 @@ class GrpcKvSender:
             self._broken[request_id] = num_broken + 1
             log.info("request %s: K/V push %d broken (fault injection)", request_id,
                      num_broken + 1)
-            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
-                                       grpc.aio.Metadata(), "link broken (fault injection)")
+            raise grpc_util.from_rpc(grpc.aio.AioRpcError(
+                grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                "link broken (fault injection)"))
 
     async def close(self) -> None:
         for chan in self._channels.values():

@@ -10,6 +10,7 @@ from typing import NamedTuple
 import grpc
 
 from kvferry.model.sampling import SamplingParams
+from kvferry.rpc.grpc_util import from_rpc
 from router.downstream import Downstream
 from router.policy import HeadroomPolicy
 from router.prefill_leg import PrefillLeg
@@ -28,8 +29,8 @@ class _Call:
 
     async def read(self) -> FirstToken | PrefillDone | None:
         if self._error is not None:
-            raise grpc.aio.AioRpcError(self._error, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                       "worker gone")
+            raise from_rpc(grpc.aio.AioRpcError(self._error, grpc.aio.Metadata(),  # as adapted
+                                                grpc.aio.Metadata(), "worker gone"))
         return self._msgs.pop(0) if self._msgs else None
 
     def cancel(self) -> bool:

@@ -7,6 +7,7 @@ import grpc
 import pytest
 
 from kvferry.errors import Internal, InvalidArgument, Remote, ResourceExhausted
+from kvferry.rpc.grpc_util import from_rpc
 from router.public_errors import public_status, scrub
 
 
@@ -36,16 +37,16 @@ def test_own_errors_keep_their_code_and_field() -> None:
 
 
 def test_downstream_transport_errors_become_generic() -> None:
-    code, message = public_status(_RpcError(grpc.StatusCode.UNAVAILABLE,
+    code, message = public_status(from_rpc(_RpcError(grpc.StatusCode.UNAVAILABLE,
                                             "failed to connect to all addresses; last error: "
-                                            "ipv4:10.0.0.7:50051: Connection refused"), "r2")
+                                            "ipv4:10.0.0.7:50051: Connection refused")), "r2")
     assert code == grpc.StatusCode.UNAVAILABLE
     assert "10.0.0.7" not in message and "refused" not in message and "r2" in message
 
 
 def test_downstream_request_errors_pass_through() -> None:
-    code, message = public_status(_RpcError(grpc.StatusCode.DATA_LOSS,
-                                            "crc32: chunk checksum mismatch"), "r3")
+    code, message = public_status(from_rpc(_RpcError(grpc.StatusCode.DATA_LOSS,
+                                            "crc32: chunk checksum mismatch")), "r3")
     assert code == grpc.StatusCode.DATA_LOSS and "checksum mismatch" in message
 
 

@@ -12,7 +12,7 @@ import torch
 
 from kvferry.cache.layout import KvLayout
 from kvferry.cache.pool import KvPool
-from kvferry.errors import Remote
+from kvferry.errors import Internal, Remote
 from kvferry.rpc import chunk_codec
 from kvferry.transfer import grpc_push, wire
 from kvferry.transfer.grpc_push import GrpcKvSender
@@ -122,15 +122,15 @@ def test_a_lost_status_behind_already_exists_ends_as_delivered() -> None:
 
 
 def test_lost_statuses_are_resent_a_bounded_number_of_times() -> None:
-    with pytest.raises(grpc.aio.AioRpcError) as exc:
+    with pytest.raises(Internal) as exc:
         _push([LOST] * (grpc_push.MAX_LOST_STATUS_RESENDS + 1))
-    assert exc.value.code() == grpc.StatusCode.INTERNAL
+    assert exc.value.downstream and exc.value.remote_code == grpc.StatusCode.INTERNAL.value[0]
 
 
 def test_a_real_internal_error_is_not_resent() -> None:
-    with pytest.raises(grpc.aio.AioRpcError) as exc:
+    with pytest.raises(Internal) as exc:
         _push([(grpc.StatusCode.INTERNAL, "request r: boom"), None])
-    assert exc.value.details() == "request r: boom"
+    assert str(exc.value) == "request r: boom" and exc.value.downstream
 
 
 def test_a_push_resent_after_a_lost_status_goes_again_as_it_was() -> None:
