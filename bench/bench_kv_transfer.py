@@ -53,9 +53,10 @@ from kvferry.cache.layout import KvLayout, blocks_for_tokens  # noqa: E402
 from kvferry.cache.pool import KvPool  # noqa: E402
 from kvferry.model.checkpoint import ModelSpec, make_model  # noqa: E402
 from kvferry.rpc import grpc_util  # noqa: E402
-from kvferry.transfer import nixl_pages, wire  # noqa: E402
-from kvferry.transfer.grpc_push import GrpcKvSender  # noqa: E402
-from kvferry.transfer.nixl_push import NIXL_MIN_GROUP_BYTES, NixlKvSender  # noqa: E402
+from kvferry.transfer import wire
+from kvferry.transfer.grpc.send import GrpcKvSender  # noqa: E402
+from kvferry.transfer.nixl import pages as nixl_pages  # noqa: E402
+from kvferry.transfer.nixl.send import NIXL_MIN_GROUP_BYTES, NixlKvSender  # noqa: E402
 from kvferry.transfer.sender import KvSender  # noqa: E402
 from kvferry.v1 import generation_pb2, worker_pb2, worker_pb2_grpc  # noqa: E402
 
@@ -143,7 +144,7 @@ def run_ray(options: dict[str, str], sizes_mib: list[int], reps: int, pool: KvPo
     import ray
 
     from deploy.ray_launcher import RayDeployment
-    from kvferry.transfer.ray_push import NAMESPACE, RAY_CHUNK_TARGET_BYTES, RayKvSender
+    from kvferry.transfer.ray.send import NAMESPACE, RAY_CHUNK_TARGET_BYTES, RayKvSender
 
     ray.init(namespace=NAMESPACE, include_dashboard=False, log_to_driver=False,
              object_store_memory=max(3 * pool_bytes, 256 << 20))

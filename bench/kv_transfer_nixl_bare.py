@@ -21,8 +21,9 @@ import torch
 
 from kvferry.cache.layout import KvLayout, blocks_for_tokens
 from kvferry.cache.pool import KvPool
-from kvferry.transfer import nixl_pages, wire
-from kvferry.transfer.nixl_push import NIXL_MIN_GROUP_BYTES
+from kvferry.transfer import wire
+from kvferry.transfer.nixl import pages as nixl_pages
+from kvferry.transfer.nixl.send import NIXL_MIN_GROUP_BYTES
 
 READ_TIMEOUT_S = 60.0
 START_TIMEOUT_S = 120.0  # the source process: spawn, imports, the NIXL agent

@@ -35,8 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.kv_transfer_nixl_bare import PoolShape, bare_nixl_gbps  # noqa: E402
 from kvferry.cache.layout import KvLayout, blocks_for_tokens  # noqa: E402
 from kvferry.cache.pool import KvPool  # noqa: E402
-from kvferry.transfer import nixl_pages, wire  # noqa: E402
-from kvferry.transfer.nixl_push import NIXL_MIN_GROUP_BYTES  # noqa: E402
+from kvferry.transfer import wire
+from kvferry.transfer.nixl import pages as nixl_pages  # noqa: E402
+from kvferry.transfer.nixl.send import NIXL_MIN_GROUP_BYTES  # noqa: E402
 
 BYTES_PER_TOKEN = 2 * 16 * 8 * 64 * 4
 SEED = 11

@@ -1,4 +1,6 @@
-"""The receiving side of K/V pushes into a decode worker's reservations, for every transport.
+"""The decode engine's `kvferry.transfer.sink.KvSink`: the receiving side of K/V pushes into
+its reservations, whichever transport carries them (each transport's receiving end, in
+`kvferry/transfer/<name>/receive.py`, calls it).
 
 A push is one stream of chunks for one reservation. `begin_push` opens it and returns its
 epoch; a newer push for the same reservation supersedes it, so a silent sender's late chunks
@@ -18,6 +20,7 @@ from kvferry.cache.layout import KvLayout
 from kvferry.cache.pool import KvPool
 from kvferry.errors import Aborted, AlreadyExists, DataLoss, InvalidArgument
 from kvferry.transfer import wire
+from kvferry.transfer.sink import PushTarget
 
 
 class KvReceiver:
@@ -63,6 +66,24 @@ class KvReceiver:
         """Push `epoch` may still write into `seq`'s pages."""
         self._check_epoch(seq, epoch)
         self._check_incomplete(seq)
+
+    def target(self, request_id: str) -> PushTarget:
+        seq = lookup(self.seqs, request_id)
+        return PushTarget(seq.num_prompt_tokens, list(seq.block_table), seq.received)
+
+    def writable(self, request_id: str, epoch: int | None) -> PushTarget:
+        seq = lookup(self.seqs, request_id)
+        self.check_writable(seq, epoch)
+        return PushTarget(seq.num_prompt_tokens, list(seq.block_table), seq.received)
+
+    def mark_received(self, request_id: str, epoch: int, span: wire.ChunkSpan,
+                      nbytes: int) -> None:
+        seq = lookup(self.seqs, request_id)
+        self.check_writable(seq, epoch)
+        seq.received[span.layer_start: span.layer_end,
+                     span.block_start: span.block_start + span.num_blocks] = True
+        seq.renew_lease()
+        self.kv_bytes_received += nbytes
 
     def receive_chunk(self, request_id: str, layout: KvLayout, num_tokens: int,
                       span: wire.ChunkSpan, data: bytes, crc32: int,

@@ -87,7 +87,7 @@ def _deployment(args: argparse.Namespace, store_url: str | None = None):
         + security_argv(args) + public_access_argv(args) + router_flags,
         worker_args=security_argv(args) + ([] if args.prefix_caching
                                            else ["--no-prefix-caching"])
-        + (["--kv-transport", "nixl"] if args.kv_transport == "nixl" else [])
+        + (["--kv-transport", args.kv_transport] if args.kv_transport != "ray" else [])
         + (["--kv-cache-dtype", args.kv_cache_dtype] if args.kv_cache_dtype != "auto" else [])
         + ([] if args.max_model_len is None else ["--max-model-len", str(args.max_model_len)])
         + tier_argv(args, store_url) + worker_flags,

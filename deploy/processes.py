@@ -112,20 +112,10 @@ async def _serve(built: Built, role: str) -> None:
 
 
 def _make_sender(settings: WorkerSettings, creds: security.Credentials) -> KvSender:
-    faults = Faults.from_env()  # for tests: kvferry/faults.py
-    if settings.kv_transport == "ray":
-        from kvferry.transfer.ray_push import RayKvSender
+    from kvferry.transfer import transport
 
-        return RayKvSender(max_resends=settings.kv_max_resends,
-                           corrupt_pushes=faults.corrupt_pushes)
-    from kvferry.transfer.grpc_push import GrpcKvSender
-    from kvferry.transfer.nixl_push import NixlKvSender
-
-    sender = NixlKvSender if settings.kv_transport == "nixl" else GrpcKvSender
-    return sender(max_resends=settings.kv_max_resends, corrupt_pushes=faults.corrupt_pushes,
-                  chunk_delay_s=faults.push_chunk_delay_s,
-                  done_delay_s=faults.push_done_delay_s, credentials=creds,
-                  break_pushes=faults.break_pushes)
+    return transport.make_sender(settings.kv_transport, transport.SenderOptions(
+        settings.kv_max_resends, creds, Faults.from_env()))  # faults: kvferry/faults.py
 
 
 def _then(stop: Callable[[], Awaitable[None]], close: Callable[[], None]
@@ -158,14 +148,11 @@ def build_worker(settings: WorkerSettings) -> tuple[Built, object]:
                               cache=build_tiered_cache(pool, settings.tiers),
                               token_budget=token_budget,
                               chunk_size=settings.prefill_chunk_size)
-        on_stop, puller = engine.stop, None
-        if settings.kv_transport == "nixl":
-            from decode_worker.nixl_puller import NixlPuller
+        from kvferry.transfer import transport
 
-            puller = NixlPuller(engine.receiver, pool,
-                                read_delay_s=Faults.from_env().nixl_read_delay_s)
-            on_stop = _then(engine.stop, puller.close)
-        decode_server.add_to_server(server, engine, settings.role, puller)
+        on_stop = _then(engine.stop, transport.add_receivers(
+            server, engine.receiver, settings.kv_transport, Faults.from_env()))
+        decode_server.add_to_server(server, engine, settings.role)
         names = decode_server.SERVICE_NAMES
     else:
         from prefill_worker import server as prefill_server

@@ -1,9 +1,10 @@
 """A deployment on Ray: router and workers as Ray actors, K/V pages as Ray object refs.
 
 Each actor runs the same gRPC server a `kvferry *-worker` / `kvferry router` process runs,
-built from the same command line, so the control path (router, Generate, Reserve, Decode)
+built from the same settings (the driver parses the command line and hands the actor the
+frozen settings objects), so the control path (router, Generate, Reserve, Decode)
 is identical to the process deployment; only the prefill -> decode page transfer changes
-(kvferry.transfer.ray_push). A local Ray instance is started unless `ray_address` names a
+(kvferry.transfer.ray.send). A local Ray instance is started unless `ray_address` names a
 cluster (or Ray is already initialized, as in the test session); it authenticates every
 connection with Ray's token mode (`start_local_ray`). Workers ask Ray for one GPU each when
 the cluster has GPUs; the router actor goes on the head node.
@@ -22,7 +23,8 @@ from deploy.launcher import Deployment, serves
 from deploy.placement import placed_argv
 from deploy.start_log import record_start
 from kvferry.cache.layout import KvLayout
-from kvferry.transfer.ray_push import NAMESPACE, ChunkAck, PushBegun
+from kvferry.settings import RouterSettings, WorkerSettings
+from kvferry.transfer.ray.send import NAMESPACE, ChunkAck, PushBegun
 from kvferry.transfer.wire import ChunkSpan
 
 log = logging.getLogger("kvferry.ray")
@@ -44,11 +46,30 @@ def start_local_ray(**options: object) -> object:
     return ray.init(**options)
 
 
+@dataclass(frozen=True)
+class ActorStart:
+    """What an actor runs: the settings a `kvferry ARGV` command line gives, parsed by the
+    driver (the actor is handed frozen settings, as a process is handed its flags)."""
+
+    settings: WorkerSettings | RouterSettings
+    log_level: str
+    log_format: str
+
+    @staticmethod
+    def of(argv: list[str]) -> ActorStart:
+        from deploy import args as command_line
+
+        args = command_line.build_parser().parse_args(argv)
+        settings = (command_line.router_settings(args) if args.command == "router"
+                    else command_line.worker_settings(args))
+        return ActorStart(settings, args.log_level, args.log_format)
+
+
 class ServerActor:
     """One kvferry server (router or worker) inside a Ray actor, on the actor's event loop."""
 
     def __init__(self) -> None:
-        from decode_worker.ray_receiver import RayKvReceiver
+        from kvferry.transfer.ray.receive import RayKvReceiver
 
         self._built = None
         # The decode worker's end of Ray K/V pushes; refuses them unless this actor decodes.
@@ -56,22 +77,19 @@ class ServerActor:
         self._address = ""
         self._http_address = ""  # the router's OpenAI-compatible API, when it serves one
 
-    async def start(self, argv: list[str]) -> str:
-        """Build and start the server a `kvferry ARGV` command would run; its address."""
-        from deploy import args as command_line
+    async def start(self, start: ActorStart) -> str:
+        """Build and start the server `start` describes; its address."""
         from deploy import processes
         from kvferry import logs
 
-        args = command_line.build_parser().parse_args(argv)
-        logs.setup(args.log_level, args.log_format)
-        if args.command == "router":
-            settings = command_line.router_settings(args)
+        logs.setup(start.log_level, start.log_format)
+        settings = start.settings
+        if isinstance(settings, RouterSettings):
             self._built = await processes.build_router(settings)
         else:
-            settings = command_line.worker_settings(args)
             self._built, engine = processes.build_worker(settings)
             if settings.role != "prefill":
-                from decode_worker.ray_receiver import RayKvReceiver
+                from kvferry.transfer.ray.receive import RayKvReceiver
 
                 self._receiver = RayKvReceiver(engine.receiver)
         await processes.start(self._built)
@@ -97,7 +115,7 @@ class ServerActor:
             await processes.stop(self._built)
             self._built = None
 
-    # K/V push methods (kvferry.transfer.ray_push calls them): the receiver holds the epochs.
+    # K/V push methods (kvferry.transfer.ray.send calls them): the receiver holds the epochs.
     async def begin_push(self, request_id: str) -> PushBegun:
         return self._receiver.begin(request_id)
 
@@ -154,14 +172,15 @@ class RayDeployment(Deployment):
             gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
             workers = [self._actor(name, gpus) for name in self._worker_names()]
             self.actors = list(workers)
-            starts = [w.handle.start.remote(self._worker_args(w.name.rsplit("-", 1)[0]))
-                      for w in workers]
+            starts = [w.handle.start.remote(ActorStart.of(
+                self._worker_args(w.name.rsplit("-", 1)[0]))) for w in workers]
             for worker, address in zip(workers, ray.get(starts, timeout=timeout_s)):
                 worker.address = address
             args = self._router_args(self.host, {w.name: w.address for w in workers})
             router = self._actor("router", 0.0)
             self.actors.append(router)
-            router.address = ray.get(router.handle.start.remote(args), timeout=timeout_s)
+            router.address = ray.get(router.handle.start.remote(ActorStart.of(args)),
+                                     timeout=timeout_s)
         except BaseException:
             self.stop()
             raise

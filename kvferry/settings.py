@@ -9,6 +9,7 @@ from pathlib import Path
 from kvferry.cache.tiers.config import TierSettings
 from kvferry.limits import PublicLimits
 from kvferry.model.sampling_defaults import SamplingDefaults
+from kvferry.transfer import TRANSPORTS
 
 # Where kvferry keeps what it makes: converted and seeded models, demo logs.
 KVFERRY_HOME = Path(os.environ.get("KVFERRY_HOME", Path.home() / ".cache" / "kvferry"))
@@ -55,7 +56,7 @@ ROLES = ("prefill", "decode", "colocated")
 # equal), plus auto: see WorkerSettings.dtype.
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # auto: triton on CUDA, torch on CPU
-KV_TRANSPORTS = ("grpc", "ray", "nixl")
+KV_TRANSPORTS = tuple(TRANSPORTS)  # kvferry/transfer/__init__.py: one line per transport
 # K/V pages as the model computes them (auto) or quantized (kvferry_kernels/kv_quant.py, whose
 # KV_CACHE_DTYPES this equals: kept here too so that flags parse without importing torch).
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")

@@ -310,7 +310,7 @@ def qwen3_nixl_deployment(qwen3_checkpoint: Path, tmp_path_factory: pytest.TempP
 def ray_session() -> Iterator[None]:
     """One local Ray instance for the Ray deployments (stopped after their last user)."""
     ray = pytest.importorskip("ray")
-    from kvferry.transfer.ray_push import NAMESPACE
+    from kvferry.transfer.ray.send import NAMESPACE
 
     yield from shared("ray_session", lambda: ray.init(
         namespace=NAMESPACE, include_dashboard=False, log_to_driver=False, num_cpus=2,

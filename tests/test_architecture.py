@@ -32,8 +32,9 @@ GENERATED = "kvferry/v1/*"
 PROTOBUF_HOMES = (
     "router/server.py", "prefill_worker/server.py", "decode_worker/server.py",
     "kvferry/rpc/*",  # conversions, chunk codec, shared servicer, health, security
-    "kvferry/transfer/grpc_push.py",  # client of KvTransferService.PushKv
-    "kvferry/transfer/nixl_push.py",  # client of KvTransferService.PullKv
+    # Each K/V transport's two ends (kvferry/transfer/<name>/): KvTransferService's clients
+    # and servers. The transport-neutral modules beside them (sender, sink, wire) hold none.
+    "kvferry/transfer/*/*",
     "router/*_client.py",  # the router's clients of PrefillService and DecodeService
     "deploy/client.py",  # client of the public GenerationService
     "deploy/loadgen/runner.py",  # the load generator's GenerationService client
@@ -44,7 +45,7 @@ PROTOBUF_HOMES = (
 # router's request flow, the engines or the cache reads a status code.
 GRPC_HOMES = (
     *PROTOBUF_HOMES,
-    "kvferry/transfer/*",  # the K/V transports' senders (gRPC, NIXL's control call, Ray)
+    "kvferry/transfer/*",  # the K/V transports' ends, and the registry that adds them
     "router/public_errors.py", "router/openai_errors.py",  # the public statuses
     "router/http_front.py",  # the HTTP edge (statuses named for the failure metrics)
     "deploy/*",  # the command line: public-API clients, servers started in processes

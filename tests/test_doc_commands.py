@@ -1,6 +1,6 @@
-"""Every `kvferry` command the README and docs/ show parses with today's command line (issue
-36, acceptance 2): a renamed or removed flag, or a command whose arguments changed (as
-`chat HOST:PORT` did), fails here. Flags are not abbreviated any more, so a doc's flag must
+"""Every `kvferry` command the README and docs/ show parses with today's command line: a
+renamed or removed flag, or a command whose arguments changed (as `chat HOST:PORT` did),
+fails here. Flags are not abbreviated any more, so a doc's flag must
 be the whole flag. The README's TLS commands run as written in tests/e2e/test_security.py,
 and `plan` commands run here."""
 

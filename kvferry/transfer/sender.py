@@ -1,8 +1,8 @@
 """The K/V sender interface: how a prefill worker's pages reach a decode worker's pool.
 
-Each transport implements `KvSender` in a module of its own (`grpc_push`, `ray_push`); the
-receiving side of every transport lives in decode_worker, which validates against its
-reservations.
+Each transport implements `KvSender` in its package's `send.py` (`kvferry/transfer/grpc/`,
+`ray/`, `nixl/`); its receiving end, beside it in `receive.py`, writes into the decode
+engine's `KvSink` (`kvferry/transfer/sink.py`), which validates against its reservations.
 """
 
 from __future__ import annotations

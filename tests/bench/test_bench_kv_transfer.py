@@ -25,8 +25,8 @@ from bench.kv_transfer_report import (
 from kvferry.cache.layout import KvLayout, blocks_for_tokens
 from kvferry.cache.pool import KvPool
 from kvferry.transfer import wire
-from kvferry.transfer.nixl_pages import PoolMemory
-from kvferry.transfer.nixl_push import NIXL_MIN_GROUP_BYTES
+from kvferry.transfer.nixl.pages import PoolMemory
+from kvferry.transfer.nixl.send import NIXL_MIN_GROUP_BYTES
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -15,9 +15,7 @@ import pytest
 import torch
 
 from decode_worker.engine import DecodeEngine
-from decode_worker.ray_receiver import RayKvReceiver
 from decode_worker.sequence import FinishedEvent, TokensEvent
-from decode_worker.server import KvTransferServicer
 from kvferry.cache.layout import KvLayout, blocks_for_tokens
 from kvferry.cache.pool import KvPool
 from kvferry.errors import Aborted, DataLoss, InvalidArgument
@@ -26,6 +24,8 @@ from kvferry.model.sampling import SamplingParams
 from kvferry.model.transformer import Transformer
 from kvferry.rpc import convert
 from kvferry.transfer import wire
+from kvferry.transfer.grpc.receive import PushKvReceiver
+from kvferry.transfer.ray.receive import RayKvReceiver
 from kvferry.v1 import worker_pb2
 from kvferry_kernels import kv_quant
 from kvferry_kernels.dispatch import get_attention_backend
@@ -165,7 +165,7 @@ HOSTILE: dict[str, Hostile] = {
         "A", lay, PROMPT, a.whole(), a.chunk(a.whole())[1][:-64],
         wire.crc32(a.chunk(a.whole())[1][:-64])), INVALID, "data"),
     # INVALID_ARGUMENT naming crc32, not DATA_LOSS: the sender resends a push refused so
-    # (kvferry/transfer/grpc_push.py _is_corruption), as bytes corrupted in flight.
+    # (kvferry/transfer/grpc/send.py _is_corruption), as bytes corrupted in flight.
     "checksum": Hostile(lambda lay, a: ("A", lay, PROMPT, a.whole(), a.chunk(a.whole())[1], 1),
                         INVALID, "crc32"),
     "NaN in the K/V, checksum right": Hostile(lambda lay, a: ("A", lay, PROMPT, *_with_nan(a)),
@@ -244,7 +244,7 @@ def _push_kv(engine: DecodeEngine, chunks: list[worker_pb2.KvChunk]) -> None:
         async def stream() -> AsyncIterator[worker_pb2.KvChunk]:
             for chunk in chunks:
                 yield chunk
-        await KvTransferServicer(engine).PushKv(stream(), _Context())
+        await PushKvReceiver(engine.receiver).PushKv(stream(), _Context())
 
     asyncio.run(push())
 

@@ -15,7 +15,7 @@ from deploy.launcher import Deployment
 from kvferry.cache.pool import KvPool
 from kvferry.rpc.convert import layout_from_proto
 from kvferry.rpc.grpc_util import CHANNEL_OPTIONS
-from kvferry.transfer.grpc_push import GrpcKvSender
+from kvferry.transfer.grpc.send import GrpcKvSender
 from kvferry.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 from tests.conftest import assert_alive, assert_pools_clean
 

@@ -1,4 +1,4 @@
-"""Acceptance 4: bad input through the public Generate/Abort gets INVALID_ARGUMENT or
+"""Bad input through the public Generate/Abort gets INVALID_ARGUMENT or
 NOT_FOUND naming the field; no process crashes; no block leaks."""
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ worker killed. Each ends with the exact stream or a clear status, and every surv
 all free with its integrity intact: no block came back to the pool while a READ could still
 write into it. (A corrupted transfer:
 test_kv_corruption.py; decode killed mid-stream: test_migration.py; the fence itself, block
-by block: tests/decode_worker/test_nixl_puller.py.)"""
+by block: tests/kvferry/transfer/test_nixl_puller.py.)"""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from tests.e2e.test_faults import (
 
 pytestmark = pytest.mark.slow
 
-READ_DELAY_S = 1.5  # per group (one here: the prompt's K/V is under nixl_push's 4 MiB minimum)
+READ_DELAY_S = 1.5  # per group (one here: the prompt's K/V is under nixl/send.py's 4 MiB minimum)
 # The kill tests find their victim by polling every worker's stats after the first token,
 # which a loaded 2-core machine can stretch past a second: their READs last 3 s.
 KILL_READ_DELAY_S = 3.0

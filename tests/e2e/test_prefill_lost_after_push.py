@@ -28,8 +28,8 @@ from tests.e2e.test_metrics import scrape, value
 pytestmark = pytest.mark.slow
 
 DONE_DELAY_S = 5.0
-HELD = "K/V push accepted; holding its done"  # grpc_push.py, after the decode worker's ack
-ALREADY_THERE = "K/V already complete on the decode worker"  # grpc_push.py, ALREADY_EXISTS
+HELD = "K/V push accepted; holding its done"  # grpc/send.py, after the decode worker's ack
+ALREADY_THERE = "K/V already complete on the decode worker"  # grpc/send.py, ALREADY_EXISTS
 RETRIES = "kvferry_prefill_retries_total"
 
 

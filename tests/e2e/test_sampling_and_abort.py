@@ -1,4 +1,4 @@
-"""Acceptance 2 (seeded sampling is reproducible) and the release of blocks however a
+"""Seeded sampling is reproducible, and the release of blocks however a
 request ends: finished, aborted through the public Abort, or cancelled by the client."""
 
 from __future__ import annotations

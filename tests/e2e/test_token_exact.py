@@ -1,4 +1,4 @@
-"""Acceptance 1: greedy output through router + prefill + decode processes is
+"""The correctness oracle: greedy output through router + prefill + decode processes is
 token-identical to transformers generate (fp32), for Llama and Qwen3 checkpoints."""
 
 from __future__ import annotations

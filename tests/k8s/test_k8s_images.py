@@ -88,10 +88,10 @@ class Block(importlib.abc.MetaPathFinder):
             raise ImportError(f"{name} is not in the CPU image")
 sys.meta_path.insert(0, Block())
 import deploy.args, deploy.cli, deploy.processes
-import kvferry.model.checkpoint, kvferry.transfer.grpc_push
+import kvferry.model.checkpoint, kvferry.transfer.grpc.send
 import router.server, router.http_front, router.discovery
 import prefill_worker.server, decode_worker.server
-import kvferry.transfer.nixl_push, decode_worker.nixl_puller, nixl_cu12._api
+import kvferry.transfer.nixl.send, kvferry.transfer.nixl.receive, nixl_cu12._api
 from kvferry_kernels.dispatch import get_attention_backend
 get_attention_backend("torch")
 deploy.args.build_parser()

@@ -140,7 +140,7 @@ def test_on_cpu_without_a_share_the_pool_is_the_fixed_size(qwen3_checkpoint: Pat
 
 def test_on_a_gpu_the_default_pool_is_the_share_of_its_memory_after_the_weights(
         qwen3_checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Acceptance 3 dry-run (no GPU here): a decode worker on an H200-sized device (141 GiB)
+    """A dry run (no GPU here): a decode worker on an H200-sized device (141 GiB)
     with no flags takes CUDA_UTILIZATION of it less its bfloat16 weights and a prefill's
     activations at the CUDA token budget, not CPU_POOL_BYTES; a share asked for wins."""
     total = 141 << 30

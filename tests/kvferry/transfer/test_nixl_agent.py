@@ -1,4 +1,4 @@
-"""A NIXL agent's life (kvferry/transfer/nixl_agent.py): a process that used NIXL exits with
+"""A NIXL agent's life (kvferry/transfer/nixl/agent.py): a process that used NIXL exits with
 status 0, whether or not it closed its agents, also where rdma-core is installed (CI installs
 it, as on RDMA nodes: then a second libnl-route copy used to crash the exit); a close stops
 the agent's threads, deregisters its memory, refuses later use, and may be called again."""
@@ -15,11 +15,12 @@ import pytest
 import torch
 
 from decode_worker.kv_receiver import KvReceiver
-from decode_worker.nixl_puller import NixlPuller
 from kvferry.cache.layout import KvLayout
 from kvferry.cache.pool import KvPool
-from kvferry.transfer import nixl_agent, nixl_pages
-from kvferry.transfer.nixl_push import NixlKvSender
+from kvferry.transfer.nixl import agent as nixl_agent
+from kvferry.transfer.nixl import pages as nixl_pages
+from kvferry.transfer.nixl.receive import NixlPuller
+from kvferry.transfer.nixl.send import NixlKvSender
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -29,7 +30,8 @@ REPO = Path(__file__).resolve().parents[3]
 CHILD = """
 import sys
 import torch
-from kvferry.transfer import nixl_agent, nixl_pages
+from kvferry.transfer.nixl import agent as nixl_agent
+from kvferry.transfer.nixl import pages as nixl_pages
 mode = sys.argv[1]
 src = torch.arange(1 << 16, dtype=torch.float32)
 dst = torch.zeros(1 << 16, dtype=torch.float32)
@@ -89,8 +91,7 @@ def test_close_stops_the_threads_and_refuses_later_use() -> None:
 
 def test_owners_close_the_agents_they_made() -> None:
     pool = _pool()
-    puller = NixlPuller(KvReceiver(KvLayout.of_pool(pool, "fp"), pool, {}, lambda _: None),
-                        pool)
+    puller = NixlPuller(KvReceiver(KvLayout.of_pool(pool, "fp"), pool, {}, lambda _: None))
     sender = NixlKvSender()
     sender.register(_pool())
     for _ in range(2):  # idempotent

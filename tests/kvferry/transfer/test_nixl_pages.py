@@ -11,7 +11,8 @@ import torch
 
 from kvferry.cache.pool import KvPool
 from kvferry.settings import TRANSFER_THREAD
-from kvferry.transfer import nixl_pages, wire
+from kvferry.transfer import wire
+from kvferry.transfer.nixl import pages as nixl_pages
 from kvferry.transfer.wire import ChunkSpan
 
 
@@ -100,8 +101,8 @@ def test_transfer_threads_are_named_and_pinned_apart(tmp_path) -> None:
         pytest.fail("needs 2 CPUs to pin apart")
     # The child sleeps only to wait for its kill.
     child = subprocess.Popen(
-        [sys.executable, "-c", "from kvferry.transfer import nixl_pages; import time; "
-         "agent = nixl_pages.make_agent('pin-test'); print('ready', flush=True); "
+        [sys.executable, "-c", "from kvferry.transfer.nixl import pages as nixl_pages; "
+         "import time; agent = nixl_pages.make_agent('pin-test'); print('ready', flush=True); "
          "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
     try:
         while child.stdout.readline().strip() != "ready":  # NIXL logs to stdout first

@@ -18,8 +18,9 @@ from kvferry.cache.layout import KvLayout
 from kvferry.cache.pool import KvPool
 from kvferry.errors import Remote
 from kvferry.faults import Faults
-from kvferry.rpc import chunk_codec, convert, grpc_util, security
+from kvferry.rpc import convert, grpc_util, security
 from kvferry.transfer import wire
+from kvferry.transfer.grpc import chunk_codec
 from kvferry.transfer.sender import LayersReady, PushResult
 from kvferry.v1 import worker_pb2
 

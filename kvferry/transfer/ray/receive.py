@@ -1,4 +1,4 @@
-"""The decode worker's end of a Ray K/V push (kvferry.transfer.ray_push).
+"""The decode worker's end of a Ray K/V push (kvferry.transfer.ray.send).
 
 Same checks and the same push epochs as a gRPC PushKv stream: `begin` opens a push and
 supersedes an unfinished one for the same reservation, whose later chunks are refused. Errors
@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TypeVar
 
-from decode_worker.kv_receiver import KvReceiver
 from kvferry.cache.layout import KvLayout
 from kvferry.errors import InvalidArgument, KvferryError
 from kvferry.rpc import grpc_util
-from kvferry.transfer.ray_push import ChunkAck, PushBegun
+from kvferry.transfer.ray.send import ChunkAck, PushBegun
+from kvferry.transfer.sink import KvSink
 from kvferry.transfer.wire import ChunkSpan
 
 T = TypeVar("T")
@@ -27,13 +27,13 @@ def _refusal(exc: KvferryError) -> ChunkAck:
 
 
 class RayKvReceiver:
-    """Wraps a decode engine's K/V receiver; `receiver` None: this actor does not decode and
+    """Wraps a decode engine's K/V sink; `receiver` None: this actor does not decode and
     refuses every push."""
 
-    def __init__(self, receiver: KvReceiver | None) -> None:
+    def __init__(self, receiver: KvSink | None) -> None:
         self._receiver = receiver
 
-    def _call(self, action: Callable[[KvReceiver], T]) -> T:
+    def _call(self, action: Callable[[KvSink], T]) -> T:
         if self._receiver is None:
             raise InvalidArgument("this actor does not decode", "request_id")
         return action(self._receiver)

@@ -9,7 +9,7 @@ from google.protobuf.message import DecodeError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvferry.rpc import chunk_codec
+from kvferry.transfer.grpc import chunk_codec
 from kvferry.v1 import worker_pb2
 
 

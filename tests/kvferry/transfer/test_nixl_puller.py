@@ -15,13 +15,14 @@ import pytest
 import torch
 
 from decode_worker.kv_receiver import KvReceiver
-from decode_worker.nixl_puller import NixlPuller, Pull, PullOffer
 from decode_worker.sequence import DecodeSeq
 from kvferry.cache.layout import KvLayout, blocks_for_tokens
 from kvferry.cache.pool import KvPool
 from kvferry.errors import DataLoss, InvalidArgument, NotFound, Unavailable
-from kvferry.transfer import nixl_pages, wire
-from kvferry.transfer.nixl_push import NixlKvSender
+from kvferry.transfer import wire
+from kvferry.transfer.nixl import pages as nixl_pages
+from kvferry.transfer.nixl.receive import NixlPuller, Pull, PullOffer
+from kvferry.transfer.nixl.send import NixlKvSender
 from tests.waiting import DEADLINE_S, within
 
 NUM_TOKENS = 45  # 3 blocks of 16
@@ -65,7 +66,7 @@ class Pair:
         self.completed: list[str] = []
         self.receiver = KvReceiver(self.layout, self.dst, self.seqs,
                                    lambda seq: self.completed.append(seq.request_id))
-        self.puller = puller(self.receiver, self.dst)
+        self.puller = puller(self.receiver)
         self.src_table = [9, 10, 2]
         self.seq = self.reserve("r1")
 

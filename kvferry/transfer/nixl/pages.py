@@ -29,7 +29,7 @@ import torch
 
 from kvferry.cache.pool import KvPool
 from kvferry.settings import TRANSFER_THREAD
-from kvferry.transfer import nixl_agent
+from kvferry.transfer.nixl import agent as nixl_agent
 from kvferry.transfer.wire import ChunkSpan
 
 NIXL_INSTALL = "pip install nixl-cu12==1.5.1 (or nixl==1.5.1, which picks the CUDA build)"

@@ -13,9 +13,10 @@ import torch
 from kvferry.cache.layout import KvLayout
 from kvferry.cache.pool import KvPool
 from kvferry.errors import Internal, Remote
-from kvferry.rpc import chunk_codec
-from kvferry.transfer import grpc_push, wire
-from kvferry.transfer.grpc_push import GrpcKvSender
+from kvferry.transfer import wire
+from kvferry.transfer.grpc import chunk_codec
+from kvferry.transfer.grpc import send as grpc_push
+from kvferry.transfer.grpc.send import GrpcKvSender
 from kvferry.v1 import worker_pb2
 from tests.waiting import within
 

@@ -1,4 +1,5 @@
-"""The decode worker's end of the NIXL K/V transport (kvferry/transfer/nixl_push.py).
+"""The decode worker's end of the NIXL K/V transport (`send.NixlKvSender`): the
+`KvTransferService.PullKv` control stream and the `NixlPuller` that reads into the `KvSink`.
 
 A PullKv stream announces a prefill worker's registered pool, then layer groups as they
 become final, and each group's CRC-32C, which the sender computes while the group is read.
@@ -23,20 +24,24 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
+import grpc
 import numpy as np
 import torch
 
-from decode_worker.kv_receiver import KvReceiver
-from decode_worker.sequence import lookup
+from kvferry import logs
 from kvferry.cache.layout import KvLayout, blocks_for_tokens
-from kvferry.cache.pool import KvPool
 from kvferry.errors import DataLoss, InvalidArgument, KvferryError, Unavailable
 from kvferry.faults import Faults
-from kvferry.transfer import nixl_agent, nixl_pages, wire
+from kvferry.rpc import convert, grpc_util
+from kvferry.transfer import wire
+from kvferry.transfer.nixl import agent as nixl_agent
+from kvferry.transfer.nixl import pages as nixl_pages
+from kvferry.transfer.sink import KvSink
+from kvferry.v1 import worker_pb2
 
 log = logging.getLogger("kvferry.transport")
 
@@ -78,13 +83,13 @@ def _call(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:
 
 
 class NixlPuller:
-    """Reads pushed groups into `receiver`'s reservations. Owns a NIXL agent (the pool
+    """Reads pushed groups into `sink`'s reservations. Owns a NIXL agent (the sink's pool
     registered with it), one thread for everything NIXL and one for the checks."""
 
-    def __init__(self, receiver: KvReceiver, pool: KvPool, agent: Any = None,
+    def __init__(self, sink: KvSink, agent: Any = None,
                  read_timeout_s: float = READ_TIMEOUT_S, read_delay_s: float = 0.0) -> None:
-        self.receiver = receiver
-        self.pool = pool
+        self.sink = sink
+        self.pool = pool = sink.pool
         before = nixl_pages.thread_ids()
         self._owns_agent = agent is None  # then `close` closes it
         self.agent = agent if agent is not None else nixl_pages.make_agent("decode")
@@ -110,13 +115,13 @@ class NixlPuller:
         return await asyncio.wrap_future(self._reader.submit(fn, *args))
 
     async def begin(self, msg: PullOffer) -> Pull:
-        problem = self.receiver.layout.mismatch(msg.layout)
+        problem = self.sink.layout.mismatch(msg.layout)
         if problem:
             raise InvalidArgument(problem, "layout")
-        seq = lookup(self.receiver.seqs, msg.request_id)
-        if msg.num_tokens != seq.num_prompt_tokens:
+        reserved = self.sink.target(msg.request_id).num_prompt_tokens
+        if msg.num_tokens != reserved:
             raise InvalidArgument(f"num_tokens {msg.num_tokens} != reserved prompt length "
-                                  f"{seq.num_prompt_tokens}", "num_tokens")
+                                  f"{reserved}", "num_tokens")
         remote = msg.remote
         if remote.memory_type not in ("DRAM", "VRAM"):
             raise InvalidArgument(f"memory_type {remote.memory_type!r}: expected DRAM or VRAM",
@@ -144,25 +149,24 @@ class NixlPuller:
                                       f"{msg.agent_name!r}", "agent_metadata")
         self._peers.move_to_end(msg.agent_name)
         await self.settled(msg.request_id)
-        epoch = self.receiver.begin_push(msg.request_id)
+        epoch = self.sink.begin_push(msg.request_id)
         return Pull(msg.request_id, epoch, msg.num_tokens, msg.agent_name, remote, table,
-                    wire.coverage(self.receiver.layout, msg.num_tokens))
+                    wire.coverage(self.sink.layout, msg.num_tokens))
 
     async def group(self, pull: Pull, span: wire.ChunkSpan, crc: Awaitable[int]) -> int:
         """Read one group into the reservation and check it against `crc` (the sender's
         checksum, which may arrive while the READ runs). Returns its bytes. Several groups of
         one pull may be under way at once: one READs while the one before it is checked."""
-        seq = lookup(self.receiver.seqs, pull.request_id)
-        self.receiver.check_writable(seq, pull.epoch)
-        layout = self.receiver.layout
+        target = self.sink.writable(pull.request_id, pull.epoch)
+        layout = self.sink.layout
         nbytes = wire.span_bytes(layout, span)
         wire.check_span(layout, pull.num_tokens, span, nbytes)
         rows = slice(span.layer_start, span.layer_end)
         cols = slice(span.block_start, span.block_start + span.num_blocks)
-        if seq.received[rows, cols].any() or pull.claimed[rows, cols].any():
+        if target.received[rows, cols].any() or pull.claimed[rows, cols].any():
             raise InvalidArgument("group overlaps pages already received", "block_start")
         pull.claimed[rows, cols] = True
-        table = list(seq.block_table)
+        table = target.block_table
         dest = nixl_pages.span_ids(table, span)
         self.pool.allocator.incref(dest)  # the fence: see the module docstring
         self.num_fenced_blocks += len(dest)
@@ -181,11 +185,7 @@ class NixlPuller:
             raise landed
         if landed != await crc:  # finite pages: a resend overwrites them, no need to zero
             raise InvalidArgument("group checksum mismatch: corrupted in flight", "crc32")
-        seq = lookup(self.receiver.seqs, pull.request_id)  # still ours after the wait?
-        self.receiver.check_writable(seq, pull.epoch)
-        seq.received[rows, cols] = True
-        seq.renew_lease()
-        self.receiver.kv_bytes_received += nbytes
+        self.sink.mark_received(pull.request_id, pull.epoch, span, nbytes)  # if still ours
         return nbytes
 
     async def settled(self, request_id: str) -> None:
@@ -279,3 +279,80 @@ class NixlPuller:
         self._checker.shutdown(wait=True)
         if self._owns_agent:
             nixl_agent.close(self.agent)
+
+
+# ---- the PullKv control stream -----------------------------------------------------------
+def _announce(checksums: list[asyncio.Future[int]], message: worker_pb2.KvPullChecksum) -> None:
+    """A group's checksum: for a group announced before it, once."""
+    if not 0 <= message.group < len(checksums) or checksums[message.group].done():
+        raise InvalidArgument(f"checksum for group {message.group}: no such group awaits one",
+                              "checksum")
+    checksums[message.group].set_result(message.crc32)
+
+
+def _offer(begin: worker_pb2.KvPullBegin) -> PullOffer:
+    return PullOffer(begin.request_id, convert.layout_from_proto(begin.layout),
+                     begin.num_tokens, begin.agent_name, begin.agent_metadata,
+                     nixl_pages.PoolMemory(begin.pool_address, begin.pool_blocks,
+                                           begin.memory_type, begin.device_id),
+                     list(begin.block_table))
+
+
+class PullKvReceiver:
+    def __init__(self, puller: NixlPuller) -> None:
+        self.puller = puller
+
+    async def PullKv(self, request_iterator: AsyncIterator[worker_pb2.KvPullMessage],  # noqa: N802
+                     context: grpc.aio.ServicerContext) -> worker_pb2.PushKvResponse:
+        """A NIXL push: `begin`, then groups to read, each read as soon as it is announced
+        (the next READ overlaps the last one's check)."""
+        pull: Pull | None = None
+        groups: list[asyncio.Task[int]] = []
+        checksums: list[asyncio.Future[int]] = []  # each group's, once its message came
+        written = 0
+        sink = self.puller.sink
+        try:
+            async for message in request_iterator:
+                if message.HasField("begin"):
+                    if pull is not None:
+                        raise InvalidArgument("one push has one begin", "begin")
+                    logs.request_id.set(message.begin.request_id)
+                    pull = await self.puller.begin(_offer(message.begin))
+                elif pull is None:
+                    raise InvalidArgument("a push starts with begin", "begin")
+                elif message.HasField("checksum"):
+                    _announce(checksums, message.checksum)
+                else:
+                    group = message.group
+                    checksums.append(asyncio.get_running_loop().create_future())
+                    groups.append(asyncio.ensure_future(self.puller.group(pull, wire.ChunkSpan(
+                        group.layer_start, group.layer_end, group.block_start,
+                        group.num_blocks), checksums[-1])))
+                    for task in groups:  # a failed group ends the push at once
+                        if task.done() and task.exception() is not None:
+                            raise task.exception()  # type: ignore[misc]
+            if pull is None:
+                raise InvalidArgument("empty push", "request_id")
+            if not all(crc.done() for crc in checksums):
+                raise InvalidArgument("a group's checksum never came", "checksum")
+            written = sum(await asyncio.gather(*groups))
+            sink.finish_push(pull.request_id, pull.epoch)
+        except asyncio.CancelledError:
+            if pull is not None:
+                sink.fail_push(pull.request_id, pull.epoch)
+            raise
+        except Exception as exc:
+            if pull is not None:
+                sink.fail_push(pull.request_id, pull.epoch)
+            await grpc_util.abort_with(context, exc, pull.request_id if pull else "")
+        finally:
+            for task in groups:  # their READs keep their fences until they end
+                task.cancel()
+        return worker_pb2.PushKvResponse(bytes_written=written)
+
+
+def handler(puller: NixlPuller) -> grpc.RpcMethodHandler:
+    """`PullKv` reading into `puller`'s sink."""
+    return grpc.stream_unary_rpc_method_handler(
+        PullKvReceiver(puller).PullKv, request_deserializer=worker_pb2.KvPullMessage.FromString,
+        response_serializer=worker_pb2.PushKvResponse.SerializeToString)

@@ -8,7 +8,7 @@ same single copy as a gRPC chunk. Layer groups go as soon as the prefill forward
 them, so the transfer overlaps the later layers' compute. Each push first opens an epoch on
 the decode actor (`begin_push`) that its chunks, finish and fail carry, as a gRPC PushKv
 stream does: a newer push for the same request fences off a superseded one's late chunks.
-The receiving side is decode_worker.ray_receiver.
+The receiving side is kvferry.transfer.ray.receive.
 
 Decode actors are found by the gRPC address the router gives the prefill worker: every
 kvferry actor answers `address()`, and the sender keeps the mapping.
@@ -118,7 +118,7 @@ class RayKvSender:
                 return PushResult(sum(a.num_bytes for a in acks), time.perf_counter() - started)
             if refused.error_code == grpc.StatusCode.ALREADY_EXISTS.value[0]:
                 log.info("request %s: K/V already complete on the decode worker", request_id)
-                return PushResult(0, time.perf_counter() - started)  # see grpc_push.py
+                return PushResult(0, time.perf_counter() - started)  # see grpc/send.py
             if epoch is not None:  # an unopened push has no pages to forget
                 await actor.fail_push.remote(request_id, epoch)
             if refused.error_field != "crc32":

@@ -5,7 +5,7 @@ and opens a PullKv stream to the decode worker (the authenticated gRPC control p
 announcing its agent metadata and the request's block table, then each layer group as soon
 as the forward pass has written it, and the group's CRC-32C, computed while the decode
 worker reads the group. The decode worker READs every group
-straight from these pages into its reserved blocks (decode_worker/nixl_puller.py). The push
+straight from these pages into its reserved blocks (kvferry/transfer/nixl/receive.py). The push
 returns when the decode worker has checked every group; the caller keeps the pages until
 then. Why pull rather than push:
 - kvferry never writes into a decode pool from outside: every write into a reserved block
@@ -32,9 +32,12 @@ import grpc
 
 from kvferry.cache.layout import KvLayout
 from kvferry.cache.pool import KvPool
-from kvferry.rpc import chunk_codec, convert, security
-from kvferry.transfer import nixl_agent, nixl_pages, wire
-from kvferry.transfer.grpc_push import GrpcKvSender, Progress
+from kvferry.rpc import convert, security
+from kvferry.transfer import wire
+from kvferry.transfer.grpc import chunk_codec
+from kvferry.transfer.grpc.send import GrpcKvSender, Progress
+from kvferry.transfer.nixl import agent as nixl_agent
+from kvferry.transfer.nixl import pages as nixl_pages
 from kvferry.transfer.sender import LayersReady
 from kvferry.v1 import worker_pb2
 
