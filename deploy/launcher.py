@@ -25,12 +25,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from deploy import netns
-from deploy.affinity import pin_threads
 from deploy.default_model import default_model_router_args, ensure_default_model
 from deploy.placement import (
     CorePlan,
     gpu_env,
     memory_share,
+    pin_threads,
     placed_argv,
     plan_cores,
     visible_gpus,

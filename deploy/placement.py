@@ -13,6 +13,9 @@ round robin) and one warning says the workers share cores. Each worker runs as m
 threads as it has cores.
 
 GPUs: with several, worker i sees GPU i modulo their number (CUDA_VISIBLE_DEVICES).
+
+`pin_threads` pins a running process's threads (its K/V transfer threads apart, for
+benchmarks that give them a core of their own).
 """
 
 from __future__ import annotations
@@ -20,9 +23,10 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import NamedTuple
 
-from kvferry.settings import DEPLOYMENT_TORCH_THREADS
+from kvferry.settings import DEPLOYMENT_TORCH_THREADS, TRANSFER_THREAD
 
 ROUTER = "router"  # the router and the clients started beside it
 
@@ -173,8 +177,6 @@ def pin_self(cores: set[int]) -> None:
 
 
 def _pin(cores: set[int]) -> None:
-    from deploy.affinity import pin_threads
-
     os.sched_setaffinity(0, cores)
     pin_threads(os.getpid(), cores)
 
@@ -198,3 +200,24 @@ def beside_router(plan: CorePlan | None) -> Iterator[dict[str, str]]:
                **client_placement()}
     finally:
         _pin(before)
+
+
+# ---- pinning a running process's threads (Deployment.pin, bench/bench_interference.py: a
+# worker on its own core, its K/V transfer threads on another) ------------------------------
+def thread_name(pid: int, tid: str) -> str:
+    """The OS name of thread `tid` of process `pid` ("" once it has ended)."""
+    try:
+        return Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def pin_threads(pid: int, cpus: set[int], transfer_cpus: set[int] | None = None) -> None:
+    """Every thread of process `pid` onto `cpus` (later threads inherit it); the K/V
+    transfer threads (TRANSFER_THREAD) onto `transfer_cpus` when given."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        is_transfer = transfer_cpus is not None and thread_name(pid, tid) == TRANSFER_THREAD
+        try:
+            os.sched_setaffinity(int(tid), transfer_cpus if is_transfer else cpus)
+        except ProcessLookupError:
+            continue  # the thread ended meanwhile

@@ -27,7 +27,7 @@ to load scorers with weights):
 - used_blocks: total_blocks - headroom, the blocks that every known and in-flight request
   there may grow to hold; pending_prompt_tokens: prompt tokens queued or sent to prefill there.
 - recent_demand_blocks: the blocks of the requests this router sent the worker, each decayed
-  by exp(-age / 10 s) (`router.demand`). Chats come back to the worker holding their
+  by exp(-age / 10 s) (`router.workers.RecentDemand`). Chats come back to the worker holding their
   history, so this is the load a worker's cache draws; it decides where a new conversation
   starts (no worker holds its prefix, so only load separates them), where the blocks in use
   at that instant would leave it to chance.

@@ -17,6 +17,7 @@ reported, the cursor every GetStats sends, and the keys predicted from requests 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -25,9 +26,9 @@ from kvferry.cache.layout import KvLayout
 from kvferry.cache.prefix import Tier
 from kvferry.cache.stats import PoolStats, TierState, TierStats
 from kvferry.errors import Unavailable
+from kvferry.settings import DEMAND_TAU_S
 from router.cache_mirror import CacheMirror, StoreMirror
 from router.decode_client import DecodeClient
-from router.demand import RecentDemand
 from router.prefill_client import PrefillClient
 from router.worker_client import Channel
 
@@ -36,6 +37,26 @@ log = logging.getLogger("kvferry.router")
 
 MIN_MEASURED_PUSH_BYTES = 1 << 20
 LINK_EWMA_WEIGHT = 0.2
+
+@dataclass(slots=True)
+class RecentDemand:
+    """A decode worker's recent demand, for the `prefix` policy (router/policy.py): the
+    blocks of the requests the router sent it, each decayed by exp(-age / DEMAND_TAU_S).
+    Chats come back to the worker holding their history, so this is the load a worker's
+    cache draws; it decides where a new conversation starts."""
+
+    blocks: float = 0.0  # as of monotonic time `at`
+    at: float = 0.0
+
+    def value(self, now: float | None = None) -> float:
+        now = time.monotonic() if now is None else now
+        return self.blocks * math.exp(-max(0.0, now - self.at) / DEMAND_TAU_S)
+
+    def add(self, blocks: int) -> None:
+        """A request needing `blocks` was sent now."""
+        now = time.monotonic()
+        self.blocks, self.at = self.value(now) + blocks, now
+
 
 @dataclass(slots=True)
 class InFlight:

@@ -93,8 +93,8 @@ def test_transfer_threads_are_named_and_pinned_apart(tmp_path) -> None:
     import sys
     from types import SimpleNamespace
 
-    from deploy.affinity import thread_name
     from deploy.launcher import Deployment
+    from deploy.placement import thread_name
 
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
