@@ -85,6 +85,11 @@ class BlockAllocator:
         self.events.add([], removed)
         return ids
 
+    def refcount(self, block_id: int) -> int:
+        """References to the block: one per table holding it and one per copy of it under
+        way (`retain`). An indexed block nobody holds has none and waits for eviction."""
+        return self._refcount[block_id]
+
     def incref(self, ids: list[int]) -> None:
         """Share blocks: each must already be in use."""
         for block_id in ids:

@@ -112,6 +112,14 @@ class KvPool:
             return True
         return not bool(((q.data.view(torch.uint8) & 0x7F) == 0x7F).any())
 
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Every layer's K and V pages of blocks `src` into blocks `dst` (quantized pages
+        with their scales: a page is values and scales)."""
+        if len(src) != len(dst):
+            raise ValueError(f"{len(src)} source blocks for {len(dst)} destinations")
+        index = torch.tensor(src, dtype=torch.int64, device=self.cache.device)
+        self.cache[:, :, dst] = self.cache.index_select(2, index)
+
     def slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
         """Flat slot ids of positions [start, end) for a request's block table."""
         positions = torch.arange(start, end, dtype=torch.int64)
