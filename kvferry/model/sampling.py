@@ -95,7 +95,10 @@ def _generator_for(seed: int | None, output_index: int) -> torch.Generator:
     return gen
 
 
-def _sample_row(logits: torch.Tensor, params: SamplingParams, output_index: int) -> int:
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution [V] a sampled row draws from: softmax(logits / T) cut to the top k,
+    then to the smallest prefix whose mass reaches top_p (not renormalized: `draw` needs
+    no normalization)."""
     # Shifted so the largest is 0 before scaling: a tiny temperature (1e-45 is finite and
     # valid) then gives 0 and -inf, a one-hot softmax, instead of inf / inf = NaN.
     scaled = (logits.float() - logits.max().float()) / params.temperature  # [V]
@@ -110,8 +113,18 @@ def _sample_row(logits: torch.Tensor, params: SamplingParams, output_index: int)
         drop = (cumulative - sorted_probs) >= params.top_p
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return probs
+
+
+def draw(probs: torch.Tensor, params: SamplingParams, output_index: int) -> int:
+    """One token from `probs` with the random stream of the request's output `output_index`
+    (the same draw wherever and in whatever batch it is made)."""
     gen = _generator_for(params.seed, output_index)
     return int(torch.multinomial(probs.cpu(), 1, generator=gen).item())
+
+
+def _sample_row(logits: torch.Tensor, params: SamplingParams, output_index: int) -> int:
+    return draw(target_probs(logits, params), params, output_index)
 
 
 def sample_tokens(
