@@ -21,11 +21,7 @@ if TYPE_CHECKING:
 def make_sender(options: SenderOptions) -> KvSender:
     from kvferry.transfer.grpc.send import GrpcKvSender
 
-    faults = options.faults
-    return GrpcKvSender(max_resends=options.max_resends, corrupt_pushes=faults.corrupt_pushes,
-                        chunk_delay_s=faults.push_chunk_delay_s,
-                        done_delay_s=faults.push_done_delay_s,
-                        credentials=options.credentials, break_pushes=faults.break_pushes)
+    return GrpcKvSender.from_options(options)
 
 
 def add_receiver(server: grpc.aio.Server, sink: KvSink, faults: Faults

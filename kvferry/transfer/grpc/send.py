@@ -10,7 +10,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -23,6 +23,9 @@ from kvferry.transfer import wire
 from kvferry.transfer.grpc import chunk_codec
 from kvferry.transfer.sender import LayersReady, PushResult
 from kvferry.v1 import worker_pb2
+
+if TYPE_CHECKING:
+    from kvferry.transfer.transport import SenderOptions
 
 log = logging.getLogger("kvferry.transport")
 
@@ -95,6 +98,15 @@ class GrpcKvSender:
         self._broken: dict[str, int] = {}  # request id -> its pushes broken (break_pushes)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._credentials = credentials  # TLS and token of the decode workers' K/V service
+
+    @classmethod
+    def from_options(cls, options: SenderOptions) -> GrpcKvSender:
+        """The sender a worker's settings and faults ask for (subclasses take the same)."""
+        faults = options.faults
+        return cls(max_resends=options.max_resends, corrupt_pushes=faults.corrupt_pushes,
+                   chunk_delay_s=faults.push_chunk_delay_s,
+                   done_delay_s=faults.push_done_delay_s, credentials=options.credentials,
+                   break_pushes=faults.break_pushes)
 
     def _push_kv(self, address: str) -> grpc.aio.StreamUnaryMultiCallable:
         """KvTransferService.PushKv taking chunks already serialized by chunk_codec."""
