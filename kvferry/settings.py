@@ -67,6 +67,9 @@ DEFAULT_COMPILE_BATCH_SIZES = "1,2,4,8,16,32"
 # Decode step on CUDA with Triton attention: replayed from CUDA graphs per bucket (the same
 # buckets), or eager ("off", vLLM's --enforce-eager); kvferry/model/cuda_graphs.py.
 CUDA_GRAPH_MODES = ("on", "off")
+# auto: the checkpoint's safetensors; dummy: seeded random weights of the config's shapes made
+# on the device (vLLM's --load-format dummy), to measure a model whose weights are not here
+LOAD_FORMATS = ("auto", "dummy")
 POLICIES = ("prefix", "headroom", "round_robin", "least_requests",  # router/policy.py
             "priced")  # router/priced_policy.py
 # The prefix policy's cost weights (router/policy.py, which says how each was measured): per
@@ -169,6 +172,7 @@ class WorkerSettings:
     # Keep finished requests' full K/V blocks indexed for reuse (kvferry/cache/prefix.py).
     prefix_caching: bool = True
     kv_cache_dtype: str = KV_CACHE_DTYPES[0]  # auto: K/V stored as the model computes them
+    load_format: str = LOAD_FORMATS[0]  # dummy: random weights (model/weights.py)
     # Resend a K/V push corrupted in flight this many times; 0: fail with DATA_LOSS.
     kv_max_resends: int = DEFAULT_KV_MAX_RESENDS
     kv_transport: str = KV_TRANSPORTS[0]  # how pages move (ray: Ray actors; nixl: NIXL reads)
@@ -185,6 +189,7 @@ class WorkerSettings:
         if self.memory_utilization is not None and not 0 < self.memory_utilization <= 1:
             raise ValueError(f"memory_utilization: expected a fraction in (0, 1], got "
                              f"{self.memory_utilization}")
+        check_load_format(self.load_format)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype: expected one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")
@@ -248,11 +253,13 @@ class RouterSettings:
     served_model_name: str | None = None  # the API's model id; None: the checkpoint's name
     override_generation_config: str | None = None  # JSON over the checkpoint's sampling
     # defaults (kvferry/model/sampling_defaults.py), as vLLM's flag of that name
+    load_format: str = LOAD_FORMATS[0]  # the workers' (it is part of the model's fingerprint)
 
     def __post_init__(self) -> None:
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise ValueError("served_model_name: must not be empty")
         SamplingDefaults().overridden(self.override_generation_config)  # ValueError naming it
+        check_load_format(self.load_format)
         if self.is_public_client_auth and self.security.tls_ca is None:
             raise ValueError("is_public_client_auth: needs tls_ca to verify client certificates")
         if self.policy not in POLICIES:
@@ -272,3 +279,9 @@ class RouterSettings:
             raise ValueError("prefill/decode: give prefill and decode workers, or colocated ones")
         if self.lease_s <= 0:
             raise ValueError(f"lease_s: must be > 0, got {self.lease_s}")
+
+
+def check_load_format(load_format: str) -> None:
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format: expected one of {', '.join(LOAD_FORMATS)}, got "
+                         f"{load_format!r}")

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvferry.model.identity import checkpoint_fingerprint
 from kvferry.model.sampling_defaults import SamplingDefaults
+from kvferry.settings import LOAD_FORMATS, check_load_format
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM")
 
@@ -33,6 +35,7 @@ class ModelConfig:
     mlp_bias: bool
     eos_token_ids: tuple[int, ...]
     fingerprint: str  # over every byte of weights, config and tokenizer (model/identity.py)
+    load_format: str = LOAD_FORMATS[0]
     # unset sampling fields: generation_config.json's, then --override-generation-config's
     sampling_defaults: SamplingDefaults = SamplingDefaults()
 
@@ -57,14 +60,17 @@ def _eos_ids(raw: dict, generation: dict) -> tuple[int, ...]:
     return tuple(sorted(set(ids)))
 
 
-def load_model_config(path: str | Path, override_generation_config: str | None = None
-                      ) -> ModelConfig:
+def load_model_config(path: str | Path, override_generation_config: str | None = None,
+                      load_format: str = LOAD_FORMATS[0]) -> ModelConfig:
     """Read a checkpoint directory's config through transformers' AutoConfig (local only);
     the sampling defaults from its generation_config.json, with the router's
     `--override-generation-config` JSON over them.
 
     A `.gguf` file is converted once into a cached checkpoint directory (kvferry.model.gguf),
-    and the config's `path` names that directory: load weights and tokenizer from it."""
+    and the config's `path` names that directory: load weights and tokenizer from it.
+    `load_format` dummy: the weights will be random (kvferry.model.weights.dummy_weights), so
+    the fingerprint says so: no cache or compiled package is shared with the real weights."""
+    check_load_format(load_format)
     from transformers import AutoConfig
 
     from kvferry.model.gguf import ensure_converted, is_gguf
@@ -81,6 +87,7 @@ def load_model_config(path: str | Path, override_generation_config: str | None =
     num_heads = hf.num_attention_heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
     generation = _generation_config(checkpoint)  # eos ids and sampling defaults
+    fingerprint = checkpoint_fingerprint(checkpoint)
     return ModelConfig(
         path=str(checkpoint),
         architecture=architecture,
@@ -98,7 +105,13 @@ def load_model_config(path: str | Path, override_generation_config: str | None =
         attention_bias=bool(getattr(hf, "attention_bias", False)),
         mlp_bias=bool(getattr(hf, "mlp_bias", False)),
         eos_token_ids=_eos_ids(hf.to_dict(), generation),
-        fingerprint=checkpoint_fingerprint(checkpoint),
+        fingerprint=fingerprint if load_format == "auto" else dummy_fingerprint(fingerprint),
+        load_format=load_format,
         sampling_defaults=SamplingDefaults.from_generation_config(
             generation).overridden(override_generation_config),
     )
+
+
+def dummy_fingerprint(fingerprint: str) -> str:
+    """The fingerprint of a checkpoint's config served with dummy weights."""
+    return hashlib.sha256(f"{fingerprint}:dummy".encode()).hexdigest()[:len(fingerprint)]
