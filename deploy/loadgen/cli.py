@@ -36,6 +36,7 @@ from kvferry.settings import (
     DEFAULT_COMPILE_BATCH_SIZES,
     DEFAULT_KV_POOL_SIZE,
     KVFERRY_HOME,
+    LOAD_FORMATS,
 )
 
 DATASETS = ("random", "shared-prefix", "multi-turn", "jsonl", "sharegpt")
@@ -64,6 +65,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--model", default="default",
                    help="launch: 'default' (the real default model, as serve), 'tiny' (the "
                         "seeded tiny model, for quick checks) or a checkpoint / .gguf file")
+    t.add_argument("--load-format", default=LOAD_FORMATS[0], choices=LOAD_FORMATS,
+                   help="launch: auto: the checkpoint's weights; dummy: seeded random weights "
+                        "of its shapes (see `kvferry make-model --shape`)")
     t.add_argument("--num-prefill", type=int, default=1, help="launch: prefill workers")
     t.add_argument("--num-decode", type=int, default=1, help="launch: decode/colocated workers")
     t.add_argument("--kv-pool-size", default=DEFAULT_KV_POOL_SIZE, help="launch: per worker")
@@ -239,6 +243,11 @@ def _print_attribution(folder: Path) -> None:
         print(format_table(attribute(traces, phase=phase, tag=None)))
 
 
+def load_format_argv(args: argparse.Namespace) -> list[str]:
+    """A launched deployment's --load-format, for the router and every worker alike."""
+    return [] if args.load_format == "auto" else ["--load-format", args.load_format]
+
+
 def run(args: argparse.Namespace) -> int:
     """Run `kvferry bench`; exit code 1 when any request failed, 2 on bad arguments."""
     try:
@@ -265,7 +274,9 @@ def run(args: argparse.Namespace) -> int:
                         torch_threads=args.torch_threads, log_dir=log_dir,
                         pin_cores=args.pin_cores == "auto",
                         compile=args.compile, compile_batch_sizes=args.compile_batch_sizes,
-                        router_args=["--enable-prompt-tokens-details"])  # cache hit rates
+                        worker_args=load_format_argv(args),
+                        router_args=["--enable-prompt-tokens-details",  # cache hit rates
+                                     *load_format_argv(args)])
     if args.trace is not None:  # launched workers inherit the variable
         os.environ[trace.TRACE_ENV] = str(args.trace)
         trace.switch("client", args.trace)

@@ -29,16 +29,17 @@ PUBLISHED_SHAPES = {
 }
 
 
-def make_shape(out_dir: str | Path, shape: str) -> Path:
-    """Write a published model's config.json and a word-level tokenizer naming each of its
-    token ids (`t0`, `t1`, ...; the real tokenizer cannot be downloaded), without weights:
-    serve it with `--load-format dummy`."""
+def make_shape(out_dir: str | Path, shape: str, **overrides: object) -> Path:
+    """Write a published model's config.json (with `overrides` of its fields, e.g. fewer
+    layers for a quick check) and a word-level tokenizer naming each of its token ids (`t0`,
+    `t1`, ...; the real tokenizer cannot be downloaded), without weights: serve it with
+    `--load-format dummy`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import AutoConfig, PreTrainedTokenizerFast
 
     if shape not in PUBLISHED_SHAPES:
         raise ValueError(f"shape: expected one of {', '.join(PUBLISHED_SHAPES)}, got {shape!r}")
-    fields = dict(PUBLISHED_SHAPES[shape])
+    fields = dict(PUBLISHED_SHAPES[shape]) | overrides
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     AutoConfig.for_model(fields.pop("model_type"), **fields).save_pretrained(out)

@@ -112,3 +112,13 @@ def test_serve_passes_the_load_format_to_the_router_and_every_worker() -> None:
     routed = build_parser().parse_args(["router", "--model", "/m", "--load-format", "dummy",
                                        "--prefill", "a:1", "--decode", "b:2"])
     assert router_settings(routed).load_format == "dummy"
+
+
+def test_bench_launches_with_the_load_format_on_every_process() -> None:
+    from deploy.args import build_parser
+    from deploy.loadgen.cli import load_format_argv
+
+    args = build_parser().parse_args(["bench", "--address", "launch:disagg", "--model", "/m",
+                                      "--load-format", "dummy"])
+    assert load_format_argv(args) == ["--load-format", "dummy"]
+    assert load_format_argv(build_parser().parse_args(["bench"])) == []
