@@ -12,6 +12,12 @@
 #              end-to-end tests (gRPC transport) with the workers on the GPU
 #   tune       the kernel's configs and split counts, and small shapes inside CUDA graphs
 #   nixl       bench/nixl_vram_checks.py: NIXL READs between two processes' pools in VRAM
+#   roofline   bench/gpu_roofline.py: 8B-shaped models' decode step (CUDA graphs) and prefill
+#              against the copy bandwidth and GEMM rate measured in the same run; int8/fp8 pages
+#   onelaunch  bench/bench_paged_attention.py --sections onelaunch splits: the split-K/V kernel
+#              in one launch against two, and the split count per K/V-head count
+#   deploy     a Llama-3.1-8B-shaped disaggregated deployment (random weights, one prefill and
+#              one decode worker sharing the GPU) under `kvferry bench` at a few request rates
 #
 # Python packages the machine lacks can be carried as wheels in .whl/ (and NIXL's in
 # .whl-nixl/); they are installed under /tmp/site first (not with NO_WHEELS=1).
@@ -63,6 +69,17 @@ for step in "${steps[@]}"; do
       tests/e2e/test_token_exact.py::test_text_prompt_streams_the_decoded_completion
       (cd /tmp/kvferry-gpu-tests && find . -name "*.log" | tar czf "$OUT/test_logs.tgz" -T -) ;;
     nixl) run nixl 150 "$PY" bench/nixl_vram_checks.py --sizes-mib 4 64 256 --reps 5 ;;
+    roofline) run roofline 230 "$PY" bench/gpu_roofline.py --out "$OUT/gpu_roofline.json" \
+      --time-budget-s 180 ;;
+    onelaunch) run onelaunch 140 "$PY" bench/bench_paged_attention.py --sections onelaunch \
+      splits --out "$OUT/paged_attention_onelaunch.json" --time-budget-s 100 ;;
+    deploy) run deploy 200 bash -c '"$0" -m deploy.cli make-model --shape llama-3.1-8b \
+      --out /tmp/llama-3.1-8b && "$0" -m deploy.cli bench --address launch:disagg \
+      --model /tmp/llama-3.1-8b --load-format dummy --kv-pool-size 24GiB \
+      --dataset-name random --input-len 512 --output-len 128 --num-prompts 48 \
+      --request-rate 4 16 64 --disable-tqdm --launch-log-dir /tmp/deploy-logs \
+      --result-file "$OUT/deploy_bench.json"; rc=$?
+      tar czf "$OUT/deploy_logs.tgz" -C /tmp deploy-logs; exit $rc' "$PY" ;;
     *) echo "unknown step $step"; failed=$((failed + 1)) ;;
   esac
 done
