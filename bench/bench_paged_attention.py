@@ -2,6 +2,7 @@
 
     python bench/bench_paged_attention.py --out results.json          # one H200, < 8 min
     python bench/bench_paged_attention.py --out dry.json --dry-run    # CPU, TRITON_INTERPRET=1
+    python bench/bench_paged_attention.py --out f.json --sections onelaunch splits  # < 2 min
 
 Needs only torch, triton and this repo's kvferry_kernels/. For each (Hq, Hkv) x batch x context it
 reports the kernel time (triton.testing.do_bench, which flushes L2 before every run; the
@@ -13,11 +14,18 @@ then F.scaled_dot_product_attention with enable_gqa). It also checks, on the GPU
 native bf16 against the fp32 reference, a cache past 2^31 elements (attention and append),
 and replay of a CUDA-graph-captured step with new lengths. The JSON file is rewritten after
 every measurement, so a run cut short still leaves its results.
+
+Two sections run only when named: `onelaunch` times the split merge inside the split kernel
+against its second launch (do_bench, and inside CUDA graphs on a GPU), with the two outputs'
+difference; `splits` times batch 1 at 1 to 8 programs per SM for each K/V head count inside
+CUDA graphs and writes the best per head count ("splits_best"), which is what
+`triton_paged_attention._PROGRAMS_PER_SM` is to hold.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -33,9 +41,11 @@ _PARSER.add_argument("--out", required=True, type=Path, help="where to write the
 _PARSER.add_argument("--dry-run", action="store_true", help="tiny CPU run under the interpreter")
 _PARSER.add_argument("--time-budget-s", type=float, default=420.0, help="skip configs past this")
 _PARSER.add_argument("--sections", nargs="+", default=["results", "sweep", "launch"],
-                     choices=("results", "sweep", "launch"),
+                     choices=("results", "sweep", "launch", "onelaunch", "splits"),
                      help="results: the table; sweep: kernel configs and split counts; launch: "
-                     "small shapes timed inside CUDA graphs (no launch overhead)")
+                     "small shapes timed inside CUDA graphs (no launch overhead); onelaunch: "
+                     "the merge in the split kernel vs a second launch; splits: programs per "
+                     "SM per K/V head count (the last two only when named)")
 _PARSER.add_argument("--repeats", type=int, default=3,
                      help="do_bench calls per shape and side; figures are their median [min-max]")
 ARGS = _PARSER.parse_args()
@@ -58,9 +68,13 @@ BLOCK_SIZE, HEAD_DIM = 16, 128
 HEAD_PAIRS = [(4, 2)] if DRY else [(32, 8), (64, 8), (32, 32)]
 BATCHES = [1, 2] if DRY else [1, 8, 32, 128]
 CONTEXTS = [32, 80] if DRY else [1024, 4096, 16384, 32768]
+LONG_CONTEXTS = [64, 128] if DRY else [16384, 32768]  # the onelaunch and splits sections
+SPLIT_KV_HEADS = [1, 2] if DRY else [1, 2, 4, 8, 16, 32]  # splits: Hq = 4 x Hkv
+PROGRAMS_PER_SM = [1, 2, 4, 8]
+DRY_NUM_SMS = 4  # the dry run's stand-in for the SM count
 START = time.perf_counter()
 REPORT: dict[str, Any] = {"results": [], "correctness": [], "config_sweep": [],
-                          "launch_free": []}
+                          "launch_free": [], "one_launch": [], "splits": [], "splits_best": {}}
 
 
 def save() -> None:
@@ -149,7 +163,7 @@ def run_config(hq: int, hkv: int, batch: int, ctx: int) -> dict[str, Any]:
     splits = tpa.choose_num_splits(
         batch, hkv, ctx, tpa._pick_config(DTYPE, not DRY).block_n, DEVICE
     )
-    ws = tpa.alloc_decode_workspace(batch, hq, HEAD_DIM, splits, DEVICE)
+    ws = tpa.alloc_decode_workspace(batch, hq, hkv, HEAD_DIM, splits, DEVICE)
     out = torch.empty_like(q)
     args = (q, pool["k_cache"], pool["v_cache"], pool["block_table"], pool["seq_lens"], scale)
     timed = bench_reps(lambda: tpa.paged_decode_attention_triton(*args, workspace=ws, out=out))
@@ -235,7 +249,7 @@ def launch_free_shape(hq: int, hkv: int, ctx: int) -> dict[str, Any]:
     q = torch.randn(1, hq, HEAD_DIM, dtype=DTYPE, device=DEVICE)  # [B, Hq, D]
     scale = HEAD_DIM**-0.5
     splits = tpa.choose_num_splits(1, hkv, ctx, tpa._pick_config(DTYPE, True).block_n, DEVICE)
-    ws = tpa.alloc_decode_workspace(1, hq, HEAD_DIM, splits, DEVICE)
+    ws = tpa.alloc_decode_workspace(1, hq, hkv, HEAD_DIM, splits, DEVICE)
     out = torch.empty_like(q)
     args = (q, pool["k_cache"], pool["v_cache"], pool["block_table"], pool["seq_lens"], scale)
     ours = graph_ms(lambda: tpa.paged_decode_attention_triton(*args, workspace=ws, out=out),
@@ -243,6 +257,122 @@ def launch_free_shape(hq: int, hkv: int, ctx: int) -> dict[str, Any]:
     theirs = graph_ms(lambda: torch_baseline(q, pool, scale), DEVICE, ARGS.repeats)
     return {"heads": [hq, hkv], "batch": 1, "context": ctx, "num_splits": splits,
             "triton_graph_ms": ours, "torch_graph_ms": theirs, "speedup_vs_torch": theirs / ours}
+
+
+def one_launch() -> None:
+    """The split merge done by the last split program (one launch) against a second launch,
+    on long contexts where the split kernel's programs are few enough for the merge to show."""
+    for hq, hkv in HEAD_PAIRS:
+        for batch in BATCHES[:2]:
+            for ctx in LONG_CONTEXTS:
+                REPORT["one_launch"].append(one_launch_shape(hq, hkv, batch, ctx))
+                release_memory()
+                save()
+
+
+def one_launch_shape(hq: int, hkv: int, batch: int, ctx: int) -> dict[str, Any]:
+    kv_bytes = 2 * batch * ctx * hkv * HEAD_DIM * DTYPE.itemsize
+    row: dict[str, Any] = {"heads": [hq, hkv], "batch": batch, "context": ctx,
+                           "dtype": str(DTYPE), "kv_bytes": kv_bytes}
+    if time.perf_counter() - START > ARGS.time_budget_s:
+        return row | {"skipped": "time budget"}
+    if kv_bytes > 0.85 * free_bytes():
+        return row | {"skipped": "memory"}
+    pool = make_pool(batch, ctx, hkv)
+    q = torch.randn(batch, hq, HEAD_DIM, dtype=DTYPE, device=DEVICE)  # [B, Hq, D]
+    # The dry run forces two splits (its contexts are one tile) so that the merge runs.
+    splits = 2 if DRY else tpa.default_num_splits(batch, hkv, ctx, DTYPE, DEVICE)
+    ws = tpa.alloc_decode_workspace(batch, hq, hkv, HEAD_DIM, splits, DEVICE)
+    args = (q, pool["k_cache"], pool["v_cache"], pool["block_table"], pool["seq_lens"],
+            HEAD_DIM**-0.5)
+    outs = {side: torch.empty_like(q) for side in ("one_launch", "two_launch")}
+
+    def call(side: str) -> Callable[[], object]:
+        return lambda: tpa.paged_decode_attention_triton(
+            *args, workspace=ws, out=outs[side], one_launch=side == "one_launch")
+
+    row["num_splits"] = splits
+    samples: dict[str, list[float]] = {side: [] for side in outs}
+    for _ in range(ARGS.repeats):  # the sides interleaved, so drift hits both alike
+        for side in outs:
+            samples[side].append(bench_ms(call(side)))
+    for side in outs:
+        row |= bandwidth_fields(side, statistics.median(samples[side]), kv_bytes)
+        row[f"{side}_ms_range"] = [min(samples[side]), max(samples[side])]
+        if not DRY:  # CUDA graphs need a GPU
+            graph = graph_ms(call(side), DEVICE, ARGS.repeats)
+            row |= bandwidth_fields(f"{side}_graph", graph, kv_bytes)
+    for side in outs:
+        call(side)()
+    diff = outs["one_launch"].float() - outs["two_launch"].float()  # [B, Hq, D]
+    row["max_abs_diff"] = diff.abs().max().item()
+    row["speedup"] = row["two_launch_ms"] / row["one_launch_ms"]
+    if not DRY:
+        row["graph_speedup"] = row["two_launch_graph_ms"] / row["one_launch_graph_ms"]
+    return row
+
+
+def bandwidth_fields(name: str, ms: float, kv_bytes: int) -> dict[str, float]:
+    """`name`_ms, the K/V bytes read per second, and that as a fraction of the copy
+    bandwidth measured in this run."""
+    gbps = kv_bytes / (ms * 1e-3) / 1e9
+    return {f"{name}_ms": ms, f"{name}_gbps": gbps,
+            f"{name}_frac_of_copy_bw": gbps / REPORT["copy_bandwidth_gbps"]}
+
+
+def split_counts() -> None:
+    """Batch 1 at each programs-per-SM target (the split count `choose_num_splits`'s formula
+    gives for it), per K/V head count, inside CUDA graphs (the dry run times wall clock)."""
+    num_sms = DRY_NUM_SMS if DRY else torch.cuda.get_device_properties(0).multi_processor_count
+    block_n = tpa._pick_config(DTYPE, not DRY).block_n
+    for hkv in SPLIT_KV_HEADS:
+        timed: dict[int, list[float]] = {}  # programs per SM -> ms per context
+        for ctx in LONG_CONTEXTS:
+            if time.perf_counter() - START > ARGS.time_budget_s:
+                REPORT["splits"].append({"num_kv_heads": hkv, "context": ctx,
+                                         "skipped": "time budget"})
+                continue
+            for row in split_count_rows(hkv, ctx, num_sms, block_n):
+                REPORT["splits"].append(row)
+                timed.setdefault(row["programs_per_sm"], []).append(row["ms"])
+                save()
+            release_memory()
+        full = {pps: ms for pps, ms in timed.items() if len(ms) == len(LONG_CONTEXTS)}
+        if full:
+            fastest = [min(ms[i] for ms in full.values()) for i in range(len(LONG_CONTEXTS))]
+            rel = {pps: statistics.mean(m / f for m, f in zip(ms, fastest, strict=True))
+                   for pps, ms in full.items()}
+            REPORT["splits_best"][str(hkv)] = {
+                "programs_per_sm": min(rel, key=rel.__getitem__),
+                "ms_over_fastest": rel,  # mean over the contexts of ms / that context's best
+                "table_now": tpa.programs_per_sm(hkv),
+            }
+        save()
+
+
+def split_count_rows(hkv: int, ctx: int, num_sms: int, block_n: int) -> list[dict[str, Any]]:
+    hq = 4 * hkv
+    pool = make_pool(1, ctx, hkv)
+    q = torch.randn(1, hq, HEAD_DIM, dtype=DTYPE, device=DEVICE)  # [B, Hq, D]
+    out = torch.empty_like(q)
+    args = (q, pool["k_cache"], pool["v_cache"], pool["block_table"], pool["seq_lens"],
+            HEAD_DIM**-0.5)
+    kv_bytes = 2 * ctx * hkv * HEAD_DIM * DTYPE.itemsize
+    rows: list[dict[str, Any]] = []
+    ms_by_splits: dict[int, float] = {}
+    for pps in PROGRAMS_PER_SM:
+        splits = tpa.splits_for_occupancy(1, hkv, ctx, block_n, num_sms, pps)
+        if splits not in ms_by_splits:  # targets that give the same count share its time
+            ws = tpa.alloc_decode_workspace(1, hq, hkv, HEAD_DIM, splits, DEVICE)
+            fn = functools.partial(tpa.paged_decode_attention_triton, *args, workspace=ws,
+                                   out=out)
+            ms_by_splits[splits] = bench_ms(fn) if DRY else graph_ms(fn, DEVICE, ARGS.repeats)
+        ms = ms_by_splits[splits]
+        rows.append({"num_q_heads": hq, "num_kv_heads": hkv, "batch": 1, "context": ctx,
+                     "programs_per_sm": pps, "num_splits": splits, "ms": ms,
+                     "timer": "wall clock (dry run)" if DRY else "cuda graph",
+                     "gbps": kv_bytes / (ms * 1e-3) / 1e9})
+    return rows
 
 
 def release_memory() -> None:
@@ -277,12 +407,25 @@ def main() -> None:
         sweep_configs()
     if "launch" in ARGS.sections and not DRY:  # CUDA graphs need a GPU
         launch_free()
+    if "onelaunch" in ARGS.sections:
+        one_launch()
+    if "splits" in ARGS.sections:
+        split_counts()
     save()
     failed = [c for c in REPORT["correctness"] if not c["ok"]]
     print(
         f"wrote {ARGS.out}: {len(REPORT['results'])} configs, copy bandwidth "
         f"{REPORT['copy_bandwidth_gbps']:.0f} GB/s, correctness failures: {len(failed)}"
     )
+    for row in REPORT["one_launch"]:
+        if "skipped" not in row:
+            print(f"onelaunch {row['heads']} b{row['batch']} ctx {row['context']} splits "
+                  f"{row['num_splits']}: two/one launch {row['speedup']:.3f}x (do_bench)"
+                  + (f", {row['graph_speedup']:.3f}x (graph)" if "graph_speedup" in row else "")
+                  + f", max abs diff {row['max_abs_diff']:.2e}")
+    for hkv, best in REPORT["splits_best"].items():
+        print(f"splits: {hkv} K/V heads: best {best['programs_per_sm']} programs per SM "
+              f"(table now {best['table_now']})")
     if failed:
         sys.exit(1)
 

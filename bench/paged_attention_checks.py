@@ -102,7 +102,7 @@ def cuda_graph(device: torch.device, dtype: torch.dtype, head_dim: int,
     hq, hkv, batch, max_ctx = 32, 8, 8, 2048  # the pool's shape
     q = torch.randn(batch, hq, head_dim, dtype=dtype, device=device)
     splits = tpa.choose_num_splits(batch, hkv, max_ctx, 64, device)
-    ws = tpa.alloc_decode_workspace(batch, hq, head_dim, splits, device)
+    ws = tpa.alloc_decode_workspace(batch, hq, hkv, head_dim, splits, device)
     out = torch.empty_like(q)
     args = (q, pool["k_cache"], pool["v_cache"], pool["block_table"], pool["seq_lens"])
 

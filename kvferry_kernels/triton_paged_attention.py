@@ -7,11 +7,19 @@ Design:
 - Stage 1 runs one program per (split, kv head, sequence). All query heads sharing that KV
   head form one tile (padded to >= 16 rows for `tl.dot`), so every K/V byte is read once per
   step. Each split keeps an fp32 online softmax and writes its partial (max, sum, acc).
-- Stage 2 merges the splits of each (sequence, query head) by log-sum-exp.
+- The splits of each (sequence, query head) are merged by log-sum-exp, by default in the
+  same launch (but in a second kernel while a CUDA graph is captured: measured faster
+  there, see `paged_decode_attention_triton`): each stage-1 program counts itself done on
+  an int32 counter per (sequence, K/V head), and the program that finishes last merges all
+  splits of its GROUP query heads (`_merge_splits`, the code stage 2 runs per head), writes
+  the output and resets the counter to 0 (memory-ordering argument at
+  `_count_done_and_merge`). `one_launch=False` runs the
+  merge as a second kernel (stage 2) instead, kept for comparison
+  (bench/bench_paged_attention.py --sections onelaunch).
 - The grid is (num_splits, kv_heads, batch): it depends on shapes only, never on the values
   in `seq_lens`, so a step can be captured in a CUDA graph. Each sequence divides its own
   tiles over the splits; splits past its end are empty and write max = -inf, sum = 0,
-  acc = 0, which stage 2 ignores. With one split, stage 1 writes the output directly.
+  acc = 0, which the merge ignores. With one split, stage 1 writes the output directly.
 - Loads of K/V and of the block table are masked by position, so padding entries of the
   block table and stale slots of a partly filled page are never read.
 
@@ -28,7 +36,9 @@ Design:
 The interpreter mishandles bf16 (raw integers), so bf16 inputs are upcast to fp32 there
 (q only, for quantized caches). The interpreter loads fp8 e4m3 correctly (every finite
 byte decodes as torch does; the NaN bytes 0x7f / 0xff read as +-480, and no write produces
-them).
+them). It runs programs one at a time, split index outermost, so there the last program of
+each (sequence, K/V head) is its highest split; its atomics are plain read-modify-writes,
+which is all the counting needs.
 """
 
 from __future__ import annotations
@@ -49,19 +59,30 @@ _LOG2E = 1.4426950408889634
 _CPU_NUM_SPLITS = 2  # fixed split count off-GPU: the interpreter pays per program
 _MIN_TILES_PER_SPLIT = 4  # a split shorter than this costs more in overhead than it saves
 _MAX_SPLITS = 64
-# About two resident programs per SM. Measured on an H200 (docs/performance.md): eight per SM
-# (64 splits where this gives 33) made batch 1 with 8 K/V heads 8-12% slower over 16-32k tokens
-# and 32 K/V heads 8-12% faster; two is kept, as 8 K/V heads is the common shape.
-_PROGRAMS_PER_SM = 2
+# Resident programs per SM wanted when batch x K/V heads leaves SMs idle, by K/V head count
+# (the nearest key at or below applies). Measured on an H200, bf16, batch 1, 16k and 32k
+# tokens, inside CUDA graphs (bench/bench_paged_attention.py --sections splits, run of
+# 2026-12-04, bench/results/bench_paged_attention_onelaunch_splits_h200.json): 1 and 2 K/V
+# heads tie at every value (the 64-split cap binds), 4 is best at 2, 8 at 4 but within 1% of
+# 2 (kept: 2 was also the best of an earlier run), 16 at 4 (2 is 14% slower), 32 at 8.
+_PROGRAMS_PER_SM = {1: 2, 2: 2, 4: 2, 8: 2, 16: 4, 32: 8}
 _MIN_DOT_ROWS = 16  # tl.dot needs M >= 16
+# The split merge loads [heads, splits, D] fp32 tiles of at most this many elements; more
+# splits than a tile holds take more loads. Inside the split kernel (one launch) 4096, 32
+# registers a thread at 4 warps: a bigger tile made ptxas spill. Stage 2 holds nothing else:
+# [64 splits, 128].
+_MERGE_TILE_ELEMS = 4096
+_STAGE2_TILE_ELEMS = 8192
 
 
 class DecodeWorkspace(NamedTuple):
-    """Per-split partial results of stage 1 (fp32). Reusable across steps of equal shape."""
+    """Per-split partial results of stage 1 (fp32) and the one-launch merge's counters.
+    Reusable across steps of equal shape: every call leaves the counters at zero."""
 
     partial_out: torch.Tensor  # [B, Hq, num_splits, D], unnormalised acc
     partial_max: torch.Tensor  # [B, Hq, num_splits], running max of scores * log2(e)
     partial_sum: torch.Tensor  # [B, Hq, num_splits], softmax denominator at that max
+    counters: torch.Tensor  # [B, Hkv] int32: splits done in the running launch; 0 between calls
 
 
 class _KernelConfig(NamedTuple):
@@ -71,9 +92,15 @@ class _KernelConfig(NamedTuple):
 
 
 def alloc_decode_workspace(
-    batch: int, num_q_heads: int, head_dim: int, num_splits: int, device: torch.device | str
+    batch: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    num_splits: int,
+    device: torch.device | str,
 ) -> DecodeWorkspace:
-    """Allocate the split-KV workspace; contents need no initialisation."""
+    """Allocate the split-KV workspace: the partials need no initialisation, the counters
+    start (and every call leaves them) at zero."""
     return DecodeWorkspace(
         partial_out=torch.empty(
             batch, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=device
@@ -84,6 +111,7 @@ def alloc_decode_workspace(
         partial_sum=torch.empty(
             batch, num_q_heads, num_splits, dtype=torch.float32, device=device
         ),  # [B, Hq, S]
+        counters=torch.zeros(batch, num_kv_heads, dtype=torch.int32, device=device),  # [B, Hkv]
     )
 
 
@@ -111,14 +139,31 @@ def choose_num_splits(
     """Split count from shapes only (CUDA-graph safe): fill the SMs when batch x kv_heads is
     small, but keep every split at least `_MIN_TILES_PER_SPLIT` tiles of the longest allowed
     sequence. `max_seq_len` is the block-table capacity, not the live maximum."""
-    max_tiles = triton.cdiv(max(max_seq_len, 1), block_n)
     if _INTERPRET or device.type != "cuda":
-        return max(1, min(_CPU_NUM_SPLITS, max_tiles))
-    parallel = batch * num_kv_heads
+        return max(1, min(_CPU_NUM_SPLITS, triton.cdiv(max(max_seq_len, 1), block_n)))
     num_sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return splits_for_occupancy(
+        batch, num_kv_heads, max_seq_len, block_n, num_sms, programs_per_sm(num_kv_heads)
+    )
+
+
+def programs_per_sm(num_kv_heads: int) -> int:
+    """The `_PROGRAMS_PER_SM` entry for `num_kv_heads`: the nearest key at or below."""
+    return _PROGRAMS_PER_SM[max([k for k in _PROGRAMS_PER_SM if k <= num_kv_heads] or [1])]
+
+
+def splits_for_occupancy(
+    batch: int, num_kv_heads: int, max_seq_len: int, block_n: int, num_sms: int,
+    programs_per_sm: int,
+) -> int:
+    """`choose_num_splits`'s formula for a given occupancy target (benchmarks sweep it):
+    about `programs_per_sm` programs per SM, no split shorter than `_MIN_TILES_PER_SPLIT`
+    tiles, and no splitting once batch x kv_heads alone fills the SMs."""
+    parallel = batch * num_kv_heads
     if parallel >= num_sms:
         return 1
-    wanted = triton.cdiv(_PROGRAMS_PER_SM * num_sms, parallel)
+    max_tiles = triton.cdiv(max(max_seq_len, 1), block_n)
+    wanted = triton.cdiv(programs_per_sm * num_sms, parallel)
     return max(1, min(wanted, max_tiles // _MIN_TILES_PER_SPLIT, _MAX_SPLITS))
 
 
@@ -145,6 +190,7 @@ def _decode_stage1_kernel(
     part_out_ptr,
     part_max_ptr,
     part_sum_ptr,
+    counters_ptr,
     qk_scale,
     num_splits,
     stride_qb,
@@ -176,8 +222,12 @@ def _decode_stage1_kernel(
     stride_pmb,
     stride_pmh,
     stride_pms,
+    stride_cb,
+    stride_ch,
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
+    BLOCK_GM: tl.constexpr,  # the one-launch merge's head tile, GROUP padded (1 if unused)
+    SPLIT_CHUNK: tl.constexpr,  # splits per load of the one-launch merge (1 if unused)
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
@@ -185,6 +235,7 @@ def _decode_stage1_kernel(
     SINGLE_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     IS_QUANT: tl.constexpr,  # K/V are int8/fp8 values with scales (else scale pointers unused)
+    ONE_LAUNCH: tl.constexpr,  # the last split of each (sequence, KV head) merges (no stage 2)
 ):
     split = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -271,6 +322,126 @@ def _decode_stage1_kernel(
         pm_off = b * stride_pmb + heads * stride_pmh + split * stride_pms
         tl.store(part_max_ptr + pm_off, m_i, mask=mask_g)
         tl.store(part_sum_ptr + pm_off, l_i, mask=mask_g)
+        if ONE_LAUNCH:
+            _count_done_and_merge(
+                counters_ptr + b * stride_cb + kv_head * stride_ch,
+                out_ptr + b * stride_ob + kv_head * GROUP * stride_oh,
+                part_out_ptr + b * stride_pob + kv_head * GROUP * stride_poh,
+                part_max_ptr + b * stride_pmb + kv_head * GROUP * stride_pmh,
+                part_sum_ptr + b * stride_pmb + kv_head * GROUP * stride_pmh,
+                num_splits, stride_oh, stride_od, stride_poh, stride_pos, stride_pod,
+                stride_pmh, stride_pms, GROUP, BLOCK_GM, SPLIT_CHUNK, HEAD_DIM, BLOCK_D,
+            )
+
+
+@triton.jit
+def _count_done_and_merge(
+    counter_ptr,  # this (sequence, KV head)'s counter
+    o_ptr,  # out at (sequence, first query head of the KV head, d = 0)
+    po_ptr,  # partial_out at (sequence, that head, split 0, d = 0)
+    pm_ptr,  # partial_max at (sequence, that head, split 0)
+    ps_ptr,  # partial_sum at (sequence, that head, split 0)
+    num_splits,
+    stride_oh,
+    stride_od,
+    stride_poh,
+    stride_pos,
+    stride_pod,
+    stride_pmh,
+    stride_pms,
+    GROUP: tl.constexpr,
+    BLOCK_GM: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Count this split done; the last of the (sequence, KV head) merges every split's
+    partials of its GROUP query heads into `out` (`_merge_splits`, stage 2's code) and resets
+    the counter to 0 for the next launch.
+
+    Why the last program reads every split's partials in full:
+    - Release: the partials were stored by all threads of each program; `debug_barrier`
+      (bar.sync) orders them before the one thread that performs the scalar atomic, and a
+      release at gpu scope is cumulative over what its thread has observed, so all of that
+      program's stores become visible with its increment. (Triton put no CTA barrier
+      before a release atomic until triton-lang/triton#10816, hence the explicit one.)
+    - Every increment is a read-modify-write on one address, so each program's release
+      heads a release sequence that the later increments continue: the acquire of the
+      program that reads num_splits - 1 synchronizes with every other split's release,
+      not only with the one just before it.
+    - Acquire: Triton performs a scalar atomic in one thread and hands its result to the
+      others through shared memory and a CTA barrier; the loads below are taken only after
+      that (they depend on the result), so they happen after the acquire in every thread.
+      They are `.cg` loads (L2, never a stale L1 line): the partials come from other SMs.
+    - Reset: the last program alone writes the 0, after every increment of this launch
+      (it has seen them all), so none is lost; the next launch on the stream sees 0.
+    Checked in the PTX of triton 3.6 for sm_90: bar.sync; one thread's
+    atom.global.gpu.acq_rel.add; st.shared; bar.sync; ld.shared; then ld.global.cg.
+    """
+    tl.debug_barrier()
+    num_done = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    if num_done == num_splits - 1:
+        _merge_splits(
+            o_ptr, po_ptr, pm_ptr, ps_ptr, num_splits, stride_oh, stride_od, stride_poh,
+            stride_pos, stride_pod, stride_pmh, stride_pms, GROUP, BLOCK_GM, SPLIT_CHUNK,
+            HEAD_DIM, BLOCK_D,
+        )
+        tl.store(counter_ptr, 0)
+
+
+@triton.jit
+def _merge_splits(
+    o_ptr,  # out at (sequence, first query head, d = 0)
+    po_ptr,  # partial_out at (sequence, that head, split 0, d = 0)
+    pm_ptr,  # partial_max at (sequence, that head, split 0)
+    ps_ptr,  # partial_sum at (sequence, that head, split 0)
+    num_splits,
+    stride_oh,
+    stride_od,
+    stride_poh,
+    stride_pos,
+    stride_pod,
+    stride_pmh,
+    stride_pms,
+    GROUP: tl.constexpr,  # query heads merged together
+    BLOCK_GM: tl.constexpr,  # GROUP padded to a power of two (no tl.dot here: no 16-row pad)
+    SPLIT_CHUNK: tl.constexpr,  # splits per load: one [BLOCK_GM, SPLIT_CHUNK, BLOCK_D] tile
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Merge the split partials of GROUP query heads by log-sum-exp into `out`, SPLIT_CHUNK
+    splits per load with an online rescale between loads (one load when they all fit).
+    Empty splits (max -inf, sum 0) weigh nothing; an empty sequence gives 0."""
+    offs_g = tl.arange(0, BLOCK_GM)
+    offs_c = tl.arange(0, SPLIT_CHUNK)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_g = offs_g < GROUP
+    mask_d = offs_d < HEAD_DIM
+    m_run = tl.full([BLOCK_GM], float("-inf"), dtype=tl.float32)
+    l_run = tl.zeros([BLOCK_GM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_GM, BLOCK_D], dtype=tl.float32)
+    for s0 in range(0, num_splits, SPLIT_CHUNK):
+        split = s0 + offs_c
+        mask_gs = mask_g[:, None] & (split < num_splits)[None, :]  # [BLOCK_GM, SPLIT_CHUNK]
+        ml_off = offs_g[:, None] * stride_pmh + split[None, :] * stride_pms
+        m = tl.load(pm_ptr + ml_off, mask=mask_gs, other=float("-inf"), cache_modifier=".cg")
+        l = tl.load(ps_ptr + ml_off, mask=mask_gs, other=0.0, cache_modifier=".cg")  # noqa: E741
+        is_live = (m > float("-inf")) & (l > 0.0)
+        m_new = tl.maximum(m_run, tl.max(tl.where(is_live, m, float("-inf")), axis=1))
+        m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)  # no live split yet: 0
+        alpha = tl.exp2(m_run - m_ref)  # m_run = -inf: 0 (acc and l_run are 0 then)
+        w = tl.where(is_live, tl.exp2(tl.where(is_live, m, m_ref[:, None]) - m_ref[:, None]), 0.0)
+        po_off = (offs_g[:, None, None] * stride_poh + split[None, :, None] * stride_pos
+                  + offs_d[None, None, :] * stride_pod)
+        part = tl.load(po_ptr + po_off, mask=mask_gs[:, :, None] & mask_d[None, None, :],
+                       other=0.0, cache_modifier=".cg")  # [BLOCK_GM, SPLIT_CHUNK, BLOCK_D]
+        part = tl.where(is_live[:, :, None], part * w[:, :, None], 0.0)
+        acc = acc * alpha[:, None] + tl.sum(part, axis=1)
+        l_run = l_run * alpha + tl.sum(w * l, axis=1)
+        m_run = m_new
+    o = acc / tl.where(l_run > 0.0, l_run, 1.0)[:, None]
+    o_ptrs = o_ptr + offs_g[:, None] * stride_oh + offs_d[None, :] * stride_od
+    tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
 
 
 @triton.jit
@@ -290,38 +461,27 @@ def _decode_stage2_kernel(
     stride_pmb,
     stride_pmh,
     stride_pms,
-    BLOCK_S: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     head = tl.program_id(0)
     b = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_s = offs_s < num_splits
-    mask_d = offs_d < HEAD_DIM
-
-    pm_off = b * stride_pmb + head * stride_pmh + offs_s * stride_pms
-    m = tl.load(part_max_ptr + pm_off, mask=mask_s, other=float("-inf"))  # [BLOCK_S]
-    l = tl.load(part_sum_ptr + pm_off, mask=mask_s, other=0.0)  # noqa: E741
-    is_live = (m > float("-inf")) & (l > 0.0)
-    m_all = tl.max(tl.where(is_live, m, float("-inf")), axis=0)
-    m_ref = tl.where(m_all > float("-inf"), m_all, 0.0)  # all splits empty: seq_len 0
-    w = tl.where(is_live, tl.exp2(tl.where(is_live, m, m_ref) - m_ref), 0.0)  # [BLOCK_S]
-    total = tl.sum(w * l, axis=0)
-
-    po_ptrs = (
-        part_out_ptr
-        + b * stride_pob
-        + head * stride_poh
-        + offs_s[:, None] * stride_pos
-        + offs_d[None, :] * stride_pod
+    pm_off = b * stride_pmb + head * stride_pmh
+    _merge_splits(
+        out_ptr + b * stride_ob + head * stride_oh,
+        part_out_ptr + b * stride_pob + head * stride_poh,
+        part_max_ptr + pm_off,
+        part_sum_ptr + pm_off,
+        num_splits, stride_oh, stride_od, stride_poh, stride_pos, stride_pod, stride_pmh,
+        stride_pms, 1, 1, SPLIT_CHUNK, HEAD_DIM, BLOCK_D,
     )
-    acc = tl.load(po_ptrs, mask=mask_s[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
-    num = tl.sum(tl.where(is_live[:, None], acc * w[:, None], 0.0), axis=0)  # [BLOCK_D]
-    o = num / tl.where(total > 0.0, total, 1.0)
-    o_ptrs = out_ptr + b * stride_ob + head * stride_oh + offs_d * stride_od
-    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=mask_d)
+
+
+def _split_chunk(num_splits: int, block_gm: int, block_d: int, tile_elems: int) -> int:
+    """Splits per load of the merge: all of them if a tile holds them, else a power of two."""
+    fits = max(1, tile_elems // (block_gm * block_d))
+    return min(triton.next_power_of_2(num_splits), triton.next_power_of_2(fits + 1) // 2)
 
 
 def _check_inputs(
@@ -379,20 +539,42 @@ def _check_inputs(
 
 
 def _check_workspace(
-    ws: DecodeWorkspace, batch: int, num_q_heads: int, head_dim: int, num_splits: int
+    ws: DecodeWorkspace,
+    batch: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    num_splits: int,
 ) -> None:
     lead = (batch, num_q_heads, num_splits)
+    partials = (ws.partial_out, ws.partial_max, ws.partial_sum)
     if (
         tuple(ws.partial_out.shape) != (*lead, head_dim)
         or tuple(ws.partial_max.shape) != lead
         or ws.partial_sum.shape != ws.partial_max.shape
         or ws.partial_sum.stride() != ws.partial_max.stride()
-        or any(t.dtype != torch.float32 for t in ws)
+        or any(t.dtype != torch.float32 for t in partials)
     ):
         raise ValueError(
             f"workspace must be fp32 with partial_out {(*lead, head_dim)} and "
             f"partial_max/partial_sum {lead} of equal strides "
             "(see alloc_decode_workspace)"
+        )
+    counters = ws.counters
+    if (
+        not isinstance(counters, torch.Tensor)
+        or tuple(counters.shape) != (batch, num_kv_heads)
+        or counters.dtype != torch.int32
+        or counters.device != ws.partial_out.device
+    ):
+        found = (
+            f"{tuple(counters.shape)} {counters.dtype}"
+            if isinstance(counters, torch.Tensor)
+            else type(counters).__name__
+        )
+        raise ValueError(
+            f"workspace.counters must be int32 [B, Hkv] = {(batch, num_kv_heads)}, zeroed, on "
+            f"the partials' device; got {found} (see alloc_decode_workspace)"
         )
 
 
@@ -406,6 +588,8 @@ def paged_decode_attention_triton(
     num_splits: int | None = None,
     workspace: DecodeWorkspace | None = None,
     out: torch.Tensor | None = None,  # [B, Hq, D], q's dtype; written, not read
+    *,
+    one_launch: bool | None = None,
 ) -> torch.Tensor:  # [B, Hq, D]
     """Paged decode attention; same result as `paged_decode_attention_ref`.
 
@@ -413,6 +597,13 @@ def paged_decode_attention_triton(
     `choose_num_splits` on the block-table capacity. Passing a fixed `workspace` and `out`
     makes the call allocation-free and its grid fixed (CUDA-graph capturable).
     K/V caches are both tensors of q's dtype or both `kv_quant.QuantPages` (any q dtype).
+    `one_launch` merges the splits inside the split kernel; False runs the merge as a second
+    launch. Default: one launch, except while a CUDA graph is being captured. Measured on an
+    H200 (bf16, batch 1, 8 K/V heads, 16-32k tokens): one launch is 1.3-1.4x faster called
+    from Python, where the second launch's overhead shows, and 4-14% slower replayed from a
+    graph, where launches cost nothing and the last program's serial merge does
+    (docs/performance.md). A workspace serves one call at a time (one stream): its counters
+    are shared by the launch in flight.
     """
     _check_inputs(q, k_cache, v_cache, block_table, seq_lens)
     is_quant = isinstance(k_cache, QuantPages)
@@ -426,6 +617,7 @@ def paged_decode_attention_triton(
             sm_scale,
             num_splits=num_splits,
             workspace=workspace,
+            one_launch=one_launch,
         )
         if out is None:
             return result.to(torch.bfloat16)
@@ -456,13 +648,19 @@ def paged_decode_attention_triton(
         return out
     if num_splits > 1:
         if workspace is None:
-            workspace = alloc_decode_workspace(batch, num_q_heads, head_dim, num_splits, q.device)
-        _check_workspace(workspace, batch, num_q_heads, head_dim, num_splits)
+            workspace = alloc_decode_workspace(
+                batch, num_q_heads, num_kv_heads, head_dim, num_splits, q.device
+            )
+        _check_workspace(workspace, batch, num_q_heads, num_kv_heads, head_dim, num_splits)
         ws = workspace
         po_strides, pm_strides = ws.partial_out.stride(), ws.partial_max.stride()
-    else:  # one split writes `out` directly; the partial pointers are never dereferenced
-        ws = DecodeWorkspace(out, out, out)
-        po_strides, pm_strides = (0, 0, 0, 0), (0, 0, 0)
+        counter_strides = ws.counters.stride()
+    else:  # one split writes `out` directly; the workspace pointers are never dereferenced
+        ws = DecodeWorkspace(out, out, out, out)
+        po_strides, pm_strides, counter_strides = (0, 0, 0, 0), (0, 0, 0), (0, 0)
+    if one_launch is None:
+        one_launch = not (on_gpu and torch.cuda.is_current_stream_capturing())
+    is_one_launch = num_splits > 1 and one_launch
 
     if is_quant:
         k_data, v_data, k_scale, v_scale = k_cache.data, v_cache.data, k_cache.scale, v_cache.scale
@@ -471,6 +669,7 @@ def paged_decode_attention_triton(
         k_data, v_data, k_scale, v_scale = k_cache, v_cache, k_cache, v_cache
         k_scale_strides = v_scale_strides = (0, 0, 0)
     block_d = triton.next_power_of_2(head_dim)
+    block_gm = triton.next_power_of_2(group)
     _decode_stage1_kernel[(num_splits, num_kv_heads, batch)](
         q,
         k_data,
@@ -483,6 +682,7 @@ def paged_decode_attention_triton(
         ws.partial_out,
         ws.partial_max,
         ws.partial_sum,
+        ws.counters,
         sm_scale * _LOG2E,
         num_splits,
         *q.stride(),
@@ -494,8 +694,13 @@ def paged_decode_attention_triton(
         *out.stride(),
         *po_strides,
         *pm_strides,
+        *counter_strides,
         GROUP=group,
         BLOCK_G=max(_MIN_DOT_ROWS, triton.next_power_of_2(group)),
+        BLOCK_GM=block_gm if is_one_launch else 1,
+        SPLIT_CHUNK=_split_chunk(num_splits, block_gm, block_d, _MERGE_TILE_ELEMS)
+        if is_one_launch
+        else 1,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         PAGE_SIZE=page_size,
@@ -503,10 +708,11 @@ def paged_decode_attention_triton(
         SINGLE_SPLIT=num_splits == 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         IS_QUANT=is_quant,
+        ONE_LAUNCH=is_one_launch,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    if num_splits > 1:
+    if num_splits > 1 and not is_one_launch:
         _decode_stage2_kernel[(num_q_heads, batch)](
             out,
             ws.partial_out,
@@ -516,7 +722,7 @@ def paged_decode_attention_triton(
             *out.stride(),
             *po_strides,
             *pm_strides,
-            BLOCK_S=triton.next_power_of_2(num_splits),
+            SPLIT_CHUNK=_split_chunk(num_splits, 1, block_d, _STAGE2_TILE_ELEMS),
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
             num_warps=4 if on_gpu else 1,
@@ -530,4 +736,6 @@ __all__ = [
     "choose_num_splits",
     "default_num_splits",
     "paged_decode_attention_triton",
+    "programs_per_sm",
+    "splits_for_occupancy",
 ]

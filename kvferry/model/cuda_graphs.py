@@ -110,7 +110,8 @@ class CudaGraphDecode:
             splits = default_num_splits(size, cfg.num_kv_heads,
                                         self.max_blocks * self.pool.block_size,
                                         self.model.dtype, dev)
-            workspace = alloc_decode_workspace(size, cfg.num_heads, cfg.head_dim, splits, dev)
+            workspace = alloc_decode_workspace(size, cfg.num_heads, cfg.num_kv_heads,
+                                               cfg.head_dim, splits, dev)
         return StaticInputs(
             token_ids=torch.zeros(size, dtype=torch.int64, device=dev),
             positions=torch.zeros(size, dtype=torch.int64, device=dev),

@@ -106,14 +106,21 @@ def dequantized_reference(case: QuantCase) -> torch.Tensor:  # [B, Hq, D] fp32
     )
 
 
-def run_triton(case: QuantCase, num_splits: int) -> torch.Tensor:
-    """With NaN-filled output and workspace, so unwritten entries cannot pass."""
+def run_triton(
+    case: QuantCase, num_splits: int, *, one_launch: bool | None = None
+) -> torch.Tensor:
+    """With NaN-filled output and workspace partials, so unwritten entries cannot pass."""
     batch, num_q_heads, head_dim = case.q.shape
+    num_kv_heads = case.k_pages.shape[2]
     out = torch.full_like(case.q, NAN)
-    ws = alloc_decode_workspace(batch, num_q_heads, head_dim, num_splits, case.q.device)
-    for t in ws:
+    ws = alloc_decode_workspace(
+        batch, num_q_heads, num_kv_heads, head_dim, num_splits, case.q.device
+    )
+    for t in (ws.partial_out, ws.partial_max, ws.partial_sum):
         t.fill_(NAN)
-    result = paged_decode_attention_triton(*case, num_splits=num_splits, workspace=ws, out=out)
+    result = paged_decode_attention_triton(
+        *case, num_splits=num_splits, workspace=ws, out=out, one_launch=one_launch
+    )
     assert result is out
     return out
 

@@ -18,6 +18,7 @@ import torch
 from kvferry_kernels.dispatch import get_attention_backend
 from kvferry_kernels.paged_attention_ref import paged_decode_attention_ref
 from kvferry_kernels.triton_paged_attention import (
+    DecodeWorkspace,
     alloc_decode_workspace,
     paged_decode_attention_triton,
 )
@@ -98,16 +99,33 @@ def make_case(
     )
 
 
-def run_triton(case: PagedCase, num_splits: int | None) -> torch.Tensor:
+def poisoned_workspace(
+    batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, splits: int,
+    device: torch.device,
+) -> DecodeWorkspace:
+    """A workspace whose partials are NaN (the counters must start at zero)."""
+    ws = alloc_decode_workspace(batch, num_q_heads, num_kv_heads, head_dim, splits, device)
+    for t in (ws.partial_out, ws.partial_max, ws.partial_sum):
+        t.fill_(NAN)
+    return ws
+
+
+def run_triton(
+    case: PagedCase, num_splits: int | None, *, one_launch: bool | None = None
+) -> torch.Tensor:
     """Run with NaN-filled output and workspace, so unwritten entries cannot pass."""
     batch, num_q_heads, head_dim = case.q.shape
     out = torch.full_like(case.q, NAN)
     splits = num_splits if num_splits is not None else 2
-    ws = alloc_decode_workspace(batch, num_q_heads, head_dim, splits, case.q.device)
-    for t in ws:
-        t.fill_(NAN)
+    ws = poisoned_workspace(
+        batch, num_q_heads, case.k_cache.shape[2], head_dim, splits, case.q.device
+    )
     return paged_decode_attention_triton(
-        *case, num_splits=num_splits, workspace=ws if num_splits is not None else None, out=out
+        *case,
+        num_splits=num_splits,
+        workspace=ws if num_splits is not None else None,
+        out=out,
+        one_launch=one_launch,
     )
 
 
@@ -249,9 +267,7 @@ def test_default_splits_and_reused_workspace(device: torch.device) -> None:
     """One workspace serves steps of different lengths (fixed grid, as in a CUDA graph)."""
     case = make_case([130, 45], 8, 2, 64, 16, device, seed=23)
     torch.testing.assert_close(run_triton(case, None), reference(case), atol=1e-5, rtol=1e-5)
-    ws = alloc_decode_workspace(2, 8, 64, 4, device)
-    for t in ws:
-        t.fill_(NAN)
+    ws = poisoned_workspace(2, 8, 2, 64, 4, device)
     for lens in ([130, 45], [3, 40], [0, 16]):
         step = case._replace(seq_lens=torch.tensor(lens, dtype=torch.int32, device=device))
         out = paged_decode_attention_triton(*step, workspace=ws)  # splits from the workspace
@@ -263,7 +279,7 @@ def test_rejects_bad_shapes(device: torch.device) -> None:
     with pytest.raises(ValueError, match="multiple"):
         paged_decode_attention_triton(*case)
     good = make_case([10], 8, 4, 64, 16, device)
-    ws = alloc_decode_workspace(1, 8, 64, 2, device)
+    ws = alloc_decode_workspace(1, 8, 4, 64, 2, device)
     with pytest.raises(ValueError, match="workspace"):
         paged_decode_attention_triton(*good, num_splits=3, workspace=ws)
 
