@@ -255,7 +255,8 @@ def kvferry_deployment(engine: str, model: str, args: argparse.Namespace, log_di
     return Deployment(model=model, is_colocated=engine == "colocated",
                       kv_pool_size=KVFERRY_POOL_SIZE,
                       torch_threads=args.kvferry_torch_threads, compile=args.kvferry_compile,
-                      compile_batch_sizes=args.kvferry_compile_batch_sizes, log_dir=log_dir)
+                      compile_batch_sizes=args.kvferry_compile_batch_sizes, log_dir=log_dir,
+                      worker_args=shlex.split(args.kvferry_worker_args))
 
 
 @contextmanager
@@ -300,6 +301,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=128, help="generated tokens (ignore_eos)")
     p.add_argument("--kvferry-args", default="",
                    help="words appended to every `kvferry bench` command line")
+    p.add_argument("--kvferry-worker-args", default="",
+                   help="words appended to every kvferry worker's command line, e.g. "
+                        "'--decode-stage-mib 2048' (the dense K/V stage instead of attention "
+                        "over the pages in place)")
     p.add_argument("--kvferry-compile", default=COMPILE_MODES[0], choices=COMPILE_MODES,
                    help="kvferry's decode workers: --compile")
     p.add_argument("--kvferry-compile-batch-sizes", default=DEFAULT_COMPILE_BATCH_SIZES,
@@ -330,10 +335,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parse_batch_sizes(args.kvferry_compile_batch_sizes)
     except ValueError as exc:
         p.error(f"--kvferry-compile-batch-sizes: {exc}")
-    try:
-        shlex.split(args.kvferry_args)
-    except ValueError as exc:
-        p.error(f"--kvferry-args: {exc}")
+    for flag in ("kvferry_args", "kvferry_worker_args"):
+        try:
+            shlex.split(getattr(args, flag))
+        except ValueError as exc:
+            p.error(f"--{flag.replace('_', '-')}: {exc}")
     name = args.model if args.model in ("tiny", "default") else Path(args.model).stem
     args.model_name = name
     args.out = args.out or REPO / "bench" / "results" / f"bench_vs_vllm_{name}.json"

@@ -68,6 +68,7 @@ def test_model_path_names_the_output_not_its_directories() -> None:
     ["--concurrency", "0"], ["--concurrency", "1", "-3"], ["--repeats", "0"],
     ["--num-prompts", "0"], ["--num-warmups", "-1"], ["--engines", "vllm,sglang"],
     ["--engines", ","], ["--engines", "vllm,vllm"], ["--kvferry-args", "--flag 'open"],
+    ["--kvferry-worker-args", "--flag 'open"],
     ["--concurrency", "x"], ["--no-such-flag"],
 ])
 def test_bad_input_is_one_line_and_status_2(argv: list[str],
@@ -176,6 +177,14 @@ def test_kvferry_deployments_carry_the_compile_flags(tmp_path: Path) -> None:
         assert worker[worker.index("--compile-batch-sizes") + 1] == "1,8"
         assert worker[worker.index("--torch-threads") + 1] == "2"
     assert "--compile" not in disagg._worker_args("prefill")
+
+
+def test_worker_args_reach_every_worker(tmp_path: Path) -> None:
+    args = parse_args(["--kvferry-worker-args", "--decode-stage-mib 2048"])
+    deployment = kvferry_deployment("disagg", "/m", args, tmp_path)
+    for role in ("prefill", "decode"):
+        worker = deployment._worker_args(role)
+        assert worker[worker.index("--decode-stage-mib") + 1] == "2048"
 
 
 def test_both_engines_get_the_same_kv_memory(tmp_path: Path) -> None:
