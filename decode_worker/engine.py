@@ -45,7 +45,7 @@ from kvferry.errors import Aborted, InvalidArgument, Unavailable
 from kvferry.model.prefill_batch import PrefillJob
 from kvferry.model.sampling import FinishReason, SamplingParams
 from kvferry.model.transformer import Transformer
-from kvferry.settings import DEFAULT_MAX_WAITING
+from kvferry.settings import DEFAULT_MAX_WAITING, SpeculativeConfig
 from kvferry.transfer import wire
 
 log = logging.getLogger("kvferry.decode")
@@ -59,6 +59,7 @@ class DecodeEngine:
     def __init__(self, model: Transformer, pool: KvPool, layout: KvLayout,
                  max_waiting: int = DEFAULT_MAX_WAITING, stage_bytes: int = 0,
                  max_model_len: int | None = None, cache: TieredCache | None = None,
+                 speculative: SpeculativeConfig | None = None,
                  **prefill_options: int) -> None:
         self.model = model
         self.max_model_len = max_model_len or model.config.max_position_embeddings
@@ -70,7 +71,7 @@ class DecodeEngine:
         self.blocks = BlockQueue(pool.allocator, max_waiting, lambda: not self.steps.swapped)
         self._arrivals = itertools.count()
         self.steps = StepLoop(model, pool, self.blocks, self._seqs, self._finish, stage_bytes,
-                              **prefill_options)
+                              speculative, **prefill_options)
         self.batcher = self.steps.batcher  # colocated prefill, run by the step loop
         self.receiver = KvReceiver(layout, pool, self._seqs, self._kv_complete)
         self.cache = cache or TieredCache(pool)  # the prefix cache, over its tiers
@@ -296,4 +297,6 @@ class DecodeEngine:
             prefix_cache_hits=self.pool.allocator.num_hit_tokens,
             cached_blocks=self.pool.allocator.num_cached, tiers=self.cache.stats(),
             prefill_s_per_token=self.batcher.s_per_token,
+            spec_draft_tokens=getattr(self.steps.drafting, "num_draft_tokens", 0),
+            spec_accepted_tokens=getattr(self.steps.drafting, "num_accepted_tokens", 0),
         )

@@ -33,9 +33,11 @@ from decode_worker.sequence import (
     TokensEvent,
     step_inputs,
 )
+from decode_worker.speculative import Drafting, accept, ngram_proposer, row_inputs, trim
 from decode_worker.step_faults import InjectedFault, StepFaults
 from kvferry import trace
 from kvferry.cache.block_queue import BlockQueue
+from kvferry.cache.layout import blocks_for_tokens
 from kvferry.cache.pool import KvPool
 from kvferry.errors import Internal
 from kvferry.faults import Faults
@@ -43,6 +45,7 @@ from kvferry.model.executor import run_to_completion
 from kvferry.model.prefill_batch import PrefillBatcher
 from kvferry.model.sampling import FinishReason, SamplingParams, sample_tokens
 from kvferry.model.transformer import Transformer
+from kvferry.settings import SpeculativeConfig
 
 log = logging.getLogger("kvferry.decode")
 
@@ -60,7 +63,7 @@ class StepLoop:
 
     def __init__(self, model: Transformer, pool: KvPool, blocks: BlockQueue,
                  seqs: Mapping[str, DecodeSeq], finish: Finish, stage_bytes: int = 0,
-                 **prefill_options: int) -> None:
+                 speculative: SpeculativeConfig | None = None, **prefill_options: int) -> None:
         self.model = model
         self.pool = pool
         self.blocks = blocks
@@ -76,6 +79,13 @@ class StepLoop:
         self._faults = StepFaults(Faults.from_env())  # executor thread only
         # CPU decode: mirror the batch's K/V densely (kv_stage) instead of gathering pages.
         self.stage = KvStage(pool, stage_bytes) if stage_bytes > 0 else None
+        # Speculative decoding: drafts verified over flattened rows (decode_worker/speculative.py).
+        self.drafting: Drafting | None = None
+        if speculative is not None and speculative.is_on:
+            if self.stage is not None:
+                raise ValueError("speculative decoding reads the pages: no dense K/V stage "
+                                 "(--decode-stage-mib 0)")
+            self.drafting = Drafting(speculative, ngram_proposer(speculative))
         self._wake = asyncio.Event()
         # Set when the step loop must come back to the event loop (admissions, prefill work):
         # read by the executor thread, which otherwise steps a stable batch back to back.
@@ -97,6 +107,8 @@ class StepLoop:
             self.running.remove(seq)
         if seq in self.swapped:
             self.swapped.remove(seq)
+        if self.drafting is not None:
+            self.drafting.forget(seq.request_id)
 
     def _admit_and_reap(self) -> None:
         for seq in list(self.running):
@@ -145,17 +157,34 @@ class StepLoop:
 
     def _grow(self) -> None:
         """Give every running sequence the slot its next step writes; preempt the newest
-        running sequence while the pool is short."""
+        running sequence while the pool is short. With speculation, then trim each table to
+        what its next step's drafts may write and give it those slots from unused blocks
+        (never preempting or evicting for drafts: a sequence without room verifies fewer)."""
         block_size = self.pool.block_size
-        if all(len(s.block_table) * block_size > s.next_position for s in self.running):
+        if self.drafting is not None:
+            for seq in self.running:
+                trim(self.pool, seq, self.drafting.lookahead(seq))
+        if any(len(s.block_table) * block_size <= s.next_position for s in self.running):
+            for seq in sorted(self.running, key=lambda s: s.arrival):
+                while (seq.phase is Phase.RUNNING
+                       and len(seq.block_table) * block_size <= seq.next_position):
+                    if self.pool.allocator.num_free > 0:
+                        seq.block_table += self.pool.allocator.alloc(1)
+                    else:
+                        self._swap_out(max(self.running, key=lambda s: s.arrival))
+        if self.drafting is None:
             return
         for seq in sorted(self.running, key=lambda s: s.arrival):
-            while (seq.phase is Phase.RUNNING
-                   and len(seq.block_table) * block_size <= seq.next_position):
-                if self.pool.allocator.num_free > 0:
-                    seq.block_table += self.pool.allocator.alloc(1)
-                else:
-                    self._swap_out(max(self.running, key=lambda s: s.arrival))
+            want = blocks_for_tokens(seq.next_position + 1 + self.drafting.lookahead(seq),
+                                     block_size)
+            while len(seq.block_table) < want and self._num_unused_blocks() > 0:
+                seq.block_table += self.pool.allocator.alloc(1)
+
+    def _num_unused_blocks(self) -> int:
+        """Blocks neither a request nor the prefix cache holds: what drafts' slots may take
+        (never evicting the cache, never preempting)."""
+        allocator = self.pool.allocator
+        return allocator.num_free - allocator.num_cached
 
     async def run(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -237,24 +266,40 @@ class StepLoop:
             if clock is not None:
                 clock.span(tracer, "step", s=self.num_steps, ids=[q.request_id for q in batch])
             finished: list[DecodeSeq] = []
-            for seq, token in zip(batch, tokens):
+            for seq, kept in zip(batch, tokens):
                 if len(seq.tokens) == 1:
                     seq.first_step_s = elapsed
-                seq.tokens.append(token)
-                if token in seq.stop_token_ids or len(seq.tokens) - 1 >= seq.max_new_tokens:
+                seq.tokens.extend(kept)
+                if self.drafting is not None:
+                    self.drafting.kept(seq, kept)
+                if kept[-1] in seq.stop_token_ids or len(seq.tokens) - 1 >= seq.max_new_tokens:
                     finished.append(seq)
             self._loop.call_soon_threadsafe(self._deliver, batch, tokens, finished,
                                             self.num_steps)
             if (finished or self._needs_loop.is_set() or any(s.is_aborted for s in batch)
-                    or any(len(s.block_table) * block_size <= s.next_position for s in batch)):
+                    or any(len(s.block_table) * block_size <= s.next_position for s in batch)
+                    or self._wants_lookahead(batch)):
                 return
 
-    def _step(self, batch: list[DecodeSeq], is_staged: bool = False) -> list[int]:
-        """One forward for the whole ragged batch (executor thread); `is_staged`: the stage
-        holds the batch's K/V, rows in batch order."""
+    def _wants_lookahead(self, batch: list[DecodeSeq]) -> bool:
+        """With speculation: a sequence's table no longer holds its next step's drafts and a
+        block is free to give it (on the event loop, `_grow`)."""
+        if self.drafting is None or self._num_unused_blocks() == 0:
+            return False
+        last = [s.next_position + self.drafting.lookahead(s) for s in batch]
+        return any(len(s.block_table) * self.pool.block_size <= p for s, p in zip(batch, last))
+
+    def _step(self, batch: list[DecodeSeq], is_staged: bool = False) -> list[list[int]]:
+        """One forward for the whole ragged batch (executor thread): the tokens each sequence
+        keeps (one, or with speculation its accepted drafts and one more); `is_staged`: the
+        stage holds the batch's K/V, rows in batch order."""
         delay_s = self._faults.before_step([seq.request_id for seq in batch])
         if delay_s > 0:
             time.sleep(delay_s)
+        if self.drafting is not None:
+            drafts = [self.drafting.drafts(seq, self.pool.block_size) for seq in batch]
+            if any(drafts):
+                return self._verify(batch, drafts)
         inputs = step_inputs(batch, self.pool.block_size)
         device = self.model.device
         logits = self.model.decode(
@@ -266,17 +311,34 @@ class StepLoop:
             self.stage if is_staged else None,
         )
         params = [s.params or SamplingParams() for s in batch]  # attached: never None
-        return sample_tokens(logits, params, [s.output_offset + len(s.tokens) for s in batch])
+        indices = [s.output_offset + len(s.tokens) for s in batch]
+        return [[token] for token in sample_tokens(logits, params, indices)]
 
-    def _deliver(self, batch: list[DecodeSeq], tokens: list[int],
+    def _verify(self, batch: list[DecodeSeq], drafts: list[list[int]]) -> list[list[int]]:
+        """Executor thread: one forward over every sequence's last token and drafts, then the
+        tokens each keeps (decode_worker/speculative.py)."""
+        assert self.drafting is not None  # noqa: S101 - the caller checked
+        rows = row_inputs(batch, drafts, self.pool.block_size)
+        device = self.model.device
+        logits = self.model.decode(rows.token_ids.to(device), rows.positions.to(device),
+                                   rows.slots.to(device), rows.block_tables.to(device),
+                                   self.pool)
+        kept = accept(logits, batch, drafts)
+        self.drafting.num_draft_tokens += sum(len(d) for d in drafts)
+        self.drafting.num_accepted_tokens += sum(
+            min(len(d), len(k) - 1) for d, k in zip(drafts, kept))
+        return kept
+
+    def _deliver(self, batch: list[DecodeSeq], tokens: list[list[int]],
                  finished: list[DecodeSeq], step: int = 0) -> None:
-        """Event loop: stream one step's tokens; release the sequences it finished."""
+        """Event loop: stream one step's tokens (per sequence, in order); release the
+        sequences it finished."""
         if tracer := trace.get():
             tracer.event("deliver", t=time.monotonic(), s=step)
-        for seq, token in zip(batch, tokens):
+        for seq, kept in zip(batch, tokens):
             if seq.phase is not Phase.RUNNING or seq.is_aborted or seq.events is None:
                 continue
-            seq.events.put_nowait(TokensEvent(seq.request_id, [token]))
+            seq.events.put_nowait(TokensEvent(seq.request_id, list(kept)))
         for seq in finished:
             if seq.phase is not Phase.RUNNING or seq.is_aborted:
                 continue

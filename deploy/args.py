@@ -13,6 +13,7 @@ from deploy.plan_cmd import add_plan_parser
 from deploy.policy_args import policy_args, policy_settings
 from deploy.security_args import api_keys, public_access_args, security_settings, tls_args
 from deploy.serve_args import MEMORY_HELP, serve_process_args
+from deploy.speculative_args import speculative_args, speculative_config
 from deploy.tier_args import tier_args, tier_settings
 from kvferry.limits import PublicLimits
 from kvferry.model.shapes import PUBLISHED_SHAPES
@@ -146,6 +147,7 @@ def _worker_parser(sub: argparse._SubParsersAction, role: str) -> None:
                         "as Ray actors), or nixl: the decode worker reads them from the "
                         "prefill worker's pool with NIXL (UCX); the same on every worker")
     tier_args(p)
+    speculative_args(p, "decode/colocated: " if role != "prefill" else "ignored by prefill: ")
     _server_process_args(p)
     p.set_defaults(role=role)
 
@@ -189,6 +191,7 @@ def _deployment_args(p: argparse.ArgumentParser) -> None:
                    help="with --kv-transport ray: an existing cluster (auto, ray://HOST:PORT); "
                         "default: start a local Ray instance")
     tier_args(p, is_deployment=True)
+    speculative_args(p, "decode/colocated workers: ")
     tls_args(p)
     public_access_args(p)
     serve_process_args(p)
@@ -290,7 +293,7 @@ def worker_settings(args: argparse.Namespace, model: str | None = None) -> Worke
         load_format=args.load_format, kv_max_resends=args.kv_max_resends,
         kv_transport=args.kv_transport, drain_timeout_s=args.drain_timeout_s,
         metrics_port=args.metrics_port, security=security_settings(args),
-        tiers=tier_settings(args),
+        tiers=tier_settings(args), speculative=speculative_config(args),
     )
 
 

@@ -23,6 +23,7 @@ from deploy.security_args import (
     security_settings,
 )
 from deploy.serve_args import serve_process_argv
+from deploy.speculative_args import speculative_argv
 from deploy.tier_args import store_bytes, tier_argv
 
 if TYPE_CHECKING:
@@ -93,7 +94,7 @@ def _deployment(args: argparse.Namespace, store_url: str | None = None):
         + (["--kv-transport", args.kv_transport] if args.kv_transport != "ray" else [])
         + (["--kv-cache-dtype", args.kv_cache_dtype] if args.kv_cache_dtype != "auto" else [])
         + ([] if args.max_model_len is None else ["--max-model-len", str(args.max_model_len)])
-        + tier_argv(args, store_url) + worker_flags,
+        + tier_argv(args, store_url) + speculative_argv(args) + worker_flags,
     )
     if args.kv_transport == "ray":
         from deploy.ray_launcher import RayDeployment

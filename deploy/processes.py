@@ -147,7 +147,8 @@ def build_worker(settings: WorkerSettings) -> tuple[Built, object]:
                               max_model_len=settings.max_model_len,
                               cache=build_tiered_cache(pool, settings.tiers),
                               token_budget=token_budget,
-                              chunk_size=settings.prefill_chunk_size)
+                              chunk_size=settings.prefill_chunk_size,
+                              speculative=settings.speculative)
         from kvferry.transfer import transport
 
         on_stop = _then(engine.stop, transport.add_receivers(

@@ -111,7 +111,7 @@ def stage_bytes(settings: WorkerSettings, pool: KvPool, backend_name: str) -> in
     as much K/V as the pool holds where attention would otherwise gather pages every step."""
     from decode_worker.kv_stage import stage_bytes_for_pool
 
-    if backend_name != "torch":
+    if backend_name != "torch" or settings.speculative.is_on:  # speculation reads the pages
         return 0
     if settings.decode_stage_mib is not None:
         return settings.decode_stage_mib << 20

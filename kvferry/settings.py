@@ -141,6 +141,37 @@ def parse_batch_sizes(text: str) -> tuple[int, ...]:
     return sizes
 
 
+SPECULATIVE_METHODS = ("off", "ngram")
+DEFAULT_NUM_SPECULATIVE_TOKENS = 4
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding on decode and colocated workers (docs/spec-decode-design.md).
+    ngram: prompt lookup, the drafts are the `num_tokens` tokens that followed the latest
+    earlier occurrence of the sequence's last n tokens, n from `prompt_lookup_max` down to
+    `prompt_lookup_min` (vLLM's flags of those names)."""
+
+    method: str = SPECULATIVE_METHODS[0]
+    num_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_method: expected one of "
+                             f"{', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")
+        if self.num_tokens < 1:
+            raise ValueError(f"num_speculative_tokens: must be >= 1, got {self.num_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min/max: need 1 <= min <= max, got "
+                             f"{self.prompt_lookup_min}, {self.prompt_lookup_max}")
+
+    @property
+    def is_on(self) -> bool:
+        return self.method != "off"
+
+
 @dataclass(frozen=True)
 class WorkerSettings:
     """A prefill or decode worker process."""
@@ -181,6 +212,7 @@ class WorkerSettings:
     metrics_port: int | None = None  # Prometheus /metrics on this HTTP port (0: any free)
     security: SecuritySettings = field(default_factory=SecuritySettings)
     tiers: TierSettings = field(default_factory=TierSettings)  # K/V tiers below the pool
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -202,6 +234,9 @@ class WorkerSettings:
         parse_batch_sizes(self.compile_batch_sizes)
         if self.cuda_graphs not in CUDA_GRAPH_MODES:
             raise ValueError(f"cuda_graphs: expected on or off, got {self.cuda_graphs!r}")
+        if self.speculative.is_on and self.decode_stage_mib:
+            raise ValueError("decode_stage_mib: speculative decoding reads the pages; give 0 "
+                             "or leave it unset")
         if self.decode_stage_mib is not None and self.decode_stage_mib < 0:
             raise ValueError(f"decode_stage_mib: must be >= 0, got {self.decode_stage_mib}")
         if self.kv_max_resends < 0:

@@ -209,6 +209,9 @@ METRICS = ["--metrics-port", "0"]
 # Small prefill chunks and budget on the shared 2p2d and colocated workers: every test there
 # also runs chunked prefill (tests/e2e/test_concurrency.py checks it token for token).
 CHUNKED = ["--prefill-chunk-size", "48", "--prefill-token-budget", "80"]
+# Speculative decoding on the shared colocated and NIXL deployments: every test there (the
+# token-exact oracle among them) also runs n-gram drafts verified and rolled back.
+SPECULATIVE = ["--speculative-method", "ngram", "--num-speculative-tokens", "4"]
 # Usage reports cached prompt tokens only when the router is told to (router/identity.py).
 DETAILS = ["--enable-prompt-tokens-details"]
 
@@ -288,7 +291,8 @@ def colocated_deployment(qwen3_checkpoint: Path, tmp_path_factory: pytest.TempPa
                          ) -> Iterator[Deployment]:
     logs = tmp_path_factory.mktemp("colocated-logs")
     yield from shared("colocated_deployment", lambda: _start(
-        qwen3_checkpoint, logs, is_colocated=True, worker_args=CHUNKED, router_args=DETAILS),
+        qwen3_checkpoint, logs, is_colocated=True, worker_args=[*CHUNKED, *SPECULATIVE, *METRICS],
+        router_args=DETAILS),
         _stop)
 
 
@@ -302,7 +306,8 @@ def qwen3_nixl_deployment(qwen3_checkpoint: Path, tmp_path_factory: pytest.TempP
     for tests that retry, migrate or kill (tests/deployments.respawn)."""
     logs = tmp_path_factory.mktemp("qwen3-nixl-logs")
     yield from shared("qwen3_nixl_deployment", lambda: _start(
-        qwen3_checkpoint, logs, num_prefill=2, num_decode=2, worker_args=[*NIXL, *METRICS],
+        qwen3_checkpoint, logs, num_prefill=2, num_decode=2,
+        worker_args=[*NIXL, *METRICS, *SPECULATIVE],
         router_args=[*METRICS, *DETAILS]), _stop)
 
 

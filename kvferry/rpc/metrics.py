@@ -104,6 +104,12 @@ class WorkerCollector(Collector):
                                   "Running requests preempted (K/V swapped out).",
                                   s.num_preemptions)
         yield CounterMetricFamily("kvferry_decode_steps", "Decode steps run.", s.num_decode_steps)
+        yield CounterMetricFamily("kvferry_spec_decode_draft_tokens",
+                                  "Draft tokens verified (speculative decoding).",
+                                  s.spec_draft_tokens)
+        yield CounterMetricFamily("kvferry_spec_decode_accepted_tokens",
+                                  "Draft tokens accepted (speculative decoding).",
+                                  s.spec_accepted_tokens)
         yield CounterMetricFamily("kvferry_kv_corrupt_pushes",
                                   "K/V pushes refused by the receiver as corrupted in flight.",
                                   s.num_corrupt_pushes)

@@ -2,7 +2,8 @@
 prefill + decode processes is token-identical to transformers `generate` (fp32), for plain
 and chat-templated prompts of 1 to ~500 tokens. The deployment is given the `.gguf` file:
 its processes load the directory it was converted into, the one transformers loads here, so
-one deployment checks both the conversion and the serving."""
+one deployment checks both the conversion and the serving. Its decode worker speculates
+(n-gram drafts, tests/conftest.py SPECULATIVE): greedy output must not change."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from deploy import client
 from deploy.launcher import Deployment
-from tests.conftest import assert_alive, assert_pools_clean, worker_stats
+from tests.conftest import SPECULATIVE, assert_alive, assert_pools_clean, worker_stats
 from tests.deployments import reconfigured
+from tests.e2e.test_metrics import scrape, value
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +56,8 @@ def prompts(tokenizer) -> list[list[int]]:
 
 
 def _deploy(model: Path, logs: Path) -> Iterator[Deployment]:
-    deployment = Deployment(model=str(model), log_dir=logs).start()
+    deployment = Deployment(model=str(model), log_dir=logs,
+                            worker_args=[*SPECULATIVE, "--metrics-port", "0"]).start()
     try:
         yield deployment
     finally:
@@ -100,6 +103,10 @@ def test_greedy_matches_transformers(smollm2_checkpoint: Path, prompts: list[lis
         expected = out[0, len(prompt):].tolist()
         assert got == expected, f"prompt of {len(prompt)} tokens"
         assert len(got) == MAX_NEW_TOKENS or got[-1] == 2  # a full answer, or one that ended
+    decode = next(p for p in gguf_deployment.processes if p.name == "decode-0")
+    samples = scrape(decode.metrics_port)
+    assert value(samples, "kvferry_spec_decode_draft_tokens_total") > 0  # it did speculate
+    assert value(samples, "kvferry_spec_decode_accepted_tokens_total") > 0
     assert_pools_clean(gguf_deployment)
     assert_alive(gguf_deployment)
 

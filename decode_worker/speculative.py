@@ -1,0 +1,146 @@
+"""Speculative decoding in the step loop: draft, verify over flattened rows, accept, roll back
+(docs/spec-decode-design.md, 3.3 and 3.4).
+
+A sequence with k drafts d_1..d_k becomes k + 1 rows of one decode forward: its last token
+and the drafts, at positions P..P+k (P = `next_position`), each row with its own copy of the
+sequence's block-table row and its own length (position + 1). The model writes every row's
+K/V before attending, so row j sees the drafts before it: today's one-token step contract with
+more rows, which every backend, the compiled step and the CUDA graphs already run. A sequence
+without drafts is one row of the same forward.
+
+`rejection.verify` keeps the drafts that equal what the target samples at their positions and
+adds the target's next token, so the tokens are those of decoding without speculation, draw
+for draw. Positions past the last kept token hold rejected K/V: they are past `next_position`
+(no attention reads them, no prefix-index key names them) and the next steps overwrite them;
+`trim` frees the whole blocks past what the next step needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
+
+import torch
+
+from decode_worker.sequence import DecodeSeq
+from decode_worker.speculation import NgramProposer
+from kvferry.cache.block_table import truncate
+from kvferry.cache.layout import blocks_for_tokens
+from kvferry.cache.pool import KvPool
+from kvferry.model.rejection import verify
+from kvferry.model.sampling import SamplingParams
+from kvferry.settings import SpeculativeConfig
+
+
+class Proposer(Protocol):
+    """Drafts for one sequence, fed every token it keeps (prompt first)."""
+
+    def extend(self, tokens: Sequence[int]) -> None: ...
+
+    def propose(self, k: int) -> list[int]: ...
+
+
+def ngram_proposer(config: SpeculativeConfig) -> Callable[[DecodeSeq], Proposer]:
+    return lambda seq: NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+
+
+class RowInputs(NamedTuple):
+    """One verification forward's inputs, on the host: T rows over B sequences."""
+
+    token_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slots: torch.Tensor  # [T] int64
+    block_tables: torch.Tensor  # [T, width] int32, each row its sequence's table, padded
+
+
+@dataclass
+class Drafting:
+    """The step loop's speculation: a proposer per sequence and the lookahead each may use."""
+
+    config: SpeculativeConfig
+    make_proposer: Callable[[DecodeSeq], Proposer]  # a sequence's, when it first steps
+    num_draft_tokens: int = 0  # drafts verified, over the worker's life
+    num_accepted_tokens: int = 0  # of those, accepted
+
+    def __post_init__(self) -> None:
+        self._proposers: dict[str, Proposer] = {}
+
+    def lookahead(self, seq: DecodeSeq) -> int:
+        """Drafts `seq` may verify next step: k, but never more tokens than it may still
+        produce (a step yields up to drafts + 1)."""
+        remaining = seq.max_new_tokens - (len(seq.tokens) - 1)
+        return max(0, min(self.config.num_tokens, remaining - 1))
+
+    def drafts(self, seq: DecodeSeq, block_size: int) -> list[int]:
+        """Drafts for `seq`'s next step, within its lookahead and the slots its table holds."""
+        room = len(seq.block_table) * block_size - 1 - seq.next_position
+        k = min(self.lookahead(seq), room)
+        return self._proposer(seq).propose(k) if k > 0 else []
+
+    def _proposer(self, seq: DecodeSeq) -> Proposer:
+        proposer = self._proposers.get(seq.request_id)
+        if proposer is None:
+            proposer = self._proposers[seq.request_id] = self.make_proposer(seq)
+            proposer.extend([*seq.prompt_token_ids, *seq.tokens])
+        return proposer
+
+    def kept(self, seq: DecodeSeq, tokens: Sequence[int]) -> None:
+        """`tokens` were appended to `seq`: its proposer learns them."""
+        proposer = self._proposers.get(seq.request_id)
+        if proposer is not None:
+            proposer.extend(tokens)
+
+    def forget(self, request_id: str) -> None:
+        self._proposers.pop(request_id, None)
+
+
+def row_inputs(batch: Sequence[DecodeSeq], drafts: Sequence[list[int]], block_size: int
+               ) -> RowInputs:
+    """Rows [last token, drafts...] of every sequence, in batch order."""
+    tokens: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    tables: list[list[int]] = []
+    for seq, seq_drafts in zip(batch, drafts):
+        start = seq.next_position
+        for j, token in enumerate([seq.tokens[-1], *seq_drafts]):
+            position = start + j
+            tokens.append(token)
+            positions.append(position)
+            slots.append(seq.block_table[position // block_size] * block_size
+                         + position % block_size)
+            tables.append(seq.block_table)
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    return RowInputs(torch.tensor(tokens), torch.tensor(positions),
+                     torch.tensor(slots, dtype=torch.int64), table)
+
+
+def accept(logits: torch.Tensor, batch: Sequence[DecodeSeq], drafts: Sequence[list[int]]
+           ) -> list[list[int]]:
+    """Per sequence, the tokens its rows of `logits` [T, V] yield: the accepted drafts and the
+    target's next token, cut after a stop token or at max_new_tokens."""
+    out: list[list[int]] = []
+    row = 0
+    for seq, seq_drafts in zip(batch, drafts):
+        rows = logits[row: row + len(seq_drafts) + 1]
+        row += len(seq_drafts) + 1
+        params = seq.params or SamplingParams()  # attached: never None
+        tokens = verify(rows, seq_drafts, params, seq.output_offset + len(seq.tokens)).token_ids
+        remaining = seq.max_new_tokens - (len(seq.tokens) - 1)
+        tokens = tokens[:max(1, remaining)]
+        for i, token in enumerate(tokens):
+            if token in seq.stop_token_ids:
+                tokens = tokens[:i + 1]
+                break
+        out.append(tokens)
+    return out
+
+
+def trim(pool: KvPool, seq: DecodeSeq, lookahead: int) -> None:
+    """Free the blocks of `seq`'s table past what its next step writes (positions up to
+    `next_position` + `lookahead`): rejected drafts' blocks, and lookahead no longer wanted."""
+    keep = seq.next_position + 1 + lookahead
+    if len(seq.block_table) > blocks_for_tokens(keep, pool.block_size):
+        truncate(pool, seq.block_table, keep)

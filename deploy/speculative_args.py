@@ -1,0 +1,38 @@
+"""Speculative decoding's flags (vLLM's names), on decode and colocated workers and on the
+commands that start them (serve, demo)."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvferry.settings import DEFAULT_NUM_SPECULATIVE_TOKENS, SPECULATIVE_METHODS, SpeculativeConfig
+
+
+def speculative_args(p: argparse.ArgumentParser, prefix: str = "") -> None:
+    p.add_argument("--speculative-method", default=SPECULATIVE_METHODS[0],
+                   choices=SPECULATIVE_METHODS,
+                   help=prefix + "ngram: draft the tokens that followed the latest earlier "
+                        "occurrence of the last few tokens (prompt lookup, no extra model) and "
+                        "verify them in one forward; greedy and seeded outputs are unchanged")
+    p.add_argument("--num-speculative-tokens", type=int, default=DEFAULT_NUM_SPECULATIVE_TOKENS,
+                   help=prefix + "drafts verified per step at most")
+    p.add_argument("--prompt-lookup-min", type=int, default=SpeculativeConfig.prompt_lookup_min,
+                   help=prefix + "ngram: the shortest suffix n-gram looked up")
+    p.add_argument("--prompt-lookup-max", type=int, default=SpeculativeConfig.prompt_lookup_max,
+                   help=prefix + "ngram: the longest suffix n-gram looked up")
+
+
+def speculative_config(args: argparse.Namespace) -> SpeculativeConfig:
+    """The flags as a config (ValueError naming the field when one is wrong)."""
+    return SpeculativeConfig(args.speculative_method, args.num_speculative_tokens,
+                             args.prompt_lookup_min, args.prompt_lookup_max)
+
+
+def speculative_argv(args: argparse.Namespace) -> list[str]:
+    """A deployment's flags again, for every worker's command line ([] when off)."""
+    config = speculative_config(args)
+    if not config.is_on:
+        return []
+    return ["--speculative-method", config.method, "--num-speculative-tokens",
+            str(config.num_tokens), "--prompt-lookup-min", str(config.prompt_lookup_min),
+            "--prompt-lookup-max", str(config.prompt_lookup_max)]

@@ -1,0 +1,205 @@
+"""Speculative decoding in an in-process decode engine (decode_worker/speculative.py): drafts
+verified over flattened rows give the tokens of decoding without them, whatever the drafts
+were (all right, all wrong, right then wrong), greedy and seeded; rejected drafts' K/V is
+rolled back across block boundaries (4-token blocks, up to 6 drafts), and every block comes
+back with the pool's integrity intact."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from decode_worker.engine import DecodeEngine
+from decode_worker.sequence import DecodeSeq, FinishedEvent, TokensEvent
+from kvferry.cache.layout import KvLayout, blocks_for_tokens
+from kvferry.cache.pool import KvPool
+from kvferry.model.config import load_model_config
+from kvferry.model.sampling import SamplingParams
+from kvferry.model.transformer import Transformer
+from kvferry.settings import SpeculativeConfig
+from kvferry.transfer import wire
+from kvferry_kernels.dispatch import get_attention_backend
+from tests.waiting import until, within
+
+BLOCK_SIZE = 4
+PROMPT = 10
+MAX_TOKENS = 24
+POOL_BLOCKS = 40
+REQUESTS = {"A": 1, "B": 2}  # request id -> the seed of its pushed prompt K/V
+
+
+@pytest.fixture(scope="module")
+def model(qwen3_checkpoint: Path) -> Transformer:
+    return Transformer(load_model_config(qwen3_checkpoint), get_attention_backend("torch"),
+                       torch.float32, torch.device("cpu"))
+
+
+class Scripted:
+    """Drafts from a known continuation (`reference`: the tokens decoding without drafts
+    gives), spoilt after `right` drafts (None: never); counts what it was asked."""
+
+    def __init__(self, reference: list[int], right: int | None, vocab: int) -> None:
+        self.reference, self.right, self.vocab = reference, right, vocab
+        self.seen = 0
+        self.num_proposals = 0
+
+    def extend(self, tokens: list[int]) -> None:
+        self.seen += len(tokens)
+
+    def propose(self, k: int) -> list[int]:
+        self.num_proposals += 1
+        drafts = self.reference[self.seen: self.seen + k]
+        if self.right is not None:
+            drafts = [t if j < self.right else (t + 1) % self.vocab for j, t in enumerate(drafts)]
+        return drafts
+
+
+def _engine(model: Transformer, speculative: SpeculativeConfig | None) -> DecodeEngine:
+    config = model.config
+    pool = KvPool(config.num_layers, config.num_kv_heads, config.head_dim, BLOCK_SIZE,
+                  POOL_BLOCKS, torch.float32, torch.device("cpu"))
+    return DecodeEngine(model, pool, KvLayout.of_pool(pool, config.fingerprint),
+                        speculative=speculative)
+
+
+def _push(engine: DecodeEngine, request_id: str, seed: int) -> None:
+    """The prompt's K/V as a prefill worker would push it: random pages, one chunk."""
+    layout = engine.layout
+    num_blocks = blocks_for_tokens(PROMPT, BLOCK_SIZE)
+    sender = KvPool(layout.num_layers, layout.num_kv_heads, layout.head_dim, BLOCK_SIZE,
+                    num_blocks, torch.float32, torch.device("cpu"))
+    sender.cache.copy_(torch.randn(sender.cache.shape,
+                                   generator=torch.Generator().manual_seed(seed)))
+    span = wire.ChunkSpan(0, layout.num_layers, 0, num_blocks)
+    data = wire.pack_array(sender, list(range(num_blocks)), span).tobytes()
+    engine.receiver.receive_chunk(request_id, layout, PROMPT, span, data, wire.crc32(data))
+    engine.receiver.finish_push(request_id)
+
+
+def _decode(engine: DecodeEngine, params: SamplingParams,
+            stop: list[int] | None = None) -> dict[str, list[int]]:
+    """Both requests reserved, pushed and decoding together; each one's tokens (first
+    included). Afterwards every block is free and the pool's integrity holds."""
+    async def run() -> dict[str, list[int]]:
+        engine.start()
+        try:
+            queues = {}
+            for request_id, seed in REQUESTS.items():
+                await engine.reserve(request_id, PROMPT, MAX_TOKENS, 30.0)
+                _push(engine, request_id, seed)
+                queues[request_id] = engine.attach(request_id, 7, params, MAX_TOKENS - 1,
+                                                   stop or [])
+            tokens: dict[str, list[int]] = {}
+            for request_id, queue in queues.items():
+                tokens[request_id] = [7]
+                while True:
+                    event = await within(queue.get(), f"{request_id}'s next update")
+                    if not isinstance(event, TokensEvent):
+                        assert isinstance(event, FinishedEvent), event
+                        break
+                    tokens[request_id] += event.token_ids
+            await until(lambda: not engine.steps.running, "the step loop idle")
+            stats = engine.stats(check_integrity=True)
+            assert stats.integrity_ok, stats.integrity_error
+            assert stats.free_blocks == POOL_BLOCKS, stats  # indexed blocks count as free
+            return tokens
+        finally:
+            await engine.stop()
+    return asyncio.run(run())
+
+
+def _speculating(model: Transformer, k: int, make: Callable[[DecodeSeq], Scripted]
+                 ) -> DecodeEngine:
+    engine = _engine(model, SpeculativeConfig("ngram", k))
+    assert engine.steps.drafting is not None
+    engine.steps.drafting.make_proposer = make
+    return engine
+
+
+@pytest.mark.parametrize("right", [None, 0, 2], ids=["right", "wrong", "right-then-wrong"])
+@pytest.mark.parametrize("k", [3, 6])
+def test_drafts_never_change_the_greedy_tokens(model: Transformer, right: int | None,
+                                               k: int) -> None:
+    greedy = SamplingParams(temperature=0.0)
+    plain = _decode(_engine(model, None), greedy)
+    proposers: dict[str, Scripted] = {}
+
+    def make(seq: DecodeSeq) -> Scripted:
+        proposers[seq.request_id] = Scripted(plain[seq.request_id], right,
+                                             model.config.vocab_size)
+        return proposers[seq.request_id]
+
+    engine = _speculating(model, k, make)
+    assert _decode(engine, greedy) == plain
+    drafting = engine.steps.drafting
+    assert drafting is not None and drafting.num_draft_tokens > 0
+    if right is None:  # every draft right: k + 1 tokens a step, so few steps
+        assert drafting.num_accepted_tokens == drafting.num_draft_tokens
+        assert engine.steps.num_steps <= 2 * -(-(MAX_TOKENS - 1) // (k + 1)) + 2
+    elif right == 0:  # every draft rolled back, one token a step as without drafts
+        assert drafting.num_accepted_tokens == 0
+        assert engine.steps.num_steps >= MAX_TOKENS - 1
+    else:
+        assert 0 < drafting.num_accepted_tokens < drafting.num_draft_tokens
+
+
+def test_seeded_sampling_with_drafts_is_draw_for_draw_the_same(model: Transformer) -> None:
+    sampled = SamplingParams(temperature=0.9, top_p=0.95, seed=1234)
+    plain = _decode(_engine(model, None), sampled)
+    engine = _speculating(model, 4, lambda seq: Scripted(plain[seq.request_id], 2,
+                                                         model.config.vocab_size))
+    assert _decode(engine, sampled) == plain
+    assert engine.steps.drafting is not None
+    assert engine.steps.drafting.num_accepted_tokens > 0
+
+
+def test_a_stop_token_among_accepted_drafts_ends_the_request_there(model: Transformer) -> None:
+    greedy = SamplingParams(temperature=0.0)
+    plain = _decode(_engine(model, None), greedy)
+    generated = plain["A"][1:]
+    # a token first generated mid-way, so right drafts run past it
+    first = next(i for i, t in enumerate(generated) if i >= 2 and t not in generated[:i])
+    stop = generated[first]
+    expected = _decode(_engine(model, None), greedy, [stop])
+    engine = _speculating(model, 6, lambda seq: Scripted(plain[seq.request_id], None,
+                                                         model.config.vocab_size))
+    assert _decode(engine, greedy, [stop]) == expected
+    assert expected["A"] == plain["A"][:first + 2]  # the first token, then up to the stop
+
+
+def test_rejected_drafts_blocks_are_freed_before_the_next_step(model: Transformer) -> None:
+    """With wrong drafts a table never holds more than the next step's slots: the blocks
+    past them (written by rejected drafts) go back to the pool."""
+    greedy = SamplingParams(temperature=0.0)
+    plain = _decode(_engine(model, None), greedy)
+    engine = _speculating(model, 6, lambda seq: Scripted(plain[seq.request_id], 0,
+                                                         model.config.vocab_size))
+    steps = engine.steps
+    grow = steps._grow
+    most: list[int] = []
+
+    def spy_grow() -> None:
+        grow()
+        assert steps.drafting is not None
+        for seq in steps.running:
+            # the next step's slots: next_position .. next_position + lookahead
+            lookahead = steps.drafting.lookahead(seq)
+            want = blocks_for_tokens(seq.next_position + 1 + lookahead, BLOCK_SIZE)
+            most.append(len(seq.block_table) - want)
+
+    steps._grow = spy_grow  # type: ignore[method-assign]
+    assert _decode(engine, greedy) == plain
+    assert most and max(most) <= 0
+
+
+def test_speculation_refuses_a_dense_stage(model: Transformer) -> None:
+    config = model.config
+    pool = KvPool(config.num_layers, config.num_kv_heads, config.head_dim, BLOCK_SIZE,
+                  POOL_BLOCKS, torch.float32, torch.device("cpu"))
+    with pytest.raises(ValueError, match="no dense K/V stage"):
+        DecodeEngine(model, pool, KvLayout.of_pool(pool, config.fingerprint),
+                     stage_bytes=1 << 20, speculative=SpeculativeConfig("ngram", 2))
