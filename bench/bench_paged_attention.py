@@ -142,6 +142,16 @@ def free_bytes() -> int:
     return torch.cuda.mem_get_info()[0] if not DRY else 1 << 34
 
 
+def skip_reason(kv_bytes: int) -> str | None:
+    """Why a shape of `kv_bytes` of K/V is not measured: past the time budget, or more than
+    the device can hold beside what is allocated; None: measure it."""
+    if time.perf_counter() - START > ARGS.time_budget_s:
+        return "time budget"
+    if kv_bytes > 0.85 * free_bytes():
+        return "memory"
+    return None
+
+
 def run_config(hq: int, hkv: int, batch: int, ctx: int) -> dict[str, Any]:
     row: dict[str, Any] = {
         "num_q_heads": hq,
@@ -153,10 +163,8 @@ def run_config(hq: int, hkv: int, batch: int, ctx: int) -> dict[str, Any]:
     }
     kv_bytes = 2 * batch * ctx * hkv * HEAD_DIM * DTYPE.itemsize
     row["kv_bytes"] = kv_bytes
-    if time.perf_counter() - START > ARGS.time_budget_s:
-        return row | {"skipped": "time budget"}
-    if kv_bytes > 0.85 * free_bytes():
-        return row | {"skipped": "memory"}
+    if (skipped := skip_reason(kv_bytes)) is not None:
+        return row | {"skipped": skipped}
     pool = make_pool(batch, ctx, hkv)
     q = torch.randn(batch, hq, HEAD_DIM, dtype=DTYPE, device=DEVICE)  # [B, Hq, D]
     scale = HEAD_DIM**-0.5
@@ -274,10 +282,8 @@ def one_launch_shape(hq: int, hkv: int, batch: int, ctx: int) -> dict[str, Any]:
     kv_bytes = 2 * batch * ctx * hkv * HEAD_DIM * DTYPE.itemsize
     row: dict[str, Any] = {"heads": [hq, hkv], "batch": batch, "context": ctx,
                            "dtype": str(DTYPE), "kv_bytes": kv_bytes}
-    if time.perf_counter() - START > ARGS.time_budget_s:
-        return row | {"skipped": "time budget"}
-    if kv_bytes > 0.85 * free_bytes():
-        return row | {"skipped": "memory"}
+    if (skipped := skip_reason(kv_bytes)) is not None:
+        return row | {"skipped": skipped}
     pool = make_pool(batch, ctx, hkv)
     q = torch.randn(batch, hq, HEAD_DIM, dtype=DTYPE, device=DEVICE)  # [B, Hq, D]
     # The dry run forces two splits (its contexts are one tile) so that the merge runs.

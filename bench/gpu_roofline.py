@@ -62,11 +62,12 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
+from typing import Any, NamedTuple  # noqa: E402
 
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from decode_worker.sequence import step_inputs  # noqa: E402
 from kvferry.cache.layout import KvShape, blocks_for_tokens  # noqa: E402
 from kvferry.cache.pool import KvPool  # noqa: E402
 from kvferry.model.config import ModelConfig, load_model_config  # noqa: E402
@@ -211,17 +212,21 @@ def _span(timed: dict[str, Any]) -> str:
     return f"{timed['median']:.3f} [{timed['min']:.3f}-{timed['max']:.3f}]"
 
 
+class _Seq(NamedTuple):
+    """A sequence as `step_inputs` reads it."""
+
+    block_table: list[int]
+    next_position: int
+
+
 def _step_inputs(pool: KvPool, batch: int, context: int) -> tuple[torch.Tensor, ...]:
     """One decode step of `batch` sequences of `context` tokens (the new one included), each
     on blocks of its own: token ids, positions, slots, block tables, on the device."""
-    tables = [pool.allocator.alloc(blocks_for_tokens(context, BLOCK_SIZE)) for _ in range(batch)]
-    width = max(len(t) for t in tables)
-    pos = context - 1
-    slots = [t[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE for t in tables]
-    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    seqs = [_Seq(pool.allocator.alloc(blocks_for_tokens(context, BLOCK_SIZE)), context - 1)
+            for _ in range(batch)]
+    paging = step_inputs(seqs, BLOCK_SIZE)
     token_ids = torch.arange(1, batch + 1) % 1000
-    return tuple(x.to(DEVICE) for x in (token_ids, torch.full((batch,), pos), torch.tensor(slots),
-                                        block_tables))
+    return tuple(x.to(DEVICE) for x in (token_ids, *paging))
 
 
 def _graphs(rig: Rig, pool: KvPool, buckets: list[int]) -> CudaGraphDecode:

@@ -92,6 +92,11 @@ class DecodeSeq:
         """Position of the token the next step feeds (its K/V slot)."""
         return self.num_prompt_tokens + len(self.tokens) - 1
 
+    @property
+    def tokens_left(self) -> int:
+        """Tokens it may still generate (the first token, from prefill, not counted)."""
+        return self.max_new_tokens - (len(self.tokens) - 1)
+
 
 class Reservation(NamedTuple):
     num_blocks: int  # blocks the reservation holds

@@ -23,7 +23,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from decode_worker.sequence import DecodeSeq
+from decode_worker.sequence import DecodeSeq, StepInputs, step_inputs
 from decode_worker.speculation import NgramProposer
 from kvferry.cache.block_table import truncate
 from kvferry.cache.layout import blocks_for_tokens
@@ -45,13 +45,11 @@ def ngram_proposer(config: SpeculativeConfig) -> Callable[[DecodeSeq], Proposer]
     return lambda seq: NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
 
 
-class RowInputs(NamedTuple):
-    """One verification forward's inputs, on the host: T rows over B sequences."""
+class _Row(NamedTuple):
+    """One query row as `step_inputs` sees a sequence: its table and the position it writes."""
 
-    token_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
-    slots: torch.Tensor  # [T] int64
-    block_tables: torch.Tensor  # [T, width] int32, each row its sequence's table, padded
+    block_table: list[int]
+    next_position: int
 
 
 @dataclass
@@ -69,8 +67,7 @@ class Drafting:
     def lookahead(self, seq: DecodeSeq) -> int:
         """Drafts `seq` may verify next step: k, but never more tokens than it may still
         produce (a step yields up to drafts + 1)."""
-        remaining = seq.max_new_tokens - (len(seq.tokens) - 1)
-        return max(0, min(self.config.num_tokens, remaining - 1))
+        return max(0, min(self.config.num_tokens, seq.tokens_left - 1))
 
     def drafts(self, seq: DecodeSeq, block_size: int) -> list[int]:
         """Drafts for `seq`'s next step, within its lookahead and the slots its table holds."""
@@ -96,25 +93,16 @@ class Drafting:
 
 
 def row_inputs(batch: Sequence[DecodeSeq], drafts: Sequence[list[int]], block_size: int
-               ) -> RowInputs:
-    """Rows [last token, drafts...] of every sequence, in batch order."""
+               ) -> tuple[torch.Tensor, StepInputs]:
+    """Token ids [T] and paging inputs of the rows [last token, drafts...] of every
+    sequence, in batch order: each row a one-token step of its own (`step_inputs`)."""
     tokens: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    tables: list[list[int]] = []
+    rows: list[_Row] = []
     for seq, seq_drafts in zip(batch, drafts):
-        start = seq.next_position
         for j, token in enumerate([seq.tokens[-1], *seq_drafts]):
-            position = start + j
             tokens.append(token)
-            positions.append(position)
-            slots.append(seq.block_table[position // block_size] * block_size
-                         + position % block_size)
-            tables.append(seq.block_table)
-    width = max(len(t) for t in tables)
-    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    return RowInputs(torch.tensor(tokens), torch.tensor(positions),
-                     torch.tensor(slots, dtype=torch.int64), table)
+            rows.append(_Row(seq.block_table, seq.next_position + j))
+    return torch.tensor(tokens), step_inputs(rows, block_size)
 
 
 def accept(logits: torch.Tensor, batch: Sequence[DecodeSeq], drafts: Sequence[list[int]]
@@ -128,8 +116,7 @@ def accept(logits: torch.Tensor, batch: Sequence[DecodeSeq], drafts: Sequence[li
         row += len(seq_drafts) + 1
         params = seq.params or SamplingParams()  # attached: never None
         tokens = verify(rows, seq_drafts, params, seq.output_offset + len(seq.tokens)).token_ids
-        remaining = seq.max_new_tokens - (len(seq.tokens) - 1)
-        tokens = tokens[:max(1, remaining)]
+        tokens = tokens[:max(1, seq.tokens_left)]
         for i, token in enumerate(tokens):
             if token in seq.stop_token_ids:
                 tokens = tokens[:i + 1]

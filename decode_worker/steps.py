@@ -272,7 +272,7 @@ class StepLoop:
                 seq.tokens.extend(kept)
                 if self.drafting is not None:
                     self.drafting.kept(seq, kept)
-                if kept[-1] in seq.stop_token_ids or len(seq.tokens) - 1 >= seq.max_new_tokens:
+                if kept[-1] in seq.stop_token_ids or seq.tokens_left <= 0:
                     finished.append(seq)
             self._loop.call_soon_threadsafe(self._deliver, batch, tokens, finished,
                                             self.num_steps)
@@ -318,9 +318,9 @@ class StepLoop:
         """Executor thread: one forward over every sequence's last token and drafts, then the
         tokens each keeps (decode_worker/speculative.py)."""
         assert self.drafting is not None  # noqa: S101 - the caller checked
-        rows = row_inputs(batch, drafts, self.pool.block_size)
+        token_ids, rows = row_inputs(batch, drafts, self.pool.block_size)
         device = self.model.device
-        logits = self.model.decode(rows.token_ids.to(device), rows.positions.to(device),
+        logits = self.model.decode(token_ids.to(device), rows.positions.to(device),
                                    rows.slots.to(device), rows.block_tables.to(device),
                                    self.pool)
         kept = accept(logits, batch, drafts)

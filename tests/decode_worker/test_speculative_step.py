@@ -15,14 +15,13 @@ import torch
 
 from decode_worker.engine import DecodeEngine
 from decode_worker.sequence import DecodeSeq, FinishedEvent, TokensEvent
-from kvferry.cache.layout import KvLayout, blocks_for_tokens
-from kvferry.cache.pool import KvPool
+from kvferry.cache.layout import blocks_for_tokens
 from kvferry.model.config import load_model_config
 from kvferry.model.sampling import SamplingParams
 from kvferry.model.transformer import Transformer
 from kvferry.settings import SpeculativeConfig
-from kvferry.transfer import wire
 from kvferry_kernels.dispatch import get_attention_backend
+from tests.decode_worker.engines import cpu_engine, push_random_prompt
 from tests.waiting import until, within
 
 BLOCK_SIZE = 4
@@ -59,25 +58,11 @@ class Scripted:
 
 
 def _engine(model: Transformer, speculative: SpeculativeConfig | None) -> DecodeEngine:
-    config = model.config
-    pool = KvPool(config.num_layers, config.num_kv_heads, config.head_dim, BLOCK_SIZE,
-                  POOL_BLOCKS, torch.float32, torch.device("cpu"))
-    return DecodeEngine(model, pool, KvLayout.of_pool(pool, config.fingerprint),
-                        speculative=speculative)
+    return cpu_engine(model, BLOCK_SIZE, POOL_BLOCKS, speculative=speculative)
 
 
 def _push(engine: DecodeEngine, request_id: str, seed: int) -> None:
-    """The prompt's K/V as a prefill worker would push it: random pages, one chunk."""
-    layout = engine.layout
-    num_blocks = blocks_for_tokens(PROMPT, BLOCK_SIZE)
-    sender = KvPool(layout.num_layers, layout.num_kv_heads, layout.head_dim, BLOCK_SIZE,
-                    num_blocks, torch.float32, torch.device("cpu"))
-    sender.cache.copy_(torch.randn(sender.cache.shape,
-                                   generator=torch.Generator().manual_seed(seed)))
-    span = wire.ChunkSpan(0, layout.num_layers, 0, num_blocks)
-    data = wire.pack_array(sender, list(range(num_blocks)), span).tobytes()
-    engine.receiver.receive_chunk(request_id, layout, PROMPT, span, data, wire.crc32(data))
-    engine.receiver.finish_push(request_id)
+    push_random_prompt(engine, request_id, PROMPT, seed)
 
 
 def _decode(engine: DecodeEngine, params: SamplingParams,
@@ -197,9 +182,6 @@ def test_rejected_drafts_blocks_are_freed_before_the_next_step(model: Transforme
 
 
 def test_speculation_refuses_a_dense_stage(model: Transformer) -> None:
-    config = model.config
-    pool = KvPool(config.num_layers, config.num_kv_heads, config.head_dim, BLOCK_SIZE,
-                  POOL_BLOCKS, torch.float32, torch.device("cpu"))
     with pytest.raises(ValueError, match="no dense K/V stage"):
-        DecodeEngine(model, pool, KvLayout.of_pool(pool, config.fingerprint),
-                     stage_bytes=1 << 20, speculative=SpeculativeConfig("ngram", 2))
+        cpu_engine(model, BLOCK_SIZE, POOL_BLOCKS, stage_bytes=1 << 20,
+                   speculative=SpeculativeConfig("ngram", 2))

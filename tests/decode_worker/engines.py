@@ -1,0 +1,39 @@
+"""In-process decode engines for the decode worker's tests: an fp32 CPU engine over its own
+pool, and a prompt's K/V pushed into it as a prefill worker would."""
+
+from __future__ import annotations
+
+import torch
+
+from decode_worker.engine import DecodeEngine
+from kvferry.cache.layout import KvLayout, blocks_for_tokens
+from kvferry.cache.pool import KvPool
+from kvferry.model.transformer import Transformer
+
+
+def cpu_engine(model: Transformer, block_size: int, num_blocks: int, **options: object
+               ) -> DecodeEngine:
+    """An engine over a float32 CPU pool of `num_blocks` blocks; `options` go to
+    DecodeEngine (stage_bytes, speculative, ...)."""
+    config = model.config
+    pool = KvPool(config.num_layers, config.num_kv_heads, config.head_dim, block_size,
+                  num_blocks, torch.float32, torch.device("cpu"))
+    return DecodeEngine(model, pool, KvLayout.of_pool(pool, config.fingerprint),
+                        **options)  # type: ignore[arg-type]
+
+
+def push_random_prompt(engine: DecodeEngine, request_id: str, num_tokens: int, seed: int
+                       ) -> None:
+    """The prompt's K/V as a prefill worker would push it: seeded random pages, one chunk."""
+    from kvferry.transfer import wire
+
+    layout, block_size = engine.layout, engine.pool.block_size
+    num_blocks = blocks_for_tokens(num_tokens, block_size)
+    sender = KvPool(layout.num_layers, layout.num_kv_heads, layout.head_dim, block_size,
+                    num_blocks, torch.float32, torch.device("cpu"))
+    sender.cache.copy_(torch.randn(sender.cache.shape,
+                                   generator=torch.Generator().manual_seed(seed)))
+    span = wire.ChunkSpan(0, layout.num_layers, 0, num_blocks)
+    data = wire.pack_array(sender, list(range(num_blocks)), span).tobytes()
+    engine.receiver.receive_chunk(request_id, layout, num_tokens, span, data, wire.crc32(data))
+    engine.receiver.finish_push(request_id)
