@@ -36,6 +36,8 @@ class FinishedEvent(NamedTuple):
     request_id: str
     reason: FinishReason
     first_step_s: float
+    num_draft_tokens: int = 0  # speculation: drafts verified for it
+    num_accepted_tokens: int = 0  # of those, accepted
 
 
 class ErrorEvent(NamedTuple):
@@ -75,6 +77,9 @@ class DecodeSeq:
     cache_seed: bytes = b""
     num_cached_blocks: int = 0
     cached_by_tier: TierTokens = NO_TIER_TOKENS  # of those, promoted from lower tiers
+    # Speculative decoding: drafts verified for it, and of those, accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     def reset_received(self) -> None:
         """Nothing pushed yet: only the pages shared from the prefix cache are in place."""

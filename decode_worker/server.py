@@ -31,6 +31,8 @@ def _merge(events: list[DecodeEvent]) -> list[worker_pb2.DecodeUpdate]:
         elif isinstance(event, FinishedEvent):
             update.finished.reason = event.reason.value
             update.finished.first_decode_step_s = event.first_step_s
+            update.finished.num_draft_tokens = event.num_draft_tokens
+            update.finished.num_accepted_tokens = event.num_accepted_tokens
         else:
             error = event.error
             if isinstance(error, KvferryError):

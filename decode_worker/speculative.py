@@ -88,6 +88,17 @@ class Drafting:
         if proposer is not None:
             proposer.extend(tokens)
 
+    def count(self, batch: Sequence[DecodeSeq], drafts: Sequence[list[int]],
+              kept: Sequence[list[int]]) -> None:
+        """Count a verification's drafts and accepted drafts, per sequence and in all (a
+        sequence keeps its accepted drafts and one more token, unless a stop cut it)."""
+        for seq, seq_drafts, seq_kept in zip(batch, drafts, kept):
+            accepted = min(len(seq_drafts), len(seq_kept) - 1)
+            seq.num_draft_tokens += len(seq_drafts)
+            seq.num_accepted_tokens += accepted
+            self.num_draft_tokens += len(seq_drafts)
+            self.num_accepted_tokens += accepted
+
     def forget(self, request_id: str) -> None:
         self._proposers.pop(request_id, None)
 

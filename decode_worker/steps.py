@@ -324,9 +324,7 @@ class StepLoop:
                                    rows.slots.to(device), rows.block_tables.to(device),
                                    self.pool)
         kept = accept(logits, batch, drafts)
-        self.drafting.num_draft_tokens += sum(len(d) for d in drafts)
-        self.drafting.num_accepted_tokens += sum(
-            min(len(d), len(k) - 1) for d, k in zip(drafts, kept))
+        self.drafting.count(batch, drafts, kept)
         return kept
 
     def _deliver(self, batch: list[DecodeSeq], tokens: list[list[int]],
@@ -344,5 +342,6 @@ class StepLoop:
                 continue
             reason = (FinishReason.STOP if seq.tokens[-1] in seq.stop_token_ids
                       else FinishReason.LENGTH)
-            self._finish(seq, FinishedEvent(seq.request_id, reason, seq.first_step_s))
+            self._finish(seq, FinishedEvent(seq.request_id, reason, seq.first_step_s,
+                                            seq.num_draft_tokens, seq.num_accepted_tokens))
 

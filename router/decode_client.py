@@ -39,7 +39,9 @@ def _update_from_proto(msg: worker_pb2.DecodeUpdate) -> DecodeUpdate:
     finished = None
     if msg.HasField("finished"):
         finished = DecodeFinished(FinishReason(msg.finished.reason),
-                                  msg.finished.first_decode_step_s)
+                                  msg.finished.first_decode_step_s,
+                                  msg.finished.num_draft_tokens,
+                                  msg.finished.num_accepted_tokens)
     return DecodeUpdate(msg.request_id, list(msg.token_ids), finished,
                         msg.error_code or None, msg.error_message, time.monotonic())
 

@@ -51,6 +51,15 @@ class Ending:
     is_stopped: bool = False  # a stop string ended it: the held-back text is not sent
     always_chunk: bool = True  # send the last chunk even when it is empty
     first_decode_step_s: float = 0.0  # what the decode worker reported, when it decoded
+    num_draft_tokens: int = 0  # speculation: drafts verified by the decode worker it ended on
+    num_accepted_tokens: int = 0  # of those, accepted
+
+    def done(self, prompt_tokens: int, completion_tokens: int, timing: Timing) -> DoneEvent:
+        """The request's DoneEvent: this ending's reason and the decode worker's figures."""
+        return DoneEvent(self.reason, prompt_tokens, completion_tokens,
+                         timing._replace(first_decode_step_s=self.first_decode_step_s),
+                         num_draft_tokens=self.num_draft_tokens,
+                         num_accepted_tokens=self.num_accepted_tokens)
 
 
 class Router:
@@ -186,8 +195,7 @@ class Router:
         text = ending.text + ("" if ending.is_stopped else detok.finish())
         if ending.token_ids or text or ending.always_chunk:
             yield ChunkEvent(ending.token_ids, text)
-        yield DoneEvent(ending.reason, len(prompt), len(generated),
-                        timing._replace(first_decode_step_s=ending.first_decode_step_s))
+        yield ending.done(len(prompt), len(generated), timing)
 
     async def _reserve_first(self, state: RouterRequest, context: list[int], remaining: int,
                              is_first_leg: bool, deadline: float | None, timing: Timing
@@ -292,6 +300,8 @@ class Router:
                     state.holds_decode = False
                     ending.reason = update.finished.reason
                     ending.first_decode_step_s = update.finished.first_decode_step_s
+                    ending.num_draft_tokens += update.finished.num_draft_tokens
+                    ending.num_accepted_tokens += update.finished.num_accepted_tokens
                     break
         finally:
             client.forget(state.request_id)

@@ -34,3 +34,5 @@ class DoneEvent(NamedTuple):
     kv_bytes_not_shipped: int = 0  # K/V the decode worker's prefix cache held already
     kv_bytes_shipped: int = 0  # K/V pushed to decode workers, every leg
     cached_by_tier: TierTokens = TierTokens()  # of cached_prompt_tokens, from lower tiers
+    num_draft_tokens: int = 0  # speculation: drafts verified (on the decode worker it ended on)
+    num_accepted_tokens: int = 0  # of those, accepted

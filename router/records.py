@@ -62,6 +62,8 @@ class DecodeStart(NamedTuple):
 class DecodeFinished(NamedTuple):
     reason: FinishReason
     first_decode_step_s: float
+    num_draft_tokens: int = 0  # speculation: drafts verified on this leg
+    num_accepted_tokens: int = 0  # of those, accepted
 
 
 class DecodeUpdate(NamedTuple):

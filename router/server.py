@@ -63,7 +63,9 @@ def _done_to_proto(request_id: str, event: DoneEvent) -> generation_pb2.Generate
                                        kv_bytes_shipped=event.kv_bytes_shipped,
                                        cached_host_tokens=event.cached_by_tier.host,
                                        cached_disk_tokens=event.cached_by_tier.disk,
-                                       cached_store_tokens=event.cached_by_tier.store),
+                                       cached_store_tokens=event.cached_by_tier.store,
+                                       num_draft_tokens=event.num_draft_tokens,
+                                       num_accepted_tokens=event.num_accepted_tokens),
             timing=generation_pb2.Timing(
                 queue_s=t.queue_s, prefill_s=t.prefill_s, kv_transfer_s=t.kv_transfer_s,
                 first_decode_step_s=t.first_decode_step_s,

@@ -83,7 +83,7 @@ class TokenChunk(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens", "kv_bytes_not_shipped", "kv_bytes_shipped", "cached_host_tokens", "cached_disk_tokens", "cached_store_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens", "kv_bytes_not_shipped", "kv_bytes_shipped", "cached_host_tokens", "cached_disk_tokens", "cached_store_tokens", "num_draft_tokens", "num_accepted_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,8 @@ class Usage(_message.Message):
     CACHED_HOST_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_DISK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_STORE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_prompt_tokens: int
@@ -100,7 +102,9 @@ class Usage(_message.Message):
     cached_host_tokens: int
     cached_disk_tokens: int
     cached_store_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., kv_bytes_not_shipped: _Optional[int] = ..., kv_bytes_shipped: _Optional[int] = ..., cached_host_tokens: _Optional[int] = ..., cached_disk_tokens: _Optional[int] = ..., cached_store_tokens: _Optional[int] = ...) -> None: ...
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., kv_bytes_not_shipped: _Optional[int] = ..., kv_bytes_shipped: _Optional[int] = ..., cached_host_tokens: _Optional[int] = ..., cached_disk_tokens: _Optional[int] = ..., cached_store_tokens: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class Timing(_message.Message):
     __slots__ = ("queue_s", "prefill_s", "kv_transfer_s", "first_decode_step_s", "time_to_first_token_s", "admission_wait_s", "num_migrations")

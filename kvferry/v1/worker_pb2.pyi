@@ -158,12 +158,16 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., num_generated: _Optional[int] = ...) -> None: ...
 
 class DecodeFinished(_message.Message):
-    __slots__ = ("reason", "first_decode_step_s")
+    __slots__ = ("reason", "first_decode_step_s", "num_draft_tokens", "num_accepted_tokens")
     REASON_FIELD_NUMBER: _ClassVar[int]
     FIRST_DECODE_STEP_S_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     reason: _generation_pb2.FinishReason
     first_decode_step_s: float
-    def __init__(self, reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., first_decode_step_s: _Optional[float] = ...) -> None: ...
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    def __init__(self, reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., first_decode_step_s: _Optional[float] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeCommand(_message.Message):
     __slots__ = ("start", "abort")

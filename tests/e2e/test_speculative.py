@@ -63,5 +63,12 @@ def test_greedy_with_ngram_drafts_matches_transformers(fixture: str, qwen3_check
     drafted, accepted = drafted1 - drafted0, accepted1 - accepted0
     assert drafted > 0, "no drafts were made: the test checks nothing speculative"
     assert 0 < accepted < drafted, (drafted, accepted)  # some accepted, some rolled back
+    # Each request's usage reports its own drafts; together they are the workers' counts
+    # (these requests ran alone on the deployment: the tests of a module run one by one).
+    usages = [got.finished.usage for got in results if got.finished is not None]
+    assert len(usages) == len(results)
+    assert sum(u.num_draft_tokens for u in usages) == drafted
+    assert sum(u.num_accepted_tokens for u in usages) == accepted
+    assert all(u.num_accepted_tokens <= u.num_draft_tokens for u in usages)
     assert_pools_clean(deployment)
     assert_alive(deployment)
