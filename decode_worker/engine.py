@@ -299,4 +299,6 @@ class DecodeEngine:
             prefill_s_per_token=self.batcher.s_per_token,
             spec_draft_tokens=getattr(self.steps.drafting, "num_draft_tokens", 0),
             spec_accepted_tokens=getattr(self.steps.drafting, "num_accepted_tokens", 0),
+            spec_paused_sequences=(self.steps.drafting.controller.num_paused
+                                   if self.steps.drafting is not None else 0),
         )

@@ -24,6 +24,7 @@ from typing import NamedTuple, Protocol
 import torch
 
 from decode_worker.sequence import DecodeSeq, StepInputs, step_inputs
+from decode_worker.spec_control import SpecController
 from decode_worker.speculation import NgramProposer
 from kvferry.cache.block_table import truncate
 from kvferry.cache.layout import blocks_for_tokens
@@ -63,17 +64,33 @@ class Drafting:
 
     def __post_init__(self) -> None:
         self._proposers: dict[str, Proposer] = {}
+        self.controller = SpecController(self.config.num_tokens, self.config.is_adaptive)
+        self.step_rows = 0  # rows of the step just run (executor thread)
 
     def lookahead(self, seq: DecodeSeq) -> int:
         """Drafts `seq` may verify next step: k, but never more tokens than it may still
         produce (a step yields up to drafts + 1)."""
         return max(0, min(self.config.num_tokens, seq.tokens_left - 1))
 
-    def drafts(self, seq: DecodeSeq, block_size: int) -> list[int]:
-        """Drafts for `seq`'s next step, within its lookahead and the slots its table holds."""
+    def drafts(self, seq: DecodeSeq, block_size: int, batch_rows: int = 1) -> list[int]:
+        """Drafts for `seq`'s next step in a batch of `batch_rows` sequences: as many as the
+        controller finds worth it, within its lookahead and the slots its table holds."""
         room = len(seq.block_table) * block_size - 1 - seq.next_position
         k = min(self.lookahead(seq), room)
+        if k > 0:
+            k = min(k, self.controller.k_for(seq.request_id, batch_rows))
         return self._proposer(seq).propose(k) if k > 0 else []
+
+    def batch_drafts(self, batch: Sequence[DecodeSeq], block_size: int) -> list[list[int]]:
+        """Every sequence's drafts for the next step (executor thread); notes its rows."""
+        drafts = [self.drafts(seq, block_size, len(batch)) for seq in batch]
+        self.step_rows = len(batch) + sum(len(d) for d in drafts)
+        return drafts
+
+    def timed(self, seconds: float) -> None:
+        """The step just run took `seconds`: the controller's cost of rows learns it."""
+        if self.step_rows:
+            self.controller.times.observe(self.step_rows, seconds)
 
     def _proposer(self, seq: DecodeSeq) -> Proposer:
         proposer = self._proposers.get(seq.request_id)
@@ -94,6 +111,8 @@ class Drafting:
         sequence keeps its accepted drafts and one more token, unless a stop cut it)."""
         for seq, seq_drafts, seq_kept in zip(batch, drafts, kept):
             accepted = min(len(seq_drafts), len(seq_kept) - 1)
+            if seq_drafts:
+                self.controller.observe(seq.request_id, len(seq_drafts), accepted)
             seq.num_draft_tokens += len(seq_drafts)
             seq.num_accepted_tokens += accepted
             self.num_draft_tokens += len(seq_drafts)
@@ -101,6 +120,7 @@ class Drafting:
 
     def forget(self, request_id: str) -> None:
         self._proposers.pop(request_id, None)
+        self.controller.forget(request_id)
 
 
 def row_inputs(batch: Sequence[DecodeSeq], drafts: Sequence[list[int]], block_size: int

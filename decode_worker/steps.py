@@ -263,6 +263,8 @@ class StepLoop:
             tokens = self._step(batch, arranged is not None)
             self.num_steps += 1
             elapsed = time.perf_counter() - start
+            if self.drafting is not None:
+                self.drafting.timed(elapsed)
             if clock is not None:
                 clock.span(tracer, "step", s=self.num_steps, ids=[q.request_id for q in batch])
             finished: list[DecodeSeq] = []
@@ -297,7 +299,7 @@ class StepLoop:
         if delay_s > 0:
             time.sleep(delay_s)
         if self.drafting is not None:
-            drafts = [self.drafting.drafts(seq, self.pool.block_size) for seq in batch]
+            drafts = self.drafting.batch_drafts(batch, self.pool.block_size)
             if any(drafts):
                 return self._verify(batch, drafts)
         inputs = step_inputs(batch, self.pool.block_size)

@@ -20,12 +20,17 @@ def speculative_args(p: argparse.ArgumentParser, prefix: str = "") -> None:
                    help=prefix + "ngram: the shortest suffix n-gram looked up")
     p.add_argument("--prompt-lookup-max", type=int, default=SpeculativeConfig.prompt_lookup_max,
                    help=prefix + "ngram: the longest suffix n-gram looked up")
+    p.add_argument("--speculative-adaptive", default="on", choices=("on", "off"),
+                   help=prefix + "on: each sequence verifies the drafts worth their cost, from "
+                        "its acceptance so far and the worker's step time by rows (pausing "
+                        "when none are); off: always up to --num-speculative-tokens")
 
 
 def speculative_config(args: argparse.Namespace) -> SpeculativeConfig:
     """The flags as a config (ValueError naming the field when one is wrong)."""
     return SpeculativeConfig(args.speculative_method, args.num_speculative_tokens,
-                             args.prompt_lookup_min, args.prompt_lookup_max)
+                             args.prompt_lookup_min, args.prompt_lookup_max,
+                             args.speculative_adaptive == "on")
 
 
 def speculative_argv(args: argparse.Namespace) -> list[str]:
@@ -35,4 +40,5 @@ def speculative_argv(args: argparse.Namespace) -> list[str]:
         return []
     return ["--speculative-method", config.method, "--num-speculative-tokens",
             str(config.num_tokens), "--prompt-lookup-min", str(config.prompt_lookup_min),
-            "--prompt-lookup-max", str(config.prompt_lookup_max)]
+            "--prompt-lookup-max", str(config.prompt_lookup_max),
+            "--speculative-adaptive", "on" if config.is_adaptive else "off"]

@@ -150,12 +150,14 @@ class SpeculativeConfig:
     """Speculative decoding on decode and colocated workers (docs/spec-decode-design.md).
     ngram: prompt lookup, the drafts are the `num_tokens` tokens that followed the latest
     earlier occurrence of the sequence's last n tokens, n from `prompt_lookup_max` down to
-    `prompt_lookup_min` (vLLM's flags of those names)."""
+    `prompt_lookup_min` (vLLM's flags of those names). Adaptive: each sequence verifies the
+    drafts worth their cost (docs/spec-decode-design.md 3.7)."""
 
     method: str = SPECULATIVE_METHODS[0]
     num_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    is_adaptive: bool = True  # k per sequence from its acceptance and the step cost
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:

@@ -110,6 +110,10 @@ class WorkerCollector(Collector):
         yield CounterMetricFamily("kvferry_spec_decode_accepted_tokens",
                                   "Draft tokens accepted (speculative decoding).",
                                   s.spec_accepted_tokens)
+        yield GaugeMetricFamily("kvferry_spec_decode_paused_sequences",
+                                "Sequences whose drafting is paused: their recent drafts were "
+                                "not worth the rows they cost (speculative decoding).",
+                                s.spec_paused_sequences)
         yield CounterMetricFamily("kvferry_kv_corrupt_pushes",
                                   "K/V pushes refused by the receiver as corrupted in flight.",
                                   s.num_corrupt_pushes)

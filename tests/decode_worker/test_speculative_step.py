@@ -97,9 +97,11 @@ def _decode(engine: DecodeEngine, params: SamplingParams,
     return asyncio.run(run())
 
 
-def _speculating(model: Transformer, k: int, make: Callable[[DecodeSeq], Scripted]
-                 ) -> DecodeEngine:
-    engine = _engine(model, SpeculativeConfig("ngram", k))
+def _speculating(model: Transformer, k: int, make: Callable[[DecodeSeq], Scripted],
+                 is_adaptive: bool = False) -> DecodeEngine:
+    """An engine verifying `make`'s drafts: k every step unless `is_adaptive` (the
+    controller then chooses, decode_worker/spec_control.py)."""
+    engine = _engine(model, SpeculativeConfig("ngram", k, is_adaptive=is_adaptive))
     assert engine.steps.drafting is not None
     engine.steps.drafting.make_proposer = make
     return engine
@@ -130,6 +132,30 @@ def test_drafts_never_change_the_greedy_tokens(model: Transformer, right: int | 
         assert engine.steps.num_steps >= MAX_TOKENS - 1
     else:
         assert 0 < drafting.num_accepted_tokens < drafting.num_draft_tokens
+
+
+def test_adaptive_drafting_pauses_wrong_drafts_and_keeps_right_ones(model: Transformer
+                                                                    ) -> None:
+    """With the controller on, a sequence whose drafts are all wrong soon stops drafting
+    (pauses, then one-draft probes), while one whose drafts are right keeps k; tokens are
+    the plain run's either way."""
+    greedy = SamplingParams(temperature=0.0)
+    plain = _decode(_engine(model, None), greedy)
+    counts = {}
+    for right, is_adaptive in ((None, True), (0, True), (0, False)):
+        def make(seq: DecodeSeq, right: int | None = right) -> Scripted:
+            return Scripted(plain[seq.request_id], right, model.config.vocab_size)
+
+        engine = _speculating(model, 4, make, is_adaptive=is_adaptive)
+        assert _decode(engine, greedy) == plain
+        assert engine.steps.drafting is not None
+        counts[right, is_adaptive] = (engine.steps.drafting.num_draft_tokens,
+                                      engine.steps.drafting.num_accepted_tokens)
+    wrong, fixed = counts[0, True], counts[0, False]
+    assert wrong[1] == fixed[1] == 0 and wrong[0] < fixed[0] // 3, counts
+    right = counts[None, True]
+    assert right[0] == right[1] > 0, counts  # right drafts: every one verified and accepted
+    assert right[0] >= 3 * len(REQUESTS) * (MAX_TOKENS - 2) // 5, counts  # at k near 4
 
 
 def test_seeded_sampling_with_drafts_is_draw_for_draw_the_same(model: Transformer) -> None:
