@@ -19,6 +19,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 from decode_worker.kv_receiver import KvReceiver
 from decode_worker.leases import LeaseKeeper
@@ -41,7 +42,7 @@ from kvferry.cache.pool import KvPool
 from kvferry.cache.prefix import TierTokens
 from kvferry.cache.stats import PoolStats
 from kvferry.cache.tiers.tiered import TieredCache
-from kvferry.errors import Aborted, InvalidArgument, Unavailable
+from kvferry.errors import Aborted, InvalidArgument, NotFound, Unavailable
 from kvferry.model.prefill_batch import PrefillJob
 from kvferry.model.sampling import FinishReason, SamplingParams
 from kvferry.model.transformer import Transformer
@@ -49,6 +50,16 @@ from kvferry.settings import DEFAULT_MAX_WAITING, SpeculativeConfig
 from kvferry.transfer import wire
 
 log = logging.getLogger("kvferry.decode")
+
+
+class LocalPrefill(NamedTuple):
+    """What a colocated prefill yields."""
+
+    token_id: int  # the first token (sample 0's)
+    prefill_s: float
+    num_cached_tokens: int  # prompt tokens the prefix cache held
+    cached_by_tier: TierTokens  # of those, the ones from each lower tier
+    sample_token_ids: list[int]  # the first tokens of samples 1..n-1
 
 
 class DecodeEngine:
@@ -116,27 +127,32 @@ class DecodeEngine:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for seq in list(self._seqs.values()):
             self._finish(seq, ErrorEvent(seq.request_id, Aborted("decode worker stopped")))
+            for other in seq.members:  # ended by the error already; any sample left too
+                self._finish(other, ErrorEvent(seq.request_id, Aborted("decode worker stopped")))
         self.steps.executor.shutdown(wait=True)
         self.cache.close()
 
     # ---- reservations ----------------------------------------------------------------------
     async def reserve(self, request_id: str, num_prompt_tokens: int, max_tokens: int,
                       lease_s: float, prompt_token_ids: list[int] | None = None,
-                      cache_salt: str = "") -> Reservation:
+                      cache_salt: str = "", num_samples: int = 1) -> Reservation:
         """Allocate the prompt's blocks (and the first decode slot), waiting in a bounded FIFO
         queue while the pool is full. Given the prompt's tokens, its leading full blocks
-        found in the prefix cache are shared instead (no push carries them)."""
+        found in the prefix cache are shared instead (no push carries them). With several
+        samples, one spare block more for each further sample (decode_worker/samples.py)."""
         if self.is_draining:
             raise Unavailable("draining: this worker is shutting down")
         check_reservation(request_id, num_prompt_tokens, max_tokens, lease_s, self._seqs,
-                          self.max_model_len, self.pool)
+                          self.max_model_len, self.pool, num_samples)
         prompt = list(prompt_token_ids or [])
         hit = await self.prefix_cache.acquire(
             prompt, num_prompt_tokens, cache_salt, self.blocks,
-            blocks_for_tokens(num_prompt_tokens + 1, self.pool.block_size))
+            blocks_for_tokens(num_prompt_tokens + 1, self.pool.block_size) + num_samples - 1)
         blocks, num_cached = hit.block_ids, hit.num_cached_blocks
+        spares = blocks[len(blocks) - (num_samples - 1):] if num_samples > 1 else []
+        blocks = blocks[:len(blocks) - len(spares)]
         if request_id in self._seqs:  # a twin arrived while we waited
-            self.pool.allocator.free(blocks)
+            self.pool.allocator.free(hit.block_ids)
             self.blocks.grant()
             raise InvalidArgument(f"request_id {request_id!r} already reserved", "request_id")
         seq = DecodeSeq(
@@ -144,10 +160,11 @@ class DecodeEngine:
             block_table=blocks, lease_deadline=time.monotonic() + lease_s, lease_s=lease_s,
             received=wire.coverage(self.layout, num_prompt_tokens),
             arrival=next(self._arrivals), prompt_token_ids=prompt, cache_seed=hit.seed,
-            num_cached_blocks=num_cached, cached_by_tier=hit.by_tier)
+            num_cached_blocks=num_cached, cached_by_tier=hit.by_tier,
+            num_samples=num_samples, spare_blocks=spares)
         seq.reset_received()
         self._seqs[request_id] = seq
-        return Reservation(len(blocks), num_cached)
+        return Reservation(len(blocks) + len(spares), num_cached)
 
     def _kv_complete(self, seq: DecodeSeq) -> None:
         """A reservation's prompt K/V is all in place: index its full blocks, and step."""
@@ -161,11 +178,15 @@ class DecodeEngine:
     def _get(self, request_id: str) -> DecodeSeq:
         return lookup(self._seqs, request_id)
 
+    def holds(self, request_id: str) -> bool:
+        """Whether the request (any sample of it) is still here."""
+        return request_id in self._seqs
+
     async def prefill_local(self, request_id: str, prompt: list[int], params: SamplingParams,
-                            output_index: int = 0) -> tuple[int, float, int, TierTokens]:
+                            output_index: int = 0) -> LocalPrefill:
         """Colocated mode: prefill a reserved request's prompt into its own blocks, in the
-        step loop, from the end of its cached prefix. Returns the first token, the prefill
-        time, the prompt tokens the cache held and of those, the ones from each lower tier."""
+        step loop, from the end of its cached prefix (the first token of each of its
+        samples drawn from the last logits)."""
         seq = self._get(request_id)
         if seq.is_kv_complete or request_id in self._prefill_jobs:
             raise InvalidArgument(f"K/V for {request_id!r} is already complete", "request_id")
@@ -177,7 +198,7 @@ class DecodeEngine:
         num_cached = seq.num_cached_blocks * self.pool.block_size
         job = PrefillJob(request_id, prompt, params, seq.block_table,
                          asyncio.get_running_loop().create_future(), output_index,
-                         num_computed=num_cached)
+                         num_computed=num_cached, num_samples=seq.num_samples)
         self._prefill_jobs[request_id] = job
         self.batcher.submit(job)
         try:
@@ -194,14 +215,17 @@ class DecodeEngine:
         if not seq.prompt_token_ids:
             seq.prompt_token_ids = list(prompt)
         self._kv_complete(seq)
-        return token, time.perf_counter() - job.started_at, num_cached, seq.cached_by_tier
+        return LocalPrefill(token, time.perf_counter() - job.started_at, num_cached,
+                            seq.cached_by_tier, job.sample_token_ids)
 
     # ---- decoding ----------------------------------------------------------------------------
     def attach(self, request_id: str, first_token_id: int, params: SamplingParams,
                max_new_tokens: int, stop_token_ids: list[int],
                events: asyncio.Queue[DecodeEvent] | None = None,
-               num_generated: int = 0) -> asyncio.Queue[DecodeEvent]:
+               num_generated: int = 0, sample_first_token_ids: list[int] | None = None
+               ) -> asyncio.Queue[DecodeEvent]:
         """Register the Decode stream of a reserved request; tokens flow once K/V is in.
+        A reservation of n samples takes the first tokens of samples 1..n-1 too.
 
         Events go to `events` (shared by the requests of one DecodeStream) or a new queue."""
         seq = self._get(request_id)
@@ -210,6 +234,15 @@ class DecodeEngine:
         vocab = self.model.config.vocab_size
         if not 0 <= first_token_id < vocab:
             raise InvalidArgument(f"first_token_id outside [0, {vocab})", "first_token_id")
+        others = list(sample_first_token_ids or [])
+        if len(others) != seq.num_samples - 1:
+            raise InvalidArgument(f"sample_first_token_ids: the reservation has "
+                                  f"{seq.num_samples} samples, so {seq.num_samples - 1} first "
+                                  f"tokens besides first_token_id, got {len(others)}",
+                                  "sample_first_token_ids")
+        if any(not 0 <= t < vocab for t in others):
+            raise InvalidArgument(f"sample_first_token_ids outside [0, {vocab})",
+                                  "sample_first_token_ids")
         if not 1 <= max_new_tokens <= seq.max_tokens - 1:
             raise InvalidArgument(
                 f"max_new_tokens must be in [1, {seq.max_tokens - 1}] for this reservation",
@@ -220,23 +253,36 @@ class DecodeEngine:
         seq.max_new_tokens = max_new_tokens
         seq.stop_token_ids = frozenset(stop_token_ids)
         seq.tokens = [first_token_id]
+        seq.sample_first_tokens = others
         seq.output_offset = num_generated
         seq.events = events if events is not None else asyncio.Queue()
         self.steps.poke()
         return seq.events
 
-    def abort(self, request_id: str) -> None:
-        seq = self._get(request_id)
-        if seq.phase is Phase.RUNNING:
-            if not seq.is_aborted:
-                seq.abort_step = self.steps.num_steps
-            seq.is_aborted = True  # released at the next step boundary
-            self.steps.poke()
-        else:
-            self._finish(seq, FinishedEvent(seq.request_id, FinishReason.ABORT, seq.first_step_s))
+    def abort(self, request_id: str, sample_index: int | None = None) -> None:
+        """End the request (every sample), or only sample `sample_index` of it."""
+        members = self._get(request_id).members
+        if sample_index is not None:
+            members = [s for s in members if s.sample_index == sample_index]
+            if not members:
+                raise NotFound(f"request {request_id!r} has no sample {sample_index}",
+                               "sample_index")
+        for seq in members:
+            if seq.phase is Phase.DONE:
+                continue
+            if seq.phase is Phase.RUNNING:
+                if not seq.is_aborted:
+                    seq.abort_step = self.steps.num_steps
+                seq.is_aborted = True  # released at the next step boundary
+                self.steps.poke()
+            else:
+                self._finish(seq, FinishedEvent(seq.request_id, FinishReason.ABORT,
+                                                seq.first_step_s, sample_index=seq.sample_index))
 
     def _finish(self, seq: DecodeSeq, event: DecodeEvent) -> None:
-        """Release the request's blocks exactly once and tell its stream how it ended."""
+        """Release the sequence's blocks exactly once and tell its stream how it ended. A
+        request of several samples leaves the table with its last sample; an error ends
+        every sample."""
         if seq.phase is Phase.DONE:
             return
         job = self._prefill_jobs.get(seq.request_id)
@@ -257,12 +303,16 @@ class DecodeEngine:
         log.info("request %s done (%s) after %d tokens, %d blocks freed", seq.request_id,
                  outcome, max(len(seq.tokens) - 1, 0), len(seq.block_table),
                  extra={"request_id": seq.request_id})
-        self.pool.allocator.free(seq.block_table)
-        seq.block_table = []
+        self.pool.allocator.free(seq.block_table + seq.spare_blocks)
+        seq.block_table, seq.spare_blocks = [], []
         seq.swapped_kv = None
-        self._seqs.pop(seq.request_id, None)
+        if all(s.phase is Phase.DONE for s in seq.members):
+            self._seqs.pop(seq.request_id, None)
         if seq.events is not None:
             seq.events.put_nowait(event)
+        if isinstance(event, ErrorEvent):
+            for other in seq.members:
+                self._finish(other, event)
         self.blocks.grant()
         if self.steps.swapped:  # may fit now; with nothing running the step loop sleeps
             self.steps.poke()
@@ -291,7 +341,7 @@ class DecodeEngine:
             num_decode_steps=self.steps.num_steps,
             max_abort_delay_steps=self.steps.max_abort_delay_steps,
             projected_blocks=sum(blocks_needed(s.num_prompt_tokens, s.max_tokens,
-                                               self.pool.block_size)
+                                               self.pool.block_size, s.num_samples)
                                  for s in self._seqs.values()),
             prefix_cache_queries=self.pool.allocator.num_query_tokens,
             prefix_cache_hits=self.pool.allocator.num_hit_tokens,

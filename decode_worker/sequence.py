@@ -13,7 +13,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import torch
 
-from kvferry.cache.layout import blocks_for_tokens
+from kvferry.cache.layout import blocks_needed
 from kvferry.cache.pool import KvPool
 from kvferry.cache.prefix import NO_TIER_TOKENS, TierTokens
 from kvferry.errors import InvalidArgument, NotFound, ResourceExhausted
@@ -30,6 +30,7 @@ class Phase(Enum):
 class TokensEvent(NamedTuple):
     request_id: str
     token_ids: list[int]
+    sample_index: int = 0
 
 
 class FinishedEvent(NamedTuple):
@@ -38,6 +39,7 @@ class FinishedEvent(NamedTuple):
     first_step_s: float
     num_draft_tokens: int = 0  # speculation: drafts verified for it
     num_accepted_tokens: int = 0  # of those, accepted
+    sample_index: int = 0
 
 
 class ErrorEvent(NamedTuple):
@@ -48,7 +50,7 @@ class ErrorEvent(NamedTuple):
 DecodeEvent = TokensEvent | FinishedEvent | ErrorEvent
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # identity: samples of one request may look alike
 class DecodeSeq:
     request_id: str
     num_prompt_tokens: int
@@ -80,6 +82,25 @@ class DecodeSeq:
     # Speculative decoding: drafts verified for it, and of those, accepted.
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # Parallel sampling (decode_worker/samples.py). Reserved with num_samples > 1, the request
+    # is sample 0 and holds `spare_blocks` for the others; attached, it knows their first
+    # tokens; admitted, the others are forked from it and `group` lists all of them, sample 0
+    # first (each its own DecodeSeq, the engine's table holding sample 0 alone).
+    num_samples: int = 1
+    sample_index: int = 0
+    spare_blocks: list[int] = field(default_factory=list)
+    sample_first_tokens: list[int] = field(default_factory=list)
+    group: list[DecodeSeq] | None = None
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """The request and the sample: what tells a sample from its siblings."""
+        return self.request_id, self.sample_index
+
+    @property
+    def members(self) -> list[DecodeSeq]:
+        """The samples of its request (itself alone when it has one)."""
+        return self.group if self.group is not None else [self]
 
     def reset_received(self) -> None:
         """Nothing pushed yet: only the pages shared from the prefix cache are in place."""
@@ -109,7 +130,8 @@ class Reservation(NamedTuple):
 
 
 def check_reservation(request_id: str, num_prompt_tokens: int, max_tokens: int, lease_s: float,
-                      seqs: Mapping[str, DecodeSeq], context: int, pool: KvPool) -> None:
+                      seqs: Mapping[str, DecodeSeq], context: int, pool: KvPool,
+                      num_samples: int = 1) -> None:
     """A Reserve's fields, each named when wrong; RESOURCE_EXHAUSTED when the request could
     not fit in `pool` even alone."""
     if not request_id:
@@ -125,10 +147,13 @@ def check_reservation(request_id: str, num_prompt_tokens: int, max_tokens: int, 
                               f"the context of {context}", "max_tokens")
     if lease_s <= 0:
         raise InvalidArgument("lease_s must be > 0", "lease_s")
-    most = blocks_for_tokens(num_prompt_tokens + max_tokens, pool.block_size)
+    if num_samples < 1:
+        raise InvalidArgument("num_samples must be >= 1", "num_samples")
+    most = blocks_needed(num_prompt_tokens, max_tokens, pool.block_size, num_samples)
     if most > pool.num_usable_blocks:
-        raise ResourceExhausted(f"request needs up to {most} K/V blocks; the pool has "
-                                f"{pool.num_usable_blocks}")
+        samples = f" ({num_samples} samples)" if num_samples > 1 else ""
+        raise ResourceExhausted(f"request needs up to {most} K/V blocks{samples}; the pool "
+                                f"has {pool.num_usable_blocks}")
 
 
 def lookup(seqs: Mapping[str, DecodeSeq], request_id: str) -> DecodeSeq:

@@ -21,11 +21,13 @@ from kvferry.v1 import worker_pb2, worker_pb2_grpc
 log = logging.getLogger("kvferry.decode")
 
 def _merge(events: list[DecodeEvent]) -> list[worker_pb2.DecodeUpdate]:
-    """Fold queued events into one update per request, in order of first occurrence."""
-    updates: dict[str, worker_pb2.DecodeUpdate] = {}
+    """Fold queued events into one update per request and sample, in order of first
+    occurrence (an error is the request's, sample 0's update)."""
+    updates: dict[tuple[str, int], worker_pb2.DecodeUpdate] = {}
     for event in events:
-        update = updates.setdefault(event.request_id,
-                                    worker_pb2.DecodeUpdate(request_id=event.request_id))
+        index = getattr(event, "sample_index", 0)
+        update = updates.setdefault((event.request_id, index), worker_pb2.DecodeUpdate(
+            request_id=event.request_id, sample_index=index))
         if isinstance(event, TokensEvent):
             update.token_ids.extend(event.token_ids)
         elif isinstance(event, FinishedEvent):
@@ -64,6 +66,7 @@ class DecodeServicer(WorkerServicer[DecodeEngine], worker_pb2_grpc.DecodeService
             granted = await self.engine.reserve(
                 request.request_id, request.num_prompt_tokens, request.max_tokens,
                 request.lease_s, list(request.prompt_token_ids), request.cache_salt,
+                max(request.num_samples, 1),
             )
         except Exception as exc:
             await grpc_util.abort_with(context, exc, request.request_id)
@@ -84,11 +87,12 @@ class DecodeServicer(WorkerServicer[DecodeEngine], worker_pb2_grpc.DecodeService
             request.request_id, request.first_token_id,
             convert.sampling_from_proto(request.sampling), request.max_new_tokens,
             list(request.stop_token_ids), events, request.num_generated,
+            list(request.sample_first_token_ids),
         )
 
-    def _abort_quietly(self, request_id: str) -> None:
+    def _abort_quietly(self, request_id: str, sample_index: int | None = None) -> None:
         try:
-            self.engine.abort(request_id)
+            self.engine.abort(request_id, sample_index)
         except KvferryError:
             pass  # finished in the meantime: its blocks are already back
 
@@ -109,6 +113,9 @@ class DecodeServicer(WorkerServicer[DecodeEngine], worker_pb2_grpc.DecodeService
                             tracer.event("attach", t=time.monotonic(), id=request_id)
                     except Exception as exc:  # reported on the stream, per request
                         events.put_nowait(ErrorEvent(request_id, exc))
+                elif command.HasField("abort_sample"):
+                    self._abort_quietly(command.abort_sample.request_id,
+                                        command.abort_sample.sample_index)
                 else:
                     self._abort_quietly(command.abort.request_id)
 
@@ -124,8 +131,8 @@ class DecodeServicer(WorkerServicer[DecodeEngine], worker_pb2_grpc.DecodeService
                     return
                 updates = _merge(_drain(getter.result(), events))
                 for update in updates:
-                    if update.HasField("finished") or update.error_code:
-                        started.discard(update.request_id)
+                    if update.error_code or not self.engine.holds(update.request_id):
+                        started.discard(update.request_id)  # every sample of it ended
                 written_from = time.monotonic()
                 yield worker_pb2.DecodeBatch(updates=updates)
                 if tracer := trace.get():
@@ -155,10 +162,10 @@ class LocalPrefillServicer(PrefillStreamServicer[DecodeEngine],
         if not request.is_local_decode:
             raise InvalidArgument("a decode worker prefills only its own reservations",
                                   "is_local_decode")
-        token, prefill_s, num_cached, by_tier = await self.engine.prefill_local(
+        done = await self.engine.prefill_local(
             request.request_id, list(request.prompt_token_ids),
             convert.sampling_from_proto(request.sampling), request.num_generated)
-        yield first_token(token, prefill_s, num_cached, by_tier)
+        yield first_token(*done)
         yield worker_pb2.PrefillResponse(done=worker_pb2.PrefillDone())  # nothing shipped
 
 

@@ -14,6 +14,7 @@ yields), so timing may drive it.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 ALPHA_WEIGHT = 0.3  # weight of a step's acceptance in the running mean
@@ -78,18 +79,18 @@ class SpecController:
         self.max_k = max_k
         self.is_adaptive = is_adaptive
         self.times = StepTimes()
-        self._seqs: dict[str, _SeqState] = {}
+        self._seqs: dict[Hashable, _SeqState] = {}
 
     @property
     def num_paused(self) -> int:
         return sum(1 for s in list(self._seqs.values()) if s.pause_left > 0)
 
-    def k_for(self, request_id: str, batch_rows: int) -> int:
-        """Drafts `request_id` should verify in a step of `batch_rows` sequences (0: none;
+    def k_for(self, key: Hashable, batch_rows: int) -> int:
+        """Drafts the sequence `key` should verify in a step of `batch_rows` sequences (0: none;
         its proposer is not asked). Counts one step of a pause."""
         if not self.is_adaptive:
             return self.max_k
-        state = self._seqs.setdefault(request_id, _SeqState())
+        state = self._seqs.setdefault(key, _SeqState())
         if state.pause_left > 0:
             state.pause_left -= 1
             if state.pause_left == 0:
@@ -107,9 +108,9 @@ class SpecController:
             state.next_pause = min(2 * state.next_pause, MAX_PAUSE_STEPS)
         return best_k
 
-    def observe(self, request_id: str, drafted: int, accepted: int) -> None:
+    def observe(self, key: Hashable, drafted: int, accepted: int) -> None:
         """A verification of `drafted` drafts (> 0) accepted `accepted` of them."""
-        state = self._seqs.setdefault(request_id, _SeqState())
+        state = self._seqs.setdefault(key, _SeqState())
         rate = accepted / drafted
         state.alpha = (1 - ALPHA_WEIGHT) * state.alpha + ALPHA_WEIGHT * rate
         if state.is_probing:
@@ -117,5 +118,5 @@ class SpecController:
             if rate > 0:  # the probe found drafts worth verifying again: pauses restart short
                 state.next_pause = PAUSE_STEPS
 
-    def forget(self, request_id: str) -> None:
-        self._seqs.pop(request_id, None)
+    def forget(self, key: Hashable) -> None:
+        self._seqs.pop(key, None)

@@ -63,7 +63,7 @@ class Drafting:
     num_accepted_tokens: int = 0  # of those, accepted
 
     def __post_init__(self) -> None:
-        self._proposers: dict[str, Proposer] = {}
+        self._proposers: dict[tuple[str, int], Proposer] = {}
         self.controller = SpecController(self.config.num_tokens, self.config.is_adaptive)
         self.step_rows = 0  # rows of the step just run (executor thread)
 
@@ -78,7 +78,7 @@ class Drafting:
         room = len(seq.block_table) * block_size - 1 - seq.next_position
         k = min(self.lookahead(seq), room)
         if k > 0:
-            k = min(k, self.controller.k_for(seq.request_id, batch_rows))
+            k = min(k, self.controller.k_for(seq.key, batch_rows))
         return self._proposer(seq).propose(k) if k > 0 else []
 
     def batch_drafts(self, batch: Sequence[DecodeSeq], block_size: int) -> list[list[int]]:
@@ -93,15 +93,15 @@ class Drafting:
             self.controller.times.observe(self.step_rows, seconds)
 
     def _proposer(self, seq: DecodeSeq) -> Proposer:
-        proposer = self._proposers.get(seq.request_id)
+        proposer = self._proposers.get(seq.key)
         if proposer is None:
-            proposer = self._proposers[seq.request_id] = self.make_proposer(seq)
+            proposer = self._proposers[seq.key] = self.make_proposer(seq)
             proposer.extend([*seq.prompt_token_ids, *seq.tokens])
         return proposer
 
     def kept(self, seq: DecodeSeq, tokens: Sequence[int]) -> None:
         """`tokens` were appended to `seq`: its proposer learns them."""
-        proposer = self._proposers.get(seq.request_id)
+        proposer = self._proposers.get(seq.key)
         if proposer is not None:
             proposer.extend(tokens)
 
@@ -112,15 +112,16 @@ class Drafting:
         for seq, seq_drafts, seq_kept in zip(batch, drafts, kept):
             accepted = min(len(seq_drafts), len(seq_kept) - 1)
             if seq_drafts:
-                self.controller.observe(seq.request_id, len(seq_drafts), accepted)
+                self.controller.observe(seq.key, len(seq_drafts), accepted)
             seq.num_draft_tokens += len(seq_drafts)
             seq.num_accepted_tokens += accepted
             self.num_draft_tokens += len(seq_drafts)
             self.num_accepted_tokens += accepted
 
-    def forget(self, request_id: str) -> None:
-        self._proposers.pop(request_id, None)
-        self.controller.forget(request_id)
+    def forget(self, key: tuple[str, int]) -> None:
+        """A sequence (`DecodeSeq.key`) left the step loop."""
+        self._proposers.pop(key, None)
+        self.controller.forget(key)
 
 
 def row_inputs(batch: Sequence[DecodeSeq], drafts: Sequence[list[int]], block_size: int

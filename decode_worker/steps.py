@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from decode_worker.kv_stage import KvStage
+from decode_worker.samples import fork_samples
 from decode_worker.sequence import (
     DecodeEvent,
     DecodeSeq,
@@ -108,7 +109,7 @@ class StepLoop:
         if seq in self.swapped:
             self.swapped.remove(seq)
         if self.drafting is not None:
-            self.drafting.forget(seq.request_id)
+            self.drafting.forget(seq.key)
 
     def _admit_and_reap(self) -> None:
         for seq in list(self.running):
@@ -116,12 +117,12 @@ class StepLoop:
                 self.max_abort_delay_steps = max(self.max_abort_delay_steps,
                                                  self.num_steps - seq.abort_step)
                 self._finish(seq, FinishedEvent(seq.request_id, FinishReason.ABORT,
-                                            seq.first_step_s))
+                                                seq.first_step_s, sample_index=seq.sample_index))
         for seq in self._seqs.values():
             if (seq.phase is Phase.RESERVED and seq.is_kv_complete and seq.events is not None
                     and not seq.is_aborted):
                 seq.phase = Phase.RUNNING
-                self.running.append(seq)
+                self.running += fork_samples(self.pool, seq) if seq.num_samples > 1 else [seq]
 
     def _swap_out(self, seq: DecodeSeq) -> None:
         ids = torch.tensor(seq.block_table, device=self.pool.cache.device)
@@ -338,12 +339,13 @@ class StepLoop:
         for seq, kept in zip(batch, tokens):
             if seq.phase is not Phase.RUNNING or seq.is_aborted or seq.events is None:
                 continue
-            seq.events.put_nowait(TokensEvent(seq.request_id, list(kept)))
+            seq.events.put_nowait(TokensEvent(seq.request_id, list(kept), seq.sample_index))
         for seq in finished:
             if seq.phase is not Phase.RUNNING or seq.is_aborted:
                 continue
             reason = (FinishReason.STOP if seq.tokens[-1] in seq.stop_token_ids
                       else FinishReason.LENGTH)
             self._finish(seq, FinishedEvent(seq.request_id, reason, seq.first_step_s,
-                                            seq.num_draft_tokens, seq.num_accepted_tokens))
+                                            seq.num_draft_tokens, seq.num_accepted_tokens,
+                                            seq.sample_index))
 

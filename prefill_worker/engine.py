@@ -53,6 +53,7 @@ class FirstTokenEvent(NamedTuple):
     prefill_s: float
     num_cached_tokens: int = 0  # leading prompt tokens the prefix cache held
     cached_by_tier: TierTokens = TierTokens()  # of those, promoted from each lower tier
+    sample_token_ids: list[int] = []  # noqa: RUF012 - parallel sampling: samples 1..n-1
 
 
 class PushedEvent(NamedTuple):
@@ -131,8 +132,10 @@ class PrefillEngine:
         self, request_id: str, prompt: list[int], params: SamplingParams,
         decode_address: str, timeout_s: float | None, output_index: int = 0,
         defer_push: bool = False, cache_salt: str = "", skip_blocks: int = 0,
+        num_samples: int = 1,
     ) -> AsyncIterator[FirstTokenEvent | PushedEvent]:
-        """Yield the first token as soon as it exists, then the push's completion.
+        """Yield the first token (of each of `num_samples` samples) as soon as it exists, then
+        the push's completion.
 
         With `defer_push` there is no decode reservation yet: the K/V stays in this pool after
         the first token until `ship` names the decode worker (the router streams the first
@@ -140,13 +143,15 @@ class PrefillEngine:
         if defer_push and decode_address:
             raise InvalidArgument("defer_push needs an empty decode_address", "defer_push")
         self._validate(request_id, prompt, params)
+        if num_samples < 1:
+            raise InvalidArgument("num_samples must be >= 1", "num_samples")
         check_skip_blocks(skip_blocks, len(prompt), self.pool.block_size)
         keys = self._block_keys(prompt, cache_salt)
         hit = await self._acquire(request_id, prompt, keys, defer_push)
         blocks, num_cached = hit.block_ids, hit.num_cached * self.pool.block_size
         job = PrefillJob(request_id, prompt, params, blocks,
                          asyncio.get_running_loop().create_future(), output_index,
-                         num_computed=num_cached)
+                         num_computed=num_cached, num_samples=num_samples)
         push: asyncio.Future[PushResult] | None = None
         parked: Parked | None = None
         try:
@@ -165,7 +170,7 @@ class PrefillEngine:
                 self._parked[request_id] = parked
                 self._evict_parked()  # a prefill with a reservation may wait for blocks
             yield FirstTokenEvent(token, time.perf_counter() - job.started_at, num_cached,
-                                  hit.by_tier)
+                                  hit.by_tier, job.sample_token_ids)
             if parked is not None:
                 address, skip = await parked.ship
                 push = asyncio.ensure_future(self.sender.push(

@@ -25,7 +25,7 @@ class PrefillServicer(PrefillStreamServicer[PrefillEngine],
             request.request_id, list(request.prompt_token_ids),
             convert.sampling_from_proto(request.sampling), request.decode_address,
             context.time_remaining(), request.num_generated, request.defer_push,
-            request.cache_salt, request.skip_blocks,
+            request.cache_salt, request.skip_blocks, max(request.num_samples, 1),
         )
         # aclosing: if we are cancelled while suspended at our own yield, the engine's
         # generator still runs its cleanup (frees the blocks) right away.
@@ -33,7 +33,7 @@ class PrefillServicer(PrefillStreamServicer[PrefillEngine],
             async for event in events:
                 if isinstance(event, FirstTokenEvent):
                     yield first_token(event.token_id, event.prefill_s, event.num_cached_tokens,
-                                      event.cached_by_tier)
+                                      event.cached_by_tier, event.sample_token_ids)
                 else:
                     yield worker_pb2.PrefillResponse(done=worker_pb2.PrefillDone(
                         kv_transfer_s=event.kv_transfer_s, kv_bytes=event.kv_bytes))

@@ -58,6 +58,8 @@ class PrefillJob:
     block_table: list[int]
     first_token: asyncio.Future[int]
     output_index: int = 0  # output number of the token this prefill samples (seeded sampling)
+    num_samples: int = 1  # parallel sampling: first tokens drawn from the last logits
+    sample_token_ids: list[int] = field(default_factory=list)  # samples 1.. (set with 0's)
     num_computed: int = 0
     is_in_batch: bool = False
     started_at: float = 0.0  # perf_counter when its first chunk entered a batch
@@ -150,8 +152,9 @@ class PrefillBatcher:
             budget -= n
         return items
 
-    def _forward(self, items: list[BatchItem]) -> list[int | None]:
-        """Executor thread: one packed forward; first tokens of jobs that completed."""
+    def _forward(self, items: list[BatchItem]) -> list[list[int] | None]:
+        """Executor thread: one packed forward; the first tokens (one per sample) of the jobs
+        that completed."""
         ids = torch.tensor([t for it in items for t in it.job.prompt[it.start:it.end]])
         slots = torch.cat([self.pool.slots(it.job.block_table, it.start, it.end)
                            for it in items]).to(self.model.device)
@@ -170,11 +173,14 @@ class PrefillBatcher:
             on_layer_done=layer_done if finishing else None,
         )
         done = [i for i, it in enumerate(items) if it.end == len(it.job.prompt)]
-        tokens = sample_tokens(logits[done], [items[i].job.params for i in done],
-                               [items[i].job.output_index for i in done])
-        result: list[int | None] = [None] * len(items)
-        for i, token in zip(done, tokens):
-            result[i] = token
+        # one row per sample of each finished prompt: sample s draws with its own seed
+        rows = [(i, s) for i in done for s in range(items[i].job.num_samples)]
+        tokens = sample_tokens(logits[[i for i, _ in rows]],
+                               [items[i].job.params.for_sample(s) for i, s in rows],
+                               [items[i].job.output_index for i, _ in rows])
+        result: list[list[int] | None] = [None] * len(items)
+        for (i, _), token in zip(rows, tokens):
+            result[i] = [*(result[i] or []), token]
         return result
 
     async def run_once(self) -> bool:
@@ -216,7 +222,8 @@ class PrefillBatcher:
                 if it.job in self._queue:
                     self._queue.remove(it.job)
                 if not it.job.first_token.done():
-                    it.job.first_token.set_result(token)
+                    it.job.sample_token_ids = token[1:]
+                    it.job.first_token.set_result(token[0])
         return True
 
     def _measure(self, num_tokens: int, seconds: float) -> None:

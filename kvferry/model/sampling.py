@@ -7,6 +7,7 @@ workers, in batches of any composition, draw the same tokens for the same reques
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from dataclasses import dataclass
@@ -47,6 +48,14 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def for_sample(self, sample_index: int) -> SamplingParams:
+        """Sample `sample_index` of a request of several (parallel sampling): these
+        parameters with the seed moved by the index, so the sample equals a request of its
+        own with seed + index (unseeded samples draw from independent random streams)."""
+        if self.seed is None or sample_index == 0:
+            return self
+        return dataclasses.replace(self, seed=self.seed + sample_index)
 
     def validate(self, vocab_size: int) -> None:
         """Raise InvalidArgument naming the first bad field."""

@@ -84,8 +84,9 @@ class PrefillStreamServicer(WorkerServicer[EngineT]):
 
 
 def first_token(token_id: int, prefill_s: float, num_cached_tokens: int = 0,
-                by_tier: TierTokens = NO_TIER_TOKENS) -> worker_pb2.PrefillResponse:
+                by_tier: TierTokens = NO_TIER_TOKENS, sample_token_ids: list[int] | None = None
+                ) -> worker_pb2.PrefillResponse:
     return worker_pb2.PrefillResponse(first_token=worker_pb2.FirstToken(
         token_id=token_id, prefill_s=prefill_s, num_cached_tokens=num_cached_tokens,
         num_cached_host_tokens=by_tier.host, num_cached_disk_tokens=by_tier.disk,
-        num_cached_store_tokens=by_tier.store))
+        num_cached_store_tokens=by_tier.store, sample_token_ids=sample_token_ids or []))

@@ -36,7 +36,7 @@ class KvLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_address", "is_local_decode", "num_generated", "defer_push", "cache_salt", "skip_blocks")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_address", "is_local_decode", "num_generated", "defer_push", "cache_salt", "skip_blocks", "num_samples")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,7 @@ class PrefillRequest(_message.Message):
     DEFER_PUSH_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     SKIP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _generation_pb2.SamplingParams
@@ -55,7 +56,8 @@ class PrefillRequest(_message.Message):
     defer_push: bool
     cache_salt: str
     skip_blocks: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., is_local_decode: _Optional[bool] = ..., num_generated: _Optional[int] = ..., defer_push: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., skip_blocks: _Optional[int] = ...) -> None: ...
+    num_samples: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., is_local_decode: _Optional[bool] = ..., num_generated: _Optional[int] = ..., defer_push: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., skip_blocks: _Optional[int] = ..., num_samples: _Optional[int] = ...) -> None: ...
 
 class ShipRequest(_message.Message):
     __slots__ = ("request_id", "decode_address", "skip_blocks")
@@ -72,20 +74,22 @@ class ShipResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class FirstToken(_message.Message):
-    __slots__ = ("token_id", "prefill_s", "num_cached_tokens", "num_cached_host_tokens", "num_cached_disk_tokens", "num_cached_store_tokens")
+    __slots__ = ("token_id", "prefill_s", "num_cached_tokens", "num_cached_host_tokens", "num_cached_disk_tokens", "num_cached_store_tokens", "sample_token_ids")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_HOST_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_DISK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_STORE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     prefill_s: float
     num_cached_tokens: int
     num_cached_host_tokens: int
     num_cached_disk_tokens: int
     num_cached_store_tokens: int
-    def __init__(self, token_id: _Optional[int] = ..., prefill_s: _Optional[float] = ..., num_cached_tokens: _Optional[int] = ..., num_cached_host_tokens: _Optional[int] = ..., num_cached_disk_tokens: _Optional[int] = ..., num_cached_store_tokens: _Optional[int] = ...) -> None: ...
+    sample_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_id: _Optional[int] = ..., prefill_s: _Optional[float] = ..., num_cached_tokens: _Optional[int] = ..., num_cached_host_tokens: _Optional[int] = ..., num_cached_disk_tokens: _Optional[int] = ..., num_cached_store_tokens: _Optional[int] = ..., sample_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillDone(_message.Message):
     __slots__ = ("kv_transfer_s", "kv_bytes")
@@ -104,20 +108,22 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., done: _Optional[_Union[PrefillDone, _Mapping]] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "num_prompt_tokens", "max_tokens", "lease_s", "prompt_token_ids", "cache_salt")
+    __slots__ = ("request_id", "num_prompt_tokens", "max_tokens", "lease_s", "prompt_token_ids", "cache_salt", "num_samples")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_prompt_tokens: int
     max_tokens: int
     lease_s: float
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., lease_s: _Optional[float] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    num_samples: int
+    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., lease_s: _Optional[float] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., num_samples: _Optional[int] = ...) -> None: ...
 
 class RenewLeasesRequest(_message.Message):
     __slots__ = ("request_ids", "lease_s")
@@ -142,20 +148,22 @@ class ReserveResponse(_message.Message):
     def __init__(self, num_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "first_token_id", "sampling", "max_new_tokens", "stop_token_ids", "num_generated")
+    __slots__ = ("request_id", "first_token_id", "sampling", "max_new_tokens", "stop_token_ids", "num_generated", "sample_first_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_GENERATED_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FIRST_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token_id: int
     sampling: _generation_pb2.SamplingParams
     max_new_tokens: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_generated: int
-    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., num_generated: _Optional[int] = ...) -> None: ...
+    sample_first_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., num_generated: _Optional[int] = ..., sample_first_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DecodeFinished(_message.Message):
     __slots__ = ("reason", "first_decode_step_s", "num_draft_tokens", "num_accepted_tokens")
@@ -170,26 +178,38 @@ class DecodeFinished(_message.Message):
     def __init__(self, reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., first_decode_step_s: _Optional[float] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeCommand(_message.Message):
-    __slots__ = ("start", "abort")
+    __slots__ = ("start", "abort", "abort_sample")
     START_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
+    ABORT_SAMPLE_FIELD_NUMBER: _ClassVar[int]
     start: DecodeRequest
     abort: _generation_pb2.AbortRequest
-    def __init__(self, start: _Optional[_Union[DecodeRequest, _Mapping]] = ..., abort: _Optional[_Union[_generation_pb2.AbortRequest, _Mapping]] = ...) -> None: ...
+    abort_sample: AbortSample
+    def __init__(self, start: _Optional[_Union[DecodeRequest, _Mapping]] = ..., abort: _Optional[_Union[_generation_pb2.AbortRequest, _Mapping]] = ..., abort_sample: _Optional[_Union[AbortSample, _Mapping]] = ...) -> None: ...
+
+class AbortSample(_message.Message):
+    __slots__ = ("request_id", "sample_index")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    sample_index: int
+    def __init__(self, request_id: _Optional[str] = ..., sample_index: _Optional[int] = ...) -> None: ...
 
 class DecodeUpdate(_message.Message):
-    __slots__ = ("request_id", "token_ids", "finished", "error_code", "error_message")
+    __slots__ = ("request_id", "token_ids", "finished", "error_code", "error_message", "sample_index")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finished: DecodeFinished
     error_code: int
     error_message: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[_Union[DecodeFinished, _Mapping]] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...
+    sample_index: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[_Union[DecodeFinished, _Mapping]] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ..., sample_index: _Optional[int] = ...) -> None: ...
 
 class DecodeBatch(_message.Message):
     __slots__ = ("updates",)

@@ -51,7 +51,7 @@ async def _generate(engine: DecodeEngine, request_id: str, prompt: list[int],
                     max_tokens: int, salt: str = "") -> tuple[list[int], int]:
     """Reserve, prefill locally, decode greedily: (tokens, prompt tokens found cached)."""
     await engine.reserve(request_id, len(prompt), max_tokens, 30.0, prompt, salt)
-    first, _, num_cached, _ = await engine.prefill_local(request_id, prompt, GREEDY)
+    first, _, num_cached, *_ = await engine.prefill_local(request_id, prompt, GREEDY)
     queue = engine.attach(request_id, first, GREEDY, max_tokens - 1, [])
     return await _collect(queue, request_id, first), num_cached
 
@@ -239,7 +239,7 @@ def test_preempting_a_request_on_shared_blocks_keeps_tokens(model: Transformer) 
                 firsts: dict[str, tuple[int, int]] = {}
                 for rid in ("A", "B"):
                     await engine.reserve(rid, len(prompts[rid]), 16, 30.0, prompts[rid])
-                    first, _, cached, _ = await engine.prefill_local(rid, prompts[rid], GREEDY)
+                    first, _, cached, *_ = await engine.prefill_local(rid, prompts[rid], GREEDY)
                     firsts[rid] = first, cached
                 queues = {rid: engine.attach(rid, first, GREEDY, 15, [])
                           for rid, (first, _) in firsts.items()}

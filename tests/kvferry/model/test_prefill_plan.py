@@ -90,7 +90,7 @@ class _RecordingExecutor(Executor):
     def submit(self, fn, /, *args, **kwargs):  # type: ignore[no-untyped-def]
         self.calls.append([it.job.request_id for it in args[0]])
         future: Future = Future()
-        future.set_result([7] * len(args[0]))
+        future.set_result([[7]] * len(args[0]))  # each job's first token
         return future
 
 
