@@ -72,18 +72,22 @@ async def stream(stub: generation_pb2_grpc.GenerationServiceStub,
     completion = Completion()
     start = time.perf_counter()
     async for msg in stub.Generate(request, timeout=timeout_s):
-        completion.request_id = msg.request_id
-        if msg.HasField("chunk"):
-            now = time.perf_counter() - start
-            if msg.chunk.token_ids:
-                if not completion.token_ids:
-                    completion.ttft_s = now
-                completion.token_times_s.append(now)
-            completion.token_ids.extend(msg.chunk.token_ids)
-            completion.text += msg.chunk.text
-        else:
-            completion.finished = msg.finished
+        add_response(completion, msg, time.perf_counter() - start)
         yield msg, completion
+
+
+def add_response(completion: Completion, msg: generation_pb2.GenerateResponse, now: float) -> None:
+    """One response into its completion; `now`: seconds since the request was sent."""
+    completion.request_id = msg.request_id
+    if msg.HasField("chunk"):
+        if msg.chunk.token_ids:
+            if not completion.token_ids:
+                completion.ttft_s = now
+            completion.token_times_s.append(now)
+        completion.token_ids.extend(msg.chunk.token_ids)
+        completion.text += msg.chunk.text
+    else:
+        completion.finished = msg.finished
 
 
 async def collect(stub: generation_pb2_grpc.GenerationServiceStub,
@@ -103,11 +107,24 @@ async def generate(address: str, request: generation_pb2.GenerateRequest,
                              timeout_s)
 
 
+async def generate_samples(address: str, request: generation_pb2.GenerateRequest,
+                           timeout_s: float | None = None) -> list[Completion]:
+    """A request of sampling.n samples: one completion per sample, in sample order."""
+    n = request.sampling.n if request.sampling.HasField("n") and request.sampling.n else 1
+    samples = [Completion() for _ in range(n)]
+    start = time.perf_counter()
+    async with grpc_util.channel(address) as chan:
+        async for msg in public_stub(chan).Generate(request, timeout=timeout_s):
+            add_response(samples[msg.sample_index], msg, time.perf_counter() - start)
+    return samples
+
+
 async def generate_many(address: str, requests: list[generation_pb2.GenerateRequest],
                         timeout_s: float | None = None) -> list[Completion]:
     """All requests at once, each on its own stream; completions in request order."""
     return await asyncio.gather(*(generate(address, r, timeout_s) for r in requests))
 
 
-__all__ = ["Completion", "collect", "finish_reason_name", "generate", "generate_many",
-           "make_request", "model_info", "public_stub", "stream"]
+__all__ = ["Completion", "add_response", "collect", "finish_reason_name", "generate",
+           "generate_many", "generate_samples", "make_request", "model_info", "public_stub",
+           "stream"]

@@ -21,6 +21,7 @@ class PublicLimits:
     max_prompt_bytes: int = 1 << 20  # prompt text, or all chat messages' content, UTF-8
     max_streams: int = 1024  # open requests, gRPC streams and HTTP together
     max_chat_messages: int = 1024  # messages of one chat conversation
+    max_samples: int = 16  # SamplingParams.n, OpenAI's n
     # The HTTP front's connections (router/http_conn.py): bytes of a request head, seconds to
     # receive one (and the longest gap inside a body), connections open at once (fewer where
     # the file-descriptor limit could not hold them), seconds an idle keep-alive one stays.
@@ -54,6 +55,8 @@ LIMIT_HELP = {
     "max_prompt_bytes": "most UTF-8 bytes of prompt text (or of all chat messages' content)",
     "max_streams": "most requests open at once, both public ports together (gRPC Generate "
                    "streams and HTTP requests); more get RESOURCE_EXHAUSTED (HTTP: 429)",
+    "max_samples": "most samples of one request (gRPC sampling.n, OpenAI n): each decodes "
+                   "as a sequence of its own, sharing the prompt's K/V",
     "max_chat_messages": "most messages in one chat conversation (gRPC messages input, HTTP "
                          "chat completions: checked before the body is validated)",
     "http_max_header_bytes": "HTTP: most bytes of a request line and headers; past it 431 and "

@@ -43,7 +43,8 @@ def _update_from_proto(msg: worker_pb2.DecodeUpdate) -> DecodeUpdate:
                                   msg.finished.num_draft_tokens,
                                   msg.finished.num_accepted_tokens)
     return DecodeUpdate(msg.request_id, list(msg.token_ids), finished,
-                        msg.error_code or None, msg.error_message, time.monotonic())
+                        msg.error_code or None, msg.error_message, time.monotonic(),
+                        msg.sample_index)
 
 
 class DecodeClient(WorkerClient):
@@ -56,13 +57,14 @@ class DecodeClient(WorkerClient):
 
     # ---- unary calls ---------------------------------------------------------------------
     async def reserve(self, request_id: str, prompt_token_ids: list[int], max_tokens: int,
-                      lease_s: float, timeout_s: float | None, cache_salt: str = "") -> int:
-        """Reserve blocks for the prompt; returns how many leading prompt blocks the
-        worker's prefix cache shared into the reservation."""
+                      lease_s: float, timeout_s: float | None, cache_salt: str = "",
+                      num_samples: int = 1) -> int:
+        """Reserve blocks for the prompt (and its samples); returns how many leading prompt
+        blocks the worker's prefix cache shared into the reservation."""
         request = worker_pb2.ReserveRequest(
             request_id=request_id, num_prompt_tokens=len(prompt_token_ids),
             max_tokens=max_tokens, lease_s=lease_s, prompt_token_ids=prompt_token_ids,
-            cache_salt=cache_salt)
+            cache_salt=cache_salt, num_samples=num_samples)
         with grpc_util.translated():
             response = await self._stub.Reserve(request, timeout=timeout_s)
         return response.num_cached_blocks
@@ -110,6 +112,7 @@ class DecodeClient(WorkerClient):
             sampling=convert.sampling_to_proto(start.sampling),
             max_new_tokens=start.max_new_tokens, stop_token_ids=start.stop_token_ids,
             num_generated=start.num_generated,
+            sample_first_token_ids=start.sample_first_token_ids,
         )))
         if tracer := trace.get():
             tracer.event("start", t=time.monotonic(), down=start.request_id)
@@ -120,6 +123,13 @@ class DecodeClient(WorkerClient):
         if self._commands is not None:
             self._commands.put_nowait(worker_pb2.DecodeCommand(
                 abort=generation_pb2.AbortRequest(request_id=request_id)))
+
+    def abort_sample_on_stream(self, request_id: str, sample_index: int) -> None:
+        """Abort one sample on the DecodeStream (after the start it answers)."""
+        if self._commands is not None:
+            self._commands.put_nowait(worker_pb2.DecodeCommand(
+                abort_sample=worker_pb2.AbortSample(request_id=request_id,
+                                                    sample_index=sample_index)))
 
     def forget(self, request_id: str) -> None:
         self._queues.pop(request_id, None)

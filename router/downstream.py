@@ -60,17 +60,18 @@ class Downstream:
         state.block_keys = block_keys(prompt, layout.block_size, seed,
                                       max_shared_blocks(len(prompt), layout.block_size))
 
-    def check_fits(self, num_prompt: int, max_tokens: int) -> None:
+    def check_fits(self, num_prompt: int, max_tokens: int, num_samples: int = 1) -> None:
         """Refuse a request that no healthy decode worker could hold at its longest even with
         its whole pool free (INVALID_ARGUMENT naming the field: RESOURCE_EXHAUSTED would be
         retried, and waiting cannot make it fit). One that fits but not now waits or gets
         RESOURCE_EXHAUSTED in `reserve`. Nothing is refused before a worker reports its pool.
         """
-        capacity = max((w.total_blocks * w.layout.block_size  # a whole pool, in tokens
-                        for w in self.workers.healthy("decode", "colocated")
-                        if w.layout is not None and w.total_blocks > 0), default=None)
-        if capacity is None or (max_tokens <= 1 and self.workers.has_prefill_workers()):
+        pools = [(w.total_blocks, w.layout.block_size)
+                 for w in self.workers.healthy("decode", "colocated")
+                 if w.layout is not None and w.total_blocks > 0]
+        if not pools or (max_tokens <= 1 and self.workers.has_prefill_workers()):
             return  # unknown yet, or no reservation (the prefill worker's token is the last)
+        capacity = max(blocks * size for blocks, size in pools)  # a whole pool, in tokens
         if num_prompt + 1 > capacity:  # the prompt and the first decode slot (Reserve)
             raise InvalidArgument(
                 f"input: a prompt of {num_prompt} tokens does not fit the largest decode "
@@ -80,12 +81,19 @@ class Downstream:
                 f"sampling.max_tokens: prompt {num_prompt} + max_tokens {max_tokens} is more "
                 f"than the largest decode worker's K/V pool holds ({capacity} tokens); lower "
                 f"max_tokens to at most {capacity - num_prompt}", "sampling.max_tokens")
+        if num_samples > 1 and all(blocks_needed(num_prompt, max_tokens, size, num_samples)
+                                   > blocks for blocks, size in pools):
+            raise InvalidArgument(
+                f"sampling.n: {num_samples} samples of prompt {num_prompt} + max_tokens "
+                f"{max_tokens} are more than the largest decode worker's K/V pool holds "
+                f"({capacity} tokens); ask for fewer samples or tokens", "sampling.n")
 
     async def reserve(self, state: RouterRequest, prompt: list[int], max_tokens: int,
                       deadline: float | None) -> float:
         """Reserve on the best decode worker; returns seconds spent waiting for headroom.
         Nothing is reserved when the request was aborted before its turn."""
-        need = blocks_needed(len(prompt), max_tokens, self.workers.block_size())
+        need = blocks_needed(len(prompt), max_tokens, self.workers.block_size(),
+                             state.num_samples)
         candidates, waited = await self._admit(state, need, deadline)
         if state.is_aborted:
             # Aborted while it waited: a reservation now would only take blocks a running
@@ -98,7 +106,7 @@ class Downstream:
             try:
                 state.decode_cached_blocks = await worker.decode.reserve(
                     state.request_id, prompt, max_tokens, self.lease_s, remaining_s(deadline),
-                    state.cache_salt)
+                    state.cache_salt, state.num_samples)
             except KvferryError as exc:
                 if not isinstance(exc, _UNANSWERED):
                     state.unanswered_reserve = None  # the worker refused it: nothing held
@@ -136,13 +144,14 @@ class Downstream:
                                                   state.block_keys)
         return candidates, self.clock() - start
 
-    def admission_would_wait(self, num_prompt: int, max_tokens: int) -> bool:
+    def admission_would_wait(self, num_prompt: int, max_tokens: int, num_samples: int = 1
+                             ) -> bool:
         """Headroom policy, prefill workers to prefill on, and no decode worker with room
         right now."""
         if not isinstance(self.policy, HeadroomPolicy) or not self.workers.has_prefill_workers():
             return False
         workers = self.workers.decode_workers()
-        need = blocks_needed(num_prompt, max_tokens, self.workers.block_size())
+        need = blocks_needed(num_prompt, max_tokens, self.workers.block_size(), num_samples)
         return max(w.headroom for w in workers) < need
 
     async def abort_decode(self, state: RouterRequest) -> None:

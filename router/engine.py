@@ -13,7 +13,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 from kvferry import trace
 from kvferry.errors import NotFound, Unavailable
@@ -25,41 +24,19 @@ from router import validation
 from router.decode_client import StreamBroken, next_update
 from router.detok import IncrementalDetokenizer
 from router.downstream import Downstream
-from router.events import ChunkEvent, DoneEvent, Timing
+from router.events import ChunkEvent, DoneEvent, Ending, Timing
 from router.identity import ANONYMOUS, Caller, tenant_salt
 from router.policy import HeadroomPolicy, Policy
 from router.prefill_leg import PrefillLeg
 from router.prompt_bounds import PromptBounds, check_prompt_bounds
-from router.records import DecodeStart
+from router.records import DecodeStart, FirstToken
 from router.request import OpenRequests, RouterRequest, remaining_s
+from router.sample_group import SampleGroup
 from router.validation import GenerateInput
 from router.worker_set import WorkerSet
 
 log = logging.getLogger("kvferry.router")
 TOKENIZE_QUEUE = 2  # prompts queued on the tokenizer thread at once
-
-
-@dataclass(slots=True)
-class Ending:
-    """How a request's stream ends, whichever way it does (`Router._run`'s one exit): its
-    last chunk (these tokens and text, then the detokenizer's tail unless a stop string ended
-    it) and its finish reason."""
-
-    reason: FinishReason = FinishReason.ABORT
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    is_stopped: bool = False  # a stop string ended it: the held-back text is not sent
-    always_chunk: bool = True  # send the last chunk even when it is empty
-    first_decode_step_s: float = 0.0  # what the decode worker reported, when it decoded
-    num_draft_tokens: int = 0  # speculation: drafts verified by the decode worker it ended on
-    num_accepted_tokens: int = 0  # of those, accepted
-
-    def done(self, prompt_tokens: int, completion_tokens: int, timing: Timing) -> DoneEvent:
-        """The request's DoneEvent: this ending's reason and the decode worker's figures."""
-        return DoneEvent(self.reason, prompt_tokens, completion_tokens,
-                         timing._replace(first_decode_step_s=self.first_decode_step_s),
-                         num_draft_tokens=self.num_draft_tokens,
-                         num_accepted_tokens=self.num_accepted_tokens)
 
 
 class Router:
@@ -97,7 +74,8 @@ class Router:
     async def generate(self, inp: GenerateInput, timeout_s: float | None,
                        caller: Caller = ANONYMOUS
                        ) -> AsyncIterator[ChunkEvent | DoneEvent | str]:
-        """Yields the request id first, then chunks, then exactly one DoneEvent."""
+        """Yields the request id first, then chunks, then exactly one DoneEvent per sample
+        (one sample unless sampling.n asks for more: router/sample_group.py)."""
         received = time.perf_counter()
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         validation.check_limits(inp, self.config, self.limits)
@@ -109,7 +87,7 @@ class Router:
             async with self._tokenize_slots:
                 prompt = await asyncio.get_running_loop().run_in_executor(
                     self._tokenize, validation.prompt_ids, inp, self.config, self.tokenizer)
-        params = validation.resolve_sampling(inp, self.config, len(prompt))
+        params = validation.resolve_sampling(inp, self.config, len(prompt), self.limits)
         request_id = inp.request_id or uuid.uuid4().hex
         state = RouterRequest(self.open.downstream_id(request_id, self.instance_id),
                               cache_salt=tenant_salt(caller.tenant, inp.cache_salt))
@@ -117,7 +95,9 @@ class Router:
         yield request_id
         try:
             await self.workers.revive()
-            async for event in self._run(state, prompt, params, received, deadline):
+            run = (self.run_one(state, prompt, params, received, deadline) if params.n == 1
+                   else SampleGroup(self, state, prompt, params, received, deadline).run())
+            async for event in run:
                 if isinstance(event, DoneEvent) and self.is_prompt_tokens_details:
                     event = event._replace(cached_prompt_tokens=state.num_cached_tokens,
                                            cached_by_tier=state.cached_by_tier,
@@ -138,31 +118,33 @@ class Router:
             except asyncio.CancelledError:
                 pass  # the release goes on by itself
 
-    async def _run(self, state: RouterRequest, prompt: list[int], params: SamplingParams,
-                   received: float, deadline: float | None
+    async def run_one(self, state: RouterRequest, prompt: list[int], params: SamplingParams,
+                   received: float, deadline: float | None, generated: list[int] | None = None,
+                   detok: IncrementalDetokenizer | None = None
                    ) -> AsyncIterator[ChunkEvent | DoneEvent]:
-        """Legs of reserve -> prefill -> first token -> decode. When a decode worker dies
-        mid-stream the request migrates: a new leg prefills prompt + every token streamed so
-        far on another pair, and its first token is the stream's next one. However the
-        request ends (aborted, a finish on the first token, the decode's finish), it leaves
-        the loop with its `Ending`, and the last chunk and the DoneEvent are sent below."""
+        """Legs of reserve -> prefill -> first token -> decode (from `generated`, with
+        `detok`: a sample going on alone, sample_group.py). When a decode worker dies the
+        request migrates: a new leg prefills prompt + every token streamed so far on another
+        pair. However the request ends (aborted, a finish on the first token, the decode's
+        finish), it leaves the loop with its `Ending`; its last chunk and DoneEvent follow."""
         self.downstream.check_fits(len(prompt), params.max_tokens)  # before any work
-        detok = IncrementalDetokenizer(self.tokenizer, params.stop)
+        detok = detok or IncrementalDetokenizer(self.tokenizer, params.stop)
         stop_ids = validation.stop_ids(params, self.config)
-        generated: list[int] = []  # every token streamed to the client
+        generated = [] if generated is None else generated  # every token streamed so far
         timing = Timing(0.0, 0.0, 0.0, 0.0, 0.0)  # num_migrations counts the legs after the first
         ending = Ending()  # aborted, unless the loop finds otherwise
         while True:
             context = prompt + generated
             remaining = params.max_tokens - len(generated)
-            timing = await self._reserve_first(state, context, remaining, not generated,
+            timing = await self.reserve_first(state, context, remaining, not generated,
                                                deadline, timing)
             if state.is_aborted:
                 break
-            first, timing = await self._first_token(state, context, params, deadline,
-                                                    len(generated), received, timing)
-            if first is None:
+            first_msg, timing = await self.first_token(state, context, params, deadline,
+                                                        len(generated), received, timing)
+            if first_msg is None:
                 break
+            first = first_msg.token_id
             generated.append(first)
             step = detok.add([first])
             is_stop = step.is_stopped or first in stop_ids
@@ -191,13 +173,13 @@ class Router:
                 break
             except StreamBroken as exc:
                 timing = timing._replace(num_migrations=timing.num_migrations + 1)
-                self._lose_decode(state, exc, timing.num_migrations)
+                self.lose_decode(state, exc, timing.num_migrations)
         text = ending.text + ("" if ending.is_stopped else detok.finish())
         if ending.token_ids or text or ending.always_chunk:
             yield ChunkEvent(ending.token_ids, text)
         yield ending.done(len(prompt), len(generated), timing)
 
-    async def _reserve_first(self, state: RouterRequest, context: list[int], remaining: int,
+    async def reserve_first(self, state: RouterRequest, context: list[int], remaining: int,
                              is_first_leg: bool, deadline: float | None, timing: Timing
                              ) -> Timing:
         """Reserve this leg's decode blocks before its prefill, unless the first leg finds no
@@ -220,12 +202,12 @@ class Router:
         waited = await self.downstream.reserve(state, context, remaining, deadline)
         return timing._replace(admission_wait_s=timing.admission_wait_s + waited)
 
-    async def _first_token(self, state: RouterRequest, context: list[int],
+    async def first_token(self, state: RouterRequest, context: list[int],
                            params: SamplingParams, deadline: float | None,
                            num_generated: int, received: float, timing: Timing
-                           ) -> tuple[int | None, Timing]:
-        """Prefill this leg up to its first token: the token (None: aborted), and `timing`
-        with the first leg's queue, prefill and TTFT."""
+                           ) -> tuple[FirstToken | None, Timing]:
+        """Prefill this leg up to its first token: the prefill's answer (None: aborted), and
+        `timing` with the first leg's queue, prefill and TTFT."""
         if not num_generated:
             timing = timing._replace(queue_s=time.perf_counter() - received)
         first_msg = await self.prefill.first_token(state, context, params, deadline,
@@ -242,9 +224,9 @@ class Router:
             log.info("request %s: migrated leg prefilled %d context tokens, %d from the "
                      "prefix cache", state.request_id, len(context),
                      first_msg.num_cached_tokens)
-        return first_msg.token_id, timing
+        return first_msg, timing
 
-    def _lose_decode(self, state: RouterRequest, exc: StreamBroken, migrations: int) -> None:
+    def lose_decode(self, state: RouterRequest, exc: StreamBroken, migrations: int) -> None:
         """Forget a decode worker that died under a request, before its `migrations`-th
         migration; past `max_migrations`, give up (UNAVAILABLE)."""
         if migrations > self.max_migrations:
@@ -315,15 +297,15 @@ class Router:
               ) -> asyncio.Future[None] | None:
         """Abort a running request of `caller`'s scope (another scope's is not found); its
         stream ends with finish reason ABORT."""
-        state = self.open.find(caller.scope, request_id)
-        if state is None:
+        found = self.open.find(caller.scope, request_id)
+        if found is None:
             raise NotFound(f"no running request with request_id {request_id!r}", "request_id")
-        state.is_aborted = True
-        worker = state.decode_worker
-        if state.is_decoding and worker is not None and worker.decode_client is not None:
-            # On the DecodeStream that carried the start: the abort cannot overtake it.
-            worker.decode_client.abort_on_stream(state.request_id)
-            return None
-        if state.prefill_call is not None:
-            state.prefill_call.cancel()
+        for state in [found, *found.sub_requests]:  # its samples gone on by themselves too
+            state.is_aborted = True
+            worker = state.decode_worker
+            if state.is_decoding and worker is not None and worker.decode_client is not None:
+                # On the DecodeStream that carried the start: the abort cannot overtake it.
+                worker.decode_client.abort_on_stream(state.request_id)
+            elif state.prefill_call is not None:
+                state.prefill_call.cancel()
         return None

@@ -4,6 +4,7 @@ the request's `Timing`. `router.server` turns them into the public protobuf mess
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from kvferry.cache.prefix import TierTokens
@@ -13,6 +14,7 @@ from kvferry.model.sampling import FinishReason
 class ChunkEvent(NamedTuple):
     token_ids: list[int]
     text: str
+    sample_index: int = 0  # parallel sampling: the sample these tokens belong to
 
 
 class Timing(NamedTuple):
@@ -36,3 +38,27 @@ class DoneEvent(NamedTuple):
     cached_by_tier: TierTokens = TierTokens()  # of cached_prompt_tokens, from lower tiers
     num_draft_tokens: int = 0  # speculation: drafts verified (on the decode worker it ended on)
     num_accepted_tokens: int = 0  # of those, accepted
+    sample_index: int = 0  # parallel sampling: the sample that ended (one DoneEvent each)
+
+
+@dataclass(slots=True)
+class Ending:
+    """How a request's stream ends, whichever way it does (`Router.run_one`'s one exit): its
+    last chunk (these tokens and text, then the detokenizer's tail unless a stop string ended
+    it) and its finish reason."""
+
+    reason: FinishReason = FinishReason.ABORT
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    is_stopped: bool = False  # a stop string ended it: the held-back text is not sent
+    always_chunk: bool = True  # send the last chunk even when it is empty
+    first_decode_step_s: float = 0.0  # what the decode worker reported, when it decoded
+    num_draft_tokens: int = 0  # speculation: drafts verified by the decode worker it ended on
+    num_accepted_tokens: int = 0  # of those, accepted
+
+    def done(self, prompt_tokens: int, completion_tokens: int, timing: Timing) -> DoneEvent:
+        """The request's DoneEvent: this ending's reason and the decode worker's figures."""
+        return DoneEvent(self.reason, prompt_tokens, completion_tokens,
+                         timing._replace(first_decode_step_s=self.first_decode_step_s),
+                         num_draft_tokens=self.num_draft_tokens,
+                         num_accepted_tokens=self.num_accepted_tokens)

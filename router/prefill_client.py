@@ -34,7 +34,8 @@ class PrefillCall:
         first = msg.first_token
         return FirstToken(first.token_id, first.prefill_s, first.num_cached_tokens,
                           TierTokens(first.num_cached_host_tokens, first.num_cached_disk_tokens,
-                                     first.num_cached_store_tokens))
+                                     first.num_cached_store_tokens),
+                          tuple(first.sample_token_ids))
 
     def cancel(self) -> bool:
         return self._call.cancel()
@@ -55,6 +56,7 @@ class PrefillClient(WorkerClient):
             decode_address=start.decode_address, is_local_decode=start.is_local_decode,
             num_generated=start.num_generated, defer_push=start.defer_push,
             cache_salt=start.cache_salt, skip_blocks=start.skip_blocks,
+            num_samples=start.num_samples,
         )
         return PrefillCall(self._stub.Prefill(request, timeout=timeout_s))
 

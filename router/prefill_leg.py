@@ -117,6 +117,7 @@ class PrefillLeg:
             is_local_decode=is_local, num_generated=num_generated,
             defer_push=state.is_push_deferred, cache_salt=state.cache_salt,
             skip_blocks=state.decode_cached_blocks if is_push else 0,
+            num_samples=state.num_samples,
         )
         if worker is not decode:
             worker.add_in_flight(state.request_id, 0, len(prompt), state.block_keys)

@@ -25,6 +25,7 @@ class FirstToken(NamedTuple):
     prefill_s: float
     num_cached_tokens: int = 0  # prompt tokens its prefix cache held
     cached_by_tier: TierTokens = TierTokens()  # of those, from each tier below its pool
+    sample_token_ids: tuple[int, ...] = ()  # parallel sampling: samples 1..n-1's first tokens
 
 
 class PrefillDone(NamedTuple):
@@ -46,6 +47,7 @@ class PrefillStart(NamedTuple):
     defer_push: bool  # park the K/V until a Ship names its decode worker
     cache_salt: str = ""
     skip_blocks: int = 0  # leading blocks the decode reservation holds already: not pushed
+    num_samples: int = 1  # first tokens to draw (parallel sampling)
 
 
 class DecodeStart(NamedTuple):
@@ -57,6 +59,7 @@ class DecodeStart(NamedTuple):
     max_new_tokens: int
     stop_token_ids: list[int]
     num_generated: int
+    sample_first_token_ids: tuple[int, ...] = ()  # samples 1..n-1 (parallel sampling)
 
 
 class DecodeFinished(NamedTuple):
@@ -76,3 +79,4 @@ class DecodeUpdate(NamedTuple):
     error_code: int | None = None
     error_message: str = ""
     received_s: float = 0.0  # time.monotonic() when read off the decode stream
+    sample_index: int = 0  # the sample these tokens (and this finish) belong to

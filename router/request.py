@@ -17,7 +17,7 @@ from router.workers import Worker
 class RouterRequest:
     request_id: str
     is_aborted: bool = False
-    is_push_deferred: bool = False  # prefilled before its decode reservation (see Router._run)
+    is_push_deferred: bool = False  # prefilled before its decode reservation (see Router.run_one)
     prefill_worker: Worker | None = None
     prefill_call: PrefillCall | None = None
     decode_worker: Worker | None = None
@@ -38,6 +38,9 @@ class RouterRequest:
     kv_bytes_not_shipped: int = 0  # K/V bytes pushes skipped: the decode cache held them
     kv_bytes_shipped: int = 0  # K/V bytes pushed, every leg
     last_token_s: float = 0.0  # time.monotonic() its latest tokens reached the router
+    num_samples: int = 1  # parallel sampling: samples decoded from the one prefill
+    # Parallel sampling after a migration: each unfinished sample as a request of its own.
+    sub_requests: list[RouterRequest] = field(default_factory=list)
 
     def drop_prefill_worker(self) -> None:
         """The prefill worker owes this request nothing more (its K/V is pushed, or it failed

@@ -53,7 +53,7 @@ def _input(request: generation_pb2.GenerateRequest,
 def _done_to_proto(request_id: str, event: DoneEvent) -> generation_pb2.GenerateResponse:
     t = event.timing
     return generation_pb2.GenerateResponse(
-        request_id=request_id,
+        request_id=request_id, sample_index=event.sample_index,
         finished=generation_pb2.Finished(
             reason=event.reason.value,
             usage=generation_pb2.Usage(prompt_tokens=event.prompt_tokens,
@@ -156,6 +156,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                             request_id=request_id,
                             chunk=generation_pb2.TokenChunk(token_ids=event.token_ids,
                                                             text=event.text),
+                            sample_index=event.sample_index,
                         )
                     else:
                         clock.done(event)

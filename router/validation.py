@@ -138,8 +138,8 @@ def check_limits(inp: GenerateInput, config: ModelConfig, limits: PublicLimits) 
                config.max_position_embeddings, "the model's context")
 
 
-def resolve_sampling(inp: GenerateInput, config: ModelConfig, num_prompt: int
-                     ) -> SamplingParams:
+def resolve_sampling(inp: GenerateInput, config: ModelConfig, num_prompt: int,
+                     limits: PublicLimits | None = None) -> SamplingParams:
     """Validated sampling parameters; an unset max_tokens becomes min(256, context left)."""
     params = inp.params
     room = config.max_position_embeddings - num_prompt
@@ -151,6 +151,10 @@ def resolve_sampling(inp: GenerateInput, config: ModelConfig, num_prompt: int
     if not inp.is_max_tokens_set:
         params = dataclasses.replace(params, max_tokens=min(DEFAULT_MAX_TOKENS, room))
     params.validate(config.vocab_size)
+    most = (limits or PublicLimits()).max_samples
+    if params.n > most:
+        raise InvalidArgument(f"sampling.n: at most {most} samples per request "
+                              f"(--max-samples), got {params.n}", "sampling.n")
     if params.max_tokens > room:
         raise InvalidArgument(
             f"sampling.max_tokens: prompt {num_prompt} + max_tokens {params.max_tokens} "

@@ -44,6 +44,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    n: int = 1  # samples of the prompt (parallel sampling); workers get a count of their own
 
     @property
     def is_greedy(self) -> bool:
@@ -81,6 +82,12 @@ class SamplingParams:
             raise InvalidArgument(
                 f"sampling.seed must be in [0, 2^63), got {self.seed}", "sampling.seed"
             )
+        if self.n < 1:
+            raise InvalidArgument(f"sampling.n must be >= 1, got {self.n}", "sampling.n")
+        if self.seed is not None and self.seed + self.n > MAX_SEED:
+            raise InvalidArgument(
+                f"sampling.seed: sample i uses seed + i, so seed + n must be at most 2^63 "
+                f"(seed {self.seed}, n {self.n})", "sampling.seed")
         if self.max_tokens < 1:
             raise InvalidArgument(
                 f"sampling.max_tokens must be >= 1, got {self.max_tokens}", "sampling.max_tokens"

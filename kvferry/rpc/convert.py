@@ -26,6 +26,7 @@ def sampling_from_proto(msg: generation_pb2.SamplingParams,
         stop=tuple(msg.stop),
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
+        n=msg.n if msg.HasField("n") and msg.n != 0 else 1,
     )
 
 

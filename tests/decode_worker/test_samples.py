@@ -194,3 +194,34 @@ def test_samples_speculate_each_on_its_own(model: Transformer) -> None:
     assert engine.steps.drafting is not None and engine.steps.drafting.num_draft_tokens > 0
     for i in range(4):
         assert tokens[i] == _alone(model, 10, SAMPLED.for_sample(i), FIRST_TOKENS[i])
+
+
+def test_the_prompt_s_blocks_are_held_once(model: Transformer) -> None:
+    """n = 4 on a 1,000-token prompt (62 full blocks of 16 and 8 tokens in a 63rd): at every
+    step the pool holds the 62 full blocks once and one block per sample, 66 in all, where
+    four requests of their own would hold 4 x 63."""
+    engine = cpu_engine(model, 16, 300)
+    used: list[int] = []
+    step = engine.steps._step
+
+    def spy(batch, *args):  # type: ignore[no-untyped-def]
+        used.append(engine.pool.num_usable_blocks - engine.pool.allocator.num_free)
+        return step(batch, *args)
+
+    engine.steps._step = spy  # type: ignore[method-assign]
+
+    async def run() -> None:
+        engine.start()
+        try:
+            await engine.reserve("g", 1000, 8, 30.0, num_samples=4)
+            push_random_prompt(engine, "g", 1000, 5)
+            queue = engine.attach("g", FIRST_TOKENS[0], SAMPLED, 7, [],
+                                  sample_first_token_ids=FIRST_TOKENS[1:])
+            tokens, _ = await _collect(queue, 4)
+            assert all(len(t) == 7 for t in tokens.values())
+            await until(lambda: engine.is_idle, "the request gone")
+        finally:
+            await engine.stop()
+
+    asyncio.run(run())
+    assert used and set(used) == {62 + 4}, used

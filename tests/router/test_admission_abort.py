@@ -23,7 +23,8 @@ class _DecodeClient:
         self.reserved: list[str] = []
 
     async def reserve(self, request_id: str, prompt_token_ids: list[int], max_tokens: int,
-                      lease_s: float, timeout_s: float | None, cache_salt: str = "") -> int:
+                      lease_s: float, timeout_s: float | None, cache_salt: str = "",
+                      num_samples: int = 1) -> int:
         self.reserved.append(request_id)
         return 0
 

@@ -1,0 +1,258 @@
+"""Parallel sampling at the router: a request of n samples (sampling.n > 1), composed by
+`router.engine.Router` (its n = 1 path is `Router.run_one`).
+
+One reservation holds the prompt's K/V once for every sample (a decode worker forks the
+samples from it, decode_worker/samples.py); one prefill draws the n first tokens (sample i
+with seed + i) and one push ships the prompt; one Decode start decodes them all. From there
+each sample has its own detokenizer, stop strings and ending: a stop string ends that sample
+alone (AbortSample on the Decode stream); the request ends with its last sample. Every event
+carries its sample's index; each sample ends with a DoneEvent of its own (its completion
+tokens; the prompt's tokens in each).
+
+Migration: when the decode worker is lost, each unfinished sample goes on as a request of its
+own (`<id>#<i>`, seed + i, its tokens so far in its context, as any migrated request), all of
+them at once; seeding keeps every sample's tokens what they would have been.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kvferry.errors import Unavailable
+from kvferry.model.sampling import FinishReason, SamplingParams
+from router import validation
+from router.decode_client import StreamBroken, next_update
+from router.detok import IncrementalDetokenizer
+from router.events import ChunkEvent, DoneEvent, Ending, Timing
+from router.records import DecodeFinished, DecodeStart
+from router.request import RouterRequest, remaining_s
+
+Event = ChunkEvent | DoneEvent
+
+
+class Router(Protocol):
+    """What a group uses of `router.engine.Router` (which imports this module): its legs."""
+
+    config: Any
+    tokenizer: Any
+    downstream: Any
+    prefill: Any
+
+    async def reserve_first(self, state: RouterRequest, context: list[int], remaining: int,
+                            is_first_leg: bool, deadline: float | None, timing: Timing
+                            ) -> Timing: ...
+
+    async def first_token(self, state: RouterRequest, context: list[int],
+                          params: SamplingParams, deadline: float | None, num_generated: int,
+                          received: float, timing: Timing) -> tuple[Any, Timing]: ...
+
+    def lose_decode(self, state: RouterRequest, exc: StreamBroken, migrations: int
+                    ) -> None: ...
+
+    def run_one(self, state: RouterRequest, prompt: list[int], params: SamplingParams,
+                received: float, deadline: float | None, generated: list[int] | None = None,
+                detok: IncrementalDetokenizer | None = None) -> AsyncIterator[Event]: ...
+
+
+@dataclass
+class _Sample:
+    index: int
+    detok: IncrementalDetokenizer
+    generated: list[int] = field(default_factory=list)  # every token streamed for it
+    is_done: bool = False
+
+
+class SampleGroup:
+    """One request of `params.n` samples, from its reservation to its last DoneEvent."""
+
+    def __init__(self, router: Router, state: RouterRequest, prompt: list[int],
+                 params: SamplingParams, received: float, deadline: float | None) -> None:
+        self.router, self.state, self.prompt = router, state, prompt
+        self.params, self.received, self.deadline = params, received, deadline
+        state.num_samples = params.n
+        self.stop_ids = validation.stop_ids(params, router.config)
+        self.samples = [_Sample(i, IncrementalDetokenizer(router.tokenizer, params.stop))
+                        for i in range(params.n)]
+        self.timing = Timing(0.0, 0.0, 0.0, 0.0, 0.0)
+
+    async def run(self) -> AsyncIterator[Event]:
+        self.router.downstream.check_fits(len(self.prompt), self.params.max_tokens,
+                                          self.params.n)
+        try:
+            async for event in self._one_leg():
+                yield event
+        except StreamBroken as exc:
+            self.timing = self.timing._replace(num_migrations=1)
+            self.router.lose_decode(self.state, exc, 1)
+            async for event in self._migrate():
+                yield event
+        for sample in self.samples:  # aborted before it ended
+            if not sample.is_done:
+                for event in self._end(sample, Ending(FinishReason.ABORT)):
+                    yield event
+
+    def _end(self, sample: _Sample, ending: Ending) -> list[Event]:
+        """The sample's last chunk (its detokenizer's tail, unless a stop string ended it)
+        and its DoneEvent."""
+        sample.is_done = True
+        text = ending.text + ("" if ending.is_stopped else sample.detok.finish())
+        events: list[Event] = []
+        if ending.token_ids or text:
+            events.append(ChunkEvent(ending.token_ids, text, sample.index))
+        done = ending.done(len(self.prompt), len(sample.generated), self.timing)
+        events.append(done._replace(sample_index=sample.index))
+        return events
+
+    async def _one_leg(self) -> AsyncIterator[Event]:
+        """Reserve, prefill once (n first tokens), push once, decode every sample."""
+        router, state, params = self.router, self.state, self.params
+        self.timing = await router.reserve_first(state, self.prompt, params.max_tokens,
+                                                  False, self.deadline, self.timing)
+        if state.is_aborted:
+            return
+        first_msg, self.timing = await router.first_token(
+            state, self.prompt, params, self.deadline, 0, self.received, self.timing)
+        if first_msg is None:
+            return
+        firsts = [first_msg.token_id, *first_msg.sample_token_ids]
+        if len(firsts) != params.n:
+            raise Unavailable(f"the prefill worker drew {len(firsts)} first tokens for "
+                              f"{params.n} samples")
+        for sample, token in zip(self.samples, firsts):
+            for event in self._first(sample, token):
+                yield event
+        if all(s.is_done for s in self.samples):
+            return
+        done_msg = await router.prefill.prefill_done(state, self.prompt, params,
+                                                     self.deadline, 0)
+        if done_msg is None:
+            return
+        self.timing = self.timing._replace(kv_transfer_s=done_msg.kv_transfer_s)
+        async for event in self._decode(firsts):
+            yield event
+
+    def _first(self, sample: _Sample, token: int) -> list[Event]:
+        sample.generated.append(token)
+        step = sample.detok.add([token])
+        if step.is_stopped or token in self.stop_ids or self.params.max_tokens == 1:
+            reason = FinishReason.LENGTH
+            if step.is_stopped or token in self.stop_ids:
+                reason = FinishReason.STOP
+            return self._end(sample, Ending(reason, token_ids=[token], text=step.text,
+                                                  is_stopped=step.is_stopped))
+        return [ChunkEvent([token], step.text, sample.index)]
+
+    async def _decode(self, firsts: list[int]) -> AsyncIterator[Event]:
+        """One Decode start for every sample; each sample's updates to its own stream."""
+        state = self.state
+        worker = state.decode_worker
+        client = worker.decode_client if worker is not None else None
+        if client is None:
+            raise Unavailable("decode reservation lost")
+        if state.is_aborted:  # aborted between the push and the decode: never start it
+            await self.router.downstream.abort_decode(state)
+            state.holds_decode = False
+            return
+        state.is_decoding = True
+        updates = client.start(DecodeStart(
+            state.request_id, firsts[0], self.params, self.params.max_tokens - 1,
+            self.stop_ids, 0, tuple(firsts[1:])))
+        for sample in self.samples:
+            if sample.is_done:  # ended at its first token: the worker need not decode it
+                client.abort_sample_on_stream(state.request_id, sample.index)
+        try:
+            while not all(s.is_done for s in self.samples):
+                update = await next_update(updates, remaining_s(self.deadline))
+                if not 0 <= update.sample_index < len(self.samples):
+                    raise Unavailable(f"decode worker sent sample {update.sample_index}")
+                sample = self.samples[update.sample_index]
+                state.last_token_s = update.received_s
+                if not sample.is_done:
+                    for event in self._update(sample, update.token_ids, update.finished):
+                        yield event
+                    if sample.is_done and update.finished is None:  # a stop string ended it
+                        client.abort_sample_on_stream(state.request_id, sample.index)
+            state.holds_decode = False  # every sample finished there or was told to stop
+        finally:
+            client.forget(state.request_id)
+            if state.holds_decode:  # ended early (cancel, deadline): abort every sample
+                client.abort_on_stream(state.request_id)
+        state.is_decoding = False
+
+    def _update(self, sample: _Sample, ids: list[int], finished: DecodeFinished | None
+                ) -> list[Event]:
+        events: list[Event] = []
+        if ids:
+            sample.generated.extend(ids)
+            step = sample.detok.add(ids)
+            events.append(ChunkEvent(ids, step.text, sample.index))
+            if step.is_stopped:
+                return events + self._end(sample, Ending(
+                    FinishReason.STOP, is_stopped=True, always_chunk=False))
+        if finished is not None:
+            events += self._end(sample, Ending(
+                finished.reason, always_chunk=False,
+                first_decode_step_s=finished.first_decode_step_s,
+                num_draft_tokens=finished.num_draft_tokens,
+                num_accepted_tokens=finished.num_accepted_tokens))
+        return events
+
+    async def _migrate(self) -> AsyncIterator[Event]:
+        """Every unfinished sample as a request of its own, all at once; their events
+        merged as they come."""
+        legs = [self._leg(s) for s in self.samples if not s.is_done]
+        async for event in merge(legs):
+            yield event
+
+    async def _leg(self, sample: _Sample) -> AsyncIterator[Event]:
+        router, parent = self.router, self.state
+        state = RouterRequest(f"{parent.request_id}#{sample.index}",
+                              cache_salt=parent.cache_salt, is_aborted=parent.is_aborted)
+        parent.sub_requests.append(state)
+        params = dataclasses.replace(self.params.for_sample(sample.index), n=1)
+        try:
+            async for event in router.run_one(state, self.prompt, params, self.received,
+                                           self.deadline, sample.generated, sample.detok):
+                if isinstance(event, DoneEvent):
+                    sample.is_done = True
+                    timing = event.timing._replace(
+                        num_migrations=event.timing.num_migrations + 1)
+                    event = event._replace(timing=timing)
+                yield event._replace(sample_index=sample.index)
+        finally:
+            release = asyncio.ensure_future(router.downstream.release(state))
+            await asyncio.shield(release)
+
+
+async def merge(streams: list[AsyncIterator[Event]]) -> AsyncIterator[Event]:
+    """The events of every stream as they come; the first error raised is raised here."""
+    queue: asyncio.Queue[Event | BaseException | None] = asyncio.Queue()
+
+    async def pump(stream: AsyncIterator[Event]) -> None:
+        try:
+            async for event in stream:
+                await queue.put(event)
+        except Exception as exc:  # handed to the consumer
+            await queue.put(exc)
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.ensure_future(pump(s)) for s in streams]
+    try:
+        left = len(tasks)
+        while left:
+            item = await queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
