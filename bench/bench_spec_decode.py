@@ -3,8 +3,8 @@ side by side, in one run.
 
 Starts two deployments on `--model` (router + prefill + decode worker each, or one colocated
 worker with --colocated), identical but for the decode side's `--speculative-method ngram
---num-speculative-tokens K`, and runs the same prompts on both, greedy with ignore_eos and
-exactly `--max-tokens` tokens, `--concurrency` requests at a time (1: one request alone on the
+--num-speculative-tokens K`, and runs the same prompts on both, greedy (sampled: seeded) with
+ignore_eos (summary: without) and `--max-tokens` tokens at most, `--concurrency` requests at a time (1: one request alone on the
 worker, the case speculation is for). Workloads:
 
   copy:   answers that copy spans of their prompts. A passage of `--prompt-tokens` tokens of
@@ -16,7 +16,10 @@ worker, the case speculation is for). Workloads:
           rarely whole spans (drafts are made and often rejected: the case speculation must
           not slow down). Not ignore_eos: the answer ends where the model ends it;
   random: `--prompt-tokens` seeded uniform token ids. The continuation copies nothing from the
-          prompt; small models fall into a loop after a while, which drafts then follow.
+          prompt; small models fall into a loop after a while, which drafts then follow;
+  sampled: the random prompts sampled at temperature 1 (seed per prompt): continuations that
+          neither copy nor loop, so drafts are few and mostly rejected (the case speculation
+          must not slow down). Seeded, so both sides' outputs are still equal.
 
 Each prompt set has `--prompts` prompts. Per repetition and workload the sides run in ABBA
 order (plain, speculative, speculative, plain), so a slow drift of the machine weighs on both.
@@ -26,7 +29,7 @@ its requests. Reported per workload, median [min-max] over repetitions: each sid
 tokens/s, the ratio speculative / plain within each repetition, the acceptance rate (accepted
 over drafted tokens, from each request's Usage) and the tokens a verification step yields
 (decode tokens over decode steps; plain decoding: 1). The outputs of both sides are compared
-token for token (greedy: they must be equal). Usage:
+token for token (greedy or seeded: they must be equal). Usage:
 
     .venv/bin/python bench/bench_spec_decode.py [--model tiny|default|PATH]
         [--workloads copy random] [--num-speculative-tokens 4] [--max-tokens 256]
@@ -57,8 +60,9 @@ from kvferry.model.gguf import ensure_converted, is_gguf  # noqa: E402
 
 TEXT = Path(__file__).resolve().parent / "data" / "coriolanus_opening.txt"
 COPY_CUE_TOKENS = 32  # the repeat starts with this much of the passage
-WORKLOADS = ("copy", "summary", "random")
-IGNORE_EOS = {"copy": True, "summary": False, "random": True}
+WORKLOADS = ("copy", "summary", "random", "sampled")
+IGNORE_EOS = {"copy": True, "summary": False, "random": True, "sampled": True}
+TEMPERATURE = {"sampled": 1.0}  # greedy otherwise
 
 
 def _tokenizer(model: str) -> Any:
@@ -98,7 +102,8 @@ def random_prompts(vocab_size: int, count: int, prompt_tokens: int) -> list[list
 
 
 async def run_side(address: str, prompts: Sequence[list[int]], max_tokens: int,
-                   concurrency: int, ignore_eos: bool = True) -> dict[str, Any]:
+                   concurrency: int, ignore_eos: bool = True, temperature: float = 0.0
+                   ) -> dict[str, Any]:
     """Every prompt once, `concurrency` at a time: tokens, decode time and speculation."""
     queue: asyncio.Queue[int] = asyncio.Queue()
     for i in range(len(prompts)):
@@ -109,8 +114,8 @@ async def run_side(address: str, prompts: Sequence[list[int]], max_tokens: int,
     async def worker() -> None:
         while not queue.empty():
             i = queue.get_nowait()
-            request = client.make_request(prompts[i], temperature=0.0, max_tokens=max_tokens,
-                                          ignore_eos=ignore_eos)
+            request = client.make_request(prompts[i], temperature=temperature, seed=i,
+                                          max_tokens=max_tokens, ignore_eos=ignore_eos)
             got = await client.generate(address, request, timeout_s=900)
             if got.finished is None or len(got.token_ids) < 2 or (
                     ignore_eos and len(got.token_ids) != max_tokens):
@@ -222,6 +227,7 @@ def main() -> None:
     prompts = {"copy": copy_prompts(tokenizer, args.prompts, args.prompt_tokens),
                "summary": summary_prompts(tokenizer, args.prompts, args.prompt_tokens),
                "random": random_prompts(len(tokenizer), args.prompts, args.prompt_tokens)}
+    prompts["sampled"] = prompts["random"]
     runs: dict[str, list[dict[str, Any]]] = {w: [] for w in args.workloads}
     with ExitStack() as stack:
         sides = _deployments(args, model, stack)
@@ -234,7 +240,8 @@ def main() -> None:
                 for side in ("plain", "spec", "spec", "plain"):
                     passes[side].append(asyncio.run(run_side(
                         sides[side].router_address, prompts[workload], args.max_tokens,
-                        args.concurrency, IGNORE_EOS[workload])))
+                        args.concurrency, IGNORE_EOS[workload],
+                        TEMPERATURE.get(workload, 0.0))))
                 merged = {side: _merge(*p) for side, p in passes.items()}
                 merged["outputs_equal"] = (merged["plain"]["outputs"]
                                            == merged["spec"]["outputs"]

@@ -241,8 +241,8 @@ class HttpFront:
             reply = Reply(request_id, self.model, isinstance(body, ChatCompletionRequest),
                           body.include_usage, body.return_token_ids)
             if not body.stream:
-                return Response(await until_disconnect(request, collect(events, reply, clock)),
-                                media_type="application/json")
+                return Response(await until_disconnect(
+                    request, collect(events, reply, clock, body.n)), media_type="application/json")
             first = await until_disconnect(request, first_event(events))
             is_streaming = True
             return EventStream(sse(events, first, reply, clock, body),

@@ -74,46 +74,58 @@ async def first_event(events: AsyncIterator[str | Event]) -> Event:
     return await anext(events)  # type: ignore[return-value]  # ids come first only
 
 
-async def collect(events: AsyncIterator[str | Event], reply: Reply, clock: StreamClock
-                  ) -> str:
-    """A whole answer as one JSON body."""
+async def collect(events: AsyncIterator[str | Event], reply: Reply, clock: StreamClock,
+                  num_samples: int = 1) -> str:
+    """A whole answer (every sample's choice) as one JSON body."""
     await anext(events)
-    texts: list[str] = []
-    token_ids: list[int] = []
+    texts = [""] * num_samples
+    token_ids: list[list[int]] = [[] for _ in range(num_samples)]
+    dones: list[DoneEvent] = []
     async for event in events:
         if isinstance(event, ChunkEvent):
             clock.chunk(len(event.token_ids))
-            texts.append(event.text)
-            token_ids.extend(event.token_ids)
+            texts[event.sample_index] += event.text
+            token_ids[event.sample_index] += event.token_ids
         elif isinstance(event, DoneEvent):
             clock.done(event)
             _log_done(reply.request_id, event)
-            return reply.body("".join(texts), token_ids, event)
+            dones.append(event)
+            if len(dones) == num_samples:
+                return reply.body(texts, token_ids, dones)
     raise Internal("the request ended without finishing")
 
 
 async def sse(events: AsyncIterator[str | Event], first: Event, reply: Reply,
               clock: StreamClock, body: OpenAIRequest) -> AsyncIterator[str]:
-    """A whole answer as server-sent events, from its first event on."""
+    """A whole answer as server-sent events, from its first event on: each choice's role
+    (chat), then the samples' chunks as they come, each choice closing with its
+    finish_reason, the usage once at the end."""
     if reply.is_chat:
-        yield reply.role_event()
-    event = first
+        for index in range(body.n):
+            yield reply.role_event(index)
+    event, dones = first, []
     try:
-        while isinstance(event, ChunkEvent):
-            clock.chunk(len(event.token_ids))
-            if event.text or event.token_ids:  # a step whose text is held back: ""
-                yield reply.chunk_event(event.text, event.token_ids)
+        while True:
+            if isinstance(event, ChunkEvent):
+                clock.chunk(len(event.token_ids))
+                if event.text or event.token_ids:  # a step whose text is held back: ""
+                    yield reply.chunk_event(event.text, event.token_ids,
+                                            index=event.sample_index)
+            else:  # one DoneEvent per sample (Router.generate)
+                clock.done(event)
+                _log_done(reply.request_id, event)
+                yield reply.chunk_event("", [], event.reason, event.sample_index)
+                dones.append(event)
+                if len(dones) == body.n:
+                    break
             event = await anext(events)
     except Exception as exc:
         answer = failure(exc, reply.request_id, body)
         clock.failed(answer.code_name)
         yield f"data: {answer.body}\n\n{SSE_DONE}"
         return
-    clock.done(event)  # after the chunks, exactly one DoneEvent (Router.generate)
-    _log_done(reply.request_id, event)
-    yield reply.chunk_event("", [], event.reason)
     if reply.include_usage:
-        yield reply.usage_event(event)
+        yield reply.usage_event(dones)
     yield SSE_DONE
 
 

@@ -31,10 +31,14 @@ def model_list_json(model: str, max_model_len: int) -> str:
     return _json({"object": "list", "data": [card]})
 
 
-def usage(done: DoneEvent) -> dict[str, object]:
-    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
-            "total_tokens": done.prompt_tokens + done.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": done.cached_prompt_tokens}}
+def usage(dones: list[DoneEvent]) -> dict[str, object]:
+    """A request's usage from its samples' DoneEvents: the prompt once, every sample's
+    completion tokens."""
+    first = dones[0]
+    completion = sum(d.completion_tokens for d in dones)
+    return {"prompt_tokens": first.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": first.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": first.cached_prompt_tokens}}
 
 
 class Reply:
@@ -55,10 +59,10 @@ class Reply:
                 "model": self.model, "choices": choices, **more}
 
     def _choice(self, text: str, token_ids: list[int], finish: FinishReason | None,
-                content_key: str | None) -> dict[str, object]:
+                content_key: str | None, index: int = 0) -> dict[str, object]:
         """A text completion's choice, or a chat one whose content sits under `content_key`
-        ("message" or "delta")."""
-        choice: dict[str, object] = {"index": 0}
+        ("message" or "delta"); `index`: the sample's."""
+        choice: dict[str, object] = {"index": index}
         if content_key is None:
             choice["text"] = text
         elif content_key == "message":
@@ -78,22 +82,27 @@ class Reply:
             more.setdefault("usage", None)
         return f"data: {_json(self._envelope(kind, choices, **more))}\n\n"
 
-    def role_event(self) -> str:
-        """A chat stream's first event: the assistant's role, no content yet."""
-        return self._event([{"index": 0, "delta": {"role": "assistant", "content": ""},
+    def role_event(self, index: int = 0) -> str:
+        """A chat stream's first event for a choice: the assistant's role, no content yet."""
+        return self._event([{"index": index, "delta": {"role": "assistant", "content": ""},
                              "logprobs": None, "finish_reason": None}])
 
     def chunk_event(self, text: str, token_ids: list[int],
-                    finish: FinishReason | None = None) -> str:
+                    finish: FinishReason | None = None, index: int = 0) -> str:
         key = "delta" if self.is_chat else None
-        return self._event([self._choice(text, token_ids, finish, key)])
+        return self._event([self._choice(text, token_ids, finish, key, index)])
 
-    def usage_event(self, done: DoneEvent) -> str:
+    def usage_event(self, dones: list[DoneEvent]) -> str:
         """The last event before [DONE] when the client asked for usage: no choices."""
-        return self._event([], usage=usage(done))
+        return self._event([], usage=usage(dones))
 
     # ---- one body -----------------------------------------------------------------------
-    def body(self, text: str, token_ids: list[int], done: DoneEvent) -> str:
+    def body(self, texts: list[str], token_ids: list[list[int]], dones: list[DoneEvent]
+             ) -> str:
+        """Every sample's choice, by index (`dones` in any order)."""
         kind = "chat.completion" if self.is_chat else "text_completion"
-        choice = self._choice(text, token_ids, done.reason, "message" if self.is_chat else None)
-        return _json(self._envelope(kind, [choice], usage=usage(done)))
+        key = "message" if self.is_chat else None
+        choices = [self._choice(texts[d.sample_index], token_ids[d.sample_index], d.reason, key,
+                                d.sample_index)
+                   for d in sorted(dones, key=lambda d: d.sample_index)]
+        return _json(self._envelope(kind, choices, usage=usage(dones)))

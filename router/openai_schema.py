@@ -94,9 +94,6 @@ class OpenAIRequest(BaseModel):
         return field
 
     def _check_served(self) -> None:
-        if self.n != 1:
-            raise InvalidArgument(f"n: kvferry returns one choice per request, so n must be 1 "
-                                  f"(got {self.n}); send n requests instead", "n")
         for name, value in (self.model_extra or {}).items():
             neutral = UNSERVED.get(name, value)
             if value not in (None, False, 0, "", [], {}, neutral):
@@ -112,7 +109,7 @@ class OpenAIRequest(BaseModel):
             top_p=defaults.top_p if self.top_p is None else self.top_p,
             top_k=defaults.top_k if self.top_k is None else 0 if self.top_k == -1 else self.top_k,
             seed=self.seed, stop=stop, stop_token_ids=tuple(self.stop_token_ids or ()),
-            ignore_eos=self.ignore_eos,
+            ignore_eos=self.ignore_eos, n=self.n,
             **({} if max_tokens is None else {"max_tokens": max_tokens}),
         )
         return params, max_tokens is not None

@@ -157,7 +157,8 @@ CHAT_ERRORS = [
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
     ({"max_tokens": 100_000}, "max_tokens"),  # past the context
     ({"top_p": 2}, "top_p"),
-    ({"n": 2}, "n"),
+    ({"n": 17}, "n"),  # past --max-samples
+    ({"n": 0}, "n"),
     ({"stop": [""]}, "stop"),
     ({"logprobs": True}, "logprobs"),
     ({"extra_body": {"top_k": -5}}, "top_k"),
@@ -179,6 +180,36 @@ def test_a_bad_chat_parameter_is_a_bad_request_naming_it(deployment: Deployment,
                                                      "messages": MESSAGES, **kwargs})
     assert exc.value.param == param, exc.value.message
     assert param.split("[")[0] in exc.value.message
+
+
+def test_n_choices_equal_grpc_samples_whole_and_streamed(deployment: Deployment) -> None:
+    """n = 3, seeded: the body's choices and the stream's (interleaved, each opening with
+    its role and closing with its finish_reason, usage once at the end) are gRPC's samples."""
+    sampling = {"max_tokens": 8, "temperature": 1.0, "seed": 77}
+    samples = asyncio.run(client.generate_samples(deployment.router_address, client.make_request(
+        messages=CONVERSATION, n=3, ignore_eos=True, **sampling)))
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    body = _sync(deployment).chat.completions.create(
+        model="tiny-chat", messages=MESSAGES, n=3, extra_body=extra, **sampling)
+    assert [c.index for c in body.choices] == [0, 1, 2]
+    assert [_extra(c, "token_ids") for c in body.choices] == [s.token_ids for s in samples]
+    assert [c.message.content for c in body.choices] == [s.text for s in samples]
+    assert body.usage.completion_tokens == 3 * 8
+    assert body.usage.prompt_tokens == samples[0].finished.usage.prompt_tokens
+    chunks = list(_sync(deployment).chat.completions.create(
+        model="tiny-chat", messages=MESSAGES, n=3, stream=True,
+        stream_options={"include_usage": True}, extra_body=extra, **sampling))
+    *events, last = chunks
+    assert last.choices == [] and last.usage.completion_tokens == 3 * 8
+    for i, sample in enumerate(samples):
+        mine = [c.choices[0] for c in events if c.choices[0].index == i]
+        assert mine[0].delta.role == "assistant"
+        assert "".join(c.delta.content or "" for c in mine) == sample.text
+        assert [t for c in mine for t in (_extra(c, "token_ids") or [])] == sample.token_ids
+        assert [c.finish_reason for c in mine][-1] == "length"
+        assert all(c.finish_reason is None for c in mine[:-1])
+    assert len({tuple(s.token_ids) for s in samples}) > 1
+    assert_pools_clean(deployment)
 
 
 @pytest.mark.parametrize("prompt", ["", [10**9]], ids=["empty", "outside the vocabulary"])

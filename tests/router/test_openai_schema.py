@@ -62,10 +62,14 @@ def test_completion_prompt_is_text_or_token_ids(prompt, text, token_ids) -> None
     assert inp.params.stop == ("a", "b")
 
 
+def test_n_is_the_samples_asked_for() -> None:
+    """n goes to the router as sampling.n (validated there against --max-samples)."""
+    inp = CompletionRequest.model_validate({"prompt": "a", "n": 3}).to_input("c")
+    assert inp.params.n == 3
+
+
 @pytest.mark.parametrize("body,param", [
     ({"prompt": ["a", "b"]}, "prompt"),
-    ({"prompt": "a", "n": 2}, "n"),
-    ({"prompt": "a", "n": 0}, "n"),
     ({"prompt": "a", "logprobs": 1}, "logprobs"),
     ({"prompt": "a", "echo": True}, "echo"),
     ({"prompt": "a", "best_of": 2}, "best_of"),
