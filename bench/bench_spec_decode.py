@@ -3,9 +3,9 @@ side by side, in one run.
 
 Starts two deployments on `--model` (router + prefill + decode worker each, or one colocated
 worker with --colocated), identical but for the decode side's `--speculative-method ngram
---num-speculative-tokens K`, and runs the same prompts on both, greedy (sampled: seeded) with
-ignore_eos (summary: without) and `--max-tokens` tokens at most, `--concurrency` requests at a time (1: one request alone on the
-worker, the case speculation is for). Workloads:
+--num-speculative-tokens K`, and runs the same prompts on both, greedy (sampled: seeded),
+ignore_eos (summary: without), `--max-tokens` tokens at most, `--concurrency` requests at a
+time (1: one request alone on the worker, the case speculation is for). Workloads:
 
   copy:   answers that copy spans of their prompts. A passage of `--prompt-tokens` tokens of
           bench/data/coriolanus_opening.txt (a public-domain play), then the passage again up
