@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
+from decode_worker.draft_model import DraftModel
 from decode_worker.kv_receiver import KvReceiver
 from decode_worker.leases import LeaseKeeper
 from decode_worker.prefix_cache import DecodePrefixCache
@@ -70,7 +71,7 @@ class DecodeEngine:
     def __init__(self, model: Transformer, pool: KvPool, layout: KvLayout,
                  max_waiting: int = DEFAULT_MAX_WAITING, stage_bytes: int = 0,
                  max_model_len: int | None = None, cache: TieredCache | None = None,
-                 speculative: SpeculativeConfig | None = None,
+                 speculative: SpeculativeConfig | None = None, draft: DraftModel | None = None,
                  **prefill_options: int) -> None:
         self.model = model
         self.max_model_len = max_model_len or model.config.max_position_embeddings
@@ -82,7 +83,7 @@ class DecodeEngine:
         self.blocks = BlockQueue(pool.allocator, max_waiting, lambda: not self.steps.swapped)
         self._arrivals = itertools.count()
         self.steps = StepLoop(model, pool, self.blocks, self._seqs, self._finish, stage_bytes,
-                              speculative, **prefill_options)
+                              speculative, draft, **prefill_options)
         self.batcher = self.steps.batcher  # colocated prefill, run by the step loop
         self.receiver = KvReceiver(layout, pool, self._seqs, self._kv_complete)
         self.cache = cache or TieredCache(pool)  # the prefix cache, over its tiers

@@ -23,6 +23,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
+from decode_worker.draft_model import DraftModel
 from decode_worker.sequence import DecodeSeq, StepInputs, step_inputs
 from decode_worker.spec_control import SpecController
 from decode_worker.speculation import NgramProposer
@@ -61,6 +62,7 @@ class Drafting:
     make_proposer: Callable[[DecodeSeq], Proposer]  # a sequence's, when it first steps
     num_draft_tokens: int = 0  # drafts verified, over the worker's life
     num_accepted_tokens: int = 0  # of those, accepted
+    draft: DraftModel | None = None  # drafts from a model for the whole batch (not proposers)
 
     def __post_init__(self) -> None:
         self._proposers: dict[tuple[str, int], Proposer] = {}
@@ -72,18 +74,28 @@ class Drafting:
         produce (a step yields up to drafts + 1)."""
         return max(0, min(self.config.num_tokens, seq.tokens_left - 1))
 
-    def drafts(self, seq: DecodeSeq, block_size: int, batch_rows: int = 1) -> list[int]:
-        """Drafts for `seq`'s next step in a batch of `batch_rows` sequences: as many as the
-        controller finds worth it, within its lookahead and the slots its table holds."""
+    def num_drafts(self, seq: DecodeSeq, block_size: int, batch_rows: int = 1) -> int:
+        """Drafts `seq`'s next step in a batch of `batch_rows` sequences may verify: as many
+        as the controller finds worth it, within its lookahead and the slots its table
+        holds (a draft model needs the prompt's tokens, which Reserve may not have sent)."""
+        if self.draft is not None and len(seq.prompt_token_ids) != seq.num_prompt_tokens:
+            return 0
         room = len(seq.block_table) * block_size - 1 - seq.next_position
         k = min(self.lookahead(seq), room)
-        if k > 0:
-            k = min(k, self.controller.k_for(seq.key, batch_rows))
+        return min(k, self.controller.k_for(seq.key, batch_rows)) if k > 0 else 0
+
+    def drafts(self, seq: DecodeSeq, block_size: int, batch_rows: int = 1) -> list[int]:
+        """A proposer's drafts for `seq`'s next step (`num_drafts` of them at most)."""
+        k = self.num_drafts(seq, block_size, batch_rows)
         return self._proposer(seq).propose(k) if k > 0 else []
 
     def batch_drafts(self, batch: Sequence[DecodeSeq], block_size: int) -> list[list[int]]:
         """Every sequence's drafts for the next step (executor thread); notes its rows."""
-        drafts = [self.drafts(seq, block_size, len(batch)) for seq in batch]
+        if self.draft is not None:
+            ks = [self.num_drafts(seq, block_size, len(batch)) for seq in batch]
+            drafts = self.draft.propose(batch, ks)
+        else:
+            drafts = [self.drafts(seq, block_size, len(batch)) for seq in batch]
         self.step_rows = len(batch) + sum(len(d) for d in drafts)
         return drafts
 
@@ -113,6 +125,8 @@ class Drafting:
             accepted = min(len(seq_drafts), len(seq_kept) - 1)
             if seq_drafts:
                 self.controller.observe(seq.key, len(seq_drafts), accepted)
+            if self.draft is not None:
+                self.draft.verified(seq, len(seq_drafts), accepted)
             seq.num_draft_tokens += len(seq_drafts)
             seq.num_accepted_tokens += accepted
             self.num_draft_tokens += len(seq_drafts)
@@ -122,6 +136,13 @@ class Drafting:
         """A sequence (`DecodeSeq.key`) left the step loop."""
         self._proposers.pop(key, None)
         self.controller.forget(key)
+        if self.draft is not None:
+            self.draft.forget(key)
+
+    def moved(self, key: tuple[str, int]) -> None:
+        """A sequence's blocks changed under it (swapped back in): its draft K/V is gone."""
+        if self.draft is not None:
+            self.draft.forget(key)
 
 
 def row_inputs(batch: Sequence[DecodeSeq], drafts: Sequence[list[int]], block_size: int

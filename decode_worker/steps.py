@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from decode_worker.draft_model import DraftModel
 from decode_worker.kv_stage import KvStage
 from decode_worker.samples import fork_samples
 from decode_worker.sequence import (
@@ -64,7 +65,8 @@ class StepLoop:
 
     def __init__(self, model: Transformer, pool: KvPool, blocks: BlockQueue,
                  seqs: Mapping[str, DecodeSeq], finish: Finish, stage_bytes: int = 0,
-                 speculative: SpeculativeConfig | None = None, **prefill_options: int) -> None:
+                 speculative: SpeculativeConfig | None = None, draft: DraftModel | None = None,
+                 **prefill_options: int) -> None:
         self.model = model
         self.pool = pool
         self.blocks = blocks
@@ -86,7 +88,7 @@ class StepLoop:
             if self.stage is not None:
                 raise ValueError("speculative decoding reads the pages: no dense K/V stage "
                                  "(--decode-stage-mib 0)")
-            self.drafting = Drafting(speculative, ngram_proposer(speculative))
+            self.drafting = Drafting(speculative, ngram_proposer(speculative), draft=draft)
         self._wake = asyncio.Event()
         # Set when the step loop must come back to the event loop (admissions, prefill work):
         # read by the executor thread, which otherwise steps a stable batch back to back.
@@ -153,6 +155,8 @@ class StepLoop:
             self.pool.cache[:, :, ids] = seq.swapped_kv.to(self.pool.cache.device)
             seq.swapped_kv = None
             seq.phase = Phase.RUNNING
+            if self.drafting is not None:
+                self.drafting.moved(seq.key)
             self.swapped.pop(0)
             self.running.append(seq)
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 import grpc
 
 from deploy.start_log import record_start
-from deploy.worker_model import build_model, stage_bytes
+from deploy.worker_model import build_draft, build_model, stage_bytes
 from kvferry import trace
 from kvferry.cache.layout import KvLayout
 from kvferry.faults import Faults
@@ -148,7 +148,8 @@ def build_worker(settings: WorkerSettings) -> tuple[Built, object]:
                               cache=build_tiered_cache(pool, settings.tiers),
                               token_budget=token_budget,
                               chunk_size=settings.prefill_chunk_size,
-                              speculative=settings.speculative)
+                              speculative=settings.speculative,
+                              draft=build_draft(settings, model, pool))
         from kvferry.transfer import transport
 
         on_stop = _then(engine.stop, transport.add_receivers(

@@ -12,8 +12,12 @@ def speculative_args(p: argparse.ArgumentParser, prefix: str = "") -> None:
     p.add_argument("--speculative-method", default=SPECULATIVE_METHODS[0],
                    choices=SPECULATIVE_METHODS,
                    help=prefix + "ngram: draft the tokens that followed the latest earlier "
-                        "occurrence of the last few tokens (prompt lookup, no extra model) and "
-                        "verify them in one forward; greedy and seeded outputs are unchanged")
+                        "occurrence of the last few tokens (prompt lookup, no extra model); "
+                        "draft: a smaller model's argmax (--speculative-model); the drafts are "
+                        "verified in one forward and greedy and seeded outputs are unchanged")
+    p.add_argument("--speculative-model", default="",
+                   help=prefix + "draft: the draft model's checkpoint directory (the model's "
+                        "tokenizer); its prompt K/V is recomputed on the decode worker")
     p.add_argument("--num-speculative-tokens", type=int, default=DEFAULT_NUM_SPECULATIVE_TOKENS,
                    help=prefix + "drafts verified per step at most")
     p.add_argument("--prompt-lookup-min", type=int, default=SpeculativeConfig.prompt_lookup_min,
@@ -30,7 +34,7 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig:
     """The flags as a config (ValueError naming the field when one is wrong)."""
     return SpeculativeConfig(args.speculative_method, args.num_speculative_tokens,
                              args.prompt_lookup_min, args.prompt_lookup_max,
-                             args.speculative_adaptive == "on")
+                             args.speculative_adaptive == "on", args.speculative_model)
 
 
 def speculative_argv(args: argparse.Namespace) -> list[str]:
@@ -41,4 +45,5 @@ def speculative_argv(args: argparse.Namespace) -> list[str]:
     return ["--speculative-method", config.method, "--num-speculative-tokens",
             str(config.num_tokens), "--prompt-lookup-min", str(config.prompt_lookup_min),
             "--prompt-lookup-max", str(config.prompt_lookup_max),
-            "--speculative-adaptive", "on" if config.is_adaptive else "off"]
+            "--speculative-adaptive", "on" if config.is_adaptive else "off",
+            *(["--speculative-model", config.model] if config.model else [])]

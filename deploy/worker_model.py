@@ -29,6 +29,7 @@ from kvferry.settings import (
 from kvferry.sizes import AUTO, parse_pool_size
 
 if TYPE_CHECKING:
+    from decode_worker.draft_model import DraftModel
     from kvferry.model.transformer import Transformer
 
 log = logging.getLogger("kvferry.worker")
@@ -189,6 +190,25 @@ def build_pool(settings: WorkerSettings, config, device: torch.device,
     return KvPool(config.num_layers, config.num_kv_heads, config.head_dim, settings.block_size,
                   num_blocks, dtype, device, prefix_caching=settings.prefix_caching,
                   kv_cache_dtype=settings.kv_cache_dtype)
+
+
+def build_draft(settings: WorkerSettings, model: Transformer, pool: KvPool
+                ) -> DraftModel | None:
+    """The draft model of `--speculative-method draft` (None otherwise): on the target's
+    device and dtype, with a pool of the target pool's blocks (ValueError naming the flag
+    when its vocabulary differs)."""
+    if settings.speculative.method != "draft":
+        return None
+    from decode_worker.draft_model import DraftModel, check_draft, draft_pool
+    from kvferry.model.transformer import Transformer
+
+    config = load_model_config(settings.speculative.model, load_format=settings.load_format)
+    draft = Transformer(config, model.backend, model.dtype, model.device)
+    check_draft(model, draft)
+    built = DraftModel(draft, draft_pool(draft, pool))
+    log.info("draft model %s: %d layers, its K/V pool %d blocks", settings.speculative.model,
+             config.num_layers, built.pool.num_blocks)
+    return built
 
 
 def build_model(settings: WorkerSettings) -> tuple[Transformer, KvPool, str]:

@@ -141,7 +141,7 @@ def parse_batch_sizes(text: str) -> tuple[int, ...]:
     return sizes
 
 
-SPECULATIVE_METHODS = ("off", "ngram")
+SPECULATIVE_METHODS = ("off", "ngram", "draft")
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
 
 
@@ -150,19 +150,25 @@ class SpeculativeConfig:
     """Speculative decoding on decode and colocated workers (docs/spec-decode-design.md).
     ngram: prompt lookup, the drafts are the `num_tokens` tokens that followed the latest
     earlier occurrence of the sequence's last n tokens, n from `prompt_lookup_max` down to
-    `prompt_lookup_min` (vLLM's flags of those names). Adaptive: each sequence verifies the
-    drafts worth their cost (docs/spec-decode-design.md 3.7)."""
+    `prompt_lookup_min` (vLLM's flags of those names). draft: the argmax of `model` (a
+    checkpoint sharing the model's tokenizer), its prompt K/V recomputed on the decode worker.
+    Adaptive: each sequence verifies the drafts worth their cost (docs/spec-decode-design.md
+    3.7)."""
 
     method: str = SPECULATIVE_METHODS[0]
     num_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     is_adaptive: bool = True  # k per sequence from its acceptance and the step cost
+    model: str = ""  # draft: the draft model's checkpoint
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_method: expected one of "
                              f"{', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")
+        if (self.method == "draft") != bool(self.model):
+            raise ValueError("speculative_model: needed with --speculative-method draft, and "
+                             "only then")
         if self.num_tokens < 1:
             raise ValueError(f"num_speculative_tokens: must be >= 1, got {self.num_tokens}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:

