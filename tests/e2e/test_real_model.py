@@ -117,6 +117,27 @@ def test_chat_answer_is_sensible(served: list[list[int]], tokenizer) -> None:
     assert "Paris" in answer, answer
 
 
+def test_the_model_as_its_own_draft_serves_the_same_tokens(
+        smollm2_checkpoint: Path, prompts: list[list[int]], served: list[list[int]],
+        gguf_deployment: Deployment) -> None:
+    """Draft-model speculation on the real model, the model drafting for itself (nothing
+    smaller shares its tokenizer here; its own argmax is mostly accepted): the decode worker
+    restarted with `--speculative-method draft`, every prompt at once, the tokens the n-gram
+    worker served (which match transformers, above)."""
+    deployment = gguf_deployment
+    flags = ["--speculative-method", "draft", "--speculative-model", str(smollm2_checkpoint)]
+    with reconfigured(deployment, ["decode-0"], flags):
+        requests = [client.make_request(p, temperature=0.0, max_tokens=MAX_NEW_TOKENS)
+                    for p in prompts]
+        results = asyncio.run(client.generate_many(deployment.router_address, requests, 300))
+        assert [list(r.token_ids) for r in results] == served
+        usage = [r.finished.usage for r in results if r.finished is not None]
+        drafted = sum(u.num_draft_tokens for u in usage)
+        assert sum(u.num_accepted_tokens for u in usage) >= 0.8 * drafted > 0
+        assert_pools_clean(deployment)
+        assert_alive(deployment)
+
+
 def test_compiled_decode_serves_the_same_tokens(prompts: list[list[int]],
                                                 served: list[list[int]],
                                                 gguf_deployment: Deployment) -> None:
