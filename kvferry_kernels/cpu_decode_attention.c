@@ -128,6 +128,16 @@ static inline void prefetch_chunk(const float *base, const int64_t *off, int64_t
                 __builtin_prefetch(base + h * head_stride + off[t] + x);
 }
 
+/* Query head i attends positions [0, qlen[i]) of the n scored (qlen NULL: all n): the rest
+ * get the score the padding of `softmax` gets, so exp makes them exactly 0 and the sums are
+ * those over [0, qlen[i]) bit for bit (added zeros change no sum). */
+static inline void mask_scores(float *s, int64_t stride_s, int64_t heads, const int64_t *qlen,
+                               int64_t n) {
+    if (!qlen) return;
+    for (int64_t i = 0; i < heads; i++)
+        for (int64_t t = qlen[i]; t < n; t++) s[i * stride_s + t] = -1e30f;
+}
+
 /* One sequence with D = 16 * NC, every KV head (H of them, G query heads each) in 16-position
  * chunks: a chunk's scores, then its part of the weighted sum of V, for all heads in turn.
  * The pool interleaves heads within a position (a head's positions are H * D floats apart),
@@ -138,7 +148,8 @@ static inline void prefetch_chunk(const float *base, const int64_t *off, int64_t
 #define ROW(NC)                                                                              \
     static inline void row_##NC(const float *q, const float *k, const float *v, float *o,   \
                                 const int64_t *off, int64_t n, int64_t heads, int64_t group, \
-                                int64_t head_stride, float scale, float *s, int64_t stride_s) { \
+                                int64_t head_stride, float scale, float *s, int64_t stride_s, \
+                                const int64_t *qlen) {                                       \
         enum { D = 16 * NC, GB = 16 / NC }; /* GB query heads' sums held in registers */    \
         int64_t t = 0;                                                                       \
         for (; t + 16 <= n; t += 16) { /* 16 positions per reduction */                     \
@@ -169,6 +180,7 @@ static inline void prefetch_chunk(const float *base, const int64_t *off, int64_t
                     s[(h * group + g) * stride_s + t] = hsum16(acc) * scale;                 \
                 }                                                                            \
             }                                                                                \
+        mask_scores(s, stride_s, heads * group, qlen, n);                                    \
         for (int64_t i = 0; i < heads * group; i++) softmax(s + i * stride_s, n);            \
         for (int64_t t0 = 0; t0 < n; t0 += 16) {                                             \
             const int64_t t1 = t0 + 16 < n ? t0 + 16 : n;                                    \
@@ -201,13 +213,14 @@ ROW(8)
 
 static void head_any(const float *q, const float *k, const float *v, float *o,
                      const int64_t *off, int64_t n, int64_t group, int64_t d, float scale,
-                     float *s, int64_t stride_s) {
+                     float *s, int64_t stride_s, const int64_t *qlen) {
     for (int64_t t = 0; t < n; t++)
         for (int64_t g = 0; g < group; g++) {
             float acc = 0.0f;
             for (int64_t i = 0; i < d; i++) acc += q[g * d + i] * k[off[t] + i];
             s[g * stride_s + t] = acc * scale;
         }
+    mask_scores(s, stride_s, group, qlen, n);
     for (int64_t g = 0; g < group; g++) softmax(s + g * stride_s, n);
     memset(o, 0, sizeof(float) * group * d);
     for (int64_t g = 0; g < group; g++)
@@ -216,22 +229,23 @@ static void head_any(const float *q, const float *k, const float *v, float *o,
 }
 
 /* One sequence: each KV head h's positions t in [0, n) at k + h * head_stride + off[t]
- * (v alike); q and out hold its Hkv * G query heads; s has Hkv * G * stride_s floats. */
+ * (v alike); q and out hold its Hkv * G query heads; s has Hkv * G * stride_s floats; qlen
+ * (NULL: n for all) each query head's length. */
 static void attend_row(const float *q, const float *k, const float *v, float *out,
                        const int64_t *off, int64_t n, int64_t num_kv_heads, int64_t group,
                        int64_t head_dim, int64_t head_stride, float scale, float *s,
-                       int64_t stride_s) {
+                       int64_t stride_s, const int64_t *qlen) {
     if (head_dim == 32)
-        row_2(q, k, v, out, off, n, num_kv_heads, group, head_stride, scale, s, stride_s);
+        row_2(q, k, v, out, off, n, num_kv_heads, group, head_stride, scale, s, stride_s, qlen);
     else if (head_dim == 64)
-        row_4(q, k, v, out, off, n, num_kv_heads, group, head_stride, scale, s, stride_s);
+        row_4(q, k, v, out, off, n, num_kv_heads, group, head_stride, scale, s, stride_s, qlen);
     else if (head_dim == 128)
-        row_8(q, k, v, out, off, n, num_kv_heads, group, head_stride, scale, s, stride_s);
+        row_8(q, k, v, out, off, n, num_kv_heads, group, head_stride, scale, s, stride_s, qlen);
     else
         for (int64_t h = 0; h < num_kv_heads; h++) {
             const int64_t at = h * group * head_dim;
             head_any(q + at, k + h * head_stride, v + h * head_stride, out + at, off, n, group,
-                     head_dim, scale, s, stride_s);
+                     head_dim, scale, s, stride_s, qlen ? qlen + h * group : NULL);
         }
 }
 
@@ -251,13 +265,34 @@ void kvferry_decode_attention_f32(const float *q, const float *k, const float *v
     for (int64_t b = 0; b < batch; b++)
         attend_row(q + b * q_row, k + b * row_stride, v + b * row_stride, out + b * q_row,
                    offsets, lens[b], num_kv_heads, group, head_dim, head_stride, scale,
-                   scratch, stride_s);
+                   scratch, stride_s, NULL);
+}
+
+/* Rows b .. b + r - 1 (r <= most) with one block table and lengths lens[b] + 0 .. r - 1:
+ * one sequence's query positions (a speculative step's last token and drafts, written before
+ * attention). Returns r (1 for a row alone). */
+static int64_t run_of_rows(const int32_t *lens, const int32_t *tables, int64_t table_stride,
+                           int64_t batch, int64_t b, int64_t most) {
+    int64_t r = 1;
+    while (r < most && b + r < batch && lens[b + r] == lens[b] + r
+           && !memcmp(tables + (b + r) * table_stride, tables + b * table_stride,
+                      sizeof(int32_t) * table_stride))
+        r++;
+    return r;
 }
 
 /* The same attention read from the paged pool in place: one layer's K and V pages, element
  * (block, slot, h, d) at block * block_stride + slot * token_stride + h * head_stride + d;
  * sequence b's position t in block tables[b * table_stride + t / block_size], slot
  * t % block_size. The same arithmetic in the same order as the dense entry, so the same bits.
+ *
+ * Several query positions of one sequence (consecutive rows: `run_of_rows`, at most
+ * max_run) are attended together, as one row whose KV heads have r * G query heads each
+ * (query head j * G + g is row j's g, masked past its own length): each K and V line is
+ * read once for all of them, and every row's result is the bits it gets alone. q_run and
+ * o_run hold max_run rows of queries; qlen max_run * Hq lengths; scratch
+ * max_run * Hq * stride_s floats.
+ *
  * Returns 0, or -1 (nothing trusted written) when a length needs more table entries than a
  * row has or a table entry it reads is not a block of the pool. */
 int kvferry_paged_decode_attention_f32(
@@ -265,11 +300,13 @@ int kvferry_paged_decode_attention_f32(
         const int32_t *lens, const int32_t *tables, int64_t table_stride, int64_t num_blocks,
         int64_t batch, int64_t num_kv_heads, int64_t group, int64_t head_dim,
         int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t head_stride,
-        float scale, float *scratch, int64_t stride_s, int64_t *offsets) {
+        float scale, float *scratch, int64_t stride_s, int64_t *offsets, int64_t max_run,
+        float *q_run, float *o_run, int64_t *qlen) {
     const int64_t q_row = num_kv_heads * group * head_dim;
-    for (int64_t b = 0; b < batch; b++) {
-        const int64_t n = lens[b];
-        if (n < 1 || (n + block_size - 1) / block_size > table_stride) return -1;
+    for (int64_t b = 0; b < batch;) {
+        const int64_t r = run_of_rows(lens, tables, table_stride, batch, b, max_run);
+        const int64_t n = lens[b] + r - 1;  /* the run's longest row */
+        if (lens[b] < 1 || (n + block_size - 1) / block_size > table_stride) return -1;
         const int32_t *table = tables + b * table_stride;
         for (int64_t t = 0, j = 0; t < n; j++) {
             const int64_t block = table[j];
@@ -277,8 +314,27 @@ int kvferry_paged_decode_attention_f32(
             for (int64_t slot = 0; slot < block_size && t < n; slot++, t++)
                 offsets[t] = block * block_stride + slot * token_stride;
         }
-        attend_row(q + b * q_row, k_cache, v_cache, out + b * q_row, offsets, n, num_kv_heads,
-                   group, head_dim, head_stride, scale, scratch, stride_s);
+        if (r == 1) {
+            attend_row(q + b * q_row, k_cache, v_cache, out + b * q_row, offsets, n,
+                       num_kv_heads, group, head_dim, head_stride, scale, scratch, stride_s,
+                       NULL);
+        } else {  /* [r, Hkv, G, D] -> [Hkv, r, G, D], attend, and back */
+            const int64_t gd = group * head_dim;
+            for (int64_t j = 0; j < r; j++)
+                for (int64_t h = 0; h < num_kv_heads; h++) {
+                    memcpy(q_run + (h * r + j) * gd, q + (b + j) * q_row + h * gd,
+                           sizeof(float) * gd);
+                    for (int64_t g = 0; g < group; g++)
+                        qlen[(h * r + j) * group + g] = lens[b] + j;
+                }
+            attend_row(q_run, k_cache, v_cache, o_run, offsets, n, num_kv_heads, r * group,
+                       head_dim, head_stride, scale, scratch, stride_s, qlen);
+            for (int64_t j = 0; j < r; j++)
+                for (int64_t h = 0; h < num_kv_heads; h++)
+                    memcpy(out + (b + j) * q_row + h * gd, o_run + (h * r + j) * gd,
+                           sizeof(float) * gd);
+        }
+        b += r;
     }
     return 0;
 }

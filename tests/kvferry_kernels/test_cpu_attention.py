@@ -65,6 +65,47 @@ def test_large_scores_neither_overflow_nor_underflow(kernel: cpu_attention.CpuAt
                                atol=2e-5, rtol=2e-5)
 
 
+def _runs_case(head_dim: int, group: int, block_size: int, seed: int):
+    """Sequences of 5, 1 and 3 query positions (a speculative step's rows: one table, lengths
+    one apart, every position up to the longest written, NaN past it), in shuffled blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    kv_heads, num_blocks, width = 2, 40, 6
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    cache = torch.full((2, num_blocks, block_size, kv_heads, head_dim), float("nan"))
+    tables, lens = [], []
+    for start, rows in ((block_size - 2, 5), (7, 1), (2 * block_size, 3)):
+        table = [-1] * width
+        longest = start + rows
+        for j in range(-(-longest // block_size)):
+            table[j] = block = order.pop()
+            used = min(block_size, longest - j * block_size)
+            cache[:, block, :used] = torch.randn(2, used, kv_heads, head_dim, generator=gen)
+        for r in range(rows):
+            tables.append(table)
+            lens.append(start + 1 + r)
+    q = torch.randn(len(lens), kv_heads * group, head_dim, generator=gen)
+    return (q, cache[0], cache[1], torch.tensor(tables, dtype=torch.int32),
+            torch.tensor(lens, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 48])
+@pytest.mark.parametrize(("group", "block_size"), [(1, 16), (3, 4), (8, 4)])
+def test_one_sequence_s_query_positions_read_its_k_v_once_bit_for_bit(
+        kernel: cpu_attention.CpuAttention, head_dim: int, group: int, block_size: int) -> None:
+    """Consecutive rows of one sequence attended together (each K/V line read once for all)
+    give each row the bits it gets alone, and match the torch paged path."""
+    q, k_cache, v_cache, tables, lens = _runs_case(head_dim, group, block_size,
+                                                   head_dim + group + block_size)
+    assert cpu_attention.longest_run(tables, lens) == 5
+    # (grouped by default only from RUN_MIN_LENGTH tokens on: asked for here)
+    together = kernel.paged(q, k_cache, v_cache, tables, lens, head_dim**-0.5, max_run=8)
+    alone = kernel.paged(q, k_cache, v_cache, tables, lens, head_dim**-0.5, max_run=1)
+    assert torch.equal(together, alone)
+    safe = [torch.nan_to_num(c) for c in (k_cache, v_cache)]
+    torch.testing.assert_close(together, paged_decode_attention_torch(
+        q, *safe, tables.clamp(min=0), lens, head_dim**-0.5), atol=2e-6, rtol=2e-5)
+
+
 @pytest.mark.parametrize("change, error", [
     (lambda a: {**a, "q": a["q"].double()}, "fp32"),
     (lambda a: {**a, "k": a["k"].transpose(2, 3).contiguous().transpose(2, 3)}, "strided"),
