@@ -12,10 +12,12 @@ from router.events import DoneEvent
 
 
 class StreamClock:
-    """Records TTFT and ITL as token chunks arrive, the rest once the request ends."""
+    """Records TTFT and ITL as token chunks arrive, the rest once the request ends. A request
+    of several samples is timed by the first of them to end; every sample's tokens count."""
 
     def __init__(self, metrics: RouterMetrics | None) -> None:
         self.metrics = metrics
+        self.tokens_only: RouterMetrics | None = None  # after the first DoneEvent
         self.start = time.perf_counter()
         self.last = 0.0  # arrival of the latest chunk; 0 before the first
         self.ttft = 0.0
@@ -33,7 +35,9 @@ class StreamClock:
 
     def done(self, event: DoneEvent) -> None:
         m = self.metrics
-        if m is None:
+        if m is None:  # a later sample of the request: its tokens only
+            if self.tokens_only is not None:
+                self.tokens_only.generation_tokens.inc(event.completion_tokens)
             return
         latency = time.perf_counter() - self.start
         m.e2e.observe(latency)
@@ -48,7 +52,7 @@ class StreamClock:
         m.finished.labels(event.reason.name.lower()).inc()
         m.prompt_tokens.inc(event.prompt_tokens)
         m.generation_tokens.inc(event.completion_tokens)
-        self.metrics = None  # recorded once
+        self.metrics, self.tokens_only = None, m  # recorded once
 
     def failed(self, code_name: str) -> None:
         """The request ended with an error: `code_name` is its gRPC status's name (the HTTP

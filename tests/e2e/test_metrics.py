@@ -66,6 +66,27 @@ def test_router_metrics_count_what_happened(qwen3_deployment: Deployment) -> Non
     assert delta("kvferry_time_to_first_token_seconds_sum") <= sum(r.ttft_s for r in results)
 
 
+def test_a_request_of_samples_is_one_request_with_every_sample_s_tokens(
+        qwen3_deployment: Deployment) -> None:
+    """sampling.n = 3: one request in the latency histograms and the finished count, the three
+    samples' tokens in the generation count."""
+    router = _port(qwen3_deployment, "router")
+    before = scrape(router)
+    request = client.make_request(list(range(5, 25)), temperature=0.8, seed=3, n=3,
+                                  max_tokens=5, ignore_eos=True)
+    samples = asyncio.run(client.generate_samples(qwen3_deployment.router_address, request, 60))
+    after = scrape(router)
+
+    def delta(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert [len(s.token_ids) for s in samples] == [5, 5, 5]
+    assert delta("kvferry_e2e_request_latency_seconds_count") == 1
+    assert delta("kvferry_requests_finished_total", reason="length") == 1
+    assert delta("kvferry_prompt_tokens_total") == 20
+    assert delta("kvferry_generation_tokens_total") == 15
+
+
 def test_worker_metrics_pool_and_kv_bytes(qwen3_deployment: Deployment) -> None:
     prefill, decode = _port(qwen3_deployment, "prefill-0"), _port(qwen3_deployment, "decode-0")
     sent0, received0 = scrape(prefill), scrape(decode)
