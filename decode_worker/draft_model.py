@@ -29,7 +29,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from decode_worker.sequence import DecodeSeq
+from decode_worker.sequence import DecodeSeq, PagedRow, step_inputs
 from kvferry.cache.pool import KvPool
 from kvferry.model.transformer import Transformer
 
@@ -95,17 +95,12 @@ class DraftModel:
 
     def _step(self, seqs: list[DecodeSeq], tokens: list[int], offset: int) -> list[int]:
         """Feed each sequence's latest draft at its next position + `offset`: the next."""
-        positions = [seq.next_position + offset for seq in seqs]
-        width = max(len(seq.block_table) for seq in seqs)
-        table = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs],
-                             dtype=torch.int32)
-        size = self.pool.block_size
-        slots = [s.block_table[p // size] * size + p % size for s, p in zip(seqs, positions)]
+        rows = step_inputs([PagedRow(s.block_table, s.next_position + offset) for s in seqs],
+                           self.pool.block_size)
         device = self.model.device
         logits = self.model.decode(torch.tensor(tokens, device=device),
-                                   torch.tensor(positions, device=device),
-                                   torch.tensor(slots, dtype=torch.int64, device=device),
-                                   table.to(device), self.pool)
+                                   rows.positions.to(device), rows.slots.to(device),
+                                   rows.block_tables.to(device), self.pool)
         return logits.argmax(dim=-1).tolist()
 
     def verified(self, seq: DecodeSeq, num_drafts: int, num_accepted: int) -> None:

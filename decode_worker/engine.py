@@ -127,9 +127,8 @@ class DecodeEngine:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for seq in list(self._seqs.values()):
-            self._finish(seq, ErrorEvent(seq.request_id, Aborted("decode worker stopped")))
-            for other in seq.members:  # ended by the error already; any sample left too
-                self._finish(other, ErrorEvent(seq.request_id, Aborted("decode worker stopped")))
+            for member in seq.members:  # sample 0 may have ended before the others
+                self._finish(member, ErrorEvent(seq.request_id, Aborted("decode worker stopped")))
         self.steps.executor.shutdown(wait=True)
         self.cache.close()
 

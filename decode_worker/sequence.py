@@ -173,6 +173,14 @@ class PagedSeq(Protocol):
     def next_position(self) -> int: ...
 
 
+class PagedRow(NamedTuple):
+    """One query row as `step_inputs` sees it: a sequence's table and the position it writes
+    (a speculative step's draft rows, a draft model's steps)."""
+
+    block_table: list[int]
+    next_position: int
+
+
 class StepInputs(NamedTuple):
     """A decode step's paging inputs, on the host."""
 

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 import torch
 
 from decode_worker.draft_model import DraftModel
-from decode_worker.sequence import DecodeSeq, StepInputs, step_inputs
+from decode_worker.sequence import DecodeSeq, PagedRow, StepInputs, step_inputs
 from decode_worker.spec_control import SpecController
 from decode_worker.speculation import NgramProposer
 from kvferry.cache.block_table import truncate
@@ -45,13 +45,6 @@ class Proposer(Protocol):
 
 def ngram_proposer(config: SpeculativeConfig) -> Callable[[DecodeSeq], Proposer]:
     return lambda seq: NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-
-
-class _Row(NamedTuple):
-    """One query row as `step_inputs` sees a sequence: its table and the position it writes."""
-
-    block_table: list[int]
-    next_position: int
 
 
 @dataclass
@@ -150,11 +143,11 @@ def row_inputs(batch: Sequence[DecodeSeq], drafts: Sequence[list[int]], block_si
     """Token ids [T] and paging inputs of the rows [last token, drafts...] of every
     sequence, in batch order: each row a one-token step of its own (`step_inputs`)."""
     tokens: list[int] = []
-    rows: list[_Row] = []
+    rows: list[PagedRow] = []
     for seq, seq_drafts in zip(batch, drafts):
         for j, token in enumerate([seq.tokens[-1], *seq_drafts]):
             tokens.append(token)
-            rows.append(_Row(seq.block_table, seq.next_position + j))
+            rows.append(PagedRow(seq.block_table, seq.next_position + j))
     return torch.tensor(tokens), step_inputs(rows, block_size)
 
 

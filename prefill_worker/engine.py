@@ -53,7 +53,7 @@ class FirstTokenEvent(NamedTuple):
     prefill_s: float
     num_cached_tokens: int = 0  # leading prompt tokens the prefix cache held
     cached_by_tier: TierTokens = TierTokens()  # of those, promoted from each lower tier
-    sample_token_ids: list[int] = []  # noqa: RUF012 - parallel sampling: samples 1..n-1
+    sample_token_ids: tuple[int, ...] = ()  # parallel sampling: samples 1..n-1
 
 
 class PushedEvent(NamedTuple):
@@ -170,7 +170,7 @@ class PrefillEngine:
                 self._parked[request_id] = parked
                 self._evict_parked()  # a prefill with a reservation may wait for blocks
             yield FirstTokenEvent(token, time.perf_counter() - job.started_at, num_cached,
-                                  hit.by_tier, job.sample_token_ids)
+                                  hit.by_tier, tuple(job.sample_token_ids))
             if parked is not None:
                 address, skip = await parked.ship
                 push = asyncio.ensure_future(self.sender.push(

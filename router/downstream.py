@@ -144,14 +144,13 @@ class Downstream:
                                                   state.block_keys)
         return candidates, self.clock() - start
 
-    def admission_would_wait(self, num_prompt: int, max_tokens: int, num_samples: int = 1
-                             ) -> bool:
+    def admission_would_wait(self, num_prompt: int, max_tokens: int) -> bool:
         """Headroom policy, prefill workers to prefill on, and no decode worker with room
         right now."""
         if not isinstance(self.policy, HeadroomPolicy) or not self.workers.has_prefill_workers():
             return False
         workers = self.workers.decode_workers()
-        need = blocks_needed(num_prompt, max_tokens, self.workers.block_size(), num_samples)
+        need = blocks_needed(num_prompt, max_tokens, self.workers.block_size())
         return max(w.headroom for w in workers) < need
 
     async def abort_decode(self, state: RouterRequest) -> None:

@@ -4,7 +4,7 @@ sampling parameters, one status mapping) for the two PrefillService servicers.""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from typing import Generic, Protocol, TypeVar
 
@@ -84,9 +84,9 @@ class PrefillStreamServicer(WorkerServicer[EngineT]):
 
 
 def first_token(token_id: int, prefill_s: float, num_cached_tokens: int = 0,
-                by_tier: TierTokens = NO_TIER_TOKENS, sample_token_ids: list[int] | None = None
+                by_tier: TierTokens = NO_TIER_TOKENS, sample_token_ids: Sequence[int] = ()
                 ) -> worker_pb2.PrefillResponse:
     return worker_pb2.PrefillResponse(first_token=worker_pb2.FirstToken(
         token_id=token_id, prefill_s=prefill_s, num_cached_tokens=num_cached_tokens,
         num_cached_host_tokens=by_tier.host, num_cached_disk_tokens=by_tier.disk,
-        num_cached_store_tokens=by_tier.store, sample_token_ids=sample_token_ids or []))
+        num_cached_store_tokens=by_tier.store, sample_token_ids=sample_token_ids))

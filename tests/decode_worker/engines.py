@@ -1,14 +1,19 @@
 """In-process decode engines for the decode worker's tests: an fp32 CPU engine over its own
-pool, and a prompt's K/V pushed into it as a prefill worker would."""
+pool, a prompt's K/V pushed into it as a prefill worker would, and the tokens an attached
+request streams."""
 
 from __future__ import annotations
+
+import asyncio
 
 import torch
 
 from decode_worker.engine import DecodeEngine
+from decode_worker.sequence import DecodeEvent, FinishedEvent, TokensEvent
 from kvferry.cache.layout import KvLayout, blocks_for_tokens
 from kvferry.cache.pool import KvPool
 from kvferry.model.transformer import Transformer
+from tests.waiting import within
 
 
 def cpu_engine(model: Transformer, block_size: int, num_blocks: int, **options: object
@@ -37,3 +42,15 @@ def push_random_prompt(engine: DecodeEngine, request_id: str, num_tokens: int, s
     data = wire.pack_array(sender, list(range(num_blocks)), span).tobytes()
     engine.receiver.receive_chunk(request_id, layout, num_tokens, span, data, wire.crc32(data))
     engine.receiver.finish_push(request_id)
+
+
+async def collect_tokens(queue: asyncio.Queue[DecodeEvent], request_id: str,
+                         tokens: list[int]) -> list[int]:
+    """`tokens` and then those an attached request streams, until it finishes."""
+    tokens = list(tokens)
+    while True:
+        event = await within(queue.get(), f"{request_id}'s next update")
+        if isinstance(event, FinishedEvent):
+            return tokens
+        assert isinstance(event, TokensEvent), event
+        tokens += event.token_ids

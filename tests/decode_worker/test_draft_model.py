@@ -15,14 +15,13 @@ import torch
 
 from decode_worker.draft_model import DraftModel, check_draft, draft_pool
 from decode_worker.engine import DecodeEngine
-from decode_worker.sequence import FinishedEvent, TokensEvent
 from kvferry.model.config import load_model_config
 from kvferry.model.sampling import SamplingParams
 from kvferry.model.transformer import Transformer
 from kvferry.settings import SpeculativeConfig
 from kvferry_kernels.dispatch import get_attention_backend
-from tests.decode_worker.engines import cpu_engine
-from tests.waiting import until, within
+from tests.decode_worker.engines import collect_tokens, cpu_engine
+from tests.waiting import until
 
 BLOCK_SIZE = 4
 MAX_TOKENS = 24
@@ -58,13 +57,7 @@ def _decode(engine: DecodeEngine, params: SamplingParams) -> dict[str, list[int]
         await engine.reserve(request_id, len(prompt), MAX_TOKENS, 30.0, prompt)
         first, *_ = await engine.prefill_local(request_id, prompt, params)
         queue = engine.attach(request_id, first, params, MAX_TOKENS - 1, [])
-        tokens = [first]
-        while True:
-            event = await within(queue.get(), f"{request_id}'s next update")
-            if not isinstance(event, TokensEvent):
-                assert isinstance(event, FinishedEvent), event
-                return tokens
-            tokens += event.token_ids
+        return await collect_tokens(queue, request_id, [first])
 
     async def run() -> dict[str, list[int]]:
         engine.start()

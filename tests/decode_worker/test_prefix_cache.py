@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from decode_worker.engine import DecodeEngine
-from decode_worker.sequence import DecodeEvent, FinishedEvent, TokensEvent
 from kvferry.cache.layout import KvLayout, blocks_for_tokens
 from kvferry.cache.pool import KvPool
 from kvferry.cache.prefix import Tier
@@ -25,7 +24,8 @@ from kvferry.model.sampling import SamplingParams
 from kvferry.model.transformer import Transformer
 from kvferry.transfer import wire
 from kvferry_kernels.dispatch import get_attention_backend
-from tests.waiting import until, within
+from tests.decode_worker.engines import collect_tokens
+from tests.waiting import until
 
 BLOCK_SIZE = 4
 GREEDY = SamplingParams(temperature=0.0)
@@ -53,18 +53,7 @@ async def _generate(engine: DecodeEngine, request_id: str, prompt: list[int],
     await engine.reserve(request_id, len(prompt), max_tokens, 30.0, prompt, salt)
     first, _, num_cached, *_ = await engine.prefill_local(request_id, prompt, GREEDY)
     queue = engine.attach(request_id, first, GREEDY, max_tokens - 1, [])
-    return await _collect(queue, request_id, first), num_cached
-
-
-async def _collect(queue: asyncio.Queue[DecodeEvent], request_id: str, first: int) -> list[int]:
-    """The tokens an attached request streams, after its first, until it finishes."""
-    tokens = [first]
-    while True:
-        event = await within(queue.get(), f"{request_id}'s next update")
-        if isinstance(event, FinishedEvent):
-            return tokens
-        assert isinstance(event, TokensEvent), event
-        tokens += event.token_ids
+    return await collect_tokens(queue, request_id, [first]), num_cached
 
 
 def _run(engine: DecodeEngine, batches: list[list[tuple[list[int], int]]], salt: str = "",
@@ -243,7 +232,7 @@ def test_preempting_a_request_on_shared_blocks_keeps_tokens(model: Transformer) 
                     firsts[rid] = first, cached
                 queues = {rid: engine.attach(rid, first, GREEDY, 15, [])
                           for rid, (first, _) in firsts.items()}
-                return {rid: (await _collect(queue, rid, firsts[rid][0]), firsts[rid][1])
+                return {rid: (await collect_tokens(queue, rid, [firsts[rid][0]]), firsts[rid][1])
                         for rid, queue in queues.items()}
             finally:
                 await engine.stop()

@@ -23,15 +23,13 @@ import pytest
 import torch
 
 from decode_worker.engine import DecodeEngine
-from decode_worker.sequence import FinishedEvent, TokensEvent
 from kvferry.model.config import load_model_config
 from kvferry.model.sampling import SamplingParams
 from kvferry.model.transformer import Transformer
 from kvferry.settings import SpeculativeConfig
 from kvferry_kernels.dispatch import get_attention_backend
-from tests.decode_worker.engines import cpu_engine, push_random_prompt
+from tests.decode_worker.engines import collect_tokens, cpu_engine, push_random_prompt
 from tests.kvferry.model.test_sampling_distribution import FALSE_ALARM, _chi2_critical
-from tests.waiting import within
 
 BLOCK_SIZE = 4
 PROMPT = 10
@@ -84,13 +82,7 @@ def _sample(engine: DecodeEngine, seeds: range) -> list[list[int]]:
         push_random_prompt(engine, request_id, PROMPT, 0)  # the same prompt for all
         queue = engine.attach(request_id, FIRST_TOKEN, SamplingParams(**PARAMS, seed=seed),
                               MAX_TOKENS - 1, [])
-        tokens: list[int] = []
-        while True:
-            event = await within(queue.get(), f"{request_id}'s next update")
-            if not isinstance(event, TokensEvent):
-                assert isinstance(event, FinishedEvent), event
-                return tokens
-            tokens += event.token_ids
+        return await collect_tokens(queue, request_id, [])
 
     async def run() -> list[list[int]]:
         engine.start()

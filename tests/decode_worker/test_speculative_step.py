@@ -14,15 +14,15 @@ import pytest
 import torch
 
 from decode_worker.engine import DecodeEngine
-from decode_worker.sequence import DecodeSeq, FinishedEvent, TokensEvent
+from decode_worker.sequence import DecodeSeq
 from kvferry.cache.layout import blocks_for_tokens
 from kvferry.model.config import load_model_config
 from kvferry.model.sampling import SamplingParams
 from kvferry.model.transformer import Transformer
 from kvferry.settings import SpeculativeConfig
 from kvferry_kernels.dispatch import get_attention_backend
-from tests.decode_worker.engines import cpu_engine, push_random_prompt
-from tests.waiting import until, within
+from tests.decode_worker.engines import collect_tokens, cpu_engine, push_random_prompt
+from tests.waiting import until
 
 BLOCK_SIZE = 4
 PROMPT = 10
@@ -80,13 +80,7 @@ def _decode(engine: DecodeEngine, params: SamplingParams,
                                                    stop or [])
             tokens: dict[str, list[int]] = {}
             for request_id, queue in queues.items():
-                tokens[request_id] = [7]
-                while True:
-                    event = await within(queue.get(), f"{request_id}'s next update")
-                    if not isinstance(event, TokensEvent):
-                        assert isinstance(event, FinishedEvent), event
-                        break
-                    tokens[request_id] += event.token_ids
+                tokens[request_id] = await collect_tokens(queue, request_id, [7])
             await until(lambda: not engine.steps.running, "the step loop idle")
             stats = engine.stats(check_integrity=True)
             assert stats.integrity_ok, stats.integrity_error

@@ -12,14 +12,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from deploy import client
 from deploy.launcher import Deployment
 from tests.conftest import assert_alive, assert_pools_clean
-from tests.e2e.test_metrics import scrape, value
-from tests.e2e.test_speculative import MAX_TOKENS, _prompts
+from tests.e2e.test_speculative import (
+    MAX_TOKENS,
+    _prompts,
+    greedy_matches_transformers,
+    speculation,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -39,29 +41,10 @@ def deployment(request: pytest.FixtureRequest, qwen3_checkpoint: Path, draft_che
         started.stop()
 
 
-def _drafted(deployment: Deployment) -> tuple[float, float]:
-    drafted = accepted = 0.0
-    for process in deployment.processes:
-        if process.name.startswith(("decode", "colocated")):
-            samples = scrape(process.metrics_port)
-            drafted += value(samples, "kvferry_spec_decode_draft_tokens_total")
-            accepted += value(samples, "kvferry_spec_decode_accepted_tokens_total")
-    return drafted, accepted
-
-
 def test_greedy_with_a_draft_model_matches_transformers(deployment: Deployment,
                                                         qwen3_checkpoint: Path) -> None:
-    prompts = _prompts()
-    requests = [client.make_request(p, temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-                for p in prompts]
-    results = asyncio.run(client.generate_many(deployment.router_address, requests, 300))
-    hf = AutoModelForCausalLM.from_pretrained(qwen3_checkpoint, dtype=torch.float32).eval()
-    for prompt, got in zip(prompts, results):
-        with torch.no_grad():
-            out = hf.generate(torch.tensor([prompt]), do_sample=False, eos_token_id=None,
-                              max_new_tokens=MAX_TOKENS, pad_token_id=0)
-        assert got.token_ids == out[0, len(prompt):].tolist(), f"prompt of {len(prompt)}"
-    drafted, accepted = _drafted(deployment)
+    results = greedy_matches_transformers(deployment, qwen3_checkpoint)
+    drafted, accepted = speculation(deployment)
     assert drafted > 0 and accepted < drafted, (drafted, accepted)
     usage = [r.finished.usage for r in results if r.finished is not None]
     assert sum(u.num_draft_tokens for u in usage) > 0

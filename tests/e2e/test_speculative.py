@@ -33,7 +33,7 @@ def _prompts() -> list[list[int]]:
     return prompts
 
 
-def _speculation(deployment: Deployment) -> tuple[float, float]:
+def speculation(deployment: Deployment) -> tuple[float, float]:
     """Draft and accepted tokens over the deployment's decode-side workers."""
     drafted = accepted = 0.0
     for process in deployment.processes:
@@ -44,22 +44,30 @@ def _speculation(deployment: Deployment) -> tuple[float, float]:
     return drafted, accepted
 
 
-@pytest.mark.parametrize("fixture", ["qwen3_nixl_deployment", "colocated_deployment"])
-def test_greedy_with_ngram_drafts_matches_transformers(fixture: str, qwen3_checkpoint: Path,
-                                                        request: pytest.FixtureRequest) -> None:
-    deployment: Deployment = request.getfixturevalue(fixture)
-    drafted0, accepted0 = _speculation(deployment)
+def greedy_matches_transformers(deployment: Deployment, checkpoint: Path
+                                ) -> list[client.Completion]:
+    """The repeating prompts served greedily, each token-identical to transformers generate
+    on `checkpoint`; the completions."""
     prompts = _prompts()
     requests = [client.make_request(p, temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
                 for p in prompts]
     results = asyncio.run(client.generate_many(deployment.router_address, requests, 300))
-    hf = AutoModelForCausalLM.from_pretrained(qwen3_checkpoint, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     for prompt, got in zip(prompts, results):
         with torch.no_grad():
             out = hf.generate(torch.tensor([prompt]), do_sample=False, eos_token_id=None,
                               max_new_tokens=MAX_TOKENS, pad_token_id=0)
         assert got.token_ids == out[0, len(prompt):].tolist(), f"prompt of {len(prompt)}"
-    drafted1, accepted1 = _speculation(deployment)
+    return results
+
+
+@pytest.mark.parametrize("fixture", ["qwen3_nixl_deployment", "colocated_deployment"])
+def test_greedy_with_ngram_drafts_matches_transformers(fixture: str, qwen3_checkpoint: Path,
+                                                        request: pytest.FixtureRequest) -> None:
+    deployment: Deployment = request.getfixturevalue(fixture)
+    drafted0, accepted0 = speculation(deployment)
+    results = greedy_matches_transformers(deployment, qwen3_checkpoint)
+    drafted1, accepted1 = speculation(deployment)
     drafted, accepted = drafted1 - drafted0, accepted1 - accepted0
     assert drafted > 0, "no drafts were made: the test checks nothing speculative"
     assert 0 < accepted < drafted, (drafted, accepted)  # some accepted, some rolled back
