@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from kvferry_kernels import artifact_cache
+from kvferry_kernels.query_runs import query_runs
 
 log = logging.getLogger("kvferry.kernels")
 
@@ -60,16 +61,7 @@ def longest_run(block_tables: torch.Tensor, seq_lens: torch.Tensor) -> int:
     """The most consecutive rows with one block table and lengths one apart: one sequence's
     query positions (a speculative step's last token and drafts), which the paged kernel
     attends together."""
-    if block_tables.shape[0] < 2:
-        return 1
-    same = ((seq_lens[1:] - seq_lens[:-1]) == 1) & (block_tables[1:] == block_tables[:-1]).all(1)
-    if not bool(same.any()):
-        return 1
-    longest = run = 1
-    for joined in same.tolist():
-        run = run + 1 if joined else 1
-        longest = max(longest, run)
-    return longest
+    return query_runs(block_tables, seq_lens).longest
 
 
 class CpuAttention:

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kvferry_kernels.kv_quant import QuantPages, dequantize
+from kvferry_kernels.query_runs import QueryRuns, query_runs
 
 
 def _gather(cache: torch.Tensor, ids: torch.Tensor, batch: int, num_blocks: int,
@@ -91,6 +92,35 @@ def dense_decode_attention(
     return out.view(batch, num_q_heads, head_dim).to(q.dtype)
 
 
+def _attend_runs(q: torch.Tensor, k_cache: torch.Tensor | QuantPages,
+                 v_cache: torch.Tensor | QuantPages, block_table: torch.Tensor,
+                 seq_lens: torch.Tensor, sm_scale: float, runs: QueryRuns) -> torch.Tensor:
+    """Each run's K/V gathered (and dequantized) once, up to its longest row, and all its
+    rows attended over it as the query positions of one sequence, each masked past its
+    own length: [B, Hq, D] float32, NaN in a row that met non-finite K/V past its length."""
+    num_runs, rows = runs.first.shape[0], runs.longest
+    num_q_heads, head_dim = q.shape[1:]
+    block_size = k_cache.shape[1]
+    run_lens = seq_lens[runs.last]  # [U] each run's longest length
+    max_len = int(run_lens.max())
+    num_blocks = (max_len + block_size - 1) // block_size
+    ids = block_table[runs.first, :num_blocks].reshape(-1).to(torch.int64)  # [U * nb]
+    gather_k = _gather_quant if isinstance(k_cache, QuantPages) else _gather
+    gather_v = _gather_quant if isinstance(v_cache, QuantPages) else _gather
+    k = gather_k(k_cache, ids, num_runs, num_blocks, max_len).transpose(1, 2)  # [U, Hkv, L, D]
+    v = gather_v(v_cache, ids, num_runs, num_blocks, max_len).transpose(1, 2)
+    queries = q.new_zeros(num_runs, rows, num_q_heads, head_dim, dtype=torch.float32)
+    queries[runs.run, runs.offset] = q.float()
+    lens = torch.ones(num_runs, rows, dtype=seq_lens.dtype, device=q.device)  # padding: 1
+    lens[runs.run, runs.offset] = seq_lens.to(q.device)
+    bias = torch.zeros(num_runs, rows, max_len, device=q.device)
+    bias.masked_fill_(torch.arange(max_len, device=q.device) >= lens[:, :, None], float("-inf"))
+    out = F.scaled_dot_product_attention(
+        queries.transpose(1, 2), k, v, attn_mask=bias[:, None], scale=sm_scale,
+        enable_gqa=num_q_heads != k.shape[1])  # [U, Hq, R, D]
+    return out.transpose(1, 2)[runs.run, runs.offset]
+
+
 def paged_decode_attention_torch(
     q: torch.Tensor,  # [B, Hq, D]
     k_cache: torch.Tensor | QuantPages,  # [num_blocks, block_size, Hkv, D]
@@ -99,6 +129,30 @@ def paged_decode_attention_torch(
     seq_lens: torch.Tensor,  # [B] int32
     sm_scale: float,
 ) -> torch.Tensor:  # [B, Hq, D]
+    """Several query positions of one sequence in consecutive rows (`query_runs`) read its
+    K/V once for all of them; any other row reads its own."""
+    if q.shape[0] > 1 and int(seq_lens.min()) > 0:
+        runs = query_runs(block_table, seq_lens)
+        if runs.longest > 1:
+            out = _attend_runs(q, k_cache, v_cache, block_table, seq_lens, sm_scale, runs)
+            bad = out.isnan().flatten(1).any(dim=1)
+            if bad.any():  # non-finite K/V past a row's length: that row alone, zeroed there
+                rows = bad.nonzero().flatten()
+                out[rows] = _attend_rows(q[rows], k_cache, v_cache, block_table[rows],
+                                         seq_lens[rows], sm_scale).float()
+            return out.to(q.dtype)
+    return _attend_rows(q, k_cache, v_cache, block_table, seq_lens, sm_scale)
+
+
+def _attend_rows(
+    q: torch.Tensor,  # [B, Hq, D]
+    k_cache: torch.Tensor | QuantPages,
+    v_cache: torch.Tensor | QuantPages,
+    block_table: torch.Tensor,  # [B, max_blocks]
+    seq_lens: torch.Tensor,  # [B]
+    sm_scale: float,
+) -> torch.Tensor:  # [B, Hq, D]
+    """Each row over its own gathered K/V."""
     batch = q.shape[0]
     block_size = k_cache.shape[1]
     max_len = int(seq_lens.max().item()) if batch else 0

@@ -51,6 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvferry_kernels import query_runs
 from kvferry_kernels.kv_quant import QuantPages
 
 # Read once: triton decides at decoration time whether a kernel is interpreted.
@@ -186,6 +187,7 @@ def _decode_stage1_kernel(
     v_scale_ptr,
     block_table_ptr,
     seq_lens_ptr,
+    run_rows_ptr,  # [B] int32 rows each program attends (RUN_ROWS > 1 only; else unused)
     out_ptr,
     part_out_ptr,
     part_max_ptr,
@@ -236,25 +238,41 @@ def _decode_stage1_kernel(
     DOT_PRECISION: tl.constexpr,
     IS_QUANT: tl.constexpr,  # K/V are int8/fp8 values with scales (else scale pointers unused)
     ONE_LAUNCH: tl.constexpr,  # the last split of each (sequence, KV head) merges (no stage 2)
+    RUN_ROWS: tl.constexpr,  # most rows one program attends (`run_rows`); 1: one row each
 ):
     split = tl.program_id(0)
     kv_head = tl.program_id(1)
     b = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + b)
-    num_tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
-    tiles_per_split = (num_tiles + num_splits - 1) // num_splits
-    tile_start = split * tiles_per_split
-    tile_end = tl.minimum(tile_start + tiles_per_split, num_tiles)
-
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
-    mask_g = offs_g < GROUP
     mask_d = offs_d < HEAD_DIM
-    heads = kv_head * GROUP + offs_g  # [BLOCK_G] query heads of this KV head
+    if RUN_ROWS > 1:
+        # Tile row m is query head m % GROUP of row b + m // GROUP, whose length is
+        # seq_len + m // GROUP; rows past the run (all, when run_rows[b] is 0) are masked.
+        rows = tl.load(run_rows_ptr + b)
+        row_j = offs_g // GROUP  # [BLOCK_G]
+        mask_g = row_j < rows
+        row_len = seq_len + row_j  # [BLOCK_G]
+        longest = tl.where(rows > 0, seq_len + rows - 1, 0)
+        heads = kv_head * GROUP + offs_g % GROUP
+    else:
+        rows = 1
+        row_j = offs_g * 0
+        mask_g = offs_g < GROUP
+        row_len = seq_len
+        longest = seq_len
+        heads = kv_head * GROUP + offs_g  # [BLOCK_G] query heads of this KV head
+    num_tiles = (longest + BLOCK_N - 1) // BLOCK_N
+    tiles_per_split = (num_tiles + num_splits - 1) // num_splits
+    tile_start = split * tiles_per_split
+    tile_end = tl.minimum(tile_start + tiles_per_split, num_tiles)
+    row_b = b + row_j  # [BLOCK_G] the batch row of each tile row
 
-    q_ptrs = q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd
+    q_ptrs = (q_ptr + row_b[:, None] * stride_qb + heads[:, None] * stride_qh
+              + offs_d[None, :] * stride_qd)
     q = tl.load(q_ptrs, mask=mask_g[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
@@ -266,11 +284,12 @@ def _decode_stage1_kernel(
     k_scale_head = k_scale_ptr + kv_head * stride_ksh
     v_scale_head = v_scale_ptr + kv_head * stride_vsh
 
-    # Every tile below starts before seq_len, so each row sees a finite score and m_i
-    # becomes finite on the first iteration: no (-inf) - (-inf).
+    # Every tile below starts before the longest length, so with one row each row sees a
+    # finite score and m_i becomes finite on the first iteration: no (-inf) - (-inf). A
+    # shorter row of a run can see only -inf in a tile; it stays at -inf (m_ref below).
     for tile in range(tile_start, tile_end):
         pos = tile * BLOCK_N + offs_n  # [BLOCK_N] logical positions
-        mask_n = pos < seq_len
+        mask_n = pos < longest
         page = tl.load(bt_row + (pos // PAGE_SIZE) * stride_btp, mask=mask_n, other=0)
         page = page.to(tl.int64)  # page * stride can pass 2^31 elements
         in_page = pos % PAGE_SIZE
@@ -287,10 +306,17 @@ def _decode_stage1_kernel(
             s = s * (k_sc * qk_scale)[None, :]  # [BLOCK_G, BLOCK_N]
         else:
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where(mask_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])  # [BLOCK_G, BLOCK_N]
+        if RUN_ROWS > 1:
+            s = tl.where(pos[None, :] < row_len[:, None], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)  # nothing seen yet: 0
+            alpha = tl.exp2(m_i - m_ref)
+            p = tl.exp2(s - m_ref[:, None])  # [BLOCK_G, BLOCK_N]
+        else:
+            s = tl.where(mask_n[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])  # [BLOCK_G, BLOCK_N]
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v_off = page * stride_vn + in_page * stride_vp
         v = tl.load(
@@ -308,30 +334,33 @@ def _decode_stage1_kernel(
     if SINGLE_SPLIT:
         denom = tl.where(l_i > 0.0, l_i, 1.0)  # empty sequence: acc is 0, output 0
         o = acc / denom[:, None]
-        o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od
+        o_ptrs = (out_ptr + row_b[:, None] * stride_ob + heads[:, None] * stride_oh
+                  + offs_d[None, :] * stride_od)
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_mask)
     else:
         po_ptrs = (
             part_out_ptr
-            + b * stride_pob
+            + row_b[:, None] * stride_pob
             + heads[:, None] * stride_poh
             + split * stride_pos
             + offs_d[None, :] * stride_pod
         )
         tl.store(po_ptrs, acc, mask=row_mask)
-        pm_off = b * stride_pmb + heads * stride_pmh + split * stride_pms
+        pm_off = row_b * stride_pmb + heads * stride_pmh + split * stride_pms
         tl.store(part_max_ptr + pm_off, m_i, mask=mask_g)
         tl.store(part_sum_ptr + pm_off, l_i, mask=mask_g)
         if ONE_LAUNCH:
-            _count_done_and_merge(
-                counters_ptr + b * stride_cb + kv_head * stride_ch,
-                out_ptr + b * stride_ob + kv_head * GROUP * stride_oh,
-                part_out_ptr + b * stride_pob + kv_head * GROUP * stride_poh,
-                part_max_ptr + b * stride_pmb + kv_head * GROUP * stride_pmh,
-                part_sum_ptr + b * stride_pmb + kv_head * GROUP * stride_pmh,
-                num_splits, stride_oh, stride_od, stride_poh, stride_pos, stride_pod,
-                stride_pmh, stride_pms, GROUP, BLOCK_GM, SPLIT_CHUNK, HEAD_DIM, BLOCK_D,
-            )
+            if rows > 0:  # a row another program attends has no counter to count
+                _count_done_and_merge(
+                    counters_ptr + b * stride_cb + kv_head * stride_ch,
+                    out_ptr + b * stride_ob + kv_head * GROUP * stride_oh,
+                    part_out_ptr + b * stride_pob + kv_head * GROUP * stride_poh,
+                    part_max_ptr + b * stride_pmb + kv_head * GROUP * stride_pmh,
+                    part_sum_ptr + b * stride_pmb + kv_head * GROUP * stride_pmh,
+                    num_splits, rows, stride_ob, stride_oh, stride_od, stride_pob, stride_poh,
+                    stride_pos, stride_pod, stride_pmb, stride_pmh, stride_pms, GROUP, BLOCK_GM,
+                    SPLIT_CHUNK, HEAD_DIM, BLOCK_D,
+                )
 
 
 @triton.jit
@@ -342,11 +371,15 @@ def _count_done_and_merge(
     pm_ptr,  # partial_max at (sequence, that head, split 0)
     ps_ptr,  # partial_sum at (sequence, that head, split 0)
     num_splits,
+    rows,  # batch rows merged: the sequence's and the next rows - 1 (a run's)
+    stride_ob,
     stride_oh,
     stride_od,
+    stride_pob,
     stride_poh,
     stride_pos,
     stride_pod,
+    stride_pmb,
     stride_pmh,
     stride_pms,
     GROUP: tl.constexpr,
@@ -356,8 +389,8 @@ def _count_done_and_merge(
     BLOCK_D: tl.constexpr,
 ):
     """Count this split done; the last of the (sequence, KV head) merges every split's
-    partials of its GROUP query heads into `out` (`_merge_splits`, stage 2's code) and resets
-    the counter to 0 for the next launch.
+    partials of its GROUP query heads, for each of its `rows` rows, into `out`
+    (`_merge_splits`, stage 2's code) and resets the counter to 0 for the next launch.
 
     Why the last program reads every split's partials in full:
     - Release: the partials were stored by all threads of each program; `debug_barrier`
@@ -381,11 +414,13 @@ def _count_done_and_merge(
     tl.debug_barrier()
     num_done = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
     if num_done == num_splits - 1:
-        _merge_splits(
-            o_ptr, po_ptr, pm_ptr, ps_ptr, num_splits, stride_oh, stride_od, stride_poh,
-            stride_pos, stride_pod, stride_pmh, stride_pms, GROUP, BLOCK_GM, SPLIT_CHUNK,
-            HEAD_DIM, BLOCK_D,
-        )
+        for j in range(0, rows):
+            _merge_splits(
+                o_ptr + j * stride_ob, po_ptr + j * stride_pob, pm_ptr + j * stride_pmb,
+                ps_ptr + j * stride_pmb, num_splits, stride_oh, stride_od, stride_poh,
+                stride_pos, stride_pod, stride_pmh, stride_pms, GROUP, BLOCK_GM, SPLIT_CHUNK,
+                HEAD_DIM, BLOCK_D,
+            )
         tl.store(counter_ptr, 0)
 
 
@@ -476,6 +511,19 @@ def _decode_stage2_kernel(
         num_splits, stride_oh, stride_od, stride_poh, stride_pos, stride_pod, stride_pmh,
         stride_pms, 1, 1, SPLIT_CHUNK, HEAD_DIM, BLOCK_D,
     )
+
+
+def run_capacity(group: int) -> int:
+    """Most rows of a run one program attends: as many as fill the 16-row tile that `tl.dot`
+    needs anyway (GROUP query heads each), so a run costs no bigger tile than one row."""
+    return max(1, _MIN_DOT_ROWS // group)
+
+
+def query_run_rows(block_table: torch.Tensor, seq_lens: torch.Tensor, num_q_heads: int,
+                   num_kv_heads: int) -> torch.Tensor:  # [B] int32
+    """`run_rows` for `paged_decode_attention_triton`: computed on the tensors' device with
+    no host sync (once per step serves every layer)."""
+    return query_runs.run_rows(block_table, seq_lens, run_capacity(num_q_heads // num_kv_heads))
 
 
 def _split_chunk(num_splits: int, block_gm: int, block_d: int, tile_elems: int) -> int:
@@ -590,6 +638,7 @@ def paged_decode_attention_triton(
     out: torch.Tensor | None = None,  # [B, Hq, D], q's dtype; written, not read
     *,
     one_launch: bool | None = None,
+    run_rows: torch.Tensor | None = None,  # [B] int32 from `query_run_rows`
 ) -> torch.Tensor:  # [B, Hq, D]
     """Paged decode attention; same result as `paged_decode_attention_ref`.
 
@@ -604,8 +653,16 @@ def paged_decode_attention_triton(
     graph, where launches cost nothing and the last program's serial merge does
     (docs/performance.md). A workspace serves one call at a time (one stream): its counters
     are shared by the launch in flight.
+    `run_rows` (`query_run_rows` of the same block table and lengths): the rows of a run,
+    one sequence's query positions, are attended by one program per K/V head and split,
+    each K/V tile read once for all of them; None: one program per row.
     """
     _check_inputs(q, k_cache, v_cache, block_table, seq_lens)
+    if run_rows is not None and (run_rows.shape != seq_lens.shape
+                                 or run_rows.dtype != torch.int32
+                                 or run_rows.device != seq_lens.device):
+        raise ValueError(f"run_rows must be int32 {tuple(seq_lens.shape)} on "
+                         f"{seq_lens.device} (see query_run_rows)")
     is_quant = isinstance(k_cache, QuantPages)
     if _INTERPRET and q.dtype == torch.bfloat16:
         result = paged_decode_attention_triton(
@@ -618,6 +675,7 @@ def paged_decode_attention_triton(
             num_splits=num_splits,
             workspace=workspace,
             one_launch=one_launch,
+            run_rows=run_rows,
         )
         if out is None:
             return result.to(torch.bfloat16)
@@ -678,6 +736,7 @@ def paged_decode_attention_triton(
         v_scale,
         block_table,
         seq_lens,
+        seq_lens if run_rows is None else run_rows,
         out,
         ws.partial_out,
         ws.partial_max,
@@ -709,6 +768,7 @@ def paged_decode_attention_triton(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         IS_QUANT=is_quant,
         ONE_LAUNCH=is_one_launch,
+        RUN_ROWS=1 if run_rows is None else run_capacity(group),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -737,5 +797,7 @@ __all__ = [
     "default_num_splits",
     "paged_decode_attention_triton",
     "programs_per_sm",
+    "query_run_rows",
+    "run_capacity",
     "splits_for_occupancy",
 ]
