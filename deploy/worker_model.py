@@ -229,6 +229,7 @@ def build_model(settings: WorkerSettings) -> tuple[Transformer, KvPool, str]:
         max_model_len_for(settings, config)  # checked before the pool is allocated
     pool = build_pool(settings, config, device, dtype)
     if settings.role in ("decode", "colocated"):
+        model.query_runs = settings.speculative.method != "off"  # verification's rows
         buckets = parse_batch_sizes(settings.compile_batch_sizes)
         if settings.compile != "off":
             from kvferry.model.compiled import compile_decode

@@ -27,6 +27,8 @@ DecodeAttentionFn = Callable[
 ]
 # write_kv(k, v, k_cache, v_cache, slot_mapping) -> None, in place
 WriteKVFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+# run_rows(block_table, seq_lens, num_q_heads, num_kv_heads) -> [B] int32, no host sync
+RunRowsFn = Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor]
 
 BACKEND_NAMES = ("torch", "triton")
 
@@ -43,6 +45,10 @@ class AttentionBackend(NamedTuple):
     decode_attention: DecodeAttentionFn
     write_kv: WriteKVFn
     cpu_kernel: cpu_attention.CpuAttention | None = None  # reads fp32 CPU pages in place
+    # Where set, decode_attention also takes run_rows= (computed once per step by this) and
+    # then attends each run of rows, one sequence's query positions, with one read of its
+    # K/V. The torch path and the C kernel find runs themselves (kvferry_kernels.query_runs).
+    run_rows: RunRowsFn | None = None
 
 
 def get_attention_backend(name: str, cpu_kernel_dir: Path | None = None) -> AttentionBackend:
@@ -58,9 +64,13 @@ def get_attention_backend(name: str, cpu_kernel_dir: Path | None = None) -> Atte
                                 kernel)
     if name == "triton":
         from kvferry_kernels.triton_kv_append import write_kv_triton
-        from kvferry_kernels.triton_paged_attention import paged_decode_attention_triton
+        from kvferry_kernels.triton_paged_attention import (
+            paged_decode_attention_triton,
+            query_run_rows,
+        )
 
-        return AttentionBackend(name, paged_decode_attention_triton, write_kv_triton)
+        return AttentionBackend(name, paged_decode_attention_triton, write_kv_triton,
+                                run_rows=query_run_rows)
     raise ValueError(f"unknown attention backend {name!r}; expected one of {BACKEND_NAMES}")
 
 

@@ -53,6 +53,7 @@ class StaticInputs(NamedTuple):
     seq_lens: torch.Tensor  # [S] int32: positions + 1; padded rows: 1
     attn_out: torch.Tensor  # [S, Hq, D] model dtype: Triton's output, each layer in turn
     workspace: DecodeWorkspace | None  # Triton's split-KV partials; None: torch backend
+    run_rows: torch.Tensor | None  # [S] int32 (model.query_runs): each row's run; padded: 1
 
 
 class _Captured(NamedTuple):
@@ -119,6 +120,8 @@ class CudaGraphDecode:
             block_tables=torch.full((size, self.max_blocks), self.scratch_block,
                                     dtype=torch.int32, device=dev),  # [S, max_blocks]
             seq_lens=torch.ones(size, dtype=torch.int32, device=dev),
+            run_rows=(torch.ones(size, dtype=torch.int32, device=dev)
+                      if self.model.takes_run_rows else None),
             attn_out=torch.zeros(size, cfg.num_heads, cfg.head_dim, dtype=self.model.dtype,
                                  device=dev),  # [S, Hq, D]
             workspace=workspace,
@@ -157,6 +160,8 @@ class CudaGraphDecode:
         s.block_tables[:batch, :width].copy_(block_tables)
         s.block_tables[:batch, width:].fill_(self.scratch_block)
         self._pad_rows(s, batch)
+        if s.run_rows is not None:  # padded rows (scratch table, length 1) each stand alone
+            s.run_rows.copy_(self.model.run_rows(s.block_tables, s.seq_lens)["run_rows"])
 
     def _pad_rows(self, s: StaticInputs, first: int) -> None:
         """Rows [first, S) become padding: token 0 at position 0 over the scratch block."""
@@ -165,6 +170,8 @@ class CudaGraphDecode:
         s.seq_lens[first:].fill_(1)
         s.slot_mapping[first:].fill_(self.scratch_slot)
         s.block_tables[first:].fill_(self.scratch_block)
+        if s.run_rows is not None:
+            s.run_rows[first:].fill_(1)
 
     @torch.inference_mode()
     def run_body(self, size: int) -> torch.Tensor:  # [S, vocab] float32
@@ -178,7 +185,8 @@ class CudaGraphDecode:
                     model.sm_scale)
             if self._fixed_attention is None:
                 return model.backend.decode_attention(*args)
-            return self._fixed_attention(*args, workspace=s.workspace, out=s.attn_out)
+            runs = {} if s.run_rows is None else {"run_rows": s.run_rows}
+            return self._fixed_attention(*args, workspace=s.workspace, out=s.attn_out, **runs)
 
         return model.forward_tokens(model.weights, model.inv_freq, s.token_ids, s.positions,
                                     model.writing(attend, s.slot_mapping, pool))

@@ -111,6 +111,9 @@ class Transformer:
         self.sm_scale = config.head_dim**-0.5
         self.compiled: CompiledStep | None = None  # set by kvferry.model.compiled
         self.graphs: GraphStep | None = None  # set by kvferry.model.cuda_graphs
+        # Steps may hold several query positions of one sequence (speculative verification):
+        # a backend with `run_rows` then attends each sequence's rows with one K/V read.
+        self.query_runs = False
 
     def _rope(self, positions: torch.Tensor, inv_freq: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -249,6 +252,21 @@ class Transformer:
         mask = torch.arange(total, device=self.device)[None, :] <= q_pos[:, None]  # [n, total]
         return ks, vs, mask
 
+    @property
+    def takes_run_rows(self) -> bool:
+        """Whether decode steps hand the backend's decode_attention a `run_rows`."""
+        return self.query_runs and self.backend.run_rows is not None
+
+    def run_rows(self, block_tables: torch.Tensor, seq_lens: torch.Tensor
+                 ) -> dict[str, torch.Tensor]:
+        """decode_attention's run_rows for one step ({} where the backend finds runs itself
+        or `query_runs` is off)."""
+        if not self.takes_run_rows:
+            return {}
+        assert self.backend.run_rows is not None  # noqa: S101 - takes_run_rows checked it
+        return {"run_rows": self.backend.run_rows(block_tables, seq_lens,
+                                                  self.config.num_heads, self.config.num_kv_heads)}
+
     @torch.inference_mode()
     def decode(
         self,
@@ -267,13 +285,14 @@ class Transformer:
             if logits is not None:
                 return logits
         seq_lens = (positions + 1).to(torch.int32)
+        runs = self.run_rows(block_tables, seq_lens) if stage is None else {}
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             if stage is not None:
                 return stage.attend(layer, q, k, v, seq_lens, self.sm_scale)
             return self.backend.decode_attention(
                 q, pool.k_cache(layer), pool.v_cache(layer), block_tables, seq_lens,
-                self.sm_scale,
+                self.sm_scale, **runs,
             )
 
         if stage is not None:

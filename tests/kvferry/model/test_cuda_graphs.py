@@ -297,3 +297,37 @@ def test_replay_equals_the_body_on_the_same_buffers(qwen3_checkpoint: Path) -> N
     model.graphs = graphs
     replayed = model.decode(*step, pool)
     torch.testing.assert_close(replayed, body, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.triton
+@pytest.mark.skipif(not IS_INTERPRETED, reason="needs TRITON_INTERPRET=1 (CPU)")
+def test_verification_rows_attend_as_runs(qwen3_checkpoint: Path) -> None:
+    """A speculative step's rows (one sequence's last token and drafts) with `query_runs`:
+    the backend gets run_rows once per step, the eager step and the graph body give the
+    logits they give without it."""
+    model = _model(qwen3_checkpoint, "triton")
+    pool = _pool(model)
+    graphs = CudaGraphDecode(model, pool, (8,))
+    assert graphs.static(8).run_rows is None  # query_runs off: the kernel as before
+    tables, _ = _prefill(model, pool, [PROMPTS[0], PROMPTS[2]], 8)
+    a, b = len(PROMPTS[0]), len(PROMPTS[2])
+    step = _inputs([tables[0]] * 5 + [tables[1]] * 2, [a, a + 1, a + 2, a + 3, a + 4, b, b + 1])
+    want = model.decode(*step, pool)
+    calls = []
+    attention = model.backend.decode_attention
+
+    def recording(*args: object, **kwargs: torch.Tensor) -> torch.Tensor:
+        calls.append(kwargs.get("run_rows"))
+        return attention(*args, **kwargs)
+
+    model.backend = model.backend._replace(decode_attention=recording)
+    model.query_runs = True
+    got = model.decode(*step, pool)
+    assert len(calls) == model.config.num_layers
+    assert all(c is calls[0] for c in calls)  # computed once for the step
+    assert calls[0].tolist() == [5, 0, 0, 0, 0, 2, 0]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    graphs = CudaGraphDecode(model, pool, (8,))
+    size = graphs.prepare(*step)
+    assert graphs.static(8).run_rows.tolist() == [5, 0, 0, 0, 0, 2, 0, 1]  # row 8: padding
+    torch.testing.assert_close(graphs.run_body(size)[:7], want, atol=1e-4, rtol=1e-4)
