@@ -33,7 +33,6 @@ from pathlib import Path
 import torch
 
 from kvferry_kernels import artifact_cache
-from kvferry_kernels.query_runs import query_runs
 
 log = logging.getLogger("kvferry.kernels")
 
@@ -50,18 +49,10 @@ _PAGED_ARGTYPES = ([ctypes.c_void_p] * 6 + [ctypes.c_int64] * 10
                       ctypes.c_int64] + [ctypes.c_void_p] * 3)
 
 
-# Rows of one sequence are attended together only from this length on: below it a sequence's
-# K/V of a layer stays in cache between rows, and the grouped pass's copies and masked scores
-# cost more than the reads they save (5 rows, 3 K/V heads of 64, one thread, on the build
-# machine: 1.1x slower at 256-1024 tokens, 1.4x faster at 2048, 1.65x at 4096).
-RUN_MIN_LENGTH = 1536
-
-
-def longest_run(block_tables: torch.Tensor, seq_lens: torch.Tensor) -> int:
-    """The most consecutive rows with one block table and lengths one apart: one sequence's
-    query positions (a speculative step's last token and drafts), which the paged kernel
-    attends together."""
-    return query_runs(block_tables, seq_lens).longest
+# Most rows of one sequence the kernel attends together (`run_of_rows` finds them): a
+# speculative step's last token and drafts. Grouping was faster at every length measured, 16
+# to 4096 tokens (bench/bench_query_runs.py, docs/performance.md), so it is always on.
+MAX_RUN = 16
 
 
 class CpuAttention:
@@ -111,8 +102,8 @@ class CpuAttention:
         q [B, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D] fp32, each page
         dense and both strided alike; block_tables [B, max_blocks]; seq_lens [B], each >= 1
         and within its table. The same bits as `__call__` over the same K/V laid densely.
-        Consecutive rows of one sequence (`longest_run`, at most `max_run`; 1: none; default:
-        from RUN_MIN_LENGTH tokens on) are attended together, each K/V line read once for
+        Consecutive rows of one sequence (`kvferry_kernels.query_runs`, at most `max_run`,
+        default MAX_RUN; 1: none) are attended together, each K/V line read once for
         all of them: the same bits."""
         batch, num_q_heads, head_dim = q.shape
         num_blocks, block_size, num_kv_heads = k_cache.shape[:3]
@@ -125,9 +116,7 @@ class CpuAttention:
         lens = seq_lens.to(torch.int32).contiguous()
         tables = block_tables.to(torch.int32).contiguous()
         longest = int(lens.max()) if batch else 1
-        if max_run is None:
-            max_run = longest_run(tables, lens) if longest >= RUN_MIN_LENGTH else 1
-        run = max(1, min(max_run, batch))
+        run = max(1, min(MAX_RUN if max_run is None else max_run, batch))
         q = q.contiguous()
         out = torch.empty_like(q)
         group = num_q_heads // num_kv_heads

@@ -22,6 +22,7 @@ from kvferry_kernels.paged_attention_torch import (
     dense_decode_attention,
     paged_decode_attention_torch,
 )
+from kvferry_kernels.query_runs import query_runs
 
 
 @pytest.fixture(scope="module")
@@ -96,9 +97,8 @@ def test_one_sequence_s_query_positions_read_its_k_v_once_bit_for_bit(
     give each row the bits it gets alone, and match the torch paged path."""
     q, k_cache, v_cache, tables, lens = _runs_case(head_dim, group, block_size,
                                                    head_dim + group + block_size)
-    assert cpu_attention.longest_run(tables, lens) == 5
-    # (grouped by default only from RUN_MIN_LENGTH tokens on: asked for here)
-    together = kernel.paged(q, k_cache, v_cache, tables, lens, head_dim**-0.5, max_run=8)
+    assert query_runs(tables, lens).longest == 5
+    together = kernel.paged(q, k_cache, v_cache, tables, lens, head_dim**-0.5)
     alone = kernel.paged(q, k_cache, v_cache, tables, lens, head_dim**-0.5, max_run=1)
     assert torch.equal(together, alone)
     safe = [torch.nan_to_num(c) for c in (k_cache, v_cache)]
