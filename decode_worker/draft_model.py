@@ -1,5 +1,6 @@
 """Drafts from a smaller model (`--speculative-method draft --speculative-model DIR`), its
-prompt K/V recomputed on the decode worker (docs/spec-decode-design.md 3.6).
+prompt K/V recomputed on the decode worker or shipped by the prefill worker
+(docs/spec-decode-design.md 3.6).
 
 The draft model has a K/V pool of its own with as many blocks of the same size as the
 target's, addressed by the same block tables: a sequence's position p has its target K/V and
@@ -16,11 +17,14 @@ exactly what the target samples, whatever they are). Once the target kept m of t
 P .. P + min(m, k - 1) hold draft K/V of kept tokens: valid = P + min(m + 1, k). Rejected
 positions past it are overwritten when reached again.
 
-A sequence whose blocks changed under it (swapped out and back, a forked sample) starts from
-valid = 0. Blocks shared through the prefix cache get their draft pages recomputed by each
-sequence that reads them: the same tokens at the same positions, so the values written are
-those already there, up to the float rounding of a different batch (which can change a draft,
-never an output).
+Where the prefill worker shipped the draft's prompt pages with the model's
+(`--speculative-draft-kv ship`, `DecodeSeq.draft_kv_tokens`), the first catch-up starts after
+the prompt instead. A sequence whose blocks changed under it (swapped out and back) starts
+from valid = 0; a forked sample from its prompt's full blocks where they came shipped (shared,
+so their draft pages are sample 0's), else from 0. Blocks shared through the prefix cache get
+their draft pages recomputed by each sequence that reads them: the same tokens at the same
+positions, so the values written are those already there, up to the float rounding of a
+different batch (which can change a draft, never an output).
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ class DraftModel:
     def __init__(self, model: Transformer, pool: KvPool) -> None:
         self.model, self.pool = model, pool
         self._valid: dict[Hashable, int] = {}
+        self.num_prefill_tokens = 0  # positions catch-ups prefilled, over the worker's life
 
     def propose(self, batch: Sequence[DecodeSeq], ks: Sequence[int]) -> list[list[int]]:
         """Up to `ks[i]` drafts for each sequence (none where it is 0)."""
@@ -82,10 +87,12 @@ class DraftModel:
         ids: list[int] = []
         lens, starts, slots = [], [], []
         for seq in seqs:
-            start = min(self._valid.get(seq.key, 0), seq.next_position)
+            start = min(self._valid.get(seq.key, seq.draft_kv_tokens), seq.next_position)
+            seq.draft_kv_tokens = 0  # from now on `_valid` tracks it
             context = [*seq.prompt_token_ids, *seq.tokens]
             ids += context[start: seq.next_position + 1]
             lens.append(seq.next_position + 1 - start)
+            self.num_prefill_tokens += lens[-1]
             starts.append(start)
             slots.append(self.pool.slots(seq.block_table, start, seq.next_position + 1))
         device = self.model.device

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from decode_worker.draft_model import DraftModel
-from decode_worker.kv_receiver import KvReceiver
+from decode_worker.kv_receiver import DraftPages, KvReceiver
 from decode_worker.leases import LeaseKeeper
 from decode_worker.prefix_cache import DecodePrefixCache
 from decode_worker.sequence import (
@@ -85,7 +85,10 @@ class DecodeEngine:
         self.steps = StepLoop(model, pool, self.blocks, self._seqs, self._finish, stage_bytes,
                               speculative, draft, **prefill_options)
         self.batcher = self.steps.batcher  # colocated prefill, run by the step loop
-        self.receiver = KvReceiver(layout, pool, self._seqs, self._kv_complete)
+        self.receiver = KvReceiver(layout, pool, self._seqs, self._kv_complete,
+                                   None if draft is None else DraftPages(
+                                       KvLayout.of_pool(draft.pool, draft.model.config.fingerprint),
+                                       draft.pool))
         self.cache = cache or TieredCache(pool)  # the prefix cache, over its tiers
         self.cache.on_release = self.blocks.grant
         self.prefix_cache = DecodePrefixCache(self.cache, layout)
@@ -349,6 +352,9 @@ class DecodeEngine:
             prefill_s_per_token=self.batcher.s_per_token,
             spec_draft_tokens=getattr(self.steps.drafting, "num_draft_tokens", 0),
             spec_accepted_tokens=getattr(self.steps.drafting, "num_accepted_tokens", 0),
+            spec_draft_prefill_tokens=(self.steps.drafting.draft.num_prefill_tokens
+                                       if self.steps.drafting is not None
+                                       and self.steps.drafting.draft is not None else 0),
             spec_paused_sequences=(self.steps.drafting.controller.num_paused
                                    if self.steps.drafting is not None else 0),
         )

@@ -9,11 +9,19 @@ length, span, checksum, overlap, finite values) before one copy into the reserva
 blocks: a chunk holding inf or NaN, or a quantized page whose scale would dequantize to inf,
 is refused with DATA_LOSS and nothing of it is written (attention would spread it: 0 x NaN is
 NaN).
+
+With a draft model (`DraftPages`), a push may also carry the draft's pages of the prompt
+(`is_draft` chunks, validated the same way against the draft's layout and pool). A push
+carries all of them or none: one that ends with some missing is refused; one that delivered
+them all sets the sequence's `draft_kv_tokens`, so the draft model starts after the prompt.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import NamedTuple
+
+import numpy as np
 
 from decode_worker.sequence import DecodeSeq, Phase, lookup
 from kvferry.cache.layout import KvLayout
@@ -23,15 +31,24 @@ from kvferry.transfer import wire
 from kvferry.transfer.sink import PushTarget
 
 
+class DraftPages(NamedTuple):
+    """A draft model's pool on this worker, which pushes may fill for the prompt too."""
+
+    layout: KvLayout
+    pool: KvPool
+
+
 class KvReceiver:
     """Writes pushed pages into the engine's reservations (`seqs`, read-only here: the engine
     creates and releases them). Calls `on_complete` once a reservation's K/V is all in."""
 
     def __init__(self, layout: KvLayout, pool: KvPool, seqs: Mapping[str, DecodeSeq],
-                 on_complete: Callable[[DecodeSeq], None]) -> None:
+                 on_complete: Callable[[DecodeSeq], None], draft: DraftPages | None = None
+                 ) -> None:
         self.layout = layout
         self.pool = pool
         self.seqs = seqs
+        self.draft = draft
         self._on_complete = on_complete
         self.kv_bytes_received = 0
 
@@ -87,12 +104,14 @@ class KvReceiver:
 
     def receive_chunk(self, request_id: str, layout: KvLayout, num_tokens: int,
                       span: wire.ChunkSpan, data: bytes, crc32: int,
-                      epoch: int | None = None) -> int:
+                      epoch: int | None = None, is_draft: bool = False) -> int:
         """Validate one chunk against layout and reservation, then write it. Returns bytes.
-        `epoch`: from begin_push; None for a caller that opened no push."""
+        `epoch`: from begin_push; None for a caller that opened no push. `is_draft`: the
+        draft model's pages (refused where this worker runs none)."""
         seq = lookup(self.seqs, request_id)
         self.check_writable(seq, epoch)
-        problem = self.layout.mismatch(layout)
+        layout_here, pool, received = self._destination(seq, is_draft)
+        problem = layout_here.mismatch(layout)
         if problem:
             raise InvalidArgument(problem, "layout")
         if num_tokens != seq.num_prompt_tokens:
@@ -100,21 +119,37 @@ class KvReceiver:
                 f"num_tokens {num_tokens} != reserved prompt length {seq.num_prompt_tokens}",
                 "num_tokens",
             )
-        wire.check_span(self.layout, num_tokens, span, len(data))
+        wire.check_span(layout_here, num_tokens, span, len(data))
         if wire.crc32(data) != crc32:
             raise InvalidArgument("chunk checksum mismatch: corrupted in flight", "crc32")
-        if not wire.is_finite(data, self.pool):
+        if not wire.is_finite(data, pool):
             raise DataLoss("chunk holds non-finite K/V (inf or NaN, or a quantized page's scale "
                            "that dequantizes to inf); nothing written", "data")
         rows = slice(span.layer_start, span.layer_end)
         cols = slice(span.block_start, span.block_start + span.num_blocks)
-        if seq.received[rows, cols].any():
+        if received[rows, cols].any():
             raise InvalidArgument("chunk overlaps pages already received", "block_start")
-        wire.unpack_into(self.pool, seq.block_table, span, data)
-        seq.received[rows, cols] = True
+        wire.unpack_into(pool, seq.block_table, span, data)
+        received[rows, cols] = True
         seq.renew_lease()
         self.kv_bytes_received += len(data)
         return len(data)
+
+    def _destination(self, seq: DecodeSeq, is_draft: bool) -> tuple[KvLayout, KvPool, np.ndarray]:
+        """The layout, pool and delivered-pages map a chunk goes to. The draft's map starts
+        with its first chunk; a draft page of a block from the prefix cache is refused (other
+        sequences read it: its draft K/V is recomputed instead)."""
+        if not is_draft:
+            return self.layout, self.pool, seq.received
+        if self.draft is None:
+            raise InvalidArgument("draft pages pushed to a decode worker without a draft model "
+                                  "(--speculative-method draft)", "is_draft")
+        if seq.num_cached_blocks:
+            raise InvalidArgument("draft pages pushed for a prompt whose first blocks came "
+                                  "from this worker's prefix cache", "is_draft")
+        if seq.draft_received is None:
+            seq.draft_received = wire.coverage(self.draft.layout, seq.num_prompt_tokens)
+        return self.draft.layout, self.draft.pool, seq.draft_received
 
     def finish_push(self, request_id: str, epoch: int | None = None) -> None:
         seq = lookup(self.seqs, request_id)
@@ -122,6 +157,12 @@ class KvReceiver:
         missing = int((~seq.received).sum())
         if missing:
             raise InvalidArgument(f"push ended with {missing} pages missing", "data")
+        if seq.draft_received is not None:
+            missing = int((~seq.draft_received).sum())
+            if missing:
+                raise InvalidArgument(f"push ended with {missing} draft pages missing",
+                                      "is_draft")
+            seq.draft_kv_tokens = seq.num_prompt_tokens
         seq.is_kv_complete = True
         self._on_complete(seq)
 

@@ -82,6 +82,12 @@ class DecodeSeq:
     # Speculative decoding: drafts verified for it, and of those, accepted.
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # A draft model's pages pushed with the prompt's (--speculative-draft-kv ship): those
+    # delivered by the push now filling `received` (None: none yet), then, once the push
+    # ended with all of them, the leading positions whose draft K/V is in place (the draft
+    # model takes it over at its first step: decode_worker/draft_model.py).
+    draft_received: np.ndarray | None = None
+    draft_kv_tokens: int = 0
     # Parallel sampling (decode_worker/samples.py). Reserved with num_samples > 1, the request
     # is sample 0 and holds `spare_blocks` for the others; attached, it knows their first
     # tokens; admitted, the others are forked from it and `group` lists all of them, sample 0
@@ -106,6 +112,7 @@ class DecodeSeq:
         """Nothing pushed yet: only the pages shared from the prefix cache are in place."""
         self.received[:] = False
         self.received[:, :self.num_cached_blocks] = True
+        self.draft_received = None
 
     def renew_lease(self, lease_s: float | None = None) -> None:
         """Restart the lease (for `lease_s` seconds from now; default: its last length)."""

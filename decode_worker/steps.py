@@ -155,6 +155,7 @@ class StepLoop:
             self.pool.cache[:, :, ids] = seq.swapped_kv.to(self.pool.cache.device)
             seq.swapped_kv = None
             seq.phase = Phase.RUNNING
+            seq.draft_kv_tokens = 0  # the draft pool's pages were not swapped
             if self.drafting is not None:
                 self.drafting.moved(seq.key)
             self.swapped.pop(0)

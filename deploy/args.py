@@ -90,6 +90,9 @@ def _server_process_args(p: argparse.ArgumentParser) -> None:
     tls_args(p, is_one_process=True)
 
 
+SPECULATIVE_HELP_PREFIX = {"prefill": "prefill (used with --speculative-draft-kv ship): "}
+
+
 def _worker_parser(sub: argparse._SubParsersAction, role: str) -> None:
     p = sub.add_parser(f"{role}-worker", help=f"run one {role} worker process")
     p.add_argument("--model", default=None, help=MODEL_HELP)
@@ -147,7 +150,7 @@ def _worker_parser(sub: argparse._SubParsersAction, role: str) -> None:
                         "as Ray actors), or nixl: the decode worker reads them from the "
                         "prefill worker's pool with NIXL (UCX); the same on every worker")
     tier_args(p)
-    speculative_args(p, "decode/colocated: " if role != "prefill" else "ignored by prefill: ")
+    speculative_args(p, SPECULATIVE_HELP_PREFIX.get(role, "decode/colocated: "))
     _server_process_args(p)
     p.set_defaults(role=role)
 

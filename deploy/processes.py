@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 import grpc
 
 from deploy.start_log import record_start
-from deploy.worker_model import build_draft, build_model, stage_bytes
+from deploy.worker_model import build_draft, build_draft_prefill, build_model, stage_bytes
 from kvferry import trace
 from kvferry.cache.layout import KvLayout
 from kvferry.faults import Faults
@@ -162,7 +162,8 @@ def build_worker(settings: WorkerSettings) -> tuple[Built, object]:
 
         engine = PrefillEngine(model, pool, layout, _make_sender(settings, creds),
                                token_budget, settings.prefill_chunk_size,
-                               settings.max_waiting, build_tiered_cache(pool, settings.tiers))
+                               settings.max_waiting, build_tiered_cache(pool, settings.tiers),
+                               build_draft_prefill(settings, model, pool))
         prefill_server.add_to_server(server, engine)
         on_stop = engine.stop
         names = prefill_server.SERVICE_NAMES

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import argparse
 
-from kvferry.settings import DEFAULT_NUM_SPECULATIVE_TOKENS, SPECULATIVE_METHODS, SpeculativeConfig
+from kvferry.settings import (
+    DEFAULT_NUM_SPECULATIVE_TOKENS,
+    DRAFT_KV_MODES,
+    SPECULATIVE_METHODS,
+    SpeculativeConfig,
+)
 
 
 def speculative_args(p: argparse.ArgumentParser, prefix: str = "") -> None:
@@ -17,7 +22,13 @@ def speculative_args(p: argparse.ArgumentParser, prefix: str = "") -> None:
                         "verified in one forward and greedy and seeded outputs are unchanged")
     p.add_argument("--speculative-model", default="",
                    help=prefix + "draft: the draft model's checkpoint directory (the model's "
-                        "tokenizer); its prompt K/V is recomputed on the decode worker")
+                        "tokenizer)")
+    p.add_argument("--speculative-draft-kv", default=SpeculativeConfig.draft_kv,
+                   choices=DRAFT_KV_MODES,
+                   help="draft: where the draft model's K/V of the prompt comes from. "
+                        "recompute: the decode worker prefills the draft in its step loop; "
+                        "ship: prefill workers (given the same --speculative-model) prefill it "
+                        "and push its pages with the model's (grpc K/V transport)")
     p.add_argument("--num-speculative-tokens", type=int, default=DEFAULT_NUM_SPECULATIVE_TOKENS,
                    help=prefix + "drafts verified per step at most")
     p.add_argument("--prompt-lookup-min", type=int, default=SpeculativeConfig.prompt_lookup_min,
@@ -34,7 +45,8 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig:
     """The flags as a config (ValueError naming the field when one is wrong)."""
     return SpeculativeConfig(args.speculative_method, args.num_speculative_tokens,
                              args.prompt_lookup_min, args.prompt_lookup_max,
-                             args.speculative_adaptive == "on", args.speculative_model)
+                             args.speculative_adaptive == "on", args.speculative_model,
+                             args.speculative_draft_kv)
 
 
 def speculative_argv(args: argparse.Namespace) -> list[str]:
@@ -46,4 +58,5 @@ def speculative_argv(args: argparse.Namespace) -> list[str]:
             str(config.num_tokens), "--prompt-lookup-min", str(config.prompt_lookup_min),
             "--prompt-lookup-max", str(config.prompt_lookup_max),
             "--speculative-adaptive", "on" if config.is_adaptive else "off",
-            *(["--speculative-model", config.model] if config.model else [])]
+            *(["--speculative-model", config.model, "--speculative-draft-kv", config.draft_kv]
+              if config.model else [])]

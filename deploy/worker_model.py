@@ -31,6 +31,7 @@ from kvferry.sizes import AUTO, parse_pool_size
 if TYPE_CHECKING:
     from decode_worker.draft_model import DraftModel
     from kvferry.model.transformer import Transformer
+    from prefill_worker.draft_kv import DraftPrefill
 
 log = logging.getLogger("kvferry.worker")
 
@@ -211,6 +212,19 @@ def build_draft(settings: WorkerSettings, model: Transformer, pool: KvPool
     return built
 
 
+def build_draft_prefill(settings: WorkerSettings, model: Transformer, pool: KvPool
+                        ) -> DraftPrefill | None:
+    """A prefill worker's draft model and pool where --speculative-draft-kv ship asks for
+    its prompt K/V to be built here (None otherwise)."""
+    if not settings.speculative.ships_draft_kv:
+        return None
+    from prefill_worker.draft_kv import DraftPrefill
+
+    built = build_draft(settings, model, pool)
+    assert built is not None  # noqa: S101 - ship implies --speculative-method draft
+    return DraftPrefill(built.model, built.pool, settings.prefill_chunk_size)
+
+
 def build_model(settings: WorkerSettings) -> tuple[Transformer, KvPool, str]:
     """The worker's model, its pool and the attention backend's name. Decode and colocated
     workers compile (--compile) and capture (--cuda-graphs) their decode step here: before
@@ -229,7 +243,7 @@ def build_model(settings: WorkerSettings) -> tuple[Transformer, KvPool, str]:
         max_model_len_for(settings, config)  # checked before the pool is allocated
     pool = build_pool(settings, config, device, dtype)
     if settings.role in ("decode", "colocated"):
-        model.query_runs = settings.speculative.method != "off"  # verification's rows
+        model.query_runs = settings.speculative.is_on  # verification's rows
         buckets = parse_batch_sizes(settings.compile_batch_sizes)
         if settings.compile != "off":
             from kvferry.model.compiled import compile_decode

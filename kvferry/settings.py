@@ -142,6 +142,9 @@ def parse_batch_sizes(text: str) -> tuple[int, ...]:
 
 
 SPECULATIVE_METHODS = ("off", "ngram", "draft")
+# Where a draft model's prompt K/V comes from: the decode worker prefills the draft itself, or
+# the prefill worker does and ships it with the model's pages (gRPC transport).
+DRAFT_KV_MODES = ("recompute", "ship")
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
 
 
@@ -151,9 +154,9 @@ class SpeculativeConfig:
     ngram: prompt lookup, the drafts are the `num_tokens` tokens that followed the latest
     earlier occurrence of the sequence's last n tokens, n from `prompt_lookup_max` down to
     `prompt_lookup_min` (vLLM's flags of those names). draft: the argmax of `model` (a
-    checkpoint sharing the model's tokenizer), its prompt K/V recomputed on the decode worker.
-    Adaptive: each sequence verifies the drafts worth their cost (docs/spec-decode-design.md
-    3.7)."""
+    checkpoint sharing the model's tokenizer), its prompt K/V recomputed on the decode worker
+    or (`draft_kv` ship) built by the prefill worker and shipped with the model's. Adaptive:
+    each sequence verifies the drafts worth their cost (docs/spec-decode-design.md 3.7)."""
 
     method: str = SPECULATIVE_METHODS[0]
     num_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
@@ -161,6 +164,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     is_adaptive: bool = True  # k per sequence from its acceptance and the step cost
     model: str = ""  # draft: the draft model's checkpoint
+    draft_kv: str = DRAFT_KV_MODES[0]  # draft: its prompt K/V recomputed or shipped
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -169,6 +173,11 @@ class SpeculativeConfig:
         if (self.method == "draft") != bool(self.model):
             raise ValueError("speculative_model: needed with --speculative-method draft, and "
                              "only then")
+        if self.draft_kv not in DRAFT_KV_MODES:
+            raise ValueError(f"speculative_draft_kv: expected one of "
+                             f"{', '.join(DRAFT_KV_MODES)}, got {self.draft_kv!r}")
+        if self.draft_kv == "ship" and self.method != "draft":
+            raise ValueError("speculative_draft_kv: ship needs --speculative-method draft")
         if self.num_tokens < 1:
             raise ValueError(f"num_speculative_tokens: must be >= 1, got {self.num_tokens}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
@@ -178,6 +187,11 @@ class SpeculativeConfig:
     @property
     def is_on(self) -> bool:
         return self.method != "off"
+
+    @property
+    def ships_draft_kv(self) -> bool:
+        """A prefill worker builds the draft's prompt K/V and ships it."""
+        return self.draft_kv == "ship"
 
 
 @dataclass(frozen=True)
@@ -242,6 +256,9 @@ class WorkerSettings:
         parse_batch_sizes(self.compile_batch_sizes)
         if self.cuda_graphs not in CUDA_GRAPH_MODES:
             raise ValueError(f"cuda_graphs: expected on or off, got {self.cuda_graphs!r}")
+        if self.speculative.ships_draft_kv and self.kv_transport != "grpc":
+            raise ValueError(f"speculative_draft_kv: ship sends the draft's pages over the grpc "
+                             f"K/V transport, not {self.kv_transport}; use recompute")
         if self.speculative.is_on and self.decode_stage_mib:
             raise ValueError("decode_stage_mib: speculative decoding reads the pages; give 0 "
                              "or leave it unset")

@@ -43,7 +43,8 @@ from kvferry.settings import (
     DEFAULT_PREFILL_CHUNK_SIZE,
     DEFAULT_PREFILL_TOKEN_BUDGET,
 )
-from kvferry.transfer.sender import KvSender, PushResult
+from kvferry.transfer.sender import DraftPush, KvSender, PushResult
+from prefill_worker.draft_kv import DraftPrefill
 
 log = logging.getLogger("kvferry.prefill")
 
@@ -70,15 +71,65 @@ class Parked:
     is_evicted: bool = False  # its blocks were freed to make room: the router prefills again
 
 
+class _DraftRun:
+    """One request's draft prefill (`DraftPrefill`, none without one): started after the
+    first token on the engine's executor; the push sends its pages once it is done."""
+
+    def __init__(self, draft: DraftPrefill | None) -> None:
+        self.draft = draft
+        self.done: asyncio.Future[None] | None = (
+            None if draft is None else asyncio.get_running_loop().create_future())
+        self._task: asyncio.Future[None] | None = None
+
+    def push(self, first_block: int) -> DraftPush | None:
+        """What a push carries of the draft: nothing where the decode worker's prefix cache
+        holds the first blocks (its draft model recomputes them)."""
+        if self.draft is None or first_block:
+            return None
+        return DraftPush(self.draft.layout, self.draft.pool, self._ready)
+
+    async def _ready(self) -> None:
+        assert self.done is not None  # noqa: S101 - push() hands this out only with a draft
+        await asyncio.shield(self.done)
+
+    def start(self, executor: ThreadPoolExecutor, prompt: list[int], blocks: list[int]
+              ) -> None:
+        if self.draft is None or self.done is None:
+            return
+        self._task = asyncio.get_running_loop().run_in_executor(executor, self.draft.run,
+                                                                prompt, blocks)
+        self._task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Future[None]) -> None:
+        if self.done is None or self.done.done():
+            return
+        if task.cancelled():
+            self.done.cancel()
+        elif (exc := task.exception()) is not None:
+            self.done.set_exception(exc)
+        else:
+            self.done.set_result(None)
+
+    async def end(self) -> None:
+        """The request ended: wait for a draft forward still writing into its blocks."""
+        if self._task is not None:
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self.done is not None and not self.done.done():
+            self.done.cancel()
+        elif self.done is not None and not self.done.cancelled():
+            self.done.exception()  # retrieved: the push that needed it has ended
+
+
 class PrefillEngine:
     """Validates prompts, queues them on the batcher, pushes each one's pages when done."""
 
     def __init__(self, model: Transformer, pool: KvPool, layout: KvLayout,
                  sender: KvSender, token_budget: int = DEFAULT_PREFILL_TOKEN_BUDGET,
                  chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE,
-                 max_waiting: int = DEFAULT_MAX_WAITING, cache: TieredCache | None = None
-                 ) -> None:
+                 max_waiting: int = DEFAULT_MAX_WAITING, cache: TieredCache | None = None,
+                 draft: DraftPrefill | None = None) -> None:
         self.model = model
+        self.draft = draft  # --speculative-draft-kv ship: the draft's prompt K/V, pushed too
         self.pool = pool
         self.layout = layout
         self.sender = sender
@@ -154,6 +205,7 @@ class PrefillEngine:
                          num_computed=num_cached, num_samples=num_samples)
         push: asyncio.Future[PushResult] | None = None
         parked: Parked | None = None
+        draft = _DraftRun(self.draft)
         try:
             self.batcher.submit(job)
             if decode_address:
@@ -162,8 +214,10 @@ class PrefillEngine:
                 push = asyncio.ensure_future(self.sender.push(
                     decode_address, request_id, self.layout, len(prompt), self.pool, blocks,
                     timeout_s, ready=job.wait_layers, first_block=skip_blocks,
+                    draft=draft.push(skip_blocks),
                 ))
             token = await job.first_token
+            draft.start(self._executor, prompt, blocks)
             self.cache.register(keys, blocks)  # every full prompt block is final now
             if defer_push:
                 parked = Parked(job, asyncio.get_running_loop().create_future())
@@ -175,7 +229,7 @@ class PrefillEngine:
                 address, skip = await parked.ship
                 push = asyncio.ensure_future(self.sender.push(
                     address, request_id, self.layout, len(prompt), self.pool, blocks, timeout_s,
-                    first_block=skip))
+                    first_block=skip, draft=draft.push(skip)))
             if push is not None:
                 pushed = await push
                 self.kv_bytes_sent += pushed.num_bytes
@@ -183,7 +237,7 @@ class PrefillEngine:
                          request_id, len(prompt), pushed.num_bytes, pushed.seconds * 1e3)
                 yield PushedEvent(pushed.seconds, pushed.num_bytes)
         finally:
-            await self._end(request_id, job, push, parked)
+            await self._end(request_id, job, push, parked, draft)
 
     async def _acquire(self, request_id: str, prompt: list[int], keys: list[bytes],
                        defer_push: bool) -> TierHit:
@@ -202,7 +256,8 @@ class PrefillEngine:
             raise
 
     async def _end(self, request_id: str, job: PrefillJob,
-                   push: asyncio.Future[PushResult] | None, parked: Parked | None) -> None:
+                   push: asyncio.Future[PushResult] | None, parked: Parked | None,
+                   draft: _DraftRun) -> None:
         """However a prefill ended: stop its push (which reads the blocks), forget it, and
         free its blocks once no forward writes into them (evicted parked ones were freed
         already)."""
@@ -211,6 +266,7 @@ class PrefillEngine:
             await asyncio.gather(push, return_exceptions=True)  # it reads our blocks
         elif push is not None and not push.cancelled():
             push.exception()  # retrieved: a failure was already raised or is moot
+        await draft.end()  # the draft's forward writes into them
         self._active.pop(request_id, None)
         if parked is not None:
             if self._parked.get(request_id) is parked:

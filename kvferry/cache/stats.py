@@ -61,6 +61,9 @@ class PoolStats:
     prefill_s_per_token: float = 0.0  # measured forward time per prompt token (0: none yet)
     spec_draft_tokens: int = 0  # speculative decoding: drafts verified
     spec_accepted_tokens: int = 0  # of those, accepted
+    # draft model: prompt and accepted positions its catch-ups prefilled on this worker
+    # (shipped prompts: only the tokens since)
+    spec_draft_prefill_tokens: int = 0
     spec_paused_sequences: int = 0  # drafting paused: recent drafts were not worth their cost
     # Prefix-cache index changes since the caller's cursor (GetStats answers only).
     cache_events: EventsSince | None = None

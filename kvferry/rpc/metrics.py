@@ -73,6 +73,25 @@ class RouterMetrics:
                                          "Tokens generated and streamed.", registry=r)
 
 
+def _spec_decode_metrics(s: PoolStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """A decode-side worker's speculative decoding counters."""
+    yield CounterMetricFamily("kvferry_spec_decode_draft_tokens",
+                              "Draft tokens verified (speculative decoding).",
+                              s.spec_draft_tokens)
+    yield CounterMetricFamily("kvferry_spec_decode_accepted_tokens",
+                              "Draft tokens accepted (speculative decoding).",
+                              s.spec_accepted_tokens)
+    yield CounterMetricFamily("kvferry_spec_decode_draft_prefill_tokens",
+                              "Positions a draft model's catch-ups prefilled on this worker "
+                              "(its prompt's, unless a prefill worker shipped them, and "
+                              "those of the tokens kept since).",
+                              s.spec_draft_prefill_tokens)
+    yield GaugeMetricFamily("kvferry_spec_decode_paused_sequences",
+                            "Sequences whose drafting is paused: their recent drafts were "
+                            "not worth the rows they cost (speculative decoding).",
+                            s.spec_paused_sequences)
+
+
 class WorkerCollector(Collector):
     """Pool and queue gauges plus the worker's counters, read from the engine at scrape."""
 
@@ -104,16 +123,7 @@ class WorkerCollector(Collector):
                                   "Running requests preempted (K/V swapped out).",
                                   s.num_preemptions)
         yield CounterMetricFamily("kvferry_decode_steps", "Decode steps run.", s.num_decode_steps)
-        yield CounterMetricFamily("kvferry_spec_decode_draft_tokens",
-                                  "Draft tokens verified (speculative decoding).",
-                                  s.spec_draft_tokens)
-        yield CounterMetricFamily("kvferry_spec_decode_accepted_tokens",
-                                  "Draft tokens accepted (speculative decoding).",
-                                  s.spec_accepted_tokens)
-        yield GaugeMetricFamily("kvferry_spec_decode_paused_sequences",
-                                "Sequences whose drafting is paused: their recent drafts were "
-                                "not worth the rows they cost (speculative decoding).",
-                                s.spec_paused_sequences)
+        yield from _spec_decode_metrics(s)
         yield CounterMetricFamily("kvferry_kv_corrupt_pushes",
                                   "K/V pushes refused by the receiver as corrupted in flight.",
                                   s.num_corrupt_pushes)

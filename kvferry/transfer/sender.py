@@ -23,6 +23,16 @@ class PushResult(NamedTuple):
 LayersReady = Callable[[int], Awaitable[None]]
 
 
+class DraftPush(NamedTuple):
+    """A draft model's prompt pages, pushed after the model's in the same push (as chunks
+    marked is_draft) once `ready()` returns: where the prefill worker built them
+    (--speculative-draft-kv ship). Only the grpc transport carries them."""
+
+    layout: KvLayout
+    pool: KvPool
+    ready: Callable[[], Awaitable[None]]
+
+
 class KvSender(Protocol):
     num_corrupt_pushes: int  # pushes the receiver refused as corrupted in flight
 
@@ -31,6 +41,7 @@ class KvSender(Protocol):
         self, address: str, request_id: str, layout: KvLayout, num_tokens: int,
         pool: KvPool, block_table: list[int], timeout_s: float | None,
         ready: LayersReady | None = None, first_block: int = 0,
+        draft: DraftPush | None = None,
     ) -> PushResult: ...
 
     async def close(self) -> None: ...

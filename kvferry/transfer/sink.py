@@ -43,8 +43,9 @@ class KvSink(Protocol):
 
     def receive_chunk(self, request_id: str, layout: KvLayout, num_tokens: int,
                       span: ChunkSpan, data: bytes, crc32: int,
-                      epoch: int | None = None) -> int:
-        """Validate one chunk (`kvferry.transfer.wire` packing) and copy it in; its bytes."""
+                      epoch: int | None = None, is_draft: bool = False) -> int:
+        """Validate one chunk (`kvferry.transfer.wire` packing) and copy it in; its bytes.
+        `is_draft`: a draft model's pages, into its own pool."""
         ...
 
     def target(self, request_id: str) -> PushTarget:

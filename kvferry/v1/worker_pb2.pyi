@@ -218,7 +218,7 @@ class DecodeBatch(_message.Message):
     def __init__(self, updates: _Optional[_Iterable[_Union[DecodeUpdate, _Mapping]]] = ...) -> None: ...
 
 class KvChunk(_message.Message):
-    __slots__ = ("request_id", "layout", "num_tokens", "layer_start", "layer_end", "block_start", "num_blocks", "data", "crc32")
+    __slots__ = ("request_id", "layout", "num_tokens", "layer_start", "layer_end", "block_start", "num_blocks", "data", "crc32", "is_draft")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -228,6 +228,7 @@ class KvChunk(_message.Message):
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     CRC32_FIELD_NUMBER: _ClassVar[int]
+    IS_DRAFT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     layout: KvLayout
     num_tokens: int
@@ -237,7 +238,8 @@ class KvChunk(_message.Message):
     num_blocks: int
     data: bytes
     crc32: int
-    def __init__(self, request_id: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., num_tokens: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., block_start: _Optional[int] = ..., num_blocks: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
+    is_draft: bool
+    def __init__(self, request_id: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., num_tokens: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., block_start: _Optional[int] = ..., num_blocks: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., is_draft: _Optional[bool] = ...) -> None: ...
 
 class KvPullMessage(_message.Message):
     __slots__ = ("begin", "group", "checksum")

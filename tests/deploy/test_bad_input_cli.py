@@ -103,6 +103,9 @@ PROCESS_CASES = [
     ("decode-worker --model {missing} --kv-host-cache-size 1MiB --kv-store-url redis://h:1 "
      "--kv-store-password-file {missing}", ["kv_store_password_file", "cannot read"]),
     ("prefill-worker --model {missing} --block-size 3", ["block_size"]),
+    ("prefill-worker --model {missing} --speculative-draft-kv ship", ["speculative_draft_kv"]),
+    ("decode-worker --model {missing} --speculative-method draft --speculative-model {empty} "
+     "--speculative-draft-kv ship --kv-transport nixl", ["speculative_draft_kv"]),
     ("colocated-worker --model {missing} --port 99999", ["port"]),
     ("router --model {missing} --prefill 127.0.0.1:1 --decode 127.0.0.1:2", ["missing"]),
     ("router --model {gpt2} --prefill 127.0.0.1:1 --decode 127.0.0.1:2", ["architecture"]),

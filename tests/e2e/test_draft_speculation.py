@@ -1,9 +1,12 @@
 """Speculative decoding with a draft model (`--speculative-method draft --speculative-model
 DIR`, a one-layer seeded model sharing the tiny model's tokenizer) on live deployments,
-disaggregated and colocated: greedy output token-identical to transformers generate, seeded
-output equal to the deployment without drafts, drafts verified and rolled back, every pool
-clean. (Drafting happens once the K/V is in the decode worker, after any transport: NIXL
-changes nothing here, and the n-gram tests run over it.)"""
+disaggregated and colocated, and disaggregated with the draft's prompt K/V built by the
+prefill worker and shipped (`--speculative-draft-kv ship`): greedy output token-identical to
+transformers generate, seeded output equal to the deployment without drafts, drafts verified
+and rolled back, the decode worker's draft prefilling the prompts only where they were not
+shipped, every pool clean. (Recomputed drafting happens once the K/V is in the decode worker,
+after any transport: NIXL changes nothing there, and the n-gram tests run over it. Shipping
+needs the grpc transport.)"""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import pytest
 from deploy import client
 from deploy.launcher import Deployment
 from tests.conftest import assert_alive, assert_pools_clean
+from tests.e2e.test_metrics import scrape, value
 from tests.e2e.test_speculative import (
     MAX_TOKENS,
     _prompts,
@@ -26,15 +30,17 @@ from tests.e2e.test_speculative import (
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module", params=["disaggregated", "colocated"])
+@pytest.fixture(scope="module", params=["disaggregated", "colocated", "shipped"])
 def deployment(request: pytest.FixtureRequest, qwen3_checkpoint: Path, draft_checkpoint: Path,
                tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    ship = ["--speculative-draft-kv", "ship"] if request.param == "shipped" else []
     started = Deployment(
         model=str(qwen3_checkpoint), is_colocated=request.param == "colocated",
         log_dir=tmp_path_factory.mktemp(f"draft-{request.param}"),
         worker_args=["--speculative-method", "draft", "--speculative-model",
                      str(draft_checkpoint), "--num-speculative-tokens", "3",
-                     "--metrics-port", "0"]).start()
+                     "--metrics-port", "0", *ship]).start()
+    started.draft_kv = request.param  # type: ignore[attr-defined]
     try:
         yield started
     finally:
@@ -43,13 +49,27 @@ def deployment(request: pytest.FixtureRequest, qwen3_checkpoint: Path, draft_che
 
 def test_greedy_with_a_draft_model_matches_transformers(deployment: Deployment,
                                                         qwen3_checkpoint: Path) -> None:
+    before = draft_prefill_tokens(deployment)
     results = greedy_matches_transformers(deployment, qwen3_checkpoint)
     drafted, accepted = speculation(deployment)
     assert drafted > 0 and accepted < drafted, (drafted, accepted)
     usage = [r.finished.usage for r in results if r.finished is not None]
     assert sum(u.num_draft_tokens for u in usage) > 0
+    prompts = sum(len(p) for p in _prompts())
+    outputs = sum(len(r.token_ids) for r in results)
+    prefilled = draft_prefill_tokens(deployment) - before
+    if deployment.draft_kv == "shipped":  # type: ignore[attr-defined]
+        assert prefilled <= outputs < prompts, (prefilled, outputs, prompts)
+    else:
+        assert prefilled >= prompts, (prefilled, prompts)
     assert_pools_clean(deployment)
     assert_alive(deployment)
+
+
+def draft_prefill_tokens(deployment: Deployment) -> float:
+    """Positions the decode-side workers' draft models prefilled so far."""
+    return sum(value(scrape(p.metrics_port), "kvferry_spec_decode_draft_prefill_tokens_total")
+               for p in deployment.processes if p.name.startswith(("decode", "colocated")))
 
 
 def test_seeded_samples_with_a_draft_model_equal_those_without(

@@ -18,7 +18,7 @@ from kvferry.errors import Aborted, NotFound
 from kvferry.model.config import load_model_config
 from kvferry.model.sampling import SamplingParams
 from kvferry.model.transformer import Transformer
-from kvferry.transfer.sender import LayersReady, PushResult
+from kvferry.transfer.sender import DraftPush, LayersReady, PushResult
 from kvferry_kernels.dispatch import get_attention_backend
 from prefill_worker.engine import FirstTokenEvent, PrefillEngine, PushedEvent
 from tests.waiting import until, within
@@ -41,7 +41,8 @@ class RecordingSender:
     async def push(self, address: str, request_id: str, layout: KvLayout,
                    num_tokens: int, pool: KvPool, block_table: list[int],
                    timeout_s: float | None, ready: LayersReady | None = None,
-                   first_block: int = 0) -> PushResult:
+                   first_block: int = 0, draft: DraftPush | None = None) -> PushResult:
+        assert draft is None  # this engine has no draft model
         if ready is not None:
             await ready(layout.num_layers)
         if request_id in self.gates:

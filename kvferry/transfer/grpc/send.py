@@ -21,7 +21,7 @@ from kvferry.faults import Faults
 from kvferry.rpc import convert, grpc_util, security
 from kvferry.transfer import wire
 from kvferry.transfer.grpc import chunk_codec
-from kvferry.transfer.sender import LayersReady, PushResult
+from kvferry.transfer.sender import DraftPush, LayersReady, PushResult
 from kvferry.v1 import worker_pb2
 
 if TYPE_CHECKING:
@@ -139,30 +139,49 @@ class GrpcKvSender:
 
     async def _messages(self, request_id: str, layout: KvLayout, num_tokens: int, pool: KvPool,
                         block_table: list[int], spans: list[wire.ChunkSpan],
-                        ready: LayersReady | None, corrupt: bool, progress: Progress
-                        ) -> AsyncIterator[Any]:
-        """The push's stream: one chunk per span, each once its layers are ready."""
+                        ready: LayersReady | None, corrupt: bool, progress: Progress,
+                        draft: DraftPush | None = None) -> AsyncIterator[Any]:
+        """The push's stream: one chunk per span, each once its layers are ready; then,
+        with `draft`, the draft's pages of the whole prompt once they are."""
         layout_msg = convert.layout_to_proto(layout)
         chunk_delay_s = self.faults.for_request(request_id).push_chunk_delay_s
         async for i, span in self._ready_spans(spans, ready, progress, chunk_delay_s):
-            data = wire.pack_array(pool, block_table, span)
-            crc = wire.crc32(data)
-            if corrupt and i == 0:
-                data[0] ^= 0xFF  # fault injection: after the checksum was taken
-            progress.sent += data.nbytes
-            yield chunk_codec.encode(worker_pb2.KvChunk(
-                request_id=request_id, layout=layout_msg, num_tokens=num_tokens,
-                layer_start=span.layer_start, layer_end=span.layer_end,
-                block_start=span.block_start, num_blocks=span.num_blocks, crc32=crc,
-            ), data)
+            yield self._chunk(request_id, layout_msg, num_tokens, pool, block_table, span,
+                              progress, corrupt and i == 0)
+        if draft is not None:
+            await draft.ready()
+            draft_msg = convert.layout_to_proto(draft.layout)
+            for span in self._plan(draft.layout, num_tokens, 0):
+                yield self._chunk(request_id, draft_msg, num_tokens, draft.pool, block_table,
+                                  span, progress, False, is_draft=True)
+
+    @staticmethod
+    def _chunk(request_id: str, layout_msg: worker_pb2.KvLayout, num_tokens: int,
+               pool: KvPool, block_table: list[int], span: wire.ChunkSpan, progress: Progress,
+               corrupt: bool, is_draft: bool = False) -> bytes:
+        """One span of `pool`'s pages as a serialized KvChunk (`corrupt`: fault injection,
+        a byte flipped after the checksum was taken)."""
+        data = wire.pack_array(pool, block_table, span)
+        crc = wire.crc32(data)
+        if corrupt:
+            data[0] ^= 0xFF
+        progress.sent += data.nbytes
+        return chunk_codec.encode(worker_pb2.KvChunk(
+            request_id=request_id, layout=layout_msg, num_tokens=num_tokens,
+            layer_start=span.layer_start, layer_end=span.layer_end,
+            block_start=span.block_start, num_blocks=span.num_blocks, crc32=crc,
+            is_draft=is_draft,
+        ), data)
 
     async def push(
         self, address: str, request_id: str, layout: KvLayout, num_tokens: int,
         pool: KvPool, block_table: list[int], timeout_s: float | None,
         ready: LayersReady | None = None, first_block: int = 0,
+        draft: DraftPush | None = None,
     ) -> PushResult:
         """Stream the pages in layer order; with `ready`, each layer group goes as soon as
-        the prefill forward has written it, overlapping the transfer with later layers."""
+        the prefill forward has written it, overlapping the transfer with later layers.
+        `draft`: the draft model's pages of the prompt follow (from block 0)."""
         spans = self._plan(layout, num_tokens, first_block)
         progress = Progress()
         started = progress.started
@@ -185,7 +204,7 @@ class GrpcKvSender:
                 progress.sent = 0
                 await self._push_kv(address)(
                     self._messages(request_id, layout, num_tokens, pool, block_table, spans,
-                                   ready, corrupt, progress), timeout=timeout_s)
+                                   ready, corrupt, progress, draft), timeout=timeout_s)
                 result = PushResult(progress.sent, time.perf_counter() - started[0])
                 if armed.push_done_delay_s:
                     log.info("request %s: K/V push accepted; holding its done %.1f s (fault "

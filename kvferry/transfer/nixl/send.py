@@ -32,13 +32,14 @@ import grpc
 
 from kvferry.cache.layout import KvLayout
 from kvferry.cache.pool import KvPool
+from kvferry.errors import InvalidArgument
 from kvferry.rpc import convert, security
 from kvferry.transfer import wire
 from kvferry.transfer.grpc import chunk_codec
 from kvferry.transfer.grpc.send import GrpcKvSender, Progress
 from kvferry.transfer.nixl import agent as nixl_agent
 from kvferry.transfer.nixl import pages as nixl_pages
-from kvferry.transfer.sender import LayersReady
+from kvferry.transfer.sender import DraftPush, LayersReady
 from kvferry.v1 import worker_pb2
 
 log = logging.getLogger("kvferry.transport")
@@ -95,8 +96,11 @@ class NixlKvSender(GrpcKvSender):
 
     async def _messages(self, request_id: str, layout: KvLayout, num_tokens: int, pool: KvPool,
                         block_table: list[int], spans: list[wire.ChunkSpan],
-                        ready: LayersReady | None, corrupt: bool, progress: Progress
-                        ) -> AsyncIterator[Any]:
+                        ready: LayersReady | None, corrupt: bool, progress: Progress,
+                        draft: DraftPush | None = None) -> AsyncIterator[Any]:
+        if draft is not None:
+            raise InvalidArgument("the nixl K/V transport carries no draft pages; use "
+                                  "--speculative-draft-kv recompute", "speculative_draft_kv")
         memory = self.register(pool)
         yield worker_pb2.KvPullMessage(begin=worker_pb2.KvPullBegin(
             request_id=request_id, layout=convert.layout_to_proto(layout),

@@ -26,10 +26,10 @@ import ray
 
 from kvferry.cache.layout import KvLayout
 from kvferry.cache.pool import KvPool
-from kvferry.errors import Remote
+from kvferry.errors import InvalidArgument, Remote
 from kvferry.faults import Faults
 from kvferry.transfer import wire
-from kvferry.transfer.sender import LayersReady, PushResult
+from kvferry.transfer.sender import DraftPush, LayersReady, PushResult
 
 log = logging.getLogger("kvferry.transport")
 
@@ -94,7 +94,11 @@ class RayKvSender:
         self, address: str, request_id: str, layout: KvLayout, num_tokens: int,
         pool: KvPool, block_table: list[int], timeout_s: float | None,
         ready: LayersReady | None = None, first_block: int = 0,
+        draft: DraftPush | None = None,
     ) -> PushResult:
+        if draft is not None:
+            raise InvalidArgument("the ray K/V transport carries no draft pages; use "
+                                  "--speculative-draft-kv recompute", "speculative_draft_kv")
         actor = await self._actor(address)
         spans = wire.plan_chunks(layout, num_tokens, self.chunk_bytes, RAY_MIN_GROUP_BYTES,
                                  first_block)
