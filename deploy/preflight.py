@@ -10,10 +10,16 @@ from dataclasses import replace
 from deploy.args import router_settings, worker_settings
 from deploy.default_model import DEFAULT_MODEL_SAMPLING, ensure_default_model
 from deploy.security_args import check_client_tls, security_settings
+from deploy.speculative_args import speculative_config
 from deploy.tier_args import tier_settings
 from kvferry.model.sampling_defaults import SamplingDefaults
 from kvferry.rpc.security import refuse_plaintext_token
-from kvferry.settings import RouterSettings, WorkerSettings, parse_batch_sizes
+from kvferry.settings import (
+    RouterSettings,
+    SpeculativeConfig,
+    WorkerSettings,
+    parse_batch_sizes,
+)
 from kvferry.sizes import check_pool_size
 
 
@@ -62,6 +68,24 @@ def _check_max_model_len(settings: WorkerSettings) -> None:
     max_model_len_for(settings, load_model_config(settings.model))
 
 
+def _check_draft(model: str, speculative: SpeculativeConfig) -> None:
+    """A draft model (--speculative-model) that loads and shares the model's vocabulary,
+    refused here (ValueError naming the flag) rather than by a worker mid-start."""
+    if speculative.method != "draft":
+        return
+    from kvferry.model.config import load_model_config
+
+    try:
+        draft = load_model_config(speculative.model)
+    except Exception as exc:  # noqa: BLE001 - transformers' config errors have no one base
+        raise ValueError(f"speculative_model: {_first_line(exc)}") from None
+    vocab = load_model_config(model).vocab_size
+    if draft.vocab_size != vocab:
+        raise ValueError(f"speculative_model: its vocabulary of {draft.vocab_size} tokens "
+                         f"differs from the model's {vocab}; a draft model must share the "
+                         "model's tokenizer")
+
+
 def check_ports_free(host: str, ports: dict[str, int | None]) -> None:
     """Each given port (by setting name; None or 0: any free port) can be bound on `host`,
     checked before any model loads: ValueError naming the flag when something listens there.
@@ -107,6 +131,7 @@ def _check_deployment(args: argparse.Namespace) -> None:
                                  "health_port": args.health_port})
     _check_model(args.model)  # last: without --model, the default model may be converted
     _check_tokenizer(args.model)
+    _check_draft(args.model or ensure_default_model(), speculative_config(args))
     if settings.max_model_len is not None:
         _check_max_model_len(replace(settings, model=args.model or ensure_default_model()))
 
@@ -124,6 +149,8 @@ def check_inputs(args: argparse.Namespace) -> WorkerSettings | RouterSettings | 
                                          "health_port": settings.security.health_port})
         settings = replace(settings, model=settings.model or ensure_default_model())
         _check_model(settings.model)
+        if settings.role != "prefill" or settings.speculative.ships_draft_kv:
+            _check_draft(settings.model, settings.speculative)
         if settings.role in ("decode", "colocated"):
             _check_max_model_len(settings)
         return settings

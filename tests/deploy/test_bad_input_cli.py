@@ -42,7 +42,7 @@ def bad(tmp_path_factory: pytest.TempPathFactory, qwen3_checkpoint: Path) -> dic
     return {"missing": root / "missing", "empty": root / "empty",
             "garbage_gguf": root / "garbage.gguf", "binary": binary, "unknown": unknown,
             "gpt2": gpt2, "weights": root / "weights.bin", "token": root / "token",
-            "broken_tok": broken,
+            "broken_tok": broken, "qwen3": qwen3_checkpoint,
             "root": root}
 
 
@@ -104,6 +104,10 @@ PROCESS_CASES = [
      "--kv-store-password-file {missing}", ["kv_store_password_file", "cannot read"]),
     ("prefill-worker --model {missing} --block-size 3", ["block_size"]),
     ("prefill-worker --model {missing} --speculative-draft-kv ship", ["speculative_draft_kv"]),
+    ("decode-worker --model {qwen3} --speculative-method draft --speculative-model {unknown}",
+     ["speculative_model"]),
+    ("prefill-worker --model {qwen3} --speculative-method draft --speculative-model {gpt2} "
+     "--speculative-draft-kv ship", ["speculative_model"]),
     ("decode-worker --model {missing} --speculative-method draft --speculative-model {empty} "
      "--speculative-draft-kv ship --kv-transport nixl", ["speculative_draft_kv"]),
     ("colocated-worker --model {missing} --port 99999", ["port"]),
