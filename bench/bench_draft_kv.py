@@ -2,8 +2,9 @@
 worker (`--speculative-draft-kv ship|recompute`), side by side, in one run.
 
 Two disaggregated deployments of `--model` (router, prefill and decode worker, one torch
-thread each; each decode worker pinned to the last core, the rest to the others), identical
-but for `--speculative-draft-kv`, both drafting with `--speculative-method draft`. The draft is
+thread each; each decode worker pinned to the last core, the rest to the others; no prefix
+caching, as every pass sends the same prompts), identical but for `--speculative-draft-kv`,
+both drafting with `--speculative-method draft`. The draft is
 the model's first `--draft-layers` layers and its own head (an early-exit draft, as LayerSkip
 drafts: the default model has no smaller sibling with its tokenizer), so it shares the
 tokenizer and drafts what the model would often say.
@@ -129,7 +130,10 @@ def _deployments(args: argparse.Namespace, model: str, draft: Path, stack: ExitS
             model=model, torch_threads=1, worker_args=[
                 "--speculative-method", "draft", "--speculative-model", str(draft),
                 "--num-speculative-tokens", str(args.num_speculative_tokens),
-                "--speculative-draft-kv", side, "--metrics-port", "0"]))
+                "--speculative-draft-kv", side, "--metrics-port", "0",
+                # every pass the same prompts: no prefix cache, or only the first pass would
+                # prefill (and ship) them
+                "--no-prefix-caching"]))
         out[side].pin("decode", {cores[-1]})
         out[side].pin("router", set(cores[:-1]))
         out[side].pin("prefill", set(cores[:-1]))

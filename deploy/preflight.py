@@ -149,7 +149,7 @@ def check_inputs(args: argparse.Namespace) -> WorkerSettings | RouterSettings | 
                                          "health_port": settings.security.health_port})
         settings = replace(settings, model=settings.model or ensure_default_model())
         _check_model(settings.model)
-        if settings.role != "prefill" or settings.speculative.ships_draft_kv:
+        if settings.role != "prefill" or settings.ships_draft_kv:
             _check_draft(settings.model, settings.speculative)
         if settings.role in ("decode", "colocated"):
             _check_max_model_len(settings)

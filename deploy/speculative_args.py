@@ -28,7 +28,8 @@ def speculative_args(p: argparse.ArgumentParser, prefix: str = "") -> None:
                    help="draft: where the draft model's K/V of the prompt comes from. "
                         "recompute: the decode worker prefills the draft in its step loop; "
                         "ship: prefill workers (given the same --speculative-model) prefill it "
-                        "and push its pages with the model's (grpc K/V transport)")
+                        "and push its pages with the model's (grpc K/V transport only); auto: "
+                        "ship over grpc, recompute over nixl and ray")
     p.add_argument("--num-speculative-tokens", type=int, default=DEFAULT_NUM_SPECULATIVE_TOKENS,
                    help=prefix + "drafts verified per step at most")
     p.add_argument("--prompt-lookup-min", type=int, default=SpeculativeConfig.prompt_lookup_min,

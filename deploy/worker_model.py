@@ -214,14 +214,14 @@ def build_draft(settings: WorkerSettings, model: Transformer, pool: KvPool
 
 def build_draft_prefill(settings: WorkerSettings, model: Transformer, pool: KvPool
                         ) -> DraftPrefill | None:
-    """A prefill worker's draft model and pool where --speculative-draft-kv ship asks for
-    its prompt K/V to be built here (None otherwise)."""
-    if not settings.speculative.ships_draft_kv:
+    """A prefill worker's draft model and pool where its prompt K/V is built here and
+    shipped (`WorkerSettings.ships_draft_kv`; None otherwise)."""
+    if not settings.ships_draft_kv:
         return None
     from prefill_worker.draft_kv import DraftPrefill
 
     built = build_draft(settings, model, pool)
-    assert built is not None  # noqa: S101 - ship implies --speculative-method draft
+    assert built is not None  # noqa: S101 - shipping implies --speculative-method draft
     return DraftPrefill(built.model, built.pool, settings.prefill_chunk_size)
 
 

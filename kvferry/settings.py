@@ -143,8 +143,10 @@ def parse_batch_sizes(text: str) -> tuple[int, ...]:
 
 SPECULATIVE_METHODS = ("off", "ngram", "draft")
 # Where a draft model's prompt K/V comes from: the decode worker prefills the draft itself, or
-# the prefill worker does and ships it with the model's pages (gRPC transport).
-DRAFT_KV_MODES = ("recompute", "ship")
+# the prefill worker does and ships it with the model's pages (gRPC transport); auto: ship
+# where the transport carries it (grpc), recompute elsewhere. Shipping cut the decode streams'
+# p99 ITL to 0.34x for 1.09x the arrivals' TTFT (bench/bench_draft_kv.py, docs/performance.md).
+DRAFT_KV_MODES = ("auto", "recompute", "ship")
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
 
 
@@ -164,7 +166,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     is_adaptive: bool = True  # k per sequence from its acceptance and the step cost
     model: str = ""  # draft: the draft model's checkpoint
-    draft_kv: str = DRAFT_KV_MODES[0]  # draft: its prompt K/V recomputed or shipped
+    draft_kv: str = DRAFT_KV_MODES[0]  # draft: its prompt K/V shipped (auto: on grpc) or not
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -188,10 +190,6 @@ class SpeculativeConfig:
     def is_on(self) -> bool:
         return self.method != "off"
 
-    @property
-    def ships_draft_kv(self) -> bool:
-        """A prefill worker builds the draft's prompt K/V and ships it."""
-        return self.draft_kv == "ship"
 
 
 @dataclass(frozen=True)
@@ -236,6 +234,14 @@ class WorkerSettings:
     tiers: TierSettings = field(default_factory=TierSettings)  # K/V tiers below the pool
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
+    @property
+    def ships_draft_kv(self) -> bool:
+        """Prefill workers build the draft model's prompt K/V and push it with the model's
+        (--speculative-draft-kv ship, or auto over the grpc transport)."""
+        mode = self.speculative.draft_kv
+        return self.speculative.method == "draft" and (
+            mode == "ship" or (mode == "auto" and self.kv_transport == "grpc"))
+
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role: expected prefill, decode or colocated, got {self.role!r}")
@@ -256,7 +262,7 @@ class WorkerSettings:
         parse_batch_sizes(self.compile_batch_sizes)
         if self.cuda_graphs not in CUDA_GRAPH_MODES:
             raise ValueError(f"cuda_graphs: expected on or off, got {self.cuda_graphs!r}")
-        if self.speculative.ships_draft_kv and self.kv_transport != "grpc":
+        if self.speculative.draft_kv == "ship" and self.kv_transport != "grpc":
             raise ValueError(f"speculative_draft_kv: ship sends the draft's pages over the grpc "
                              f"K/V transport, not {self.kv_transport}; use recompute")
         if self.speculative.is_on and self.decode_stage_mib:

@@ -1,7 +1,8 @@
 """Speculative decoding with a draft model (`--speculative-method draft --speculative-model
 DIR`, a one-layer seeded model sharing the tiny model's tokenizer) on live deployments,
-disaggregated and colocated, and disaggregated with the draft's prompt K/V built by the
-prefill worker and shipped (`--speculative-draft-kv ship`): greedy output token-identical to
+disaggregated with the draft's prompt K/V recomputed on the decode worker
+(`--speculative-draft-kv recompute`) and built by the prefill worker and shipped (the default
+over grpc), and colocated: greedy output token-identical to
 transformers generate, seeded output equal to the deployment without drafts, drafts verified
 and rolled back, the decode worker's draft prefilling the prompts only where they were not
 shipped, every pool clean. (Recomputed drafting happens once the K/V is in the decode worker,
@@ -30,16 +31,16 @@ from tests.e2e.test_speculative import (
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module", params=["disaggregated", "colocated", "shipped"])
+@pytest.fixture(scope="module", params=["recomputed", "colocated", "shipped"])
 def deployment(request: pytest.FixtureRequest, qwen3_checkpoint: Path, draft_checkpoint: Path,
                tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    ship = ["--speculative-draft-kv", "ship"] if request.param == "shipped" else []
+    mode = ["--speculative-draft-kv", "recompute"] if request.param == "recomputed" else []
     started = Deployment(
         model=str(qwen3_checkpoint), is_colocated=request.param == "colocated",
         log_dir=tmp_path_factory.mktemp(f"draft-{request.param}"),
         worker_args=["--speculative-method", "draft", "--speculative-model",
                      str(draft_checkpoint), "--num-speculative-tokens", "3",
-                     "--metrics-port", "0", *ship]).start()
+                     "--metrics-port", "0", *mode]).start()
     started.draft_kv = request.param  # type: ignore[attr-defined]
     try:
         yield started
