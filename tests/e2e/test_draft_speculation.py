@@ -20,6 +20,7 @@ import pytest
 from deploy import client
 from deploy.launcher import Deployment
 from tests.conftest import assert_alive, assert_pools_clean
+from tests.deployments import reconfigured
 from tests.e2e.test_metrics import scrape, value
 from tests.e2e.test_speculative import (
     MAX_TOKENS,
@@ -82,3 +83,22 @@ def test_seeded_samples_with_a_draft_model_equal_those_without(
     want = asyncio.run(client.generate_samples(qwen3_deployment.router_address, request, 120))
     assert [s.token_ids for s in got] == [s.token_ids for s in want]
     assert_pools_clean(deployment)
+
+
+def test_greedy_with_a_draft_model_over_nixl_matches_transformers(
+        qwen3_nixl_deployment: Deployment, qwen3_checkpoint: Path,
+        draft_checkpoint: Path) -> None:
+    """The shared NIXL deployment's decode workers restarted drafting with the draft model:
+    NIXL carries no draft pages, so each decode worker recomputes the draft's prompt K/V;
+    greedy output token-identical to transformers."""
+    deployment = qwen3_nixl_deployment
+    flags = ["--speculative-method", "draft", "--speculative-model", str(draft_checkpoint),
+             "--num-speculative-tokens", "3"]
+    with reconfigured(deployment, ["decode-0", "decode-1"], flags):
+        results = greedy_matches_transformers(deployment, qwen3_checkpoint)
+        usage = [r.finished.usage for r in results if r.finished is not None]
+        drafted = sum(u.num_draft_tokens for u in usage)
+        assert drafted > sum(u.num_accepted_tokens for u in usage) >= 0, usage
+        assert draft_prefill_tokens(deployment) >= sum(len(p) for p in _prompts())
+        assert_pools_clean(deployment)
+        assert_alive(deployment)
