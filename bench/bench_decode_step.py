@@ -43,6 +43,14 @@ class _Seq:
     block_table: list[int]
     next_position: int
 
+    @property
+    def cache_position(self) -> int:  # no eviction: cache index and position coincide
+        return self.next_position
+
+    @property
+    def rope_position(self) -> int:
+        return self.next_position
+
 
 def random_pool(config: ModelConfig, max_batch: int, context: int, steps: int) -> KvPool:
     """An fp32 CPU pool with room for `max_batch` sequences of `context` + `steps` tokens,

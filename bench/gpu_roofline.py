@@ -218,6 +218,14 @@ class _Seq(NamedTuple):
     block_table: list[int]
     next_position: int
 
+    @property
+    def cache_position(self) -> int:  # no eviction: cache index and position coincide
+        return self.next_position
+
+    @property
+    def rope_position(self) -> int:
+        return self.next_position
+
 
 def _step_inputs(pool: KvPool, batch: int, context: int) -> tuple[torch.Tensor, ...]:
     """One decode step of `batch` sequences of `context` tokens (the new one included), each

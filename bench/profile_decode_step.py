@@ -42,6 +42,14 @@ class _Seq:
         self.block_table = block_table
         self.next_position = next_position
 
+    @property
+    def cache_position(self) -> int:  # no eviction: cache index and position coincide
+        return self.next_position
+
+    @property
+    def rope_position(self) -> int:
+        return self.next_position
+
 
 def _profile(model: Transformer, pool: KvPool, batch: int, context: int, steps: int
              ) -> dict[str, object]:

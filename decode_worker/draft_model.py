@@ -102,12 +102,14 @@ class DraftModel:
 
     def _step(self, seqs: list[DecodeSeq], tokens: list[int], offset: int) -> list[int]:
         """Feed each sequence's latest draft at its next position + `offset`: the next."""
-        rows = step_inputs([PagedRow(s.block_table, s.next_position + offset) for s in seqs],
+        rows = step_inputs([PagedRow(s.block_table, s.cache_position + offset,
+                                     s.rope_position + offset) for s in seqs],
                            self.pool.block_size)
         device = self.model.device
         logits = self.model.decode(torch.tensor(tokens, device=device),
                                    rows.positions.to(device), rows.slots.to(device),
-                                   rows.block_tables.to(device), self.pool)
+                                   rows.block_tables.to(device), self.pool,
+                                   seq_lens=rows.seq_lens.to(device))
         return logits.argmax(dim=-1).tolist()
 
     def verified(self, seq: DecodeSeq, num_drafts: int, num_accepted: int) -> None:

@@ -88,6 +88,11 @@ class DecodeSeq:
     # model takes it over at its first step: decode_worker/draft_model.py).
     draft_received: np.ndarray | None = None
     draft_kv_tokens: int = 0
+    # K/V eviction (docs/kv-eviction-design.md): tokens whose K/V left the cache (the table
+    # holds the rest, in order), and of those, the ones its rotary positions no longer count
+    # (re-based). 0 and 0 without eviction: cache index, rotary and text positions coincide.
+    num_evicted: int = 0
+    num_rebased: int = 0
     # Parallel sampling (decode_worker/samples.py). Reserved with num_samples > 1, the request
     # is sample 0 and holds `spare_blocks` for the others; attached, it knows their first
     # tokens; admitted, the others are forked from it and `group` lists all of them, sample 0
@@ -122,8 +127,18 @@ class DecodeSeq:
 
     @property
     def next_position(self) -> int:
-        """Position of the token the next step feeds (its K/V slot)."""
+        """Position in the text of the token the next step feeds."""
         return self.num_prompt_tokens + len(self.tokens) - 1
+
+    @property
+    def cache_position(self) -> int:
+        """Index in the cache of that token's K/V (its slot: `block_table` at it)."""
+        return self.next_position - self.num_evicted
+
+    @property
+    def rope_position(self) -> int:
+        """Position that token is rotated at (docs/kv-eviction-design.md 3.1)."""
+        return self.next_position - self.num_rebased
 
     @property
     def tokens_left(self) -> int:
@@ -172,36 +187,44 @@ def lookup(seqs: Mapping[str, DecodeSeq], request_id: str) -> DecodeSeq:
 
 
 class PagedSeq(Protocol):
-    """A sequence as a decode step sees it: its blocks and the position it writes next."""
+    """A sequence as a decode step sees it: its blocks, the cache index the token it feeds
+    next is written at, and the position that token is rotated at."""
 
     block_table: list[int]
 
     @property
-    def next_position(self) -> int: ...
+    def cache_position(self) -> int: ...
+
+    @property
+    def rope_position(self) -> int: ...
 
 
 class PagedRow(NamedTuple):
-    """One query row as `step_inputs` sees it: a sequence's table and the position it writes
-    (a speculative step's draft rows, a draft model's steps)."""
+    """One query row as `step_inputs` sees it: a sequence's table, the cache index it writes
+    and its rotary position (a speculative step's draft rows, a draft model's steps)."""
 
     block_table: list[int]
-    next_position: int
+    cache_position: int
+    rope_position: int
 
 
 class StepInputs(NamedTuple):
     """A decode step's paging inputs, on the host."""
 
-    positions: torch.Tensor  # [B] int64: the position each sequence writes this step
-    slots: torch.Tensor  # [B] int64: that position's pool slot (block * block_size + offset)
+    positions: torch.Tensor  # [B] int64: the rotary position of each sequence's token
+    slots: torch.Tensor  # [B] int64: its cache index's pool slot (block * block_size + offset)
     block_tables: torch.Tensor  # [B, width] int32, padded with block 0
+    seq_lens: torch.Tensor  # [B] int32: tokens each row attends (its cache index + 1)
 
 
 def step_inputs(batch: Sequence[PagedSeq], block_size: int) -> StepInputs:
-    positions = [s.next_position for s in batch]
+    cached = [s.cache_position for s in batch]
     width = max(len(s.block_table) for s in batch)
     # [B, width], padded with block 0: attention never reads past a sequence's length.
     table = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in batch],
                          dtype=torch.int32)
     slots = [s.block_table[p // block_size] * block_size + p % block_size
-             for s, p in zip(batch, positions)]
-    return StepInputs(torch.tensor(positions), torch.tensor(slots, dtype=torch.int64), table)
+             for s, p in zip(batch, cached)]
+    return StepInputs(torch.tensor([s.rope_position for s in batch]),
+                      torch.tensor(slots, dtype=torch.int64), table,
+                      torch.tensor(cached, dtype=torch.int32) + 1)

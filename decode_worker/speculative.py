@@ -73,7 +73,7 @@ class Drafting:
         holds (a draft model needs the prompt's tokens, which Reserve may not have sent)."""
         if self.draft is not None and len(seq.prompt_token_ids) != seq.num_prompt_tokens:
             return 0
-        room = len(seq.block_table) * block_size - 1 - seq.next_position
+        room = len(seq.block_table) * block_size - 1 - seq.cache_position
         k = min(self.lookahead(seq), room)
         return min(k, self.controller.k_for(seq.key, batch_rows)) if k > 0 else 0
 
@@ -147,7 +147,8 @@ def row_inputs(batch: Sequence[DecodeSeq], drafts: Sequence[list[int]], block_si
     for seq, seq_drafts in zip(batch, drafts):
         for j, token in enumerate([seq.tokens[-1], *seq_drafts]):
             tokens.append(token)
-            rows.append(PagedRow(seq.block_table, seq.next_position + j))
+            rows.append(PagedRow(seq.block_table, seq.cache_position + j,
+                                 seq.rope_position + j))
     return torch.tensor(tokens), step_inputs(rows, block_size)
 
 
@@ -174,6 +175,6 @@ def accept(logits: torch.Tensor, batch: Sequence[DecodeSeq], drafts: Sequence[li
 def trim(pool: KvPool, seq: DecodeSeq, lookahead: int) -> None:
     """Free the blocks of `seq`'s table past what its next step writes (positions up to
     `next_position` + `lookahead`): rejected drafts' blocks, and lookahead no longer wanted."""
-    keep = seq.next_position + 1 + lookahead
+    keep = seq.cache_position + 1 + lookahead
     if len(seq.block_table) > blocks_for_tokens(keep, pool.block_size):
         truncate(pool, seq.block_table, keep)

@@ -170,10 +170,10 @@ class StepLoop:
         if self.drafting is not None:
             for seq in self.running:
                 trim(self.pool, seq, self.drafting.lookahead(seq))
-        if any(len(s.block_table) * block_size <= s.next_position for s in self.running):
+        if any(len(s.block_table) * block_size <= s.cache_position for s in self.running):
             for seq in sorted(self.running, key=lambda s: s.arrival):
                 while (seq.phase is Phase.RUNNING
-                       and len(seq.block_table) * block_size <= seq.next_position):
+                       and len(seq.block_table) * block_size <= seq.cache_position):
                     if self.pool.allocator.num_free > 0:
                         seq.block_table += self.pool.allocator.alloc(1)
                     else:
@@ -181,7 +181,7 @@ class StepLoop:
         if self.drafting is None:
             return
         for seq in sorted(self.running, key=lambda s: s.arrival):
-            want = blocks_for_tokens(seq.next_position + 1 + self.drafting.lookahead(seq),
+            want = blocks_for_tokens(seq.cache_position + 1 + self.drafting.lookahead(seq),
                                      block_size)
             while len(seq.block_table) < want and self._num_unused_blocks() > 0:
                 seq.block_table += self.pool.allocator.alloc(1)
@@ -285,7 +285,7 @@ class StepLoop:
             self._loop.call_soon_threadsafe(self._deliver, batch, tokens, finished,
                                             self.num_steps)
             if (finished or self._needs_loop.is_set() or any(s.is_aborted for s in batch)
-                    or any(len(s.block_table) * block_size <= s.next_position for s in batch)
+                    or any(len(s.block_table) * block_size <= s.cache_position for s in batch)
                     or self._wants_lookahead(batch)):
                 return
 
@@ -294,7 +294,7 @@ class StepLoop:
         block is free to give it (on the event loop, `_grow`)."""
         if self.drafting is None or self._num_unused_blocks() == 0:
             return False
-        last = [s.next_position + self.drafting.lookahead(s) for s in batch]
+        last = [s.cache_position + self.drafting.lookahead(s) for s in batch]
         return any(len(s.block_table) * self.pool.block_size <= p for s, p in zip(batch, last))
 
     def _step(self, batch: list[DecodeSeq], is_staged: bool = False) -> list[list[int]]:
@@ -317,6 +317,7 @@ class StepLoop:
             inputs.block_tables.to(device),
             self.pool,
             self.stage if is_staged else None,
+            seq_lens=inputs.seq_lens.to(device),
         )
         params = [s.params or SamplingParams() for s in batch]  # attached: never None
         indices = [s.output_offset + len(s.tokens) for s in batch]
@@ -330,7 +331,7 @@ class StepLoop:
         device = self.model.device
         logits = self.model.decode(token_ids.to(device), rows.positions.to(device),
                                    rows.slots.to(device), rows.block_tables.to(device),
-                                   self.pool)
+                                   self.pool, seq_lens=rows.seq_lens.to(device))
         kept = accept(logits, batch, drafts)
         self.drafting.count(batch, drafts, kept)
         return kept

@@ -141,21 +141,24 @@ class CudaGraphDecode:
         return self.bucket(batch) if width <= self.max_blocks else None
 
     def prepare(self, token_ids: torch.Tensor, positions: torch.Tensor,
-                slot_mapping: torch.Tensor, block_tables: torch.Tensor) -> int | None:
+                slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                seq_lens: torch.Tensor | None = None) -> int | None:
         """Copy one step's inputs (as `Transformer.decode` takes them) into its bucket's
         buffers, padded; the bucket, or None where no bucket covers the step."""
         batch, width = block_tables.shape
         size = self.covers(batch, width)
         if size is not None:
-            self._copy_in(self._static[size], token_ids, positions, slot_mapping, block_tables)
+            self._copy_in(self._static[size], token_ids, positions, slot_mapping, block_tables,
+                          positions + 1 if seq_lens is None else seq_lens)
         return size
 
     def _copy_in(self, s: StaticInputs, token_ids: torch.Tensor, positions: torch.Tensor,
-                 slot_mapping: torch.Tensor, block_tables: torch.Tensor) -> None:
+                 slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor) -> None:
         batch, width = block_tables.shape
         s.token_ids[:batch].copy_(token_ids)
         s.positions[:batch].copy_(positions)
-        s.seq_lens[:batch].copy_(positions + 1)
+        s.seq_lens[:batch].copy_(seq_lens)
         s.slot_mapping[:batch].copy_(slot_mapping)
         s.block_tables[:batch, :width].copy_(block_tables)
         s.block_tables[:batch, width:].fill_(self.scratch_block)
@@ -229,8 +232,8 @@ class CudaGraphDecode:
         return tuple(sorted(self._captured))
 
     def __call__(self, token_ids: torch.Tensor, positions: torch.Tensor,
-                 slot_mapping: torch.Tensor, block_tables: torch.Tensor, pool: KvPool
-                 ) -> torch.Tensor | None:
+                 slot_mapping: torch.Tensor, block_tables: torch.Tensor, pool: KvPool,
+                 seq_lens: torch.Tensor | None = None) -> torch.Tensor | None:
         """Logits [B, vocab] of one decode step replayed from its bucket's graph (a copy: the
         caller owns it), or None where no captured graph covers the step (see the module)."""
         size = None
@@ -240,7 +243,8 @@ class CudaGraphDecode:
         if size is None or captured is None:
             self.num_eager += 1
             return None
-        self._copy_in(self._static[size], token_ids, positions, slot_mapping, block_tables)
+        self._copy_in(self._static[size], token_ids, positions, slot_mapping, block_tables,
+                      positions + 1 if seq_lens is None else seq_lens)
         captured.graph.replay()
         self.num_replays += 1
         return captured.logits[:token_ids.shape[0]].clone()

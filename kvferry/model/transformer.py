@@ -87,8 +87,8 @@ class GraphStep(Protocol):
     [B, vocab], or None where no graph covers the step (it then runs compiled or eagerly)."""
 
     def __call__(self, token_ids: torch.Tensor, positions: torch.Tensor,
-                 slot_mapping: torch.Tensor, block_tables: torch.Tensor, pool: KvPool
-                 ) -> torch.Tensor | None: ...
+                 slot_mapping: torch.Tensor, block_tables: torch.Tensor, pool: KvPool,
+                 seq_lens: torch.Tensor) -> torch.Tensor | None: ...
 
 
 class Transformer:
@@ -276,15 +276,20 @@ class Transformer:
         block_tables: torch.Tensor,  # [B, max_blocks] int32
         pool: KvPool,
         stage: DenseKv | None = None,
+        seq_lens: torch.Tensor | None = None,  # [B] int32 tokens attended; positions + 1
     ) -> torch.Tensor:  # [B, vocab]
         """One decode step for a ragged batch over the paged cache. With `stage` (the batch's
         K/V mirrored densely, rows in batch order) attention reads it instead of the pages;
-        the pages are written all the same."""
+        the pages are written all the same. `positions` rotate the new tokens; `seq_lens`
+        (default positions + 1) are the tokens each row's table holds once its token is
+        written: they differ where a sequence evicted K/V (docs/kv-eviction-design.md)."""
+        if seq_lens is None:
+            seq_lens = (positions + 1).to(torch.int32)
         if self.graphs is not None and stage is None:
-            logits = self.graphs(token_ids, positions, slot_mapping, block_tables, pool)
+            logits = self.graphs(token_ids, positions, slot_mapping, block_tables, pool,
+                                 seq_lens)
             if logits is not None:
                 return logits
-        seq_lens = (positions + 1).to(torch.int32)
         runs = self.run_rows(block_tables, seq_lens) if stage is None else {}
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

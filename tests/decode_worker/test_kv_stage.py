@@ -39,6 +39,14 @@ class Seq:
     block_table: list[int]
     next_position: int
 
+    @property
+    def cache_position(self) -> int:  # no eviction: cache index and position coincide
+        return self.next_position
+
+    @property
+    def rope_position(self) -> int:
+        return self.next_position
+
 
 def _pool(num_blocks: int = 2048) -> KvPool:
     pool = KvPool(LAYERS, HKV, D, BS, num_blocks, torch.float32, torch.device("cpu"))
@@ -60,7 +68,7 @@ def _step(pool: KvPool, stage: KvStage, batch: list[Seq], free: list[int],
     for seq in batch:  # the slot this step writes
         if len(seq.block_table) * BS <= seq.next_position:
             seq.block_table.append(free.pop())
-    positions, slots, table = step_inputs(batch, BS)
+    positions, slots, table, _ = step_inputs(batch, BS)
     seq_lens = (positions + 1).to(torch.int32)
     stage.begin_step(positions)
     for layer in range(LAYERS):
@@ -279,7 +287,7 @@ def test_decode_with_stage_matches_decode_over_pages(num_tokens: int, qwen3_chec
     for _ in range(num_tokens):
         batch = stage.arrange(seqs)
         assert batch is not None
-        positions, slots, table = step_inputs(batch, BS)
+        positions, slots, table, _ = step_inputs(batch, BS)
         ids = torch.tensor([tokens[id(s)] for s in batch])
         snapshot = pool.cache.clone()
         paged = model.decode(ids, positions, slots, table, pool)
