@@ -69,7 +69,7 @@ def run(model: Transformer, pool: KvPool, lengths: list[int], path: str, steps: 
         tokens = torch.randint(1, model.config.vocab_size, (len(seqs),))
         stage.attend_s = 0.0
         start = time.perf_counter()
-        model.decode(tokens, *inputs, pool, stage)
+        model.decode(tokens, *inputs[:3], pool, stage)
         whole.append(time.perf_counter() - start)
         attend.append(stage.attend_s)
         for s in seqs:

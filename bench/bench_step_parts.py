@@ -76,7 +76,7 @@ def step_parts(model: Transformer, pool: KvPool, batch: int, context: int, steps
         tokens = torch.randint(1, model.config.vocab_size, (batch,))
         stage.attend_s = 0.0
         start = time.perf_counter()
-        model.decode(tokens, *inputs, pool, stage)
+        model.decode(tokens, *inputs[:3], pool, stage)
         whole.append(time.perf_counter() - start)
         attend.append(stage.attend_s)
         start = time.perf_counter()
