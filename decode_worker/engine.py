@@ -47,7 +47,7 @@ from kvferry.errors import Aborted, InvalidArgument, NotFound, Unavailable
 from kvferry.model.prefill_batch import PrefillJob
 from kvferry.model.sampling import FinishReason, SamplingParams
 from kvferry.model.transformer import Transformer
-from kvferry.settings import DEFAULT_MAX_WAITING, SpeculativeConfig
+from kvferry.settings import DEFAULT_MAX_WAITING, KvEvictionConfig, SpeculativeConfig
 from kvferry.transfer import wire
 
 log = logging.getLogger("kvferry.decode")
@@ -72,7 +72,7 @@ class DecodeEngine:
                  max_waiting: int = DEFAULT_MAX_WAITING, stage_bytes: int = 0,
                  max_model_len: int | None = None, cache: TieredCache | None = None,
                  speculative: SpeculativeConfig | None = None, draft: DraftModel | None = None,
-                 **prefill_options: int) -> None:
+                 eviction: KvEvictionConfig | None = None, **prefill_options: int) -> None:
         self.model = model
         self.max_model_len = max_model_len or model.config.max_position_embeddings
         self.pool = pool
@@ -83,7 +83,7 @@ class DecodeEngine:
         self.blocks = BlockQueue(pool.allocator, max_waiting, lambda: not self.steps.swapped)
         self._arrivals = itertools.count()
         self.steps = StepLoop(model, pool, self.blocks, self._seqs, self._finish, stage_bytes,
-                              speculative, draft, **prefill_options)
+                              speculative, draft, eviction, **prefill_options)
         self.batcher = self.steps.batcher  # colocated prefill, run by the step loop
         self.receiver = KvReceiver(layout, pool, self._seqs, self._kv_complete,
                                    None if draft is None else DraftPages(
@@ -96,6 +96,12 @@ class DecodeEngine:
         self._prefill_jobs: dict[str, PrefillJob] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self.is_draining = False  # SIGTERM: no new reservations; the ones here run to the end
+
+    @property
+    def _budget_blocks(self) -> int | None:
+        """Blocks a sequence holds at most under K/V eviction (None: unbounded)."""
+        eviction = self.steps.eviction
+        return None if eviction is None else eviction.budget_blocks
 
     @property
     def kv_bytes_received(self) -> int:
@@ -146,7 +152,7 @@ class DecodeEngine:
         if self.is_draining:
             raise Unavailable("draining: this worker is shutting down")
         check_reservation(request_id, num_prompt_tokens, max_tokens, lease_s, self._seqs,
-                          self.max_model_len, self.pool, num_samples)
+                          self.max_model_len, self.pool, num_samples, self._budget_blocks)
         prompt = list(prompt_token_ids or [])
         hit = await self.prefix_cache.acquire(
             prompt, num_prompt_tokens, cache_salt, self.blocks,
@@ -352,6 +358,8 @@ class DecodeEngine:
             prefill_s_per_token=self.batcher.s_per_token,
             spec_draft_tokens=getattr(self.steps.drafting, "num_draft_tokens", 0),
             spec_accepted_tokens=getattr(self.steps.drafting, "num_accepted_tokens", 0),
+            kv_evicted_blocks=(self.steps.eviction.num_evicted_blocks
+                               if self.steps.eviction is not None else 0),
             spec_draft_prefill_tokens=(self.steps.drafting.draft.num_prefill_tokens
                                        if self.steps.drafting is not None
                                        and self.steps.drafting.draft is not None else 0),

@@ -61,8 +61,9 @@ class DecodePrefixCache:
         return CacheHit(seed, hit.block_ids, hit.num_cached, hit.by_tier)
 
     def index(self, seq: DecodeSeq, num_written: int) -> None:
-        """Index the full blocks of positions [0, num_written) of `seq`, whose K/V is final."""
-        if not seq.prompt_token_ids or not self.cache.prefix_caching:
+        """Index the full blocks of positions [0, num_written) of `seq`, whose K/V is final.
+        Nothing of a sequence that evicted K/V: its blocks are no longer a prefix's pages."""
+        if not seq.prompt_token_ids or not self.cache.prefix_caching or seq.num_evicted:
             return
         generated = seq.tokens[:max(num_written - seq.num_prompt_tokens, 0)]
         tokens = (seq.prompt_token_ids + generated)[:num_written]

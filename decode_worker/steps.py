@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from decode_worker.draft_model import DraftModel
+from decode_worker.eviction import StreamingEviction
 from decode_worker.kv_stage import KvStage
 from decode_worker.samples import fork_samples
 from decode_worker.sequence import (
@@ -47,7 +48,7 @@ from kvferry.model.executor import run_to_completion
 from kvferry.model.prefill_batch import PrefillBatcher
 from kvferry.model.sampling import FinishReason, SamplingParams, sample_tokens
 from kvferry.model.transformer import Transformer
-from kvferry.settings import SpeculativeConfig
+from kvferry.settings import KvEvictionConfig, SpeculativeConfig
 
 log = logging.getLogger("kvferry.decode")
 
@@ -66,7 +67,7 @@ class StepLoop:
     def __init__(self, model: Transformer, pool: KvPool, blocks: BlockQueue,
                  seqs: Mapping[str, DecodeSeq], finish: Finish, stage_bytes: int = 0,
                  speculative: SpeculativeConfig | None = None, draft: DraftModel | None = None,
-                 **prefill_options: int) -> None:
+                 eviction: KvEvictionConfig | None = None, **prefill_options: int) -> None:
         self.model = model
         self.pool = pool
         self.blocks = blocks
@@ -89,6 +90,11 @@ class StepLoop:
                 raise ValueError("speculative decoding reads the pages: no dense K/V stage "
                                  "(--decode-stage-mib 0)")
             self.drafting = Drafting(speculative, ngram_proposer(speculative), draft=draft)
+        # K/V eviction (decode_worker/eviction.py): each sequence bounded before its steps.
+        self.eviction = (StreamingEviction(eviction, model, pool)
+                         if eviction is not None and eviction.is_on else None)
+        if self.eviction is not None and (self.stage is not None or self.drafting is not None):
+            raise ValueError("kv_eviction: not with speculative decoding or a dense K/V stage")
         self._wake = asyncio.Event()
         # Set when the step loop must come back to the event loop (admissions, prefill work):
         # read by the executor thread, which otherwise steps a stable batch back to back.
@@ -112,6 +118,8 @@ class StepLoop:
             self.swapped.remove(seq)
         if self.drafting is not None:
             self.drafting.forget(seq.key)
+        if self.eviction is not None:
+            self.eviction.forget(seq.key)
 
     def _admit_and_reap(self) -> None:
         for seq in list(self.running):
@@ -167,6 +175,9 @@ class StepLoop:
         what its next step's drafts may write and give it those slots from unused blocks
         (never preempting or evicting for drafts: a sequence without room verifies fewer)."""
         block_size = self.pool.block_size
+        if self.eviction is not None:
+            for seq in self.running:
+                self.eviction.bound(seq)
         if self.drafting is not None:
             for seq in self.running:
                 trim(self.pool, seq, self.drafting.lookahead(seq))
@@ -286,8 +297,12 @@ class StepLoop:
                                             self.num_steps)
             if (finished or self._needs_loop.is_set() or any(s.is_aborted for s in batch)
                     or any(len(s.block_table) * block_size <= s.cache_position for s in batch)
-                    or self._wants_lookahead(batch)):
+                    or self._wants_lookahead(batch) or self._wants_eviction(batch)):
                 return
+
+    def _wants_eviction(self, batch: list[DecodeSeq]) -> bool:
+        """A sequence must give up K/V (or re-base) before its next step (`_grow`)."""
+        return self.eviction is not None and any(self.eviction.needs(s) for s in batch)
 
     def _wants_lookahead(self, batch: list[DecodeSeq]) -> bool:
         """With speculation: a sequence's table no longer holds its next step's drafts and a

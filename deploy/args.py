@@ -8,6 +8,7 @@ import argparse
 
 from deploy.client_args import add_client_commands, sampling_args
 from deploy.default_model import ensure_default_model
+from deploy.eviction_args import eviction_args, eviction_config
 from deploy.parser import Parser, add_global_args_to_commands, global_args
 from deploy.plan_cmd import add_plan_parser
 from deploy.policy_args import policy_args, policy_settings
@@ -150,9 +151,16 @@ def _worker_parser(sub: argparse._SubParsersAction, role: str) -> None:
                         "as Ray actors), or nixl: the decode worker reads them from the "
                         "prefill worker's pool with NIXL (UCX); the same on every worker")
     tier_args(p)
-    speculative_args(p, SPECULATIVE_HELP_PREFIX.get(role, "decode/colocated: "))
+    _decode_side_args(p, role)
     _server_process_args(p)
     p.set_defaults(role=role)
+
+
+def _decode_side_args(p: argparse.ArgumentParser, role: str) -> None:
+    """Speculative decoding and K/V eviction: decode-side features (a prefill worker reads
+    the draft model's flags to ship its K/V)."""
+    speculative_args(p, SPECULATIVE_HELP_PREFIX.get(role, "decode/colocated: "))
+    eviction_args(p, "decode/colocated: " if role != "prefill" else "ignored by prefill: ")
 
 
 def _deployment_args(p: argparse.ArgumentParser) -> None:
@@ -195,6 +203,7 @@ def _deployment_args(p: argparse.ArgumentParser) -> None:
                         "default: start a local Ray instance")
     tier_args(p, is_deployment=True)
     speculative_args(p, "decode/colocated workers: ")
+    eviction_args(p, "decode/colocated workers: ")
     tls_args(p)
     public_access_args(p)
     serve_process_args(p)
@@ -297,6 +306,7 @@ def worker_settings(args: argparse.Namespace, model: str | None = None) -> Worke
         kv_transport=args.kv_transport, drain_timeout_s=args.drain_timeout_s,
         metrics_port=args.metrics_port, security=security_settings(args),
         tiers=tier_settings(args), speculative=speculative_config(args),
+        kv_eviction=eviction_config(args),
     )
 
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from deploy.args import DEMO_QUESTION, build_parser
 from deploy.default_model import ensure_default_model
+from deploy.eviction_args import eviction_argv
 from deploy.preflight import check_inputs
 from deploy.security_args import (
     public_access_argv,
@@ -94,7 +95,8 @@ def _deployment(args: argparse.Namespace, store_url: str | None = None):
         + (["--kv-transport", args.kv_transport] if args.kv_transport != "ray" else [])
         + (["--kv-cache-dtype", args.kv_cache_dtype] if args.kv_cache_dtype != "auto" else [])
         + ([] if args.max_model_len is None else ["--max-model-len", str(args.max_model_len)])
-        + tier_argv(args, store_url) + speculative_argv(args) + worker_flags,
+        + tier_argv(args, store_url) + speculative_argv(args) + eviction_argv(args)
+        + worker_flags,
     )
     if args.kv_transport == "ray":
         from deploy.ray_launcher import RayDeployment

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 from deploy.args import router_settings, worker_settings
 from deploy.default_model import DEFAULT_MODEL_SAMPLING, ensure_default_model
+from deploy.eviction_args import eviction_config
 from deploy.security_args import check_client_tls, security_settings
 from deploy.speculative_args import speculative_config
 from deploy.tier_args import tier_settings
@@ -119,7 +120,8 @@ def _check_deployment(args: argparse.Namespace) -> None:
         attention_backend=args.attention_backend, metrics_port=args.metrics_port,
         compile=args.compile, compile_batch_sizes=args.compile_batch_sizes,
         kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
-        security=security_settings(args), tiers=tier_settings(args))
+        security=security_settings(args), tiers=tier_settings(args),
+        speculative=speculative_config(args), kv_eviction=eviction_config(args))
     refuse_plaintext_token(settings.security)
     if args.public_client_auth and args.tls_ca is None:
         raise ValueError("public_client_auth: needs --tls-ca to verify client certificates")

@@ -149,6 +149,7 @@ def build_worker(settings: WorkerSettings) -> tuple[Built, object]:
                               token_budget=token_budget,
                               chunk_size=settings.prefill_chunk_size,
                               speculative=settings.speculative,
+                              eviction=settings.kv_eviction,
                               draft=build_draft(settings, model, pool))
         from kvferry.transfer import transport
 

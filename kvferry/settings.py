@@ -192,6 +192,56 @@ class SpeculativeConfig:
 
 
 
+EVICTION_POLICIES = ("none", "streaming")
+
+
+@dataclass(frozen=True)
+class KvEvictionConfig:
+    """A K/V budget per sequence on decode and colocated workers
+    (docs/kv-eviction-design.md). none: every token kept. streaming (StreamingLLM): the
+    first `sink_tokens` (attention sinks) and the last `window_tokens`, both rounded up to
+    whole blocks; the blocks between are freed as the window moves, and distances are those
+    of positions within the cache, so a sequence may run past the model's context."""
+
+    policy: str = EVICTION_POLICIES[0]
+    sink_tokens: int = 4
+    window_tokens: int = 1020
+
+    def __post_init__(self) -> None:
+        if self.policy not in EVICTION_POLICIES:
+            raise ValueError(f"kv_eviction: expected one of {', '.join(EVICTION_POLICIES)}, "
+                             f"got {self.policy!r}")
+        if self.sink_tokens < 0:
+            raise ValueError(f"kv_sink_tokens: must be >= 0, got {self.sink_tokens}")
+        if self.window_tokens < 1:
+            raise ValueError(f"kv_window_tokens: must be >= 1, got {self.window_tokens}")
+
+    @property
+    def is_on(self) -> bool:
+        return self.policy != "none"
+
+    def sink_blocks(self, block_size: int) -> int:
+        return -(-self.sink_tokens // block_size)
+
+    def budget_blocks(self, block_size: int) -> int:
+        """Blocks a sequence holds at most: the sinks' and the window's (the block being
+        filled is the window's newest)."""
+        return self.sink_blocks(block_size) + max(1, -(-self.window_tokens // block_size))
+
+
+def _check_eviction(settings: WorkerSettings) -> None:
+    """What streaming eviction does not combine with yet (each refusal names the flag)."""
+    if settings.speculative.is_on:
+        raise ValueError("kv_eviction: speculative decoding rolls back K/V that eviction may "
+                         "have moved; use --speculative-method off with --kv-eviction")
+    if settings.kv_cache_dtype != KV_CACHE_DTYPES[0]:
+        raise ValueError("kv_eviction: the sinks' keys are re-rotated in place, which "
+                         "quantized pages do not take yet; use --kv-cache-dtype auto")
+    if settings.decode_stage_mib:
+        raise ValueError("kv_eviction: the dense K/V stage mirrors whole sequences; give "
+                         "--decode-stage-mib 0 or leave it unset")
+
+
 @dataclass(frozen=True)
 class WorkerSettings:
     """A prefill or decode worker process."""
@@ -233,6 +283,7 @@ class WorkerSettings:
     security: SecuritySettings = field(default_factory=SecuritySettings)
     tiers: TierSettings = field(default_factory=TierSettings)  # K/V tiers below the pool
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    kv_eviction: KvEvictionConfig = field(default_factory=KvEvictionConfig)
 
     @property
     def ships_draft_kv(self) -> bool:
@@ -265,6 +316,8 @@ class WorkerSettings:
         if self.speculative.draft_kv == "ship" and self.kv_transport != "grpc":
             raise ValueError(f"speculative_draft_kv: ship sends the draft's pages over the grpc "
                              f"K/V transport, not {self.kv_transport}; use recompute")
+        if self.kv_eviction.is_on:
+            _check_eviction(self)
         if self.speculative.is_on and self.decode_stage_mib:
             raise ValueError("decode_stage_mib: speculative decoding reads the pages; give 0 "
                              "or leave it unset")

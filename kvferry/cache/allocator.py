@@ -90,6 +90,10 @@ class BlockAllocator:
         way (`retain`). An indexed block nobody holds has none and waits for eviction."""
         return self._refcount[block_id]
 
+    def is_private(self, block_id: int) -> bool:
+        """Held by one table and not indexed: its holder may write it in place."""
+        return self._refcount[block_id] == 1 and block_id not in self._key_of
+
     def incref(self, ids: list[int]) -> None:
         """Share blocks: each must already be in use."""
         for block_id in ids:

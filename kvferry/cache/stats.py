@@ -65,5 +65,6 @@ class PoolStats:
     # (shipped prompts: only the tokens since)
     spec_draft_prefill_tokens: int = 0
     spec_paused_sequences: int = 0  # drafting paused: recent drafts were not worth their cost
+    kv_evicted_blocks: int = 0  # K/V eviction: blocks sequences gave up (not at their end)
     # Prefix-cache index changes since the caller's cursor (GetStats answers only).
     cache_events: EventsSince | None = None

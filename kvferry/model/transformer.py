@@ -123,6 +123,19 @@ class Transformer:
         sin = (emb.sin() * self.rope_scaling).to(self.dtype)[:, None, :]
         return cos, sin
 
+    def rotate_keys(self, keys: torch.Tensor, shift: int) -> torch.Tensor:
+        """Keys [..., Hkv, D] already rotated at some position p, rotated to p + `shift`
+        (negative: back). RoPE's rotations compose (R(p) R(s) = R(p + s)), so this is the
+        rotation applying RoPE at p + s gives, without the attention scaling `_rope` folds
+        into cos and sin (the keys carry it already). Angles in float64: `shift` may be
+        large. Used by K/V eviction (docs/kv-eviction-design.md 3.1)."""
+        angles = shift * self.inv_freq.double()  # [D/2]
+        emb = torch.cat((angles, angles))  # [D]
+        cos = emb.cos().to(keys.device, torch.float32)
+        sin = emb.sin().to(keys.device, torch.float32)
+        x = keys.float()
+        return (x * cos + _rotate_half(x) * sin).to(keys.dtype)
+
     def _attention_block(
         self, w: Weights, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         attend: AttendFn,

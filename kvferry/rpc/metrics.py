@@ -124,6 +124,9 @@ class WorkerCollector(Collector):
                                   s.num_preemptions)
         yield CounterMetricFamily("kvferry_decode_steps", "Decode steps run.", s.num_decode_steps)
         yield from _spec_decode_metrics(s)
+        yield CounterMetricFamily("kvferry_kv_evicted_blocks",
+                                  "K/V blocks sequences gave up while running (--kv-eviction).",
+                                  s.kv_evicted_blocks)
         yield CounterMetricFamily("kvferry_kv_corrupt_pushes",
                                   "K/V pushes refused by the receiver as corrupted in flight.",
                                   s.num_corrupt_pushes)

@@ -104,6 +104,11 @@ PROCESS_CASES = [
      "--kv-store-password-file {missing}", ["kv_store_password_file", "cannot read"]),
     ("prefill-worker --model {missing} --block-size 3", ["block_size"]),
     ("prefill-worker --model {missing} --speculative-draft-kv ship", ["speculative_draft_kv"]),
+    ("decode-worker --model {missing} --kv-eviction streaming --kv-window-tokens 0",
+     ["kv_window_tokens"]),
+    ("colocated-worker --model {missing} --kv-eviction streaming --speculative-method ngram",
+     ["kv_eviction"]),
+    ("serve --model {missing} --kv-eviction streaming --kv-cache-dtype int8", ["kv_eviction"]),
     ("decode-worker --model {qwen3} --speculative-method draft --speculative-model {unknown}",
      ["speculative_model"]),
     ("prefill-worker --model {qwen3} --speculative-method draft --speculative-model {gpt2} "

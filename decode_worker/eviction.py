@@ -1,0 +1,124 @@
+"""Streaming K/V eviction (StreamingLLM: attention sinks and a sliding window) in the step
+loop of decode and colocated workers (docs/kv-eviction-design.md 3.1-3.2).
+
+A sequence holds at most `budget_blocks`: its first `sink_blocks` (the sinks) and the newest
+blocks (the window). Before a step whose token would need one block more, the oldest window
+block leaves the table and is freed (`num_evicted` grows by a block): on the event loop,
+between steps, never under a forward. Every kept token stays rotated at its index in the
+cache plus the tokens evicted since the last re-base (`DecodeSeq.rope_position`), so the
+distances attention sees are those of positions within the cache. The window keeps the
+positions it was written at; the sinks are re-rotated forward instead, each time from a copy
+of their keys as first written (one rotation from the original, never a rotation of a
+rotation). Before a sink block is first rewritten it is made the sequence's own (copied if
+another table or the prefix cache holds it). When the next token's rotary position would pass
+the model's context, every kept key is rotated back to its index in the cache (re-base), so
+the rotary positions stay within the range the model was trained on.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Hashable
+
+import torch
+
+from decode_worker.sequence import DecodeSeq
+from kvferry.cache.layout import blocks_for_tokens
+from kvferry.cache.pool import KvPool
+from kvferry.model.transformer import Transformer
+from kvferry.settings import KvEvictionConfig
+
+log = logging.getLogger("kvferry.decode")
+
+
+class StreamingEviction:
+    """The step loop's eviction: `bound` each running sequence before a step."""
+
+    def __init__(self, config: KvEvictionConfig, model: Transformer, pool: KvPool) -> None:
+        if pool.is_quantized:
+            raise ValueError("kv_eviction: quantized pages are not re-rotated yet")
+        block_size = pool.block_size
+        self.model, self.pool = model, pool
+        self.sink_blocks = config.sink_blocks(block_size)
+        self.budget_blocks = config.budget_blocks(block_size)
+        self.max_position = model.config.max_position_embeddings
+        if self.budget_blocks * block_size > self.max_position:
+            raise ValueError(f"kv_window_tokens: sinks and window take "
+                             f"{self.budget_blocks * block_size} tokens, past the model's "
+                             f"context of {self.max_position}")
+        self._sinks: dict[Hashable, torch.Tensor] = {}  # key -> [L, S, bs, Hkv, D] as written
+        self.num_evicted_blocks = 0  # over the worker's life
+
+    def needs(self, seq: DecodeSeq) -> bool:
+        """Whether `seq`'s next step must wait for `bound` (executor thread: read only)."""
+        return (blocks_for_tokens(seq.cache_position + 1, self.pool.block_size)
+                > self.budget_blocks or seq.rope_position >= self.max_position)
+
+    def bound(self, seq: DecodeSeq) -> None:
+        """Evict until `seq`'s next token fits the budget; re-base its rotary positions when
+        that token's would pass the model's context."""
+        block_size = self.pool.block_size
+        while blocks_for_tokens(seq.cache_position + 1, block_size) > self.budget_blocks:
+            if not self._evict_oldest(seq):
+                return  # no block to copy a shared sink into: it waits a step (grows)
+        if seq.rope_position >= self.max_position:
+            self._rebase(seq)
+
+    def forget(self, key: Hashable) -> None:
+        """The sequence left the step loop."""
+        self._sinks.pop(key, None)
+
+    def _evict_oldest(self, seq: DecodeSeq) -> bool:
+        if seq.key not in self._sinks:  # its first eviction: the sinks become its own
+            if not self._own(seq, range(self.sink_blocks)):
+                return False
+            ids = self._ids(seq.block_table[:self.sink_blocks])
+            self._sinks[seq.key] = self.pool.cache[:, 0, ids].float()
+        block = seq.block_table.pop(self.sink_blocks)
+        self.pool.allocator.free([block])
+        seq.num_evicted += self.pool.block_size
+        self.num_evicted_blocks += 1
+        self._write_sinks(seq)
+        return True
+
+    def _write_sinks(self, seq: DecodeSeq) -> None:
+        """The sinks' keys rotated from their originals by the tokens evicted since the last
+        re-base: right before the window, as positions within the cache put them."""
+        if not self.sink_blocks:
+            return
+        ids = self._ids(seq.block_table[:self.sink_blocks])
+        shift = seq.num_evicted - seq.num_rebased
+        self.pool.cache[:, 0, ids] = self.model.rotate_keys(self._sinks[seq.key], shift).to(
+            self.pool.cache.dtype)
+
+    def _rebase(self, seq: DecodeSeq) -> None:
+        """Every kept key rotated back to its index in the cache."""
+        window = range(self.sink_blocks, len(seq.block_table))
+        if not self._own(seq, window):
+            return
+        shift = seq.num_evicted - seq.num_rebased
+        ids = self._ids(seq.block_table[self.sink_blocks:])
+        keys = self.pool.cache[:, 0, ids]
+        self.pool.cache[:, 0, ids] = self.model.rotate_keys(keys, -shift)
+        seq.num_rebased = seq.num_evicted
+        if seq.key in self._sinks:
+            self._write_sinks(seq)
+        log.info("request %s: rotary positions re-based by %d at position %d", seq.request_id,
+                 shift, seq.next_position, extra={"request_id": seq.request_id})
+
+    def _own(self, seq: DecodeSeq, indices: range) -> bool:
+        """Blocks `indices` of `seq`'s table made its own (copied where another table or the
+        prefix cache holds them); False, nothing changed, when the pool lacks the blocks."""
+        allocator = self.pool.allocator
+        shared = [i for i in indices if not allocator.is_private(seq.block_table[i])]
+        if allocator.num_free < len(shared):
+            return False
+        for i in shared:
+            old = seq.block_table[i]
+            seq.block_table[i] = allocator.alloc(1)[0]
+            self.pool.copy_blocks([old], [seq.block_table[i]])
+            allocator.free([old])
+        return True
+
+    def _ids(self, blocks: list[int]) -> torch.Tensor:
+        return torch.tensor(blocks, dtype=torch.int64, device=self.pool.cache.device)

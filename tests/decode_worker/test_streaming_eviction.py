@@ -1,0 +1,127 @@
+"""Streaming K/V eviction (decode_worker/eviction.py) in an in-process colocated engine over
+the tiny model: a sequence never holds more than its budget's blocks however long it runs,
+even past the model's context; until its first eviction it decodes what full attention
+decodes; re-basing (every kept key rotated back to its index in the cache) changes no token,
+which checks the sinks' forward rotation against the classic formulation (the window rotated
+back); what the prefix cache holds stays the prompt's own pages; every block comes back."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+
+from decode_worker.engine import DecodeEngine
+from kvferry.model.config import load_model_config
+from kvferry.model.sampling import SamplingParams
+from kvferry.model.transformer import Transformer
+from kvferry.settings import KvEvictionConfig
+from kvferry_kernels.dispatch import get_attention_backend
+from tests.decode_worker.engines import collect_tokens, cpu_engine
+from tests.waiting import until
+
+GREEDY = SamplingParams(temperature=0.0)
+PROMPT = [5, 9, 13, 5, 9, 13, 7, 21, 40, 2]  # 10 tokens
+SMALL = KvEvictionConfig("streaming", sink_tokens=4, window_tokens=16)  # 1 + 4 blocks of 4
+
+
+@pytest.fixture(scope="module")
+def model(qwen3_checkpoint: Path) -> Transformer:
+    return Transformer(load_model_config(qwen3_checkpoint), get_attention_backend("torch"),
+                       torch.float32, torch.device("cpu"))
+
+
+def _run(engine: DecodeEngine, max_tokens: int, prompt: list[int] = PROMPT
+         ) -> tuple[list[int], list[tuple[int, int, int]]]:
+    """One greedy request, prefilled here, decoded to the end; its tokens and, per step,
+    its (table length, cache index, rotary position). Every block comes back."""
+    steps: list[tuple[int, int, int]] = []
+    original = engine.steps._step
+
+    def recording(batch: list, is_staged: bool = False) -> list[list[int]]:
+        seq = batch[0]
+        steps.append((len(seq.block_table), seq.cache_position, seq.rope_position))
+        return original(batch, is_staged)
+
+    engine.steps._step = recording  # type: ignore[method-assign]
+
+    async def run() -> list[int]:
+        engine.start()
+        try:
+            await engine.reserve("A", len(prompt), max_tokens, 60.0, prompt)
+            first, *_ = await engine.prefill_local("A", prompt, GREEDY)
+            queue = engine.attach("A", first, GREEDY, max_tokens - 1, [])
+            tokens = await collect_tokens(queue, "A", [first])
+            await until(lambda: engine.is_idle, "A gone")
+            stats = engine.stats(check_integrity=True)
+            assert stats.integrity_ok, stats.integrity_error
+            assert stats.free_blocks == engine.pool.num_usable_blocks, stats
+            return tokens
+        finally:
+            await engine.stop()
+
+    return asyncio.run(run()), steps
+
+
+def test_rotating_keys_composes_with_rope(model: Transformer) -> None:
+    """A key rotated at p, then by s, is the key rotated at p + s (RoPE evaluated in float64:
+    fp32 angles p * theta are themselves off by ~ulp(p) at p in the thousands)."""
+    gen = torch.Generator().manual_seed(0)
+    cfg = model.config
+    k = torch.randn(5, cfg.num_kv_heads, cfg.head_dim, generator=gen, dtype=torch.float64)
+    positions = torch.tensor([0, 3, 17, 100, 4000], dtype=torch.float64)
+
+    def at(pos: torch.Tensor) -> torch.Tensor:
+        angles = pos[:, None] * model.inv_freq.double()[None, :]
+        emb = torch.cat((angles, angles), dim=-1)[:, None, :]
+        half = cfg.head_dim // 2
+        rotated = k * emb.cos() + torch.cat((-k[..., half:], k[..., :half]), dim=-1) * emb.sin()
+        return rotated.float()
+
+    for shift in (1, 16, 1000, -3):
+        torch.testing.assert_close(model.rotate_keys(at(positions), shift),
+                                   at(positions + shift), atol=1e-5, rtol=1e-5)
+
+
+def test_a_sequence_holds_its_budget_and_decodes_as_full_attention_until_it_evicts(
+        model: Transformer) -> None:
+    plain, _ = _run(cpu_engine(model, 4, 64), 120)
+    engine = cpu_engine(model, 4, 64, eviction=SMALL)
+    tokens, steps = _run(engine, 120)
+    budget = SMALL.budget_blocks(4)
+    assert budget == 5
+    assert max(length for length, _, _ in steps) == budget  # reached, never passed
+    assert all(cached < budget * 4 for _, cached, _ in steps)
+    assert engine.steps.eviction is not None and engine.steps.eviction.num_evicted_blocks > 20
+    # Positions 10..19 fit the budget: full attention's tokens there.
+    assert tokens[:10] == plain[:10]
+    assert len(tokens) == 120
+
+
+def test_rebasing_changes_no_token(model: Transformer) -> None:
+    """Re-based whenever the rotary position reaches 24 (every kept key rotated back to its
+    index in the cache, the sinks to their original keys: the classic positions within the
+    cache) against never re-based (the sinks rotated forward): the same tokens."""
+    never = cpu_engine(model, 4, 64, eviction=SMALL)
+    often = cpu_engine(model, 4, 64, eviction=SMALL)
+    assert often.steps.eviction is not None
+    often.steps.eviction.max_position = 24
+    want, steps_never = _run(never, 100)
+    got, steps_often = _run(often, 100)
+    assert max(rope for _, _, rope in steps_often) < 24
+    assert max(rope for _, _, rope in steps_never) == 10 + 99 - 1  # text positions
+    assert got == want
+
+
+@pytest.mark.slow
+def test_twenty_thousand_tokens_on_a_1024_token_budget(model: Transformer) -> None:
+    """Past the model's context (4,096) and far past the budget: at most 64 blocks of 16 at
+    every step (sinks 16 + window 1,008 = 1,024 tokens), re-based past 4,096."""
+    config = KvEvictionConfig("streaming", sink_tokens=16, window_tokens=1008)
+    engine = cpu_engine(model, 16, 80, eviction=config)
+    tokens, steps = _run(engine, 20_000)
+    assert len(tokens) == 20_000 and len(steps) == 20_000 - 1
+    assert max(length for length, _, _ in steps) == config.budget_blocks(16) == 64
+    assert max(rope for _, _, rope in steps) < model.config.max_position_embeddings
