@@ -34,7 +34,12 @@ log = logging.getLogger("kvferry.decode")
 class StreamingEviction:
     """The step loop's eviction: `bound` each running sequence before a step."""
 
-    def __init__(self, config: KvEvictionConfig, model: Transformer, pool: KvPool) -> None:
+    def __init__(self, config: KvEvictionConfig, model: Transformer, pool: KvPool,
+                 text_positions: bool = False) -> None:
+        """`text_positions` (benchmarks only: bench/bench_kv_eviction.py): every token keeps
+        the position it was written at, the sinks included (no re-rotation, no re-base): the
+        alternative to positions within the cache that the design measures."""
+        self.text_positions = text_positions
         if pool.is_quantized:
             raise ValueError("kv_eviction: quantized pages are not re-rotated yet")
         block_size = pool.block_size
@@ -42,7 +47,7 @@ class StreamingEviction:
         self.sink_blocks = config.sink_blocks(block_size)
         self.budget_blocks = config.budget_blocks(block_size)
         self.max_position = model.config.max_position_embeddings
-        if self.budget_blocks * block_size > self.max_position:
+        if self.budget_blocks * block_size > self.max_position and not text_positions:
             raise ValueError(f"kv_window_tokens: sinks and window take "
                              f"{self.budget_blocks * block_size} tokens, past the model's "
                              f"context of {self.max_position}")
@@ -52,7 +57,8 @@ class StreamingEviction:
     def needs(self, seq: DecodeSeq) -> bool:
         """Whether `seq`'s next step must wait for `bound` (executor thread: read only)."""
         return (blocks_for_tokens(seq.cache_position + 1, self.pool.block_size)
-                > self.budget_blocks or seq.rope_position >= self.max_position)
+                > self.budget_blocks
+                or (seq.rope_position >= self.max_position and not self.text_positions))
 
     def bound(self, seq: DecodeSeq) -> None:
         """Evict until `seq`'s next token fits the budget; re-base its rotary positions when
@@ -61,7 +67,7 @@ class StreamingEviction:
         while blocks_for_tokens(seq.cache_position + 1, block_size) > self.budget_blocks:
             if not self._evict_oldest(seq):
                 return  # no block to copy a shared sink into: it waits a step (grows)
-        if seq.rope_position >= self.max_position:
+        if seq.rope_position >= self.max_position and not self.text_positions:
             self._rebase(seq)
 
     def forget(self, key: Hashable) -> None:
@@ -69,7 +75,7 @@ class StreamingEviction:
         self._sinks.pop(key, None)
 
     def _evict_oldest(self, seq: DecodeSeq) -> bool:
-        if seq.key not in self._sinks:  # its first eviction: the sinks become its own
+        if seq.key not in self._sinks and not self.text_positions:  # first eviction: own sinks
             if not self._own(seq, range(self.sink_blocks)):
                 return False
             ids = self._ids(seq.block_table[:self.sink_blocks])
@@ -84,7 +90,7 @@ class StreamingEviction:
     def _write_sinks(self, seq: DecodeSeq) -> None:
         """The sinks' keys rotated from their originals by the tokens evicted since the last
         re-base: right before the window, as positions within the cache put them."""
-        if not self.sink_blocks:
+        if not self.sink_blocks or self.text_positions:
             return
         ids = self._ids(seq.block_table[:self.sink_blocks])
         shift = seq.num_evicted - seq.num_rebased
