@@ -17,11 +17,15 @@ size 16):
   streaming-text:  the same tokens kept, each at the position it was written at (the sinks'
                    distance to the query then grows past anything the window shows).
 Printed: perplexity over all predicted tokens and over those predicted once the budget was
-full (where eviction acts), per configuration. Deterministic: one run (no timing reported).
-H2O is not built yet (design step 6): no row. Usage:
+full (where eviction acts), per configuration. Retrieval (`--sections retrieval`): a fact ("the
+secret code of NAME is NNNN") planted after the play's first 64 tokens (past the sinks)
+and asked about after `--filler` tokens of it, for 6 seeded names; a fact counts as retrieved
+when every token of its code is the model's argmax (teacher forced), per configuration (no
+text-positions row). Deterministic: one run (no timing reported). H2O is not built yet
+(design step 6): no row. Usage:
 
     .venv/bin/python bench/bench_kv_eviction.py [--tokens 8192] [--budgets 256 512 1024]
-        [--out FILE]
+        [--sections perplexity retrieval] [--filler 1500] [--out FILE]
 """
 
 from __future__ import annotations
@@ -74,42 +78,94 @@ def _configs(budgets: list[int]) -> list[tuple[str, int, KvEvictionConfig | None
     return out
 
 
-def evaluate(model: Transformer, tokens: list[int], budgets: list[int]) -> list[dict]:
-    configs = _configs(budgets)
-    blocks = blocks_for_tokens(len(tokens), BLOCK_SIZE) + sum(
-        c.budget_blocks(BLOCK_SIZE) + 1 for _, _, c, _ in configs if c is not None)
+def teacher_forced(model: Transformer, streams: list[tuple[str, list[int],
+                                                         KvEvictionConfig | None, bool]],
+                   progress: bool = False) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Each stream (name, tokens, eviction config or None, text positions) fed its tokens one
+    at a time, all streams as one decode batch (a stream leaves it at its end); per stream the
+    negative log-likelihood of each next token and whether it was the argmax."""
     cfg = model.config
+    blocks = sum(blocks_for_tokens(len(toks), BLOCK_SIZE) if c is None
+                 else c.budget_blocks(BLOCK_SIZE) + 1 for _, toks, c, _ in streams)
     pool = KvPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, BLOCK_SIZE, blocks,
                   torch.float32, model.device, prefix_caching=False)
-    seqs, evictions = [], []
-    for i, (name, budget, config, text_positions) in enumerate(configs):
-        seqs.append(DecodeSeq(request_id=f"{name}-{budget}", num_prompt_tokens=0,
-                              max_tokens=len(tokens), block_table=[], lease_deadline=0.0,
-                              received=np.zeros((1, 1), bool), arrival=i, tokens=[tokens[0]]))
+    seqs, evictions, out = [], [], []
+    for i, (name, toks, config, text_positions) in enumerate(streams):
+        seqs.append(DecodeSeq(request_id=f"{name}-{i}", num_prompt_tokens=0,
+                              max_tokens=len(toks), block_table=[], lease_deadline=0.0,
+                              received=np.zeros((1, 1), bool), arrival=i, tokens=[toks[0]]))
         evictions.append(None if config is None else StreamingEviction(
             config, model, pool, text_positions=text_positions))
-    nll = np.zeros((len(configs), len(tokens) - 1))
+        out.append((np.zeros(len(toks) - 1), np.zeros(len(toks) - 1, bool)))
     started = time.perf_counter()
-    for t in range(len(tokens) - 1):
-        for seq, eviction in zip(seqs, evictions):
-            if eviction is not None:
-                eviction.bound(seq)
-            if len(seq.block_table) * BLOCK_SIZE <= seq.cache_position:
-                seq.block_table += pool.allocator.alloc(1)
-        rows = step_inputs(seqs, BLOCK_SIZE)
-        logits = model.decode(torch.full((len(seqs),), tokens[t]), rows.positions, rows.slots,
-                              rows.block_tables, pool, seq_lens=rows.seq_lens)
-        nll[:, t] = -torch.log_softmax(logits.float(), dim=-1)[:, tokens[t + 1]].numpy()
-        for seq in seqs:
-            seq.tokens.append(tokens[t + 1])
-        if t % 1024 == 1023:
+    for t in range(max(len(toks) for _, toks, _, _ in streams) - 1):
+        live = [i for i, (_, toks, _, _) in enumerate(streams) if t < len(toks) - 1]
+        for i in live:
+            if evictions[i] is not None:
+                evictions[i].bound(seqs[i])
+            if len(seqs[i].block_table) * BLOCK_SIZE <= seqs[i].cache_position:
+                seqs[i].block_table += pool.allocator.alloc(1)
+        rows = step_inputs([seqs[i] for i in live], BLOCK_SIZE)
+        fed = torch.tensor([streams[i][1][t] for i in live])
+        logits = model.decode(fed, rows.positions, rows.slots, rows.block_tables, pool,
+                              seq_lens=rows.seq_lens).float()
+        logp = torch.log_softmax(logits, dim=-1)
+        best = logits.argmax(dim=-1).tolist()
+        for row, i in enumerate(live):
+            nxt = streams[i][1][t + 1]
+            out[i][0][t] = -float(logp[row, nxt])
+            out[i][1][t] = best[row] == nxt
+            seqs[i].tokens.append(nxt)
+        if progress and t % 1024 == 1023:
             print(f"{t + 1} tokens, {time.perf_counter() - started:.0f} s", flush=True)
+    return out
+
+
+def evaluate(model: Transformer, tokens: list[int], budgets: list[int]) -> list[dict]:
+    """Perplexity of each configuration over `tokens`."""
+    configs = _configs(budgets)
+    runs = teacher_forced(model, [(n, tokens, c, tp) for n, _, c, tp in configs],
+                          progress=True)
     return [{"config": name, "budget": budget,
-             "perplexity": math.exp(float(nll[i].mean())),
-             "perplexity_once_full": (math.exp(float(nll[i, budget:].mean())) if budget
-                                      else None),
-             "kept_blocks_at_end": len(seqs[i].block_table)}
-            for i, (name, budget, _, _) in enumerate(configs)]
+             "perplexity": math.exp(float(nll.mean())),
+             "perplexity_once_full": (math.exp(float(nll[budget:].mean())) if budget
+                                      else None)}
+            for (name, budget, _, _), (nll, _) in zip(configs, runs)]
+
+
+NAMES = ("Ada", "Basil", "Clara", "Dorian", "Elsa", "Felix")
+
+
+def retrieval(model: Transformer, model_dir: str, filler: int, budgets: list[int]
+              ) -> list[dict]:
+    """A fact planted after the play's first 64 tokens (past the sink block) and before the
+    rest of `filler` tokens of it, asked about after them: per
+    configuration, the facts whose answer (a 4-digit code) the model predicts token for
+    token (greedy, teacher forced) out of len(NAMES)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    play = _text_tokens(model_dir, filler)
+    gen = torch.Generator().manual_seed(11)
+    cases = []  # (prompt tokens, answer tokens)
+    for name in NAMES:
+        code = int(torch.randint(1000, 10000, (1,), generator=gen))
+        head = tokenizer(f"Remember this: the secret code of {name} is {code}.\n\n")["input_ids"]
+        ask = tokenizer(f"\n\nQuestion: what is the secret code of {name}?\nAnswer: the "
+                        f"secret code of {name} is")["input_ids"]
+        # after the play's first 64 tokens: past the sinks, so only a window can keep it
+        cases.append((play[:64] + head + play[64:] + ask, tokenizer(f" {code}")["input_ids"]))
+    configs = [c for c in _configs(budgets) if c[0] != "streaming-text"]
+    runs = teacher_forced(model, [(name, prompt + answer, config, text_positions)
+                                  for name, _, config, text_positions in configs
+                                  for prompt, answer in cases])
+    out = []
+    for k, (name, budget, _, _) in enumerate(configs):
+        hits = sum(bool(runs[k * len(cases) + j][1][-len(answer):].all())
+                   for j, (_, answer) in enumerate(cases))
+        out.append({"config": name, "budget": budget, "retrieved": hits, "of": len(cases),
+                    "prompt_tokens": len(cases[0][0])})
+    return out
 
 
 def main() -> None:
@@ -119,6 +175,10 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--budgets", type=int, nargs="+", default=[256, 512, 1024])
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--sections", nargs="+", choices=("perplexity", "retrieval"),
+                   default=["perplexity", "retrieval"])
+    p.add_argument("--filler", type=int, default=1500,
+                   help="retrieval: tokens of the play between the fact and the question")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     if min(args.budgets) <= BLOCK_SIZE or any(b % BLOCK_SIZE for b in args.budgets):
@@ -131,18 +191,26 @@ def main() -> None:
                 "attention would not fit")
     model = Transformer(config, get_attention_backend("torch", KERNEL_CACHE_DIR),
                         torch.float32, torch.device("cpu"))
-    tokens = _text_tokens(model_dir, args.tokens)
-    results = evaluate(model, tokens, args.budgets)
-    full = results[0]["perplexity"]
-    print(f"{'config':>15} {'budget':>7} {'perplexity':>11} {'once full':>10} {'/ full':>7}")
-    for r in results:
-        once = r["perplexity_once_full"]
-        print(f"{r['config']:>15} {r['budget'] or '-':>7} {r['perplexity']:11.3f} "
-              f"{once if once is None else round(once, 3)!s:>10} "
-              f"{r['perplexity'] / full:7.3f}")
+    report: dict[str, object] = {"args": {k: str(v) for k, v in vars(args).items()}}
+    if "perplexity" in args.sections:
+        results = evaluate(model, _text_tokens(model_dir, args.tokens), args.budgets)
+        full = results[0]["perplexity"]
+        print(f"{'config':>15} {'budget':>7} {'perplexity':>11} {'once full':>10} "
+              f"{'/ full':>7}")
+        for r in results:
+            once = r["perplexity_once_full"]
+            print(f"{r['config']:>15} {r['budget'] or '-':>7} {r['perplexity']:11.3f} "
+                  f"{once if once is None else round(once, 3)!s:>10} "
+                  f"{r['perplexity'] / full:7.3f}")
+        report["results"] = results
+    if "retrieval" in args.sections:
+        found = retrieval(model, model_dir, args.filler, args.budgets)
+        for r in found:
+            print(f"retrieval {r['config']:>10} {r['budget'] or '-':>6}: {r['retrieved']} of "
+                  f"{r['of']} ({r['prompt_tokens']}-token prompts)")
+        report["retrieval"] = found
     if args.out:
-        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                        "results": results}, indent=1))
+        args.out.write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":
