@@ -8,8 +8,14 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from deploy.eviction_args import eviction_args, eviction_config
 from kvferry.settings import DEFAULT_BLOCK_SIZE, DEFAULT_KV_POOL_SIZE, DTYPES, KV_CACHE_DTYPES
+
+if TYPE_CHECKING:
+    from kvferry.cache.capacity import Plan
+    from kvferry.cache.layout import KvShape
 
 PLAN_KV_CACHE_DTYPES = (*KV_CACHE_DTYPES, "fp8")  # fp8: vLLM's (a scale per layer), sized only
 
@@ -51,6 +57,25 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     for tier in ("host-cache", "disk-cache", "store"):
         p.add_argument(f"--{tier}-size", default=None,
                        help=f"also what a {tier.split('-')[0]} tier of this many bytes holds")
+    eviction_args(p, "also the bound a sequence keeps to under this policy: ")
+
+
+def eviction_line(args: argparse.Namespace, shape: KvShape, result: Plan,
+                  pool_bytes: int) -> str | None:
+    """What --kv-eviction bounds a sequence to (None without a policy)."""
+    config = eviction_config(args)
+    if not config.is_on:
+        return None
+    budget = config.budget_blocks(args.block_size)
+    per_block = shape.bytes_per_block(args.block_size)
+    line = (f"kv eviction {config.policy} (sinks {config.sink_tokens} and window "
+            f"{config.window_tokens} tokens, in whole blocks of {args.block_size}): at most "
+            f"{budget} blocks, {budget * per_block:,} bytes, per sequence however long it runs; "
+            f"this request holds {min(budget, result.blocks_per_request)} of its "
+            f"{result.blocks_per_request} blocks")
+    if pool_bytes:
+        line += f"; the pool holds {pool_bytes // (budget * per_block):,} sequences at the bound"
+    return line
 
 
 def _device(name: str) -> str:
@@ -169,6 +194,8 @@ def run_plan(args: argparse.Namespace) -> int:
     if unsized:  # no pool: blocks per request only
         lines[-1] = lines[-1].split(", pool holds")[0]
     print("\n".join(lines))
+    if (bounded := eviction_line(args, shape, result, pool_bytes)) is not None:
+        print(bounded)
     sizes = {tier: parse_pool_size(size, 0, f"{tier}_cache_size") for tier, size in
              (("host", args.host_cache_size), ("disk", args.disk_cache_size),
               ("store", args.store_size)) if size is not None}
