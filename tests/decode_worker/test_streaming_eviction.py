@@ -125,3 +125,42 @@ def test_twenty_thousand_tokens_on_a_1024_token_budget(model: Transformer) -> No
     assert len(tokens) == 20_000 and len(steps) == 20_000 - 1
     assert max(length for length, _, _ in steps) == config.budget_blocks(16) == 64
     assert max(rope for _, _, rope in steps) < model.config.max_position_embeddings
+
+
+def test_preemption_and_abort_keep_eviction_whole(model: Transformer) -> None:
+    """Two evicting sequences on a pool too small for both at their budget (5 blocks each, 9
+    usable): the newer one is swapped out with its kept blocks and its eviction state, and
+    resumes where it was, each decoding what it decodes alone; a third, aborted after its
+    evictions began, gives every block back. Integrity holds at the end."""
+    prompt_b = [33, 2, 71, 33, 2, 71, 8, 19]
+    alone = {rid: _run(cpu_engine(model, 4, 64, eviction=SMALL), 80, p)[0]
+             for rid, p in (("A", PROMPT), ("B", prompt_b))}
+    engine = cpu_engine(model, 4, 9, eviction=SMALL)
+
+    async def one(request_id: str, prompt: list[int], abort_after: int = 0) -> list[int]:
+        await engine.reserve(request_id, len(prompt), 80, 60.0, prompt)
+        first, *_ = await engine.prefill_local(request_id, prompt, GREEDY)
+        queue = engine.attach(request_id, first, GREEDY, 79, [])
+        if abort_after:
+            await until(lambda: engine._seqs[request_id].num_evicted > 0
+                        and len(engine._seqs[request_id].tokens) >= abort_after, "evicting")
+            engine.abort(request_id)
+        return await collect_tokens(queue, request_id, [first])
+
+    async def run() -> dict[str, list[int]]:
+        engine.start()
+        try:
+            a, b = await asyncio.gather(one("A", PROMPT), one("B", prompt_b))
+            await one("C", PROMPT, abort_after=30)
+            await until(lambda: engine.is_idle, "all gone")
+            stats = engine.stats(check_integrity=True)
+            assert stats.integrity_ok, stats.integrity_error
+            assert stats.free_blocks == engine.pool.num_usable_blocks, stats
+            return {"A": a, "B": b}
+        finally:
+            await engine.stop()
+
+    got = asyncio.run(run())
+    assert engine.pool.num_usable_blocks == 9
+    assert engine.steps.num_preemptions > 0
+    assert got == alone
