@@ -28,9 +28,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.bench_compiled_step import _span  # noqa: E402
-from bench.bench_decode_step import BLOCK_SIZE, _Seq, random_pool  # noqa: E402
+from bench.bench_decode_step import BLOCK_SIZE, random_pool  # noqa: E402
 from bench.bench_step_parts import _TimedStage, add_step_arguments  # noqa: E402
-from decode_worker.sequence import step_inputs  # noqa: E402
+from decode_worker.sequence import PlainSeq, step_inputs  # noqa: E402
 from deploy.default_model import bench_model  # noqa: E402
 from deploy.worker_model import tune_malloc  # noqa: E402
 from kvferry.cache.pool import KvPool  # noqa: E402
@@ -55,7 +55,7 @@ def run(model: Transformer, pool: KvPool, lengths: list[int], path: str, steps: 
     """Median ms per step of the whole step and of the stage's attention callbacks."""
     free = list(range(pool.num_blocks))
     random.Random(seed).shuffle(free)
-    seqs = [_Seq([free.pop() for _ in range(-(-(n + steps + 1) // BLOCK_SIZE))], n)
+    seqs = [PlainSeq([free.pop() for _ in range(-(-(n + steps + 1) // BLOCK_SIZE))], n)
             for n in lengths]
     stage = _TimedStage(pool, 1 << 31)
     if path == "torch":

@@ -20,13 +20,12 @@ import json
 import random
 import statistics
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from decode_worker.kv_stage import KvStage
-from decode_worker.sequence import step_inputs
+from decode_worker.sequence import PlainSeq, step_inputs
 from deploy.default_model import BENCH_MODEL_HELP, bench_model
 from deploy.worker_model import tune_malloc
 from kvferry.cache.pool import KvPool
@@ -38,18 +37,6 @@ from kvferry_kernels.dispatch import get_attention_backend
 BLOCK_SIZE = 16
 
 
-@dataclass(eq=False)
-class _Seq:
-    block_table: list[int]
-    next_position: int
-
-    @property
-    def cache_position(self) -> int:  # no eviction: cache index and position coincide
-        return self.next_position
-
-    @property
-    def rope_position(self) -> int:
-        return self.next_position
 
 
 def random_pool(config: ModelConfig, max_batch: int, context: int, steps: int) -> KvPool:
@@ -63,13 +50,13 @@ def random_pool(config: ModelConfig, max_batch: int, context: int, steps: int) -
 
 
 def scattered_batch(pool: KvPool, batch: int, context: int, steps: int, seed: int
-                    ) -> list[_Seq]:
+                    ) -> list[PlainSeq]:
     """`batch` sequences at position `context`, each with blocks for `steps` more tokens,
     taken from the pool in a seeded random order."""
     free = list(range(pool.num_blocks))
     random.Random(seed).shuffle(free)
     per_seq = -(-(context + steps + 1) // BLOCK_SIZE)
-    return [_Seq([free.pop() for _ in range(per_seq)], context) for _ in range(batch)]
+    return [PlainSeq([free.pop() for _ in range(per_seq)], context) for _ in range(batch)]
 
 
 def _median_step_ms(model: Transformer, pool: KvPool, batch: int, context: int, steps: int,

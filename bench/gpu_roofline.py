@@ -62,12 +62,12 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any, NamedTuple  # noqa: E402
+from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from decode_worker.sequence import step_inputs  # noqa: E402
+from decode_worker.sequence import PlainSeq, step_inputs  # noqa: E402
 from kvferry.cache.layout import KvShape, blocks_for_tokens  # noqa: E402
 from kvferry.cache.pool import KvPool  # noqa: E402
 from kvferry.model.config import ModelConfig, load_model_config  # noqa: E402
@@ -212,25 +212,12 @@ def _span(timed: dict[str, Any]) -> str:
     return f"{timed['median']:.3f} [{timed['min']:.3f}-{timed['max']:.3f}]"
 
 
-class _Seq(NamedTuple):
-    """A sequence as `step_inputs` reads it."""
-
-    block_table: list[int]
-    next_position: int
-
-    @property
-    def cache_position(self) -> int:  # no eviction: cache index and position coincide
-        return self.next_position
-
-    @property
-    def rope_position(self) -> int:
-        return self.next_position
 
 
 def _step_inputs(pool: KvPool, batch: int, context: int) -> tuple[torch.Tensor, ...]:
     """One decode step of `batch` sequences of `context` tokens (the new one included), each
     on blocks of its own: token ids, positions, slots, block tables, on the device."""
-    seqs = [_Seq(pool.allocator.alloc(blocks_for_tokens(context, BLOCK_SIZE)), context - 1)
+    seqs = [PlainSeq(pool.allocator.alloc(blocks_for_tokens(context, BLOCK_SIZE)), context - 1)
             for _ in range(batch)]
     paging = step_inputs(seqs, BLOCK_SIZE)
     token_ids = torch.arange(1, batch + 1) % 1000

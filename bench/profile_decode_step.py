@@ -26,7 +26,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from decode_worker.kv_stage import KvStage
-from decode_worker.sequence import step_inputs
+from decode_worker.sequence import PlainSeq, step_inputs
 from deploy.default_model import BENCH_MODEL_HELP, bench_model
 from deploy.worker_model import tune_malloc
 from kvferry.cache.pool import KvPool
@@ -37,25 +37,13 @@ from kvferry_kernels.dispatch import get_attention_backend
 BLOCK_SIZE = 16
 
 
-class _Seq:
-    def __init__(self, block_table: list[int], next_position: int) -> None:
-        self.block_table = block_table
-        self.next_position = next_position
-
-    @property
-    def cache_position(self) -> int:  # no eviction: cache index and position coincide
-        return self.next_position
-
-    @property
-    def rope_position(self) -> int:
-        return self.next_position
 
 
 def _profile(model: Transformer, pool: KvPool, batch: int, context: int, steps: int
              ) -> dict[str, object]:
     per_seq = -(-(context + 2 * steps + 2) // BLOCK_SIZE)
     free = list(range(pool.num_blocks))
-    seqs = [_Seq([free.pop() for _ in range(per_seq)], context) for _ in range(batch)]
+    seqs = [PlainSeq([free.pop() for _ in range(per_seq)], context) for _ in range(batch)]
     stage = KvStage(pool, 1 << 32)
     seqs = stage.arrange(seqs) or seqs
     vocab = model.config.vocab_size

@@ -213,6 +213,23 @@ class PagedRow(NamedTuple):
     rope_position: int
 
 
+@dataclass(eq=False)
+class PlainSeq:
+    """A sequence that keeps all its K/V, stepped by hand (benchmarks, tests): its table and
+    the position it feeds next, which is also its cache index and its rotary position."""
+
+    block_table: list[int]
+    next_position: int
+
+    @property
+    def cache_position(self) -> int:
+        return self.next_position
+
+    @property
+    def rope_position(self) -> int:
+        return self.next_position
+
+
 class StepInputs(NamedTuple):
     """A decode step's paging inputs, on the host."""
 

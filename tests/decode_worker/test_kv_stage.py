@@ -5,13 +5,12 @@ over the pages, step after step."""
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 
 import pytest
 import torch
 
 from decode_worker.kv_stage import HOLD_S, KvStage, stage_bytes_for_pool
-from decode_worker.sequence import step_inputs
+from decode_worker.sequence import PlainSeq, step_inputs
 from kvferry.cache.pool import KvPool
 from kvferry_kernels.cpu_attention import CPU_ATTENTION_ENV
 from kvferry_kernels.paged_attention_ref import paged_decode_attention_ref, write_kv_ref
@@ -34,18 +33,6 @@ def test_the_kernel_is_used_unless_torch_is_asked_for(attention_path: str) -> No
     assert (KvStage(_pool(8), 1 << 20).kernel is not None) == (attention_path == "kernel")
 
 
-@dataclass(eq=False)
-class Seq:
-    block_table: list[int]
-    next_position: int
-
-    @property
-    def cache_position(self) -> int:  # no eviction: cache index and position coincide
-        return self.next_position
-
-    @property
-    def rope_position(self) -> int:
-        return self.next_position
 
 
 def _pool(num_blocks: int = 2048) -> KvPool:
@@ -55,13 +42,13 @@ def _pool(num_blocks: int = 2048) -> KvPool:
     return pool
 
 
-def _new_seq(pool: KvPool, free: list[int], length: int) -> Seq:
+def _new_seq(pool: KvPool, free: list[int], length: int) -> PlainSeq:
     """A sequence whose first `length` positions are already in (random) pages."""
     blocks = [free.pop() for _ in range(-(-(length + 1) // BS))]
-    return Seq(blocks, length)
+    return PlainSeq(blocks, length)
 
 
-def _step(pool: KvPool, stage: KvStage, batch: list[Seq], free: list[int],
+def _step(pool: KvPool, stage: KvStage, batch: list[PlainSeq], free: list[int],
           gen: torch.Generator) -> None:
     """One decode step of `batch` (in stage order): write each layer's new K/V to the pages
     and compare stage attention with the reference over the pages."""
@@ -277,7 +264,7 @@ def test_decode_with_stage_matches_decode_over_pages(num_tokens: int, qwen3_chec
     free = list(range(64))
     seqs, tokens = [], {}
     for prompt in ([5, 9], [1, 2, 3, 4, 5, 6, 7], [11, 12, 13]):
-        seq = Seq([free.pop() for _ in range(-(-(len(prompt) + num_tokens) // BS))],
+        seq = PlainSeq([free.pop() for _ in range(-(-(len(prompt) + num_tokens) // BS))],
                   len(prompt))
         logits = model.prefill(torch.tensor(prompt), [len(prompt)],
                                pool.slots(seq.block_table, 0, len(prompt)), pool)
@@ -308,6 +295,6 @@ def test_the_default_budget_stages_every_token_the_pool_holds() -> None:
     budget = stage_bytes_for_pool(pool)
     assert budget == KvStage(pool, 0).nbytes(1, 65 * BS)
     free = list(range(64))
-    seqs = [Seq([free.pop() for _ in range(16)], 16 * BS - 1) for _ in range(4)]
+    seqs = [PlainSeq([free.pop() for _ in range(16)], 16 * BS - 1) for _ in range(4)]
     assert KvStage(pool, budget).arrange(seqs) is not None  # 4 rows of 64: the whole pool
     assert KvStage(pool, KvStage(pool, 0).nbytes(4, 16 * BS) - 1).arrange(seqs) is None
