@@ -5,6 +5,8 @@ request streams."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import torch
 
@@ -13,7 +15,9 @@ from decode_worker.sequence import DecodeEvent, FinishedEvent, TokensEvent
 from kvferry.cache.layout import KvLayout, blocks_for_tokens
 from kvferry.cache.pool import KvPool
 from kvferry.model.transformer import Transformer
-from tests.waiting import within
+from tests.waiting import until, within
+
+T = TypeVar("T")
 
 
 def cpu_engine(model: Transformer, block_size: int, num_blocks: int, **options: object
@@ -25,6 +29,24 @@ def cpu_engine(model: Transformer, block_size: int, num_blocks: int, **options: 
                   num_blocks, torch.float32, torch.device("cpu"))
     return DecodeEngine(model, pool, KvLayout.of_pool(pool, config.fingerprint),
                         **options)  # type: ignore[arg-type]
+
+
+def run_to_idle(engine: DecodeEngine, body: Callable[[], Awaitable[T]]) -> T:
+    """`body` on the started engine; then, once every request is gone, integrity holds and
+    every block is back; the engine stopped however it ended. What `body` returned."""
+    async def run() -> T:
+        engine.start()
+        try:
+            result = await body()
+            await until(lambda: engine.is_idle, "every request gone")
+            stats = engine.stats(check_integrity=True)
+            assert stats.integrity_ok, stats.integrity_error
+            assert stats.free_blocks == engine.pool.num_usable_blocks, stats
+            return result
+        finally:
+            await engine.stop()
+
+    return asyncio.run(run())
 
 
 def push_random_prompt(engine: DecodeEngine, request_id: str, num_tokens: int, seed: int

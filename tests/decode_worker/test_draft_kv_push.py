@@ -6,7 +6,6 @@ incomplete draft pages are refused before any write, naming the field."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,8 +24,7 @@ from kvferry.settings import SpeculativeConfig
 from kvferry.transfer import wire
 from kvferry_kernels.dispatch import get_attention_backend
 from prefill_worker.draft_kv import DraftPrefill
-from tests.decode_worker.engines import collect_tokens, cpu_engine
-from tests.waiting import until
+from tests.decode_worker.engines import collect_tokens, cpu_engine, run_to_idle
 
 BLOCK_SIZE = 4
 PROMPT = [5, 9, 13, 5, 9, 13, 7, 21, 40, 2, 9, 13, 5]  # 13 tokens: 4 blocks, the last partial
@@ -106,21 +104,12 @@ def _serve(engine: DecodeEngine, side: PrefillSide,
     """Request A reserved, its K/V pushed by `push`, then decoded greedily to the end on
     the running engine; its tokens. Every block comes back, integrity holds."""
     async def run() -> list[int]:
-        engine.start()
-        try:
-            await engine.reserve("A", len(PROMPT), MAX_TOKENS, 30.0, PROMPT)
-            push(engine)
-            queue = engine.attach("A", side.first, GREEDY, MAX_TOKENS - 1, [])
-            tokens = await collect_tokens(queue, "A", [side.first])
-            await until(lambda: engine.is_idle, "A gone")
-            stats = engine.stats(check_integrity=True)
-            assert stats.integrity_ok, stats.integrity_error
-            assert stats.free_blocks == engine.pool.num_usable_blocks, stats
-            return tokens
-        finally:
-            await engine.stop()
+        await engine.reserve("A", len(PROMPT), MAX_TOKENS, 30.0, PROMPT)
+        push(engine)
+        queue = engine.attach("A", side.first, GREEDY, MAX_TOKENS - 1, [])
+        return await collect_tokens(queue, "A", [side.first])
 
-    return asyncio.run(run())
+    return run_to_idle(engine, run)
 
 
 def test_shipped_draft_kv_starts_the_draft_after_the_prompt(model: Transformer,

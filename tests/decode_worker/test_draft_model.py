@@ -20,8 +20,7 @@ from kvferry.model.sampling import SamplingParams
 from kvferry.model.transformer import Transformer
 from kvferry.settings import SpeculativeConfig
 from kvferry_kernels.dispatch import get_attention_backend
-from tests.decode_worker.engines import collect_tokens, cpu_engine
-from tests.waiting import until
+from tests.decode_worker.engines import collect_tokens, cpu_engine, run_to_idle
 
 BLOCK_SIZE = 4
 MAX_TOKENS = 24
@@ -59,18 +58,11 @@ def _decode(engine: DecodeEngine, params: SamplingParams) -> dict[str, list[int]
         queue = engine.attach(request_id, first, params, MAX_TOKENS - 1, [])
         return await collect_tokens(queue, request_id, [first])
 
-    async def run() -> dict[str, list[int]]:
-        engine.start()
-        try:
-            a, b = await asyncio.gather(one("A"), one("B"))
-            await until(lambda: engine.is_idle, "both requests gone")
-            stats = engine.stats(check_integrity=True)
-            assert stats.integrity_ok, stats.integrity_error
-            assert stats.free_blocks == engine.pool.num_usable_blocks, stats
-            return {"A": a, "B": b}
-        finally:
-            await engine.stop()
-    return asyncio.run(run())
+    async def both() -> dict[str, list[int]]:
+        a, b = await asyncio.gather(one("A"), one("B"))
+        return {"A": a, "B": b}
+
+    return run_to_idle(engine, both)
 
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])

@@ -19,7 +19,7 @@ from kvferry.model.sampling import SamplingParams
 from kvferry.model.transformer import Transformer
 from kvferry.settings import KvEvictionConfig
 from kvferry_kernels.dispatch import get_attention_backend
-from tests.decode_worker.engines import collect_tokens, cpu_engine
+from tests.decode_worker.engines import collect_tokens, cpu_engine, run_to_idle
 from tests.waiting import until
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -48,21 +48,12 @@ def _run(engine: DecodeEngine, max_tokens: int, prompt: list[int] = PROMPT
     engine.steps._step = recording  # type: ignore[method-assign]
 
     async def run() -> list[int]:
-        engine.start()
-        try:
-            await engine.reserve("A", len(prompt), max_tokens, 60.0, prompt)
-            first, *_ = await engine.prefill_local("A", prompt, GREEDY)
-            queue = engine.attach("A", first, GREEDY, max_tokens - 1, [])
-            tokens = await collect_tokens(queue, "A", [first])
-            await until(lambda: engine.is_idle, "A gone")
-            stats = engine.stats(check_integrity=True)
-            assert stats.integrity_ok, stats.integrity_error
-            assert stats.free_blocks == engine.pool.num_usable_blocks, stats
-            return tokens
-        finally:
-            await engine.stop()
+        await engine.reserve("A", len(prompt), max_tokens, 60.0, prompt)
+        first, *_ = await engine.prefill_local("A", prompt, GREEDY)
+        queue = engine.attach("A", first, GREEDY, max_tokens - 1, [])
+        return await collect_tokens(queue, "A", [first])
 
-    return asyncio.run(run()), steps
+    return run_to_idle(engine, run), steps
 
 
 def test_rotating_keys_composes_with_rope(model: Transformer) -> None:
@@ -148,19 +139,11 @@ def test_preemption_and_abort_keep_eviction_whole(model: Transformer) -> None:
         return await collect_tokens(queue, request_id, [first])
 
     async def run() -> dict[str, list[int]]:
-        engine.start()
-        try:
-            a, b = await asyncio.gather(one("A", PROMPT), one("B", prompt_b))
-            await one("C", PROMPT, abort_after=30)
-            await until(lambda: engine.is_idle, "all gone")
-            stats = engine.stats(check_integrity=True)
-            assert stats.integrity_ok, stats.integrity_error
-            assert stats.free_blocks == engine.pool.num_usable_blocks, stats
-            return {"A": a, "B": b}
-        finally:
-            await engine.stop()
+        a, b = await asyncio.gather(one("A", PROMPT), one("B", prompt_b))
+        await one("C", PROMPT, abort_after=30)
+        return {"A": a, "B": b}
 
-    got = asyncio.run(run())
+    got = run_to_idle(engine, run)
     assert engine.pool.num_usable_blocks == 9
     assert engine.steps.num_preemptions > 0
     assert got == alone
