@@ -56,19 +56,25 @@ class StreamingEviction:
 
     def needs(self, seq: DecodeSeq) -> bool:
         """Whether `seq`'s next step must wait for `bound` (executor thread: read only)."""
-        return (blocks_for_tokens(seq.cache_position + 1, self.pool.block_size)
-                > self.budget_blocks
-                or (seq.rope_position >= self.max_position and not self.text_positions))
+        return self._over_budget(seq) or self._past_context(seq)
 
     def bound(self, seq: DecodeSeq) -> None:
         """Evict until `seq`'s next token fits the budget; re-base its rotary positions when
         that token's would pass the model's context."""
-        block_size = self.pool.block_size
-        while blocks_for_tokens(seq.cache_position + 1, block_size) > self.budget_blocks:
+        while self._over_budget(seq):
             if not self._evict_oldest(seq):
                 return  # no block to copy a shared sink into: it waits a step (grows)
-        if seq.rope_position >= self.max_position and not self.text_positions:
+        if self._past_context(seq):
             self._rebase(seq)
+
+    def _over_budget(self, seq: DecodeSeq) -> bool:
+        """Its next token would need a block past the budget."""
+        return blocks_for_tokens(seq.cache_position + 1, self.pool.block_size) > self.budget_blocks
+
+    def _past_context(self, seq: DecodeSeq) -> bool:
+        """Its next token's rotary position would pass the model's context (never at text
+        positions, which the benchmark lets grow)."""
+        return seq.rope_position >= self.max_position and not self.text_positions
 
     def forget(self, key: Hashable) -> None:
         """The sequence left the step loop."""
