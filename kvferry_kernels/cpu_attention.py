@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from kvferry_kernels import artifact_cache
+from kvferry_kernels.paged_attention_ref import check_mass
 
 log = logging.getLogger("kvferry.kernels")
 
@@ -42,11 +43,15 @@ CPU_ATTENTION_ENV = "KVFERRY_CPU_ATTENTION"
 SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
 LIBRARY = "cpu_decode_attention.so"  # the file inside the cache entry
 CFLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
+# Both entries end with the attention mass: a float pointer (None: NULL, no mass) and its
+# row stride.
+_MASS_ARGTYPES = [ctypes.c_void_p, ctypes.c_int64]
 _ARGTYPES = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6
-             + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p])
+             + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+             + _MASS_ARGTYPES)
 _PAGED_ARGTYPES = ([ctypes.c_void_p] * 6 + [ctypes.c_int64] * 10
                    + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                      ctypes.c_int64] + [ctypes.c_void_p] * 3)
+                      ctypes.c_int64] + [ctypes.c_void_p] * 3 + _MASS_ARGTYPES)
 
 
 # Most rows of one sequence the kernel attends together (`run_of_rows` finds them): a
@@ -55,10 +60,18 @@ _PAGED_ARGTYPES = ([ctypes.c_void_p] * 6 + [ctypes.c_int64] * 10
 MAX_RUN = 16
 
 
+def _mass_args(mass: torch.Tensor | None) -> tuple[int | None, int]:
+    """The kernel's last two arguments: the mass buffer's address (None: NULL) and row
+    stride."""
+    return (None, 0) if mass is None else (mass.data_ptr(), mass.stride(0))
+
+
 class CpuAttention:
     """The loaded kernel: `__call__` has dense_decode_attention's contract, except that K
     and V may be wider than the longest length (positions past a row's length are never
-    read, so they need not even be finite)."""
+    read, so they need not even be finite). Both entries take an optional `mass`
+    (`paged_attention_ref.check_mass`, on the CPU): each row's probabilities summed over its
+    query heads are added to mass[b, :seq_lens[b]], and the output is the same bits."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -71,7 +84,8 @@ class CpuAttention:
         self._paged.restype = ctypes.c_int
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 seq_lens: torch.Tensor, sm_scale: float) -> torch.Tensor:
+                 seq_lens: torch.Tensor, sm_scale: float, *,
+                 mass: torch.Tensor | None = None) -> torch.Tensor:
         """q [B, Hq, D]; k, v [B, Hkv, L, D] with unit stride over D and D over positions,
         the same strides for both; seq_lens [B], each in [1, L]. Returns [B, Hq, D]."""
         batch, num_q_heads, head_dim = q.shape
@@ -84,6 +98,8 @@ class CpuAttention:
         shortest, longest = (int(x) for x in torch.aminmax(lens)) if batch else (1, 1)
         if shortest < 1 or longest > length:
             raise ValueError(f"cpu attention: seq_lens must lie in [1, {length}]")
+        if mass is not None:
+            check_mass(mass, q, lens, length)
         q = q.contiguous()
         out = torch.empty_like(q)
         group = num_q_heads // num_kv_heads
@@ -92,12 +108,13 @@ class CpuAttention:
         offsets = torch.empty(stride, dtype=torch.int64)
         self._fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lens.data_ptr(),
                  batch, num_kv_heads, group, head_dim, k.stride(0), k.stride(1), sm_scale,
-                 scratch.data_ptr(), stride, offsets.data_ptr())
+                 scratch.data_ptr(), stride, offsets.data_ptr(), *_mass_args(mass))
         return out
 
     def paged(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               block_tables: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float,
-              max_run: int | None = None) -> torch.Tensor:
+              max_run: int | None = None, *,
+              mass: torch.Tensor | None = None) -> torch.Tensor:
         """`paged_decode_attention_torch`'s contract over full-precision pages, read in place:
         q [B, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D] fp32, each page
         dense and both strided alike; block_tables [B, max_blocks]; seq_lens [B], each >= 1
@@ -113,6 +130,8 @@ class CpuAttention:
                 and q.device.type == "cpu"):
             raise ValueError("cpu paged attention: fp32 CPU pages [blocks, block_size, Hkv, D], "
                              "each page dense, K and V strided alike")
+        if mass is not None:
+            check_mass(mass, q, seq_lens, block_tables.shape[1] * block_size)
         lens = seq_lens.to(torch.int32).contiguous()
         tables = block_tables.to(torch.int32).contiguous()
         longest = int(lens.max()) if batch else 1
@@ -130,7 +149,7 @@ class CpuAttention:
             lens.data_ptr(), tables.data_ptr(), tables.shape[1], num_blocks, batch,
             num_kv_heads, group, head_dim, block_size, k_cache.stride(0), k_cache.stride(1),
             k_cache.stride(2), sm_scale, scratch.data_ptr(), stride, offsets.data_ptr(), run,
-            rows[0].data_ptr(), rows[1].data_ptr(), qlen.data_ptr())
+            rows[0].data_ptr(), rows[1].data_ptr(), qlen.data_ptr(), *_mass_args(mass))
         if status != 0:
             raise ValueError("cpu paged attention: a sequence length outside [1, its table] "
                              "or a block table entry outside the pool")

@@ -13,6 +13,11 @@
  * on narrower units), so the reductions happen in an order fixed here, without -ffast-math.
  * Head sizes 32, 64 and 128 get versions whose accumulators stay in registers; any other
  * size runs a plain loop. Compiled with -march=native on the machine that runs it.
+ *
+ * Both entries take an optional attention-mass buffer (NULL: none): mass[b * mass_stride + t]
+ * += the probability of position t summed over row b's query heads, for t < len[b] only. It
+ * is read off the softmax scratch after a row is attended, so the output is the same bits
+ * with or without it, and the path without it pays one NULL test per row.
  */
 #include <stdint.h>
 #include <string.h>
@@ -230,7 +235,8 @@ static void head_any(const float *q, const float *k, const float *v, float *o,
 
 /* One sequence: each KV head h's positions t in [0, n) at k + h * head_stride + off[t]
  * (v alike); q and out hold its Hkv * G query heads; s has Hkv * G * stride_s floats; qlen
- * (NULL: n for all) each query head's length. */
+ * (NULL: n for all) each query head's length. Query head i's probabilities are left in
+ * s + i * stride_s (`add_mass` reads them). */
 static void attend_row(const float *q, const float *k, const float *v, float *out,
                        const int64_t *off, int64_t n, int64_t num_kv_heads, int64_t group,
                        int64_t head_dim, int64_t head_stride, float scale, float *s,
@@ -245,27 +251,55 @@ static void attend_row(const float *q, const float *k, const float *v, float *ou
         for (int64_t h = 0; h < num_kv_heads; h++) {
             const int64_t at = h * group * head_dim;
             head_any(q + at, k + h * head_stride, v + h * head_stride, out + at, off, n, group,
-                     head_dim, scale, s, stride_s, qlen ? qlen + h * group : NULL);
+                     head_dim, scale, s + h * group * stride_s, stride_s,
+                     qlen ? qlen + h * group : NULL);
         }
+}
+
+/* Rows j in [0, r) of one attended run (query head (h * r + j) * G + g of `attend_row`'s
+ * scratch s is row j's head h * G + g; r = 1 for a row alone), row j of length len0 + j: each
+ * row's probabilities summed over its Hkv * G query heads, in head order, into its first
+ * head's scratch row (no longer needed), then added to mass[j * mass_stride + t] for t below
+ * its length. */
+static void add_mass(float *s, int64_t stride_s, int64_t num_kv_heads, int64_t r,
+                     int64_t group, int64_t len0, float *mass, int64_t mass_stride) {
+    for (int64_t j = 0; j < r; j++) {
+        const int64_t n = len0 + j;
+        float *sum = s + j * group * stride_s;  /* head (0, j, 0) */
+        for (int64_t h = 0; h < num_kv_heads; h++)
+            for (int64_t g = 0; g < group; g++) {
+                if (h == 0 && g == 0) continue;
+                const float *p = s + ((h * r + j) * group + g) * stride_s;
+                for (int64_t t = 0; t < n; t++) sum[t] += p[t];
+            }
+        float *m = mass + j * mass_stride;
+        for (int64_t t = 0; t < n; t++) m[t] += sum[t];
+    }
 }
 
 /* q [B, Hkv * G, D] contiguous; out the same. k and v: element (b, h, t, d) at
  * b * row_stride + h * head_stride + t * D + d (the stage's [rows, Hkv, length, D] layer
  * slice). lens[b] >= 1. scratch: Hkv * G * stride_s floats, stride_s >= max(lens) rounded
- * up to a multiple of 16; offsets: stride_s int64s. */
+ * up to a multiple of 16; offsets: stride_s int64s. mass: NULL, or rows of mass_stride
+ * floats (the attention mass, see the top of this file). */
 void kvferry_decode_attention_f32(const float *q, const float *k, const float *v, float *out,
                                   const int32_t *lens, int64_t batch, int64_t num_kv_heads,
                                   int64_t group, int64_t head_dim, int64_t row_stride,
                                   int64_t head_stride, float scale, float *scratch,
-                                  int64_t stride_s, int64_t *offsets) {
+                                  int64_t stride_s, int64_t *offsets, float *mass,
+                                  int64_t mass_stride) {
     int64_t longest = 0;
     for (int64_t b = 0; b < batch; b++) longest = lens[b] > longest ? lens[b] : longest;
     for (int64_t t = 0; t < longest; t++) offsets[t] = t * head_dim;
     const int64_t q_row = num_kv_heads * group * head_dim;
-    for (int64_t b = 0; b < batch; b++)
+    for (int64_t b = 0; b < batch; b++) {
         attend_row(q + b * q_row, k + b * row_stride, v + b * row_stride, out + b * q_row,
                    offsets, lens[b], num_kv_heads, group, head_dim, head_stride, scale,
                    scratch, stride_s, NULL);
+        if (mass)
+            add_mass(scratch, stride_s, num_kv_heads, 1, group, lens[b], mass + b * mass_stride,
+                     mass_stride);
+    }
 }
 
 /* Rows b .. b + r - 1 (r <= most) with one block table and lengths lens[b] + 0 .. r - 1:
@@ -281,6 +315,21 @@ static int64_t run_of_rows(const int32_t *lens, const int32_t *tables, int64_t t
     return r;
 }
 
+/* Whether every row's length is at least 1 and within its table, and every table entry it
+ * reads is a block of the pool: the checks the paged entry makes run by run, made for all
+ * rows up front where a failure must leave the mass as it was. */
+static int rows_valid(const int32_t *lens, const int32_t *tables, int64_t table_stride,
+                      int64_t num_blocks, int64_t batch, int64_t block_size) {
+    for (int64_t b = 0; b < batch; b++) {
+        const int64_t used = (lens[b] + block_size - 1) / block_size;
+        if (lens[b] < 1 || used > table_stride) return 0;
+        for (int64_t j = 0; j < used; j++)
+            if (tables[b * table_stride + j] < 0 || tables[b * table_stride + j] >= num_blocks)
+                return 0;
+    }
+    return 1;
+}
+
 /* The same attention read from the paged pool in place: one layer's K and V pages, element
  * (block, slot, h, d) at block * block_stride + slot * token_stride + h * head_stride + d;
  * sequence b's position t in block tables[b * table_stride + t / block_size], slot
@@ -291,18 +340,21 @@ static int64_t run_of_rows(const int32_t *lens, const int32_t *tables, int64_t t
  * (query head j * G + g is row j's g, masked past its own length): each K and V line is
  * read once for all of them, and every row's result is the bits it gets alone. q_run and
  * o_run hold max_run rows of queries; qlen max_run * Hq lengths; scratch
- * max_run * Hq * stride_s floats.
+ * max_run * Hq * stride_s floats. mass: NULL, or rows of mass_stride floats, each row's
+ * own (the attention mass, see the top of this file).
  *
- * Returns 0, or -1 (nothing trusted written) when a length needs more table entries than a
- * row has or a table entry it reads is not a block of the pool. */
+ * Returns 0, or -1 (nothing trusted written; mass, if any, untouched) when a length needs
+ * more table entries than a row has or a table entry it reads is not a block of the pool. */
 int kvferry_paged_decode_attention_f32(
         const float *q, const float *k_cache, const float *v_cache, float *out,
         const int32_t *lens, const int32_t *tables, int64_t table_stride, int64_t num_blocks,
         int64_t batch, int64_t num_kv_heads, int64_t group, int64_t head_dim,
         int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t head_stride,
         float scale, float *scratch, int64_t stride_s, int64_t *offsets, int64_t max_run,
-        float *q_run, float *o_run, int64_t *qlen) {
+        float *q_run, float *o_run, int64_t *qlen, float *mass, int64_t mass_stride) {
     const int64_t q_row = num_kv_heads * group * head_dim;
+    if (mass && !rows_valid(lens, tables, table_stride, num_blocks, batch, block_size))
+        return -1;
     for (int64_t b = 0; b < batch;) {
         const int64_t r = run_of_rows(lens, tables, table_stride, batch, b, max_run);
         const int64_t n = lens[b] + r - 1;  /* the run's longest row */
@@ -334,6 +386,9 @@ int kvferry_paged_decode_attention_f32(
                     memcpy(out + (b + j) * q_row + h * gd, o_run + (h * r + j) * gd,
                            sizeof(float) * gd);
         }
+        if (mass)
+            add_mass(scratch, stride_s, num_kv_heads, r, group, lens[b], mass + b * mass_stride,
+                     mass_stride);
         b += r;
     }
     return 0;

@@ -21,7 +21,10 @@ from kvferry_kernels import cpu_attention
 from kvferry_kernels.paged_attention_ref import write_kv_ref
 from kvferry_kernels.paged_attention_torch import paged_decode_attention_torch
 
-# decode_attention(q, k_cache, v_cache, block_table, seq_lens, sm_scale) -> out [B, Hq, D]
+# decode_attention(q, k_cache, v_cache, block_table, seq_lens, sm_scale, *, mass=None)
+#     -> out [B, Hq, D]. Every backend takes mass= (None, or a float32 [B, >= max(seq_lens)]
+#     buffer on q's device): each row's attention probabilities, summed over its query heads,
+#     are added to mass[b, :seq_lens[b]] (paged_attention_ref.check_mass); out is unchanged.
 DecodeAttentionFn = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
 ]
@@ -76,12 +79,14 @@ def get_attention_backend(name: str, cpu_kernel_dir: Path | None = None) -> Atte
 
 def _in_place(kernel: cpu_attention.CpuAttention, q: torch.Tensor, k_cache: torch.Tensor,
               v_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-              sm_scale: float) -> torch.Tensor:
-    """The kernel over pages it can read (fp32 on CPU), the torch path over any other."""
+              sm_scale: float, *, mass: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernel over pages it can read (fp32 on CPU), the torch path over any other;
+    either adds the attention mass to `mass` where given."""
     if (isinstance(k_cache, torch.Tensor) and k_cache.dtype == torch.float32
             and k_cache.device.type == "cpu"):
-        return kernel.paged(q, k_cache, v_cache, block_tables, seq_lens, sm_scale)
-    return paged_decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, sm_scale)
+        return kernel.paged(q, k_cache, v_cache, block_tables, seq_lens, sm_scale, mass=mass)
+    return paged_decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, sm_scale,
+                                        mass=mass)
 
 
 __all__ = ["BACKEND_NAMES", "AttentionBackend", "get_attention_backend"]

@@ -8,6 +8,13 @@ A cache is either a full-precision tensor [num_blocks, block_size, Hkv, D] or
 `kv_quant.QuantPages` (int8 / fp8 values with a float32 scale per token and K/V head, views
 into the pool's bytes): the append quantizes with `kv_quant.quantize`, attention reads the
 valid positions back with `kv_quant.dequantize` and attends in fp32.
+
+Attention mass (H2O's heavy hitters): every decode attention implementation takes an optional
+`mass` [B, M] float32 buffer (M >= max(seq_lens); callers pass the block table's capacity) and
+adds to mass[b, p], for each p < seq_lens[b], position p's softmax probability summed over
+all query heads. It adds and never overwrites (one buffer collects every layer's mass);
+entries at and past a row's length are left as they are. `check_mass` states the buffer's
+contract once for all of them.
 """
 
 from __future__ import annotations
@@ -61,6 +68,22 @@ def write_kv_ref(
     v_flat.index_copy_(0, slots, v.to(v_cache.dtype))
 
 
+def check_mass(mass: torch.Tensor, q: torch.Tensor, seq_lens: torch.Tensor,
+               capacity: int) -> None:
+    """Raise ValueError unless `mass` is a contiguous float32 [B, M] on q's device with
+    M >= max(seq_lens). `capacity` bounds every length (a block table's entries x block
+    size): the lengths are read back to the host only when M is under it."""
+    batch = q.shape[0]
+    if (mass.dtype != torch.float32 or mass.dim() != 2 or mass.shape[0] != batch
+            or mass.device != q.device or not mass.is_contiguous()):
+        raise ValueError(f"mass must be a contiguous float32 [{batch}, >= max(seq_lens)] "
+                         f"on {q.device}; got {mass.dtype} {tuple(mass.shape)} on "
+                         f"{mass.device}")
+    if batch and mass.shape[1] < capacity and int(seq_lens.max()) > mass.shape[1]:
+        raise ValueError(f"mass has {mass.shape[1]} positions per row, fewer than the "
+                         f"longest sequence ({int(seq_lens.max())})")
+
+
 def _valid_positions(cache: torch.Tensor | QuantPages, ids: torch.Tensor,
                      n: int) -> torch.Tensor:  # [n, Hkv, D] float32
     """The first n positions of the blocks `ids`, in fp32 (dequantized if quantized)."""
@@ -80,13 +103,18 @@ def paged_decode_attention_ref(
     block_table: torch.Tensor,  # [B, max_blocks] int32
     seq_lens: torch.Tensor,  # [B] int32, tokens already in the cache (new token included)
     sm_scale: float,
+    *,
+    mass: torch.Tensor | None = None,  # [B, >= max(seq_lens)] float32, added to
 ) -> torch.Tensor:  # [B, Hq, D]
     """One query token per sequence attending over its whole paged cache.
 
-    Computed in fp32, returned in q's dtype. Sequences of length 0 give zeros.
+    Computed in fp32, returned in q's dtype. Sequences of length 0 give zeros. With `mass`,
+    each row's probabilities, summed over its query heads, are added to mass[b, :len].
     """
     batch, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if mass is not None:
+        check_mass(mass, q, seq_lens, block_table.shape[1] * block_size)
     group = num_q_heads // num_kv_heads
     out = torch.zeros(batch, num_q_heads, head_dim, dtype=q.dtype, device=q.device)
     lens = seq_lens.tolist()
@@ -101,6 +129,8 @@ def paged_decode_attention_ref(
         qb = q[b].float().view(num_kv_heads, group, head_dim)  # [Hkv, G, D]
         scores = torch.einsum("hgd,nhd->hgn", qb, k) * sm_scale  # [Hkv, G, n]
         probs = torch.softmax(scores, dim=-1)
+        if mass is not None:
+            mass[b, :n] += probs.sum(dim=(0, 1))
         ob = torch.einsum("hgn,nhd->hgd", probs, v)  # [Hkv, G, D]
         out[b] = ob.reshape(num_q_heads, head_dim).to(q.dtype)
     return out

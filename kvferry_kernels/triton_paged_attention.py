@@ -32,6 +32,16 @@ Design:
   in fp32) before its dot. Scaling p by the V scale instead would be as cheap, but p x scale
   can fall under fp16's normal range (scales of ~1e-4 are common) and lose bits there.
 
+- Attention mass (`mass=`, `paged_attention_ref.check_mass`): a split cannot know its
+  probabilities before every split's max and sum are known, so the mass is a pass of its own
+  after the attention, which is left as it is (the same bits). Each row's log2-sum-exp2 per
+  query head comes from the splits' (max, sum) partials (with one split, stage 1 stores its
+  own as one split's, `STORE_STATS`), merged as stage 2 merges them; then
+  `_attention_mass_kernel` reads K again, one program per (tile of positions, sequence),
+  forms the scores as stage 1 does (dequantizing alike), and adds exp2(score - lse) summed
+  over every query head to its positions' mass: each entry has one owner, so a plain
+  read-add-write, deterministic, no atomics. A call without `mass` launches nothing more.
+
 `TRITON_INTERPRET=1` must be set before this module is imported to run it on CPU tensors.
 The interpreter mishandles bf16 (raw integers), so bf16 inputs are upcast to fp32 there
 (q only, for quantized caches). The interpreter loads fp8 e4m3 correctly (every finite
@@ -53,6 +63,7 @@ import triton.language as tl
 
 from kvferry_kernels import query_runs
 from kvferry_kernels.kv_quant import QuantPages
+from kvferry_kernels.paged_attention_ref import check_mass
 
 # Read once: triton decides at decoration time whether a kernel is interpreted.
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -239,6 +250,7 @@ def _decode_stage1_kernel(
     IS_QUANT: tl.constexpr,  # K/V are int8/fp8 values with scales (else scale pointers unused)
     ONE_LAUNCH: tl.constexpr,  # the last split of each (sequence, KV head) merges (no stage 2)
     RUN_ROWS: tl.constexpr,  # most rows one program attends (`run_rows`); 1: one row each
+    STORE_STATS: tl.constexpr,  # SINGLE_SPLIT: also store (max, sum) as split 0's partials
 ):
     split = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -337,6 +349,10 @@ def _decode_stage1_kernel(
         o_ptrs = (out_ptr + row_b[:, None] * stride_ob + heads[:, None] * stride_oh
                   + offs_d[None, :] * stride_od)
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_mask)
+        if STORE_STATS:  # for the attention mass's log-sum-exp
+            pm_off = row_b * stride_pmb + heads * stride_pmh
+            tl.store(part_max_ptr + pm_off, m_i, mask=mask_g)
+            tl.store(part_sum_ptr + pm_off, l_i, mask=mask_g)
     else:
         po_ptrs = (
             part_out_ptr
@@ -513,6 +529,112 @@ def _decode_stage2_kernel(
     )
 
 
+@triton.jit
+def _attention_mass_kernel(
+    q_ptr, k_cache_ptr, k_scale_ptr, block_table_ptr, seq_lens_ptr, lse_ptr, mass_ptr,
+    qk_scale, num_kv_heads,
+    stride_qb, stride_qh, stride_qd, stride_kn, stride_kp, stride_kh, stride_kd,
+    stride_ksn, stride_ksp, stride_ksh, stride_btb, stride_btp, stride_lb, stride_lh,
+    stride_mb,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    IS_QUANT: tl.constexpr,
+):
+    """mass[b, p] += sum over every query head h of exp2(score[h, p] - lse[b, h]), for the
+    BLOCK_N positions p of tile program_id(0) of sequence program_id(1) below its length;
+    scores formed as stage 1 forms them (log2 units), lse their log2-sum-exp2 per head.
+    The program alone owns these mass entries: a plain read-add-write."""
+    tile = tl.program_id(0)
+    b = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + b)
+    if tile * BLOCK_N < seq_len:
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, BLOCK_D)
+        pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        mask_g = offs_g < GROUP
+        mask_n = pos < seq_len
+        q_mask = mask_g[:, None] & (offs_d < HEAD_DIM)[None, :]
+        kv_mask = mask_n[:, None] & (offs_d < HEAD_DIM)[None, :]
+        page = tl.load(block_table_ptr + b.to(tl.int64) * stride_btb
+                       + (pos // PAGE_SIZE) * stride_btp, mask=mask_n, other=0).to(tl.int64)
+        k_off = page * stride_kn + (pos % PAGE_SIZE) * stride_kp  # [BLOCK_N]
+        ks_off = page * stride_ksn + (pos % PAGE_SIZE) * stride_ksp
+        total = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for kv_head in range(num_kv_heads):
+            heads = kv_head * GROUP + offs_g  # [BLOCK_G]
+            q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh
+                        + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0)
+            k = tl.load(k_cache_ptr + kv_head * stride_kh + k_off[:, None]
+                        + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+            if IS_QUANT:
+                k_sc = tl.load(k_scale_ptr + kv_head * stride_ksh + ks_off, mask=mask_n,
+                               other=0.0)  # [BLOCK_N]
+                s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
+                s = s * (k_sc * qk_scale)[None, :]  # [BLOCK_G, BLOCK_N]
+            else:
+                s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            lse = tl.load(lse_ptr + b * stride_lb + heads * stride_lh, mask=mask_g, other=0.0)
+            p = tl.exp2(s - lse[:, None])
+            total += tl.sum(tl.where(mask_g[:, None] & mask_n[None, :], p, 0.0), axis=0)
+        mass_ptrs = mass_ptr + b.to(tl.int64) * stride_mb + pos
+        tl.store(mass_ptrs, tl.load(mass_ptrs, mask=mask_n, other=0.0) + total, mask=mask_n)
+
+
+def _log2_sum_exp2(part_max: torch.Tensor,  # [B, Hq, S], stage 1's max of scores in log2
+                   part_sum: torch.Tensor,  # [B, Hq, S], its sum of exp2(score - max)
+                   ) -> torch.Tensor:  # [B, Hq] float32
+    """Each (row, query head)'s log2 of its softmax denominator, the splits merged as
+    `_merge_splits` merges them (splits with max -inf or sum 0 weigh nothing); -inf for a
+    row with no position. Tensor ops, no host sync."""
+    is_live = (part_max > float("-inf")) & (part_sum > 0.0)
+    top = torch.where(is_live, part_max, float("-inf")).amax(dim=-1, keepdim=True)
+    ref = torch.where(top > float("-inf"), top, 0.0)  # [B, Hq, 1]
+    weight = torch.exp2(torch.where(is_live, part_max, ref) - ref)
+    total = torch.where(is_live, weight * part_sum, 0.0).sum(dim=-1, keepdim=True)
+    return (ref + torch.log2(total)).squeeze(-1)
+
+
+def _add_attention_mass(
+    q: torch.Tensor,  # [B, Hq, D]
+    k_cache: torch.Tensor | QuantPages,  # [num_blocks, block_size, Hkv, D]
+    block_table: torch.Tensor,  # [B, max_blocks]
+    seq_lens: torch.Tensor,  # [B]
+    sm_scale: float,
+    stats: tuple[torch.Tensor, torch.Tensor],  # stage 1's (max, sum) partials [B, Hq, S]
+    mass: torch.Tensor,  # [B, M] float32, added to
+    cfg: _KernelConfig,
+) -> None:
+    """Launch `_attention_mass_kernel` over every tile a row of the table can hold."""
+    batch, num_q_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_cache.shape
+    group = num_q_heads // num_kv_heads
+    num_tiles = triton.cdiv(min(mass.shape[1], block_table.shape[1] * page_size), cfg.block_n)
+    if num_tiles == 0:
+        return
+    lse = _log2_sum_exp2(*stats)  # [B, Hq]
+    is_quant = isinstance(k_cache, QuantPages)
+    k_data, k_scale = (k_cache.data, k_cache.scale) if is_quant else (k_cache, k_cache)
+    _attention_mass_kernel[(num_tiles, batch)](
+        q, k_data, k_scale, block_table, seq_lens, lse, mass, sm_scale * _LOG2E, num_kv_heads,
+        *q.stride(), *k_data.stride(), *(k_scale.stride() if is_quant else (0, 0, 0)),
+        *block_table.stride(), *lse.stride(), mass.stride(0),
+        GROUP=group,
+        BLOCK_G=max(_MIN_DOT_ROWS, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        PAGE_SIZE=page_size,
+        BLOCK_N=cfg.block_n,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        IS_QUANT=is_quant,
+        num_warps=cfg.num_warps,
+    )
+
+
 def run_capacity(group: int) -> int:
     """Most rows of a run one program attends: as many as fill the 16-row tile that `tl.dot`
     needs anyway (GROUP query heads each), so a run costs no bigger tile than one row."""
@@ -639,6 +761,7 @@ def paged_decode_attention_triton(
     *,
     one_launch: bool | None = None,
     run_rows: torch.Tensor | None = None,  # [B] int32 from `query_run_rows`
+    mass: torch.Tensor | None = None,  # [B, >= max(seq_lens)] float32, added to
 ) -> torch.Tensor:  # [B, Hq, D]
     """Paged decode attention; same result as `paged_decode_attention_ref`.
 
@@ -656,6 +779,9 @@ def paged_decode_attention_triton(
     `run_rows` (`query_run_rows` of the same block table and lengths): the rows of a run,
     one sequence's query positions, are attended by one program per K/V head and split,
     each K/V tile read once for all of them; None: one program per row.
+    `mass` (`paged_attention_ref.check_mass`): each row's probabilities summed over its query
+    heads are added to mass[b, :seq_lens[b]] by a pass after the attention (module
+    docstring); the output is the same bits. Never inside a CUDA graph: it allocates.
     """
     _check_inputs(q, k_cache, v_cache, block_table, seq_lens)
     if run_rows is not None and (run_rows.shape != seq_lens.shape
@@ -663,6 +789,8 @@ def paged_decode_attention_triton(
                                  or run_rows.device != seq_lens.device):
         raise ValueError(f"run_rows must be int32 {tuple(seq_lens.shape)} on "
                          f"{seq_lens.device} (see query_run_rows)")
+    if mass is not None:
+        check_mass(mass, q, seq_lens, block_table.shape[1] * k_cache.shape[1])
     is_quant = isinstance(k_cache, QuantPages)
     if _INTERPRET and q.dtype == torch.bfloat16:
         result = paged_decode_attention_triton(
@@ -676,6 +804,7 @@ def paged_decode_attention_triton(
             workspace=workspace,
             one_launch=one_launch,
             run_rows=run_rows,
+            mass=mass,
         )
         if out is None:
             return result.to(torch.bfloat16)
@@ -716,6 +845,10 @@ def paged_decode_attention_triton(
     else:  # one split writes `out` directly; the workspace pointers are never dereferenced
         ws = DecodeWorkspace(out, out, out, out)
         po_strides, pm_strides, counter_strides = (0, 0, 0, 0), (0, 0, 0), (0, 0)
+        if mass is not None:  # but for (max, sum), which the mass needs (STORE_STATS)
+            stats = torch.empty(2, batch, num_q_heads, 1, dtype=torch.float32, device=q.device)
+            ws = DecodeWorkspace(out, stats[0], stats[1], out)  # [B, Hq, 1] each
+            pm_strides = stats[0].stride()
     if one_launch is None:
         one_launch = not (on_gpu and torch.cuda.is_current_stream_capturing())
     is_one_launch = num_splits > 1 and one_launch
@@ -769,6 +902,7 @@ def paged_decode_attention_triton(
         IS_QUANT=is_quant,
         ONE_LAUNCH=is_one_launch,
         RUN_ROWS=1 if run_rows is None else run_capacity(group),
+        STORE_STATS=num_splits == 1 and mass is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -787,6 +921,9 @@ def paged_decode_attention_triton(
             BLOCK_D=block_d,
             num_warps=4 if on_gpu else 1,
         )
+    if mass is not None:
+        _add_attention_mass(q, k_cache, block_table, seq_lens, sm_scale,
+                            (ws.partial_max, ws.partial_sum), mass, cfg)
     return out
 
 
