@@ -15,17 +15,21 @@ size 16):
                    block) and the last `budget - 16` tokens, positions within the cache (what
                    `--kv-eviction streaming` runs);
   streaming-text:  the same tokens kept, each at the position it was written at (the sinks'
-                   distance to the query then grows past anything the window shows).
+                   distance to the query then grows past anything the window shows);
+  h2o:             heavy hitters over whole blocks (what `--kv-eviction h2o` runs): the
+                   last `budget / 2` tokens and the `budget / 2` tokens' worth of older
+                   blocks that drew the most attention so far (summed over heads and layers,
+                   from the attention kernels), positions those of the text.
 Printed: perplexity over all predicted tokens and over those predicted once the budget was
 full (where eviction acts), per configuration. Retrieval (`--sections retrieval`): a fact ("the
 secret code of NAME is NNNN") planted after the play's first 64 tokens (past the sinks)
 and asked about after `--filler` tokens of it, for 6 seeded names; a fact counts as retrieved
 when every token of its code is the model's argmax (teacher forced), per configuration (no
-text-positions row). Deterministic: one run (no timing reported). H2O is not built yet
-(design step 6): no row. Usage:
+text-positions row). Deterministic: one run (no timing reported). Usage:
 
     .venv/bin/python bench/bench_kv_eviction.py [--tokens 8192] [--budgets 256 512 1024]
-        [--sections perplexity retrieval] [--filler 1500] [--out FILE]
+        [--sections perplexity retrieval] [--configs full window streaming ...]
+        [--filler 1500] [--out FILE]
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script too
-from decode_worker.eviction import StreamingEviction  # noqa: E402
+from decode_worker.eviction import StreamingEviction, make_eviction  # noqa: E402
 from decode_worker.sequence import DecodeSeq, step_inputs  # noqa: E402
 from deploy.default_model import bench_model  # noqa: E402
 from kvferry.cache.layout import blocks_for_tokens  # noqa: E402
@@ -66,16 +70,21 @@ def _text_tokens(model_dir: str, count: int) -> list[int]:
     return ids[:count]
 
 
-def _configs(budgets: list[int]) -> list[tuple[str, int, KvEvictionConfig | None, bool]]:
-    """(name, budget, eviction config or None, text positions)."""
+CONFIGS = ("full", "window", "streaming", "streaming-text", "h2o")
+
+
+def _configs(budgets: list[int], names: tuple[str, ...] = CONFIGS
+             ) -> list[tuple[str, int, KvEvictionConfig | None, bool]]:
+    """(name, budget, eviction config or None, text positions), those named in `names`."""
     out: list[tuple[str, int, KvEvictionConfig | None, bool]] = [("full", 0, None, False)]
     for budget in budgets:
         window = KvEvictionConfig("streaming", sink_tokens=0, window_tokens=budget)
         sinks = KvEvictionConfig("streaming", sink_tokens=SINK_TOKENS,
                                  window_tokens=budget - BLOCK_SIZE)
+        h2o = KvEvictionConfig("h2o", heavy_tokens=budget // 2, recent_tokens=budget // 2)
         out += [("window", budget, window, False), ("streaming", budget, sinks, False),
-                ("streaming-text", budget, sinks, True)]
-    return out
+                ("streaming-text", budget, sinks, True), ("h2o", budget, h2o, False)]
+    return [c for c in out if c[0] in names]
 
 
 def teacher_forced(model: Transformer, streams: list[tuple[str, list[int],
@@ -94,8 +103,9 @@ def teacher_forced(model: Transformer, streams: list[tuple[str, list[int],
         seqs.append(DecodeSeq(request_id=f"{name}-{i}", num_prompt_tokens=0,
                               max_tokens=len(toks), block_table=[], lease_deadline=0.0,
                               received=np.zeros((1, 1), bool), arrival=i, tokens=[toks[0]]))
-        evictions.append(None if config is None else StreamingEviction(
-            config, model, pool, text_positions=text_positions))
+        evictions.append(StreamingEviction(config, model, pool, text_positions=True)
+                         if config is not None and text_positions
+                         else make_eviction(config, model, pool))
         out.append((np.zeros(len(toks) - 1), np.zeros(len(toks) - 1, bool)))
     started = time.perf_counter()
     for t in range(max(len(toks) for _, toks, _, _ in streams) - 1):
@@ -107,8 +117,14 @@ def teacher_forced(model: Transformer, streams: list[tuple[str, list[int],
                 seqs[i].block_table += pool.allocator.alloc(1)
         rows = step_inputs([seqs[i] for i in live], BLOCK_SIZE)
         fed = torch.tensor([streams[i][1][t] for i in live])
+        mass = (torch.zeros(len(live), rows.block_tables.shape[1] * BLOCK_SIZE)
+                if any(evictions[i] is not None and evictions[i].wants_mass for i in live)
+                else None)
         logits = model.decode(fed, rows.positions, rows.slots, rows.block_tables, pool,
-                              seq_lens=rows.seq_lens).float()
+                              seq_lens=rows.seq_lens, mass=mass).float()
+        for row, i in enumerate(live):
+            if mass is not None and evictions[i] is not None:
+                evictions[i].observe([seqs[i]], mass[row:row + 1])
         logp = torch.log_softmax(logits, dim=-1)
         best = logits.argmax(dim=-1).tolist()
         for row, i in enumerate(live):
@@ -121,9 +137,10 @@ def teacher_forced(model: Transformer, streams: list[tuple[str, list[int],
     return out
 
 
-def evaluate(model: Transformer, tokens: list[int], budgets: list[int]) -> list[dict]:
+def evaluate(model: Transformer, tokens: list[int], budgets: list[int],
+             names: tuple[str, ...] = CONFIGS) -> list[dict]:
     """Perplexity of each configuration over `tokens`."""
-    configs = _configs(budgets)
+    configs = _configs(budgets, names)
     runs = teacher_forced(model, [(n, tokens, c, tp) for n, _, c, tp in configs],
                           progress=True)
     return [{"config": name, "budget": budget,
@@ -136,8 +153,8 @@ def evaluate(model: Transformer, tokens: list[int], budgets: list[int]) -> list[
 NAMES = ("Ada", "Basil", "Clara", "Dorian", "Elsa", "Felix")
 
 
-def retrieval(model: Transformer, model_dir: str, filler: int, budgets: list[int]
-              ) -> list[dict]:
+def retrieval(model: Transformer, model_dir: str, filler: int, budgets: list[int],
+              names: tuple[str, ...] = CONFIGS) -> list[dict]:
     """A fact planted after the play's first 64 tokens (past the sink block) and before the
     rest of `filler` tokens of it, asked about after them: per
     configuration, the facts whose answer (a 4-digit code) the model predicts token for
@@ -155,7 +172,7 @@ def retrieval(model: Transformer, model_dir: str, filler: int, budgets: list[int
                         f"secret code of {name} is")["input_ids"]
         # after the play's first 64 tokens: past the sinks, so only a window can keep it
         cases.append((play[:64] + head + play[64:] + ask, tokenizer(f" {code}")["input_ids"]))
-    configs = [c for c in _configs(budgets) if c[0] != "streaming-text"]
+    configs = [c for c in _configs(budgets, names) if c[0] != "streaming-text"]
     runs = teacher_forced(model, [(name, prompt + answer, config, text_positions)
                                   for name, _, config, text_positions in configs
                                   for prompt, answer in cases])
@@ -177,6 +194,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--sections", nargs="+", choices=("perplexity", "retrieval"),
                    default=["perplexity", "retrieval"])
+    p.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS),
+                   help="the configurations run (full is the reference the ratios need)")
     p.add_argument("--filler", type=int, default=1500,
                    help="retrieval: tokens of the play between the fact and the question")
     p.add_argument("--out", type=Path, default=None)
@@ -193,8 +212,9 @@ def main() -> None:
                         torch.float32, torch.device("cpu"))
     report: dict[str, object] = {"args": {k: str(v) for k, v in vars(args).items()}}
     if "perplexity" in args.sections:
-        results = evaluate(model, _text_tokens(model_dir, args.tokens), args.budgets)
-        full = results[0]["perplexity"]
+        results = evaluate(model, _text_tokens(model_dir, args.tokens), args.budgets,
+                           tuple(args.configs))
+        full = next((r["perplexity"] for r in results if r["config"] == "full"), math.nan)
         print(f"{'config':>15} {'budget':>7} {'perplexity':>11} {'once full':>10} "
               f"{'/ full':>7}")
         for r in results:
@@ -204,7 +224,7 @@ def main() -> None:
                   f"{r['perplexity'] / full:7.3f}")
         report["results"] = results
     if "retrieval" in args.sections:
-        found = retrieval(model, model_dir, args.filler, args.budgets)
+        found = retrieval(model, model_dir, args.filler, args.budgets, tuple(args.configs))
         for r in found:
             print(f"retrieval {r['config']:>10} {r['budget'] or '-':>6}: {r['retrieved']} of "
                   f"{r['of']} ({r['prompt_tokens']}-token prompts)")

@@ -1,5 +1,6 @@
-"""Streaming K/V eviction (StreamingLLM: attention sinks and a sliding window) in the step
-loop of decode and colocated workers (docs/kv-eviction-design.md 3.1-3.2).
+"""K/V eviction in the step loop of decode and colocated workers
+(docs/kv-eviction-design.md 3.1-3.3): streaming (StreamingLLM: attention sinks and a sliding
+window, `StreamingEviction`) and heavy hitters (H2O, `HeavyHitterEviction`).
 
 A sequence holds at most `budget_blocks`: its first `sink_blocks` (the sinks) and the newest
 blocks (the window). Before a step whose token would need one block more, the oldest window
@@ -13,6 +14,18 @@ rotation). Before a sink block is first rewritten it is made the sequence's own 
 another table or the prefix cache holds it). When the next token's rotary position would pass
 the model's context, every kept key is rotated back to its index in the cache (re-base), so
 the rotary positions stay within the range the model was trained on.
+
+H2O keeps the last `recent_blocks` and, of the older blocks, those whose tokens drew the most
+attention so far: each step's attention kernels add every kept position's probability, summed
+over query heads and layers (`Transformer.decode(mass=)`), and `observe` adds it up per block.
+Past the budget the older block with the least mass leaves (on equal mass, the later one: a
+prompt that arrived whole past the budget has drawn none yet and keeps its first blocks, the
+attention sinks H2O finds as heavy hitters anyway). Whole blocks, not tokens: a block frees
+memory in the unit the pool allocates with no copy, where tokens would need compaction inside
+blocks (docs/kv-eviction-design.md 3.3 and the perplexity table in docs/performance.md
+measure what that keeps). Kept keys stay at the positions they were written at, as H2O's
+reference does (no re-rotation); past the model's context every kept key moves back by the
+tokens evicted since the last re-base, which keeps every distance.
 """
 
 from __future__ import annotations
@@ -33,6 +46,8 @@ log = logging.getLogger("kvferry.decode")
 
 class StreamingEviction:
     """The step loop's eviction: `bound` each running sequence before a step."""
+
+    wants_mass = False  # whether steps must hand `observe` the attention mass
 
     def __init__(self, config: KvEvictionConfig, model: Transformer, pool: KvPool,
                  text_positions: bool = False) -> None:
@@ -79,6 +94,9 @@ class StreamingEviction:
     def forget(self, key: Hashable) -> None:
         """The sequence left the step loop."""
         self._sinks.pop(key, None)
+
+    def observe(self, batch: list[DecodeSeq], mass: torch.Tensor) -> None:
+        """A step's attention mass (only where `wants_mass`)."""
 
     def _evict_oldest(self, seq: DecodeSeq) -> bool:
         if seq.key not in self._sinks and not self.text_positions:  # first eviction: own sinks
@@ -134,3 +152,54 @@ class StreamingEviction:
 
     def _ids(self, blocks: list[int]) -> torch.Tensor:
         return torch.tensor(blocks, dtype=torch.int64, device=self.pool.cache.device)
+
+
+class HeavyHitterEviction(StreamingEviction):
+    """H2O over whole blocks: the newest `recent_blocks` and the heaviest older blocks."""
+
+    wants_mass = True
+
+    def __init__(self, config: KvEvictionConfig, model: Transformer, pool: KvPool) -> None:
+        super().__init__(config, model, pool)
+        self.recent_blocks = config.recent_blocks(pool.block_size)
+        self._mass: dict[Hashable, list[float]] = {}  # key -> mass per table entry
+
+    def forget(self, key: Hashable) -> None:
+        self._mass.pop(key, None)
+
+    def observe(self, batch: list[DecodeSeq], mass: torch.Tensor) -> None:
+        """Add one step's mass [B, >= tokens of the widest table] (rows in `batch` order) to
+        each sequence's blocks (executor thread, between `bound`s)."""
+        block_size = self.pool.block_size
+        width = max(len(s.block_table) for s in batch)
+        per_block = mass[:, :width * block_size].reshape(len(batch), width, block_size)
+        per_block = per_block.sum(dim=2).tolist()
+        for seq, row in zip(batch, per_block):
+            kept = self._mass.setdefault(seq.key, [])
+            kept += [0.0] * (len(seq.block_table) - len(kept))
+            for i in range(len(seq.block_table)):
+                kept[i] += row[i]
+
+    def _evict_oldest(self, seq: DecodeSeq) -> bool:
+        """The lightest block older than the recent window leaves."""
+        kept = self._mass.setdefault(seq.key, [])
+        kept += [0.0] * (len(seq.block_table) - len(kept))
+        older = len(seq.block_table) - (self.recent_blocks - 1)  # the next block is recent
+        if older <= 0:
+            return False
+        victim = min(range(older), key=lambda i: (kept[i], -i))
+        self.pool.allocator.free([seq.block_table.pop(victim)])
+        kept.pop(victim)
+        seq.num_evicted += self.pool.block_size
+        self.num_evicted_blocks += 1
+        return True
+
+
+def make_eviction(config: KvEvictionConfig | None, model: Transformer, pool: KvPool
+                  ) -> StreamingEviction | None:
+    """The step loop's eviction under `config` (None: every token kept)."""
+    if config is None or not config.is_on:
+        return None
+    if config.policy == "h2o":
+        return HeavyHitterEviction(config, model, pool)
+    return StreamingEviction(config, model, pool)

@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from decode_worker.draft_model import DraftModel
-from decode_worker.eviction import StreamingEviction
+from decode_worker.eviction import make_eviction
 from decode_worker.kv_stage import KvStage
 from decode_worker.samples import fork_samples
 from decode_worker.sequence import (
@@ -91,8 +91,7 @@ class StepLoop:
                                  "(--decode-stage-mib 0)")
             self.drafting = Drafting(speculative, ngram_proposer(speculative), draft=draft)
         # K/V eviction (decode_worker/eviction.py): each sequence bounded before its steps.
-        self.eviction = (StreamingEviction(eviction, model, pool)
-                         if eviction is not None and eviction.is_on else None)
+        self.eviction = make_eviction(eviction, model, pool)
         if self.eviction is not None and (self.stage is not None or self.drafting is not None):
             raise ValueError("kv_eviction: not with speculative decoding or a dense K/V stage")
         self._wake = asyncio.Event()
@@ -325,6 +324,11 @@ class StepLoop:
                 return self._verify(batch, drafts)
         inputs = step_inputs(batch, self.pool.block_size)
         device = self.model.device
+        mass = None  # H2O: each kept position's attention this step
+        if self.eviction is not None and self.eviction.wants_mass:
+            mass = torch.zeros(inputs.block_tables.shape[0],
+                               inputs.block_tables.shape[1] * self.pool.block_size,
+                               device=device)
         logits = self.model.decode(
             torch.tensor([s.tokens[-1] for s in batch], device=device),
             inputs.positions.to(device),
@@ -333,7 +337,10 @@ class StepLoop:
             self.pool,
             self.stage if is_staged else None,
             seq_lens=inputs.seq_lens.to(device),
+            mass=mass,
         )
+        if mass is not None and self.eviction is not None:
+            self.eviction.observe(batch, mass)
         params = [s.params or SamplingParams() for s in batch]  # attached: never None
         indices = [s.output_offset + len(s.tokens) for s in batch]
         return [[token] for token in sample_tokens(logits, params, indices)]

@@ -15,16 +15,23 @@ def eviction_args(p: argparse.ArgumentParser, prefix: str = "") -> None:
                         "last --kv-window-tokens, each rounded up to whole blocks, with "
                         "positions within the cache, so a generation may run past the "
                         "model's context in bounded memory (what the model reads changes: "
-                        "docs/performance.md measures it)")
+                        "docs/performance.md measures it); h2o (heavy hitters): the last "
+                        "--kv-recent-tokens and the blocks of --kv-heavy-tokens that drew the "
+                        "most attention so far, positions those of the text")
     p.add_argument("--kv-sink-tokens", type=int, default=KvEvictionConfig.sink_tokens,
                    help=prefix + "streaming: the first tokens kept (attention sinks)")
     p.add_argument("--kv-window-tokens", type=int, default=KvEvictionConfig.window_tokens,
                    help=prefix + "streaming: the latest tokens kept")
+    p.add_argument("--kv-heavy-tokens", type=int, default=KvEvictionConfig.heavy_tokens,
+                   help=prefix + "h2o: tokens kept for the attention they drew (whole blocks)")
+    p.add_argument("--kv-recent-tokens", type=int, default=KvEvictionConfig.recent_tokens,
+                   help=prefix + "h2o: the latest tokens kept")
 
 
 def eviction_config(args: argparse.Namespace) -> KvEvictionConfig:
     """The flags as a config (ValueError naming the field when one is wrong)."""
-    return KvEvictionConfig(args.kv_eviction, args.kv_sink_tokens, args.kv_window_tokens)
+    return KvEvictionConfig(args.kv_eviction, args.kv_sink_tokens, args.kv_window_tokens,
+                            args.kv_heavy_tokens, args.kv_recent_tokens)
 
 
 def eviction_argv(args: argparse.Namespace) -> list[str]:
@@ -33,4 +40,5 @@ def eviction_argv(args: argparse.Namespace) -> list[str]:
     if not config.is_on:
         return []
     return ["--kv-eviction", config.policy, "--kv-sink-tokens", str(config.sink_tokens),
-            "--kv-window-tokens", str(config.window_tokens)]
+            "--kv-window-tokens", str(config.window_tokens), "--kv-heavy-tokens",
+            str(config.heavy_tokens), "--kv-recent-tokens", str(config.recent_tokens)]

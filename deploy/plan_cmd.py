@@ -68,8 +68,7 @@ def eviction_line(args: argparse.Namespace, shape: KvShape, result: Plan,
         return None
     budget = config.budget_blocks(args.block_size)
     per_block = shape.bytes_per_block(args.block_size)
-    line = (f"kv eviction {config.policy} (sinks {config.sink_tokens} and window "
-            f"{config.window_tokens} tokens, in whole blocks of {args.block_size}): at most "
+    line = (f"kv eviction {config.describe()}, in whole blocks of {args.block_size}): at most "
             f"{budget} blocks, {budget * per_block:,} bytes, per sequence however long it runs; "
             f"this request holds {min(budget, result.blocks_per_request)} of its "
             f"{result.blocks_per_request} blocks")

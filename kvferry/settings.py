@@ -192,7 +192,7 @@ class SpeculativeConfig:
 
 
 
-EVICTION_POLICIES = ("none", "streaming")
+EVICTION_POLICIES = ("none", "streaming", "h2o")
 
 
 @dataclass(frozen=True)
@@ -201,11 +201,16 @@ class KvEvictionConfig:
     (docs/kv-eviction-design.md). none: every token kept. streaming (StreamingLLM): the
     first `sink_tokens` (attention sinks) and the last `window_tokens`, both rounded up to
     whole blocks; the blocks between are freed as the window moves, and distances are those
-    of positions within the cache, so a sequence may run past the model's context."""
+    of positions within the cache, so a sequence may run past the model's context. h2o
+    (heavy hitters): the last `recent_tokens` and the `heavy_tokens` whose blocks drew the
+    most attention so far, both rounded up to whole blocks; positions stay those of the
+    text."""
 
     policy: str = EVICTION_POLICIES[0]
     sink_tokens: int = 4
     window_tokens: int = 1020
+    heavy_tokens: int = 512
+    recent_tokens: int = 512
 
     def __post_init__(self) -> None:
         if self.policy not in EVICTION_POLICIES:
@@ -215,18 +220,38 @@ class KvEvictionConfig:
             raise ValueError(f"kv_sink_tokens: must be >= 0, got {self.sink_tokens}")
         if self.window_tokens < 1:
             raise ValueError(f"kv_window_tokens: must be >= 1, got {self.window_tokens}")
+        if self.heavy_tokens < 0:
+            raise ValueError(f"kv_heavy_tokens: must be >= 0, got {self.heavy_tokens}")
+        if self.recent_tokens < 1:
+            raise ValueError(f"kv_recent_tokens: must be >= 1, got {self.recent_tokens}")
 
     @property
     def is_on(self) -> bool:
         return self.policy != "none"
 
     def sink_blocks(self, block_size: int) -> int:
-        return -(-self.sink_tokens // block_size)
+        """The leading blocks kept whatever comes (streaming's sinks; none under h2o)."""
+        return -(-self.sink_tokens // block_size) if self.policy == "streaming" else 0
+
+    def recent_blocks(self, block_size: int) -> int:
+        """The newest blocks kept (the block being filled among them)."""
+        tokens = self.recent_tokens if self.policy == "h2o" else self.window_tokens
+        return max(1, -(-tokens // block_size))
 
     def budget_blocks(self, block_size: int) -> int:
-        """Blocks a sequence holds at most: the sinks' and the window's (the block being
-        filled is the window's newest)."""
-        return self.sink_blocks(block_size) + max(1, -(-self.window_tokens // block_size))
+        """Blocks a sequence holds at most: the sinks' (or heavy hitters') and the window's
+        (the block being filled is the window's newest)."""
+        kept = (-(-self.heavy_tokens // block_size) if self.policy == "h2o"
+                else self.sink_blocks(block_size))
+        return kept + self.recent_blocks(block_size)
+
+    def describe(self) -> str:
+        """The policy and its sizes, as `kvferry plan` and logs print them."""
+        if self.policy == "h2o":
+            return (f"h2o (heavy {self.heavy_tokens} and recent {self.recent_tokens} "
+                    f"tokens")
+        return (f"{self.policy} (sinks {self.sink_tokens} and window {self.window_tokens} "
+                f"tokens")
 
 
 def _check_eviction(settings: WorkerSettings) -> None:

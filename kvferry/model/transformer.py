@@ -290,20 +290,26 @@ class Transformer:
         pool: KvPool,
         stage: DenseKv | None = None,
         seq_lens: torch.Tensor | None = None,  # [B] int32 tokens attended; positions + 1
+        mass: torch.Tensor | None = None,  # [B, >= max seq_lens] fp32, added to
     ) -> torch.Tensor:  # [B, vocab]
         """One decode step for a ragged batch over the paged cache. With `stage` (the batch's
         K/V mirrored densely, rows in batch order) attention reads it instead of the pages;
         the pages are written all the same. `positions` rotate the new tokens; `seq_lens`
         (default positions + 1) are the tokens each row's table holds once its token is
-        written: they differ where a sequence evicted K/V (docs/kv-eviction-design.md)."""
+        written: they differ where a sequence evicted K/V (docs/kv-eviction-design.md). With
+        `mass`, every layer's attention adds each attended position's probability, summed over
+        query heads, to it (H2O's heavy hitters; eager: never a CUDA graph, never the stage)."""
         if seq_lens is None:
             seq_lens = (positions + 1).to(torch.int32)
-        if self.graphs is not None and stage is None:
+        if mass is not None and stage is not None:
+            raise ValueError("attention mass: the dense K/V stage does not report it")
+        if self.graphs is not None and stage is None and mass is None:
             logits = self.graphs(token_ids, positions, slot_mapping, block_tables, pool,
                                  seq_lens)
             if logits is not None:
                 return logits
-        runs = self.run_rows(block_tables, seq_lens) if stage is None else {}
+        runs = ({"mass": mass} if mass is not None
+                else self.run_rows(block_tables, seq_lens) if stage is None else {})
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             if stage is not None:

@@ -109,6 +109,9 @@ PROCESS_CASES = [
     ("colocated-worker --model {missing} --kv-eviction streaming --speculative-method ngram",
      ["kv_eviction"]),
     ("serve --model {missing} --kv-eviction streaming --kv-cache-dtype int8", ["kv_eviction"]),
+    ("decode-worker --model {missing} --kv-eviction h2o --kv-recent-tokens 0",
+     ["kv_recent_tokens"]),
+    ("demo --model {missing} --kv-eviction h2o --kv-heavy-tokens -16", ["kv_heavy_tokens"]),
     ("decode-worker --model {qwen3} --speculative-method draft --speculative-model {unknown}",
      ["speculative_model"]),
     ("prefill-worker --model {qwen3} --speculative-method draft --speculative-model {gpt2} "

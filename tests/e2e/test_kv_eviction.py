@@ -1,20 +1,28 @@
-"""Streaming K/V eviction (`--kv-eviction streaming`) on a live deployment: the shared
+"""K/V eviction (`--kv-eviction streaming|h2o`) on a live deployment: the shared
 deployment's decode worker restarted with a budget of 4 sink and 60 window tokens (1 + 4
 blocks of 16) serves a greedy request whose prompt alone is past the budget and whose
 generation runs far past it: every token arrives, the worker gave up what the budget did not
-hold (`kvferry_kv_evicted_blocks_total`), and every pool is clean afterwards. (Each step's
-bound is tested in tests/decode_worker/test_streaming_eviction.py.)"""
+hold (`kvferry_kv_evicted_blocks_total`), and every pool is clean afterwards. Under either
+policy, a decode worker killed mid-stream after its evictions began: the request migrates to
+the other (which evicts in its turn) and completes, and every pool and index is clean. (Each
+step's bound is tested in tests/decode_worker/test_streaming_eviction.py and
+test_h2o_eviction.py.)"""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 
 import pytest
 
 from deploy import client
-from deploy.launcher import Deployment
-from tests.conftest import assert_alive, assert_pools_clean
-from tests.deployments import reconfigured
+from deploy.launcher import Deployment, Process
+from kvferry.faults import tag
+from kvferry.rpc import grpc_util
+from kvferry.v1 import generation_pb2_grpc
+from tests.conftest import assert_alive, assert_pools_clean, busy_process
+from tests.deployments import reconfigured, respawn
 from tests.e2e.test_metrics import scrape, value
 
 pytestmark = pytest.mark.slow
@@ -36,5 +44,60 @@ def test_streaming_eviction_serves_far_past_its_budget(qwen3_deployment: Deploym
         # The last token's position is 398: 25 blocks written, at most the budget's kept.
         written = -(-(len(prompt) + 299) // BLOCK_SIZE)
         assert evicted >= written - BUDGET_BLOCKS, (evicted, written)
+        assert_pools_clean(deployment)
+        assert_alive(deployment)
+
+
+POLICIES = {
+    "streaming": ["--kv-eviction", "streaming", "--kv-sink-tokens", "4",
+                  "--kv-window-tokens", "60"],
+    "h2o": ["--kv-eviction", "h2o", "--kv-heavy-tokens", "32", "--kv-recent-tokens", "48"],
+}
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_migration_mid_eviction_leaves_every_pool_clean(
+        policy: str, qwen3_2p2d_deployment: Deployment) -> None:
+    """Both decode workers evict (5-block budget); the one streaming the request is killed
+    (-9) once 120 of its 300 tokens arrived, its sequence evicting since its first step (the
+    prompt is 7 blocks). The router re-prefills prompt + tokens so far on the other, which
+    evicts down to its budget and finishes. The tokens before the kill are the undisturbed
+    run's; those after are not asserted: the migrated leg's K/V is recomputed from the whole
+    text, where the first leg's had been computed over what it kept, and what each token
+    attends to differs (docs/kv-eviction-design.md 3.4)."""
+    deployment, flags = qwen3_2p2d_deployment, POLICIES[policy]
+    names = ["decode-0", "decode-1"]
+    with reconfigured(deployment, names, flags):
+        prompt = [11 + i % 290 for i in range(100)]
+        request = client.make_request(prompt, temperature=0.0, max_tokens=300,
+                                      ignore_eos=True)
+        request.cache_salt = f"eviction-migration-{policy}"
+        undisturbed = asyncio.run(client.generate(deployment.router_address, request, 120))
+        request.request_id = f"evict-migrate-{policy}" + tag(decode_step_delay_s=0.01)
+        evicted = {p.name: value(scrape(p.metrics_port), "kvferry_kv_evicted_blocks_total")
+                   for p in deployment.processes if p.name in names}
+
+        async def run() -> tuple[client.Completion, Process]:
+            async with grpc_util.channel(deployment.router_address) as chan:
+                stub = generation_pb2_grpc.GenerationServiceStub(chan)
+                completion, victim = client.Completion(), None
+                async for _, latest in client.stream(stub, request, timeout_s=120):
+                    completion = latest
+                    if victim is None and len(completion.token_ids) >= 120:
+                        victim = await asyncio.to_thread(busy_process, deployment, "decode")
+                        assert victim is not None
+                        os.kill(victim.popen.pid, signal.SIGKILL)
+                        await asyncio.to_thread(victim.popen.wait, 10)
+                assert victim is not None
+                return completion, victim
+
+        got, victim = asyncio.run(run())
+        assert got.finished is not None and len(got.token_ids) == 300
+        assert got.token_ids[:120] == undisturbed.token_ids[:120]
+        survivor = next(p for p in deployment.processes
+                        if p.name in names and p.name != victim.name)
+        after = value(scrape(survivor.metrics_port), "kvferry_kv_evicted_blocks_total")
+        assert after > evicted[survivor.name]  # the migrated leg evicted there
+        respawn(victim.name, deployment, extra_args=tuple(flags))
         assert_pools_clean(deployment)
         assert_alive(deployment)

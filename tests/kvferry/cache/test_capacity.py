@@ -88,6 +88,17 @@ def test_plan_shows_the_bound_under_streaming_eviction(qwen3_checkpoint: Path,
             "holds 5 of its 1257 blocks; the pool holds 819 sequences at the bound") in out
 
 
+def test_plan_shows_the_bound_under_h2o(qwen3_checkpoint: Path,
+                                       capsys: pytest.CaptureFixture) -> None:
+    """Heavy 40 and recent 60 tokens are 3 + 4 blocks of 16."""
+    assert main(["plan", "--model", str(qwen3_checkpoint), "--dtype", "float32",
+                 "--prompt-tokens", "100", "--output-tokens", "20000", "--kv-eviction", "h2o",
+                 "--kv-heavy-tokens", "40", "--kv-recent-tokens", "60"]) == 0
+    out = capsys.readouterr().out
+    assert ("kv eviction h2o (heavy 40 and recent 60 tokens, in whole blocks of 16): at most "
+            "7 blocks, 458,752 bytes, per sequence however long it runs") in out
+
+
 def test_bad_dtype_is_named() -> None:
     with pytest.raises(ValueError, match="dtype"):
         KvShape(1, 1, 1, "float64")
