@@ -219,7 +219,8 @@ async def build_router(settings: RouterSettings) -> Built:
                          settings.prefill_prefix_weight, settings.demand_weight)
     router = Router(config, tokenizer, workers, settings.lease_s, policy,
                     settings.local_prefill_threshold, limits=settings.limits,
-                    is_prompt_tokens_details=settings.is_prompt_tokens_details)
+                    is_prompt_tokens_details=settings.is_prompt_tokens_details,
+                    is_generation_bounded=settings.kv_eviction != "none")
     keys = ApiKeys(settings.api_keys)
     if keys.is_enabled and not settings.security.is_tls:
         log.warning("API keys on plaintext public ports: keys travel in the clear unless a "

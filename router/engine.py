@@ -51,8 +51,12 @@ class Router:
                  lease_s: float = DEFAULT_LEASE_S, policy: Policy | None = None,
                  local_prefill_threshold: int = 0, admission_timeout_s: float = 30.0,
                  max_migrations: int = 2, limits: PublicLimits | None = None,
-                 is_prompt_tokens_details: bool = False) -> None:
+                 is_prompt_tokens_details: bool = False,
+                 is_generation_bounded: bool = False) -> None:
         self.config = config
+        # The decode workers bound each sequence's K/V (--kv-eviction): generation may pass
+        # the model's context.
+        self.is_generation_bounded = is_generation_bounded
         self.tokenizer = tokenizer
         self.limits = limits or PublicLimits()
         self.is_prompt_tokens_details = is_prompt_tokens_details
@@ -87,7 +91,8 @@ class Router:
             async with self._tokenize_slots:
                 prompt = await asyncio.get_running_loop().run_in_executor(
                     self._tokenize, validation.prompt_ids, inp, self.config, self.tokenizer)
-        params = validation.resolve_sampling(inp, self.config, len(prompt), self.limits)
+        params = validation.resolve_sampling(inp, self.config, len(prompt), self.limits,
+                                             self.is_generation_bounded)
         request_id = inp.request_id or uuid.uuid4().hex
         state = RouterRequest(self.open.downstream_id(request_id, self.instance_id),
                               cache_salt=tenant_salt(caller.tenant, inp.cache_salt))

@@ -139,8 +139,11 @@ def check_limits(inp: GenerateInput, config: ModelConfig, limits: PublicLimits) 
 
 
 def resolve_sampling(inp: GenerateInput, config: ModelConfig, num_prompt: int,
-                     limits: PublicLimits | None = None) -> SamplingParams:
-    """Validated sampling parameters; an unset max_tokens becomes min(256, context left)."""
+                     limits: PublicLimits | None = None, is_generation_bounded: bool = False
+                     ) -> SamplingParams:
+    """Validated sampling parameters; an unset max_tokens becomes min(256, context left).
+    `is_generation_bounded` (the decode workers evict K/V): max_tokens may pass the context
+    (unset, 256)."""
     params = inp.params
     room = config.max_position_embeddings - num_prompt
     if room < 1:
@@ -149,13 +152,14 @@ def resolve_sampling(inp: GenerateInput, config: ModelConfig, num_prompt: int,
             f"{config.max_position_embeddings}", "input",
         )
     if not inp.is_max_tokens_set:
-        params = dataclasses.replace(params, max_tokens=min(DEFAULT_MAX_TOKENS, room))
+        params = dataclasses.replace(params, max_tokens=(
+            DEFAULT_MAX_TOKENS if is_generation_bounded else min(DEFAULT_MAX_TOKENS, room)))
     params.validate(config.vocab_size)
     most = (limits or PublicLimits()).max_samples
     if params.n > most:
         raise InvalidArgument(f"sampling.n: at most {most} samples per request "
                               f"(--max-samples), got {params.n}", "sampling.n")
-    if params.max_tokens > room:
+    if params.max_tokens > room and not is_generation_bounded:
         raise InvalidArgument(
             f"sampling.max_tokens: prompt {num_prompt} + max_tokens {params.max_tokens} "
             f"exceeds the context of {config.max_position_embeddings}",

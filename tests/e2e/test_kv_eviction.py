@@ -13,16 +13,23 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from pathlib import Path
 
 import pytest
 
-from deploy import client
+from deploy import cli, client
+from deploy.args import build_parser
 from deploy.launcher import Deployment, Process
+from kvferry.errors import InvalidArgument
 from kvferry.faults import tag
+from kvferry.model.config import load_model_config
+from kvferry.model.sampling import SamplingParams
 from kvferry.rpc import grpc_util
 from kvferry.v1 import generation_pb2_grpc
+from router import validation
+from router.validation import GenerateInput
 from tests.conftest import assert_alive, assert_pools_clean, busy_process
-from tests.deployments import reconfigured, respawn
+from tests.deployments import reconfigured, respawn, routed
 from tests.e2e.test_metrics import scrape, value
 
 pytestmark = pytest.mark.slow
@@ -101,3 +108,36 @@ def test_migration_mid_eviction_leaves_every_pool_clean(
         respawn(victim.name, deployment, extra_args=tuple(flags))
         assert_pools_clean(deployment)
         assert_alive(deployment)
+
+
+def test_a_router_told_of_the_policy_lets_generation_pass_the_context(
+        qwen3_checkpoint: Path, qwen3_deployment: Deployment) -> None:
+    """`serve --kv-eviction streaming` tells the router too: a request of 100 prompt tokens
+    and 4,100 more (past the model's 4,096) is served in full, by a decode worker holding
+    5 blocks for it; a router not told refuses it, naming sampling.max_tokens. (What the
+    decode worker keeps is checked at every step in tests/decode_worker.)"""
+    args = build_parser().parse_args(["serve", "--model", "m", *POLICIES["streaming"]])
+    router_args = cli._deployment(args).router_args
+    assert router_args[router_args.index("--kv-eviction") + 1] == "streaming"
+    context = load_model_config(qwen3_checkpoint).max_position_embeddings
+    prompt = [11 + i % 290 for i in range(100)]
+    request = client.make_request(prompt, temperature=0.0, max_tokens=context + 4,
+                                  ignore_eos=True)
+    deployment = qwen3_deployment
+    with (reconfigured(deployment, ["decode-0"], POLICIES["streaming"]),
+          routed(deployment, "router-bounded", ["--kv-eviction", "streaming"]) as view):
+        got = asyncio.run(client.generate(view.router_address, request, 300))
+        assert got.finished is not None and len(got.token_ids) == context + 4
+        assert_pools_clean(deployment)
+    config = load_model_config(qwen3_checkpoint)
+    inp = GenerateInput("r", None, prompt, SamplingParams(max_tokens=context + 4,
+                                                          temperature=0.0), True)
+    with pytest.raises(InvalidArgument) as exc:
+        validation.resolve_sampling(inp, config, len(prompt))
+    assert exc.value.field == "sampling.max_tokens"
+    assert validation.resolve_sampling(
+        inp, config, len(prompt), is_generation_bounded=True).max_tokens == context + 4
+    unset = GenerateInput("r", None, prompt, SamplingParams(), False)
+    assert validation.resolve_sampling(unset, config, context - 10).max_tokens == 10
+    assert validation.resolve_sampling(unset, config, context - 10,
+                                       is_generation_bounded=True).max_tokens == 256
