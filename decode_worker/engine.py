@@ -220,6 +220,7 @@ class DecodeEngine:
             self._prefill_jobs.pop(request_id, None)
             await self.batcher.release(job)
         seq.received[:] = True
+        seq.num_evicted, seq.num_rebased = job.num_evicted, job.num_rebased  # while prefilling
         seq.is_kv_complete = True
         if not seq.prompt_token_ids:
             seq.prompt_token_ids = list(prompt)

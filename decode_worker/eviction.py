@@ -13,7 +13,10 @@ of their keys as first written (one rotation from the original, never a rotation
 rotation). Before a sink block is first rewritten it is made the sequence's own (copied if
 another table or the prefix cache holds it). When the next token's rotary position would pass
 the model's context, every kept key is rotated back to its index in the cache (re-base), so
-the rotary positions stay within the range the model was trained on.
+the rotary positions stay within the range the model was trained on. On colocated workers the
+same policy bounds a prompt while it is prefilled (kvferry/model/prefill_batch.py, on the event
+loop between its chunks; a decode forward may then run, over other sequences' blocks), and the
+sequence goes on from the state the prompt left.
 
 H2O keeps the last `recent_blocks` and, of the older blocks, those whose tokens drew the most
 attention so far: each step's attention kernels add every kept position's probability, summed
@@ -99,11 +102,14 @@ class StreamingEviction:
         """A step's attention mass (only where `wants_mass`)."""
 
     def _evict_oldest(self, seq: DecodeSeq) -> bool:
-        if seq.key not in self._sinks and not self.text_positions:  # first eviction: own sinks
-            if not self._own(seq, range(self.sink_blocks)):
-                return False
+        if not self.text_positions and not self._own(seq, range(self.sink_blocks)):
+            return False  # rewritten below: its own first (samples share an evicted prompt's)
+        if seq.key not in self._sinks and not self.text_positions:  # its first eviction here
             ids = self._ids(seq.block_table[:self.sink_blocks])
-            self._sinks[seq.key] = self.pool.cache[:, 0, ids].float()
+            # as first written: rotated back by what it evicted before this policy knew it
+            # (a sample forked after its prompt evicted; 0, exactly the keys, otherwise)
+            self._sinks[seq.key] = self.model.rotate_keys(
+                self.pool.cache[:, 0, ids].float(), seq.num_rebased - seq.num_evicted)
         block = seq.block_table.pop(self.sink_blocks)
         self.pool.allocator.free([block])
         seq.num_evicted += self.pool.block_size
@@ -123,8 +129,7 @@ class StreamingEviction:
 
     def _rebase(self, seq: DecodeSeq) -> None:
         """Every kept key rotated back to its index in the cache."""
-        window = range(self.sink_blocks, len(seq.block_table))
-        if not self._own(seq, window):
+        if not self._own(seq, range(len(seq.block_table))):  # the sinks rewritten too
             return
         shift = seq.num_evicted - seq.num_rebased
         ids = self._ids(seq.block_table[self.sink_blocks:])

@@ -30,11 +30,12 @@ def fork_samples(pool: KvPool, seq: DecodeSeq) -> list[DecodeSeq]:
     pool.allocator.free(seq.spare_blocks)
     seq.spare_blocks = []
     group = [seq]
-    full_tokens = seq.num_prompt_tokens // pool.block_size * pool.block_size
+    cached = seq.cache_position  # the prompt's tokens in the table (fewer if it evicted)
+    full_tokens = cached // pool.block_size * pool.block_size
     assert seq.params is not None  # noqa: S101 - attached
     for index, first in enumerate(seq.sample_first_tokens, start=1):
         group.append(dataclasses.replace(
-            seq, block_table=fork(pool, seq.block_table, seq.num_prompt_tokens),
+            seq, block_table=fork(pool, seq.block_table, cached),
             received=seq.received.copy(), params=seq.params.for_sample(index),
             tokens=[first], phase=Phase.RUNNING, sample_index=index, sample_first_tokens=[],
             num_draft_tokens=0, num_accepted_tokens=0, swapped_kv=None,

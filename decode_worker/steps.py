@@ -102,7 +102,7 @@ class StepLoop:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="decode-step")
         # Colocated mode: prompts prefilled here share the step loop and its executor.
         self.batcher = PrefillBatcher(model, pool, self.executor, self.poke,
-                                      **prefill_options)
+                                      eviction=self.eviction, **prefill_options)
 
     def poke(self) -> None:
         """New work (an admission, a prefill, an abort): run the loop at the next boundary."""

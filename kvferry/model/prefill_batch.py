@@ -2,7 +2,11 @@
 
 Waiting prompts are packed into one varlen forward up to a token budget (no padding); a prompt
 longer than the chunk size is prefilled a chunk per batch, attending over its own cached
-chunks. A job's first token is sampled when its last chunk is done. Jobs are cancellable:
+chunks. A job's first token is sampled when its last chunk is done. Under K/V eviction
+(colocated workers: decode_worker/eviction.py), a prompt past the budget is prefilled as the
+decode step would have read it: up to the budget, then a block at a time, the policy bounding
+the job before each chunk, so every chunk attends over what a sequence decoding those tokens
+one by one would have kept (docs/kv-eviction-design.md 3.2). Jobs are cancellable:
 a queued job is dropped; a job inside a running batch is released once that batch finishes,
 so its blocks are never freed while a forward pass still writes into them. Tests slow the
 batches that hold a request with the prefill_batch_delay_s fault (kvferry/faults.py).
@@ -13,9 +17,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -52,6 +57,8 @@ def token_budget_for(device: torch.device, budget: int | None = None) -> int:
 
 @dataclass(slots=True)
 class PrefillJob:
+    """A prompt being prefilled into `block_table` (the reservation's list, shared)."""
+
     request_id: str
     prompt: list[int]
     params: SamplingParams
@@ -66,6 +73,28 @@ class PrefillJob:
     batch_done: asyncio.Event = field(default_factory=asyncio.Event)
     layers_ready: int = 0  # layers whose K/V is final for the whole prompt
     layer_progress: asyncio.Event = field(default_factory=asyncio.Event)
+    # K/V eviction while prefilling (as decode_worker.sequence.DecodeSeq's): tokens whose K/V
+    # left the table, and of those the ones its rotary positions no longer count.
+    num_evicted: int = 0
+    num_rebased: int = 0
+
+    @property
+    def key(self) -> Hashable:
+        """The eviction policy's key for it: the sequence it becomes (sample 0)."""
+        return self.request_id, 0
+
+    @property
+    def next_position(self) -> int:
+        """Position in the text of the next token to prefill."""
+        return self.num_computed
+
+    @property
+    def cache_position(self) -> int:
+        return self.num_computed - self.num_evicted
+
+    @property
+    def rope_position(self) -> int:
+        return self.num_computed - self.num_rebased
 
     def mark_layer(self, layer: int) -> None:
         """Event loop: the final chunk's forward finished `layer`."""
@@ -79,11 +108,24 @@ class PrefillJob:
             await self.layer_progress.wait()
 
 
+class Bound(Protocol):
+    """K/V eviction as the batcher uses it (decode_worker/eviction.py): `bound` evicts until
+    the job's next token fits `budget_blocks` (and re-bases its rotary positions)."""
+
+    budget_blocks: int
+
+    def bound(self, seq: PrefillJob) -> None: ...
+
+
 class BatchItem:
-    __slots__ = ("job", "start", "end")
+    """Tokens [start, end) of a job's prompt, written from cache index `start - evicted`,
+    rotated `evicted - rebased` further (what the job had evicted when planned)."""
+
+    __slots__ = ("job", "start", "end", "evicted", "rebased")
 
     def __init__(self, job: PrefillJob, start: int, end: int) -> None:
         self.job, self.start, self.end = job, start, end
+        self.evicted, self.rebased = job.num_evicted, job.num_rebased
 
 
 class PrefillBatcher:
@@ -91,7 +133,8 @@ class PrefillBatcher:
 
     def __init__(self, model: Transformer, pool: KvPool, executor: Executor,
                  on_submit: Callable[[], None], token_budget: int = DEFAULT_PREFILL_TOKEN_BUDGET,
-                 chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE) -> None:
+                 chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE, eviction: Bound | None = None
+                 ) -> None:
         if token_budget < 1 or chunk_size < 1:
             raise ValueError("prefill token_budget and chunk_size must be >= 1")
         self.model = model
@@ -100,6 +143,7 @@ class PrefillBatcher:
         self.on_submit = on_submit
         self.token_budget = token_budget
         self.chunk_size = chunk_size
+        self.eviction = eviction
         self._queue: list[PrefillJob] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         # Forward seconds per prompt token, an EWMA over batches of at least
@@ -143,7 +187,7 @@ class PrefillBatcher:
         behind = sum(wants)
         for job, left, want in zip(self._queue, remaining, wants):
             behind -= want
-            n = min(want, budget)
+            n = min(want, budget, self._room(job))
             if n < left:  # a chunk: the prompt goes on after it
                 n = min(n, budget - min(behind, self.token_budget // 2))  # first job: >= 1
             if n <= 0:  # no budget left, or too little for a chunk of this one: a later
@@ -152,11 +196,20 @@ class PrefillBatcher:
             budget -= n
         return items
 
+    def _room(self, job: PrefillJob) -> int:
+        """Tokens the job may prefill next: under eviction, bounded first (event loop,
+        between forwards), up to where its table reaches the budget."""
+        if self.eviction is None:
+            return len(job.prompt)
+        self.eviction.bound(job)  # a shared sink with no block to copy it into: room 0
+        return self.eviction.budget_blocks * self.pool.block_size - job.cache_position
+
     def _forward(self, items: list[BatchItem]) -> list[list[int] | None]:
         """Executor thread: one packed forward; the first tokens (one per sample) of the jobs
         that completed."""
         ids = torch.tensor([t for it in items for t in it.job.prompt[it.start:it.end]])
-        slots = torch.cat([self.pool.slots(it.job.block_table, it.start, it.end)
+        slots = torch.cat([self.pool.slots(it.job.block_table, it.start - it.evicted,
+                                           it.end - it.evicted)
                            for it in items]).to(self.model.device)
         finishing = [it.job for it in items if it.end == len(it.job.prompt)]
         loop = self._loop
@@ -168,9 +221,10 @@ class PrefillBatcher:
 
         logits = self.model.prefill(
             ids.to(self.model.device), [it.end - it.start for it in items], slots, self.pool,
-            context_lens=[it.start for it in items],
+            context_lens=[it.start - it.evicted for it in items],
             block_tables=[it.job.block_table for it in items],
             on_layer_done=layer_done if finishing else None,
+            rope_offsets=[it.evicted - it.rebased for it in items],
         )
         done = [i for i, it in enumerate(items) if it.end == len(it.job.prompt)]
         # one row per sample of each finished prompt: sample s draws with its own seed

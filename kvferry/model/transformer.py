@@ -216,13 +216,17 @@ class Transformer:
         context_lens: list[int] | None = None,  # tokens of each prompt already in the pool
         block_tables: list[list[int]] | None = None,  # needed where context_lens > 0
         on_layer_done: Callable[[int], None] | None = None,  # after each layer's K/V write
+        rope_offsets: list[int] | None = None,  # rotary position - cache index, per chunk
     ) -> torch.Tensor:  # [num_chunks, vocab] logits of each chunk's last token
         """Run prompt chunks (varlen, no padding), write their K/V, return last logits.
 
-        A chunk with context attends over its prompt's cached K/V too (chunked prefill)."""
+        A chunk with context attends over its prompt's cached K/V too (chunked prefill).
+        `context_lens` index the cache; where a prompt evicted K/V while prefilling
+        (docs/kv-eviction-design.md), its tokens are rotated `rope_offsets` further."""
         contexts = context_lens or [0] * len(seq_lens)
+        offsets = rope_offsets or [0] * len(seq_lens)
         positions = torch.cat(
-            [torch.arange(c, c + n) for c, n in zip(contexts, seq_lens)]
+            [torch.arange(c + o, c + o + n) for c, o, n in zip(contexts, offsets, seq_lens)]
         ).to(self.device)
         bounds = [0]
         for n in seq_lens:

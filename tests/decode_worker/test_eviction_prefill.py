@@ -1,0 +1,164 @@
+"""A prompt past the K/V budget on a colocated worker, prefilled in chunks that evict as they go
+(kvferry/model/prefill_batch.py with decode_worker/eviction.py): up to the budget, then a
+block at a time, each chunk attending over what the decode step would have kept. So the
+tokens are those of the same prompt fed one token at a time through the decode step with the
+policy bounding before each (the reference StreamingLLM's evaluation runs), and a request
+re-prefilled with its prompt and the tokens it had generated (what a migration does)
+continues with exactly the tokens it would have generated. Parallel samples forked from an
+evicted prompt each decode what one request does; every block comes back."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from decode_worker.engine import DecodeEngine
+from decode_worker.eviction import make_eviction
+from decode_worker.sequence import DecodeSeq, step_inputs
+from kvferry.cache.pool import KvPool
+from kvferry.model.config import load_model_config
+from kvferry.model.sampling import SamplingParams
+from kvferry.model.transformer import Transformer
+from kvferry.settings import KvEvictionConfig
+from kvferry_kernels.dispatch import get_attention_backend
+from tests.decode_worker.engines import collect_tokens, cpu_engine, run_to_idle
+
+GREEDY = SamplingParams(temperature=0.0)
+BLOCK = 4
+STREAMING = KvEvictionConfig("streaming", sink_tokens=4, window_tokens=16)  # 1 + 4 blocks
+H2O = KvEvictionConfig("h2o", heavy_tokens=8, recent_tokens=12)  # 2 + 3 blocks
+PROMPT = [5 + (i * 7) % 60 for i in range(37)]  # 10 blocks' worth: twice the budget
+
+
+@pytest.fixture(scope="module")
+def model(qwen3_checkpoint: Path) -> Transformer:
+    return Transformer(load_model_config(qwen3_checkpoint), get_attention_backend("torch"),
+                       torch.float32, torch.device("cpu"))
+
+
+def _stepwise(model: Transformer, config: KvEvictionConfig, prompt: list[int], count: int
+              ) -> list[int]:
+    """The reference: `prompt` fed one token at a time through the decode step, the policy
+    bounding the sequence before each step, then `count` greedy tokens."""
+    cfg = model.config
+    pool = KvPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, BLOCK, 32, torch.float32,
+                  torch.device("cpu"), prefix_caching=False)
+    policy = make_eviction(config, model, pool)
+    assert policy is not None
+    seq = DecodeSeq(request_id="ref", num_prompt_tokens=0, max_tokens=len(prompt) + count,
+                    block_table=[], lease_deadline=0.0, received=np.zeros((1, 1), bool),
+                    arrival=0, tokens=[prompt[0]])
+    out: list[int] = []
+    for t in range(len(prompt) + count - 1):
+        policy.bound(seq)
+        if len(seq.block_table) * BLOCK <= seq.cache_position:
+            seq.block_table += pool.allocator.alloc(1)
+        assert len(seq.block_table) <= policy.budget_blocks
+        rows = step_inputs([seq], BLOCK)
+        mass = (torch.zeros(1, rows.block_tables.shape[1] * BLOCK) if policy.wants_mass
+                else None)
+        logits = model.decode(torch.tensor([seq.tokens[-1]]), rows.positions, rows.slots,
+                              rows.block_tables, pool, seq_lens=rows.seq_lens, mass=mass)
+        if mass is not None:
+            policy.observe([seq], mass)
+        nxt = prompt[t + 1] if t + 1 < len(prompt) else int(logits.argmax(dim=-1))
+        if t + 1 >= len(prompt):
+            out.append(nxt)
+        seq.tokens.append(nxt)
+    return out
+
+
+def _served(engine: DecodeEngine, prompt: list[int], max_tokens: int) -> list[int]:
+    """One greedy request prefilled here (colocated) and decoded to the end."""
+    async def run() -> list[int]:
+        await engine.reserve("A", len(prompt), max_tokens, 60.0, prompt)
+        first, *_ = await engine.prefill_local("A", prompt, GREEDY)
+        queue = engine.attach("A", first, GREEDY, max_tokens - 1, [])
+        return await collect_tokens(queue, "A", [first])
+
+    return run_to_idle(engine, run)
+
+
+def _engine(model: Transformer, config: KvEvictionConfig) -> DecodeEngine:
+    return cpu_engine(model, BLOCK, 64, eviction=config, chunk_size=16, token_budget=64)
+
+
+def test_a_prompt_past_the_budget_is_prefilled_as_decoding_it_would_have(
+        model: Transformer) -> None:
+    engine = _engine(model, STREAMING)
+    chunks: list[tuple[int, int, int]] = []  # (tokens, cache index, table length) planned
+    plan = engine.steps.batcher._plan
+
+    def recording() -> list:
+        items = plan()
+        chunks.extend((it.end - it.start, it.start - it.evicted, len(it.job.block_table))
+                      for it in items)
+        return items
+
+    engine.steps.batcher._plan = recording  # type: ignore[method-assign]
+    got = _served(engine, PROMPT, 40)
+    assert got == _stepwise(model, STREAMING, PROMPT, 40)
+    # Up to the budget in chunks of at most 16, then a block at a time from index 16 (the
+    # oldest window block evicted before each): every chunk within the budget's 20 tokens.
+    assert [n for n, _, _ in chunks] == [16, 4, 4, 4, 4, 4, 1]
+    assert all(start + n <= 20 for n, start, _ in chunks)
+    assert [start for _, start, _ in chunks][2:] == [16] * 5
+
+
+def test_a_migrated_request_continues_with_the_tokens_it_would_have_generated(
+        model: Transformer) -> None:
+    """The router's migration re-prefills prompt + the tokens streamed so far on another
+    worker: here, after 23 of 60 tokens, on a fresh engine."""
+    whole = _served(_engine(model, STREAMING), PROMPT, 60)
+    moved = _served(_engine(model, STREAMING), PROMPT + whole[:23], 60 - 23)
+    assert moved == whole[23:]
+
+
+def test_h2o_prefills_a_long_prompt_within_its_budget(model: Transformer) -> None:
+    """Prompt blocks draw no attention mass while prefilled (the prefill attention reports
+    none): H2O then evicts the latest older block, keeping the first ones. The tokens are
+    those of the reference, which starts from the same zero mass but adds the decode
+    steps', so only the first token is asserted; the budget holds at every step."""
+    engine = _engine(model, H2O)
+    lengths: list[int] = []
+    original = engine.steps._step
+
+    def recording(batch: list, is_staged: bool = False) -> list[list[int]]:
+        lengths.append(len(batch[0].block_table))
+        return original(batch, is_staged)
+
+    engine.steps._step = recording  # type: ignore[method-assign]
+    got = _served(engine, PROMPT, 30)
+    assert len(got) == 30 and max(lengths) <= H2O.budget_blocks(BLOCK)
+
+
+def test_samples_forked_from_an_evicted_prompt_each_decode_as_one_request(
+        model: Transformer) -> None:
+    """Greedy samples forked after the prompt evicted (sharing its kept blocks, the sinks
+    rotated for 20 evicted tokens): each the same tokens as a request of one sample, so
+    no sample rewrote a sink another reads."""
+    engine = _engine(model, STREAMING)
+    alone = _served(_engine(model, STREAMING), PROMPT, 30)
+
+    async def run() -> dict[int, list[int]]:
+        await engine.reserve("S", len(PROMPT), 30, 60.0, PROMPT, num_samples=3)
+        local = await engine.prefill_local("S", PROMPT, GREEDY)
+        queue = engine.attach("S", local.token_id, GREEDY, 29, [],
+                              sample_first_token_ids=local.sample_token_ids)
+        tokens: dict[int, list[int]] = {0: [local.token_id]}
+        for i, first in enumerate(local.sample_token_ids, start=1):
+            tokens[i] = [first]
+        done = 0
+        while done < 3:
+            event = await queue.get()
+            if hasattr(event, "token_ids"):
+                tokens[event.sample_index] += event.token_ids
+            else:
+                done += 1
+        return tokens
+
+    got = run_to_idle(engine, run)
+    assert got == {0: alone, 1: alone, 2: alone}
