@@ -189,7 +189,9 @@ class HeavyHitterEviction(StreamingEviction):
         """The lightest block older than the recent window leaves."""
         kept = self._mass.setdefault(seq.key, [])
         kept += [0.0] * (len(seq.block_table) - len(kept))
-        older = len(seq.block_table) - (self.recent_blocks - 1)  # the next block is recent
+        # Written blocks before the recent window (the next token's block is its newest; a
+        # prompt's table may hold blocks reserved past it, not written yet).
+        older = seq.cache_position // self.pool.block_size - (self.recent_blocks - 1)
         if older <= 0:
             return False
         victim = min(range(older), key=lambda i: (kept[i], -i))

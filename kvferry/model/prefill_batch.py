@@ -113,8 +113,11 @@ class Bound(Protocol):
     the job's next token fits `budget_blocks` (and re-bases its rotary positions)."""
 
     budget_blocks: int
+    wants_mass: bool  # observe() takes each forward's attention mass (H2O)
 
     def bound(self, seq: PrefillJob) -> None: ...
+
+    def observe(self, batch: list[PrefillJob], mass: torch.Tensor) -> None: ...
 
 
 class BatchItem:
@@ -219,13 +222,21 @@ class PrefillBatcher:
             for job in finishing:
                 loop.call_soon_threadsafe(job.mark_layer, layer)
 
+        mass = None  # H2O: what each chunk's tokens attended to
+        if self.eviction is not None and self.eviction.wants_mass:
+            mass = [torch.zeros(len(it.job.block_table) * self.pool.block_size,
+                                device=self.model.device) for it in items]
         logits = self.model.prefill(
             ids.to(self.model.device), [it.end - it.start for it in items], slots, self.pool,
             context_lens=[it.start - it.evicted for it in items],
             block_tables=[it.job.block_table for it in items],
             on_layer_done=layer_done if finishing else None,
             rope_offsets=[it.evicted - it.rebased for it in items],
+            mass=mass,  # type: ignore[arg-type]
         )
+        if mass is not None and self.eviction is not None:
+            for it, chunk_mass in zip(items, mass):
+                self.eviction.observe([it.job], chunk_mass[None])
         done = [i for i, it in enumerate(items) if it.end == len(it.job.prompt)]
         # one row per sample of each finished prompt: sample s draws with its own seed
         rows = [(i, s) for i in done for s in range(items[i].job.num_samples)]

@@ -217,12 +217,15 @@ class Transformer:
         block_tables: list[list[int]] | None = None,  # needed where context_lens > 0
         on_layer_done: Callable[[int], None] | None = None,  # after each layer's K/V write
         rope_offsets: list[int] | None = None,  # rotary position - cache index, per chunk
+        mass: list[torch.Tensor | None] | None = None,  # per chunk: fp32 [>= context + n]
     ) -> torch.Tensor:  # [num_chunks, vocab] logits of each chunk's last token
         """Run prompt chunks (varlen, no padding), write their K/V, return last logits.
 
         A chunk with context attends over its prompt's cached K/V too (chunked prefill).
         `context_lens` index the cache; where a prompt evicted K/V while prefilling
-        (docs/kv-eviction-design.md), its tokens are rotated `rope_offsets` further."""
+        (docs/kv-eviction-design.md), its tokens are rotated `rope_offsets` further. A chunk
+        given a `mass` tensor has every layer add to it each attended position's
+        probability, summed over query heads and the chunk's tokens (H2O's heavy hitters)."""
         contexts = context_lens or [0] * len(seq_lens)
         offsets = rope_offsets or [0] * len(seq_lens)
         positions = torch.cat(
@@ -242,18 +245,34 @@ class Transformer:
                     vs = v[start:end].transpose(0, 1)[None]
                     o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True,
                                                        scale=self.sm_scale, enable_gqa=gqa)
+                    mask = None
                 else:
                     assert block_tables is not None  # noqa: S101 - caller contract
                     total = contexts[i] + end - start
                     ks, vs, mask = self._cached_kv(layer, pool, block_tables[i], contexts[i], total)
                     o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask,
                                                        scale=self.sm_scale, enable_gqa=gqa)
+                if mass is not None and mass[i] is not None:
+                    self._add_mass(qs, ks, mask, mass[i])
                 outs.append(o[0].transpose(0, 1))  # [n, Hq, D]
             return torch.cat(outs, dim=0)
 
         last_rows = torch.tensor(bounds[1:], dtype=torch.int64) - 1
         return self._forward(token_ids, positions, slot_mapping, pool, attend, last_rows,
                              on_layer_done)
+
+    def _add_mass(self, qs: torch.Tensor, ks: torch.Tensor, mask: torch.Tensor | None,
+                  mass: torch.Tensor) -> None:
+        """Add each key's attention probability, summed over heads and queries, to `mass`:
+        qs [1, Hq, n, D], ks [1, Hkv, total, D], mask [n, total] (None: causal over n)."""
+        group = qs.shape[1] // ks.shape[1]
+        keys = ks.repeat_interleave(group, dim=1) if group > 1 else ks
+        scores = (qs.float() @ keys.float().transpose(-1, -2)) * self.sm_scale  # [1,Hq,n,T]
+        if mask is None:
+            n = scores.shape[-1]
+            mask = torch.ones(n, n, dtype=torch.bool, device=scores.device).tril()
+        scores = scores.masked_fill(~mask, float("-inf"))
+        mass[:scores.shape[-1]] += torch.softmax(scores, dim=-1).sum(dim=(0, 1, 2))
 
     def _cached_kv(self, layer: int, pool: KvPool, table: list[int], context: int, total: int
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

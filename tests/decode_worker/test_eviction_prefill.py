@@ -2,7 +2,8 @@
 (kvferry/model/prefill_batch.py with decode_worker/eviction.py): up to the budget, then a
 block at a time, each chunk attending over what the decode step would have kept. So the
 tokens are those of the same prompt fed one token at a time through the decode step with the
-policy bounding before each (the reference StreamingLLM's evaluation runs), and a request
+policy bounding before each (the reference StreamingLLM's evaluation runs; under H2O the
+prefill's attention reports its mass as the decode step's does), and a request
 re-prefilled with its prompt and the tokens it had generated (what a migration does)
 continues with exactly the tokens it would have generated. Parallel samples forked from an
 evicted prompt each decode what one request does; every block comes back."""
@@ -117,11 +118,11 @@ def test_a_migrated_request_continues_with_the_tokens_it_would_have_generated(
     assert moved == whole[23:]
 
 
-def test_h2o_prefills_a_long_prompt_within_its_budget(model: Transformer) -> None:
-    """Prompt blocks draw no attention mass while prefilled (the prefill attention reports
-    none): H2O then evicts the latest older block, keeping the first ones. The tokens are
-    those of the reference, which starts from the same zero mass but adds the decode
-    steps', so only the first token is asserted; the budget holds at every step."""
+def test_h2o_prefills_a_long_prompt_as_decoding_it_would_have(model: Transformer) -> None:
+    """The prefill's attention reports each chunk's mass (summed over its tokens: what the
+    decode steps over the same tokens add one by one), so H2O picks the same blocks to
+    evict while prefilling as decoding the prompt would have; the budget holds at every
+    step, and a migrated request continues as it would have."""
     engine = _engine(model, H2O)
     lengths: list[int] = []
     original = engine.steps._step
@@ -131,8 +132,11 @@ def test_h2o_prefills_a_long_prompt_within_its_budget(model: Transformer) -> Non
         return original(batch, is_staged)
 
     engine.steps._step = recording  # type: ignore[method-assign]
-    got = _served(engine, PROMPT, 30)
-    assert len(got) == 30 and max(lengths) <= H2O.budget_blocks(BLOCK)
+    got = _served(engine, PROMPT, 40)
+    assert got == _stepwise(model, H2O, PROMPT, 40)
+    assert max(lengths) <= H2O.budget_blocks(BLOCK)
+    moved = _served(_engine(model, H2O), PROMPT + got[:23], 40 - 23)
+    assert moved == got[23:]
 
 
 def test_samples_forked_from_an_evicted_prompt_each_decode_as_one_request(

@@ -104,7 +104,8 @@ def test_the_lightest_older_block_leaves(model: Transformer) -> None:
 
 def test_each_steps_mass_is_every_heads_probability(model: Transformer) -> None:
     """What a step hands the policy is, for each sequence, heads x layers in all (each
-    query head's softmax sums to one in every layer), spread over its kept blocks."""
+    query head's softmax sums to one in every layer), spread over its kept blocks; what the
+    prefill hands it, that for each prompt token."""
     engine = cpu_engine(model, 4, 64, eviction=SMALL)
     policy = engine.steps.eviction
     assert isinstance(policy, HeavyHitterEviction)
@@ -121,10 +122,11 @@ def test_each_steps_mass_is_every_heads_probability(model: Transformer) -> None:
     policy.observe = recording  # type: ignore[method-assign]
     _run(engine, 30)
     heads = model.config.num_heads * model.config.num_layers
-    assert len(seen) == 29
-    for step in seen:
+    assert len(seen) == 1 + 29  # the prompt's prefill (one chunk of 10 tokens), each step
+    assert sum(seen[0]) == pytest.approx(heads * len(PROMPT), rel=1e-4)
+    for step in seen[1:]:
         assert sum(step) == pytest.approx(heads, rel=1e-4)
-        assert all(m >= 0.0 for m in step)
+    assert all(m >= 0.0 for step in seen for m in step)
 
 
 def test_a_sequence_holds_its_budget_and_decodes_as_full_attention_until_it_evicts(
