@@ -19,7 +19,10 @@ size 16):
   h2o:             heavy hitters over whole blocks (what `--kv-eviction h2o` runs): the
                    last `budget / 2` tokens and the `budget / 2` tokens' worth of older
                    blocks that drew the most attention so far (summed over heads and layers,
-                   from the attention kernels), positions those of the text.
+                   from the attention kernels), positions those of the text;
+  h2o-token:       the same at block size 1, run as a batch of its own: token-level
+                   heavy hitters (what compaction inside blocks would buy), against which
+                   the block-level choice is measured.
 Printed: perplexity over all predicted tokens and over those predicted once the budget was
 full (where eviction acts), per configuration. Retrieval (`--sections retrieval`): a fact ("the
 secret code of NAME is NNNN") planted after the play's first 64 tokens (past the sinks)
@@ -70,7 +73,8 @@ def _text_tokens(model_dir: str, count: int) -> list[int]:
     return ids[:count]
 
 
-CONFIGS = ("full", "window", "streaming", "streaming-text", "h2o")
+CONFIGS = ("full", "window", "streaming", "streaming-text", "h2o", "h2o-token")
+TOKEN_LEVEL = "h2o-token"  # run at block size 1
 
 
 def _configs(budgets: list[int], names: tuple[str, ...] = CONFIGS
@@ -83,20 +87,37 @@ def _configs(budgets: list[int], names: tuple[str, ...] = CONFIGS
                                  window_tokens=budget - BLOCK_SIZE)
         h2o = KvEvictionConfig("h2o", heavy_tokens=budget // 2, recent_tokens=budget // 2)
         out += [("window", budget, window, False), ("streaming", budget, sinks, False),
-                ("streaming-text", budget, sinks, True), ("h2o", budget, h2o, False)]
+                ("streaming-text", budget, sinks, True), ("h2o", budget, h2o, False),
+                (TOKEN_LEVEL, budget, h2o, False)]
     return [c for c in out if c[0] in names]
 
 
-def teacher_forced(model: Transformer, streams: list[tuple[str, list[int],
-                                                         KvEvictionConfig | None, bool]],
-                   progress: bool = False) -> list[tuple[np.ndarray, np.ndarray]]:
+Stream = tuple[str, list[int], KvEvictionConfig | None, bool]
+
+
+def teacher_forced(model: Transformer, streams: list[Stream], progress: bool = False
+                   ) -> list[tuple[np.ndarray, np.ndarray]]:
     """Each stream (name, tokens, eviction config or None, text positions) fed its tokens one
-    at a time, all streams as one decode batch (a stream leaves it at its end); per stream the
-    negative log-likelihood of each next token and whether it was the argmax."""
+    at a time, all streams as one decode batch (a stream leaves it at its end), token-level
+    ones (block size 1) as a batch of their own; per stream the negative log-likelihood of
+    each next token and whether it was the argmax."""
+    token_level = [i for i, s in enumerate(streams) if s[0] == TOKEN_LEVEL]
+    blocked = [i for i in range(len(streams)) if i not in token_level]
+    out: list[tuple[np.ndarray, np.ndarray]] = [(np.zeros(0), np.zeros(0, bool))] * len(streams)
+    for indices, block_size in ((blocked, BLOCK_SIZE), (token_level, 1)):
+        if indices:
+            runs = _teacher_forced([streams[i] for i in indices], model, block_size, progress)
+            for i, run in zip(indices, runs):
+                out[i] = run
+    return out
+
+
+def _teacher_forced(streams: list[Stream], model: Transformer, block_size: int,
+                    progress: bool) -> list[tuple[np.ndarray, np.ndarray]]:
     cfg = model.config
-    blocks = sum(blocks_for_tokens(len(toks), BLOCK_SIZE) if c is None
-                 else c.budget_blocks(BLOCK_SIZE) + 1 for _, toks, c, _ in streams)
-    pool = KvPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, BLOCK_SIZE, blocks,
+    blocks = sum(blocks_for_tokens(len(toks), block_size) if c is None
+                 else c.budget_blocks(block_size) + 1 for _, toks, c, _ in streams)
+    pool = KvPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, blocks,
                   torch.float32, model.device, prefix_caching=False)
     seqs, evictions, out = [], [], []
     for i, (name, toks, config, text_positions) in enumerate(streams):
@@ -113,11 +134,11 @@ def teacher_forced(model: Transformer, streams: list[tuple[str, list[int],
         for i in live:
             if evictions[i] is not None:
                 evictions[i].bound(seqs[i])
-            if len(seqs[i].block_table) * BLOCK_SIZE <= seqs[i].cache_position:
+            if len(seqs[i].block_table) * block_size <= seqs[i].cache_position:
                 seqs[i].block_table += pool.allocator.alloc(1)
-        rows = step_inputs([seqs[i] for i in live], BLOCK_SIZE)
+        rows = step_inputs([seqs[i] for i in live], block_size)
         fed = torch.tensor([streams[i][1][t] for i in live])
-        mass = (torch.zeros(len(live), rows.block_tables.shape[1] * BLOCK_SIZE)
+        mass = (torch.zeros(len(live), rows.block_tables.shape[1] * block_size)
                 if any(evictions[i] is not None and evictions[i].wants_mass for i in live)
                 else None)
         logits = model.decode(fed, rows.positions, rows.slots, rows.block_tables, pool,
