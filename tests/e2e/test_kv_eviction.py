@@ -16,6 +16,7 @@ import signal
 from pathlib import Path
 
 import pytest
+import torch
 
 from deploy import cli, client
 from deploy.args import build_parser
@@ -24,11 +25,16 @@ from kvferry.errors import InvalidArgument
 from kvferry.faults import tag
 from kvferry.model.config import load_model_config
 from kvferry.model.sampling import SamplingParams
+from kvferry.model.transformer import Transformer
 from kvferry.rpc import grpc_util
+from kvferry.settings import KvEvictionConfig
 from kvferry.v1 import generation_pb2_grpc
+from kvferry_kernels.dispatch import get_attention_backend
 from router import validation
 from router.validation import GenerateInput
 from tests.conftest import assert_alive, assert_pools_clean, busy_process
+from tests.decode_worker.engines import cpu_engine
+from tests.decode_worker.test_eviction_prefill import _served as served
 from tests.deployments import reconfigured, respawn, routed
 from tests.e2e.test_metrics import scrape, value
 
@@ -141,3 +147,28 @@ def test_a_router_told_of_the_policy_lets_generation_pass_the_context(
     assert validation.resolve_sampling(unset, config, context - 10).max_tokens == 10
     assert validation.resolve_sampling(unset, config, context - 10,
                                        is_generation_bounded=True).max_tokens == 256
+
+
+def test_a_colocated_worker_prefills_a_long_prompt_evicting_as_it_goes(
+        qwen3_checkpoint: Path, colocated_deployment: Deployment) -> None:
+    """A 200-token prompt on a colocated worker with a 5-block budget: prefilled up to the
+    budget, then a block at a time (the oldest window block evicted before each), so the
+    worker gave up the prompt's blocks past the budget while prefilling, and the tokens are
+    those the in-process engine serves with the same policy (tests/decode_worker/
+    test_eviction_prefill.py checks those against decoding the prompt token by token)."""
+    deployment = colocated_deployment
+    flags = ["--speculative-method", "off", *POLICIES["streaming"]]
+    prompt = [13 + i % 280 for i in range(200)]
+    model = Transformer(load_model_config(qwen3_checkpoint), get_attention_backend("torch"),
+                        torch.float32, torch.device("cpu"))
+    config = KvEvictionConfig("streaming", sink_tokens=4, window_tokens=60)
+    want = served(cpu_engine(model, BLOCK_SIZE, 64, eviction=config), prompt, 50)
+    with reconfigured(deployment, ["colocated-0"], flags):
+        request = client.make_request(prompt, temperature=0.0, max_tokens=50, ignore_eos=True)
+        got = asyncio.run(client.generate(deployment.router_address, request, 120))
+        assert got.token_ids == want
+        worker = next(p for p in deployment.processes if p.name == "colocated-0")
+        evicted = value(scrape(worker.metrics_port), "kvferry_kv_evicted_blocks_total")
+        # 200 + 49 tokens written: 16 blocks, at most 5 kept
+        assert evicted == -(-(len(prompt) + 49) // BLOCK_SIZE) - BUDGET_BLOCKS
+        assert_pools_clean(deployment)
