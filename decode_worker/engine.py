@@ -88,7 +88,7 @@ class DecodeEngine:
         self.receiver = KvReceiver(layout, pool, self._seqs, self._kv_complete,
                                    None if draft is None else DraftPages(
                                        KvLayout.of_pool(draft.pool, draft.model.config.fingerprint),
-                                       draft.pool))
+                                       draft.pool), evicts=self.steps.eviction is not None)
         self.cache = cache or TieredCache(pool)  # the prefix cache, over its tiers
         self.cache.on_release = self.blocks.grant
         self.prefix_cache = DecodePrefixCache(self.cache, layout)
@@ -154,8 +154,12 @@ class DecodeEngine:
         check_reservation(request_id, num_prompt_tokens, max_tokens, lease_s, self._seqs,
                           self.max_model_len, self.pool, num_samples, self._budget_blocks)
         prompt = list(prompt_token_ids or [])
+        budget = self._budget_blocks
+        # A prompt past the K/V budget is evicted while prefilled (here, or by a prefill
+        # worker that pushes its kept pages): its blocks are not the cached prefix's.
+        evicts = budget is not None and num_prompt_tokens + 1 > budget * self.pool.block_size
         hit = await self.prefix_cache.acquire(
-            prompt, num_prompt_tokens, cache_salt, self.blocks,
+            [] if evicts else prompt, num_prompt_tokens, cache_salt, self.blocks,
             blocks_for_tokens(num_prompt_tokens + 1, self.pool.block_size) + num_samples - 1)
         blocks, num_cached = hit.block_ids, hit.num_cached_blocks
         spares = blocks[len(blocks) - (num_samples - 1):] if num_samples > 1 else []

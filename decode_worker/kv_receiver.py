@@ -14,6 +14,11 @@ With a draft model (`DraftPages`), a push may also carry the draft's pages of th
 (`is_draft` chunks, validated the same way against the draft's layout and pool). A push
 carries all of them or none: one that ends with some missing is refused; one that delivered
 them all sets the sequence's `draft_kv_tokens`, so the draft model starts after the prompt.
+
+A prompt that evicted K/V while it was prefilled (`--kv-eviction`, gRPC pushes) arrives as its
+kept pages (blocks 0.. of `num_tokens - num_evicted` tokens) with its eviction state, the same
+in every chunk; once complete, the sequence takes that state and gives back the blocks its
+reservation held past them (docs/kv-eviction-design.md 3.4).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from typing import NamedTuple
 import numpy as np
 
 from decode_worker.sequence import DecodeSeq, Phase, lookup
-from kvferry.cache.layout import KvLayout
+from kvferry.cache.layout import KvLayout, blocks_for_tokens
 from kvferry.cache.pool import KvPool
 from kvferry.errors import Aborted, AlreadyExists, DataLoss, InvalidArgument
 from kvferry.transfer import wire
@@ -43,9 +48,10 @@ class KvReceiver:
     creates and releases them). Calls `on_complete` once a reservation's K/V is all in."""
 
     def __init__(self, layout: KvLayout, pool: KvPool, seqs: Mapping[str, DecodeSeq],
-                 on_complete: Callable[[DecodeSeq], None], draft: DraftPages | None = None
-                 ) -> None:
+                 on_complete: Callable[[DecodeSeq], None], draft: DraftPages | None = None,
+                 evicts: bool = False) -> None:
         self.layout = layout
+        self.evicts = evicts  # this worker runs a K/V eviction policy: evicted pushes fit
         self.pool = pool
         self.seqs = seqs
         self.draft = draft
@@ -60,6 +66,7 @@ class KvReceiver:
         seq = self._check_incomplete(lookup(self.seqs, request_id))
         seq.push_epoch += 1
         seq.reset_received()
+        seq.pushed_eviction = None
         seq.renew_lease()  # a prefill worker is at work on it
         return seq.push_epoch
 
@@ -104,10 +111,12 @@ class KvReceiver:
 
     def receive_chunk(self, request_id: str, layout: KvLayout, num_tokens: int,
                       span: wire.ChunkSpan, data: bytes, crc32: int,
-                      epoch: int | None = None, is_draft: bool = False) -> int:
+                      epoch: int | None = None, is_draft: bool = False,
+                      evicted: tuple[int, int] = (0, 0)) -> int:
         """Validate one chunk against layout and reservation, then write it. Returns bytes.
         `epoch`: from begin_push; None for a caller that opened no push. `is_draft`: the
-        draft model's pages (refused where this worker runs none)."""
+        draft model's pages (refused where this worker runs none). `evicted`: the push's
+        (num_evicted, num_rebased)."""
         seq = lookup(self.seqs, request_id)
         self.check_writable(seq, epoch)
         layout_here, pool, received = self._destination(seq, is_draft)
@@ -119,7 +128,8 @@ class KvReceiver:
                 f"num_tokens {num_tokens} != reserved prompt length {seq.num_prompt_tokens}",
                 "num_tokens",
             )
-        wire.check_span(layout_here, num_tokens, span, len(data))
+        self._check_eviction(seq, evicted)
+        wire.check_span(layout_here, num_tokens - evicted[0], span, len(data))
         if wire.crc32(data) != crc32:
             raise InvalidArgument("chunk checksum mismatch: corrupted in flight", "crc32")
         if not wire.is_finite(data, pool):
@@ -134,6 +144,31 @@ class KvReceiver:
         seq.renew_lease()
         self.kv_bytes_received += len(data)
         return len(data)
+
+    def _check_eviction(self, seq: DecodeSeq, evicted: tuple[int, int]) -> None:
+        """The first chunk's eviction state is the push's; every later one must carry it."""
+        if seq.pushed_eviction is not None:
+            if evicted != seq.pushed_eviction:
+                raise InvalidArgument(f"num_evicted, num_rebased {evicted} differ from the "
+                                      f"push's first chunk's {seq.pushed_eviction}",
+                                      "num_evicted")
+            return
+        num_evicted, num_rebased = evicted
+        if num_evicted:
+            if not self.evicts:
+                raise InvalidArgument("an evicted prompt pushed to a decode worker without "
+                                      "--kv-eviction", "num_evicted")
+            if (num_evicted % self.pool.block_size or num_evicted >= seq.num_prompt_tokens
+                    or not 0 <= num_rebased <= num_evicted):
+                raise InvalidArgument(f"num_evicted {num_evicted} (num_rebased {num_rebased}) "
+                                      f"not whole blocks of the {seq.num_prompt_tokens}-token "
+                                      f"prompt", "num_evicted")
+            if seq.num_cached_blocks:
+                raise InvalidArgument("an evicted prompt pushed into a reservation that "
+                                      "shares cached blocks", "num_evicted")
+        elif num_rebased:
+            raise InvalidArgument("num_rebased without num_evicted", "num_rebased")
+        seq.pushed_eviction = evicted
 
     def _destination(self, seq: DecodeSeq, is_draft: bool) -> tuple[KvLayout, KvPool, np.ndarray]:
         """The layout, pool and delivered-pages map a chunk goes to. The draft's map starts
@@ -154,7 +189,9 @@ class KvReceiver:
     def finish_push(self, request_id: str, epoch: int | None = None) -> None:
         seq = lookup(self.seqs, request_id)
         self._check_epoch(seq, epoch)
-        missing = int((~seq.received).sum())
+        num_evicted, num_rebased = seq.pushed_eviction or (0, 0)
+        kept = blocks_for_tokens(seq.num_prompt_tokens - num_evicted, self.pool.block_size)
+        missing = int((~seq.received[:, :kept]).sum())
         if missing:
             raise InvalidArgument(f"push ended with {missing} pages missing", "data")
         if seq.draft_received is not None:
@@ -163,6 +200,13 @@ class KvReceiver:
                 raise InvalidArgument(f"push ended with {missing} draft pages missing",
                                       "is_draft")
             seq.draft_kv_tokens = seq.num_prompt_tokens
+        if num_evicted:  # the kept pages lead the table; what the reservation held past
+            seq.received[:] = True  # them (and the first token's slot) goes back
+            seq.num_evicted, seq.num_rebased = num_evicted, num_rebased
+            keep = blocks_for_tokens(seq.num_prompt_tokens - num_evicted + 1,
+                                     self.pool.block_size)
+            self.pool.allocator.free(seq.block_table[keep:])
+            del seq.block_table[keep:]
         seq.is_kv_complete = True
         self._on_complete(seq)
 

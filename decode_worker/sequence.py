@@ -93,6 +93,8 @@ class DecodeSeq:
     # (re-based). 0 and 0 without eviction: cache index, rotary and text positions coincide.
     num_evicted: int = 0
     num_rebased: int = 0
+    # The push filling it: (num_evicted, num_rebased) from its first chunk (None: none yet).
+    pushed_eviction: tuple[int, int] | None = None
     # Parallel sampling (decode_worker/samples.py). Reserved with num_samples > 1, the request
     # is sample 0 and holds `spare_blocks` for the others; attached, it knows their first
     # tokens; admitted, the others are forked from it and `group` lists all of them, sample 0

@@ -24,7 +24,6 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from decode_worker.draft_model import DraftModel
-from decode_worker.eviction import make_eviction
 from decode_worker.kv_stage import KvStage
 from decode_worker.samples import fork_samples
 from decode_worker.sequence import (
@@ -44,6 +43,7 @@ from kvferry.cache.layout import blocks_for_tokens
 from kvferry.cache.pool import KvPool
 from kvferry.errors import Internal
 from kvferry.faults import Faults
+from kvferry.model.eviction import make_eviction
 from kvferry.model.executor import run_to_completion
 from kvferry.model.prefill_batch import PrefillBatcher
 from kvferry.model.sampling import FinishReason, SamplingParams, sample_tokens
@@ -90,7 +90,7 @@ class StepLoop:
                 raise ValueError("speculative decoding reads the pages: no dense K/V stage "
                                  "(--decode-stage-mib 0)")
             self.drafting = Drafting(speculative, ngram_proposer(speculative), draft=draft)
-        # K/V eviction (decode_worker/eviction.py): each sequence bounded before its steps.
+        # K/V eviction (kvferry/model/eviction.py): each sequence bounded before its steps.
         self.eviction = make_eviction(eviction, model, pool)
         if self.eviction is not None and (self.stage is not None or self.drafting is not None):
             raise ValueError("kv_eviction: not with speculative decoding or a dense K/V stage")

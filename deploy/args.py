@@ -161,7 +161,9 @@ def _decode_side_args(p: argparse.ArgumentParser, role: str) -> None:
     """Speculative decoding and K/V eviction: decode-side features (a prefill worker reads
     the draft model's flags to ship its K/V)."""
     speculative_args(p, SPECULATIVE_HELP_PREFIX.get(role, "decode/colocated: "))
-    eviction_args(p, "decode/colocated: " if role != "prefill" else "ignored by prefill: ")
+    eviction_args(p, "decode/colocated: " if role != "prefill" else (
+        "prefill workers (grpc): a prompt past the budget evicts while prefilled, and its "
+        "kept pages are pushed; "))
 
 
 def _deployment_args(p: argparse.ArgumentParser) -> None:

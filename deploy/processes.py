@@ -164,7 +164,9 @@ def build_worker(settings: WorkerSettings) -> tuple[Built, object]:
         engine = PrefillEngine(model, pool, layout, _make_sender(settings, creds),
                                token_budget, settings.prefill_chunk_size,
                                settings.max_waiting, build_tiered_cache(pool, settings.tiers),
-                               build_draft_prefill(settings, model, pool))
+                               build_draft_prefill(settings, model, pool),
+                               # pushes carry an evicted prompt over grpc only
+                               settings.kv_eviction if settings.kv_transport == "grpc" else None)
         prefill_server.add_to_server(server, engine)
         on_stop = engine.stop
         names = prefill_server.SERVICE_NAMES

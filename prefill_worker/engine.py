@@ -35,6 +35,7 @@ from kvferry.cache.prefix import (
 from kvferry.cache.stats import PoolStats
 from kvferry.cache.tiers.tiered import TieredCache, TierHit
 from kvferry.errors import Aborted, InvalidArgument, NotFound, Unavailable
+from kvferry.model.eviction import make_eviction
 from kvferry.model.prefill_batch import PrefillBatcher, PrefillJob
 from kvferry.model.sampling import SamplingParams, validate_prompt
 from kvferry.model.transformer import Transformer
@@ -42,6 +43,7 @@ from kvferry.settings import (
     DEFAULT_MAX_WAITING,
     DEFAULT_PREFILL_CHUNK_SIZE,
     DEFAULT_PREFILL_TOKEN_BUDGET,
+    KvEvictionConfig,
 )
 from kvferry.transfer.sender import DraftPush, KvSender, PushResult
 from prefill_worker.draft_kv import DraftPrefill
@@ -127,8 +129,12 @@ class PrefillEngine:
                  sender: KvSender, token_budget: int = DEFAULT_PREFILL_TOKEN_BUDGET,
                  chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE,
                  max_waiting: int = DEFAULT_MAX_WAITING, cache: TieredCache | None = None,
-                 draft: DraftPrefill | None = None) -> None:
+                 draft: DraftPrefill | None = None, eviction: KvEvictionConfig | None = None
+                 ) -> None:
         self.model = model
+        # --kv-eviction: a prompt past the budget evicts while prefilled; its kept pages and
+        # eviction state are pushed once it is done (kvferry/model/eviction.py).
+        self.eviction = make_eviction(eviction, model, pool)
         self.draft = draft  # --speculative-draft-kv ship: the draft's prompt K/V, pushed too
         self.pool = pool
         self.layout = layout
@@ -136,7 +142,7 @@ class PrefillEngine:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill")
         self._wake = asyncio.Event()
         self.batcher = PrefillBatcher(model, pool, self._executor, self._wake.set,
-                                      token_budget, chunk_size)
+                                      token_budget, chunk_size, self.eviction)
         self.blocks = BlockQueue(pool.allocator, max_waiting, on_wait=self._evict_parked)
         self.cache = cache or TieredCache(pool)  # the prefix cache, over its tiers
         self.cache.on_release = self.blocks.grant
@@ -206,19 +212,19 @@ class PrefillEngine:
         push: asyncio.Future[PushResult] | None = None
         parked: Parked | None = None
         draft = _DraftRun(self.draft)
+        evicts = self._evicts(prompt, skip_blocks)
         try:
             self.batcher.submit(job)
-            if decode_address:
+            if decode_address and not evicts:
                 # Layer-pipelined: the push starts now and sends each layer group as soon
                 # as the prompt's last forward has written it.
-                push = asyncio.ensure_future(self.sender.push(
-                    decode_address, request_id, self.layout, len(prompt), self.pool, blocks,
-                    timeout_s, ready=job.wait_layers, first_block=skip_blocks,
-                    draft=draft.push(skip_blocks),
-                ))
+                push = self._push(decode_address, job, timeout_s, ready=job.wait_layers,
+                                  first_block=skip_blocks, draft=draft.push(skip_blocks))
             token = await job.first_token
             draft.start(self._executor, prompt, blocks)
-            self.cache.register(keys, blocks)  # every full prompt block is final now
+            evicted = self._prefilled(job, keys, evicts)
+            if decode_address and evicts:  # the kept pages, now the prompt is done
+                push = self._push(decode_address, job, timeout_s, **evicted)
             if defer_push:
                 parked = Parked(job, asyncio.get_running_loop().create_future())
                 self._parked[request_id] = parked
@@ -227,9 +233,8 @@ class PrefillEngine:
                                   hit.by_tier, tuple(job.sample_token_ids))
             if parked is not None:
                 address, skip = await parked.ship
-                push = asyncio.ensure_future(self.sender.push(
-                    address, request_id, self.layout, len(prompt), self.pool, blocks, timeout_s,
-                    first_block=skip, draft=draft.push(skip)))
+                push = self._push(address, job, timeout_s, first_block=skip,
+                                  draft=draft.push(skip), **evicted)
             if push is not None:
                 pushed = await push
                 self.kv_bytes_sent += pushed.num_bytes
@@ -238,6 +243,36 @@ class PrefillEngine:
                 yield PushedEvent(pushed.seconds, pushed.num_bytes)
         finally:
             await self._end(request_id, job, push, parked, draft)
+
+    def _push(self, address: str, job: PrefillJob, timeout_s: float | None,
+              **options: object) -> asyncio.Future[PushResult]:
+        """The push of `job`'s pages to `address`, started."""
+        return asyncio.ensure_future(self.sender.push(
+            address, job.request_id, self.layout, len(job.prompt), self.pool, job.block_table,
+            timeout_s, **options))  # type: ignore[arg-type]
+
+    def _prefilled(self, job: PrefillJob, keys: list[bytes], evicts: bool
+                   ) -> dict[str, tuple[int, int]]:
+        """The prompt is done: its full blocks go to the prefix cache unless it evicted any
+        (its kept blocks are no longer the prompt's pages). The push's `evicted` option."""
+        if job.num_evicted:
+            log.info("request %s: %d prompt tokens evicted while prefilled, %d kept",
+                     job.request_id, job.num_evicted, len(job.prompt) - job.num_evicted)
+        else:
+            self.cache.register(keys, job.block_table)  # every full prompt block is final now
+        return {"evicted": (job.num_evicted, job.num_rebased)} if evicts else {}
+
+    def _evicts(self, prompt: list[int], skip_blocks: int) -> bool:
+        """Whether `prompt` passes the K/V budget, so it evicts while prefilled (and its
+        decode reservation, knowing the budget, shares no cached blocks)."""
+        if self.eviction is None:
+            return False
+        evicts = len(prompt) > self.eviction.budget_blocks * self.pool.block_size
+        if evicts and skip_blocks:
+            raise InvalidArgument("skip_blocks: a prompt past the K/V budget evicts while "
+                                  "prefilled; its decode reservation shares no blocks",
+                                  "skip_blocks")
+        return evicts
 
     async def _acquire(self, request_id: str, prompt: list[int], keys: list[bytes],
                        defer_push: bool) -> TierHit:
@@ -274,6 +309,8 @@ class PrefillEngine:
             if parked.ship.done() and not parked.ship.cancelled():
                 parked.ship.exception()  # an eviction nobody awaited (a cancelled call)
         await self.batcher.release(job)
+        if self.eviction is not None:
+            self.eviction.forget(job.key)
         if parked is None or not parked.is_evicted:
             self.pool.allocator.free(job.block_table)
             self.blocks.grant()

@@ -3,7 +3,7 @@
 Waiting prompts are packed into one varlen forward up to a token budget (no padding); a prompt
 longer than the chunk size is prefilled a chunk per batch, attending over its own cached
 chunks. A job's first token is sampled when its last chunk is done. Under K/V eviction
-(colocated workers: decode_worker/eviction.py), a prompt past the budget is prefilled as the
+(colocated workers: kvferry/model/eviction.py), a prompt past the budget is prefilled as the
 decode step would have read it: up to the budget, then a block at a time, the policy bounding
 the job before each chunk, so every chunk attends over what a sequence decoding those tokens
 one by one would have kept (docs/kv-eviction-design.md 3.2). Jobs are cancellable:
@@ -109,7 +109,7 @@ class PrefillJob:
 
 
 class Bound(Protocol):
-    """K/V eviction as the batcher uses it (decode_worker/eviction.py): `bound` evicts until
+    """K/V eviction as the batcher uses it (kvferry/model/eviction.py): `bound` evicts until
     the job's next token fits `budget_blocks` (and re-bases its rotary positions)."""
 
     budget_blocks: int

@@ -37,11 +37,13 @@ class KvSender(Protocol):
     num_corrupt_pushes: int  # pushes the receiver refused as corrupted in flight
 
     # first_block: the receiver's prefix cache holds the blocks before it; they are not sent.
+    # evicted: (num_evicted, num_rebased) of a prompt that evicted K/V while prefilled: only
+    # the grpc transport takes it (the caller passes it to no other).
     async def push(
         self, address: str, request_id: str, layout: KvLayout, num_tokens: int,
         pool: KvPool, block_table: list[int], timeout_s: float | None,
         ready: LayersReady | None = None, first_block: int = 0,
-        draft: DraftPush | None = None,
+        draft: DraftPush | None = None, evicted: tuple[int, int] = (0, 0),
     ) -> PushResult: ...
 
     async def close(self) -> None: ...

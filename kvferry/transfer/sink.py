@@ -43,9 +43,11 @@ class KvSink(Protocol):
 
     def receive_chunk(self, request_id: str, layout: KvLayout, num_tokens: int,
                       span: ChunkSpan, data: bytes, crc32: int,
-                      epoch: int | None = None, is_draft: bool = False) -> int:
+                      epoch: int | None = None, is_draft: bool = False,
+                      evicted: tuple[int, int] = (0, 0)) -> int:
         """Validate one chunk (`kvferry.transfer.wire` packing) and copy it in; its bytes.
-        `is_draft`: a draft model's pages, into its own pool."""
+        `is_draft`: a draft model's pages, into its own pool. `evicted`: the push's
+        (num_evicted, num_rebased), where the prompt evicted K/V while prefilled."""
         ...
 
     def target(self, request_id: str) -> PushTarget:

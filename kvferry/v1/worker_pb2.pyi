@@ -218,7 +218,7 @@ class DecodeBatch(_message.Message):
     def __init__(self, updates: _Optional[_Iterable[_Union[DecodeUpdate, _Mapping]]] = ...) -> None: ...
 
 class KvChunk(_message.Message):
-    __slots__ = ("request_id", "layout", "num_tokens", "layer_start", "layer_end", "block_start", "num_blocks", "data", "crc32", "is_draft")
+    __slots__ = ("request_id", "layout", "num_tokens", "layer_start", "layer_end", "block_start", "num_blocks", "data", "crc32", "is_draft", "num_evicted", "num_rebased")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -229,6 +229,8 @@ class KvChunk(_message.Message):
     DATA_FIELD_NUMBER: _ClassVar[int]
     CRC32_FIELD_NUMBER: _ClassVar[int]
     IS_DRAFT_FIELD_NUMBER: _ClassVar[int]
+    NUM_EVICTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_REBASED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     layout: KvLayout
     num_tokens: int
@@ -239,7 +241,9 @@ class KvChunk(_message.Message):
     data: bytes
     crc32: int
     is_draft: bool
-    def __init__(self, request_id: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., num_tokens: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., block_start: _Optional[int] = ..., num_blocks: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., is_draft: _Optional[bool] = ...) -> None: ...
+    num_evicted: int
+    num_rebased: int
+    def __init__(self, request_id: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., num_tokens: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., block_start: _Optional[int] = ..., num_blocks: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., is_draft: _Optional[bool] = ..., num_evicted: _Optional[int] = ..., num_rebased: _Optional[int] = ...) -> None: ...
 
 class KvPullMessage(_message.Message):
     __slots__ = ("begin", "group", "checksum")

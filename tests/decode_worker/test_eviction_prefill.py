@@ -1,5 +1,5 @@
 """A prompt past the K/V budget on a colocated worker, prefilled in chunks that evict as they go
-(kvferry/model/prefill_batch.py with decode_worker/eviction.py): up to the budget, then a
+(kvferry/model/prefill_batch.py with kvferry/model/eviction.py): up to the budget, then a
 block at a time, each chunk attending over what the decode step would have kept. So the
 tokens are those of the same prompt fed one token at a time through the decode step with the
 policy bounding before each (the reference StreamingLLM's evaluation runs; under H2O the
@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from decode_worker.engine import DecodeEngine
-from decode_worker.eviction import make_eviction
 from decode_worker.sequence import DecodeSeq, step_inputs
 from kvferry.cache.pool import KvPool
 from kvferry.model.config import load_model_config
+from kvferry.model.eviction import make_eviction
 from kvferry.model.sampling import SamplingParams
 from kvferry.model.transformer import Transformer
 from kvferry.settings import KvEvictionConfig

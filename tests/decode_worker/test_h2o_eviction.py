@@ -1,4 +1,4 @@
-"""Heavy-hitter K/V eviction (H2O over whole blocks, decode_worker/eviction.py) in an
+"""Heavy-hitter K/V eviction (H2O over whole blocks, kvferry/model/eviction.py) in an
 in-process colocated engine over the tiny model: each step's attention mass reaches the
 policy (every head's probabilities, every layer's, sum to heads x layers); past the budget
 the lightest block older than the recent window leaves and nothing else moves; a sequence
@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from decode_worker.engine import DecodeEngine
-from decode_worker.eviction import HeavyHitterEviction
 from decode_worker.sequence import DecodeSeq
 from kvferry.cache.pool import KvPool
 from kvferry.model.config import load_model_config
+from kvferry.model.eviction import HeavyHitterEviction
 from kvferry.model.sampling import SamplingParams
 from kvferry.model.transformer import Transformer
 from kvferry.settings import KvEvictionConfig

@@ -1,4 +1,4 @@
-"""Streaming K/V eviction (decode_worker/eviction.py) in an in-process colocated engine over
+"""Streaming K/V eviction (kvferry/model/eviction.py) in an in-process colocated engine over
 the tiny model: a sequence never holds more than its budget's blocks however long it runs,
 even past the model's context; until its first eviction it decodes what full attention
 decodes; re-basing (every kept key rotated back to its index in the cache) changes no token,

@@ -71,16 +71,16 @@ POLICIES = {
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 def test_migration_mid_eviction_leaves_every_pool_clean(
         policy: str, qwen3_2p2d_deployment: Deployment) -> None:
-    """Both decode workers evict (5-block budget); the one streaming the request is killed
-    (-9) once 120 of its 300 tokens arrived, its sequence evicting since its first step (the
-    prompt is 7 blocks). The router re-prefills prompt + tokens so far on the other, which
-    evicts down to its budget and finishes. The tokens before the kill are the undisturbed
-    run's; those after are not asserted: the migrated leg's K/V is recomputed from the whole
-    text, where the first leg's had been computed over what it kept, and what each token
-    attends to differs (docs/kv-eviction-design.md 3.4)."""
+    """Every worker evicts (5-block budget): the prefill workers while prefilling, pushing
+    the prompt's kept pages; the decode worker streaming the request is killed (-9) once 120
+    of its 300 tokens arrived. The router re-prefills prompt + tokens so far on the other
+    pair, which evicts as it goes, and the request finishes: under streaming with exactly the
+    undisturbed tokens (the re-prefill reads what decoding read: test_eviction_prefill.py);
+    under H2O the tokens before the kill (the pushed pages carry no attention mass, so the
+    decode worker's choices after a push start from none). Every pool is clean."""
     deployment, flags = qwen3_2p2d_deployment, POLICIES[policy]
     names = ["decode-0", "decode-1"]
-    with reconfigured(deployment, names, flags):
+    with reconfigured(deployment, ["prefill-0", "prefill-1", *names], flags):
         prompt = [11 + i % 290 for i in range(100)]
         request = client.make_request(prompt, temperature=0.0, max_tokens=300,
                                       ignore_eos=True)
@@ -107,6 +107,8 @@ def test_migration_mid_eviction_leaves_every_pool_clean(
         got, victim = asyncio.run(run())
         assert got.finished is not None and len(got.token_ids) == 300
         assert got.token_ids[:120] == undisturbed.token_ids[:120]
+        if policy == "streaming":
+            assert got.token_ids == undisturbed.token_ids
         survivor = next(p for p in deployment.processes
                         if p.name in names and p.name != victim.name)
         after = value(scrape(survivor.metrics_port), "kvferry_kv_evicted_blocks_total")
@@ -149,26 +151,35 @@ def test_a_router_told_of_the_policy_lets_generation_pass_the_context(
                                        is_generation_bounded=True).max_tokens == 256
 
 
-def test_a_colocated_worker_prefills_a_long_prompt_evicting_as_it_goes(
-        qwen3_checkpoint: Path, colocated_deployment: Deployment) -> None:
-    """A 200-token prompt on a colocated worker with a 5-block budget: prefilled up to the
-    budget, then a block at a time (the oldest window block evicted before each), so the
-    worker gave up the prompt's blocks past the budget while prefilling, and the tokens are
-    those the in-process engine serves with the same policy (tests/decode_worker/
+@pytest.mark.parametrize(("fixture", "names"), [
+    ("colocated_deployment", ["colocated-0"]), ("qwen3_deployment", ["prefill-0", "decode-0"])],
+    ids=["colocated", "grpc-push"])
+def test_a_long_prompt_is_prefilled_evicting_as_it_goes(
+        fixture: str, names: list[str], qwen3_checkpoint: Path,
+        request: pytest.FixtureRequest) -> None:
+    """A 200-token prompt with a 5-block budget, on a colocated worker or on a prefill
+    worker that pushes its kept pages (gRPC) to a decode worker: prefilled up to the budget,
+    then a block at a time (the oldest window block evicted before each), so the worker gave
+    up the prompt's blocks past the budget while prefilling, and the tokens are those the
+    in-process engine serves with the same policy (tests/decode_worker/
     test_eviction_prefill.py checks those against decoding the prompt token by token)."""
-    deployment = colocated_deployment
+    deployment: Deployment = request.getfixturevalue(fixture)
     flags = ["--speculative-method", "off", *POLICIES["streaming"]]
     prompt = [13 + i % 280 for i in range(200)]
     model = Transformer(load_model_config(qwen3_checkpoint), get_attention_backend("torch"),
                         torch.float32, torch.device("cpu"))
     config = KvEvictionConfig("streaming", sink_tokens=4, window_tokens=60)
     want = served(cpu_engine(model, BLOCK_SIZE, 64, eviction=config), prompt, 50)
-    with reconfigured(deployment, ["colocated-0"], flags):
+    with reconfigured(deployment, names, flags):
         request = client.make_request(prompt, temperature=0.0, max_tokens=50, ignore_eos=True)
+        request.cache_salt = f"long-prompt-{fixture}"
         got = asyncio.run(client.generate(deployment.router_address, request, 120))
         assert got.token_ids == want
-        worker = next(p for p in deployment.processes if p.name == "colocated-0")
-        evicted = value(scrape(worker.metrics_port), "kvferry_kv_evicted_blocks_total")
-        # 200 + 49 tokens written: 16 blocks, at most 5 kept
-        assert evicted == -(-(len(prompt) + 49) // BLOCK_SIZE) - BUDGET_BLOCKS
+        evicted = sum(value(scrape(p.metrics_port), "kvferry_kv_evicted_blocks_total")
+                      for p in deployment.processes if p.name in names[-1:])
+        # 200 + 49 tokens written: 16 blocks, at most 5 kept; the prompt's 8 evicted blocks
+        # were given up where it was prefilled
+        prompt_evicted = (len(prompt) - BUDGET_BLOCKS * BLOCK_SIZE) // BLOCK_SIZE + 1
+        written = -(-(len(prompt) + 49) // BLOCK_SIZE)
+        assert evicted == written - BUDGET_BLOCKS - (prompt_evicted if len(names) > 1 else 0)
         assert_pools_clean(deployment)

@@ -50,6 +50,7 @@ class PushKvReceiver:
                 written += self.sink.receive_chunk(
                     request_id, convert.layout_from_proto(chunk.layout), chunk.num_tokens,
                     span, chunk.data, chunk.crc32, epoch, chunk.is_draft,
+                    (chunk.num_evicted, chunk.num_rebased),
                 )
                 if tracer := trace.get():
                     tracer.event("kv", t0=received_from, t1=time.monotonic(), id=request_id,

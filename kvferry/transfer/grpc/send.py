@@ -140,14 +140,15 @@ class GrpcKvSender:
     async def _messages(self, request_id: str, layout: KvLayout, num_tokens: int, pool: KvPool,
                         block_table: list[int], spans: list[wire.ChunkSpan],
                         ready: LayersReady | None, corrupt: bool, progress: Progress,
-                        draft: DraftPush | None = None) -> AsyncIterator[Any]:
+                        draft: DraftPush | None = None, evicted: tuple[int, int] = (0, 0)
+                        ) -> AsyncIterator[Any]:
         """The push's stream: one chunk per span, each once its layers are ready; then,
         with `draft`, the draft's pages of the whole prompt once they are."""
         layout_msg = convert.layout_to_proto(layout)
         chunk_delay_s = self.faults.for_request(request_id).push_chunk_delay_s
         async for i, span in self._ready_spans(spans, ready, progress, chunk_delay_s):
             yield self._chunk(request_id, layout_msg, num_tokens, pool, block_table, span,
-                              progress, corrupt and i == 0)
+                              progress, corrupt and i == 0, evicted=evicted)
         if draft is not None:
             await draft.ready()
             draft_msg = convert.layout_to_proto(draft.layout)
@@ -158,7 +159,8 @@ class GrpcKvSender:
     @staticmethod
     def _chunk(request_id: str, layout_msg: worker_pb2.KvLayout, num_tokens: int,
                pool: KvPool, block_table: list[int], span: wire.ChunkSpan, progress: Progress,
-               corrupt: bool, is_draft: bool = False) -> bytes:
+               corrupt: bool, is_draft: bool = False, evicted: tuple[int, int] = (0, 0)
+               ) -> bytes:
         """One span of `pool`'s pages as a serialized KvChunk (`corrupt`: fault injection,
         a byte flipped after the checksum was taken)."""
         data = wire.pack_array(pool, block_table, span)
@@ -170,19 +172,21 @@ class GrpcKvSender:
             request_id=request_id, layout=layout_msg, num_tokens=num_tokens,
             layer_start=span.layer_start, layer_end=span.layer_end,
             block_start=span.block_start, num_blocks=span.num_blocks, crc32=crc,
-            is_draft=is_draft,
+            is_draft=is_draft, num_evicted=evicted[0], num_rebased=evicted[1],
         ), data)
 
     async def push(
         self, address: str, request_id: str, layout: KvLayout, num_tokens: int,
         pool: KvPool, block_table: list[int], timeout_s: float | None,
         ready: LayersReady | None = None, first_block: int = 0,
-        draft: DraftPush | None = None,
+        draft: DraftPush | None = None, evicted: tuple[int, int] = (0, 0),
     ) -> PushResult:
         """Stream the pages in layer order; with `ready`, each layer group goes as soon as
         the prefill forward has written it, overlapping the transfer with later layers.
-        `draft`: the draft model's pages of the prompt follow (from block 0)."""
-        spans = self._plan(layout, num_tokens, first_block)
+        `draft`: the draft model's pages of the prompt follow (from block 0). `evicted`:
+        (num_evicted, num_rebased) of a prompt that evicted while prefilled; its kept pages
+        (those of `num_tokens - num_evicted` tokens) are what goes."""
+        spans = self._plan(layout, num_tokens - evicted[0], first_block)
         progress = Progress()
         started = progress.started
         num_corrupt = num_lost = 0
@@ -204,7 +208,8 @@ class GrpcKvSender:
                 progress.sent = 0
                 await self._push_kv(address)(
                     self._messages(request_id, layout, num_tokens, pool, block_table, spans,
-                                   ready, corrupt, progress, draft), timeout=timeout_s)
+                                   ready, corrupt, progress, draft, evicted),
+                    timeout=timeout_s)
                 result = PushResult(progress.sent, time.perf_counter() - started[0])
                 if armed.push_done_delay_s:
                     log.info("request %s: K/V push accepted; holding its done %.1f s (fault "

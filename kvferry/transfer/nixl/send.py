@@ -97,7 +97,11 @@ class NixlKvSender(GrpcKvSender):
     async def _messages(self, request_id: str, layout: KvLayout, num_tokens: int, pool: KvPool,
                         block_table: list[int], spans: list[wire.ChunkSpan],
                         ready: LayersReady | None, corrupt: bool, progress: Progress,
-                        draft: DraftPush | None = None) -> AsyncIterator[Any]:
+                        draft: DraftPush | None = None, evicted: tuple[int, int] = (0, 0)
+                        ) -> AsyncIterator[Any]:
+        if evicted[0]:
+            raise InvalidArgument("the nixl K/V transport carries no evicted prompt; prefill "
+                                  "workers evict while prefilling over grpc only", "kv_eviction")
         if draft is not None:
             raise InvalidArgument("the nixl K/V transport carries no draft pages; use "
                                   "--speculative-draft-kv recompute", "speculative_draft_kv")

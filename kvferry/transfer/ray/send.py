@@ -94,8 +94,11 @@ class RayKvSender:
         self, address: str, request_id: str, layout: KvLayout, num_tokens: int,
         pool: KvPool, block_table: list[int], timeout_s: float | None,
         ready: LayersReady | None = None, first_block: int = 0,
-        draft: DraftPush | None = None,
+        draft: DraftPush | None = None, evicted: tuple[int, int] = (0, 0),
     ) -> PushResult:
+        if evicted[0]:
+            raise InvalidArgument("the ray K/V transport carries no evicted prompt; prefill "
+                                  "workers evict while prefilling over grpc only", "kv_eviction")
         if draft is not None:
             raise InvalidArgument("the ray K/V transport carries no draft pages; use "
                                   "--speculative-draft-kv recompute", "speculative_draft_kv")

@@ -1,22 +1,24 @@
-"""K/V eviction in the step loop of decode and colocated workers
-(docs/kv-eviction-design.md 3.1-3.3): streaming (StreamingLLM: attention sinks and a sliding
-window, `StreamingEviction`) and heavy hitters (H2O, `HeavyHitterEviction`).
+"""K/V eviction in the step loop of decode and colocated workers, and while colocated and
+prefill workers prefill a prompt past the budget (docs/kv-eviction-design.md 3.1-3.4):
+streaming (StreamingLLM: attention sinks and a sliding window, `StreamingEviction`) and heavy
+hitters (H2O, `HeavyHitterEviction`).
 
 A sequence holds at most `budget_blocks`: its first `sink_blocks` (the sinks) and the newest
 blocks (the window). Before a step whose token would need one block more, the oldest window
 block leaves the table and is freed (`num_evicted` grows by a block): on the event loop,
 between steps, never under a forward. Every kept token stays rotated at its index in the
-cache plus the tokens evicted since the last re-base (`DecodeSeq.rope_position`), so the
+cache plus the tokens evicted since the last re-base (`rope_position`), so the
 distances attention sees are those of positions within the cache. The window keeps the
 positions it was written at; the sinks are re-rotated forward instead, each time from a copy
 of their keys as first written (one rotation from the original, never a rotation of a
 rotation). Before a sink block is first rewritten it is made the sequence's own (copied if
 another table or the prefix cache holds it). When the next token's rotary position would pass
 the model's context, every kept key is rotated back to its index in the cache (re-base), so
-the rotary positions stay within the range the model was trained on. On colocated workers the
-same policy bounds a prompt while it is prefilled (kvferry/model/prefill_batch.py, on the event
-loop between its chunks; a decode forward may then run, over other sequences' blocks), and the
-sequence goes on from the state the prompt left.
+the rotary positions stay within the range the model was trained on. The same policy bounds a
+prompt while it is prefilled (kvferry/model/prefill_batch.py, on the event loop between its
+chunks; on a colocated worker a decode forward may then run, over other sequences' blocks),
+and the sequence goes on from the state the prompt left (pushed with the kept pages from a
+prefill worker).
 
 H2O keeps the last `recent_blocks` and, of the older blocks, those whose tokens drew the most
 attention so far: each step's attention kernels add every kept position's probability, summed
@@ -35,16 +37,38 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Hashable
+from typing import Protocol
 
 import torch
 
-from decode_worker.sequence import DecodeSeq
 from kvferry.cache.layout import blocks_for_tokens
 from kvferry.cache.pool import KvPool
 from kvferry.model.transformer import Transformer
 from kvferry.settings import KvEvictionConfig
 
 log = logging.getLogger("kvferry.decode")
+
+
+class EvictingSeq(Protocol):
+    """A sequence as eviction sees it: a decode worker's `EvictingSeq`, or a prompt being
+    prefilled (`kvferry.model.prefill_batch.PrefillJob`)."""
+
+    request_id: str
+    block_table: list[int]
+    num_evicted: int  # tokens whose K/V left the table
+    num_rebased: int  # of those, the ones its rotary positions no longer count
+
+    @property
+    def key(self) -> Hashable: ...
+
+    @property
+    def next_position(self) -> int: ...
+
+    @property
+    def cache_position(self) -> int: ...
+
+    @property
+    def rope_position(self) -> int: ...
 
 
 class StreamingEviction:
@@ -72,11 +96,11 @@ class StreamingEviction:
         self._sinks: dict[Hashable, torch.Tensor] = {}  # key -> [L, S, bs, Hkv, D] as written
         self.num_evicted_blocks = 0  # over the worker's life
 
-    def needs(self, seq: DecodeSeq) -> bool:
+    def needs(self, seq: EvictingSeq) -> bool:
         """Whether `seq`'s next step must wait for `bound` (executor thread: read only)."""
         return self._over_budget(seq) or self._past_context(seq)
 
-    def bound(self, seq: DecodeSeq) -> None:
+    def bound(self, seq: EvictingSeq) -> None:
         """Evict until `seq`'s next token fits the budget; re-base its rotary positions when
         that token's would pass the model's context."""
         while self._over_budget(seq):
@@ -85,11 +109,11 @@ class StreamingEviction:
         if self._past_context(seq):
             self._rebase(seq)
 
-    def _over_budget(self, seq: DecodeSeq) -> bool:
+    def _over_budget(self, seq: EvictingSeq) -> bool:
         """Its next token would need a block past the budget."""
         return blocks_for_tokens(seq.cache_position + 1, self.pool.block_size) > self.budget_blocks
 
-    def _past_context(self, seq: DecodeSeq) -> bool:
+    def _past_context(self, seq: EvictingSeq) -> bool:
         """Its next token's rotary position would pass the model's context (never at text
         positions, which the benchmark lets grow)."""
         return seq.rope_position >= self.max_position and not self.text_positions
@@ -98,10 +122,10 @@ class StreamingEviction:
         """The sequence left the step loop."""
         self._sinks.pop(key, None)
 
-    def observe(self, batch: list[DecodeSeq], mass: torch.Tensor) -> None:
+    def observe(self, batch: list[EvictingSeq], mass: torch.Tensor) -> None:
         """A step's attention mass (only where `wants_mass`)."""
 
-    def _evict_oldest(self, seq: DecodeSeq) -> bool:
+    def _evict_oldest(self, seq: EvictingSeq) -> bool:
         if not self.text_positions and not self._own(seq, range(self.sink_blocks)):
             return False  # rewritten below: its own first (samples share an evicted prompt's)
         if seq.key not in self._sinks and not self.text_positions:  # its first eviction here
@@ -117,7 +141,7 @@ class StreamingEviction:
         self._write_sinks(seq)
         return True
 
-    def _write_sinks(self, seq: DecodeSeq) -> None:
+    def _write_sinks(self, seq: EvictingSeq) -> None:
         """The sinks' keys rotated from their originals by the tokens evicted since the last
         re-base: right before the window, as positions within the cache put them."""
         if not self.sink_blocks or self.text_positions:
@@ -127,7 +151,7 @@ class StreamingEviction:
         self.pool.cache[:, 0, ids] = self.model.rotate_keys(self._sinks[seq.key], shift).to(
             self.pool.cache.dtype)
 
-    def _rebase(self, seq: DecodeSeq) -> None:
+    def _rebase(self, seq: EvictingSeq) -> None:
         """Every kept key rotated back to its index in the cache."""
         if not self._own(seq, range(len(seq.block_table))):  # the sinks rewritten too
             return
@@ -141,7 +165,7 @@ class StreamingEviction:
         log.info("request %s: rotary positions re-based by %d at position %d", seq.request_id,
                  shift, seq.next_position, extra={"request_id": seq.request_id})
 
-    def _own(self, seq: DecodeSeq, indices: range) -> bool:
+    def _own(self, seq: EvictingSeq, indices: range) -> bool:
         """Blocks `indices` of `seq`'s table made its own (copied where another table or the
         prefix cache holds them); False, nothing changed, when the pool lacks the blocks."""
         allocator = self.pool.allocator
@@ -172,7 +196,7 @@ class HeavyHitterEviction(StreamingEviction):
     def forget(self, key: Hashable) -> None:
         self._mass.pop(key, None)
 
-    def observe(self, batch: list[DecodeSeq], mass: torch.Tensor) -> None:
+    def observe(self, batch: list[EvictingSeq], mass: torch.Tensor) -> None:
         """Add one step's mass [B, >= tokens of the widest table] (rows in `batch` order) to
         each sequence's blocks (executor thread, between `bound`s)."""
         block_size = self.pool.block_size
@@ -185,7 +209,7 @@ class HeavyHitterEviction(StreamingEviction):
             for i in range(len(seq.block_table)):
                 kept[i] += row[i]
 
-    def _evict_oldest(self, seq: DecodeSeq) -> bool:
+    def _evict_oldest(self, seq: EvictingSeq) -> bool:
         """The lightest block older than the recent window leaves."""
         kept = self._mass.setdefault(seq.key, [])
         kept += [0.0] * (len(seq.block_table) - len(kept))
