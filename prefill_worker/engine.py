@@ -212,7 +212,7 @@ class PrefillEngine:
         push: asyncio.Future[PushResult] | None = None
         parked: Parked | None = None
         draft = _DraftRun(self.draft)
-        evicts = self._evicts(prompt, skip_blocks)
+        evicts = self._evicts(prompt, params, skip_blocks)
         try:
             self.batcher.submit(job)
             if decode_address and not evicts:
@@ -262,10 +262,11 @@ class PrefillEngine:
             self.cache.register(keys, job.block_table)  # every full prompt block is final now
         return {"evicted": (job.num_evicted, job.num_rebased)} if evicts else {}
 
-    def _evicts(self, prompt: list[int], skip_blocks: int) -> bool:
+    def _evicts(self, prompt: list[int], params: SamplingParams, skip_blocks: int) -> bool:
         """Whether `prompt` passes the K/V budget, so it evicts while prefilled (and its
-        decode reservation, knowing the budget, shares no cached blocks)."""
-        if self.eviction is None:
+        decode reservation, knowing the budget, shares no cached blocks), unless its request
+        opted out."""
+        if self.eviction is None or params.kv_eviction == "none":
             return False
         evicts = len(prompt) > self.eviction.budget_blocks * self.pool.block_size
         if evicts and skip_blocks:

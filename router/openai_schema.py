@@ -5,7 +5,8 @@ Only types are checked here. Values go through the router's validation, the same
 Generate's, whose refusals name proto fields (`sampling.max_tokens`, `input.messages[1].role`);
 `OpenAIRequest.param` names the parameter the client sent instead (`max_tokens`,
 `messages[1].role`). kvferry's own parameters ride along as extra body fields under vLLM's
-names (`top_k`, `ignore_eos`, `stop_token_ids`, `cache_salt`, `return_token_ids`); fields of
+names (`top_k`, `ignore_eos`, `stop_token_ids`, `cache_salt`, `return_token_ids`), and
+`kv_eviction` ("none": this request keeps all its K/V under a deployment's --kv-eviction); fields of
 the API that kvferry does not serve are refused when set to anything that would change the
 result (`UNSERVED`), and unknown ones are ignored, as vLLM does.
 """
@@ -74,6 +75,7 @@ class OpenAIRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     cache_salt: str | None = None  # prefix-cache namespace (kvferry/cache/prefix.py)
     return_token_ids: bool = False  # each choice also carries its `token_ids`
+    kv_eviction: str = ""  # "none": every token of this request kept (sampling.kv_eviction)
 
     @property
     def include_usage(self) -> bool:
@@ -109,7 +111,7 @@ class OpenAIRequest(BaseModel):
             top_p=defaults.top_p if self.top_p is None else self.top_p,
             top_k=defaults.top_k if self.top_k is None else 0 if self.top_k == -1 else self.top_k,
             seed=self.seed, stop=stop, stop_token_ids=tuple(self.stop_token_ids or ()),
-            ignore_eos=self.ignore_eos, n=self.n,
+            ignore_eos=self.ignore_eos, n=self.n, kv_eviction=self.kv_eviction,
             **({} if max_tokens is None else {"max_tokens": max_tokens}),
         )
         return params, max_tokens is not None

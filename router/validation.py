@@ -145,6 +145,8 @@ def resolve_sampling(inp: GenerateInput, config: ModelConfig, num_prompt: int,
     `is_generation_bounded` (the decode workers evict K/V): max_tokens may pass the context
     (unset, 256)."""
     params = inp.params
+    if params.kv_eviction == "none":  # this request keeps every token: the context bounds it
+        is_generation_bounded = False
     room = config.max_position_embeddings - num_prompt
     if room < 1:
         raise InvalidArgument(

@@ -43,6 +43,7 @@ import torch
 
 from kvferry.cache.layout import blocks_for_tokens
 from kvferry.cache.pool import KvPool
+from kvferry.model.sampling import SamplingParams
 from kvferry.model.transformer import Transformer
 from kvferry.settings import KvEvictionConfig
 
@@ -54,6 +55,7 @@ class EvictingSeq(Protocol):
     prefilled (`kvferry.model.prefill_batch.PrefillJob`)."""
 
     request_id: str
+    params: SamplingParams | None  # kv_eviction "none": the request keeps every token
     block_table: list[int]
     num_evicted: int  # tokens whose K/V left the table
     num_rebased: int  # of those, the ones its rotary positions no longer count
@@ -96,13 +98,20 @@ class StreamingEviction:
         self._sinks: dict[Hashable, torch.Tensor] = {}  # key -> [L, S, bs, Hkv, D] as written
         self.num_evicted_blocks = 0  # over the worker's life
 
+    @staticmethod
+    def applies(seq: EvictingSeq) -> bool:
+        """Whether the policy bounds `seq` (its request did not opt out: kv_eviction none)."""
+        return seq.params is None or seq.params.kv_eviction != "none"
+
     def needs(self, seq: EvictingSeq) -> bool:
         """Whether `seq`'s next step must wait for `bound` (executor thread: read only)."""
-        return self._over_budget(seq) or self._past_context(seq)
+        return self.applies(seq) and (self._over_budget(seq) or self._past_context(seq))
 
     def bound(self, seq: EvictingSeq) -> None:
         """Evict until `seq`'s next token fits the budget; re-base its rotary positions when
-        that token's would pass the model's context."""
+        that token's would pass the model's context. Nothing for a request that opted out."""
+        if not self.applies(seq):
+            return
         while self._over_budget(seq):
             if not self._evict_oldest(seq):
                 return  # no block to copy a shared sink into: it waits a step (grows)

@@ -117,6 +117,8 @@ class Bound(Protocol):
 
     def bound(self, seq: PrefillJob) -> None: ...
 
+    def applies(self, seq: PrefillJob) -> bool: ...
+
     def observe(self, batch: list[PrefillJob], mass: torch.Tensor) -> None: ...
 
 
@@ -202,7 +204,7 @@ class PrefillBatcher:
     def _room(self, job: PrefillJob) -> int:
         """Tokens the job may prefill next: under eviction, bounded first (event loop,
         between forwards), up to where its table reaches the budget."""
-        if self.eviction is None:
+        if self.eviction is None or not self.eviction.applies(job):
             return len(job.prompt)
         self.eviction.bound(job)  # a shared sink with no block to copy it into: room 0
         return self.eviction.budget_blocks * self.pool.block_size - job.cache_position

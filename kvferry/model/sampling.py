@@ -45,6 +45,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     n: int = 1  # samples of the prompt (parallel sampling); workers get a count of their own
+    kv_eviction: str = ""  # "": the deployment's K/V eviction; "none": this request keeps all
 
     @property
     def is_greedy(self) -> bool:
@@ -84,6 +85,10 @@ class SamplingParams:
             )
         if self.n < 1:
             raise InvalidArgument(f"sampling.n must be >= 1, got {self.n}", "sampling.n")
+        if self.kv_eviction not in ("", "none"):
+            raise InvalidArgument(
+                f"sampling.kv_eviction: empty (the deployment's) or 'none' (keep every token), "
+                f"got {self.kv_eviction!r}", "sampling.kv_eviction")
         if self.seed is not None and self.seed + self.n > MAX_SEED:
             raise InvalidArgument(
                 f"sampling.seed: sample i uses seed + i, so seed + n must be at most 2^63 "

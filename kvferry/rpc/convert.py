@@ -27,6 +27,7 @@ def sampling_from_proto(msg: generation_pb2.SamplingParams,
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         n=msg.n if msg.HasField("n") and msg.n != 0 else 1,
+        kv_eviction=msg.kv_eviction,
     )
 
 
@@ -35,6 +36,7 @@ def sampling_to_proto(params: SamplingParams) -> generation_pb2.SamplingParams:
         temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
         max_tokens=params.max_tokens, stop=list(params.stop),
         stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
+        kv_eviction=params.kv_eviction,
     )
     if params.seed is not None:
         msg.seed = params.seed

@@ -72,12 +72,13 @@ def _stepwise(model: Transformer, config: KvEvictionConfig, prompt: list[int], c
     return out
 
 
-def _served(engine: DecodeEngine, prompt: list[int], max_tokens: int) -> list[int]:
-    """One greedy request prefilled here (colocated) and decoded to the end."""
+def _served(engine: DecodeEngine, prompt: list[int], max_tokens: int,
+            params: SamplingParams = GREEDY) -> list[int]:
+    """One request (default greedy) prefilled here (colocated) and decoded to the end."""
     async def run() -> list[int]:
         await engine.reserve("A", len(prompt), max_tokens, 60.0, prompt)
-        first, *_ = await engine.prefill_local("A", prompt, GREEDY)
-        queue = engine.attach("A", first, GREEDY, max_tokens - 1, [])
+        first, *_ = await engine.prefill_local("A", prompt, params)
+        queue = engine.attach("A", first, params, max_tokens - 1, [])
         return await collect_tokens(queue, "A", [first])
 
     return run_to_idle(engine, run)
@@ -166,3 +167,23 @@ def test_samples_forked_from_an_evicted_prompt_each_decode_as_one_request(
 
     got = run_to_idle(engine, run)
     assert got == {0: alone, 1: alone, 2: alone}
+
+
+def test_a_request_that_opts_out_keeps_every_token(model: Transformer) -> None:
+    """sampling.kv_eviction "none" on an evicting worker: the long prompt is prefilled whole
+    and the sequence grows past the budget, decoding what a worker without eviction
+    decodes; nothing is evicted."""
+    kept = SamplingParams(temperature=0.0, kv_eviction="none")
+    plain = _served(cpu_engine(model, BLOCK, 64), PROMPT, 30)
+    engine = _engine(model, STREAMING)
+    lengths: list[int] = []
+    original = engine.steps._step
+
+    def recording(batch: list, is_staged: bool = False) -> list[list[int]]:
+        lengths.append(len(batch[0].block_table))
+        return original(batch, is_staged)
+
+    engine.steps._step = recording  # type: ignore[method-assign]
+    assert _served(engine, PROMPT, 30, kept) == plain
+    assert engine.steps.eviction is not None and engine.steps.eviction.num_evicted_blocks == 0
+    assert max(lengths) == -(-(len(PROMPT) + 29) // BLOCK) > STREAMING.budget_blocks(BLOCK)

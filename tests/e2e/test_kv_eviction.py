@@ -26,7 +26,7 @@ from kvferry.faults import tag
 from kvferry.model.config import load_model_config
 from kvferry.model.sampling import SamplingParams
 from kvferry.model.transformer import Transformer
-from kvferry.rpc import grpc_util
+from kvferry.rpc import convert, grpc_util
 from kvferry.settings import KvEvictionConfig
 from kvferry.v1 import generation_pb2_grpc
 from kvferry_kernels.dispatch import get_attention_backend
@@ -145,6 +145,21 @@ def test_a_router_told_of_the_policy_lets_generation_pass_the_context(
     assert exc.value.field == "sampling.max_tokens"
     assert validation.resolve_sampling(
         inp, config, len(prompt), is_generation_bounded=True).max_tokens == context + 4
+    # A request that opts out (sampling.kv_eviction "none") is bounded by the context again.
+    kept = GenerateInput("r", None, prompt, SamplingParams(max_tokens=context + 4,
+                                                           kv_eviction="none"), True)
+    with pytest.raises(InvalidArgument) as exc:
+        validation.resolve_sampling(kept, config, len(prompt), is_generation_bounded=True)
+    assert exc.value.field == "sampling.max_tokens"
+    unset_kept = GenerateInput("r", None, prompt, SamplingParams(kv_eviction="none"), False)
+    assert validation.resolve_sampling(unset_kept, config, context - 10,
+                                       is_generation_bounded=True).max_tokens == 10
+    assert convert.sampling_from_proto(convert.sampling_to_proto(
+        kept.params)).kv_eviction == "none"
+    bad = GenerateInput("r", None, prompt, SamplingParams(kv_eviction="h2o"), False)
+    with pytest.raises(InvalidArgument) as exc:  # a request cannot choose another policy
+        validation.resolve_sampling(bad, config, len(prompt), is_generation_bounded=True)
+    assert exc.value.field == "sampling.kv_eviction"
     unset = GenerateInput("r", None, prompt, SamplingParams(), False)
     assert validation.resolve_sampling(unset, config, context - 10).max_tokens == 10
     assert validation.resolve_sampling(unset, config, context - 10,
@@ -162,7 +177,8 @@ def test_a_long_prompt_is_prefilled_evicting_as_it_goes(
     then a block at a time (the oldest window block evicted before each), so the worker gave
     up the prompt's blocks past the budget while prefilling, and the tokens are those the
     in-process engine serves with the same policy (tests/decode_worker/
-    test_eviction_prefill.py checks those against decoding the prompt token by token)."""
+    test_eviction_prefill.py checks those against decoding the prompt token by token). The
+    same prompt from a request that opts out gets the tokens of a worker without eviction."""
     deployment: Deployment = request.getfixturevalue(fixture)
     flags = ["--speculative-method", "off", *POLICIES["streaming"]]
     prompt = [13 + i % 280 for i in range(200)]
@@ -170,7 +186,14 @@ def test_a_long_prompt_is_prefilled_evicting_as_it_goes(
                         torch.float32, torch.device("cpu"))
     config = KvEvictionConfig("streaming", sink_tokens=4, window_tokens=60)
     want = served(cpu_engine(model, BLOCK_SIZE, 64, eviction=config), prompt, 50)
+    unbounded = served(cpu_engine(model, BLOCK_SIZE, 64), prompt, 50)
     with reconfigured(deployment, names, flags):
+        # A request that opts out (sampling.kv_eviction "none") is served as without eviction.
+        kept = client.make_request(prompt, temperature=0.0, max_tokens=50, ignore_eos=True,
+                                   kv_eviction="none")
+        kept.cache_salt = f"long-prompt-kept-{fixture}"
+        assert asyncio.run(client.generate(deployment.router_address, kept, 120)
+                           ).token_ids == unbounded
         request = client.make_request(prompt, temperature=0.0, max_tokens=50, ignore_eos=True)
         request.cache_salt = f"long-prompt-{fixture}"
         got = asyncio.run(client.generate(deployment.router_address, request, 120))
