@@ -6,7 +6,7 @@ domain), its first `--tokens` tokens (8,192: the model's whole context, so full 
 Every configuration is a sequence fed the text one token at a time through the decode step
 (`Transformer.decode` over the paged pool, the C kernel on CPU), teacher forcing: at each step
 the negative log-likelihood of the next token of the text; a sequence's K/V is bounded before
-each step by the worker's own eviction code (`decode_worker/eviction.py`). All configurations
+each step by the worker's own eviction code (`kvferry/model/eviction.py`). All configurations
 run together as one decode batch. Configurations, at each budget of `--budgets` tokens (block
 size 16):
   full:            nothing evicted (the reference);
@@ -25,7 +25,8 @@ size 16):
                    the block-level choice is measured.
 Printed: perplexity over all predicted tokens and over those predicted once the budget was
 full (where eviction acts), per configuration. Retrieval (`--sections retrieval`): a fact ("the
-secret code of NAME is NNNN") planted after the play's first 64 tokens (past the sinks)
+secret code of NAME is NNNN") planted after the play's first `--plant-at` tokens (64: past
+the sinks)
 and asked about after `--filler` tokens of it, for 6 seeded names; a fact counts as retrieved
 when every token of its code is the model's argmax (teacher forced), per configuration (no
 text-positions row). Deterministic: one run (no timing reported). Usage:
@@ -48,12 +49,12 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script too
-from decode_worker.eviction import StreamingEviction, make_eviction  # noqa: E402
 from decode_worker.sequence import DecodeSeq, step_inputs  # noqa: E402
 from deploy.default_model import bench_model  # noqa: E402
 from kvferry.cache.layout import blocks_for_tokens  # noqa: E402
 from kvferry.cache.pool import KvPool  # noqa: E402
 from kvferry.model.config import load_model_config  # noqa: E402
+from kvferry.model.eviction import StreamingEviction, make_eviction  # noqa: E402
 from kvferry.model.transformer import Transformer  # noqa: E402
 from kvferry.settings import KERNEL_CACHE_DIR, KvEvictionConfig  # noqa: E402
 from kvferry_kernels.dispatch import get_attention_backend  # noqa: E402
@@ -175,7 +176,7 @@ NAMES = ("Ada", "Basil", "Clara", "Dorian", "Elsa", "Felix")
 
 
 def retrieval(model: Transformer, model_dir: str, filler: int, budgets: list[int],
-              names: tuple[str, ...] = CONFIGS) -> list[dict]:
+              names: tuple[str, ...] = CONFIGS, plant_at: int = 64) -> list[dict]:
     """A fact planted after the play's first 64 tokens (past the sink block) and before the
     rest of `filler` tokens of it, asked about after them: per
     configuration, the facts whose answer (a 4-digit code) the model predicts token for
@@ -191,8 +192,9 @@ def retrieval(model: Transformer, model_dir: str, filler: int, budgets: list[int
         head = tokenizer(f"Remember this: the secret code of {name} is {code}.\n\n")["input_ids"]
         ask = tokenizer(f"\n\nQuestion: what is the secret code of {name}?\nAnswer: the "
                         f"secret code of {name} is")["input_ids"]
-        # after the play's first 64 tokens: past the sinks, so only a window can keep it
-        cases.append((play[:64] + head + play[64:] + ask, tokenizer(f" {code}")["input_ids"]))
+        # past the sinks: only a window (or a heavy hitter) can keep it
+        cases.append((play[:plant_at] + head + play[plant_at:] + ask,
+                       tokenizer(f" {code}")["input_ids"]))
     configs = [c for c in _configs(budgets, names) if c[0] != "streaming-text"]
     runs = teacher_forced(model, [(name, prompt + answer, config, text_positions)
                                   for name, _, config, text_positions in configs
@@ -202,7 +204,7 @@ def retrieval(model: Transformer, model_dir: str, filler: int, budgets: list[int
         hits = sum(bool(runs[k * len(cases) + j][1][-len(answer):].all())
                    for j, (_, answer) in enumerate(cases))
         out.append({"config": name, "budget": budget, "retrieved": hits, "of": len(cases),
-                    "prompt_tokens": len(cases[0][0])})
+                    "prompt_tokens": len(cases[0][0]), "plant_at": plant_at})
     return out
 
 
@@ -217,6 +219,8 @@ def main() -> None:
                    default=["perplexity", "retrieval"])
     p.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS),
                    help="the configurations run (full is the reference the ratios need)")
+    p.add_argument("--plant-at", type=int, default=64,
+                   help="retrieval: tokens of the play before the fact")
     p.add_argument("--filler", type=int, default=1500,
                    help="retrieval: tokens of the play between the fact and the question")
     p.add_argument("--out", type=Path, default=None)
@@ -245,7 +249,8 @@ def main() -> None:
                   f"{r['perplexity'] / full:7.3f}")
         report["results"] = results
     if "retrieval" in args.sections:
-        found = retrieval(model, model_dir, args.filler, args.budgets, tuple(args.configs))
+        found = retrieval(model, model_dir, args.filler, args.budgets, tuple(args.configs),
+                          args.plant_at)
         for r in found:
             print(f"retrieval {r['config']:>10} {r['budget'] or '-':>6}: {r['retrieved']} of "
                   f"{r['of']} ({r['prompt_tokens']}-token prompts)")
