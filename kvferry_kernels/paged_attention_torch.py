@@ -73,8 +73,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, invalid: torch.Te
     return out[:, :, 0, :]
 
 
-def _summed_probs(q: torch.Tensor, k: torch.Tensor, invalid: torch.Tensor,
-                  sm_scale: float) -> torch.Tensor:  # [U, R, L] float32
+def summed_probs(q: torch.Tensor, k: torch.Tensor, invalid: torch.Tensor,
+                 sm_scale: float) -> torch.Tensor:  # [U, R, L] float32
     """q [U, R, Hq, D] (R query positions of U sequences), k [U, Hkv, L, D] float32,
     invalid [U, R, L]: each query's softmax probabilities over its valid positions, summed
     over its query heads; exactly 0 where invalid (so in a row with no valid position)."""
@@ -153,7 +153,7 @@ def _attend_runs(q: torch.Tensor, k_cache: torch.Tensor | QuantPages,
         queries.transpose(1, 2), k, v, attn_mask=bias[:, None], scale=sm_scale,
         enable_gqa=num_q_heads != k.shape[1])  # [U, Hq, R, D]
     if mass is not None:
-        probs = _summed_probs(queries, k, invalid, sm_scale)[runs.run, runs.offset]  # [B, L]
+        probs = summed_probs(queries, k, invalid, sm_scale)[runs.run, runs.offset]  # [B, L]
         _add_mass(mass, probs, invalid[runs.run, runs.offset])
     return out.transpose(1, 2)[runs.run, runs.offset]
 
@@ -212,7 +212,7 @@ def _attend_rows(
     invalid = torch.arange(max_len, device=q.device)[None, :] >= seq_lens[:, None].to(q.device)
     out = _attend(q, k.transpose(1, 2), v.transpose(1, 2), invalid, sm_scale)
     if mass is not None:
-        probs = _summed_probs(q.float()[:, None], k.transpose(1, 2), invalid[:, None], sm_scale)
+        probs = summed_probs(q.float()[:, None], k.transpose(1, 2), invalid[:, None], sm_scale)
         _add_mass(mass, probs[:, 0], invalid)
     bad = out.isnan().flatten(1).any(dim=1)  # [B]
     if bad.any():

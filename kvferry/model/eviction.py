@@ -143,12 +143,15 @@ class StreamingEviction:
             # (a sample forked after its prompt evicted; 0, exactly the keys, otherwise)
             self._sinks[seq.key] = self.model.rotate_keys(
                 self.pool.cache[:, 0, ids].float(), seq.num_rebased - seq.num_evicted)
-        block = seq.block_table.pop(self.sink_blocks)
-        self.pool.allocator.free([block])
-        seq.num_evicted += self.pool.block_size
-        self.num_evicted_blocks += 1
+        self._drop(seq, self.sink_blocks)
         self._write_sinks(seq)
         return True
+
+    def _drop(self, seq: EvictingSeq, index: int) -> None:
+        """Table entry `index` leaves and its block is freed: a block of tokens evicted."""
+        self.pool.allocator.free([seq.block_table.pop(index)])
+        seq.num_evicted += self.pool.block_size
+        self.num_evicted_blocks += 1
 
     def _write_sinks(self, seq: EvictingSeq) -> None:
         """The sinks' keys rotated from their originals by the tokens evicted since the last
@@ -213,25 +216,27 @@ class HeavyHitterEviction(StreamingEviction):
         per_block = mass[:, :width * block_size].reshape(len(batch), width, block_size)
         per_block = per_block.sum(dim=2).tolist()
         for seq, row in zip(batch, per_block):
-            kept = self._mass.setdefault(seq.key, [])
-            kept += [0.0] * (len(seq.block_table) - len(kept))
+            kept = self._masses(seq)
             for i in range(len(seq.block_table)):
                 kept[i] += row[i]
 
-    def _evict_oldest(self, seq: EvictingSeq) -> bool:
-        """The lightest block older than the recent window leaves."""
+    def _masses(self, seq: EvictingSeq) -> list[float]:
+        """`seq`'s mass per table entry, one for each (0.0 for blocks it has not seen)."""
         kept = self._mass.setdefault(seq.key, [])
         kept += [0.0] * (len(seq.block_table) - len(kept))
+        return kept
+
+    def _evict_oldest(self, seq: EvictingSeq) -> bool:
+        """The lightest block older than the recent window leaves."""
+        kept = self._masses(seq)
         # Written blocks before the recent window (the next token's block is its newest; a
         # prompt's table may hold blocks reserved past it, not written yet).
         older = seq.cache_position // self.pool.block_size - (self.recent_blocks - 1)
         if older <= 0:
             return False
         victim = min(range(older), key=lambda i: (kept[i], -i))
-        self.pool.allocator.free([seq.block_table.pop(victim)])
         kept.pop(victim)
-        seq.num_evicted += self.pool.block_size
-        self.num_evicted_blocks += 1
+        self._drop(seq, victim)
         return True
 
 

@@ -20,6 +20,7 @@ from kvferry.model.config import ModelConfig
 from kvferry.model.weights import load_weights
 from kvferry_kernels.dispatch import AttentionBackend
 from kvferry_kernels.kv_quant import fake_quantize
+from kvferry_kernels.paged_attention_torch import summed_probs
 
 Weights = Mapping[str, torch.Tensor]  # checkpoint names (q/k/v and gate/up fused) -> tensors
 
@@ -264,15 +265,14 @@ class Transformer:
     def _add_mass(self, qs: torch.Tensor, ks: torch.Tensor, mask: torch.Tensor | None,
                   mass: torch.Tensor) -> None:
         """Add each key's attention probability, summed over heads and queries, to `mass`:
-        qs [1, Hq, n, D], ks [1, Hkv, total, D], mask [n, total] (None: causal over n)."""
-        group = qs.shape[1] // ks.shape[1]
-        keys = ks.repeat_interleave(group, dim=1) if group > 1 else ks
-        scores = (qs.float() @ keys.float().transpose(-1, -2)) * self.sm_scale  # [1,Hq,n,T]
+        qs [1, Hq, n, D], ks [1, Hkv, total, D], mask [n, total] (None: causal over n), as
+        the decode kernels' torch path sums them (`summed_probs`)."""
+        n, total = qs.shape[2], ks.shape[2]
         if mask is None:
-            n = scores.shape[-1]
-            mask = torch.ones(n, n, dtype=torch.bool, device=scores.device).tril()
-        scores = scores.masked_fill(~mask, float("-inf"))
-        mass[:scores.shape[-1]] += torch.softmax(scores, dim=-1).sum(dim=(0, 1, 2))
+            mask = torch.ones(n, n, dtype=torch.bool, device=qs.device).tril()
+        probs = summed_probs(qs.transpose(1, 2).float(), ks.float(), ~mask[None],
+                             self.sm_scale)  # [1, n, total]
+        mass[:total] += probs[0].sum(dim=0)
 
     def _cached_kv(self, layer: int, pool: KvPool, table: list[int], context: int, total: int
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
