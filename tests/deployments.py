@@ -1,16 +1,23 @@
 """What tests do to a running deployment instead of starting another one: a router with flags
-of its own against the deployment's workers, and a killed worker started again at its
-address (the deployment's router reconnects to it, as to a restarted pod)."""
+of its own against the deployment's workers, a decode worker killed under a stream, and a
+killed worker started again at its address (the deployment's router reconnects to it, as to
+a restarted pod)."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import os
 import signal
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from deploy import client
 from deploy.launcher import Deployment, Process, _spawn
+from kvferry.rpc import grpc_util
+from kvferry.v1 import generation_pb2, generation_pb2_grpc
+from tests.conftest import busy_process
 from tests.waiting import until_sync
 
 READY_TIMEOUT_S = 180.0
@@ -130,3 +137,26 @@ def restart(deployment: Deployment, names: list[str]) -> list[Process]:
 def _stop_named(deployment: Deployment, names: list[str]) -> None:
     for name in names:
         _stop(next(p for p in deployment.processes if p.name == name))
+
+
+def kill_decode_mid_stream(deployment: Deployment, request: generation_pb2.GenerateRequest,
+                           after_tokens: int) -> tuple[client.Completion, Process]:
+    """Stream `request` through the deployment's router; once `after_tokens` tokens arrived,
+    kill -9 the decode worker holding a running request (`busy_process`). The completed
+    stream (the router migrates the request) and the killed process, for the caller to
+    `respawn`."""
+    async def run() -> tuple[client.Completion, Process]:
+        async with grpc_util.channel(deployment.router_address) as chan:
+            stub = generation_pb2_grpc.GenerationServiceStub(chan)
+            completion, victim = client.Completion(), None
+            async for _, latest in client.stream(stub, request, timeout_s=120):
+                completion = latest
+                if victim is None and len(completion.token_ids) >= after_tokens:
+                    victim = await asyncio.to_thread(busy_process, deployment, "decode")
+                    assert victim is not None
+                    os.kill(victim.popen.pid, signal.SIGKILL)
+                    await asyncio.to_thread(victim.popen.wait, 10)
+            assert victim is not None
+            return completion, victim
+
+    return asyncio.run(run())

@@ -14,6 +14,7 @@ from decode_worker.engine import DecodeEngine
 from decode_worker.sequence import DecodeEvent, FinishedEvent, TokensEvent
 from kvferry.cache.layout import KvLayout, blocks_for_tokens
 from kvferry.cache.pool import KvPool
+from kvferry.model.sampling import SamplingParams
 from kvferry.model.transformer import Transformer
 from tests.waiting import until, within
 
@@ -47,6 +48,35 @@ def run_to_idle(engine: DecodeEngine, body: Callable[[], Awaitable[T]]) -> T:
             await engine.stop()
 
     return asyncio.run(run())
+
+
+# (block table, cache index, rotary position) of a sequence at one decode step
+Step = tuple[list[int], int, int]
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def serve_local(engine: DecodeEngine, prompt: list[int], max_tokens: int,
+                params: SamplingParams = GREEDY) -> tuple[list[int], list[Step]]:
+    """One request (greedy by default) prefilled here (colocated) and decoded to the end on
+    the engine, alone: its tokens and, at each decode step, its sequence's `Step`. Every
+    block comes back (`run_to_idle`)."""
+    steps: list[Step] = []
+    original = engine.steps._step
+
+    def recording(batch: list, is_staged: bool = False) -> list[list[int]]:
+        seq = batch[0]
+        steps.append((list(seq.block_table), seq.cache_position, seq.rope_position))
+        return original(batch, is_staged)
+
+    engine.steps._step = recording  # type: ignore[method-assign]
+
+    async def run() -> list[int]:
+        await engine.reserve("A", len(prompt), max_tokens, 60.0, prompt)
+        first, *_ = await engine.prefill_local("A", prompt, params)
+        queue = engine.attach("A", first, params, max_tokens - 1, [])
+        return await collect_tokens(queue, "A", [first])
+
+    return run_to_idle(engine, run), steps
 
 
 def push_random_prompt(engine: DecodeEngine, request_id: str, num_tokens: int, seed: int

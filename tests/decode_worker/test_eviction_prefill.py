@@ -25,7 +25,7 @@ from kvferry.model.sampling import SamplingParams
 from kvferry.model.transformer import Transformer
 from kvferry.settings import KvEvictionConfig
 from kvferry_kernels.dispatch import get_attention_backend
-from tests.decode_worker.engines import collect_tokens, cpu_engine, run_to_idle
+from tests.decode_worker.engines import cpu_engine, run_to_idle, serve_local
 
 GREEDY = SamplingParams(temperature=0.0)
 BLOCK = 4
@@ -72,18 +72,6 @@ def _stepwise(model: Transformer, config: KvEvictionConfig, prompt: list[int], c
     return out
 
 
-def _served(engine: DecodeEngine, prompt: list[int], max_tokens: int,
-            params: SamplingParams = GREEDY) -> list[int]:
-    """One request (default greedy) prefilled here (colocated) and decoded to the end."""
-    async def run() -> list[int]:
-        await engine.reserve("A", len(prompt), max_tokens, 60.0, prompt)
-        first, *_ = await engine.prefill_local("A", prompt, params)
-        queue = engine.attach("A", first, params, max_tokens - 1, [])
-        return await collect_tokens(queue, "A", [first])
-
-    return run_to_idle(engine, run)
-
-
 def _engine(model: Transformer, config: KvEvictionConfig) -> DecodeEngine:
     return cpu_engine(model, BLOCK, 64, eviction=config, chunk_size=16, token_budget=64)
 
@@ -101,7 +89,7 @@ def test_a_prompt_past_the_budget_is_prefilled_as_decoding_it_would_have(
         return items
 
     engine.steps.batcher._plan = recording  # type: ignore[method-assign]
-    got = _served(engine, PROMPT, 40)
+    got = serve_local(engine, PROMPT, 40)[0]
     assert got == _stepwise(model, STREAMING, PROMPT, 40)
     # Up to the budget in chunks of at most 16, then a block at a time from index 16 (the
     # oldest window block evicted before each): every chunk within the budget's 20 tokens.
@@ -114,8 +102,8 @@ def test_a_migrated_request_continues_with_the_tokens_it_would_have_generated(
         model: Transformer) -> None:
     """The router's migration re-prefills prompt + the tokens streamed so far on another
     worker: here, after 23 of 60 tokens, on a fresh engine."""
-    whole = _served(_engine(model, STREAMING), PROMPT, 60)
-    moved = _served(_engine(model, STREAMING), PROMPT + whole[:23], 60 - 23)
+    whole = serve_local(_engine(model, STREAMING), PROMPT, 60)[0]
+    moved = serve_local(_engine(model, STREAMING), PROMPT + whole[:23], 60 - 23)[0]
     assert moved == whole[23:]
 
 
@@ -124,19 +112,10 @@ def test_h2o_prefills_a_long_prompt_as_decoding_it_would_have(model: Transformer
     decode steps over the same tokens add one by one), so H2O picks the same blocks to
     evict while prefilling as decoding the prompt would have; the budget holds at every
     step, and a migrated request continues as it would have."""
-    engine = _engine(model, H2O)
-    lengths: list[int] = []
-    original = engine.steps._step
-
-    def recording(batch: list, is_staged: bool = False) -> list[list[int]]:
-        lengths.append(len(batch[0].block_table))
-        return original(batch, is_staged)
-
-    engine.steps._step = recording  # type: ignore[method-assign]
-    got = _served(engine, PROMPT, 40)
+    got, steps = serve_local(_engine(model, H2O), PROMPT, 40)
     assert got == _stepwise(model, H2O, PROMPT, 40)
-    assert max(lengths) <= H2O.budget_blocks(BLOCK)
-    moved = _served(_engine(model, H2O), PROMPT + got[:23], 40 - 23)
+    assert max(len(table) for table, _, _ in steps) <= H2O.budget_blocks(BLOCK)
+    moved = serve_local(_engine(model, H2O), PROMPT + got[:23], 40 - 23)[0]
     assert moved == got[23:]
 
 
@@ -146,7 +125,7 @@ def test_samples_forked_from_an_evicted_prompt_each_decode_as_one_request(
     rotated for 20 evicted tokens): each the same tokens as a request of one sample, so
     no sample rewrote a sink another reads."""
     engine = _engine(model, STREAMING)
-    alone = _served(_engine(model, STREAMING), PROMPT, 30)
+    alone = serve_local(_engine(model, STREAMING), PROMPT, 30)[0]
 
     async def run() -> dict[int, list[int]]:
         await engine.reserve("S", len(PROMPT), 30, 60.0, PROMPT, num_samples=3)
@@ -174,16 +153,10 @@ def test_a_request_that_opts_out_keeps_every_token(model: Transformer) -> None:
     and the sequence grows past the budget, decoding what a worker without eviction
     decodes; nothing is evicted."""
     kept = SamplingParams(temperature=0.0, kv_eviction="none")
-    plain = _served(cpu_engine(model, BLOCK, 64), PROMPT, 30)
+    plain = serve_local(cpu_engine(model, BLOCK, 64), PROMPT, 30)[0]
     engine = _engine(model, STREAMING)
-    lengths: list[int] = []
-    original = engine.steps._step
-
-    def recording(batch: list, is_staged: bool = False) -> list[list[int]]:
-        lengths.append(len(batch[0].block_table))
-        return original(batch, is_staged)
-
-    engine.steps._step = recording  # type: ignore[method-assign]
-    assert _served(engine, PROMPT, 30, kept) == plain
+    got, steps = serve_local(engine, PROMPT, 30, kept)
+    assert got == plain
     assert engine.steps.eviction is not None and engine.steps.eviction.num_evicted_blocks == 0
-    assert max(lengths) == -(-(len(PROMPT) + 29) // BLOCK) > STREAMING.budget_blocks(BLOCK)
+    longest = max(len(table) for table, _, _ in steps)
+    assert longest == -(-(len(PROMPT) + 29) // BLOCK) > STREAMING.budget_blocks(BLOCK)

@@ -3,31 +3,26 @@ in-process colocated engine over the tiny model: each step's attention mass reac
 policy (every head's probabilities, every layer's, sum to heads x layers); past the budget
 the lightest block older than the recent window leaves and nothing else moves; a sequence
 never holds more than its budget however long it runs, even past the model's context; until
-its first eviction it decodes what full attention decodes; re-basing changes no token;
-preemption and abort give every block back."""
+its first eviction it decodes what full attention decodes; re-basing changes no token.
+(Preemption and abort: test_streaming_eviction.py, under both policies.)"""
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from decode_worker.engine import DecodeEngine
 from decode_worker.sequence import DecodeSeq
 from kvferry.cache.pool import KvPool
 from kvferry.model.config import load_model_config
 from kvferry.model.eviction import HeavyHitterEviction
-from kvferry.model.sampling import SamplingParams
 from kvferry.model.transformer import Transformer
 from kvferry.settings import KvEvictionConfig
 from kvferry_kernels.dispatch import get_attention_backend
-from tests.decode_worker.engines import collect_tokens, cpu_engine, run_to_idle
-from tests.waiting import until
+from tests.decode_worker.engines import cpu_engine, serve_local
 
-GREEDY = SamplingParams(temperature=0.0)
 PROMPT = [5, 9, 13, 5, 9, 13, 7, 21, 40, 2]  # 10 tokens
 SMALL = KvEvictionConfig("h2o", heavy_tokens=8, recent_tokens=12)  # 2 + 3 blocks of 4
 
@@ -36,29 +31,6 @@ SMALL = KvEvictionConfig("h2o", heavy_tokens=8, recent_tokens=12)  # 2 + 3 block
 def model(qwen3_checkpoint: Path) -> Transformer:
     return Transformer(load_model_config(qwen3_checkpoint), get_attention_backend("torch"),
                        torch.float32, torch.device("cpu"))
-
-
-def _run(engine: DecodeEngine, max_tokens: int, prompt: list[int] = PROMPT
-         ) -> tuple[list[int], list[tuple[list[int], int, int]]]:
-    """One greedy request, prefilled here, decoded to the end; its tokens and, per step,
-    its (block table, cache index, rotary position). Every block comes back."""
-    steps: list[tuple[list[int], int, int]] = []
-    original = engine.steps._step
-
-    def recording(batch: list, is_staged: bool = False) -> list[list[int]]:
-        seq = batch[0]
-        steps.append((list(seq.block_table), seq.cache_position, seq.rope_position))
-        return original(batch, is_staged)
-
-    engine.steps._step = recording  # type: ignore[method-assign]
-
-    async def run() -> list[int]:
-        await engine.reserve("A", len(prompt), max_tokens, 60.0, prompt)
-        first, *_ = await engine.prefill_local("A", prompt, GREEDY)
-        queue = engine.attach("A", first, GREEDY, max_tokens - 1, [])
-        return await collect_tokens(queue, "A", [first])
-
-    return run_to_idle(engine, run), steps
 
 
 def _seq(table: list[int], tokens: int) -> DecodeSeq:
@@ -120,7 +92,7 @@ def test_each_steps_mass_is_every_heads_probability(model: Transformer) -> None:
                      for i, a in enumerate(after)])
 
     policy.observe = recording  # type: ignore[method-assign]
-    _run(engine, 30)
+    serve_local(engine, PROMPT, 30)
     heads = model.config.num_heads * model.config.num_layers
     assert len(seen) == 1 + 29  # the prompt's prefill (one chunk of 10 tokens), each step
     assert sum(seen[0]) == pytest.approx(heads * len(PROMPT), rel=1e-4)
@@ -131,7 +103,7 @@ def test_each_steps_mass_is_every_heads_probability(model: Transformer) -> None:
 
 def test_a_sequence_holds_its_budget_and_decodes_as_full_attention_until_it_evicts(
         model: Transformer) -> None:
-    plain, _ = _run(cpu_engine(model, 4, 64), 120)
+    plain, _ = serve_local(cpu_engine(model, 4, 64), PROMPT, 120)
     engine = cpu_engine(model, 4, 64, eviction=SMALL)
     policy = engine.steps.eviction
     assert isinstance(policy, HeavyHitterEviction)
@@ -148,7 +120,7 @@ def test_a_sequence_holds_its_budget_and_decodes_as_full_attention_until_it_evic
         return done
 
     policy._evict_oldest = recording  # type: ignore[method-assign]
-    tokens, steps = _run(engine, 120)
+    tokens, steps = serve_local(engine, PROMPT, 120)
     budget = SMALL.budget_blocks(4)
     assert max(len(table) for table, _, _ in steps) == budget  # reached, never passed
     assert all(cached < budget * 4 for _, cached, _ in steps)
@@ -170,8 +142,8 @@ def test_rebasing_changes_no_token(model: Transformer) -> None:
     often = cpu_engine(model, 4, 64, eviction=SMALL)
     assert often.steps.eviction is not None
     often.steps.eviction.max_position = 24
-    want, _ = _run(never, 100)
-    got, steps_often = _run(often, 100)
+    want, _ = serve_local(never, PROMPT, 100)
+    got, steps_often = serve_local(often, PROMPT, 100)
     assert max(rope for _, _, rope in steps_often) < 24
     assert got == want
 
@@ -181,38 +153,7 @@ def test_five_thousand_tokens_on_a_1024_token_budget(model: Transformer) -> None
     """Past the model's context (4,096) and far past the budget: at most 64 blocks of 16."""
     config = KvEvictionConfig("h2o", heavy_tokens=512, recent_tokens=512)
     engine = cpu_engine(model, 16, 80, eviction=config)
-    tokens, steps = _run(engine, 5_000)
+    tokens, steps = serve_local(engine, PROMPT, 5_000)
     assert len(tokens) == 5_000
     assert max(len(table) for table, _, _ in steps) == config.budget_blocks(16) == 64
     assert max(rope for _, _, rope in steps) < model.config.max_position_embeddings
-
-
-def test_preemption_and_abort_keep_eviction_whole(model: Transformer) -> None:
-    """Two evicting sequences on a pool too small for both at their budget: the newer one is
-    swapped out with its kept blocks and its blocks' mass, and resumes where it was, each
-    decoding what it decodes alone; a third, aborted after its evictions began, gives every
-    block back. Integrity holds at the end (run_to_idle)."""
-    prompt_b = [33, 2, 71, 33, 2, 71, 8, 19]
-    alone = {rid: _run(cpu_engine(model, 4, 64, eviction=SMALL), 80, p)[0]
-             for rid, p in (("A", PROMPT), ("B", prompt_b))}
-    engine = cpu_engine(model, 4, 9, eviction=SMALL)
-
-    async def one(request_id: str, prompt: list[int], abort_after: int = 0) -> list[int]:
-        await engine.reserve(request_id, len(prompt), 80, 60.0, prompt)
-        first, *_ = await engine.prefill_local(request_id, prompt, GREEDY)
-        queue = engine.attach(request_id, first, GREEDY, 79, [])
-        if abort_after:
-            await until(lambda: engine._seqs[request_id].num_evicted > 0
-                        and len(engine._seqs[request_id].tokens) >= abort_after, "evicting")
-            engine.abort(request_id)
-        return await collect_tokens(queue, request_id, [first])
-
-    async def run() -> dict[str, list[int]]:
-        a, b = await asyncio.gather(one("A", PROMPT), one("B", prompt_b))
-        await one("C", PROMPT, abort_after=30)
-        return {"A": a, "B": b}
-
-    got = run_to_idle(engine, run)
-    assert engine.steps.num_preemptions > 0
-    assert got == alone
-    assert engine.steps.eviction is not None and not engine.steps.eviction._mass

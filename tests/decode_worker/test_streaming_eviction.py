@@ -3,7 +3,8 @@ the tiny model: a sequence never holds more than its budget's blocks however lon
 even past the model's context; until its first eviction it decodes what full attention
 decodes; re-basing (every kept key rotated back to its index in the cache) changes no token,
 which checks the sinks' forward rotation against the classic formulation (the window rotated
-back); what the prefix cache holds stays the prompt's own pages; every block comes back."""
+back); what the prefix cache holds stays the prompt's own pages; every block comes back,
+under preemption and abort too (there with H2O's policy as well)."""
 
 from __future__ import annotations
 
@@ -13,13 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from decode_worker.engine import DecodeEngine
 from kvferry.model.config import load_model_config
+from kvferry.model.eviction import HeavyHitterEviction
 from kvferry.model.sampling import SamplingParams
 from kvferry.model.transformer import Transformer
 from kvferry.settings import KvEvictionConfig
 from kvferry_kernels.dispatch import get_attention_backend
-from tests.decode_worker.engines import collect_tokens, cpu_engine, run_to_idle
+from tests.decode_worker.engines import collect_tokens, cpu_engine, run_to_idle, serve_local
 from tests.waiting import until
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -31,29 +32,6 @@ SMALL = KvEvictionConfig("streaming", sink_tokens=4, window_tokens=16)  # 1 + 4 
 def model(qwen3_checkpoint: Path) -> Transformer:
     return Transformer(load_model_config(qwen3_checkpoint), get_attention_backend("torch"),
                        torch.float32, torch.device("cpu"))
-
-
-def _run(engine: DecodeEngine, max_tokens: int, prompt: list[int] = PROMPT
-         ) -> tuple[list[int], list[tuple[int, int, int]]]:
-    """One greedy request, prefilled here, decoded to the end; its tokens and, per step,
-    its (table length, cache index, rotary position). Every block comes back."""
-    steps: list[tuple[int, int, int]] = []
-    original = engine.steps._step
-
-    def recording(batch: list, is_staged: bool = False) -> list[list[int]]:
-        seq = batch[0]
-        steps.append((len(seq.block_table), seq.cache_position, seq.rope_position))
-        return original(batch, is_staged)
-
-    engine.steps._step = recording  # type: ignore[method-assign]
-
-    async def run() -> list[int]:
-        await engine.reserve("A", len(prompt), max_tokens, 60.0, prompt)
-        first, *_ = await engine.prefill_local("A", prompt, GREEDY)
-        queue = engine.attach("A", first, GREEDY, max_tokens - 1, [])
-        return await collect_tokens(queue, "A", [first])
-
-    return run_to_idle(engine, run), steps
 
 
 def test_rotating_keys_composes_with_rope(model: Transformer) -> None:
@@ -78,12 +56,12 @@ def test_rotating_keys_composes_with_rope(model: Transformer) -> None:
 
 def test_a_sequence_holds_its_budget_and_decodes_as_full_attention_until_it_evicts(
         model: Transformer) -> None:
-    plain, _ = _run(cpu_engine(model, 4, 64), 120)
+    plain, _ = serve_local(cpu_engine(model, 4, 64), PROMPT, 120)
     engine = cpu_engine(model, 4, 64, eviction=SMALL)
-    tokens, steps = _run(engine, 120)
+    tokens, steps = serve_local(engine, PROMPT, 120)
     budget = SMALL.budget_blocks(4)
     assert budget == 5
-    assert max(length for length, _, _ in steps) == budget  # reached, never passed
+    assert max(len(table) for table, _, _ in steps) == budget  # reached, never passed
     assert all(cached < budget * 4 for _, cached, _ in steps)
     assert engine.steps.eviction is not None and engine.steps.eviction.num_evicted_blocks > 20
     # Positions 10..19 fit the budget: full attention's tokens there.
@@ -99,8 +77,8 @@ def test_rebasing_changes_no_token(model: Transformer) -> None:
     often = cpu_engine(model, 4, 64, eviction=SMALL)
     assert often.steps.eviction is not None
     often.steps.eviction.max_position = 24
-    want, steps_never = _run(never, 100)
-    got, steps_often = _run(often, 100)
+    want, steps_never = serve_local(never, PROMPT, 100)
+    got, steps_often = serve_local(often, PROMPT, 100)
     assert max(rope for _, _, rope in steps_often) < 24
     assert max(rope for _, _, rope in steps_never) == 10 + 99 - 1  # text positions
     assert got == want
@@ -112,21 +90,28 @@ def test_twenty_thousand_tokens_on_a_1024_token_budget(model: Transformer) -> No
     every step (sinks 16 + window 1,008 = 1,024 tokens), re-based past 4,096."""
     config = KvEvictionConfig("streaming", sink_tokens=16, window_tokens=1008)
     engine = cpu_engine(model, 16, 80, eviction=config)
-    tokens, steps = _run(engine, 20_000)
+    tokens, steps = serve_local(engine, PROMPT, 20_000)
     assert len(tokens) == 20_000 and len(steps) == 20_000 - 1
-    assert max(length for length, _, _ in steps) == config.budget_blocks(16) == 64
+    assert max(len(table) for table, _, _ in steps) == config.budget_blocks(16) == 64
     assert max(rope for _, _, rope in steps) < model.config.max_position_embeddings
 
 
-def test_preemption_and_abort_keep_eviction_whole(model: Transformer) -> None:
+# The same budget (5 blocks of 4) under each policy.
+H2O_SMALL = KvEvictionConfig("h2o", heavy_tokens=8, recent_tokens=12)  # 2 + 3 blocks of 4
+
+
+@pytest.mark.parametrize("config", [SMALL, H2O_SMALL], ids=["streaming", "h2o"])
+def test_preemption_and_abort_keep_eviction_whole(model: Transformer,
+                                                  config: KvEvictionConfig) -> None:
     """Two evicting sequences on a pool too small for both at their budget (5 blocks each, 9
-    usable): the newer one is swapped out with its kept blocks and its eviction state, and
-    resumes where it was, each decoding what it decodes alone; a third, aborted after its
-    evictions began, gives every block back. Integrity holds at the end."""
+    usable): the newer one is swapped out with its kept blocks and its eviction state (H2O:
+    its blocks' mass), and resumes where it was, each decoding what it decodes alone; a
+    third, aborted after its evictions began, gives every block back. Integrity holds at
+    the end, and the policy forgot every sequence."""
     prompt_b = [33, 2, 71, 33, 2, 71, 8, 19]
-    alone = {rid: _run(cpu_engine(model, 4, 64, eviction=SMALL), 80, p)[0]
+    alone = {rid: serve_local(cpu_engine(model, 4, 64, eviction=config), p, 80)[0]
              for rid, p in (("A", PROMPT), ("B", prompt_b))}
-    engine = cpu_engine(model, 4, 9, eviction=SMALL)
+    engine = cpu_engine(model, 4, 9, eviction=config)
 
     async def one(request_id: str, prompt: list[int], abort_after: int = 0) -> list[int]:
         await engine.reserve(request_id, len(prompt), 80, 60.0, prompt)
@@ -147,3 +132,7 @@ def test_preemption_and_abort_keep_eviction_whole(model: Transformer) -> None:
     assert engine.pool.num_usable_blocks == 9
     assert engine.steps.num_preemptions > 0
     assert got == alone
+    policy = engine.steps.eviction
+    assert policy is not None and not policy._sinks
+    if isinstance(policy, HeavyHitterEviction):
+        assert not policy._mass

@@ -11,8 +11,6 @@ test_h2o_eviction.py.)"""
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 from pathlib import Path
 
 import pytest
@@ -20,22 +18,20 @@ import torch
 
 from deploy import cli, client
 from deploy.args import build_parser
-from deploy.launcher import Deployment, Process
+from deploy.launcher import Deployment
 from kvferry.errors import InvalidArgument
 from kvferry.faults import tag
 from kvferry.model.config import load_model_config
 from kvferry.model.sampling import SamplingParams
 from kvferry.model.transformer import Transformer
-from kvferry.rpc import convert, grpc_util
+from kvferry.rpc import convert
 from kvferry.settings import KvEvictionConfig
-from kvferry.v1 import generation_pb2_grpc
 from kvferry_kernels.dispatch import get_attention_backend
 from router import validation
 from router.validation import GenerateInput
-from tests.conftest import assert_alive, assert_pools_clean, busy_process
-from tests.decode_worker.engines import cpu_engine
-from tests.decode_worker.test_eviction_prefill import _served as served
-from tests.deployments import reconfigured, respawn, routed
+from tests.conftest import assert_alive, assert_pools_clean
+from tests.decode_worker.engines import cpu_engine, serve_local
+from tests.deployments import kill_decode_mid_stream, reconfigured, respawn, routed
 from tests.e2e.test_metrics import scrape, value
 
 pytestmark = pytest.mark.slow
@@ -90,21 +86,7 @@ def test_migration_mid_eviction_leaves_every_pool_clean(
         evicted = {p.name: value(scrape(p.metrics_port), "kvferry_kv_evicted_blocks_total")
                    for p in deployment.processes if p.name in names}
 
-        async def run() -> tuple[client.Completion, Process]:
-            async with grpc_util.channel(deployment.router_address) as chan:
-                stub = generation_pb2_grpc.GenerationServiceStub(chan)
-                completion, victim = client.Completion(), None
-                async for _, latest in client.stream(stub, request, timeout_s=120):
-                    completion = latest
-                    if victim is None and len(completion.token_ids) >= 120:
-                        victim = await asyncio.to_thread(busy_process, deployment, "decode")
-                        assert victim is not None
-                        os.kill(victim.popen.pid, signal.SIGKILL)
-                        await asyncio.to_thread(victim.popen.wait, 10)
-                assert victim is not None
-                return completion, victim
-
-        got, victim = asyncio.run(run())
+        got, victim = kill_decode_mid_stream(deployment, request, 120)
         assert got.finished is not None and len(got.token_ids) == 300
         assert got.token_ids[:120] == undisturbed.token_ids[:120]
         if policy == "streaming":
@@ -185,8 +167,8 @@ def test_a_long_prompt_is_prefilled_evicting_as_it_goes(
     model = Transformer(load_model_config(qwen3_checkpoint), get_attention_backend("torch"),
                         torch.float32, torch.device("cpu"))
     config = KvEvictionConfig("streaming", sink_tokens=4, window_tokens=60)
-    want = served(cpu_engine(model, BLOCK_SIZE, 64, eviction=config), prompt, 50)
-    unbounded = served(cpu_engine(model, BLOCK_SIZE, 64), prompt, 50)
+    want = serve_local(cpu_engine(model, BLOCK_SIZE, 64, eviction=config), prompt, 50)[0]
+    unbounded = serve_local(cpu_engine(model, BLOCK_SIZE, 64), prompt, 50)[0]
     with reconfigured(deployment, names, flags):
         # A request that opts out (sampling.kv_eviction "none") is served as without eviction.
         kept = client.make_request(prompt, temperature=0.0, max_tokens=50, ignore_eos=True,

@@ -18,7 +18,7 @@ from kvferry.rpc import grpc_util
 from kvferry.settings import DEFAULT_BLOCK_SIZE
 from kvferry.v1 import generation_pb2_grpc
 from tests.conftest import assert_pools_clean, busy_process
-from tests.deployments import respawn
+from tests.deployments import kill_decode_mid_stream, respawn
 
 pytestmark = pytest.mark.slow
 
@@ -47,21 +47,7 @@ def test_decode_worker_killed_mid_stream(seed: int | None, fixture: str,
     # stats poll that finds the victim, on any machine.
     generate.request_id = f"migrate-{fixture}-{seed}" + tag(decode_step_delay_s=0.01)
 
-    async def run() -> tuple[client.Completion, Process]:
-        async with grpc_util.channel(deployment.router_address) as chan:
-            stub = generation_pb2_grpc.GenerationServiceStub(chan)
-            completion, victim = client.Completion(), None
-            async for _, latest in client.stream(stub, generate, timeout_s=120):
-                completion = latest
-                if victim is None and len(completion.token_ids) >= 20:
-                    victim = await asyncio.to_thread(busy_process, deployment, "decode")
-                    assert victim is not None
-                    os.kill(victim.popen.pid, signal.SIGKILL)
-                    await asyncio.to_thread(victim.popen.wait, 10)
-            assert victim is not None
-            return completion, victim
-
-    got, victim = asyncio.run(run())
+    got, victim = kill_decode_mid_stream(deployment, generate, 20)
     respawn(victim.name, deployment)
     assert got.token_ids == undisturbed.token_ids
     assert got.text == undisturbed.text
