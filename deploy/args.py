@@ -12,6 +12,7 @@ from deploy.eviction_args import eviction_args, eviction_config
 from deploy.parser import Parser, add_global_args_to_commands, global_args
 from deploy.plan_cmd import add_plan_parser
 from deploy.policy_args import policy_args, policy_settings
+from deploy.profile_cmd import add_profile_parser
 from deploy.security_args import api_keys, public_access_args, security_settings, tls_args
 from deploy.serve_args import MEMORY_HELP, serve_process_args
 from deploy.speculative_args import speculative_args, speculative_config
@@ -61,6 +62,8 @@ USAGE = """The `kvferry` command line.
   kvferry demo                                           serve + one Generate + shut down
   kvferry serve --colocated                              the non-disaggregated baseline
   kvferry bench [--address HOST:PORT | --compare T ...]  load test: TTFT/TPOT/ITL, goodput
+  kvferry profile [--model DIR]                          measure prefill/decode/transfer here
+  kvferry plan --sla ttft-p90=MS,itl-p90=MS --workload W  prefill:decode split for an SLA
   kvferry prefill-worker | decode-worker | colocated-worker | router   one process
 """
 
@@ -218,6 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     add_plan_parser(sub)
+    add_profile_parser(sub)
 
     p = sub.add_parser("make-certs", help="write a test CA, a cluster certificate and a token "
                                           "(needs the cryptography package)")

@@ -251,6 +251,10 @@ def _main(argv: list[str] | None) -> int:
             from deploy.plan_cmd import run_plan
 
             return run_plan(args)
+        if args.command == "profile":
+            from deploy.profile_cmd import run_profile
+
+            return run_profile(args)
         if args.command in ("make-certs", "make-model"):
             return _make_files(args)
         settings = check_inputs(args)

@@ -17,6 +17,10 @@ if TYPE_CHECKING:
     from kvferry.cache.capacity import Plan
     from kvferry.cache.layout import KvShape
 
+WORKLOAD_HELP = ("a trace file (JSON lines with arrival_s, prompt_len, output_len; the "
+                 "arrivals keep their shape, scaled to each rate) or a mix "
+                 "IN:OUT[:WEIGHT][,IN:OUT:WEIGHT...] of prompt and output tokens with "
+                 "Poisson arrivals, e.g. 128:256:0.8,2048:16:0.2")
 PLAN_KV_CACHE_DTYPES = (*KV_CACHE_DTYPES, "fp8")  # fp8: vLLM's (a scale per layer), sized only
 
 
@@ -58,6 +62,22 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
         p.add_argument(f"--{tier}-size", default=None,
                        help=f"also what a {tier.split('-')[0]} tier of this many bytes holds")
     eviction_args(p, "also the bound a sequence keeps to under this policy: ")
+    g = p.add_argument_group("SLA planning (with --sla: the layout to serve a workload with)")
+    g.add_argument("--sla", default=None, metavar="ttft-p90=MS,itl-p90=MS",
+                   help="latency targets: percentiles of TTFT and ITL at or under MS")
+    g.add_argument("--workload", default=None, help=WORKLOAD_HELP)
+    g.add_argument("--profile", type=Path, default=None,
+                   help="what `kvferry profile` measured (default: the newest profile under "
+                        "KVFERRY_HOME/profiles)")
+    g.add_argument("--request-rate", type=float, default=None,
+                   help="the rate to serve (requests/s): the fewest workers meeting the SLA "
+                        "there (default: the most goodput per worker)")
+    g.add_argument("--max-workers", type=int, default=4, help="the worker budget")
+    g.add_argument("--num-requests", type=int, default=300,
+                   help="requests simulated per try (a mix; a trace has its own)")
+    g.add_argument("--local-prefill-thresholds", default="0",
+                   help="disaggregated layouts also tried with each of these (comma-separated "
+                        "prompt tokens below which the decode worker prefills)")
 
 
 def eviction_line(args: argparse.Namespace, shape: KvShape, result: Plan,
@@ -154,6 +174,10 @@ def kv_dtype(args: argparse.Namespace, device: str) -> str:
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    if args.sla is not None or args.workload is not None:
+        from deploy.planner.plan_sla import run_sla_plan
+
+        return run_sla_plan(args)
     from deploy.default_model import MISSING_EXIT_STATUS, DefaultModelMissing, default_gguf_path
     from kvferry.cache.capacity import format_plan, format_tiers, plan, tier_plans
     from kvferry.cache.layout import KvShape

@@ -1,0 +1,148 @@
+"""`kvferry profile`: launch one prefill and one decode worker behind a router on this
+machine, measure what prefill, decode steps and K/V transfer cost there
+(deploy/planner/profiler.py), and keep the result as a profile per model, dtype, device and
+transport for `kvferry plan --sla` (deploy/planner/profile.py)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from kvferry.settings import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_PREFILL_CHUNK_SIZE,
+    KV_TRANSPORTS,
+    LOAD_FORMATS,
+)
+
+PROFILE_POOL_SIZE = "1GiB"  # room for the largest decode batch of the sweep
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
+def add_profile_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("profile", help="measure prefill, decode and K/V transfer costs here, "
+                                       "for plan --sla")
+    p.add_argument("--model", default=None,
+                   help="checkpoint directory (default: the default model)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="profile file (default: KVFERRY_HOME/profiles/MODEL-DTYPE-DEVICE-"
+                        "TRANSPORT.json)")
+    p.add_argument("--kv-transport", default=KV_TRANSPORTS[0], choices=KV_TRANSPORTS,
+                   help="how the prefill worker ships K/V to the decode worker")
+    p.add_argument("--kv-pool-size", default=PROFILE_POOL_SIZE,
+                   help="each worker's K/V pool, as serve's flag (the plan's pools are this)")
+    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
+                   help="tokens per K/V block (page)")
+    p.add_argument("--load-format", default=LOAD_FORMATS[0], choices=LOAD_FORMATS,
+                   help="auto: the checkpoint's weights; dummy: random ones of its shapes")
+    p.add_argument("--prompt-lens", type=_ints, default=None,
+                   help="prefill sweep: prompt tokens, comma-separated")
+    p.add_argument("--decode-batches", type=_ints, default=None,
+                   help="decode sweep: running sequences, comma-separated")
+    p.add_argument("--decode-contexts", type=_ints, default=None,
+                   help="decode sweep: prompt tokens of each sequence, comma-separated")
+    p.add_argument("--repeats", type=int, default=3, help="prefill: runs of each point")
+    p.add_argument("--log-dir", type=Path, default=None,
+                   help="the deployment's logs (default: KVFERRY_HOME/logs/profile-DATE)")
+
+
+def _sweep(args: argparse.Namespace):
+    from deploy.planner.profiler import Sweep
+
+    given = {name: value for name in ("prompt_lens", "decode_batches", "decode_contexts")
+             if (value := getattr(args, name)) is not None}
+    return Sweep(**given, repeats=args.repeats)
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    try:
+        sweep = _sweep(args)
+    except ValueError as exc:
+        print(f"kvferry: profile: {exc}", file=sys.stderr)
+        return 2
+    from deploy.default_model import ensure_default_model
+    from kvferry.sizes import check_pool_size
+
+    try:
+        check_pool_size(args.kv_pool_size)
+    except ValueError as exc:
+        print(f"kvferry: profile: {exc}", file=sys.stderr)
+        return 2
+    from kvferry.settings import KVFERRY_HOME
+
+    model = args.model or ensure_default_model()
+    log_dir = args.log_dir or KVFERRY_HOME / "logs" / time.strftime("profile-%Y%m%d-%H%M%S")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    print(f"profile: the deployment logs to {log_dir}", file=sys.stderr)
+    if not (Path(model) / "config.json").exists():
+        print(f"kvferry: profile: --model: no config.json in {model}", file=sys.stderr)
+        return 2
+    profile = profile_deployment(model, sweep, args.kv_transport, args.kv_pool_size,
+                                 args.block_size, args.load_format, log_dir,
+                                 log=lambda line: print(line, file=sys.stderr))
+    path = profile.save(args.out)
+    from deploy.planner.profile import CostModel
+
+    print(CostModel(profile).describe())
+    print(f"profile: {path}")
+    return 0
+
+
+def profile_deployment(model: str, sweep, kv_transport: str, kv_pool_size: str,
+                       block_size: int, load_format: str = "auto", log_dir: Path | None = None,
+                       log=lambda _: None):
+    """Launch 1 prefill + 1 decode worker on this machine, measure, and return the Profile."""
+    import asyncio
+
+    import torch
+
+    from deploy.launcher import Deployment
+    from deploy.loadgen.bench import _model_info
+    from deploy.planner.profile import DecodeFit, Profile
+    from deploy.planner.profiler import measure, transfer_points
+    from deploy.worker_model import default_dtype
+    from kvferry.cache.layout import KvShape, dtype_name, read_hf_config
+    from kvferry.model.prefill_batch import token_budget_for
+    from kvferry.sizes import parse_pool_size
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = dtype_name(default_dtype(device))
+    shape = KvShape.from_config(model, dtype)
+    max_len = read_hf_config(model).max_position_embeddings
+    load = ["--load-format", load_format] if load_format != "auto" else []
+    if log_dir is not None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    deployment = Deployment(model=model, kv_pool_size=kv_pool_size, block_size=block_size,
+                            torch_threads=0, pin_cores=True, log_dir=log_dir,
+                            worker_args=["--kv-transport", kv_transport, *load],
+                            router_args=load)
+    with deployment:
+        vocab, name = asyncio.run(_model_info(deployment.router_address))
+        measured = measure(deployment.router_address, sweep, vocab, max_len, log)
+        plan = deployment.core_plan
+        threads = (len(plan.cores["decode-0"]) if plan is not None and plan.is_pinned
+                   else torch.get_num_threads())
+    pool_bytes = parse_pool_size(kv_pool_size, 0)
+    return Profile(
+        model=name, dtype=dtype, device=device.type, kv_transport=kv_transport,
+        torch_threads=threads, block_size=block_size,
+        kv_bytes_per_token=shape.bytes_per_token,
+        num_blocks=pool_bytes // shape.bytes_per_block(block_size),
+        prefill_token_budget=token_budget_for(device),
+        prefill_chunk_size=DEFAULT_PREFILL_CHUNK_SIZE, batch_buckets=(),
+        max_model_len=max_len, prefill=measured.prefill, decode=measured.decode,
+        transfer=transfer_points(measured.second_gaps,
+                                 lambda n: DecodeFit(measured.decode).step_s(1, n)),
+        measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"))
