@@ -2,7 +2,8 @@
 
 For each model: profile it (`kvferry profile`'s measurement, or --profile FILE), then for
 each configuration launch the deployment, send the load tester's seeded workload at a rate
-set from the profile, `--reps` times with different seeds, and simulate the same requests
+set from the profile (half the layout's capacity by default: where latency targets are
+met), `--reps` times with different seeds, and simulate the same requests
 (the measured send times and lengths) through the same layout. Prints, per configuration,
 the measured and predicted TTFT and ITL p50 and p90 (medians over the repetitions, with the
 measured range) and the prediction's error. Configurations:
@@ -34,8 +35,9 @@ from deploy.loadgen.bench import BenchConfig, run_endpoint
 from deploy.loadgen.metrics import RequestRecord, calculate_metrics
 from deploy.loadgen.targets import Target, make_deployment, open_target
 from deploy.loadgen.workload import MixedWorkload, RandomWorkload
-from deploy.planner.profile import CostModel, Profile, attention_tokens
+from deploy.planner.profile import CostModel, Profile
 from deploy.planner.profiler import Sweep
+from deploy.planner.search import capacity
 from deploy.planner.simulator import Layout, SimRequest, simulate
 from deploy.profile_cmd import PROFILE_POOL_SIZE, profile_deployment
 
@@ -47,14 +49,6 @@ CONFIGS = {
     "disagg-mixed": (Layout(1, 1), MixedWorkload((("short", SHORT, 4.0), ("long", LONG, 1.0)))),
     "colocated": (Layout(0, 2, is_colocated=True), SHORT),
 }
-
-
-def _mean_prefill_s(cost: CostModel, workload: RandomWorkload | MixedWorkload) -> float:
-    parts = (workload.parts if isinstance(workload, MixedWorkload)
-             else (("", workload, 1.0),))
-    total = sum(weight for _, _, weight in parts)
-    return sum(weight / total * cost.prefill_s(w.input_len, attention_tokens([(0, w.input_len)]))
-               for _, w, weight in parts)
 
 
 def _percentiles(records: list[RequestRecord], duration_s: float) -> dict[str, float]:
@@ -143,12 +137,12 @@ def run_model(label: str, model: str, args: argparse.Namespace) -> dict:
     print(f"{label} profile:\n{cost.describe()}", file=sys.stderr)
     template = Deployment(model=model, kv_pool_size=PROFILE_POOL_SIZE, torch_threads=0,
                           pin_cores=True, log_dir=log_dir)
-    short_rate = args.utilization / _mean_prefill_s(cost, SHORT)
     results = {}
     for name in args.configs:
-        _, workload = CONFIGS[name]
-        rate = args.utilization / _mean_prefill_s(cost, workload)
-        rate = min(rate, short_rate)
+        layout, workload = CONFIGS[name]
+        sample = [SimRequest(0.0, r.prompt_len, r.output_len)
+                  for r in workload.build(200, 1000, 0)]
+        rate = args.utilization * capacity(cost, layout, sample)
         results[name] = run_config(name, cost, template, round(rate, 2), args.reps,
                                    args.requests)
     _print_table(label, results)
@@ -162,7 +156,8 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--requests", type=int, default=60, help="per repetition")
     p.add_argument("--utilization", type=float, default=0.5,
-                   help="the rate: this fraction of one prefill worker's capacity")
+                   help="the rate: this fraction of the layout's capacity (its busier side's, "
+                        "deploy/planner/search.py capacity)")
     p.add_argument("--profile", type=Path, default=None,
                    help="use this profile instead of measuring one (one model only)")
     p.add_argument("--log-dir", type=Path,

@@ -6,8 +6,10 @@ transport for `kvferry plan --sla` (deploy/planner/profile.py)."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from kvferry.settings import (
@@ -111,7 +113,7 @@ def profile_deployment(model: str, sweep, kv_transport: str, kv_pool_size: str,
     from deploy.launcher import Deployment
     from deploy.loadgen.bench import _model_info
     from deploy.planner.profile import DecodeFit, Profile
-    from deploy.planner.profiler import measure, transfer_points
+    from deploy.planner.profiler import measure, relay_costs, transfer_points
     from deploy.worker_model import default_dtype
     from kvferry.cache.layout import KvShape, dtype_name, read_hf_config
     from kvferry.model.prefill_batch import token_budget_for
@@ -130,11 +132,22 @@ def profile_deployment(model: str, sweep, kv_transport: str, kv_pool_size: str,
                             router_args=load)
     with deployment:
         vocab, name = asyncio.run(_model_info(deployment.router_address))
-        measured = measure(deployment.router_address, sweep, vocab, max_len, log)
+        pids = {p.name: p.popen.pid for p in deployment.processes}
+        measured = measure(deployment.router_address, sweep, vocab, max_len, log,
+                           router_pid=pids["router"], decode_pid=pids["decode-0"])
         plan = deployment.core_plan
         threads = (len(plan.cores["decode-0"]) if plan is not None and plan.is_pinned
                    else torch.get_num_threads())
     pool_bytes = parse_pool_size(kv_pool_size, 0)
+    per_request, per_token = relay_costs(measured.cpu_phases)
+    decode_fit = DecodeFit(measured.decode)
+
+    def step(n: int) -> float:
+        return decode_fit.step_s(1, n)
+
+    # a prompt alone: the router's turn, the forward, the first token's relay, in series
+    prefill = tuple(replace(p, seconds=max(p.seconds - per_request - per_token,
+                                           p.seconds / 2)) for p in measured.prefill)
     return Profile(
         model=name, dtype=dtype, device=device.type, kv_transport=kv_transport,
         torch_threads=threads, block_size=block_size,
@@ -142,7 +155,8 @@ def profile_deployment(model: str, sweep, kv_transport: str, kv_pool_size: str,
         num_blocks=pool_bytes // shape.bytes_per_block(block_size),
         prefill_token_budget=token_budget_for(device),
         prefill_chunk_size=DEFAULT_PREFILL_CHUNK_SIZE, batch_buckets=(),
-        max_model_len=max_len, prefill=measured.prefill, decode=measured.decode,
-        transfer=transfer_points(measured.second_gaps,
-                                 lambda n: DecodeFit(measured.decode).step_s(1, n)),
-        measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"))
+        max_model_len=max_len, prefill=prefill, decode=measured.decode,
+        transfer=transfer_points(measured.second_gaps, step),
+        receive=transfer_points(measured.decode_cpu, step),
+        measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"), relay_s_per_token=per_token,
+        router_s_per_request=per_request, num_cores=len(os.sched_getaffinity(0)))

@@ -89,6 +89,14 @@ class Profile:
     transfer: tuple[TransferPoint, ...]
     measured_at: str = ""  # ISO date and time
     version: int = PROFILE_VERSION
+    # CPU the router and the load generator beside it spend per streamed token and per
+    # request (deploy/planner/cpu_share.py shares it with the workers on their cores)
+    relay_s_per_token: float = 0.0
+    router_s_per_request: float = 0.0
+    num_cores: int = 0  # cores the deployment was placed on (0: unknown, the router's own)
+    # the decode worker's CPU to take a prompt's K/V in (and reserve, attach), which its
+    # steps wait for; none: free
+    receive: tuple[TransferPoint, ...] = ()
 
     @property
     def key(self) -> str:
@@ -122,8 +130,11 @@ class Profile:
                 "decode": tuple(DecodePoint(**{**p, "jitter": tuple(p.get("jitter", ()))})
                                 for p in data["decode"]),
                 "transfer": tuple(TransferPoint(**p) for p in data["transfer"]),
+                "receive": tuple(TransferPoint(**p) for p in data.get("receive", ())),
             })
-        except (KeyError, TypeError) as exc:
+        except KeyError as exc:
+            raise ValueError(f"profile {path}: missing field {exc}") from None
+        except TypeError as exc:
             raise ValueError(f"profile {path}: {exc}") from None
 
 
@@ -132,7 +143,7 @@ def attention_tokens(chunks: Sequence[tuple[int, int]]) -> int:
     return sum(new * (cached + new) for cached, new in chunks)
 
 
-def _nonneg_lstsq(features: np.ndarray, targets: np.ndarray) -> np.ndarray:
+def nonneg_lstsq(features: np.ndarray, targets: np.ndarray) -> np.ndarray:
     """Least squares with every coefficient >= 0: a negative one is dropped and the rest
     refitted (the few features here make this exact enough)."""
     keep = list(range(features.shape[1]))
@@ -158,7 +169,7 @@ class DecodeFit:
         self.batches = sorted({p.batch for p in points})
         self.buckets = sorted(buckets)
         rows = [[float(p.batch == b) for b in self.batches] + [p.context_tokens] for p in points]
-        coef = _nonneg_lstsq(np.array(rows), np.array([p.seconds for p in points]))
+        coef = nonneg_lstsq(np.array(rows), np.array([p.seconds for p in points]))
         self.base = coef[:-1]
         self.per_context_token = float(coef[-1])
         self.jitter = {b: sorted(r for p in points if p.batch == b for r in p.jitter)
@@ -178,12 +189,21 @@ class DecodeFit:
         return base + self.per_context_token * context_tokens
 
 
+def _linear(points: Sequence[TransferPoint]) -> np.ndarray:
+    """t0 + t1 * prompt_tokens through the points (zeros for none)."""
+    if not points:
+        return np.zeros(2)
+    rows = np.array([[1.0, p.prompt_tokens] for p in points])
+    return nonneg_lstsq(rows, np.array([p.seconds for p in points]))
+
+
 class CostModel:
     """Times the simulator charges, fitted from a profile:
 
     prefill batch  a + b * tokens + c * attention_tokens
     decode step    DecodeFit
     transfer       t0 + t1 * prompt_tokens
+    receive        r0 + r1 * prompt_tokens, of the decode worker's time
     """
 
     def __init__(self, profile: Profile) -> None:
@@ -191,10 +211,10 @@ class CostModel:
             raise ValueError("profile: needs prefill and transfer points")
         self.profile = profile
         pre = np.array([[1.0, p.tokens, p.attention_tokens] for p in profile.prefill])
-        self.prefill_coef = _nonneg_lstsq(pre, np.array([p.seconds for p in profile.prefill]))
+        self.prefill_coef = nonneg_lstsq(pre, np.array([p.seconds for p in profile.prefill]))
         self.decode = DecodeFit(profile.decode, profile.batch_buckets)
-        xfer = np.array([[1.0, p.prompt_tokens] for p in profile.transfer])
-        self.transfer_coef = _nonneg_lstsq(xfer, np.array([p.seconds for p in profile.transfer]))
+        self.transfer_coef = _linear(profile.transfer)
+        self.receive_coef = _linear(profile.receive)
 
     def prefill_s(self, tokens: int, attention: int) -> float:
         a, b, c = self.prefill_coef
@@ -207,6 +227,10 @@ class CostModel:
         t0, t1 = self.transfer_coef
         return float(t0 + t1 * prompt_tokens)
 
+    def receive_s(self, prompt_tokens: int) -> float:
+        r0, r1 = self.receive_coef
+        return float(r0 + r1 * prompt_tokens)
+
     def describe(self) -> str:
         """The fit, one line per cost, in ms."""
         a, b, c = self.prefill_coef * 1000
@@ -217,4 +241,9 @@ class CostModel:
                 f"per 1M attention tokens\n"
                 f"decode   base by batch {{{bases}}} ms + "
                 f"{self.decode.per_context_token * 1e6:.3f} ms per 1k context tokens\n"
-                f"transfer {t0:.2f} ms + {t1 * 1000:.3f} ms per 1k prompt tokens")
+                f"transfer {t0:.2f} ms + {t1 * 1000:.3f} ms per 1k prompt tokens\n"
+                f"receive  {self.receive_coef[0] * 1000:.2f} ms + "
+                f"{self.receive_coef[1] * 1e6:.3f} ms per 1k prompt tokens of decode worker\n"
+                f"router   {self.profile.router_s_per_request * 1000:.2f} ms per request + "
+                f"{self.profile.relay_s_per_token * 1000:.3f} ms per token of CPU, on "
+                f"{self.profile.num_cores or '?'} cores")

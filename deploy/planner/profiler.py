@@ -9,7 +9,10 @@ sends (random token prompts, max_tokens with ignore_eos, greedy):
    so one forward): the last first token is the batch's time;
 3. decode: `batch` requests of `context` prompt tokens sent together, each long enough that
    all of them decode together for a while: the median gap between tokens while all are in
-   the batch, against the context tokens they hold then, and the gaps' spread around it.
+   the batch, against the context tokens they hold then, and the gaps' spread around it;
+4. the CPU the router process and this client spent in 1-2 and in 3, whose different mixes
+   of requests and tokens give the CPU per request and per streamed token; and the decode
+   worker's CPU per request in 1, less its one step: receiving and attaching the K/V.
 """
 
 from __future__ import annotations
@@ -17,9 +20,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
+import os
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -27,7 +33,13 @@ from deploy import client
 from deploy.loadgen.metrics import RequestRecord
 from deploy.loadgen.runner import GrpcSender, SendOptions, run_requests
 from deploy.loadgen.workload import RandomWorkload
-from deploy.planner.profile import JITTER_QUANTILES, DecodePoint, PrefillPoint, TransferPoint
+from deploy.planner.profile import (
+    JITTER_QUANTILES,
+    DecodePoint,
+    PrefillPoint,
+    TransferPoint,
+    nonneg_lstsq,
+)
 from kvferry.rpc import grpc_util
 
 MIN_STEADY_GAPS = 8  # a decode point needs this many gaps with the whole batch running
@@ -58,6 +70,20 @@ class Measured:
     prefill: tuple[PrefillPoint, ...]
     decode: tuple[DecodePoint, ...]
     second_gaps: tuple[tuple[int, float], ...]  # (prompt tokens, median gap to token 2)
+    # per phase: requests, tokens streamed, CPU seconds the router and this client spent
+    cpu_phases: tuple[tuple[int, int, float], ...] = ()
+    # (prompt tokens, the decode worker's CPU seconds per request of two tokens)
+    decode_cpu: tuple[tuple[int, float], ...] = ()
+
+
+def relay_costs(phases: Sequence[tuple[int, int, float]]) -> tuple[float, float]:
+    """CPU seconds per request and per streamed token, from phases of different mixes
+    (least squares, neither below zero)."""
+    if not phases:
+        return 0.0, 0.0
+    per_request, per_token = nonneg_lstsq(np.array([[n, t] for n, t, _ in phases], float),
+                                           np.array([c for _, _, c in phases]))
+    return float(per_request), float(per_token)
 
 
 def _token_times(record: RequestRecord) -> list[float]:
@@ -88,11 +114,20 @@ class Profiler:
     """Sends the sweep to `address`; `vocab_size` bounds the random prompt tokens."""
 
     def __init__(self, address: str, sweep: Sweep, vocab_size: int, max_model_len: int,
-                 log: Callable[[str], None] = lambda _: None) -> None:
+                 log: Callable[[str], None] = lambda _: None,
+                 router_cpu_s: Callable[[], float] = lambda: 0.0,
+                 decode_cpu_s: Callable[[], float] = lambda: 0.0) -> None:
         self.address, self.sweep, self.vocab_size = address, sweep, vocab_size
         self.max_model_len = max_model_len
         self.log = log
+        self.router_cpu_s = router_cpu_s
+        self.decode_cpu_s = decode_cpu_s
+        self._decode_cpu: list[tuple[int, float]] = []
         self._seed = itertools.count(1)
+        self._sent = [0, 0]  # requests, tokens
+
+    def _mark(self) -> tuple[int, int, float]:
+        return self._sent[0], self._sent[1], self.router_cpu_s() + time.process_time()
 
     async def _send(self, sender: GrpcSender, count: int, prompt_len: int, output_len: int,
                     concurrency: int | None) -> list[RequestRecord]:
@@ -104,16 +139,24 @@ class Profiler:
         if failed:
             raise RuntimeError(f"profile: a request failed: {failed[0].status}: "
                                f"{failed[0].error}")
+        self._sent[0] += count
+        self._sent[1] += sum(r.output_len for r in outcome.records)
         return list(outcome.records)
 
     async def run(self) -> Measured:
         async with grpc_util.channel(self.address) as chan:
             sender = GrpcSender(client.public_stub(chan))
             await self._send(sender, 2, 16, 4, 1)  # warm-up
+            start = self._mark()
             prefill, gaps = await self._prefill(sender)
             prefill += await self._batches(sender)
+            middle = self._mark()
             decode = await self._decode(sender, prefill)
-        return Measured(tuple(prefill), tuple(decode), tuple(gaps))
+            end = self._mark()
+        phases = tuple((b[0] - a[0], b[1] - a[1], b[2] - a[2])
+                       for a, b in ((start, middle), (middle, end)))
+        return Measured(tuple(prefill), tuple(decode), tuple(gaps), phases,
+                        tuple(self._decode_cpu))
 
     async def _prefill(self, sender: GrpcSender
                        ) -> tuple[list[PrefillPoint], list[tuple[int, float]]]:
@@ -121,7 +164,9 @@ class Profiler:
         for n in self.sweep.prompt_lens:
             if n + 2 > self.max_model_len:
                 continue
+            cpu = self.decode_cpu_s()
             records = await self._send(sender, self.sweep.repeats, n, 2, 1)
+            self._decode_cpu.append((n, (self.decode_cpu_s() - cpu) / self.sweep.repeats))
             ttft = statistics.median(r.ttft_s for r in records)
             points.append(PrefillPoint(n, n * n, ttft))
             gaps.append((n, statistics.median(r.itls_s[0] for r in records)))
@@ -148,8 +193,8 @@ class Profiler:
             step_s = None  # the last batch's step: a lower bound of this one's
             for batch in self.sweep.decode_batches:
                 # tokens the first request makes while the others are still prefilled
-                joining = 0 if step_s is None else math.ceil(batch * context * per_token
-                                                             / step_s)
+                joining = 0 if step_s is None else math.ceil(1.5 * batch * context
+                                                             * per_token / step_s)
                 output = min(self.sweep.steady_tokens + joining,
                              self.max_model_len - context - 1)
                 if output < 3:
@@ -175,7 +220,22 @@ def transfer_points(second_gaps: Sequence[tuple[int, float]],
     return tuple(TransferPoint(n, max(gap - step_s(n), 0.0)) for n, gap in second_gaps)
 
 
+def process_cpu_s(pid: int) -> float:
+    """A process's CPU seconds so far, user and system (Linux /proc; 0 elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def measure(address: str, sweep: Sweep, vocab_size: int, max_model_len: int,
-            log: Callable[[str], None] = lambda _: None) -> Measured:
-    """Blocking: the sweep against a running router."""
-    return asyncio.run(Profiler(address, sweep, vocab_size, max_model_len, log).run())
+            log: Callable[[str], None] = lambda _: None, router_pid: int | None = None,
+            decode_pid: int | None = None) -> Measured:
+    """Blocking: the sweep against a running router (the pids: whose CPU is counted)."""
+    def cpu_of(pid: int | None) -> Callable[[], float]:
+        return (lambda: process_cpu_s(pid)) if pid else (lambda: 0.0)
+
+    profiler = Profiler(address, sweep, vocab_size, max_model_len, log, cpu_of(router_pid),
+                        cpu_of(decode_pid))
+    return asyncio.run(profiler.run())

@@ -152,12 +152,11 @@ def search(cost: CostModel, requests: Sequence[SimRequest], sla: Sla, candidates
     """Every candidate's goodput and its predictions at `rate` (None: at its goodput),
     best first: with a rate, the fewest workers meeting the SLA there, then the most goodput
     per worker; without, the most goodput per worker, then the fewest workers."""
-    scale = _rough_capacity(cost, requests)
     outcomes = []
     for layout in candidates:
-        found = goodput(cost, layout, requests, sla, scale * 1e-3,
-                        scale * layout.num_workers * 4)
-        outcomes.append(_predict(cost, layout, requests, sla, rate or found or scale * 1e-3,
+        most = capacity(cost, layout, requests)
+        found = goodput(cost, layout, requests, sla, most * 1e-3, most * 1.5)
+        outcomes.append(_predict(cost, layout, requests, sla, rate or found or most * 1e-3,
                                  found))
 
     def order(o: Outcome) -> tuple:
@@ -168,7 +167,25 @@ def search(cost: CostModel, requests: Sequence[SimRequest], sla: Sla, candidates
     return sorted(outcomes, key=order)
 
 
-def _rough_capacity(cost: CostModel, requests: Sequence[SimRequest]) -> float:
-    """Requests/s one worker could prefill: the bracket the bisection starts from."""
-    mean_prompt = float(np.mean([r.prompt_len for r in requests]))
-    return 1.0 / max(cost.prefill_s(round(mean_prompt), round(mean_prompt) ** 2), 1e-6)
+def capacity(cost: CostModel, layout: Layout, requests: Sequence[SimRequest],
+             batch: int = 16) -> float:
+    """Requests/s the layout could serve at most, from the mean work of a request: its
+    prompt's forward on a prefill worker, its tokens' share of steps of `batch` sequences on
+    a decode worker (a colocated worker does both), and the router's CPU, on the cores it
+    shares with the prefill (or colocated) workers where it has none of its own."""
+    profile = cost.profile
+    prompt = float(np.mean([r.prompt_len for r in requests]))
+    output = float(np.mean([r.output_len for r in requests]))
+    prefill = float(np.mean([cost.prefill_s(r.prompt_len, r.prompt_len ** 2)
+                             for r in requests]))
+    step = cost.decode_s(batch, round(batch * (prompt + output / 2)))
+    decode = max(output - 1, 0.0) * step / batch + cost.receive_s(round(prompt))
+    router = profile.router_s_per_request + output * profile.relay_s_per_token
+    shares = 0 < profile.num_cores <= 2 * layout.num_workers
+    if layout.is_colocated:
+        work = prefill + decode - cost.receive_s(round(prompt)) + (router if shares else 0.0)
+        bound = layout.num_decode / work
+    else:
+        bound = min(layout.num_prefill / (prefill + (router if shares else 0.0)),
+                    layout.num_decode / decode if decode else math.inf)
+    return bound if shares or router == 0 else min(bound, 1 / router)

@@ -10,8 +10,8 @@ What it models, as the code it stands for does:
 - a worker prefills as kvferry/model/prefill_batch.py does: waiting prompts packed FIFO into
   one forward up to the token budget, a prompt longer than the chunk size a chunk per forward,
   its first token out when its last chunk is done;
-- the K/V push takes the profile's transfer time, in parallel with everything else; the
-  sequence joins the running batch at the next step boundary;
+- the K/V push takes the profile's transfer time, and the decode worker the profile's receive
+  time before its next step; the sequence joins the running batch at the next step boundary;
 - a decode worker steps its whole batch, one token each per step, a step taking the
   profile's median time for its batch and context times a ratio drawn (seeded) from the
   spread the profile measured around it; a colocated worker (or a
@@ -19,6 +19,10 @@ What it models, as the code it stands for does:
   alternately while both have work (decode_worker/steps.py shares its executor);
 - a sequence takes a block more whenever one fills; with none free the newest running one
   is swapped out and comes back, oldest first, before any new reservation is granted.
+
+- the router spends the profile's CPU per request and per relayed token, FIFO, on the cores
+  deploy/placement.py gives it (deploy/planner/cpu_share.py): a token reaches the client
+  when the router has relayed it.
 
 What it leaves out: prefix caching (every prompt is computed in full), failures and
 migration, speculative decoding, K/V eviction and the time a swap takes.
@@ -36,6 +40,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from deploy.loadgen.metrics import RequestRecord
+from deploy.planner.cpu_share import SharedCores
 from deploy.planner.profile import CostModel, attention_tokens
 
 
@@ -84,7 +89,8 @@ class _Seq:
     prefilled: int = 0  # prompt tokens computed
     context: int = 0  # tokens whose K/V the decode worker holds
     num_blocks: int = 0  # held on its decode worker
-    token_times: list[float] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)  # as the client got them
+    num_generated: int = 0  # by the workers (the router may not have relayed them yet)
     decode: _Worker | None = None
     prefilled_on: _Worker | None = None
     is_reserved: bool = False
@@ -93,7 +99,7 @@ class _Seq:
 
     @property
     def is_done(self) -> bool:
-        return len(self.token_times) >= self.req.output_len
+        return self.num_generated >= self.req.output_len
 
 
 class _Clock:
@@ -126,6 +132,7 @@ class _Worker:
         self.free_blocks = num_blocks
         self.is_busy = False
         self.was_prefill = False  # the last thing run: alternate while both have work
+        self.receive_s = 0.0  # K/V to take in before the next step
 
     @property
     def queued_tokens(self) -> int:
@@ -138,6 +145,10 @@ class _Worker:
 
     def poke(self) -> None:
         if self.is_busy:
+            return
+        if self.receive_s > 0:
+            work, self.receive_s = self.receive_s, 0.0
+            self._finish(work, lambda: None)
             return
         has_decode = bool(self.running or self.joining)
         if self.prefill_queue and not (self.was_prefill and has_decode):
@@ -153,7 +164,7 @@ class _Worker:
             self.is_busy = False
             self.poke()
 
-        self.sim.clock.at(self.sim.clock.now + duration_s, done)
+        self.sim.cores.run_forward(self, duration_s, done)
 
     def _plan(self) -> list[tuple[_Seq, int]]:
         """kvferry/model/prefill_batch.py's plan: prompts in arrival order under the token
@@ -203,9 +214,8 @@ class _Worker:
         context = sum(s.context for s in batch)
 
         def done() -> None:
-            now = self.sim.clock.now
             for seq in batch:
-                seq.token_times.append(now)
+                self.sim.generated(seq)
                 seq.context += 1
                 if seq.is_done:
                     self.running.remove(seq)
@@ -263,6 +273,22 @@ class Simulation:
         self.prefill = ([] if layout.is_colocated
                         else [_Worker(self, 0) for _ in range(layout.num_prefill)])
         self.waiting: deque[_Seq] = deque()  # prefilled, their push waiting for blocks
+        self.cores = SharedCores(self.clock.at, lambda: self.clock.now, self._router_cores())
+
+    def _router_cores(self) -> list[_Worker]:
+        """The workers whose cores the router shares, as deploy/placement.py places them:
+        none with more than two cores per worker, else the prefill workers (the colocated
+        ones without them)."""
+        cores = self.cost.profile.num_cores
+        if not cores or cores > 2 * self.layout.num_workers:
+            return []
+        return self.prefill or self.decode
+
+    def generated(self, seq: _Seq) -> None:
+        """A worker made a token: the router relays it (its CPU), then the client has it."""
+        seq.num_generated += 1
+        self.cores.submit(self.cost.profile.relay_s_per_token,
+                          lambda: seq.token_times.append(self.clock.now))
 
     def step_s(self, batch: int, context: int) -> float:
         """A decode step: the profile's median, times a ratio drawn from its spread."""
@@ -278,6 +304,9 @@ class Simulation:
         return [_record(seq) for seq in seqs]
 
     def arrive(self, seq: _Seq) -> None:
+        self.cores.submit(self.cost.profile.router_s_per_request, lambda: self._route(seq))
+
+    def _route(self, seq: _Seq) -> None:
         seq.decode = max(self.decode, key=lambda w: w.free_blocks)
         block, profile = self.cost.profile.block_size, self.cost.profile
         if math.ceil((seq.req.prompt_len + seq.req.output_len) / block) > profile.num_blocks:
@@ -301,7 +330,7 @@ class Simulation:
 
     def prefilled(self, seq: _Seq, worker: _Worker) -> None:
         """The first token is out; the K/V goes to the decode worker once it has room."""
-        seq.token_times.append(self.clock.now)
+        self.generated(seq)
         seq.context = seq.req.prompt_len
         seq.is_prefilled, seq.prefilled_on = True, worker
         if seq.is_done:
@@ -317,8 +346,10 @@ class Simulation:
 
     def _ship(self, seq: _Seq) -> None:
         target = seq.decode
-        delay = (0.0 if seq.prefilled_on is target
-                 else self.cost.transfer_s(seq.req.prompt_len))
+        delay = 0.0
+        if seq.prefilled_on is not target:
+            delay = self.cost.transfer_s(seq.req.prompt_len)
+            target.receive_s += self.cost.receive_s(seq.req.prompt_len)
 
         def attach() -> None:
             target.joining.append(seq)

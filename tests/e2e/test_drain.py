@@ -114,3 +114,40 @@ def test_sigterm_drains_a_decode_worker(migrates: bool, qwen3_2p2d_deployment: D
     assert other.token_ids == undisturbed.token_ids[:8]
     assert got.finished.timing.num_migrations == (1 if migrates else 0)
     assert_pools_clean(deployment)
+
+
+def test_sigterm_drains_a_prefill_worker_once_its_push_is_acknowledged(
+        qwen3_2p2d_deployment: Deployment) -> None:
+    """SIGTERM to the prefill worker whose push is still open (the push_done_delay_s fault
+    holds its acknowledgement 3 s after the decode worker took the K/V): it says NOT_SERVING
+    at once, new prompts go to the other prefill worker, and it exits 0 only after the push
+    ended, so the request finishes with the undisturbed tokens, never prefilled again."""
+    deployment = qwen3_2p2d_deployment
+    request = client.make_request(PROMPT, temperature=0.0, max_tokens=24, ignore_eos=True)
+    undisturbed = asyncio.run(client.generate(deployment.router_address, request, 120))
+    held = client.make_request(PROMPT, "drain-prefill" + tag(push_done_delay_s=3.0),
+                               temperature=0.0, max_tokens=24, ignore_eos=True)
+
+    async def run() -> tuple[client.Completion, client.Completion, Process, float]:
+        async with grpc_util.channel(deployment.router_address) as chan:
+            stub = generation_pb2_grpc.GenerationServiceStub(chan)
+            stream = asyncio.ensure_future(client.collect(stub, held, 120))
+            victim = None
+            while victim is None:  # the push is open from the first token on
+                victim = await asyncio.to_thread(busy_process, deployment, "prefill")
+                await asyncio.sleep(0.02)  # paces the polling
+            signalled = time.monotonic()
+            victim.popen.send_signal(signal.SIGTERM)
+            assert await _reports_not_serving(victim.address)
+            other = await client.generate(deployment.router_address, request, 60)
+            got = await stream
+            code = await asyncio.to_thread(victim.popen.wait, 30)
+            assert code == 0, f"{victim.name} exited with {code}"
+            return got, other, victim, time.monotonic() - signalled
+
+    got, other, victim, lived_s = asyncio.run(run())
+    respawn(victim.name, deployment)
+    assert got.token_ids == undisturbed.token_ids and other.token_ids == undisturbed.token_ids
+    assert got.finished.timing.num_migrations == 0
+    assert lived_s >= 1.0  # it waited for the held acknowledgement, not exited at once
+    assert_pools_clean(deployment)

@@ -1,0 +1,83 @@
+"""The live planner's decisions in a closed loop with the simulator: a workload that shifts
+from short prompts with long answers to long prompts with short answers moves the split
+the right way, within bounds, a step at a time, without going back and forth."""
+
+from __future__ import annotations
+
+import pytest
+
+from deploy.planner.live import Bounds, Observation, Planner
+from deploy.planner.search import Sla
+from deploy.planner.simulator import Layout
+from tests.deploy.planner.synthetic import make_cost
+
+SLA = Sla.parse("ttft-p90=500,itl-p90=15")
+DECODE_HEAVY = Observation(10.0, 40, ((32, 300),))  # 4 requests/s
+PREFILL_HEAVY = Observation(10.0, 30, ((2000, 4),))  # 3 requests/s
+
+
+def _run(planner: Planner, observations: list[Observation], start: Layout) -> list[Layout]:
+    layouts, current = [start], start
+    for obs in observations:
+        decision = planner.decide(obs, current)
+        assert decision.reason
+        current = decision.layout
+        layouts.append(current)
+    return layouts
+
+
+def _turns(values: list[int]) -> int:
+    """How often a sequence changes direction."""
+    moves = [b - a for a, b in zip(values, values[1:]) if b != a]
+    return sum(1 for a, b in zip(moves, moves[1:]) if (a > 0) != (b > 0))
+
+
+def test_a_shifting_workload_moves_the_split_and_settles() -> None:
+    bounds = Bounds(max_prefill=3, max_decode=3, max_workers=4)
+    planner = Planner(make_cost(), SLA, bounds, patience=2)
+    layouts = _run(planner, [DECODE_HEAVY] * 6 + [PREFILL_HEAVY] * 7, Layout(1, 1))
+    decode_phase, prefill_phase = layouts[6], layouts[-1]
+    assert decode_phase.num_decode > decode_phase.num_prefill
+    assert prefill_phase.num_prefill > prefill_phase.num_decode
+    assert layouts[-1] == layouts[-2] == layouts[-3]  # settled
+    for a, b in zip(layouts, layouts[1:]):  # one worker per role per interval, in bounds
+        assert abs(a.num_prefill - b.num_prefill) <= 1 and abs(a.num_decode - b.num_decode) <= 1
+        assert b.num_workers <= bounds.max_workers and b.num_prefill >= 1
+    assert _turns([x.num_prefill for x in layouts]) == 0  # prefill only ever grew
+    assert _turns([x.num_decode for x in layouts]) <= 1  # up in the first phase, then down
+    # nothing moved before a target had held for two intervals
+    assert layouts[1] == Layout(1, 1)
+
+
+def test_a_one_interval_blip_moves_nothing() -> None:
+    planner = Planner(make_cost(), SLA, Bounds(max_prefill=3, max_decode=3, max_workers=4))
+    steady = Observation(10.0, 10, ((64, 64),))
+    layouts = _run(planner, [steady, PREFILL_HEAVY, steady, steady], Layout(1, 1))
+    assert set(layouts) == {Layout(1, 1)}
+
+
+def test_scaling_down_needs_headroom() -> None:
+    """Just under what one fewer worker can take: with headroom the planner stays, without
+    it it gives the worker back."""
+    cost = make_cost()
+    light = Observation(10.0, 10, ((32, 300),))
+    eager = Planner(cost, SLA, Bounds(max_workers=4), patience=1, headroom=1.0)
+    careful = Planner(cost, SLA, Bounds(max_workers=4), patience=1, headroom=100.0)
+    assert eager.decide(light, Layout(1, 2)).layout == Layout(1, 1)
+    assert careful.decide(light, Layout(1, 2)).layout == Layout(1, 2)
+
+
+def test_out_of_reach_goes_to_the_largest_layout() -> None:
+    planner = Planner(make_cost(), Sla.parse("ttft-p90=1"), Bounds(max_prefill=2,
+                                                                   max_decode=2,
+                                                                   max_workers=3),
+                      patience=1)
+    decision = planner.decide(DECODE_HEAVY, Layout(1, 1))
+    assert decision.target.num_workers == 3 and "no layout" in decision.reason
+
+
+def test_bounds_refuse_nonsense() -> None:
+    with pytest.raises(ValueError, match="min_prefill"):
+        Bounds(min_prefill=0)
+    with pytest.raises(ValueError, match="max_workers"):
+        Bounds(max_workers=1)
