@@ -11,6 +11,7 @@ from deploy.default_model import ensure_default_model
 from deploy.eviction_args import eviction_args, eviction_config
 from deploy.parser import Parser, add_global_args_to_commands, global_args
 from deploy.plan_cmd import add_plan_parser
+from deploy.planner_cmd import add_planner_parser
 from deploy.policy_args import policy_args, policy_settings
 from deploy.profile_cmd import add_profile_parser
 from deploy.security_args import api_keys, public_access_args, security_settings, tls_args
@@ -64,6 +65,7 @@ USAGE = """The `kvferry` command line.
   kvferry bench [--address HOST:PORT | --compare T ...]  load test: TTFT/TPOT/ITL, goodput
   kvferry profile [--model DIR]                          measure prefill/decode/transfer here
   kvferry plan --sla ttft-p90=MS,itl-p90=MS --workload W  prefill:decode split for an SLA
+  kvferry planner --router-metrics URL --profile F --sla ...  scale P and D to it, live
   kvferry prefill-worker | decode-worker | colocated-worker | router   one process
 """
 
@@ -222,6 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_plan_parser(sub)
     add_profile_parser(sub)
+    add_planner_parser(sub)
 
     p = sub.add_parser("make-certs", help="write a test CA, a cluster certificate and a token "
                                           "(needs the cryptography package)")

@@ -255,6 +255,10 @@ def _main(argv: list[str] | None) -> int:
             from deploy.profile_cmd import run_profile
 
             return run_profile(args)
+        if args.command == "planner":
+            from deploy.planner_cmd import run_planner
+
+            return run_planner(args)
         if args.command in ("make-certs", "make-model"):
             return _make_files(args)
         settings = check_inputs(args)

@@ -10,8 +10,9 @@ sends (random token prompts, max_tokens with ignore_eos, greedy):
 3. decode: `batch` requests of `context` prompt tokens sent together, each long enough that
    all of them decode together for a while: the median gap between tokens while all are in
    the batch, against the context tokens they hold then, and the gaps' spread around it;
-4. the CPU the router process and this client spent in 1-2 and in 3, whose different mixes
-   of requests and tokens give the CPU per request and per streamed token; and the decode
+4. the CPU the router process and this client spent in 1-2 and in 3, less what they spend
+   idle (measured first, over IDLE_S), whose different mixes of requests and tokens give
+   the CPU per request and per streamed token; and the decode
    worker's CPU per request in 1, less its one step: receiving and attaching the K/V.
 """
 
@@ -43,6 +44,7 @@ from deploy.planner.profile import (
 from kvferry.rpc import grpc_util
 
 MIN_STEADY_GAPS = 8  # a decode point needs this many gaps with the whole batch running
+IDLE_S = 2.0  # measures the CPU the router and the client spend idle, taken off the phases
 
 
 @dataclass(frozen=True)
@@ -126,8 +128,9 @@ class Profiler:
         self._seed = itertools.count(1)
         self._sent = [0, 0]  # requests, tokens
 
-    def _mark(self) -> tuple[int, int, float]:
-        return self._sent[0], self._sent[1], self.router_cpu_s() + time.process_time()
+    def _mark(self) -> tuple[int, int, float, float]:
+        return (self._sent[0], self._sent[1], self.router_cpu_s() + time.process_time(),
+                time.perf_counter())
 
     async def _send(self, sender: GrpcSender, count: int, prompt_len: int, output_len: int,
                     concurrency: int | None) -> list[RequestRecord]:
@@ -147,13 +150,17 @@ class Profiler:
         async with grpc_util.channel(self.address) as chan:
             sender = GrpcSender(client.public_stub(chan))
             await self._send(sender, 2, 16, 4, 1)  # warm-up
+            idle = self._mark()
+            await asyncio.sleep(IDLE_S)  # the CPU both spend doing nothing: polls, health
             start = self._mark()
+            background = (start[2] - idle[2]) / (start[3] - idle[3])
             prefill, gaps = await self._prefill(sender)
             prefill += await self._batches(sender)
             middle = self._mark()
             decode = await self._decode(sender, prefill)
             end = self._mark()
-        phases = tuple((b[0] - a[0], b[1] - a[1], b[2] - a[2])
+        phases = tuple((b[0] - a[0], b[1] - a[1],
+                        max(b[2] - a[2] - background * (b[3] - a[3]), 0.0))
                        for a, b in ((start, middle), (middle, end)))
         return Measured(tuple(prefill), tuple(decode), tuple(gaps), phases,
                         tuple(self._decode_cpu))

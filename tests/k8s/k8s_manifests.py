@@ -19,7 +19,8 @@ import pytest
 import yaml
 
 K8S_DIR = Path(__file__).resolve().parents[2] / "k8s"
-OVERLAYS = ("gpu", "cpu-dev", "ray", "autoscale", "tls", "nixl", "nixl-gpu", "kv-tiers")
+OVERLAYS = ("gpu", "cpu-dev", "ray", "autoscale", "tls", "nixl", "nixl-gpu", "kv-tiers",
+            "planner")
 TREES = ("base", *(f"overlays/{name}" for name in OVERLAYS))
 KUBERNETES_VERSION = "1.30.0"
 

@@ -28,7 +28,7 @@ from kvferry.rpc import grpc_util
 REPO = K8S_DIR.parent
 SOURCE_DIRS = ("kvferry", "router", "prefill_worker", "decode_worker", "kvferry_kernels", "deploy")
 GPU_TREES = ("base", "overlays/gpu", "overlays/ray", "overlays/autoscale", "overlays/tls",
-             "overlays/nixl-gpu", "overlays/kv-tiers")
+             "overlays/nixl-gpu", "overlays/kv-tiers", "overlays/planner")
 CPU_DEV_TREES = ("overlays/cpu-dev", "overlays/nixl")  # cpu-dev's locally built images
 TLS_TREES = ("overlays/tls", "overlays/nixl-gpu")
 WORKER_COMMANDS = ("prefill-worker", "decode-worker", "colocated-worker")
@@ -55,7 +55,7 @@ def test_every_tree_runs_router_prefill_and_decode(parsed) -> None:
 def test_ports_and_probes_match_the_processes(parsed) -> None:
     for found in parsed.values():
         for container, p in found:
-            if container.is_init:
+            if container.is_init or p.command == "planner":  # the planner serves no gRPC
                 continue
             assert p.value("--host") == "0.0.0.0", container.name
             assert _port(container, "grpc") == p.value("--port"), container.name
@@ -147,7 +147,11 @@ def test_env_vars_are_consumed(rendered) -> None:
                 name = var["name"]
                 if name.startswith("KVFERRY_") and name not in refs:
                     assert f'"{name}"' in source, f"{container.name}: {name} is never read"
-        for data in config_maps(resources).values():
+        mounted = {v["configMap"]["name"] for r in resources for _, t in pod_templates(r)
+                   for v in t["spec"].get("volumes", []) if "configMap" in v}
+        for name, data in config_maps(resources).items():
+            if name in mounted:  # its keys are files a container reads
+                continue
             unused = [k for k in data if k not in used and f'"{k}"' not in source]
             assert unused == [], f"{tree}: ConfigMap keys nobody uses: {unused}"
 
@@ -155,6 +159,8 @@ def test_env_vars_are_consumed(rendered) -> None:
 def test_model_is_mounted_read_only(parsed) -> None:
     for tree, found in parsed.items():
         for container, p in found:
+            if p.command == "planner":  # reads no model
+                continue
             model = p.value("--model") if p.command != "make-model" else p.value("--out")
             mounts = [m for m in container.spec["volumeMounts"]
                       if str(Path(model)).startswith(m["mountPath"].rstrip("/") + "/")]

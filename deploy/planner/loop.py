@@ -1,0 +1,72 @@
+"""The live planner's process: every interval, scrape the router, decide
+(deploy/planner/live.py), log the decision with its reason, export it as metrics, and scale
+(deploy/planner/scalers.py) when it moves."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from deploy.planner.live import Decision, Planner
+from deploy.planner.observe import Scrape, observation
+from deploy.planner.scalers import Scaler
+from deploy.planner.simulator import Layout
+
+log = logging.getLogger("kvferry.planner")
+
+
+class PlannerMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.workers = Gauge("kvferry_planner_workers", "Workers by role: running now "
+                             "(current) and what the planner asks for (target).",
+                             ["role", "kind"], registry=registry)
+        self.decisions = Counter("kvferry_planner_decisions", "Decisions by what they did.",
+                                 ["action"], registry=registry)
+        self.rate = Gauge("kvferry_planner_observed_request_rate",
+                          "Requests per second the router finished last interval.",
+                          registry=registry)
+
+
+def _action(current: Layout, chosen: Layout) -> str:
+    if chosen == current:
+        return "hold"
+    if chosen.num_workers > current.num_workers:
+        return "scale_up"
+    if chosen.num_workers < current.num_workers:
+        return "scale_down"
+    return "rebalance"
+
+
+@dataclass
+class PlannerLoop:
+    planner: Planner
+    scrape: Callable[[], Scrape]
+    scaler: Scaler
+    metrics: PlannerMetrics
+    is_dry_run: bool = False  # decide and log, scale nothing
+    _last: Scrape | None = None
+
+    def run_once(self) -> Decision | None:
+        """One interval: None on the first call (it only takes the first scrape)."""
+        scrape = self.scrape()
+        before, self._last = self._last, scrape
+        if before is None:
+            return None
+        obs = observation(before, scrape)
+        current = Layout(*self.scaler.current())
+        decision = self.planner.decide(obs, current)
+        action = _action(current, decision.layout)
+        self.metrics.rate.set(obs.rate)
+        self.metrics.decisions.labels(action).inc()
+        for role, now, target in (("prefill", current.num_prefill, decision.num_prefill),
+                                  ("decode", current.num_decode, decision.num_decode)):
+            self.metrics.workers.labels(role, "current").set(now)
+            self.metrics.workers.labels(role, "target").set(target)
+        log.info("planner: %s %s -> %s: %s%s", action, current, decision.layout,
+                 decision.reason, " (dry run)" if self.is_dry_run else "")
+        if action != "hold" and not self.is_dry_run:
+            self.scaler.scale(decision.num_prefill, decision.num_decode)
+        return decision

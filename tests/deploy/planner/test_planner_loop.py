@@ -1,0 +1,180 @@
+"""The live planner process: what it reads from the routers' metrics, what it decides and
+exports, and the Kubernetes requests it sends, through the real `kubernetes` client with its
+HTTP layer replaced, validated offline against the API schema."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import kubernetes_validate
+import pytest
+from kubernetes import client as k8s
+from prometheus_client import CollectorRegistry, generate_latest
+
+from deploy.cli import main
+from deploy.planner.live import Bounds, Planner
+from deploy.planner.loop import PlannerLoop, PlannerMetrics
+from deploy.planner.observe import Scrape, merge, observation, parse, percentile_ms
+from deploy.planner.scalers import KubernetesScaler, replicas_patch, scale_object
+from deploy.planner.search import Sla
+from kvferry.rpc.metrics import RouterMetrics
+from tests.deploy.planner.synthetic import make_cost, make_profile
+
+K8S_VERSION = "1.30.0"  # tests/k8s validate the manifests against the same schemas
+
+
+class Router:
+    """A router's metrics registry, fed as the router feeds it."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.metrics = RouterMetrics(self.registry)
+
+    def serve(self, count: int, prompt: int, output: int, ttft_s: float, itl_s: float
+              ) -> None:
+        for _ in range(count):
+            self.metrics.finished.labels("length").inc()
+            self.metrics.prompt_tokens.inc(prompt)
+            self.metrics.generation_tokens.inc(output)
+            self.metrics.ttft.observe(ttft_s)
+            for _ in range(output - 1):
+                self.metrics.itl.observe(itl_s)
+
+    def scrape(self, at_s: float) -> Scrape:
+        return parse(generate_latest(self.registry).decode(), at_s)
+
+
+def test_an_interval_is_the_difference_of_two_scrapes() -> None:
+    router = Router()
+    router.serve(5, 1000, 10, 0.2, 0.01)
+    before = router.scrape(0.0)
+    router.serve(20, 100, 50, 0.04, 0.02)
+    after = router.scrape(10.0)
+    obs = observation(before, after)
+    assert (obs.duration_s, obs.num_requests, obs.lengths) == (10.0, 20, ((100, 50),))
+    assert obs.rate == pytest.approx(2.0)
+    # percentiles at the upper bound of the bucket they fall in, this interval's only
+    assert 40 <= percentile_ms(before, after, "ttft", 90) <= 100
+    assert 20 <= percentile_ms(before, after, "itl", 50) <= 30
+    assert observation(after, after).num_requests == 0
+
+
+def test_two_routers_add_up_and_a_restart_reads_as_nothing() -> None:
+    a, b = Router(), Router()
+    a.serve(3, 100, 10, 0.1, 0.01)
+    b.serve(1, 500, 10, 0.1, 0.01)
+    both = merge([a.scrape(1.0), b.scrape(2.0)])
+    assert (both.at_s, both.finished, both.prompt_tokens) == (2.0, 4, 800)
+    restarted = Router()
+    restarted.serve(1, 10, 2, 0.1, 0.01)
+    assert observation(both, restarted.scrape(3.0)).num_requests == 0
+
+
+class FakeScaler:
+    def __init__(self, prefill: int, decode: int) -> None:
+        self.counts = (prefill, decode)
+        self.calls: list[tuple[int, int]] = []
+
+    def current(self) -> tuple[int, int]:
+        return self.counts
+
+    def scale(self, num_prefill: int, num_decode: int) -> None:
+        self.calls.append((num_prefill, num_decode))
+        self.counts = (num_prefill, num_decode)
+
+
+def test_the_loop_scales_after_its_patience_and_exports_why() -> None:
+    router, clock = Router(), iter(range(0, 1000, 10))
+    registry = CollectorRegistry()
+    scaler = FakeScaler(1, 1)
+
+    def scrape() -> Scrape:
+        router.serve(40, 32, 300, 0.1, 0.02)  # 4 requests/s of long answers
+        return router.scrape(float(next(clock)))
+
+    planner = Planner(make_cost(), Sla.parse("ttft-p90=500,itl-p90=15"),
+                      Bounds(max_prefill=3, max_decode=3, max_workers=4), patience=2)
+    loop = PlannerLoop(planner, scrape, scaler, PlannerMetrics(registry))
+    assert loop.run_once() is None  # the first scrape only
+    held = loop.run_once()
+    assert held is not None and "waiting 1 more" in held.reason and scaler.calls == []
+    moved = loop.run_once()
+    assert moved is not None and scaler.calls == [(1, 2)]
+    value = registry.get_sample_value
+    assert value("kvferry_planner_workers", {"role": "decode", "kind": "target"}) == 2
+    assert value("kvferry_planner_workers", {"role": "decode", "kind": "current"}) == 1
+    assert value("kvferry_planner_decisions_total", {"action": "scale_up"}) == 1
+    assert value("kvferry_planner_decisions_total", {"action": "hold"}) == 1
+    assert value("kvferry_planner_observed_request_rate") == pytest.approx(4.0)
+    dry = PlannerLoop(planner, scrape, FakeScaler(1, 1), PlannerMetrics(CollectorRegistry()),
+                      is_dry_run=True)
+    for _ in range(4):
+        dry.run_once()
+    assert dry.scaler.calls == []
+
+
+class Recorded:
+    """The HTTP layer under the kubernetes client: records each request, answers a Scale."""
+
+    def __init__(self, replicas: int) -> None:
+        self.replicas = replicas
+        self.requests: list[tuple[str, str, dict, object]] = []
+
+    def request(self, method, url, headers=None, body=None, post_params=None,  # noqa: ANN001
+                _request_timeout=None):  # noqa: ANN001 - the client's own signature
+        self.requests.append((method, url, dict(headers or {}), body))
+        name = url.rstrip("/").split("/")[-2]
+        replicas = body["spec"]["replicas"] if isinstance(body, dict) else self.replicas
+        data = json.dumps(scale_object(name, "serving", replicas)).encode()
+        return k8s.rest.RESTResponse(SimpleNamespace(
+            status=200, reason="OK", data=data,
+            headers={"Content-Type": "application/json"}))
+
+
+def test_the_kubernetes_scaler_patches_the_scale_subresource() -> None:
+    api_client = k8s.ApiClient(k8s.Configuration(host="https://cluster.invalid"))
+    recorded = Recorded(replicas=2)
+    api_client.rest_client = recorded
+    scaler = KubernetesScaler("serving", "kvferry-prefill", "kvferry-decode",
+                              api=k8s.AppsV1Api(api_client))
+    assert scaler.current() == (2, 2)
+    scaler.scale(3, 1)
+    reads, patches = recorded.requests[:2], recorded.requests[2:]
+    assert [(m, u) for m, u, _, _ in reads] == [
+        ("GET", "https://cluster.invalid/apis/apps/v1/namespaces/serving/deployments/"
+                "kvferry-prefill/scale"),
+        ("GET", "https://cluster.invalid/apis/apps/v1/namespaces/serving/deployments/"
+                "kvferry-decode/scale")]
+    assert [(m, u.rsplit("/", 2)[-2], b) for m, u, _, b in patches] == [
+        ("PATCH", "kvferry-prefill", {"spec": {"replicas": 3}}),
+        ("PATCH", "kvferry-decode", {"spec": {"replicas": 1}})]
+    for _, _, headers, _ in patches:  # a merge patch: fields given replace, nothing else moves
+        assert headers["Content-Type"] == "application/merge-patch+json"
+    # what the API would hold after each patch is a valid autoscaling/v1 Scale
+    for name, replicas in (("kvferry-prefill", 3), ("kvferry-decode", 1)):
+        kubernetes_validate.validate(scale_object(name, "serving", replicas), K8S_VERSION,
+                                     strict=True)
+    with pytest.raises(ValueError, match="replicas"):
+        replicas_patch(-1)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--profile", "P", "--sla", "ttft-p90=5"], "router_metrics"),
+    (["--router-metrics", "http://x/metrics", "--profile", "P", "--sla", "ttft-p90=5"],
+     "kubernetes_namespace"),
+    (["--router-metrics-dns", "nohost", "--profile", "P", "--sla", "ttft-p90=5",
+      "--dry-run", "--current", "1,1"], "HOST:PORT"),
+    (["--router-metrics", "http://x/metrics", "--profile", "P", "--sla", "bad",
+      "--dry-run", "--current", "1,1"], "sla"),
+    (["--router-metrics", "http://x/metrics", "--profile", "P", "--sla", "ttft-p90=5",
+      "--dry-run", "--current", "1,1", "--min-decode", "0"], "min_decode"),
+])
+def test_the_planner_command_says_what_is_wrong(tmp_path: Path, argv: list[str], says: str,
+                                                capsys: pytest.CaptureFixture) -> None:
+    profile = make_profile().save(tmp_path / "profile.json")
+    argv = [str(profile) if a == "P" else a for a in argv]
+    assert main(["planner", *argv]) == 2
+    err = capsys.readouterr().err
+    assert says in err and len(err.strip().splitlines()) == 1
