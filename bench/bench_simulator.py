@@ -16,6 +16,7 @@ Usage:
 
     .venv/bin/python bench/bench_simulator.py [--models tiny,default] [--reps 3]
         [--requests 60] [--utilization 0.5] [--out FILE]
+    .venv/bin/python bench/bench_simulator.py --replay FILE [--profile P]  # no measuring
 """
 
 from __future__ import annotations
@@ -79,15 +80,37 @@ def run_config(name: str, cost: CostModel, template: Deployment, rate: float, re
             failed = [r for r in result.records if not r.is_success]
             if failed:
                 raise RuntimeError(f"{name}: {len(failed)} requests failed: {failed[0].error}")
-            predicted = simulate(cost, layout, _sim_requests(result.records))
-            last = max(r.start_s + r.latency_s for r in predicted)
+            requests = _sim_requests(result.records)
             runs.append({"measured": _percentiles(list(result.records),
                                                   result.metrics.duration_s),
-                         "predicted": _percentiles(predicted, last)})
+                         "predicted": _predict(cost, layout, requests),
+                         "requests": [dataclasses.astuple(r) for r in requests]})
             print(f"  {name} rep {rep}: measured {runs[-1]['measured']}", file=sys.stderr)
             print(f"  {name} rep {rep}: predicted {runs[-1]['predicted']}", file=sys.stderr)
     return {"layout": str(layout), "workload": repr(workload), "rate": rate, "runs": runs,
             "summary": _summary(runs)}
+
+
+def _predict(cost: CostModel, layout: Layout, requests: list[SimRequest]) -> dict[str, float]:
+    predicted = simulate(cost, layout, requests)
+    return _percentiles(predicted, max(r.start_s + r.latency_s for r in predicted))
+
+
+def replay(path: Path, profile: Path | None) -> dict:
+    """Simulate the requests a results file measured again (with `profile`, or the one it
+    was measured with), and print the table: a change to the simulator or the profile,
+    checked against the same measurements."""
+    out = json.loads(path.read_text())
+    for label, model in out.items():
+        cost = CostModel(Profile.load(profile) if profile else Profile.from_dict(model["profile"]))
+        for name, res in model["configs"].items():
+            layout = CONFIGS[name][0]
+            for run in res["runs"]:
+                run["predicted"] = _predict(cost, layout,
+                                            [SimRequest(*r) for r in run["requests"]])
+            res["summary"] = _summary(res["runs"])
+        _print_table(label, model["configs"])
+    return out
 
 
 def _vocab(address: str) -> int:
@@ -163,7 +186,15 @@ def main() -> int:
     p.add_argument("--log-dir", type=Path,
                    default=Path("/tmp") / time.strftime("bench-simulator-%Y%m%d-%H%M%S"))
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON")
+    p.add_argument("--replay", type=Path, default=None, metavar="RESULTS",
+                   help="measure nothing: simulate a results file's requests again (with "
+                        "--profile, or the profile it holds) and print the table")
     args = p.parse_args()
+    if args.replay is not None:
+        out = replay(args.replay, args.profile)
+        if args.out is not None:
+            args.out.write_text(json.dumps(out, indent=1) + "\n")
+        return 0
     args.configs = args.configs.split(",")
     unknown = [c for c in args.configs if c not in CONFIGS]
     if unknown:

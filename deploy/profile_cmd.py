@@ -139,14 +139,17 @@ def profile_deployment(model: str, sweep, kv_transport: str, kv_pool_size: str,
         threads = (len(plan.cores["decode-0"]) if plan is not None and plan.is_pinned
                    else torch.get_num_threads())
     pool_bytes = parse_pool_size(kv_pool_size, 0)
-    per_request, per_token = relay_costs(measured.cpu_phases)
+    per_request, per_token = relay_costs([(n, t, c) for n, t, c, _ in measured.cpu_phases])
+    client_request, client_token = relay_costs([(n, t, c) for n, t, _, c in
+                                                measured.cpu_phases])
     decode_fit = DecodeFit(measured.decode)
 
     def step(n: int) -> float:
         return decode_fit.step_s(1, n)
 
-    # a prompt alone: the router's turn, the forward, the first token's relay, in series
-    prefill = tuple(replace(p, seconds=max(p.seconds - per_request - per_token,
+    # a prompt alone: the client's and the router's turns, then the forward (the simulator
+    # charges the turns)
+    prefill = tuple(replace(p, seconds=max(p.seconds - per_request - client_request,
                                            p.seconds / 2)) for p in measured.prefill)
     return Profile(
         model=name, dtype=dtype, device=device.type, kv_transport=kv_transport,
@@ -159,4 +162,5 @@ def profile_deployment(model: str, sweep, kv_transport: str, kv_pool_size: str,
         transfer=transfer_points(measured.second_gaps, step),
         receive=transfer_points(measured.decode_cpu, step),
         measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"), relay_s_per_token=per_token,
-        router_s_per_request=per_request, num_cores=len(os.sched_getaffinity(0)))
+        router_s_per_request=per_request, client_s_per_token=client_token,
+        client_s_per_request=client_request, num_cores=len(os.sched_getaffinity(0)))

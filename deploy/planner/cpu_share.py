@@ -1,14 +1,15 @@
-"""CPU time in the simulator: the router (with the load generator beside it) as one FIFO
+"""CPU time in the simulator: the router and the load generator beside it, each one FIFO
 server of CPU work, and the workers' forwards, sharing cores where deploy/placement.py puts
 them together.
 
-With more than two cores per worker the router has cores of its own: everything runs at full
-speed and only the router's own queue delays a token. With fewer, the router runs on the
-prefill workers' cores (the colocated workers', without prefill workers): while every one of
-them is computing, the router and the first of them split one core in half (the kernel's
-fair share of two runnable threads); while one of them is idle the router runs there at full
-speed. So a busy router slows the prefill behind it, and a busy prefill delays the tokens the
-router relays, as measured on two cores.
+With more than two cores per worker the router has cores of its own: the workers run at full
+speed and a token waits only for the router's and the client's own queues. With fewer, the
+router and the client run on the prefill workers' cores (the colocated workers', without
+prefill workers). Those cores are shared fairly, as the kernel shares them among runnable
+threads: while the threads that want them (the busy workers among them, and the router and
+the client when they have work) are no more than the cores, each runs at full speed; past
+that each gets cores / runnable of one. So a busy router slows the prefill beside it, and a
+busy prefill delays the tokens the router relays.
 """
 
 from __future__ import annotations
@@ -20,36 +21,45 @@ EPSILON_S = 1e-9  # work left below this is done (floating-point remainders of l
 
 
 class SharedCores:
-    """Processor sharing between the router's FIFO of CPU jobs and the workers' forwards.
-    `schedule(when, callback)` is the simulation's event queue; `now()` its clock."""
+    """Processor sharing between FIFO queues of CPU jobs (`queues`: the router, the client)
+    and the workers' forwards. `schedule(when, callback)` is the simulation's event queue;
+    `now()` its clock; `shared_with`: the workers on the queues' cores (empty: the queues
+    have cores of their own); `cores`: how many cores those workers hold."""
 
     def __init__(self, schedule: Callable[[float, Callable[[], None]], None],
-                 now: Callable[[], float], shared_with: Sequence[Hashable]) -> None:
+                 now: Callable[[], float], shared_with: Sequence[Hashable],
+                 queues: Sequence[str] = ("router",), cores: int | None = None) -> None:
         self._schedule_at = schedule
         self._now = now
-        self.shared_with = list(shared_with)  # empty: the router has cores of its own
-        self.jobs: deque[list] = deque()  # [work_s left, callback]
+        self.shared_with = list(shared_with)
+        self.cores = cores if cores is not None else len(self.shared_with)
+        self.jobs: dict[str, deque[list]] = {q: deque() for q in queues}  # [work_s, callback]
         self.forwards: dict[Hashable, list] = {}  # worker -> [work_s left, callback]
         self._last = 0.0
         self._version = 0
-        self.router_busy_s = 0.0  # CPU the router spent, for reports and tests
+        self.busy_s = dict.fromkeys(queues, 0.0)  # CPU each queue spent, for reports
 
-    def _rates(self) -> tuple[float, dict[Hashable, float]]:
+    def _rates(self) -> tuple[dict[str, float], dict[Hashable, float]]:
+        active = [q for q, jobs in self.jobs.items() if jobs]
         rates = dict.fromkeys(self.forwards, 1.0)
-        router = 1.0
-        if self.jobs and self.shared_with and all(w in self.forwards for w in self.shared_with):
-            router = 0.5
-            rates[self.shared_with[0]] = 0.5
-        return router, rates
+        queue_rate = 1.0
+        if self.shared_with:
+            busy = [w for w in self.shared_with if w in self.forwards]
+            runnable = len(busy) + len(active)
+            if runnable > self.cores:
+                queue_rate = self.cores / runnable
+                for worker in busy:
+                    rates[worker] = queue_rate
+        return dict.fromkeys(active, queue_rate), rates
 
     def _advance(self) -> None:
         now = self._now()
         elapsed = now - self._last
         if elapsed > 0:
-            router, rates = self._rates()
-            if self.jobs:
-                self.jobs[0][0] -= router * elapsed
-                self.router_busy_s += router * elapsed
+            queues, rates = self._rates()
+            for queue, rate in queues.items():
+                self.jobs[queue][0][0] -= rate * elapsed
+                self.busy_s[queue] += rate * elapsed
             for worker, entry in self.forwards.items():
                 entry[0] -= rates[worker] * elapsed
         self._last = now
@@ -57,10 +67,9 @@ class SharedCores:
     def _reschedule(self) -> None:
         self._version += 1
         version = self._version
-        router, rates = self._rates()
+        queues, rates = self._rates()
         waits = [max(entry[0], 0.0) / rates[w] for w, entry in self.forwards.items()]
-        if self.jobs:
-            waits.append(max(self.jobs[0][0], 0.0) / router)
+        waits += [max(self.jobs[q][0][0], 0.0) / rate for q, rate in queues.items()]
         if waits:
             self._schedule_at(self._now() + min(waits), lambda: self._fire(version))
 
@@ -69,8 +78,9 @@ class SharedCores:
             return
         self._advance()
         done = []
-        while self.jobs and self.jobs[0][0] <= EPSILON_S:
-            done.append(self.jobs.popleft()[1])
+        for jobs in self.jobs.values():
+            while jobs and jobs[0][0] <= EPSILON_S:
+                done.append(jobs.popleft()[1])
         for worker, (left, callback) in list(self.forwards.items()):
             if left <= EPSILON_S:
                 del self.forwards[worker]
@@ -79,10 +89,11 @@ class SharedCores:
         for callback in done:
             callback()
 
-    def submit(self, work_s: float, callback: Callable[[], None]) -> None:
-        """Router CPU work, done in order; `callback` when it is."""
+    def submit(self, work_s: float, callback: Callable[[], None],
+               queue: str = "router") -> None:
+        """CPU work for `queue`, done in order; `callback` when it is."""
         self._advance()
-        self.jobs.append([work_s, callback])
+        self.jobs[queue].append([work_s, callback])
         self._reschedule()
 
     def run_forward(self, worker: Hashable, work_s: float,

@@ -89,10 +89,12 @@ class Profile:
     transfer: tuple[TransferPoint, ...]
     measured_at: str = ""  # ISO date and time
     version: int = PROFILE_VERSION
-    # CPU the router and the load generator beside it spend per streamed token and per
-    # request (deploy/planner/cpu_share.py shares it with the workers on their cores)
+    # CPU the router, and apart the load generator beside it, spend per streamed token and
+    # per request (deploy/planner/cpu_share.py shares it with the workers on their cores)
     relay_s_per_token: float = 0.0
     router_s_per_request: float = 0.0
+    client_s_per_token: float = 0.0
+    client_s_per_request: float = 0.0
     num_cores: int = 0  # cores the deployment was placed on (0: unknown, the router's own)
     # the decode worker's CPU to take a prompt's K/V in (and reserve, attach), which its
     # steps wait for; none: free
@@ -120,8 +122,13 @@ class Profile:
             data = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise ValueError(f"profile {path}: {exc}") from None
+        return Profile.from_dict(data, str(path))
+
+    @staticmethod
+    def from_dict(data: object, source: str = "profile") -> Profile:
+        """A profile from its JSON object (`source` names it in errors)."""
         if not isinstance(data, dict) or data.get("version") != PROFILE_VERSION:
-            raise ValueError(f"profile {path}: not a version {PROFILE_VERSION} profile")
+            raise ValueError(f"profile {source}: not a version {PROFILE_VERSION} profile")
         try:
             return Profile(**{
                 **data,
@@ -133,9 +140,9 @@ class Profile:
                 "receive": tuple(TransferPoint(**p) for p in data.get("receive", ())),
             })
         except KeyError as exc:
-            raise ValueError(f"profile {path}: missing field {exc}") from None
+            raise ValueError(f"profile {source}: missing field {exc}") from None
         except TypeError as exc:
-            raise ValueError(f"profile {path}: {exc}") from None
+            raise ValueError(f"profile {source}: {exc}") from None
 
 
 def attention_tokens(chunks: Sequence[tuple[int, int]]) -> int:
@@ -245,5 +252,7 @@ class CostModel:
                 f"receive  {self.receive_coef[0] * 1000:.2f} ms + "
                 f"{self.receive_coef[1] * 1e6:.3f} ms per 1k prompt tokens of decode worker\n"
                 f"router   {self.profile.router_s_per_request * 1000:.2f} ms per request + "
-                f"{self.profile.relay_s_per_token * 1000:.3f} ms per token of CPU, on "
+                f"{self.profile.relay_s_per_token * 1000:.3f} ms per token of CPU\n"
+                f"client   {self.profile.client_s_per_request * 1000:.2f} ms per request + "
+                f"{self.profile.client_s_per_token * 1000:.3f} ms per token of CPU, on "
                 f"{self.profile.num_cores or '?'} cores")

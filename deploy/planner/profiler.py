@@ -10,9 +10,9 @@ sends (random token prompts, max_tokens with ignore_eos, greedy):
 3. decode: `batch` requests of `context` prompt tokens sent together, each long enough that
    all of them decode together for a while: the median gap between tokens while all are in
    the batch, against the context tokens they hold then, and the gaps' spread around it;
-4. the CPU the router process and this client spent in 1-2 and in 3, less what they spend
-   idle (measured first, over IDLE_S), whose different mixes of requests and tokens give
-   the CPU per request and per streamed token; and the decode
+4. the CPU the router process and, apart, this client spent in 1-2 and in 3, less what
+   each spends idle (measured first, over IDLE_S), whose different mixes of requests and
+   tokens give each one's CPU per request and per streamed token; and the decode
    worker's CPU per request in 1, less its one step: receiving and attaching the K/V.
 """
 
@@ -72,15 +72,15 @@ class Measured:
     prefill: tuple[PrefillPoint, ...]
     decode: tuple[DecodePoint, ...]
     second_gaps: tuple[tuple[int, float], ...]  # (prompt tokens, median gap to token 2)
-    # per phase: requests, tokens streamed, CPU seconds the router and this client spent
-    cpu_phases: tuple[tuple[int, int, float], ...] = ()
+    # per phase: requests, tokens streamed, CPU seconds the router spent, and this client
+    cpu_phases: tuple[tuple[int, int, float, float], ...] = ()
     # (prompt tokens, the decode worker's CPU seconds per request of two tokens)
     decode_cpu: tuple[tuple[int, float], ...] = ()
 
 
 def relay_costs(phases: Sequence[tuple[int, int, float]]) -> tuple[float, float]:
-    """CPU seconds per request and per streamed token, from phases of different mixes
-    (least squares, neither below zero)."""
+    """CPU seconds per request and per streamed token, from (requests, tokens, CPU seconds)
+    of phases of different mixes (least squares, neither below zero)."""
     if not phases:
         return 0.0, 0.0
     per_request, per_token = nonneg_lstsq(np.array([[n, t] for n, t, _ in phases], float),
@@ -128,8 +128,9 @@ class Profiler:
         self._seed = itertools.count(1)
         self._sent = [0, 0]  # requests, tokens
 
-    def _mark(self) -> tuple[int, int, float, float]:
-        return (self._sent[0], self._sent[1], self.router_cpu_s() + time.process_time(),
+    def _mark(self) -> tuple[int, int, float, float, float]:
+        """Requests and tokens so far, the router's and this client's CPU, the time."""
+        return (self._sent[0], self._sent[1], self.router_cpu_s(), time.process_time(),
                 time.perf_counter())
 
     async def _send(self, sender: GrpcSender, count: int, prompt_len: int, output_len: int,
@@ -153,14 +154,16 @@ class Profiler:
             idle = self._mark()
             await asyncio.sleep(IDLE_S)  # the CPU both spend doing nothing: polls, health
             start = self._mark()
-            background = (start[2] - idle[2]) / (start[3] - idle[3])
+            idle_s = start[4] - idle[4]
+            background = [(start[i] - idle[i]) / idle_s for i in (2, 3)]
             prefill, gaps = await self._prefill(sender)
             prefill += await self._batches(sender)
             middle = self._mark()
             decode = await self._decode(sender, prefill)
             end = self._mark()
         phases = tuple((b[0] - a[0], b[1] - a[1],
-                        max(b[2] - a[2] - background * (b[3] - a[3]), 0.0))
+                        *(max(b[i] - a[i] - background[i - 2] * (b[4] - a[4]), 0.0)
+                          for i in (2, 3)))
                        for a, b in ((start, middle), (middle, end)))
         return Measured(tuple(prefill), tuple(decode), tuple(gaps), phases,
                         tuple(self._decode_cpu))

@@ -10,8 +10,10 @@ What it models, as the code it stands for does:
 - a worker prefills as kvferry/model/prefill_batch.py does: waiting prompts packed FIFO into
   one forward up to the token budget, a prompt longer than the chunk size a chunk per forward,
   its first token out when its last chunk is done;
-- the K/V push takes the profile's transfer time, and the decode worker the profile's receive
-  time before its next step; the sequence joins the running batch at the next step boundary;
+- the K/V push takes the profile's transfer time after the prompt's last forward; the decode
+  worker spends the profile's receive time from that forward's start (the push streams as
+  layers are written), beside its steps (the event loop and the step thread share a core);
+  the sequence joins the running batch at the next step boundary;
 - a decode worker steps its whole batch, one token each per step, a step taking the
   profile's median time for its batch and context times a ratio drawn (seeded) from the
   spread the profile measured around it; a colocated worker (or a
@@ -20,9 +22,9 @@ What it models, as the code it stands for does:
 - a sequence takes a block more whenever one fills; with none free the newest running one
   is swapped out and comes back, oldest first, before any new reservation is granted.
 
-- the router spends the profile's CPU per request and per relayed token, FIFO, on the cores
-  deploy/placement.py gives it (deploy/planner/cpu_share.py): a token reaches the client
-  when the router has relayed it.
+- the router and the client beside it each spend the profile's CPU per request and per
+  streamed token, in order, on the cores deploy/placement.py gives them
+  (deploy/planner/cpu_share.py): a token reaches the client when both have handled it.
 
 What it leaves out: prefix caching (every prompt is computed in full), failures and
 migration, speculative decoding, K/V eviction and the time a swap takes.
@@ -42,6 +44,12 @@ from dataclasses import dataclass, field
 from deploy.loadgen.metrics import RequestRecord
 from deploy.planner.cpu_share import SharedCores
 from deploy.planner.profile import CostModel, attention_tokens
+
+# While a step runs, the K/V a decode worker takes in (its event loop, beside the step thread
+# on the same core) delays that step by at most this share of it; the rest waits for the
+# next. Calibrated: on the tiny model's 1+1 runs (docs/planning.md), the receive CPU the
+# profile measures stalls steps by about a quarter of a step at a time, not by all of it.
+RECEIVE_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -96,6 +104,7 @@ class _Seq:
     is_reserved: bool = False
     is_prefilled: bool = False
     is_refused: bool = False
+    is_receive_charged: bool = False
 
     @property
     def is_done(self) -> bool:
@@ -146,7 +155,7 @@ class _Worker:
     def poke(self) -> None:
         if self.is_busy:
             return
-        if self.receive_s > 0:
+        if self.receive_s > 0 and not (self.running or self.joining):  # alone: all of it
             work, self.receive_s = self.receive_s, 0.0
             self._finish(work, lambda: None)
             return
@@ -189,6 +198,9 @@ class _Worker:
     def _run_prefill(self) -> None:
         batch = self._plan()
         chunks = [(seq.prefilled, new) for seq, new in batch]
+        for seq, new in batch:  # the push streams during the prompt's last forward
+            if seq.prefilled + new >= seq.req.prompt_len and seq.is_reserved:
+                self.sim.receive(seq, self)
         tokens = sum(new for _, new in chunks)
         self.was_prefill = True
 
@@ -212,6 +224,11 @@ class _Worker:
                 self.resume_swapped()
             return
         context = sum(s.context for s in batch)
+        duration = self.sim.step_s(len(batch), context)
+        # K/V coming in runs on the event loop beside the step, on the same core: each
+        # takes half of it until the smaller is done
+        absorbed = min(self.receive_s, duration * RECEIVE_SHARE)
+        self.receive_s -= absorbed
 
         def done() -> None:
             for seq in batch:
@@ -221,7 +238,7 @@ class _Worker:
                     self.running.remove(seq)
                     self.release(seq)
 
-        self._finish(self.sim.step_s(len(batch), context), done)
+        self._finish(duration + absorbed, done)
 
     def _grow(self) -> None:
         """Every running sequence gets the block its next token needs; with none free the
@@ -273,7 +290,10 @@ class Simulation:
         self.prefill = ([] if layout.is_colocated
                         else [_Worker(self, 0) for _ in range(layout.num_prefill)])
         self.waiting: deque[_Seq] = deque()  # prefilled, their push waiting for blocks
-        self.cores = SharedCores(self.clock.at, lambda: self.clock.now, self._router_cores())
+        shared = self._router_cores()
+        self.cores = SharedCores(self.clock.at, lambda: self.clock.now, shared,
+                                 ("router", "client"),
+                                 len(shared) * max(cost.profile.torch_threads, 1))
 
     def _router_cores(self) -> list[_Worker]:
         """The workers whose cores the router shares, as deploy/placement.py places them:
@@ -285,10 +305,18 @@ class Simulation:
         return self.prefill or self.decode
 
     def generated(self, seq: _Seq) -> None:
-        """A worker made a token: the router relays it (its CPU), then the client has it."""
+        """A worker made a token: the router relays it (its CPU), then the client has it.
+        Their own times are in the profile's decode gaps already (they were measured at the
+        client), so a token is late here only by what it waited for them: their queues, and
+        their share of the cores they contend for."""
         seq.num_generated += 1
-        self.cores.submit(self.cost.profile.relay_s_per_token,
-                          lambda: seq.token_times.append(self.clock.now))
+        profile = self.cost.profile
+        relay, receive = profile.relay_s_per_token, profile.client_s_per_token
+
+        def received() -> None:
+            seq.token_times.append(self.clock.now - relay - receive)
+
+        self.cores.submit(relay, lambda: self.cores.submit(receive, received, "client"))
 
     def step_s(self, batch: int, context: int) -> float:
         """A decode step: the profile's median, times a ratio drawn from its spread."""
@@ -304,7 +332,10 @@ class Simulation:
         return [_record(seq) for seq in seqs]
 
     def arrive(self, seq: _Seq) -> None:
-        self.cores.submit(self.cost.profile.router_s_per_request, lambda: self._route(seq))
+        """The client sends the request, the router takes it in, then routes it."""
+        profile = self.cost.profile
+        self.cores.submit(profile.client_s_per_request, lambda: self.cores.submit(
+            profile.router_s_per_request, lambda: self._route(seq)), "client")
 
     def _route(self, seq: _Seq) -> None:
         seq.decode = max(self.decode, key=lambda w: w.free_blocks)
@@ -349,13 +380,23 @@ class Simulation:
         delay = 0.0
         if seq.prefilled_on is not target:
             delay = self.cost.transfer_s(seq.req.prompt_len)
-            target.receive_s += self.cost.receive_s(seq.req.prompt_len)
+            self.receive(seq, seq.prefilled_on)
 
         def attach() -> None:
             target.joining.append(seq)
             target.wake()
 
         self.clock.at(self.clock.now + delay, attach)
+
+    def receive(self, seq: _Seq, source: _Worker | None) -> None:
+        """The decode worker takes the K/V in (once per request, as it streams: during the
+        prompt's last forward, or once a deferred push is shipped); it works on it beside
+        its steps."""
+        if seq.is_receive_charged or source is seq.decode:
+            return
+        seq.is_receive_charged = True
+        seq.decode.receive_s += self.cost.receive_s(seq.req.prompt_len)
+        seq.decode.wake()
 
     def blocks_freed(self, worker: _Worker) -> None:
         worker.resume_swapped()

@@ -139,3 +139,21 @@ def test_every_request_completes_with_its_tokens(layout: Layout) -> None:
     assert all(r.ttft_s > 0 and len(r.itls_s) == r.output_len - 1 for r in records)
     assert all(math.isclose(r.latency_s, r.ttft_s + sum(r.itls_s), abs_tol=1e-9)
                for r in records)
+
+
+def test_a_joining_prompts_kv_slows_the_running_steps_a_share_at_a_time() -> None:
+    """The decode worker takes a pushed prompt's K/V in beside its steps: each step is
+    longer by at most RECEIVE_SHARE of itself until the receive time is spent."""
+    from deploy.planner.profile import TransferPoint
+    from deploy.planner.simulator import RECEIVE_SHARE
+
+    receive = 0.005  # shorter than a prefill here, as measured; a step is 5 to 6 ms
+    cost = make_cost(receive=(TransferPoint(100, receive), TransferPoint(1000, receive)))
+    steady = simulate(cost, Layout(1, 1), [SimRequest(0.0, 64, 60)])[0]
+    # alone, the decode worker takes it in during the prefill: the gap is transfer + a step
+    assert steady.itls_s[0] == pytest.approx(cost.transfer_s(64) + cost.decode_s(1, 64))
+    joined = simulate(cost, Layout(1, 1), [SimRequest(0.0, 64, 60),
+                                           SimRequest(steady.ttft_s + 0.05, 100, 2)])[0]
+    extra = [a - b for a, b in zip(joined.itls_s, steady.itls_s)]
+    assert sum(extra) >= receive  # all of it was paid, by the running sequence too
+    assert max(extra) <= cost.decode_s(2, 300) * (1 + RECEIVE_SHARE)  # a share at a time
