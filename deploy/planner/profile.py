@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -179,13 +180,15 @@ class DecodeFit:
         coef = nonneg_lstsq(np.array(rows), np.array([p.seconds for p in points]))
         self.base = coef[:-1]
         self.per_context_token = float(coef[-1])
-        self.jitter = {b: sorted(r for p in points if p.batch == b for r in p.jitter)
-                       for b in self.batches}
+        self.points = list(points)
 
-    def jitter_at(self, batch: int) -> list[float]:
-        """The ratios of the measured batch size nearest `batch` (empty: no jitter)."""
-        nearest = min(self.batches, key=lambda b: (abs(b - batch), b))
-        return self.jitter[nearest]
+    def jitter_at(self, batch: int, context_tokens: int = 0) -> tuple[float, ...]:
+        """The spread of the measured point nearest this batch (by size), then nearest its
+        context per sequence (by ratio); empty: no spread measured."""
+        per_seq = max(context_tokens / max(batch, 1), 1.0)
+        nearest = min(self.points, key=lambda p: (
+            abs(p.batch - batch), abs(math.log(max(p.context_tokens / p.batch, 1.0) / per_seq))))
+        return nearest.jitter
 
     def step_s(self, batch: int, context_tokens: int) -> float:
         size = next((b for b in self.buckets if b >= batch), batch)

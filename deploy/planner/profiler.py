@@ -53,7 +53,7 @@ class Sweep:
 
     prompt_lens: tuple[int, ...] = (16, 64, 256, 512, 1024)
     batch_prompts: tuple[tuple[int, int], ...] = ((4, 64), (4, 128))  # (k prompts, n tokens)
-    decode_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    decode_batches: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 16, 32)
     decode_contexts: tuple[int, ...] = (64, 512)
     repeats: int = 3
     steady_tokens: int = 24  # tokens each decode request makes after the last one joins

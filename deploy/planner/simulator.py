@@ -320,7 +320,7 @@ class Simulation:
 
     def step_s(self, batch: int, context: int) -> float:
         """A decode step: the profile's median, times a ratio drawn from its spread."""
-        ratios = self.cost.decode.jitter_at(batch)
+        ratios = self.cost.decode.jitter_at(batch, context)
         factor = self.rng.choice(ratios) if ratios else 1.0
         return self.cost.decode_s(batch, context) * factor
 
