@@ -112,16 +112,9 @@ def profile_deployment(model: str, sweep, kv_transport: str, kv_pool_size: str,
 
     from deploy.launcher import Deployment
     from deploy.loadgen.bench import _model_info
-    from deploy.planner.profile import DecodeFit, Profile
-    from deploy.planner.profiler import measure, relay_costs, transfer_points
-    from deploy.worker_model import default_dtype
-    from kvferry.cache.layout import KvShape, dtype_name, read_hf_config
-    from kvferry.model.prefill_batch import token_budget_for
-    from kvferry.sizes import parse_pool_size
+    from deploy.planner.profiler import measure
+    from kvferry.cache.layout import read_hf_config
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = dtype_name(default_dtype(device))
-    shape = KvShape.from_config(model, dtype)
     max_len = read_hf_config(model).max_position_embeddings
     load = ["--load-format", load_format] if load_format != "auto" else []
     if log_dir is not None:
@@ -138,10 +131,26 @@ def profile_deployment(model: str, sweep, kv_transport: str, kv_pool_size: str,
         plan = deployment.core_plan
         threads = (len(plan.cores["decode-0"]) if plan is not None and plan.is_pinned
                    else torch.get_num_threads())
-    pool_bytes = parse_pool_size(kv_pool_size, 0)
-    per_request, per_token = relay_costs([(n, t, c) for n, t, c, _ in measured.cpu_phases])
-    client_request, client_token = relay_costs([(n, t, c) for n, t, _, c in
-                                                measured.cpu_phases])
+    return _profile(model, name, measured, kv_transport, kv_pool_size, block_size, threads)
+
+
+def _profile(model: str, name: str, measured, kv_transport: str, kv_pool_size: str,
+             block_size: int, threads: int):
+    """The Profile of what `measure` found, with the workers' shape and this machine's."""
+    import torch
+
+    from deploy.planner.profile import DecodeFit, Profile
+    from deploy.planner.profiler import cpu_costs, transfer_points
+    from deploy.worker_model import default_dtype
+    from kvferry.cache.layout import KvShape, dtype_name, read_hf_config
+    from kvferry.model.prefill_batch import token_budget_for
+    from kvferry.sizes import parse_pool_size
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = dtype_name(default_dtype(device))
+    shape = KvShape.from_config(model, dtype)
+    (per_request, per_update, per_token), (client_request, client_token) = cpu_costs(
+        measured.cpu)
     decode_fit = DecodeFit(measured.decode)
 
     def step(n: int) -> float:
@@ -155,12 +164,13 @@ def profile_deployment(model: str, sweep, kv_transport: str, kv_pool_size: str,
         model=name, dtype=dtype, device=device.type, kv_transport=kv_transport,
         torch_threads=threads, block_size=block_size,
         kv_bytes_per_token=shape.bytes_per_token,
-        num_blocks=pool_bytes // shape.bytes_per_block(block_size),
+        num_blocks=parse_pool_size(kv_pool_size, 0) // shape.bytes_per_block(block_size),
         prefill_token_budget=token_budget_for(device),
         prefill_chunk_size=DEFAULT_PREFILL_CHUNK_SIZE, batch_buckets=(),
-        max_model_len=max_len, prefill=prefill, decode=measured.decode,
-        transfer=transfer_points(measured.second_gaps, step),
+        max_model_len=read_hf_config(model).max_position_embeddings, prefill=prefill,
+        decode=measured.decode, transfer=transfer_points(measured.second_gaps, step),
         receive=transfer_points(measured.decode_cpu, step),
         measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"), relay_s_per_token=per_token,
-        router_s_per_request=per_request, client_s_per_token=client_token,
-        client_s_per_request=client_request, num_cores=len(os.sched_getaffinity(0)))
+        router_s_per_request=per_request, router_s_per_update=per_update,
+        client_s_per_token=client_token, client_s_per_request=client_request,
+        num_cores=len(os.sched_getaffinity(0)))

@@ -94,6 +94,7 @@ class Profile:
     # per request (deploy/planner/cpu_share.py shares it with the workers on their cores)
     relay_s_per_token: float = 0.0
     router_s_per_request: float = 0.0
+    router_s_per_update: float = 0.0  # per update from a decode worker (one per step)
     client_s_per_token: float = 0.0
     client_s_per_request: float = 0.0
     num_cores: int = 0  # cores the deployment was placed on (0: unknown, the router's own)
@@ -255,6 +256,7 @@ class CostModel:
                 f"receive  {self.receive_coef[0] * 1000:.2f} ms + "
                 f"{self.receive_coef[1] * 1e6:.3f} ms per 1k prompt tokens of decode worker\n"
                 f"router   {self.profile.router_s_per_request * 1000:.2f} ms per request + "
+                f"{self.profile.router_s_per_update * 1000:.3f} ms per step + "
                 f"{self.profile.relay_s_per_token * 1000:.3f} ms per token of CPU\n"
                 f"client   {self.profile.client_s_per_request * 1000:.2f} ms per request + "
                 f"{self.profile.client_s_per_token * 1000:.3f} ms per token of CPU, on "

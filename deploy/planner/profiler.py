@@ -10,9 +10,10 @@ sends (random token prompts, max_tokens with ignore_eos, greedy):
 3. decode: `batch` requests of `context` prompt tokens sent together, each long enough that
    all of them decode together for a while: the median gap between tokens while all are in
    the batch, against the context tokens they hold then, and the gaps' spread around it;
-4. the CPU the router process and, apart, this client spent in 1-2 and in 3, less what
-   each spends idle (measured first, over IDLE_S), whose different mixes of requests and
-   tokens give each one's CPU per request and per streamed token; and the decode
+4. the CPU the router process and, apart, this client spent on each send of 1-3, less what
+   each spends idle (measured first, over IDLE_S), whose different mixes of requests,
+   decode steps and tokens give the router's CPU per request, per update (a step's tokens
+   come in one) and per token, and the client's per request and per token; and the decode
    worker's CPU per request in 1, less its one step: receiving and attaching the K/V.
 """
 
@@ -27,6 +28,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -72,20 +74,48 @@ class Measured:
     prefill: tuple[PrefillPoint, ...]
     decode: tuple[DecodePoint, ...]
     second_gaps: tuple[tuple[int, float], ...]  # (prompt tokens, median gap to token 2)
-    # per phase: requests, tokens streamed, CPU seconds the router spent, and this client
-    cpu_phases: tuple[tuple[int, int, float, float], ...] = ()
+    cpu: tuple[CpuPoint, ...] = ()  # what the router and this client spent, per send
     # (prompt tokens, the decode worker's CPU seconds per request of two tokens)
     decode_cpu: tuple[tuple[int, float], ...] = ()
 
 
-def relay_costs(phases: Sequence[tuple[int, int, float]]) -> tuple[float, float]:
-    """CPU seconds per request and per streamed token, from (requests, tokens, CPU seconds)
-    of phases of different mixes (least squares, neither below zero)."""
-    if not phases:
-        return 0.0, 0.0
-    per_request, per_token = nonneg_lstsq(np.array([[n, t] for n, t, _ in phases], float),
-                                           np.array([c for _, _, c in phases]))
-    return float(per_request), float(per_token)
+class CpuPoint(NamedTuple):
+    """One send of the sweep: requests, the updates the router read from the decode worker
+    (a step's tokens come in one), tokens streamed, and the CPU seconds the router and this
+    client spent on them (less what each spends idle)."""
+
+    requests: int
+    updates: int
+    tokens: int
+    router_s: float
+    client_s: float
+
+
+def _cpu_point(records: Sequence[RequestRecord], is_serial: bool,
+               before: tuple[float, float, float], after: tuple[float, float, float],
+               idle: tuple[float, float]) -> CpuPoint:
+    tokens = sum(r.output_len for r in records)
+    # one at a time, every token is an update of its own; sent together, the requests'
+    # first tokens come one by one and their later ones a step at a time
+    updates = tokens if is_serial else len(records) + max(r.output_len for r in records) - 1
+    wall = after[2] - before[2]
+    return CpuPoint(len(records), updates, tokens,
+                    max(after[0] - before[0] - idle[0] * wall, 0.0),
+                    max(after[1] - before[1] - idle[1] * wall, 0.0))
+
+
+def cpu_costs(points: Sequence[CpuPoint]) -> tuple[tuple[float, float, float],
+                                                   tuple[float, float]]:
+    """The router's CPU per request, per update and per token, and the client's per request
+    and per token (least squares over the sweep's sends, none below zero)."""
+    if not points:
+        return (0.0, 0.0, 0.0), (0.0, 0.0)
+    router = nonneg_lstsq(np.array([[p.requests, p.updates, p.tokens] for p in points], float),
+                          np.array([p.router_s for p in points]))
+    client = nonneg_lstsq(np.array([[p.requests, p.tokens] for p in points], float),
+                          np.array([p.client_s for p in points]))
+    return ((float(router[0]), float(router[1]), float(router[2])),
+            (float(client[0]), float(client[1])))
 
 
 def _token_times(record: RequestRecord) -> list[float]:
@@ -126,25 +156,28 @@ class Profiler:
         self.decode_cpu_s = decode_cpu_s
         self._decode_cpu: list[tuple[int, float]] = []
         self._seed = itertools.count(1)
-        self._sent = [0, 0]  # requests, tokens
+        self._idle: tuple[float, float] | None = None  # router, client CPU per second idle
+        self._cpu: list[CpuPoint] = []
 
-    def _mark(self) -> tuple[int, int, float, float, float]:
-        """Requests and tokens so far, the router's and this client's CPU, the time."""
-        return (self._sent[0], self._sent[1], self.router_cpu_s(), time.process_time(),
-                time.perf_counter())
+    def _mark(self) -> tuple[float, float, float]:
+        """The router's and this client's CPU, and the time."""
+        return self.router_cpu_s(), time.process_time(), time.perf_counter()
 
     async def _send(self, sender: GrpcSender, count: int, prompt_len: int, output_len: int,
                     concurrency: int | None) -> list[RequestRecord]:
         requests = RandomWorkload(prompt_len, output_len).build(count, self.vocab_size,
                                                                 next(self._seed))
+        before = self._mark()
         outcome = await run_requests(sender, requests, [0.0] * count, SendOptions(),
                                      concurrency, id_prefix=f"profile-{prompt_len}")
+        after = self._mark()
         failed = [r for r in outcome.records if not r.is_success]
         if failed:
             raise RuntimeError(f"profile: a request failed: {failed[0].status}: "
                                f"{failed[0].error}")
-        self._sent[0] += count
-        self._sent[1] += sum(r.output_len for r in outcome.records)
+        if self._idle is not None:
+            self._cpu.append(_cpu_point(outcome.records, concurrency == 1, before, after,
+                                        self._idle))
         return list(outcome.records)
 
     async def run(self) -> Measured:
@@ -154,18 +187,12 @@ class Profiler:
             idle = self._mark()
             await asyncio.sleep(IDLE_S)  # the CPU both spend doing nothing: polls, health
             start = self._mark()
-            idle_s = start[4] - idle[4]
-            background = [(start[i] - idle[i]) / idle_s for i in (2, 3)]
+            self._idle = ((start[0] - idle[0]) / (start[2] - idle[2]),
+                          (start[1] - idle[1]) / (start[2] - idle[2]))
             prefill, gaps = await self._prefill(sender)
             prefill += await self._batches(sender)
-            middle = self._mark()
             decode = await self._decode(sender, prefill)
-            end = self._mark()
-        phases = tuple((b[0] - a[0], b[1] - a[1],
-                        *(max(b[i] - a[i] - background[i - 2] * (b[4] - a[4]), 0.0)
-                          for i in (2, 3)))
-                       for a, b in ((start, middle), (middle, end)))
-        return Measured(tuple(prefill), tuple(decode), tuple(gaps), phases,
+        return Measured(tuple(prefill), tuple(decode), tuple(gaps), tuple(self._cpu),
                         tuple(self._decode_cpu))
 
     async def _prefill(self, sender: GrpcSender

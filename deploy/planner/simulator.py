@@ -231,6 +231,7 @@ class _Worker:
         self.receive_s -= absorbed
 
         def done() -> None:
+            self.sim.stepped()
             for seq in batch:
                 self.sim.generated(seq)
                 seq.context += 1
@@ -303,6 +304,12 @@ class Simulation:
         if not cores or cores > 2 * self.layout.num_workers:
             return []
         return self.prefill or self.decode
+
+    def stepped(self) -> None:
+        """A decode step's tokens reach the router in one update: its CPU for reading it."""
+        update = self.cost.profile.router_s_per_update
+        if update:
+            self.cores.submit(update, lambda: None)
 
     def generated(self, seq: _Seq) -> None:
         """A worker made a token: the router relays it (its CPU), then the client has it.

@@ -16,7 +16,7 @@ from deploy.planner.profile import (
     Profile,
     attention_tokens,
 )
-from deploy.planner.profiler import Sweep, steady_gaps, transfer_points
+from deploy.planner.profiler import CpuPoint, Sweep, cpu_costs, steady_gaps, transfer_points
 from tests.deploy.planner.synthetic import DECODE_BASE, PREFILL, TRANSFER, make_profile
 
 
@@ -97,3 +97,19 @@ def test_a_sweep_refuses_empty_or_zero_values() -> None:
         Sweep(decode_batches=())
     with pytest.raises(ValueError, match="repeats"):
         Sweep(repeats=0)
+
+
+def test_router_and_client_costs_come_apart_from_the_sends() -> None:
+    """Sends of different mixes (one at a time, batches of long answers) recover the
+    router's CPU per request, per update and per token, and the client's."""
+    router, client = (0.004, 0.0005, 0.0001), (0.001, 0.00005)
+    points = []
+    for requests, updates, tokens in ((3, 6, 6), (4, 8, 8), (8, 40, 264), (16, 60, 768),
+                                      (1, 2, 2), (32, 300, 9000)):
+        points.append(CpuPoint(requests, updates, tokens,
+                               router[0] * requests + router[1] * updates + router[2] * tokens,
+                               client[0] * requests + client[1] * tokens))
+    got_router, got_client = cpu_costs(points)
+    assert got_router == pytest.approx(router, rel=1e-6)
+    assert got_client == pytest.approx(client, rel=1e-6)
+    assert cpu_costs([]) == ((0.0, 0.0, 0.0), (0.0, 0.0))
