@@ -33,8 +33,10 @@ def add_planner_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kubernetes-namespace", default=None,
                    help="scale the Deployments of this namespace (in-cluster credentials); "
                         "in-cluster: the planner pod's own")
-    p.add_argument("--prefill-deployment", default="kvferry-prefill")
-    p.add_argument("--decode-deployment", default="kvferry-decode")
+    p.add_argument("--prefill-deployment", default="kvferry-prefill",
+                   help="the prefill workers' Deployment (default: %(default)s)")
+    p.add_argument("--decode-deployment", default="kvferry-decode",
+                   help="the decode workers' Deployment (default: %(default)s)")
     p.add_argument("--dry-run", action="store_true",
                    help="decide and log, scale nothing (needs --kubernetes-namespace or "
                         "--current P,D to know what runs)")

@@ -51,6 +51,8 @@ def test_a_doc_plan_command_runs(command, capsys: pytest.CaptureFixture) -> None
     if "--model" in argv:  # a placeholder DIR: the default model stands in
         i = argv.index("--model")
         del argv[i:i + 2]
+    if "--sla" in argv and "--workload" not in argv:  # names the mode in prose; parsed above
+        return
     assert main(argv) == 0, capsys.readouterr().err
     # with --sla: a layout for a workload, from a committed profile; else K/V sizes
     said = "recommendation:" if "--sla" in argv else "bytes per token:"

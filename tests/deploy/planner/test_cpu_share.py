@@ -1,5 +1,5 @@
 """The router's and the client's CPU in the simulator: alone they run at full speed; on the
-cores computing workers hold, every runnable thread gets cores / runnable of one; with cores
+cores computing workers hold, they go first and the workers share what is left; with cores
 of their own they slow nobody."""
 
 from __future__ import annotations
@@ -47,24 +47,24 @@ def test_alone_everything_runs_at_full_speed() -> None:
         {"prefill": 1.0, "job0": 0.25, "job1": 0.5})
 
 
-def test_on_a_busy_workers_core_the_router_and_the_worker_share_it() -> None:
+def test_on_a_busy_workers_core_the_router_goes_first() -> None:
     done = _run(["prefill"], {"prefill": 1.0}, [0.2])
-    assert done["job0"] == pytest.approx(0.4)  # half a core while both want it
+    assert done["job0"] == pytest.approx(0.2)
     # the worker lost what the router took: 1.0 of work plus the router's 0.2
     assert done["prefill"] == pytest.approx(1.2)
 
 
-def test_three_threads_on_one_core_get_a_third_each() -> None:
+def test_router_and_client_on_one_busy_core_split_it() -> None:
     done = _run(["prefill"], {"prefill": 1.0}, [0.1], (0.1,))
-    assert done["job0"] == pytest.approx(0.3) and done["client0"] == pytest.approx(0.3)
+    assert done["job0"] == pytest.approx(0.2) and done["client0"] == pytest.approx(0.2)
     assert done["prefill"] == pytest.approx(1.2)
 
 
-def test_two_busy_workers_and_the_router_share_two_cores() -> None:
+def test_two_busy_workers_share_the_core_the_router_leaves() -> None:
     done = _run(["colocated-0", "colocated-1"], {"colocated-0": 1.0, "colocated-1": 1.0},
                 [0.2])
-    assert done["job0"] == pytest.approx(0.3)  # two thirds of a core each, for 0.3 s
-    assert done["colocated-0"] == pytest.approx(1.1)  # each lost a third of 0.3 s
+    assert done["job0"] == pytest.approx(0.2)  # a core of its own out of the two
+    assert done["colocated-0"] == pytest.approx(1.1)  # each at half speed for 0.2 s
 
 
 def test_an_idle_worker_in_the_group_leaves_the_router_a_core() -> None:
