@@ -22,6 +22,18 @@ def version() -> str:
         return "unknown (not installed)"
 
 
+def comma_ints(text: str, minimum: int) -> tuple[int, ...]:
+    """"16,256,1024" -> (16, 256, 1024), in the order given; ValueError when a value is not an
+    integer, is below `minimum`, or there is none."""
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or min(values) < minimum:
+        raise ValueError(f"expected comma-separated integers >= {minimum}, got {text!r}")
+    return values
+
+
 def _has_no_default(default: object) -> bool:
     # identity, not equality: 0 is a default worth showing, False (a flag's off) is not
     return default is None or default is False or default == argparse.SUPPRESS or default == []

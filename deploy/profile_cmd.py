@@ -12,6 +12,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from deploy.parser import comma_ints
 from kvferry.settings import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_PREFILL_CHUNK_SIZE,
@@ -24,13 +25,9 @@ PROFILE_POOL_SIZE = "1GiB"  # room for the largest decode batch of the sweep
 
 def _ints(text: str) -> tuple[int, ...]:
     try:
-        values = tuple(int(v) for v in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
-    return values
+        return comma_ints(text, 1)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_profile_parser(sub: argparse._SubParsersAction) -> None:
@@ -69,28 +66,22 @@ def _sweep(args: argparse.Namespace):
 
 
 def run_profile(args: argparse.Namespace) -> int:
-    try:
-        sweep = _sweep(args)
-    except ValueError as exc:
-        print(f"kvferry: profile: {exc}", file=sys.stderr)
-        return 2
     from deploy.default_model import ensure_default_model
+    from kvferry.settings import KVFERRY_HOME
     from kvferry.sizes import check_pool_size
 
     try:
+        sweep = _sweep(args)
         check_pool_size(args.kv_pool_size)
     except ValueError as exc:
         print(f"kvferry: profile: {exc}", file=sys.stderr)
         return 2
-    from kvferry.settings import KVFERRY_HOME
-
     model = args.model or ensure_default_model()
-    log_dir = args.log_dir or KVFERRY_HOME / "logs" / time.strftime("profile-%Y%m%d-%H%M%S")
-    log_dir.mkdir(parents=True, exist_ok=True)
-    print(f"profile: the deployment logs to {log_dir}", file=sys.stderr)
     if not (Path(model) / "config.json").exists():
         print(f"kvferry: profile: --model: no config.json in {model}", file=sys.stderr)
         return 2
+    log_dir = args.log_dir or KVFERRY_HOME / "logs" / time.strftime("profile-%Y%m%d-%H%M%S")
+    print(f"profile: the deployment logs to {log_dir}", file=sys.stderr)
     profile = profile_deployment(model, sweep, args.kv_transport, args.kv_pool_size,
                                  args.block_size, args.load_format, log_dir,
                                  log=lambda line: print(line, file=sys.stderr))

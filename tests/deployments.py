@@ -139,6 +139,16 @@ def _stop_named(deployment: Deployment, names: list[str]) -> None:
         _stop(next(p for p in deployment.processes if p.name == name))
 
 
+async def kill_busy_decode(deployment: Deployment) -> Process:
+    """kill -9 the decode worker holding a running request (`busy_process`) and wait for it
+    to be gone; the killed process, for the caller to `respawn`."""
+    victim = await asyncio.to_thread(busy_process, deployment, "decode")
+    assert victim is not None
+    os.kill(victim.popen.pid, signal.SIGKILL)
+    await asyncio.to_thread(victim.popen.wait, 10)
+    return victim
+
+
 def kill_decode_mid_stream(deployment: Deployment, request: generation_pb2.GenerateRequest,
                            after_tokens: int) -> tuple[client.Completion, Process]:
     """Stream `request` through the deployment's router; once `after_tokens` tokens arrived,
@@ -152,10 +162,7 @@ def kill_decode_mid_stream(deployment: Deployment, request: generation_pb2.Gener
             async for _, latest in client.stream(stub, request, timeout_s=120):
                 completion = latest
                 if victim is None and len(completion.token_ids) >= after_tokens:
-                    victim = await asyncio.to_thread(busy_process, deployment, "decode")
-                    assert victim is not None
-                    os.kill(victim.popen.pid, signal.SIGKILL)
-                    await asyncio.to_thread(victim.popen.wait, 10)
+                    victim = await kill_busy_decode(deployment)
             assert victim is not None
             return completion, victim
 

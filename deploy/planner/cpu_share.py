@@ -40,7 +40,6 @@ class SharedCores:
         self.forwards: dict[Hashable, list] = {}  # worker -> [work_s left, callback]
         self._last = 0.0
         self._version = 0
-        self.busy_s = dict.fromkeys(queues, 0.0)  # CPU each queue spent, for reports
 
     def _rates(self) -> tuple[dict[str, float], dict[Hashable, float]]:
         active = [q for q, jobs in self.jobs.items() if jobs]
@@ -62,7 +61,6 @@ class SharedCores:
             queues, rates = self._rates()
             for queue, rate in queues.items():
                 self.jobs[queue][0][0] -= rate * elapsed
-                self.busy_s[queue] += rate * elapsed
             for worker, entry in self.forwards.items():
                 entry[0] -= rates[worker] * elapsed
         self._last = now

@@ -8,6 +8,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from deploy.parser import comma_ints
 from deploy.planner.profile import PROFILES_DIR, CostModel, Profile
 from deploy.planner.search import Outcome, Sla, layouts, search
 from deploy.planner.workloads import load_workload
@@ -25,12 +26,9 @@ def _profile_path(given: Path | None) -> Path:
 
 def _thresholds(text: str) -> tuple[int, ...]:
     try:
-        values = tuple(int(v) for v in text.split(","))
-    except ValueError:
-        values = ()
-    if not values or min(values) < 0:
-        raise ValueError(f"local_prefill_thresholds: expected integers >= 0, got {text!r}")
-    return values
+        return comma_ints(text, 0)
+    except ValueError as exc:
+        raise ValueError(f"local_prefill_thresholds: {exc}") from None
 
 
 def _row(o: Outcome) -> str:

@@ -179,13 +179,14 @@ def capacity(cost: CostModel, layout: Layout, requests: Sequence[SimRequest],
     prefill = float(np.mean([cost.prefill_s(r.prompt_len, r.prompt_len ** 2)
                              for r in requests]))
     step = cost.decode_s(batch, round(batch * (prompt + output / 2)))
-    decode = max(output - 1, 0.0) * step / batch + cost.receive_s(round(prompt))
+    steps = max(output - 1, 0.0) * step / batch
     router = profile.router_s_per_request + output * profile.relay_s_per_token
     shares = 0 < profile.num_cores <= 2 * layout.num_workers
-    if layout.is_colocated:
-        work = prefill + decode - cost.receive_s(round(prompt)) + (router if shares else 0.0)
-        bound = layout.num_decode / work
+    beside_router = router if shares else 0.0
+    if layout.is_colocated:  # prefilled where it decodes: no K/V to receive
+        bound = layout.num_decode / (prefill + steps + beside_router)
     else:
-        bound = min(layout.num_prefill / (prefill + (router if shares else 0.0)),
+        decode = steps + cost.receive_s(round(prompt))
+        bound = min(layout.num_prefill / (prefill + beside_router),
                     layout.num_decode / decode if decode else math.inf)
     return bound if shares or router == 0 else min(bound, 1 / router)

@@ -93,7 +93,6 @@ class _Seq:
     """One request's state in the simulation."""
 
     req: SimRequest
-    index: int
     prefilled: int = 0  # prompt tokens computed
     context: int = 0  # tokens whose K/V the decode worker holds
     num_blocks: int = 0  # held on its decode worker
@@ -102,7 +101,6 @@ class _Seq:
     decode: _Worker | None = None
     prefilled_on: _Worker | None = None
     is_reserved: bool = False
-    is_prefilled: bool = False
     is_refused: bool = False
     is_receive_charged: bool = False
 
@@ -111,7 +109,7 @@ class _Seq:
         return self.num_generated >= self.req.output_len
 
 
-class _Clock:
+class Clock:
     """The event queue: callbacks at times, in time order, ties in the order scheduled."""
 
     def __init__(self) -> None:
@@ -284,7 +282,7 @@ class Simulation:
     def __init__(self, cost: CostModel, layout: Layout, seed: int = 0) -> None:
         self.cost = cost
         self.layout = layout
-        self.clock = _Clock()
+        self.clock = Clock()
         self.rng = random.Random(seed)
         blocks = cost.profile.num_blocks
         self.decode = [_Worker(self, blocks) for _ in range(layout.num_decode)]
@@ -332,7 +330,7 @@ class Simulation:
         return self.cost.decode_s(batch, context) * factor
 
     def run(self, requests: Sequence[SimRequest]) -> list[RequestRecord]:
-        seqs = [_Seq(req, i) for i, req in enumerate(requests)]
+        seqs = [_Seq(req) for req in requests]
         for seq in seqs:
             self.clock.at(seq.req.arrival_s, lambda s=seq: self.arrive(s))
         self.clock.run()
@@ -370,7 +368,7 @@ class Simulation:
         """The first token is out; the K/V goes to the decode worker once it has room."""
         self.generated(seq)
         seq.context = seq.req.prompt_len
-        seq.is_prefilled, seq.prefilled_on = True, worker
+        seq.prefilled_on = worker
         if seq.is_done:
             if seq.is_reserved:
                 seq.decode.release(seq)

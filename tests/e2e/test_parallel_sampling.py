@@ -6,8 +6,6 @@ refused past --max-samples and where seed + n overflows; every pool comes back c
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 
 import grpc
 import pytest
@@ -22,10 +20,9 @@ from tests.conftest import (
     QWEN3_BLOCK_BYTES,
     assert_alive,
     assert_pools_clean,
-    busy_process,
     worker_stats,
 )
-from tests.deployments import respawn
+from tests.deployments import kill_busy_decode, respawn
 
 pytestmark = pytest.mark.slow
 
@@ -152,10 +149,7 @@ def test_samples_migrate_when_their_decode_worker_dies(qwen3_deployment: Deploym
             async for msg in client.public_stub(chan).Generate(request, timeout=120):
                 client.add_response(samples[msg.sample_index], msg, 0.0)
                 if victim is None and len(samples[0].token_ids) >= 20:
-                    victim = await asyncio.to_thread(busy_process, deployment, "decode")
-                    assert victim is not None
-                    os.kill(victim.popen.pid, signal.SIGKILL)
-                    await asyncio.to_thread(victim.popen.wait, 10)
+                    victim = await kill_busy_decode(deployment)
         assert victim is not None
         return samples, victim
 

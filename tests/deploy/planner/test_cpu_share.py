@@ -4,27 +4,10 @@ of their own they slow nobody."""
 
 from __future__ import annotations
 
-import heapq
-import itertools
-
 import pytest
 
 from deploy.planner.cpu_share import SharedCores
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-        self.heap: list = []
-        self.order = itertools.count()
-
-    def at(self, when: float, callback) -> None:  # noqa: ANN001
-        heapq.heappush(self.heap, (when, next(self.order), callback))
-
-    def run(self) -> None:
-        while self.heap:
-            self.now, _, callback = heapq.heappop(self.heap)
-            callback()
+from deploy.planner.simulator import Clock
 
 
 def _run(shared_with: list[str], forwards: dict[str, float], jobs: list[float],
