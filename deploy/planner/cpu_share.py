@@ -9,10 +9,8 @@ prefill workers). While the threads that want those cores (the busy workers amon
 the router and the client when they have work) are no more than the cores, each runs at full
 speed. Past that the router and the client go first, as the kernel lets a thread that slept
 preempt one that computes, and the busy workers share what is left. So a busy router slows
-the prefill beside it by the CPU it takes. On the runs of docs/planning.md this fitted the
-tiny model's colocated runs better than an equal share for every runnable thread (TTFT p50
-+20% against +27%, p90 +29% against +38%) and changed no figure of the other runs by more
-than 4 points.
+the prefill beside it by the CPU it takes. This fitted the tiny model's colocated runs
+better than an equal share for every runnable thread (docs/planning.md).
 """
 
 from __future__ import annotations
