@@ -280,6 +280,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="start router + workers on localhost until Ctrl-C")
     _deployment_args(p)
+    from deploy.planner_args import planner_args
+
+    planner_args(p.add_argument_group(
+        "live planner (with --kv-transport ray: scale this deployment's prefill and decode "
+        "actors to --planner-sla; off unless it is given)"), prefix="planner-")
 
     add_client_commands(sub)
 

@@ -10,6 +10,7 @@ import asyncio
 import importlib.util
 import signal
 import sys
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -139,22 +140,49 @@ def _starting_line(deployment) -> str:
             "stops)")
 
 
+def _serve_planner(args: argparse.Namespace):
+    """serve's live planner (--planner-sla), checked before anything starts; None: off."""
+    from deploy.planner_args import build_planner
+
+    if args.planner_sla is None and args.planner_profile is None:
+        return None
+    if args.planner_sla is None or args.planner_profile is None:
+        raise ValueError("planner_sla: the live planner needs --planner-sla and "
+                         "--planner-profile")
+    if args.kv_transport != "ray" or args.colocated:
+        raise ValueError("planner_sla: serve scales a disaggregated deployment on Ray "
+                         "(--kv-transport ray); on Kubernetes run `kvferry planner`")
+    if args.metrics_port is None:
+        args.metrics_port = 0  # the planner reads the router's metrics
+    return build_planner(args, prefix="planner-")
+
+
 def _serve_with(args: argparse.Namespace, store_url: str | None) -> int:
+    try:
+        planner = _serve_planner(args)
+    except (ValueError, OSError) as exc:
+        print(f"kvferry: serve: {exc}", file=sys.stderr)
+        return 2
     deployment = _deployment(args, store_url)
     print(_starting_line(deployment), file=sys.stderr, flush=True)
     deployment.start()
     print(f"kvferry serving on {deployment.router_address} (Ctrl-C to stop)", flush=True)
     print(_http_line(deployment, args), flush=True)
-    stop = {"flag": False}
+    stop = threading.Event()
 
     def handler(signum: int, frame: object) -> None:
-        stop["flag"] = True
+        stop.set()
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
     try:
-        while not stop["flag"]:
-            signal.pause()
+        if planner is None:
+            while not stop.is_set():
+                signal.pause()
+        else:
+            from deploy.planner.loop import run_ray_planner
+
+            run_ray_planner(planner, deployment, args.planner_interval_s, stop)
     finally:
         deployment.stop()
     return 0

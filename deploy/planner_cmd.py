@@ -7,7 +7,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
+
+from deploy.planner_args import build_planner, planner_args
 
 
 def add_planner_parser(sub: argparse._SubParsersAction) -> None:
@@ -18,18 +19,7 @@ def add_planner_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--router-metrics-dns", default=None, metavar="HOST:PORT",
                    help="instead: every address HOST resolves to (a headless Service), "
                         "each interval")
-    p.add_argument("--profile", type=Path, required=True, help="what `kvferry profile` measured")
-    p.add_argument("--sla", required=True, metavar="ttft-p90=MS,itl-p90=MS",
-                   help="latency targets, as plan --sla")
-    p.add_argument("--interval-s", type=float, default=30.0, help="between decisions")
-    p.add_argument("--patience", type=int, default=2,
-                   help="intervals a new target must hold before anything moves")
-    p.add_argument("--headroom", type=float, default=1.2,
-                   help="a smaller layout must meet the SLA at this times the observed rate")
-    for role in ("prefill", "decode"):
-        p.add_argument(f"--min-{role}", type=int, default=1, help=f"{role} workers, at least")
-        p.add_argument(f"--max-{role}", type=int, default=8, help=f"{role} workers, at most")
-    p.add_argument("--max-workers", type=int, default=8, help="prefill + decode, at most")
+    planner_args(p)
     p.add_argument("--kubernetes-namespace", default=None,
                    help="scale the Deployments of this namespace (in-cluster credentials); "
                         "in-cluster: the planner pod's own")
@@ -68,25 +58,17 @@ def build_loop(args: argparse.Namespace):
     """The loop the flags describe; ValueError naming a bad flag."""
     from prometheus_client import REGISTRY
 
-    from deploy.planner.live import Bounds, Planner
     from deploy.planner.loop import PlannerLoop, PlannerMetrics
     from deploy.planner.observe import dns_urls, scraper
-    from deploy.planner.profile import CostModel, Profile
     from deploy.planner.scalers import KubernetesScaler
-    from deploy.planner.search import Sla
 
-    if not args.interval_s > 0 or args.patience < 1 or not args.headroom >= 1:
-        raise ValueError("interval_s must be > 0, patience >= 1 and headroom >= 1")
     if bool(args.router_metrics) == bool(args.router_metrics_dns):
         raise ValueError("router_metrics: give --router-metrics URL or --router-metrics-dns")
     urls = (dns_urls(args.router_metrics_dns) if args.router_metrics_dns
             else lambda: list(args.router_metrics))
     if args.kubernetes_namespace is None and not (args.dry_run and args.current):
         raise ValueError("kubernetes_namespace: needed to scale (or --dry-run --current P,D)")
-    bounds = Bounds(args.min_prefill, args.max_prefill, args.min_decode, args.max_decode,
-                    args.max_workers)
-    planner = Planner(CostModel(Profile.load(args.profile)), Sla.parse(args.sla), bounds,
-                      args.patience, args.headroom)
+    planner = build_planner(args)
     scaler = (_Fixed(args.current) if args.kubernetes_namespace is None else
               KubernetesScaler(args.kubernetes_namespace, args.prefill_deployment,
                                args.decode_deployment))

@@ -51,6 +51,7 @@ class Built(NamedTuple):
     metrics_port: int = 0  # bound Prometheus port; 0: no metrics server
     health_server: grpc.aio.Server | None = None  # plaintext health-only port (TLS setups)
     http: HttpFront | None = None  # the router's OpenAI-compatible API (--http-port)
+    workers: WorkerSet | None = None  # the router's workers (a Ray deployment scales them)
 
 
 async def start(built: Built) -> None:
@@ -255,7 +256,7 @@ async def build_router(settings: RouterSettings) -> Built:
 
     return Built(server, health, router_server.SERVICE_NAMES, port, on_stop,
                  settings.drain_timeout_s, None, metrics_port,
-                 _health_server(health, settings.host, settings.security), http)
+                 _health_server(health, settings.host, settings.security), http, workers)
 
 
 async def _router_workers(settings: RouterSettings, fingerprint: str,

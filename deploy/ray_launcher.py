@@ -12,10 +12,12 @@ the cluster has GPUs; the router actor goes on the head node.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import socket
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import ray
 
@@ -26,6 +28,9 @@ from kvferry.cache.layout import KvLayout
 from kvferry.settings import RouterSettings, WorkerSettings
 from kvferry.transfer.ray.send import NAMESPACE, ChunkAck, PushBegun
 from kvferry.transfer.wire import ChunkSpan
+
+if TYPE_CHECKING:
+    from router.worker_set import WorkerSet
 
 log = logging.getLogger("kvferry.ray")
 
@@ -76,6 +81,11 @@ class ServerActor:
         self._receiver = RayKvReceiver(None)
         self._address = ""
         self._http_address = ""  # the router's OpenAI-compatible API, when it serves one
+        self._metrics_address = ""  # its Prometheus endpoint, with --metrics-port
+        # A router's workers by role as the deployment last named them (`set_workers`),
+        # applied again every second so that a worker that left is dropped once idle.
+        self._named: dict[str, set[str]] = {}
+        self._follow: asyncio.Task | None = None
 
     async def start(self, start: ActorStart) -> str:
         """Build and start the server `start` describes; its address."""
@@ -99,6 +109,8 @@ class ServerActor:
         self._address = f"{host}:{self._built.port}"
         if self._built.http is not None:
             self._http_address = f"{host}:{self._built.http.port}"
+        if self._built.metrics_port:
+            self._metrics_address = f"{host}:{self._built.metrics_port}"
         return self._address
 
     async def address(self) -> str:
@@ -107,10 +119,42 @@ class ServerActor:
     async def http_address(self) -> str:
         return self._http_address
 
+    async def metrics_address(self) -> str:
+        return self._metrics_address
+
+    def _router_workers(self) -> WorkerSet:
+        if self._built is None or self._built.workers is None:
+            raise ValueError("only a running router has workers to set")
+        return self._built.workers
+
+    async def set_workers(self, role: str, addresses: list[str]) -> None:
+        """A router's workers of `role` become exactly `addresses`: a new one is connected,
+        one no longer named gets no new request and is dropped once nothing is open there
+        (router.worker_set.WorkerSet.sync_role). Only Ray's authenticated members can call
+        an actor, so this needs no port of its own."""
+        workers = self._router_workers()
+        self._named[role] = set(addresses)
+        await workers.sync_role(role, self._named[role])
+        if self._follow is None:
+            self._follow = asyncio.create_task(self._follow_named(workers))
+
+    async def _follow_named(self, workers: WorkerSet) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            for role, addresses in list(self._named.items()):
+                await workers.sync_role(role, addresses)
+
+    async def worker_loads(self) -> dict[str, int]:
+        """A router's workers by address: the requests it has open on each now."""
+        return {w.address: w.num_in_flight for w in self._router_workers().workers}
+
     async def stop(self) -> None:
         """Drain (--drain-timeout-s) and stop the server."""
         from deploy import processes
 
+        if self._follow is not None:
+            self._follow.cancel()
+            self._follow = None
         if self._built is not None:
             await processes.stop(self._built)
             self._built = None
@@ -145,6 +189,7 @@ class RayDeployment(Deployment):
     ray_address: str | None = None
     actors: list[RayActor] = field(default_factory=list)
     _owns_ray: bool = False
+    _next_index: int = 0  # the highest worker index yet (add_worker counts on from it)
 
     def _actor(self, name: str, num_gpus: float) -> RayActor:
         options: dict[str, object] = {"name": f"{name}-{id(self):x}", "namespace": NAMESPACE,
@@ -171,6 +216,7 @@ class RayDeployment(Deployment):
         try:
             gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
             workers = [self._actor(name, gpus) for name in self._worker_names()]
+            self._next_index = len(workers)
             self.actors = list(workers)
             starts = [w.handle.start.remote(ActorStart.of(
                 self._worker_args(w.name.rsplit("-", 1)[0]))) for w in workers]
@@ -186,6 +232,69 @@ class RayDeployment(Deployment):
             raise
         return self
 
+    @property
+    def _router(self) -> RayActor:
+        return self.actors[-1]
+
+    def _name_workers(self, role: str) -> None:
+        """Tell the router which workers of `role` it has now."""
+        ray.get(self._router.handle.set_workers.remote(role, self.addresses(role)), timeout=60)
+
+    def add_worker(self, role: str, timeout_s: float = 180.0) -> str:
+        """Start one more worker of `role` (prefill or decode) and hand it to the router once
+        it serves; its name."""
+        if role not in ("prefill", "decode") or self.is_colocated:
+            raise ValueError(f"role: a disaggregated deployment adds prefill or decode "
+                             f"workers, not {role!r}")
+        # a name never used in this deployment: Ray may not have released a killed one's yet
+        self._next_index += 1
+        gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
+        worker = self._actor(f"{role}-{self._next_index}", gpus)
+        try:
+            worker.address = ray.get(worker.handle.start.remote(
+                ActorStart.of(self._worker_args(role))), timeout=timeout_s)
+        except BaseException:
+            ray.kill(worker.handle)
+            raise
+        self.actors.insert(len(self.actors) - 1, worker)  # the router stays last
+        self._name_workers(role)
+        self._count(role, +1)
+        return worker.name
+
+    def remove_worker(self, role: str, grace_s: float = 600.0) -> str:
+        """Take the worker of `role` with the fewest open requests out, without failing
+        any: the router stops choosing it at once, then it drains (a prefill worker until
+        every push it made is acknowledged, a decode worker until its streams end, or past
+        --drain-timeout-s until the router has migrated them) and ends. Its name."""
+        mine = [a for a in self.actors if serves(a.name, role)]
+        if len(mine) <= 1:
+            raise ValueError(f"role: the last {role} worker stays")
+        loads = ray.get(self._router.handle.worker_loads.remote(), timeout=60)
+        leaving = min(mine, key=lambda a: (loads.get(a.address, 0), -self.actors.index(a)))
+        self.actors.remove(leaving)
+        self._name_workers(role)
+        try:
+            ray.get(leaving.handle.stop.remote(), timeout=grace_s)
+        finally:
+            ray.kill(leaving.handle)
+        self._name_workers(role)  # drained: nothing is open there any more
+        self._count(role, -1)
+        return leaving.name
+
+    def _count(self, role: str, change: int) -> None:
+        if role == "prefill":
+            self.num_prefill += change
+        else:
+            self.num_decode += change
+
+    @property
+    def metrics_address(self) -> str:
+        """The router's Prometheus endpoint (HOST:PORT), with --metrics-port."""
+        address = ray.get(self._router.handle.metrics_address.remote(), timeout=30)
+        if not address:
+            raise ValueError("metrics_port: this deployment's router serves no metrics")
+        return address
+
     def _worker_args(self, role: str) -> list[str]:
         extra = ["--kv-transport", "ray"] if role == "prefill" else []
         # Ray places its actors: no cores of their own, so an auto thread count is the default
@@ -194,11 +303,11 @@ class RayDeployment(Deployment):
 
     @property
     def router_address(self) -> str:
-        return self.actors[-1].address
+        return self._router.address
 
     @property
     def http_address(self) -> str:
-        address = ray.get(self.actors[-1].handle.http_address.remote(), timeout=30)
+        address = ray.get(self._router.handle.http_address.remote(), timeout=30)
         if not address:
             raise ValueError("http_port: this deployment's router serves no HTTP API")
         return address

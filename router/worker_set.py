@@ -54,16 +54,26 @@ class WorkerSet:
         return worker
 
     async def sync_role(self, role: str, addresses: set[str]) -> None:
-        """Make the workers of `role` exactly `addresses` (DNS discovery). A vanished worker
-        is dropped once this router has no request open on it."""
-        known = {w.address for w in self.workers if w.role == role}
-        for address in sorted(addresses - known):
+        """Make the workers of `role` exactly `addresses` (DNS discovery, or a Ray scaler).
+        A worker no longer named has left: it is never chosen again, and is dropped once this
+        router has no request open on it; one named again comes back."""
+        known = {w.address: w for w in self.workers if w.role == role}
+        for address in sorted(addresses - known.keys()):
             log.info("discovered %s worker %s", role, address)
             await self.refresh(self.add(address, role))
+        for address in sorted(addresses & known.keys()):
+            if known[address].has_left:
+                log.info("%s worker %s is back", role, address)
+                known[address].has_left = False
+                await self.refresh(known[address])
         for worker in [w for w in self.workers if w.role == role and w.address not in addresses]:
             worker.is_healthy = False
+            if not worker.has_left:
+                log.info("%s worker %s has left; no new requests go there", role,
+                         worker.address)
+                worker.has_left = True
             if worker.num_in_flight <= 0:
-                log.info("%s worker %s left DNS; dropping it", role, worker.address)
+                log.info("dropping %s worker %s (nothing open there)", role, worker.address)
                 self.workers.remove(worker)
                 if worker.decode_client is not None:
                     await worker.decode_client.close()
@@ -75,8 +85,8 @@ class WorkerSet:
         """Health (grpc.health.v1: a draining worker says NOT_SERVING), then stats.
         `wait_for_ready`: a channel still reconnecting gets up to `timeout_s` to do so."""
         client = worker.prefill_client if worker.role == "prefill" else worker.decode_client
-        if client is None or worker.channel is None:
-            worker.is_healthy = False  # nothing to reach it with
+        if client is None or worker.channel is None or worker.has_left:
+            worker.is_healthy = False  # nothing to reach it with, or no longer ours to use
             return
         issued_at = time.monotonic()
         if not worker.is_healthy:

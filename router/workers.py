@@ -82,6 +82,9 @@ class Worker:
     num_in_flight: int = 0  # requests this router has open there now
     in_flight: dict[str, InFlight] = field(default_factory=dict)
     is_healthy: bool = False
+    # Discovery no longer names it (scaled down, or gone from DNS): never chosen again, kept
+    # only until the requests this router has open there end.
+    has_left: bool = False
     refuse_reason: str = ""
     cache: CacheMirror = field(default_factory=CacheMirror)  # its prefix-cache index
     demand: RecentDemand = field(default_factory=RecentDemand)  # blocks recently sent here

@@ -5,14 +5,16 @@
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from deploy.planner.live import Decision, Planner
-from deploy.planner.observe import Scrape, observation
-from deploy.planner.scalers import Scaler
+from deploy.planner.observe import Scrape, observation, scraper
+from deploy.planner.scalers import RayScaler, Scaler, WorkerActors
 from deploy.planner.simulator import Layout
 
 log = logging.getLogger("kvferry.planner")
@@ -70,3 +72,28 @@ class PlannerLoop:
         if action != "hold" and not self.is_dry_run:
             self.scaler.scale(decision.num_prefill, decision.num_decode)
         return decision
+
+
+def run_ray_planner(planner: Planner, deployment: WorkerActors, interval_s: float,
+                    stop: threading.Event, metrics: PlannerMetrics | None = None,
+                    on_decision: Callable[[Decision], None] | None = None) -> None:
+    """The live planner in the driver of a Ray deployment (`kvferry serve --planner-sla`):
+    every `interval_s` until `stop` is set, scrape its router and scale its actors
+    (`on_decision` sees each decision once carried out). A failed interval (a scrape refused
+    while the router is busy) is logged and the next one tried."""
+    if metrics is None:
+        from prometheus_client import REGISTRY
+
+        metrics = PlannerMetrics(REGISTRY)
+    url = f"http://{deployment.metrics_address}/metrics"
+    loop = PlannerLoop(planner, scraper(lambda: [url], time.monotonic), RayScaler(deployment),
+                       metrics)
+    while not stop.is_set():
+        try:
+            decision = loop.run_once()
+        except Exception as exc:  # noqa: BLE001 - said, and tried again next interval
+            log.warning("planner: %s: %s", type(exc).__name__, exc)
+        else:
+            if decision is not None and on_decision is not None:
+                on_decision(decision)
+        stop.wait(interval_s)

@@ -1,4 +1,4 @@
-"""What carries out the live planner's decisions.
+"""What carries out the live planner's decisions, on Kubernetes or on Ray.
 
 On Kubernetes the planner sets the prefill and decode Deployments' replicas through their
 `scale` subresource (a merge patch of spec.replicas, with the official `kubernetes` client),
@@ -8,6 +8,12 @@ refuses new prompts and waits until every push it made is acknowledged (parked K
 a decode worker until its streams end, or past --drain-timeout-s hands them to the router to
 migrate; the pods' terminationGracePeriodSeconds outlasts that timeout
 (tests/k8s/test_k8s_consistency.py). A scale-down therefore never cuts a request off.
+
+On Ray the planner runs in the driver that started the deployment (`kvferry serve
+--kv-transport ray --planner-sla ...`) and starts or ends worker actors itself
+(deploy/ray_launcher.RayDeployment): a new worker is handed to the router once it serves; a
+leaving one (the one with the fewest open requests) is taken off the router's list first,
+then drains as above, then ends.
 """
 
 from __future__ import annotations
@@ -76,3 +82,40 @@ class KubernetesScaler:
             self.api.patch_namespaced_deployment_scale(
                 name, self.namespace, replicas_patch(replicas),
                 _content_type="application/merge-patch+json")
+
+
+class WorkerActors(Protocol):
+    """A deployment that starts and ends its own workers (deploy/ray_launcher.RayDeployment)."""
+
+    @property
+    def metrics_address(self) -> str: ...
+
+    def addresses(self, role: str) -> list[str]: ...
+
+    def add_worker(self, role: str) -> str: ...
+
+    def remove_worker(self, role: str) -> str: ...
+
+
+@dataclass
+class RayScaler:
+    """The worker actors of a running Ray deployment. Workers are added before any leaves,
+    so a rebalance never drops below what ran."""
+
+    deployment: WorkerActors
+
+    def current(self) -> tuple[int, int]:
+        return (len(self.deployment.addresses("prefill")),
+                len(self.deployment.addresses("decode")))
+
+    def scale(self, num_prefill: int, num_decode: int) -> None:
+        if num_prefill < 1 or num_decode < 1:
+            raise ValueError("replicas: a Ray deployment keeps at least one worker per role")
+        wanted = {"prefill": num_prefill, "decode": num_decode}
+        now = dict(zip(wanted, self.current()))
+        for role, count in wanted.items():
+            for _ in range(count - now[role]):
+                self.deployment.add_worker(role)
+        for role, count in wanted.items():
+            for _ in range(now[role] - count):
+                self.deployment.remove_worker(role)

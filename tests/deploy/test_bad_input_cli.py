@@ -90,6 +90,14 @@ SERVE_CASES = [
     ("demo --model {missing} --kv-host-cache-size 99TiB", ["kv_host_cache_size"]),
     ("serve --model {missing} --kv-host-cache-size 1MiB --kv-store-size 1GiB "
      "--kv-store-password-file {missing}", ["kv_store_password_file", "no password"]),
+    # the live planner: refused before any actor starts
+    ("serve --model {qwen3} --planner-sla ttft-p90=500", ["planner_sla"]),
+    ("serve --model {qwen3} --planner-sla ttft-p90=500 --planner-profile {missing}",
+     ["--kv-transport ray"]),
+    ("serve --model {qwen3} --kv-transport ray --planner-sla ttft-p90=500 "
+     "--planner-profile {missing}", ["missing"]),
+    ("serve --model {qwen3} --kv-transport ray --planner-sla ttft-p90=500 "
+     "--planner-profile {missing} --planner-patience 0", ["planner_patience"]),
 ]
 PROCESS_CASES = [
     ("prefill-worker --model {missing}", ["missing"]),

@@ -66,3 +66,39 @@ def test_router_discovers_workers_by_dns(qwen3_checkpoint: Path, tmp_path: Path)
         for proc in procs:
             proc.popen.terminate()
             proc.popen.wait(30)
+
+
+def test_a_worker_that_leaves_with_requests_open_is_kept_until_they_end(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Left: never chosen again, dropped once idle; named again before that: back."""
+    from router import worker_set
+
+    asked = []
+
+    async def is_serving(channel: object, *args: object) -> bool:
+        asked.append(channel)
+        return False
+
+    monkeypatch.setattr(worker_set.worker_client, "is_serving", is_serving)
+
+    async def scenario() -> None:
+        workers = WorkerSet("fp")
+        await workers.sync_role("decode", {"127.0.0.1:1", "127.0.0.1:2"})
+        busy = next(w for w in workers.workers if w.address == "127.0.0.1:1")
+        busy.num_in_flight = 1
+        await workers.sync_role("decode", {"127.0.0.1:2"})
+        assert busy in workers.workers and busy.has_left and not busy.is_healthy
+        busy.is_healthy = True
+        asked.clear()
+        await workers.refresh(busy)
+        # a refresh round neither asks a worker that left nor takes it back
+        assert not busy.is_healthy and not asked
+        await workers.sync_role("decode", {"127.0.0.1:1", "127.0.0.1:2"})
+        assert not busy.has_left  # named again: back
+        await workers.sync_role("decode", {"127.0.0.1:2"})
+        busy.num_in_flight = 0
+        await workers.sync_role("decode", {"127.0.0.1:2"})
+        assert [w.address for w in workers.workers] == ["127.0.0.1:2"]
+        await workers.close()
+
+    asyncio.run(scenario())

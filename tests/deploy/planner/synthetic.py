@@ -31,3 +31,20 @@ def make_profile(num_blocks: int = 10_000, jitter: tuple[float, ...] = (), **cha
 
 def make_cost(**changes) -> CostModel:
     return CostModel(make_profile(**changes))
+
+
+# The shifting workload of the live-planner tests on a real deployment (4 workers at most):
+# at SHIFT_RATES[0] requests/s of SHIFT_LENGTHS[0] (prompt, output) tokens only 1P+3D
+# meets SHIFT_SLA, at SHIFT_RATES[1] of SHIFT_LENGTHS[1] only 3P+1D; the costs say so
+# whatever machine runs the deployment, and the rates are ones a tiny model serves on 2 cores.
+SHIFT_SLA = "ttft-p90=500,itl-p90=20"
+SHIFT_LENGTHS = ((20, 48), (300, 4))
+SHIFT_RATES = (3.5, 3.0)
+
+
+def shifting_profile() -> Profile:
+    """prefill 2 ms + 1.2 ms a token; decode 4 ms + 7 ms a sequence."""
+    return make_profile(
+        prefill=tuple(PrefillPoint(n, n * n, 0.002 + 1.2e-3 * n) for n in (16, 64, 256, 512)),
+        decode=tuple(DecodePoint(batch, batch * ctx, 0.004 + 0.007 * batch)
+                     for batch in DECODE_BASE for ctx in (64, 512)))

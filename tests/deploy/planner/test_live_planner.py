@@ -7,9 +7,16 @@ from __future__ import annotations
 import pytest
 
 from deploy.planner.live import Bounds, Observation, Planner
+from deploy.planner.profile import CostModel
 from deploy.planner.search import Sla
 from deploy.planner.simulator import Layout
-from tests.deploy.planner.synthetic import make_cost
+from tests.deploy.planner.synthetic import (
+    SHIFT_LENGTHS,
+    SHIFT_RATES,
+    SHIFT_SLA,
+    make_cost,
+    shifting_profile,
+)
 
 SLA = Sla.parse("ttft-p90=500,itl-p90=15")
 DECODE_HEAVY = Observation(10.0, 40, ((32, 300),))  # 4 requests/s
@@ -81,3 +88,19 @@ def test_bounds_refuse_nonsense() -> None:
         Bounds(min_prefill=0)
     with pytest.raises(ValueError, match="max_workers"):
         Bounds(max_workers=1)
+
+
+def test_the_shifting_profile_wants_opposite_splits() -> None:
+    """What tests/e2e/test_ray_planner.py counts on: each phase of its workload has one
+    4-worker layout that meets the SLA, from wherever the deployment stands, and the two
+    phases want opposite splits."""
+    cost = CostModel(shifting_profile())
+    wanted = (Layout(1, 3), Layout(3, 1))
+    for lengths, rate, layout in zip(SHIFT_LENGTHS, SHIFT_RATES, wanted):
+        for observed in (rate - 0.4, rate, rate + 0.4):
+            for start in (Layout(2, 2), *wanted):
+                planner = Planner(cost, Sla.parse(SHIFT_SLA), Bounds(max_prefill=3,
+                                                                      max_decode=3,
+                                                                      max_workers=4))
+                obs = Observation(10.0, round(observed * 10), (lengths,))
+                assert planner.target(obs, start)[0] == layout, (lengths, observed, start)

@@ -17,7 +17,12 @@ from deploy.cli import main
 from deploy.planner.live import Bounds, Planner
 from deploy.planner.loop import PlannerLoop, PlannerMetrics
 from deploy.planner.observe import Scrape, merge, observation, parse, percentile_ms
-from deploy.planner.scalers import KubernetesScaler, replicas_patch, scale_object
+from deploy.planner.scalers import (
+    KubernetesScaler,
+    RayScaler,
+    replicas_patch,
+    scale_object,
+)
 from deploy.planner.search import Sla
 from kvferry.rpc.metrics import RouterMetrics
 from tests.deploy.planner.synthetic import make_cost, make_profile
@@ -131,6 +136,41 @@ class Recorded:
         return k8s.rest.RESTResponse(SimpleNamespace(
             status=200, reason="OK", data=data,
             headers={"Content-Type": "application/json"}))
+
+
+class Actors:
+    """A deployment that records the workers it is told to start and end."""
+
+    def __init__(self, prefill: int, decode: int) -> None:
+        self.workers = {"prefill": prefill, "decode": decode}
+        self.calls: list[str] = []
+        self.metrics_address = "127.0.0.1:1"
+
+    def addresses(self, role: str) -> list[str]:
+        return [f"{role}-{i}" for i in range(self.workers[role])]
+
+    def add_worker(self, role: str) -> str:
+        self.calls.append(f"+{role}")
+        self.workers[role] += 1
+        return role
+
+    def remove_worker(self, role: str) -> str:
+        self.calls.append(f"-{role}")
+        self.workers[role] -= 1
+        return role
+
+
+def test_the_ray_scaler_adds_before_it_removes() -> None:
+    """A rebalance starts the new workers before any drains, so it never runs fewer."""
+    actors = Actors(2, 2)
+    scaler = RayScaler(actors)
+    scaler.scale(1, 3)
+    assert actors.calls == ["+decode", "-prefill"] and scaler.current() == (1, 3)
+    actors.calls.clear()
+    scaler.scale(3, 1)
+    assert actors.calls == ["+prefill", "+prefill", "-decode", "-decode"]
+    with pytest.raises(ValueError, match="at least one"):
+        scaler.scale(0, 4)
 
 
 def test_the_kubernetes_scaler_patches_the_scale_subresource() -> None:
