@@ -225,6 +225,10 @@ class Deployment:
         """Workers serving `role`; colocated workers serve both prefill and decode."""
         return [p.address for p in self.processes if serves(p.name, role)]
 
+    def pids(self) -> dict[str, int]:
+        """Each component's process id, by name ("router", "decode-0", ...)."""
+        return {p.name: p.popen.pid for p in self.processes}
+
     def pin(self, role: str, cpus: set[int], transfer_cpus: set[int] | None = None) -> None:
         """`pin_threads` for every `role` process (benchmarks give a worker its own core)."""
         for proc in self.processes:

@@ -27,6 +27,10 @@ def planner_args(p: argparse.ArgumentParser, prefix: str = "") -> None:
                        help=f"{role} workers, at most")
     p.add_argument(f"--{prefix}max-workers", type=int, default=8,
                    help="prefill + decode, at most")
+    p.add_argument(f"--{prefix}latency-correction", type=float, default=0.5,
+                   help="weight of each interval's measured/predicted latency in the "
+                        "correction applied to the profile's predictions (0: trust the "
+                        "profile as it is)")
 
 
 def build_planner(args: argparse.Namespace, prefix: str = ""):
@@ -41,7 +45,9 @@ def build_planner(args: argparse.Namespace, prefix: str = ""):
     if not flag("interval-s") > 0 or flag("patience") < 1 or not flag("headroom") >= 1:
         raise ValueError(f"{prefix}interval_s must be > 0, {prefix}patience >= 1 and "
                          f"{prefix}headroom >= 1".replace("-", "_"))
+    if not 0 <= flag("latency-correction") <= 1:
+        raise ValueError(f"{prefix}latency_correction: must be in [0, 1]".replace("-", "_"))
     bounds = Bounds(flag("min-prefill"), flag("max-prefill"), flag("min-decode"),
                     flag("max-decode"), flag("max-workers"))
     return Planner(CostModel(Profile.load(flag("profile"))), Sla.parse(flag("sla")), bounds,
-                   flag("patience"), flag("headroom"))
+                   flag("patience"), flag("headroom"), flag("latency-correction"))

@@ -110,18 +110,27 @@ def profile_deployment(model: str, sweep, kv_transport: str, kv_pool_size: str,
     load = ["--load-format", load_format] if load_format != "auto" else []
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
-    deployment = Deployment(model=model, kv_pool_size=kv_pool_size, block_size=block_size,
-                            torch_threads=0, pin_cores=True, log_dir=log_dir,
-                            worker_args=["--kv-transport", kv_transport, *load],
-                            router_args=load)
+    if kv_transport == "ray":  # actors, as `serve --kv-transport ray` runs them
+        from deploy.ray_launcher import RayDeployment
+
+        threads = max(1, len(os.sched_getaffinity(0)) // 2)  # the cores, split as pinned
+        deployment = RayDeployment(model=model, kv_pool_size=kv_pool_size,
+                                   block_size=block_size, torch_threads=threads,
+                                   log_dir=log_dir, worker_args=load, router_args=load)
+    else:
+        deployment = Deployment(model=model, kv_pool_size=kv_pool_size, block_size=block_size,
+                                torch_threads=0, pin_cores=True, log_dir=log_dir,
+                                worker_args=["--kv-transport", kv_transport, *load],
+                                router_args=load)
     with deployment:
         vocab, name = asyncio.run(_model_info(deployment.router_address))
-        pids = {p.name: p.popen.pid for p in deployment.processes}
+        pids = deployment.pids()
         measured = measure(deployment.router_address, sweep, vocab, max_len, log,
                            router_pid=pids["router"], decode_pid=pids["decode-0"])
         plan = deployment.core_plan
-        threads = (len(plan.cores["decode-0"]) if plan is not None and plan.is_pinned
-                   else torch.get_num_threads())
+        if kv_transport != "ray":
+            threads = (len(plan.cores["decode-0"]) if plan is not None and plan.is_pinned
+                       else torch.get_num_threads())
     return _profile(model, name, measured, kv_transport, kv_pool_size, block_size, threads)
 
 

@@ -122,6 +122,9 @@ class ServerActor:
     async def metrics_address(self) -> str:
         return self._metrics_address
 
+    async def pid(self) -> int:
+        return os.getpid()
+
     def _router_workers(self) -> WorkerSet:
         if self._built is None or self._built.workers is None:
             raise ValueError("only a running router has workers to set")
@@ -314,6 +317,11 @@ class RayDeployment(Deployment):
 
     def addresses(self, role: str) -> list[str]:
         return [a.address for a in self.actors if serves(a.name, role)]
+
+    def pids(self) -> dict[str, int]:
+        """Each actor's process id, by name ("router", "decode-0", ...): on this node."""
+        found = ray.get([a.handle.pid.remote() for a in self.actors], timeout=60)
+        return {a.name: pid for a, pid in zip(self.actors, found)}
 
     def dead(self) -> list[str]:
         """Names of actors that no longer answer."""

@@ -30,6 +30,10 @@ class PlannerMetrics:
         self.rate = Gauge("kvferry_planner_observed_request_rate",
                           "Requests per second the router finished last interval.",
                           registry=registry)
+        self.correction = Gauge("kvferry_planner_latency_correction",
+                                "Measured / predicted latency, by SLA metric, that the "
+                                "planner applies to the profile's predictions.", ["metric"],
+                                registry=registry)
 
 
 def _action(current: Layout, chosen: Layout) -> str:
@@ -57,11 +61,14 @@ class PlannerLoop:
         before, self._last = self._last, scrape
         if before is None:
             return None
-        obs = observation(before, scrape)
+        obs = observation(before, scrape, [(t.name, t.percentile)
+                                           for t in self.planner.sla.targets])
         current = Layout(*self.scaler.current())
         decision = self.planner.decide(obs, current)
         action = _action(current, decision.layout)
         self.metrics.rate.set(obs.rate)
+        for metric, ratio in self.planner.correction.items():
+            self.metrics.correction.labels(metric).set(ratio)
         self.metrics.decisions.labels(action).inc()
         for role, now, target in (("prefill", current.num_prefill, decision.num_prefill),
                                   ("decode", current.num_decode, decision.num_decode)):

@@ -49,27 +49,39 @@ def parse(text: str, at_s: float) -> Scrape:
 
 
 def percentile_ms(before: Scrape, after: Scrape, name: str, p: float) -> float | None:
-    """The p-th percentile of a histogram over the interval, at its bucket's upper bound
-    (None: nothing observed)."""
+    """The p-th percentile of a histogram over the interval, interpolated within the bucket
+    it falls in as Prometheus' histogram_quantile does (None: nothing observed; past the
+    last finite bucket: that bucket's bound)."""
     old = dict(before.buckets.get(name, ()))
     counts = [(le, count - old.get(le, 0.0)) for le, count in after.buckets.get(name, ())]
     if not counts or counts[-1][1] <= 0:
         return None
     rank = counts[-1][1] * p / 100
-    le = next(le for le, count in counts if count >= rank)
-    return le * 1000 if math.isfinite(le) else math.inf
+    below_le, below = 0.0, 0.0
+    for le, count in counts:
+        if count >= rank:
+            if not math.isfinite(le):
+                return below_le * 1000
+            share = (rank - below) / (count - below) if count > below else 1.0
+            return (below_le + (le - below_le) * share) * 1000
+        below_le, below = le, count
+    return below_le * 1000
 
 
-def observation(before: Scrape, after: Scrape) -> Observation:
+def observation(before: Scrape, after: Scrape, percentiles: Sequence[tuple[str, float]] = ()
+                ) -> Observation:
     """The interval between two scrapes, as the planner reads it (nothing, when a router
-    restarted and its counters went back to zero)."""
+    restarted and its counters went back to zero); `percentiles`: (metric, p) to measure,
+    the SLA's."""
     finished = after.finished - before.finished
     if finished <= 0 or after.prompt_tokens < before.prompt_tokens:
         return Observation(after.at_s - before.at_s, 0, ())
     prompt = (after.prompt_tokens - before.prompt_tokens) / finished
     output = (after.generation_tokens - before.generation_tokens) / finished
+    seen = ((name, percentile_ms(before, after, name, p)) for name, p in percentiles)
     return Observation(after.at_s - before.at_s, round(finished),
-                       ((max(round(prompt), 1), max(round(output), 1)),))
+                       ((max(round(prompt), 1), max(round(output), 1)),),
+                       tuple((name, ms) for name, ms in seen if ms is not None))
 
 
 def merge(scrapes: Sequence[Scrape]) -> Scrape:

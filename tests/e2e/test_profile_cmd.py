@@ -37,3 +37,20 @@ def test_profile_measures_what_plan_reads(tmp_path: Path,
     code = main(["plan", "--sla", "ttft-p90=5000,itl-p90=1000", "--workload", "64:8",
                  "--profile", str(out), "--max-workers", "2", "--num-requests", "50"])
     assert code == 0 and "recommendation:" in capsys.readouterr().out
+
+
+@pytest.mark.ray
+def test_profile_on_ray_measures_the_actors(tmp_path: Path, ray_session: None,
+                                            capsys: pytest.CaptureFixture) -> None:
+    """--kv-transport ray: the workers are Ray actors and the K/V travels as object refs,
+    as `serve --kv-transport ray` runs them; their processes' CPU is what is counted."""
+    out = tmp_path / "tiny-ray.json"
+    code = main(["profile", "--model", tiny_model(), "--out", str(out), "--kv-transport", "ray",
+                 "--prompt-lens", "16,256", "--decode-batches", "1,4",
+                 "--decode-contexts", "64", "--repeats", "2"])
+    assert code == 0 and f"profile: {out}" in capsys.readouterr().out
+    profile = Profile.load(out)
+    assert profile.kv_transport == "ray" and profile.torch_threads >= 1
+    assert profile.prefill[1].seconds > profile.prefill[0].seconds
+    assert len(profile.receive) == 2 and all(p.seconds > 0 for p in profile.decode)
+    assert profile.relay_s_per_token > 0 or profile.router_s_per_request > 0

@@ -4,12 +4,14 @@ the right way, within bounds, a step at a time, without going back and forth."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from deploy.planner.live import Bounds, Observation, Planner
+from deploy.planner.live import Bounds, Observation, Planner, workload
 from deploy.planner.profile import CostModel
 from deploy.planner.search import Sla
-from deploy.planner.simulator import Layout
+from deploy.planner.simulator import Layout, simulate
 from tests.deploy.planner.synthetic import (
     SHIFT_LENGTHS,
     SHIFT_RATES,
@@ -74,13 +76,21 @@ def test_scaling_down_needs_headroom() -> None:
     assert careful.decide(light, Layout(1, 2)).layout == Layout(1, 2)
 
 
-def test_out_of_reach_goes_to_the_largest_layout() -> None:
-    planner = Planner(make_cost(), Sla.parse("ttft-p90=1"), Bounds(max_prefill=2,
-                                                                   max_decode=2,
-                                                                   max_workers=3),
-                      patience=1)
-    decision = planner.decide(DECODE_HEAVY, Layout(1, 1))
-    assert decision.target.num_workers == 3 and "no layout" in decision.reason
+def test_out_of_reach_goes_to_the_largest_layout_that_comes_closest() -> None:
+    """No layout meets the SLA: of the largest, the split whose simulated requests meet it
+    most often, wherever the deployment stands."""
+    bounds = Bounds(max_prefill=2, max_decode=2, max_workers=3)
+    for start in (Layout(1, 1), Layout(1, 2), Layout(2, 1)):
+        planner = Planner(make_cost(), Sla.parse("ttft-p90=1"), bounds, patience=1)
+        decision = planner.decide(DECODE_HEAVY, start)
+        assert decision.target.num_workers == 3 and "no layout" in decision.reason
+        # TTFT out of reach, prefill-heavy: more prefill workers get more requests under it
+        prefill_bound = Planner(make_cost(), Sla.parse("ttft-p90=300"), bounds, patience=1)
+        assert prefill_bound.target(PREFILL_HEAVY, start)[0] == Layout(2, 1)
+        # so far out of reach that no request meets it: the smaller TTFT p90 still decides
+        hopeless = Planner(make_cost(), Sla.parse("ttft-p90=10"), bounds, patience=1)
+        layout, reason = hopeless.target(PREFILL_HEAVY, start)
+        assert layout == Layout(2, 1) and "(0% of requests within it)" in reason, reason
 
 
 def test_bounds_refuse_nonsense() -> None:
@@ -104,3 +114,23 @@ def test_the_shifting_profile_wants_opposite_splits() -> None:
                                                                       max_workers=4))
                 obs = Observation(10.0, round(observed * 10), (lengths,))
                 assert planner.target(obs, start)[0] == layout, (lengths, observed, start)
+
+
+def test_measured_latencies_correct_the_profile() -> None:
+    """A router measuring 3x the ITL the profile predicts for the layout that runs: the
+    planner asks for more decode workers than the profile alone would, says so, and a
+    correction of 0 weight changes nothing."""
+    light = Observation(10.0, 15, ((32, 300),))
+    bounds = Bounds(max_prefill=3, max_decode=3, max_workers=4)
+    trusting = Planner(make_cost(), SLA, bounds, patience=1, correction_weight=0.0)
+    on_paper = trusting.target(light, Layout(1, 1))[0]
+    assert on_paper.num_decode < 3
+    predicted = dict((t.name, ms) for t, ms in SLA.values(
+        simulate(make_cost(), Layout(1, 1), workload(light))))
+    slow = replace(light, latencies_ms=(("itl", 3 * predicted["itl"]),
+                                        ("ttft", predicted["ttft"])))
+    corrected = Planner(make_cost(), SLA, bounds, patience=1, correction_weight=1.0)
+    layout, reason = corrected.target(slow, Layout(1, 1))
+    assert layout.num_decode > on_paper.num_decode and "x3.00 itl" in reason, reason
+    assert corrected.correction["ttft"] == pytest.approx(1.0)
+    assert trusting.target(slow, Layout(1, 1))[0] == on_paper

@@ -60,10 +60,27 @@ def test_an_interval_is_the_difference_of_two_scrapes() -> None:
     obs = observation(before, after)
     assert (obs.duration_s, obs.num_requests, obs.lengths) == (10.0, 20, ((100, 50),))
     assert obs.rate == pytest.approx(2.0)
-    # percentiles at the upper bound of the bucket they fall in, this interval's only
-    assert 40 <= percentile_ms(before, after, "ttft", 90) <= 100
-    assert 20 <= percentile_ms(before, after, "itl", 50) <= 30
+    # this interval's only, within the bucket they fall in (40 ms: (20, 40]; 20: (10, 20])
+    assert 20 < percentile_ms(before, after, "ttft", 90) <= 40
+    assert 10 < percentile_ms(before, after, "itl", 50) <= 20
+    assert dict(observation(before, after, [("ttft", 90.0)]).latencies_ms).keys() == {"ttft"}
     assert observation(after, after).num_requests == 0
+
+
+def test_a_percentile_is_interpolated_within_its_bucket() -> None:
+    """As Prometheus' histogram_quantile: 10 observations in (40, 60] ms and 10 in (60, 80]:
+    the median is the (40, 60] bucket's top, p75 halfway up the next; past the last finite
+    bucket, that bucket's bound."""
+    router = Router()
+    before = router.scrape(0.0)
+    for seconds in [0.05] * 10 + [0.07] * 10:
+        router.metrics.ttft.observe(seconds)
+    after = router.scrape(1.0)
+    assert percentile_ms(before, after, "ttft", 50) == pytest.approx(60.0)
+    assert percentile_ms(before, after, "ttft", 75) == pytest.approx(70.0)
+    router.metrics.ttft.observe(1e6)
+    assert percentile_ms(before, router.scrape(2.0), "ttft", 100) == pytest.approx(
+        max(b for b, _ in after.buckets["ttft"] if b != float("inf")) * 1000)
 
 
 def test_two_routers_add_up_and_a_restart_reads_as_nothing() -> None:
