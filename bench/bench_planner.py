@@ -7,8 +7,9 @@ seeded Poisson arrivals at its own rate. The fixed layouts are every split of --
 workers (1P+(N-1)D ... (N-1)P+1D); the planner's run starts at the middle split and the live
 planner (deploy/planner/loop.run_ray_planner, as `kvferry serve --planner-sla` runs it)
 scales it from the profile, with at most --workers workers. Repetitions are interleaved
-across the layouts (rep 0 of each, then rep 1, ...), all deployments up at once, so drift
-on a noisy machine falls on every layout alike.
+across the layouts (rep 0 of each, then rep 1, ...), all deployments up at once, each rep
+starting one layout later than the last, so drift on a noisy machine, and whatever one run
+leaves behind for the next, falls on every layout alike.
 
 Goodput: the fraction of requests meeting the SLA (their TTFT, and their own ITL
 percentile: deploy/planner/search.Sla.attainment), and those requests per second. The rates
@@ -27,6 +28,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing
+import os
 import statistics
 import sys
 import threading
@@ -127,7 +129,15 @@ def run_planner_rep(client: ProcessPoolExecutor, deployment, cost: CostModel, sl
     from prometheus_client import CollectorRegistry
 
     began, layouts, stop = time.monotonic(), [], threading.Event()
-    thread = threading.Thread(target=run_ray_planner, args=(
+
+    def planner_thread(*args: object) -> None:
+        # Ray starts its workers niced; a planner here would take the cores from them each
+        # interval, where a real one runs on cores of its own (another node, another pod)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), args_nice)
+        run_ray_planner(*args)
+
+    args_nice = args.planner_nice
+    thread = threading.Thread(target=planner_thread, args=(
         planner, deployment, args.interval_s, stop, PlannerMetrics(CollectorRegistry()),
         lambda d: layouts.append((round(time.monotonic() - began, 1), str(d.layout),
                                   d.reason, round(time.thread_time(), 2)))), daemon=True)
@@ -158,6 +168,8 @@ def main() -> int:
     p.add_argument("--rates", default=None, metavar="A,B",
                    help="each phase's requests/s (default: from --utilization)")
     p.add_argument("--interval-s", type=float, default=5.0, help="the planner's")
+    p.add_argument("--planner-nice", type=int, default=19,
+                   help="the planner thread's niceness (Ray starts its workers niced)")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     args = p.parse_args()
     if args.workers < 2 or args.reps < 1:
@@ -199,8 +211,11 @@ def run(args: argparse.Namespace, cost: CostModel, sla: Sla, rates: dict[str, fl
                 num_decode=layout.num_decode, router_args=["--metrics-port", "0"],
                 torch_threads=1).start()
         results: dict[str, list[dict]] = {name: [] for name in layouts}
+        names = list(deployments)
         for rep in range(args.reps):
-            for name, deployment in deployments.items():
+            # each rep starts one layout later, so each runs first, second, ... in turn
+            for name in names[rep % len(names):] + names[:rep % len(names)]:
+                deployment = deployments[name]
                 began = time.monotonic()
                 if name == "planner":
                     out = run_planner_rep(client, deployment, cost, sla, n, start, rates,

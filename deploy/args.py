@@ -13,7 +13,7 @@ from deploy.parser import Parser, add_global_args_to_commands, global_args
 from deploy.plan_cmd import add_plan_parser
 from deploy.planner_cmd import add_planner_parser
 from deploy.policy_args import policy_args, policy_settings
-from deploy.profile_cmd import add_profile_parser
+from deploy.profile_args import add_profile_parser
 from deploy.security_args import api_keys, public_access_args, security_settings, tls_args
 from deploy.serve_args import MEMORY_HELP, serve_process_args
 from deploy.speculative_args import speculative_args, speculative_config
