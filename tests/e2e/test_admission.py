@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 # Decode steps holding BIG or LONG (below) are slowed, so that they outlast what arrives
 # after them on any machine: unpaced, BIG's 140 steps could end before SMALL came (no wait,
 # nothing parked, nothing to kill or abort).
-STEP_DELAY_S = 0.03
+STEP_DELAY_S = 0.05
 BIG = client.make_request(list(range(20, 60)), "big" + tag(decode_step_delay_s=STEP_DELAY_S),
                           temperature=0.0, max_tokens=140,
                           ignore_eos=True)  # 180 tokens: all 12 blocks of the decode pool

@@ -1,0 +1,63 @@
+"""`kvferry serve --kv-transport ray --planner-sla ...` as a user runs it: the live planner in
+serve's driver scales its own Ray deployment while it serves, and a SIGTERM stops it all.
+
+Its own module, using no shared fixture: serve starts a Ray instance of its own, so this runs
+before the suite's shared one (tests/suite_order.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from deploy import client, zygote
+from tests.deploy.planner.synthetic import make_profile
+
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
+
+
+def test_serve_scales_its_ray_deployment_to_the_bounds(qwen3_checkpoint: Path,
+                                                       tmp_path: Path) -> None:
+    """Started with 1 decode worker and --planner-min-decode 2, the planner adds one as soon
+    as an interval has seen requests; generation goes on through it."""
+    profile = make_profile().save(tmp_path / "synthetic.json")
+    errors = (tmp_path / "serve.err").open("w+")
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "deploy.cli", "serve", "--model", str(qwen3_checkpoint),
+         "--kv-transport", "ray", "--port", "0", "--http-port", "off",
+         "--kv-pool-size", "32MiB", "--planner-sla", "ttft-p90=500,itl-p90=15",
+         "--planner-profile", str(profile), "--planner-interval-s", "1",
+         "--planner-patience", "1", "--planner-min-decode", "2", "--planner-max-workers", "3"],
+        stdout=subprocess.PIPE, stderr=errors, text=True,
+        env={**os.environ, zygote.ZYGOTE_ENV: "off"})
+    try:
+        assert serve.stdout is not None
+        line = serve.stdout.readline()
+        assert "serving on" in line, line
+        address = line.split("serving on ")[1].split()[0]
+        request = client.make_request("hello", temperature=0.0, max_tokens=6, ignore_eos=True)
+        first = asyncio.run(client.generate(address, request, 60))
+        deadline = time.monotonic() + 120
+        log = ""
+        while "scale_up 1P+1D -> 1P+2D" not in log and time.monotonic() < deadline:
+            got = asyncio.run(client.generate(address, request, 60))
+            assert got.token_ids == first.token_ids
+            errors.seek(0)
+            log = errors.read()
+        assert "scale_up 1P+1D -> 1P+2D" in log, log[-3000:]
+        after = asyncio.run(client.generate(address, request, 60))
+        assert after.token_ids == first.token_ids and len(after.token_ids) == 6
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        code = serve.wait(timeout=120)
+    assert code == 0
+    errors.seek(0)
+    log = errors.read()
+    assert "1P+2D is the smallest layout meeting ttft-p90=500,itl-p90=15" in log, log[-3000:]
+    assert "Traceback" not in log, log[-3000:]
