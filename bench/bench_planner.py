@@ -130,13 +130,12 @@ def run_planner_rep(client: ProcessPoolExecutor, deployment, cost: CostModel, sl
 
     began, layouts, stop = time.monotonic(), [], threading.Event()
 
-    def planner_thread(*args: object) -> None:
+    def planner_thread(*loop_args: object) -> None:
         # Ray starts its workers niced; a planner here would take the cores from them each
         # interval, where a real one runs on cores of its own (another node, another pod)
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), args_nice)
-        run_ray_planner(*args)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), args.planner_nice)
+        run_ray_planner(*loop_args)
 
-    args_nice = args.planner_nice
     thread = threading.Thread(target=planner_thread, args=(
         planner, deployment, args.interval_s, stop, PlannerMetrics(CollectorRegistry()),
         lambda d: layouts.append((round(time.monotonic() - began, 1), str(d.layout),

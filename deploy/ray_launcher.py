@@ -194,6 +194,11 @@ class RayDeployment(Deployment):
     _owns_ray: bool = False
     _next_index: int = 0  # the highest worker index yet (add_worker counts on from it)
 
+    @staticmethod
+    def _gpus() -> float:
+        """A worker's GPUs: one each where the cluster has them."""
+        return 1.0 if ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
+
     def _actor(self, name: str, num_gpus: float) -> RayActor:
         options: dict[str, object] = {"name": f"{name}-{id(self):x}", "namespace": NAMESPACE,
                                       "num_cpus": 0, "num_gpus": num_gpus}
@@ -217,8 +222,7 @@ class RayDeployment(Deployment):
                 ray.init(address=self.ray_address, **options)
             self._owns_ray = True
         try:
-            gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
-            workers = [self._actor(name, gpus) for name in self._worker_names()]
+            workers = [self._actor(name, self._gpus()) for name in self._worker_names()]
             self._next_index = len(workers)
             self.actors = list(workers)
             starts = [w.handle.start.remote(ActorStart.of(
@@ -251,8 +255,7 @@ class RayDeployment(Deployment):
                              f"workers, not {role!r}")
         # a name never used in this deployment: Ray may not have released a killed one's yet
         self._next_index += 1
-        gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
-        worker = self._actor(f"{role}-{self._next_index}", gpus)
+        worker = self._actor(f"{role}-{self._next_index}", self._gpus())
         try:
             worker.address = ray.get(worker.handle.start.remote(
                 ActorStart.of(self._worker_args(role))), timeout=timeout_s)
@@ -290,13 +293,18 @@ class RayDeployment(Deployment):
         else:
             self.num_decode += change
 
+    def _router_endpoint(self, method: str, refusal: str) -> str:
+        """One of the router actor's addresses (`method`); ValueError `refusal` if none."""
+        address = ray.get(getattr(self._router.handle, method).remote(), timeout=30)
+        if not address:
+            raise ValueError(refusal)
+        return address
+
     @property
     def metrics_address(self) -> str:
         """The router's Prometheus endpoint (HOST:PORT), with --metrics-port."""
-        address = ray.get(self._router.handle.metrics_address.remote(), timeout=30)
-        if not address:
-            raise ValueError("metrics_port: this deployment's router serves no metrics")
-        return address
+        return self._router_endpoint(
+            "metrics_address", "metrics_port: this deployment's router serves no metrics")
 
     def _worker_args(self, role: str) -> list[str]:
         extra = ["--kv-transport", "ray"] if role == "prefill" else []
@@ -310,10 +318,8 @@ class RayDeployment(Deployment):
 
     @property
     def http_address(self) -> str:
-        address = ray.get(self._router.handle.http_address.remote(), timeout=30)
-        if not address:
-            raise ValueError("http_port: this deployment's router serves no HTTP API")
-        return address
+        return self._router_endpoint(
+            "http_address", "http_port: this deployment's router serves no HTTP API")
 
     def addresses(self, role: str) -> list[str]:
         return [a.address for a in self.actors if serves(a.name, role)]

@@ -10,10 +10,11 @@ import dataclasses
 import os
 import signal
 import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from deploy import client
+from deploy import client, zygote
 from deploy.launcher import Deployment, Process, _spawn
 from kvferry.rpc import grpc_util
 from kvferry.v1 import generation_pb2, generation_pb2_grpc
@@ -167,3 +168,19 @@ def kill_decode_mid_stream(deployment: Deployment, request: generation_pb2.Gener
             return completion, victim
 
     return asyncio.run(run())
+
+
+def start_serve(argv: list[str], stderr: object) -> tuple[subprocess.Popen, str]:
+    """`kvferry serve ARGV` as a user starts it: in a fresh interpreter (not forked by the
+    run's zygote), every process logging to `stderr`; once it says it serves, the process
+    and the router's address (its stdout is left at the next line)."""
+    serve = subprocess.Popen([sys.executable, "-m", "deploy.cli", "serve", *argv],
+                             stdout=subprocess.PIPE, stderr=stderr, text=True,
+                             env={**os.environ, zygote.ZYGOTE_ENV: "off"})
+    assert serve.stdout is not None
+    line = serve.stdout.readline()
+    if "serving on" not in line:  # not left running behind the failure
+        serve.send_signal(signal.SIGTERM)
+        serve.wait(60)
+        raise AssertionError(f"serve did not say it serves: {line!r}")
+    return serve, line.split("serving on ")[1].split()[0]

@@ -15,9 +15,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from deploy import client, zygote
+from deploy import client
 from deploy.launcher import _spawn
 from deploy.placement import ROUTER, CorePlan, plan_cores
+from tests.deployments import start_serve
 from tests.e2e.test_metrics import scrape, value
 from tests.waiting import until_sync
 
@@ -44,16 +45,10 @@ def test_serve_generate_and_sigterm(qwen3_checkpoint: Path, tmp_path: Path) -> N
     # children's command lines name no model).
     qwen3_checkpoint = Path(shutil.copytree(qwen3_checkpoint, tmp_path / "model"))
     errors = (tmp_path / "serve.err").open("w+")  # every process logs here
-    serve = subprocess.Popen(
-        [sys.executable, "-m", "deploy.cli", "serve", "--model", str(qwen3_checkpoint),
-         "--port", "0", "--http-port", "0", "--memory-utilization", "0.02"],
-        stdout=subprocess.PIPE, stderr=errors, text=True,
-        env={**os.environ, zygote.ZYGOTE_ENV: "off"})
+    serve, address = start_serve(["--model", str(qwen3_checkpoint), "--port", "0",
+                                  "--http-port", "0", "--memory-utilization", "0.02"], errors)
     try:
         assert serve.stdout is not None
-        line = serve.stdout.readline()
-        assert "serving on" in line, line
-        address = line.split("serving on ")[1].split()[0]
         assert "OpenAI-compatible HTTP API on http://127.0.0.1:" in serve.stdout.readline()
         assert len(_processes_mentioning(str(qwen3_checkpoint))) == 4  # serve + 3 children
         placed = _check_placement(str(qwen3_checkpoint))

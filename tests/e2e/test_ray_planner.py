@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from deploy import client
 from deploy.planner.live import Bounds, Decision, Planner
@@ -31,6 +32,7 @@ from tests.deploy.planner.synthetic import (
     SHIFT_RATES,
     SHIFT_SLA,
     shifting_profile,
+    turns,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
@@ -38,11 +40,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.ray]
 INTERVAL_S = 3.0
 MAX_INTERVALS = 10  # a phase must reach its split and hold it within this many decisions
 HOLD = 3  # decisions in a row at the phase's split that end it
-
-
-def _turns(values: list[int]) -> int:
-    moves = [b - a for a, b in zip(values, values[1:]) if b != a]
-    return sum(1 for a, b in zip(moves, moves[1:]) if (a > 0) != (b > 0))
 
 
 async def _phase(address: str, prompts: list[list[int]], max_tokens: int, rate: float,
@@ -78,7 +75,7 @@ def test_the_planner_moves_the_split_with_the_workload(qwen3_checkpoint: Path,
     phase = [0]
     stop = threading.Event()
     planner_thread = threading.Thread(target=run_ray_planner, args=(
-        planner, deployment, INTERVAL_S, stop, PlannerMetrics(_registry()),
+        planner, deployment, INTERVAL_S, stop, PlannerMetrics(CollectorRegistry()),
         lambda d: decisions.append((phase[0], d))), daemon=True)
     try:
         planner_thread.start()
@@ -131,12 +128,6 @@ def test_the_planner_moves_the_split_with_the_workload(qwen3_checkpoint: Path,
     for a, b in zip(layouts, layouts[1:]):
         assert abs(a.num_prefill - b.num_prefill) <= 1 and abs(a.num_decode - b.num_decode) <= 1
         assert b.num_workers <= 4
-    assert _turns([x.num_prefill for x in layouts]) <= 1, layouts
-    assert _turns([x.num_decode for x in layouts]) <= 1, layouts
+    assert turns([x.num_prefill for x in layouts]) <= 1, layouts
+    assert turns([x.num_decode for x in layouts]) <= 1, layouts
     assert all(d.reason for _, d in decisions)
-
-
-def _registry():
-    from prometheus_client import CollectorRegistry
-
-    return CollectorRegistry()

@@ -7,17 +7,15 @@ before the suite's shared one (tests/suite_order.py)."""
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from deploy import client, zygote
+from deploy import client
 from tests.deploy.planner.synthetic import make_profile
+from tests.deployments import start_serve
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
@@ -28,19 +26,13 @@ def test_serve_scales_its_ray_deployment_to_the_bounds(qwen3_checkpoint: Path,
     as an interval has seen requests; generation goes on through it."""
     profile = make_profile().save(tmp_path / "synthetic.json")
     errors = (tmp_path / "serve.err").open("w+")
-    serve = subprocess.Popen(
-        [sys.executable, "-m", "deploy.cli", "serve", "--model", str(qwen3_checkpoint),
-         "--kv-transport", "ray", "--port", "0", "--http-port", "off",
-         "--kv-pool-size", "32MiB", "--planner-sla", "ttft-p90=500,itl-p90=15",
-         "--planner-profile", str(profile), "--planner-interval-s", "1",
-         "--planner-patience", "1", "--planner-min-decode", "2", "--planner-max-workers", "3"],
-        stdout=subprocess.PIPE, stderr=errors, text=True,
-        env={**os.environ, zygote.ZYGOTE_ENV: "off"})
+    serve, address = start_serve(
+        ["--model", str(qwen3_checkpoint), "--kv-transport", "ray", "--port", "0",
+         "--http-port", "off", "--kv-pool-size", "32MiB",
+         "--planner-sla", "ttft-p90=500,itl-p90=15", "--planner-profile", str(profile),
+         "--planner-interval-s", "1", "--planner-patience", "1", "--planner-min-decode", "2",
+         "--planner-max-workers", "3"], errors)
     try:
-        assert serve.stdout is not None
-        line = serve.stdout.readline()
-        assert "serving on" in line, line
-        address = line.split("serving on ")[1].split()[0]
         request = client.make_request("hello", temperature=0.0, max_tokens=6, ignore_eos=True)
         first = asyncio.run(client.generate(address, request, 60))
         deadline = time.monotonic() + 120

@@ -11,6 +11,12 @@ DECODE_PER_CONTEXT = 1e-7
 TRANSFER = (0.001, 1e-6)
 
 
+def turns(values: list[int]) -> int:
+    """How often a sequence of worker counts changes direction."""
+    moves = [b - a for a, b in zip(values, values[1:]) if b != a]
+    return sum(1 for a, b in zip(moves, moves[1:]) if (a > 0) != (b > 0))
+
+
 def make_profile(num_blocks: int = 10_000, jitter: tuple[float, ...] = (), **changes
                  ) -> Profile:
     a, b, c = PREFILL

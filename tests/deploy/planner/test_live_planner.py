@@ -18,6 +18,7 @@ from tests.deploy.planner.synthetic import (
     SHIFT_SLA,
     make_cost,
     shifting_profile,
+    turns,
 )
 
 SLA = Sla.parse("ttft-p90=500,itl-p90=15")
@@ -35,12 +36,6 @@ def _run(planner: Planner, observations: list[Observation], start: Layout) -> li
     return layouts
 
 
-def _turns(values: list[int]) -> int:
-    """How often a sequence changes direction."""
-    moves = [b - a for a, b in zip(values, values[1:]) if b != a]
-    return sum(1 for a, b in zip(moves, moves[1:]) if (a > 0) != (b > 0))
-
-
 def test_a_shifting_workload_moves_the_split_and_settles() -> None:
     bounds = Bounds(max_prefill=3, max_decode=3, max_workers=4)
     planner = Planner(make_cost(), SLA, bounds, patience=2)
@@ -52,8 +47,8 @@ def test_a_shifting_workload_moves_the_split_and_settles() -> None:
     for a, b in zip(layouts, layouts[1:]):  # one worker per role per interval, in bounds
         assert abs(a.num_prefill - b.num_prefill) <= 1 and abs(a.num_decode - b.num_decode) <= 1
         assert b.num_workers <= bounds.max_workers and b.num_prefill >= 1
-    assert _turns([x.num_prefill for x in layouts]) == 0  # prefill only ever grew
-    assert _turns([x.num_decode for x in layouts]) <= 1  # up in the first phase, then down
+    assert turns([x.num_prefill for x in layouts]) == 0  # prefill only ever grew
+    assert turns([x.num_decode for x in layouts]) <= 1  # up in the first phase, then down
     # nothing moved before a target had held for two intervals
     assert layouts[1] == Layout(1, 1)
 
