@@ -149,11 +149,13 @@ def test_prefill_worker_lost_while_holding_deferred_kv(full_pool_deployment: Dep
 
 # Parked K/V against a reservation: LONG leaves the decode pool 1 block of headroom, so the
 # two 6-block prompts are deferred and their K/V fills the prefill worker's 12-block pool;
-# TINY then fits the headroom, is reserved at once, and needs 1 prefill block. Decode steps
-# are slowed (STEP_DELAY_S, armed for LONG: every step holding it) so LONG's 150 steps outlast
-# the parked prefills and TINY on any machine: unpaced, a loaded CI machine once let LONG end
-# first, and the ordering proved nothing. On the shared 12-block deployment.
-LONG = client.make_request(list(range(200, 220)), "long" + tag(decode_step_delay_s=STEP_DELAY_S),
+# TINY then fits the headroom, is reserved at once, and needs 1 prefill block. LONG's decode
+# steps are slowed (LONG_STEP_DELAY_S: 150 steps, 30 s) and the client cancels it once TINY is
+# done, so the ordering does not rest on how long the rest takes on a loaded machine (paced at
+# 7.5 s, a clean-clone CI run once saw LONG end first) and the test does not wait 30 s.
+LONG_STEP_DELAY_S = 0.2
+LONG = client.make_request(list(range(200, 220)),
+                           "long" + tag(decode_step_delay_s=LONG_STEP_DELAY_S),
                            temperature=0.0, max_tokens=150,
                            ignore_eos=True)  # 170 tokens: 11 of the decode pool's 12 blocks
 PARKED = [client.make_request(list(range(300 + 7 * i, 390 + 7 * i)), temperature=0.0,
@@ -164,6 +166,18 @@ TINY = client.make_request(list(range(500, 510)), temperature=0.0, max_tokens=6,
 
 def _prefill_stats(deployment: Deployment) -> worker_pb2.WorkerStats:
     return next(s for s in worker_stats(deployment) if s.role == "prefill")
+
+
+def _log_tail(deployment: Deployment, lines: int = 30) -> str:
+    """The last lines of the view's router log and of its prefill worker's, for a failure."""
+    if deployment.log_dir is None:
+        return ""
+    tails = []
+    for name in ("router-one-prefill", "prefill-0"):
+        path = deployment.log_dir / f"{name}.log"
+        if path.exists():
+            tails.append(f"--- {name}\n" + "\n".join(path.read_text().splitlines()[-lines:]))
+    return "\n".join(tails)
 
 
 def test_a_reserved_request_is_not_held_behind_parked_kv(
@@ -192,33 +206,38 @@ def _parked_kv_is_evicted_for_a_reservation(small_pools_deployment: Deployment,
             stub = generation_pb2_grpc.GenerationServiceStub(chan)
             long_streaming = asyncio.Event()
             parked = [asyncio.Event() for _ in PARKED]
-            ended: list[str] = []  # names, in the order their streams ended
+            ended: list[str] = []  # names, in the order their streams ended by themselves
 
             async def run_one(name: str, request: generation_pb2.GenerateRequest,
-                              first_token: asyncio.Event | None = None) -> client.Completion:
-                completion = client.Completion()
-                async for _, latest in client.stream(stub, request, timeout_s=120):
-                    completion = latest
-                    if first_token is not None and latest.token_ids:
+                              first_token: asyncio.Event | None = None,
+                              completion: client.Completion | None = None
+                              ) -> client.Completion:
+                completion = completion or client.Completion()
+                async for msg, _ in client.stream(stub, request, timeout_s=120):
+                    client.add_response(completion, msg, 0.0)
+                    if first_token is not None and completion.token_ids:
                         first_token.set()
                 ended.append(name)
                 return completion
 
-            async def parked_then_tiny() -> list[client.Completion]:
-                await long_streaming.wait()
-                waiting = [asyncio.ensure_future(run_one(f"parked{i}", r, parked[i]))
-                           for i, r in enumerate(PARKED)]
-                await asyncio.gather(*(e.wait() for e in parked))
-                tiny = await run_one("tiny", TINY)
-                return [*await asyncio.gather(*waiting), tiny]
-
-            got = await asyncio.gather(run_one("long", LONG, long_streaming),
-                                       parked_then_tiny())
-            return [got[0], *got[1]], ended
+            long_so_far = client.Completion()
+            long_call = asyncio.ensure_future(run_one("long", LONG, long_streaming, long_so_far))
+            await long_streaming.wait()
+            waiting = [asyncio.ensure_future(run_one(f"parked{i}", r, parked[i]))
+                       for i, r in enumerate(PARKED)]
+            await asyncio.gather(*(e.wait() for e in parked))
+            tiny = await run_one("tiny", TINY)
+            long_call.cancel()  # LONG's stream ends; the parked requests get its memory
+            await asyncio.gather(long_call, return_exceptions=True)
+            return [long_so_far, *await asyncio.gather(*waiting), tiny], ended
 
     got, ended = asyncio.run(run())
-    assert [c.token_ids for c in got] == [c.token_ids for c in expected]
-    assert ended.index("tiny") < ended.index("long"), ended
+    # TINY went by LONG (which ends only when cancelled after it): LONG was still streaming.
+    assert ended[0] == "tiny", (ended, _log_tail(small_pools_deployment))
+    long_tokens = got[0].token_ids
+    assert 0 < len(long_tokens) < len(expected[0].token_ids)
+    assert long_tokens == expected[0].token_ids[:len(long_tokens)]
+    assert [c.token_ids for c in got[1:]] == [c.token_ids for c in expected[1:]]
     prefill = _prefill_stats(small_pools_deployment)
     # The newer parked request, prefilled again.
     assert prefill.num_parked_evictions - evictions == 1
