@@ -40,7 +40,8 @@ from deploy.planner.profile import CostModel, Profile
 from deploy.planner.profiler import Sweep
 from deploy.planner.search import capacity
 from deploy.planner.simulator import Layout, SimRequest, simulate
-from deploy.profile_cmd import PROFILE_POOL_SIZE, profile_deployment
+from deploy.profile_args import PROFILE_POOL_SIZE
+from deploy.profile_cmd import profile_deployment
 
 METRICS = (("ttft", 50.0), ("ttft", 90.0), ("itl", 50.0), ("itl", 90.0))
 SHORT = RandomWorkload(input_len=128, output_len=64, range_ratio=0.5)
