@@ -1,7 +1,8 @@
 """`kvferry profile`: launch one prefill and one decode worker behind a router on this
 machine, measure what prefill, decode steps and K/V transfer cost there
-(deploy/planner/profiler.py), and keep the result as a profile per model, dtype, device and
-transport for `kvferry plan --sla` (deploy/planner/profile.py)."""
+(deploy/planner/profiler.py), then one colocated worker on the decode worker's cores, and
+keep the result as a profile per model, dtype, device and transport for `kvferry plan --sla`
+(deploy/planner/profile.py)."""
 
 from __future__ import annotations
 
@@ -54,7 +55,8 @@ def run_profile(args: argparse.Namespace) -> int:
 def profile_deployment(model: str, sweep, kv_transport: str, kv_pool_size: str,
                        block_size: int, load_format: str = "auto", log_dir: Path | None = None,
                        log=lambda _: None):
-    """Launch 1 prefill + 1 decode worker on this machine, measure, and return the Profile."""
+    """Launch 1 prefill + 1 decode worker on this machine, measure, then 1 colocated worker
+    (not on Ray), and return the Profile."""
     import asyncio
 
     import torch
@@ -89,11 +91,38 @@ def profile_deployment(model: str, sweep, kv_transport: str, kv_pool_size: str,
         if kv_transport != "ray":
             threads = (len(plan.cores["decode-0"]) if plan is not None and plan.is_pinned
                        else torch.get_num_threads())
-    return _profile(model, name, measured, kv_transport, kv_pool_size, block_size, threads)
+    colocated = None
+    if kv_transport != "ray":  # (colocated workers run as processes only)
+        cores = (set(plan.cores["decode-0"]) if plan is not None and plan.is_pinned
+                 else os.sched_getaffinity(0))
+        colocated = _measure_colocated(
+            Deployment(model=model, kv_pool_size=kv_pool_size, block_size=block_size,
+                       torch_threads=0, pin_cores=True, is_colocated=True, num_decode=1,
+                       log_dir=log_dir / "colocated" if log_dir is not None else None,
+                       worker_args=load, router_args=load),
+            cores, sweep, vocab, max_len, log)
+    return _profile(model, name, measured, kv_transport, kv_pool_size, block_size, threads,
+                    colocated)
+
+
+def _measure_colocated(deployment, cores: set[int], sweep, vocab: int, max_len: int, log):
+    """The sweep on one colocated worker, with it, its router and this client held to
+    `cores` (a decode worker's, above): as a colocated layout places each worker on few
+    cores, their turns shared with it."""
+    from deploy.planner.profiler import measure
+
+    log("colocated worker:")
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)  # the launch places what it starts within these
+    try:
+        with deployment:
+            return measure(deployment.router_address, sweep, vocab, max_len, log)
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def _profile(model: str, name: str, measured, kv_transport: str, kv_pool_size: str,
-             block_size: int, threads: int):
+             block_size: int, threads: int, colocated=None):
     """The Profile of what `measure` found, with the workers' shape and this machine's."""
     import torch
 
@@ -114,10 +143,13 @@ def _profile(model: str, name: str, measured, kv_transport: str, kv_pool_size: s
     def step(n: int) -> float:
         return decode_fit.step_s(1, n)
 
-    # a prompt alone: the client's and the router's turns, then the forward (the simulator
-    # charges the turns)
-    prefill = tuple(replace(p, seconds=max(p.seconds - per_request - client_request,
-                                           p.seconds / 2)) for p in measured.prefill)
+    def forward(points):
+        """A prompt alone: the client's and the router's turns, then the forward (the
+        simulator charges the turns)."""
+        return tuple(replace(p, seconds=max(p.seconds - per_request - client_request,
+                                            p.seconds / 2)) for p in points)
+
+    prefill = forward(measured.prefill)
     return Profile(
         model=name, dtype=dtype, device=device.type, kv_transport=kv_transport,
         torch_threads=threads, block_size=block_size,
@@ -131,4 +163,6 @@ def _profile(model: str, name: str, measured, kv_transport: str, kv_pool_size: s
         measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"), relay_s_per_token=per_token,
         router_s_per_request=per_request, router_s_per_update=per_update,
         client_s_per_token=client_token, client_s_per_request=client_request,
-        num_cores=len(os.sched_getaffinity(0)))
+        num_cores=len(os.sched_getaffinity(0)),
+        colocated_prefill=forward(colocated.prefill) if colocated else (),
+        colocated_decode=colocated.decode if colocated else ())

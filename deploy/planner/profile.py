@@ -10,7 +10,11 @@ router hop, the streams and the step loop's own overhead:
 - decode: the inter-token gap with `batch` sequences running, against the batch and the
   context tokens the batch holds;
 - transfer: the gap between the first and the second token of a request alone, less one
-  decode step, against prompt tokens: the K/V push and the attach.
+  decode step, against prompt tokens: the K/V push and the attach;
+- colocated: prefill and decode again, on one colocated worker placed on the cores the decode
+  worker had, the router and the client beside it on them (as deploy/placement.py places a
+  colocated layout on few cores): a colocated worker's steps share its cores with the
+  router's and the client's turns, which a decode worker's did not.
 
 The file keeps the measured points; `CostModel` fits them (least squares, coefficients kept
 non-negative) each time it is built, so a profile stays readable and refittable.
@@ -101,6 +105,9 @@ class Profile:
     # the decode worker's CPU to take a prompt's K/V in (and reserve, attach), which its
     # steps wait for; none: free
     receive: tuple[TransferPoint, ...] = ()
+    # a colocated worker's prefill and decode points (none: priced as the workers above)
+    colocated_prefill: tuple[PrefillPoint, ...] = ()
+    colocated_decode: tuple[DecodePoint, ...] = ()
 
     @property
     def key(self) -> str:
@@ -136,15 +143,22 @@ class Profile:
                 **data,
                 "batch_buckets": tuple(data["batch_buckets"]),
                 "prefill": tuple(PrefillPoint(**p) for p in data["prefill"]),
-                "decode": tuple(DecodePoint(**{**p, "jitter": tuple(p.get("jitter", ()))})
-                                for p in data["decode"]),
+                "decode": tuple(_decode_point(p) for p in data["decode"]),
                 "transfer": tuple(TransferPoint(**p) for p in data["transfer"]),
                 "receive": tuple(TransferPoint(**p) for p in data.get("receive", ())),
+                "colocated_prefill": tuple(PrefillPoint(**p)
+                                           for p in data.get("colocated_prefill", ())),
+                "colocated_decode": tuple(_decode_point(p)
+                                          for p in data.get("colocated_decode", ())),
             })
         except KeyError as exc:
             raise ValueError(f"profile {source}: missing field {exc}") from None
         except TypeError as exc:
             raise ValueError(f"profile {source}: {exc}") from None
+
+
+def _decode_point(data: dict) -> DecodePoint:
+    return DecodePoint(**{**data, "jitter": tuple(data.get("jitter", ()))})
 
 
 def attention_tokens(chunks: Sequence[tuple[int, int]]) -> int:
@@ -217,15 +231,28 @@ class CostModel:
     receive        r0 + r1 * prompt_tokens, of the decode worker's time
     """
 
-    def __init__(self, profile: Profile) -> None:
+    def __init__(self, profile: Profile, colocated: bool = False) -> None:
         if not profile.prefill or not profile.transfer:
             raise ValueError("profile: needs prefill and transfer points")
         self.profile = profile
-        pre = np.array([[1.0, p.tokens, p.attention_tokens] for p in profile.prefill])
-        self.prefill_coef = nonneg_lstsq(pre, np.array([p.seconds for p in profile.prefill]))
-        self.decode = DecodeFit(profile.decode, profile.batch_buckets)
+        # a colocated worker's own points, where the profile has them
+        self.is_colocated = colocated and bool(profile.colocated_prefill
+                                               and profile.colocated_decode)
+        prefill = profile.colocated_prefill if self.is_colocated else profile.prefill
+        pre = np.array([[1.0, p.tokens, p.attention_tokens] for p in prefill])
+        self.prefill_coef = nonneg_lstsq(pre, np.array([p.seconds for p in prefill]))
+        self.decode = DecodeFit(profile.colocated_decode if self.is_colocated
+                                else profile.decode, profile.batch_buckets)
         self.transfer_coef = _linear(profile.transfer)
         self.receive_coef = _linear(profile.receive)
+
+    def colocated(self) -> CostModel:
+        """The costs of a colocated worker: its own measured points (their router's and
+        client's turns on its cores in them), else these."""
+        if self.is_colocated or not (self.profile.colocated_prefill
+                                     and self.profile.colocated_decode):
+            return self
+        return CostModel(self.profile, colocated=True)
 
     def prefill_s(self, tokens: int, attention: int) -> float:
         a, b, c = self.prefill_coef
@@ -243,7 +270,19 @@ class CostModel:
         return float(r0 + r1 * prompt_tokens)
 
     def describe(self) -> str:
-        """The fit, one line per cost, in ms."""
+        """The fit, one line per cost, in ms (and a colocated worker's, where measured)."""
+        text = self._describe()
+        colocated = self.colocated()
+        if colocated is not self:
+            a, b, _ = colocated.prefill_coef * 1000
+            bases = ", ".join(f"{n}: {v * 1000:.2f}" for n, v in zip(colocated.decode.batches,
+                                                                       colocated.decode.base))
+            text += (f"\ncolocated prefill {a:.2f} ms + {b * 1000:.3f} ms per 1k tokens; "
+                     f"decode base by batch {{{bases}}} ms + "
+                     f"{colocated.decode.per_context_token * 1e6:.3f} ms per 1k context tokens")
+        return text
+
+    def _describe(self) -> str:
         a, b, c = self.prefill_coef * 1000
         bases = ", ".join(f"{n}: {v * 1000:.2f}" for n, v in zip(self.decode.batches,
                                                                    self.decode.base))

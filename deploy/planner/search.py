@@ -173,6 +173,8 @@ def capacity(cost: CostModel, layout: Layout, requests: Sequence[SimRequest],
     prompt's forward on a prefill worker, its tokens' share of steps of `batch` sequences on
     a decode worker (a colocated worker does both), and the router's CPU, on the cores it
     shares with the prefill (or colocated) workers where it has none of its own."""
+    if layout.is_colocated:
+        cost = cost.colocated()
     profile = cost.profile
     prompt = float(np.mean([r.prompt_len for r in requests]))
     output = float(np.mean([r.output_len for r in requests]))
@@ -181,7 +183,8 @@ def capacity(cost: CostModel, layout: Layout, requests: Sequence[SimRequest],
     step = cost.decode_s(batch, round(batch * (prompt + output / 2)))
     steps = max(output - 1, 0.0) * step / batch
     router = profile.router_s_per_request + output * profile.relay_s_per_token
-    shares = 0 < profile.num_cores <= 2 * layout.num_workers
+    # (a colocated worker's own points hold the router's turns on its cores already)
+    shares = 0 < profile.num_cores <= 2 * layout.num_workers and not cost.is_colocated
     beside_router = router if shares else 0.0
     if layout.is_colocated:  # prefilled where it decodes: no K/V to receive
         bound = layout.num_decode / (prefill + steps + beside_router)

@@ -16,7 +16,8 @@ What it models, as the code it stands for does:
   the sequence joins the running batch at the next step boundary;
 - a decode worker steps its whole batch, one token each per step, a step taking the
   profile's median time for its batch and context times a ratio drawn (seeded) from the
-  spread the profile measured around it; a colocated worker (or a
+  spread the profile measured around it (a colocated worker's own points where the profile
+  has them); a colocated worker (or a
   decode worker prefilling locally) runs prefill forwards and decode steps on one thread,
   alternately while both have work (decode_worker/steps.py shares its executor);
 - a sequence takes a block more whenever one fills; with none free the newest running one
@@ -280,7 +281,8 @@ class Simulation:
     """One run of a workload through a layout; `run` returns a record per request."""
 
     def __init__(self, cost: CostModel, layout: Layout, seed: int = 0) -> None:
-        self.cost = cost
+        self.cost = cost.colocated() if layout.is_colocated else cost
+        cost = self.cost
         self.layout = layout
         self.clock = Clock()
         self.rng = random.Random(seed)
@@ -297,9 +299,10 @@ class Simulation:
     def _router_cores(self) -> list[_Worker]:
         """The workers whose cores the router shares, as deploy/placement.py places them:
         none with more than two cores per worker, else the prefill workers (the colocated
-        ones without them)."""
+        ones without them). None either for colocated workers priced from their own points:
+        the router's and the client's turns on their cores are in those."""
         cores = self.cost.profile.num_cores
-        if not cores or cores > 2 * self.layout.num_workers:
+        if not cores or cores > 2 * self.layout.num_workers or self.cost.is_colocated:
             return []
         return self.prefill or self.decode
 

@@ -1,6 +1,6 @@
 """`kvferry profile` on the tiny model, end to end: it launches 1 prefill + 1 decode worker,
-measures through Generate, writes a profile the planner reads, and `plan --sla` answers
-from it."""
+then 1 colocated worker, measures through Generate, writes a profile the planner reads, and
+`plan --sla` answers from it."""
 
 from __future__ import annotations
 
@@ -34,6 +34,12 @@ def test_profile_measures_what_plan_reads(tmp_path: Path,
     assert profile.relay_s_per_token > 0 or profile.router_s_per_request > 0
     cost = CostModel(profile)
     assert cost.prefill_s(1024, 1024 ** 2) > cost.prefill_s(16, 16 ** 2) > 0
+    # then one colocated worker, the same sweep
+    assert [p.tokens for p in profile.colocated_prefill[:3]] == [16, 256, 1024]
+    assert {p.batch for p in profile.colocated_decode} == {1, 4, 8}
+    colocated = cost.colocated()
+    assert colocated.is_colocated
+    assert colocated.prefill_s(1024, 1024 ** 2) > colocated.prefill_s(16, 16 ** 2) > 0
     code = main(["plan", "--sla", "ttft-p90=5000,itl-p90=1000", "--workload", "64:8",
                  "--profile", str(out), "--max-workers", "2", "--num-requests", "50"])
     assert code == 0 and "recommendation:" in capsys.readouterr().out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,10 +22,30 @@ from tests.deploy.planner.synthetic import DECODE_BASE, PREFILL, TRANSFER, make_
 
 
 def test_a_profile_survives_its_file(tmp_path: Path) -> None:
-    profile = make_profile(jitter=(0.9, 1.0, 1.3))
+    profile = make_profile(jitter=(0.9, 1.0, 1.3),
+                           colocated_prefill=(PrefillPoint(64, 4096, 0.01),),
+                           colocated_decode=(DecodePoint(2, 200, 0.004, (0.5, 1.5)),))
     path = profile.save(tmp_path / "p.json")
     assert Profile.load(path) == profile
     assert profile.key == "synthetic-float32-cpu-grpc"
+
+
+def test_a_colocated_worker_is_priced_from_its_own_points_where_measured() -> None:
+    """Twice the disaggregated workers' prefill and decode: the colocated cost model says
+    so, the disaggregated one does not move, and a profile without them prices colocated
+    workers as the others."""
+    profile = make_profile()
+    doubled = dict(
+        colocated_prefill=tuple(replace(p, seconds=2 * p.seconds) for p in profile.prefill),
+        colocated_decode=tuple(replace(p, seconds=2 * p.seconds) for p in profile.decode))
+    cost = CostModel(replace(profile, **doubled))
+    colocated = cost.colocated()
+    assert colocated.is_colocated and not cost.is_colocated
+    assert colocated.prefill_s(256, 256 ** 2) == pytest.approx(2 * cost.prefill_s(256, 256 ** 2))
+    assert colocated.decode_s(4, 1000) == pytest.approx(2 * cost.decode_s(4, 1000))
+    assert colocated.colocated() is colocated and "colocated prefill" in cost.describe()
+    plain = CostModel(profile)
+    assert plain.colocated() is plain and "colocated" not in plain.describe()
 
 
 @pytest.mark.parametrize("text, says", [

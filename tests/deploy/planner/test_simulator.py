@@ -6,12 +6,14 @@ from __future__ import annotations
 import itertools
 import math
 import random
+from dataclasses import replace
 
 import pytest
 
 from deploy.loadgen.metrics import calculate_metrics
+from deploy.planner.profile import CostModel
 from deploy.planner.simulator import Layout, SimRequest, Simulation, simulate
-from tests.deploy.planner.synthetic import make_cost
+from tests.deploy.planner.synthetic import make_cost, make_profile
 
 
 def test_a_request_alone_costs_prefill_then_transfer_then_a_step_per_token() -> None:
@@ -23,6 +25,26 @@ def test_a_request_alone_costs_prefill_then_transfer_then_a_step_per_token() -> 
         cost.decode_s(1, 101),
         cost.decode_s(1, 102)))
     assert record.output_len == 4 and record.start_s == 1.0
+
+
+def test_a_colocated_layout_runs_on_the_colocated_points_without_the_router_beside_it(
+        ) -> None:
+    """Its own points hold the router's and the client's turns on its cores: the simulator
+    charges them as measured, and no longer slows the worker for them a second time."""
+    profile = make_profile(num_cores=2, relay_s_per_token=0.001, client_s_per_token=0.001)
+    slower = dict(
+        colocated_prefill=tuple(replace(p, seconds=1.5 * p.seconds) for p in profile.prefill),
+        colocated_decode=tuple(replace(p, seconds=1.5 * p.seconds) for p in profile.decode))
+    cost = CostModel(replace(profile, **slower))
+    layout = Layout(0, 1, is_colocated=True)
+    assert Simulation(cost, layout).cores.shared_with == []
+    assert Simulation(CostModel(profile), layout).cores.shared_with != []  # unmeasured
+    assert Simulation(cost, Layout(1, 1)).cost is cost  # disaggregated: as before
+    [record] = simulate(cost, layout, [SimRequest(0.0, 100, 3)])
+    colocated = cost.colocated()
+    assert record.itls_s == pytest.approx((colocated.decode_s(1, 100),
+                                           colocated.decode_s(1, 101)))
+    assert record.ttft_s == pytest.approx(colocated.prefill_s(100, 100 * 100))
 
 
 def test_colocated_needs_no_transfer() -> None:
