@@ -12,13 +12,20 @@ parallel; the router starts once they are all serving.
 
 `pin_cores` gives each worker cores (and with several GPUs, a GPU) of its own
 (deploy/placement.py); the processes themselves (deploy/spawn.py) are started alike either way.
+
+KVFERRY_WORKER_PORTS=LOW-HIGH gives workers gRPC ports from that range (each found free
+first) instead of any free one: the kernel picks those from its ephemeral range, where any
+outgoing connection may take a killed worker's port before it is started again at its
+address (the test suite sets it; keep the range outside ip_local_port_range).
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
+import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -50,6 +57,37 @@ from kvferry.sizes import AUTO
 
 log = logging.getLogger("kvferry")
 ISOLATIONS = ("loopback", "netns")
+WORKER_PORTS_ENV = "KVFERRY_WORKER_PORTS"
+_next_port: dict[tuple[int, int], int] = {}  # range -> where the next search starts
+
+
+def worker_port(host: str) -> int:
+    """A worker's --port: 0 (any free port), or with KVFERRY_WORKER_PORTS the next port of
+    that range that binds on `host` now (a search that goes round, so a port just given
+    out is not given again soon)."""
+    text = os.environ.get(WORKER_PORTS_ENV, "")
+    if not text:
+        return 0
+    try:
+        low, high = (int(part) for part in text.split("-"))
+    except ValueError:
+        raise ValueError(f"{WORKER_PORTS_ENV}: expected LOW-HIGH, got {text!r}") from None
+    if not 0 < low <= high < 65536:
+        raise ValueError(f"{WORKER_PORTS_ENV}: expected 0 < LOW <= HIGH < 65536, got {text!r}")
+    size = high - low + 1
+    start = _next_port.setdefault((low, high), low + os.getpid() % size)
+    for i in range(size):
+        port = low + (start - low + i) % size
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError as exc:
+                if exc.errno == errno.EADDRNOTAVAIL:  # a namespace's address: its own ports
+                    return 0
+                continue
+        _next_port[(low, high)] = low + (port - low + 1) % size
+        return port
+    raise RuntimeError(f"{WORKER_PORTS_ENV}: no free port in {text}")
 
 
 @dataclass
@@ -93,7 +131,7 @@ class Deployment:
     def _worker_args(self, role: str, host: str | None = None) -> list[str]:
         return ["--log-format", self.log_format,
                 f"{role}-worker", "--model", self.model or ensure_default_model(),
-                "--host", host or self.host, "--port", "0",
+                "--host", host or self.host, "--port", str(worker_port(host or self.host)),
                 "--block-size", str(self.block_size), "--kv-pool-size", self.kv_pool_size,
                 "--torch-threads", str(self.torch_threads),
                 "--attention-backend", self.attention_backend,

@@ -24,13 +24,32 @@ import pytest
 from suite_order import order, shared, stop_after_last_user
 
 from deploy import zygote
-from deploy.launcher import Deployment, Process
+from deploy.launcher import WORKER_PORTS_ENV, Deployment, Process
 from deploy.start_log import START_LOG_ENV
 from kvferry.faults import FAULTS_ENV, PER_REQUEST
 from kvferry.model.checkpoint import CHATML_TEMPLATE, LLAMA_SPEC, ModelSpec, make_model
 from kvferry.rpc.grpc_util import CHANNEL_OPTIONS
 from kvferry.trace import TRACE_ENV
 from kvferry.v1 import worker_pb2, worker_pb2_grpc
+
+
+def _outside_ephemeral_ports() -> str:
+    """Ports for launched workers outside the kernel's ephemeral range: a worker killed and
+    started again at its address once found an outgoing connection on its port (the
+    deployment was lost to the tests after it, 14 failures in one clean-clone CI run)."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999  # Linux's default
+    if low > 11000:
+        return f"10000-{min(low - 1, 30000)}"
+    if high < 64000:
+        return f"{high + 1}-65000"
+    return ""  # no room outside it: any free port, as before
+
+
+if _outside_ephemeral_ports():
+    os.environ.setdefault(WORKER_PORTS_ENV, _outside_ephemeral_ports())
 
 _START_LOG = pytest.StashKey[Path]()
 _ZYGOTE = pytest.StashKey[subprocess.Popen[bytes] | None]()
