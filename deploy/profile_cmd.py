@@ -112,6 +112,8 @@ def _measure_colocated(deployment, cores: set[int], sweep, vocab: int, max_len: 
     from deploy.planner.profiler import measure
 
     log("colocated worker:")
+    if deployment.log_dir is not None:
+        deployment.log_dir.mkdir(parents=True, exist_ok=True)
     before = os.sched_getaffinity(0)
     os.sched_setaffinity(0, cores)  # the launch places what it starts within these
     try:
