@@ -63,6 +63,7 @@ def profile_deployment(model: str, sweep, kv_transport: str, kv_pool_size: str,
 
     from deploy.launcher import Deployment
     from deploy.loadgen.bench import _model_info
+    from deploy.placement import beside_router
     from deploy.planner.profiler import measure
     from kvferry.cache.layout import read_hf_config
 
@@ -82,7 +83,8 @@ def profile_deployment(model: str, sweep, kv_transport: str, kv_pool_size: str,
                                 torch_threads=0, pin_cores=True, log_dir=log_dir,
                                 worker_args=["--kv-transport", kv_transport, *load],
                                 router_args=load)
-    with deployment:
+    # this process (the client) beside the router, as the load tester runs (loadgen/targets.py)
+    with deployment, beside_router(deployment.core_plan):
         vocab, name = asyncio.run(_model_info(deployment.router_address))
         pids = deployment.pids()
         measured = measure(deployment.router_address, sweep, vocab, max_len, log,
@@ -109,18 +111,15 @@ def _measure_colocated(deployment, cores: set[int], sweep, vocab: int, max_len: 
     """The sweep on one colocated worker, with it, its router and this client held to
     `cores` (a decode worker's, above): as a colocated layout places each worker on few
     cores, their turns shared with it."""
+    from deploy.placement import ROUTER, CorePlan, beside_router
     from deploy.planner.profiler import measure
 
     log("colocated worker:")
     if deployment.log_dir is not None:
         deployment.log_dir.mkdir(parents=True, exist_ok=True)
-    before = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, cores)  # the launch places what it starts within these
-    try:
-        with deployment:
-            return measure(deployment.router_address, sweep, vocab, max_len, log)
-    finally:
-        os.sched_setaffinity(0, before)
+    # this process on `cores` while it runs: the launch places what it starts within them
+    with beside_router(CorePlan({ROUTER: tuple(sorted(cores))}, len(cores), 1)), deployment:
+        return measure(deployment.router_address, sweep, vocab, max_len, log)
 
 
 def _profile(model: str, name: str, measured, kv_transport: str, kv_pool_size: str,

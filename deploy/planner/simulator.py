@@ -48,9 +48,10 @@ from deploy.planner.profile import CostModel, attention_tokens
 
 # While a step runs, the K/V a decode worker takes in (its event loop, beside the step thread
 # on the same core) delays that step by at most this share of it; the rest waits for the
-# next. Calibrated: on the tiny model's 1+1 runs (docs/planning.md), the receive CPU the
-# profile measures stalls steps by about a quarter of a step at a time, not by all of it.
-RECEIVE_SHARE = 0.25
+# next. Calibrated on the tiny model's 1+1 runs (docs/planning.md): on two measurements a
+# receive stalls the step after it by up to a whole step (1.0 put ITL p90 within 14% on both,
+# where 0.25 left it 17-28% low); the real model's figures do not move with it.
+RECEIVE_SHARE = 1.0
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from kvferry.cache.pool import KvPool
 from kvferry.model.config import ModelConfig
+from kvferry.model.tensor_parallel import Shard, shard_config, shard_weights
 from kvferry.model.weights import load_weights
 from kvferry_kernels.dispatch import AttentionBackend
 from kvferry_kernels.kv_quant import fake_quantize
@@ -101,12 +102,21 @@ class Transformer:
         backend: AttentionBackend,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        shard: Shard | None = None,
     ) -> None:
-        self.config = config
+        """`shard`: this rank's part of a tensor-parallel model (its heads, its MLP columns
+        and its weights: kvferry/model/tensor_parallel.py); set `all_reduce` to sum the
+        ranks' row-parallel outputs."""
+        self.config = shard_config(config, shard) if shard is not None else config
+        self.shard = shard
         self.backend = backend
         self.dtype = dtype
         self.device = torch.device(device)
         self.weights = load_weights(Path(config.path), config, self.device, dtype)
+        if shard is not None:
+            self.weights = shard_weights(self.weights, config, shard)
+        # sums a row-parallel output over the ranks, in place (None: one rank, the whole model)
+        self.all_reduce: Callable[[torch.Tensor], None] | None = None
         inv_freq, self.rope_scaling = _rope_inv_freq(config)
         self.inv_freq = inv_freq.to(self.device)
         self.sm_scale = config.head_dim**-0.5
@@ -156,12 +166,18 @@ class Transformer:
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         out = attend(layer, q, k, v)  # writes k, v to the pool; [T, Hq, D]
-        return _linear(w, out.reshape(num_tokens, -1), p + ".o_proj")
+        return self._summed(_linear(w, out.reshape(num_tokens, -1), p + ".o_proj"))
 
     def _mlp(self, w: Weights, layer: int, x: torch.Tensor) -> torch.Tensor:
         p = f"model.layers.{layer}.mlp"
         gate, up = _linear(w, x, p + ".gate_up_proj").chunk(2, dim=-1)
-        return _linear(w, F.silu(gate) * up, p + ".down_proj")
+        return self._summed(_linear(w, F.silu(gate) * up, p + ".down_proj"))
+
+    def _summed(self, x: torch.Tensor) -> torch.Tensor:
+        """A row-parallel output summed over the ranks (as it is with one rank)."""
+        if self.all_reduce is not None:
+            self.all_reduce(x)
+        return x
 
     def forward_tokens(
         self, w: Weights, inv_freq: torch.Tensor, token_ids: torch.Tensor,

@@ -1,0 +1,134 @@
+"""Tensor parallelism: one worker's model split over N ranks, as Megatron-LM splits a decoder
+and vLLM serves it.
+
+- Attention: each rank computes its share of the query heads, with the K/V heads those read.
+  qkv_proj is column-parallel (its output rows for those heads) and o_proj row-parallel (its
+  input columns for them). The ranks' o_proj outputs are summed (all-reduce).
+- When N exceeds the K/V heads, each K/V head is replicated on N / num_kv_heads ranks, as
+  vLLM does. Each rank's K/V pool holds only its own K/V heads.
+- MLP: gate_up_proj column-parallel, down_proj row-parallel, summed.
+- Embeddings, norms and the LM head are whole on every rank.
+- A row-parallel bias is added once: rank 0 keeps it, the others drop it.
+
+`Shard` says which heads a rank owns, and `shard_config` and `shard_weights` give the rank's
+model. The all-reduce is the caller's: torch.distributed (gloo on CPU, NCCL on CUDA), or a
+plain sum in tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from kvferry.model.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Rank `rank` of `size`, for a model of `num_heads` query heads, `num_kv_heads` K/V
+    heads and an MLP `intermediate_size` wide."""
+
+    rank: int
+    size: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+
+    @staticmethod
+    def of(config: ModelConfig, rank: int, size: int) -> Shard:
+        check_tensor_parallel(config, size)
+        if not 0 <= rank < size:
+            raise ValueError(f"rank: must be in [0, {size}), got {rank}")
+        return Shard(rank, size, config.num_heads, config.num_kv_heads,
+                     config.intermediate_size)
+
+    @property
+    def heads_per_rank(self) -> int:
+        return self.num_heads // self.size
+
+    @property
+    def kv_heads_per_rank(self) -> int:
+        return max(self.num_kv_heads // self.size, 1)
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding each K/V head (1 unless the ranks outnumber the K/V heads)."""
+        return max(self.size // self.num_kv_heads, 1)
+
+    @property
+    def q_heads(self) -> range:
+        return range(self.rank * self.heads_per_rank, (self.rank + 1) * self.heads_per_rank)
+
+    @property
+    def kv_heads(self) -> range:
+        """The K/V heads this rank's query heads read, which its pool holds."""
+        first = (self.rank // self.replicas) * self.kv_heads_per_rank
+        return range(first, first + self.kv_heads_per_rank)
+
+    @property
+    def mlp_columns(self) -> range:
+        width = self.intermediate_size // self.size
+        return range(self.rank * width, (self.rank + 1) * width)
+
+
+def check_tensor_parallel(config: ModelConfig, size: int) -> None:
+    """ValueError naming tensor_parallel_size unless `size` ranks can split this model: it
+    divides the query heads and the MLP, and divides the K/V heads or is a multiple of them."""
+    if size < 1:
+        raise ValueError(f"tensor_parallel_size: must be >= 1, got {size}")
+    kv = config.num_kv_heads
+    if (config.num_heads % size or config.intermediate_size % size
+            or (kv % size and size % kv)):
+        raise ValueError(
+            f"tensor_parallel_size: {size} does not split this model: it must divide its "
+            f"{config.num_heads} attention heads and its MLP width {config.intermediate_size}, "
+            f"and divide its {kv} K/V heads or be a multiple of them")
+
+
+def shard_config(config: ModelConfig, shard: Shard) -> ModelConfig:
+    """The rank's model shape: its heads and its MLP columns (the rest is whole)."""
+    return dataclasses.replace(config, num_heads=shard.heads_per_rank,
+                               num_kv_heads=shard.kv_heads_per_rank,
+                               intermediate_size=len(shard.mlp_columns))
+
+
+def _rows(tensor: torch.Tensor, heads: range, head_dim: int) -> torch.Tensor:
+    return tensor[heads.start * head_dim:heads.stop * head_dim]
+
+
+def shard_weights(weights: dict[str, torch.Tensor], config: ModelConfig, shard: Shard
+                  ) -> dict[str, torch.Tensor]:
+    """The rank's weights, from the whole model's (fused as kvferry.model.weights loads them:
+    qkv_proj rows are q, then k, then v; gate_up_proj rows are gate, then up). Slices are
+    copied, so the whole model's tensors can be freed."""
+    if shard.size == 1:
+        return weights
+    d = config.head_dim
+    q_size, kv_size = config.num_heads * d, config.num_kv_heads * d
+    inter = config.intermediate_size
+    cols = shard.mlp_columns
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in weights.items():
+        if ".self_attn.qkv_proj." in name:
+            q, k, v = tensor.split([q_size, kv_size, kv_size])
+            part = torch.cat([_rows(q, shard.q_heads, d), _rows(k, shard.kv_heads, d),
+                              _rows(v, shard.kv_heads, d)])
+        elif name.endswith(".self_attn.o_proj.weight"):
+            heads = shard.q_heads
+            part = tensor[:, heads.start * d:heads.stop * d]
+        elif ".mlp.gate_up_proj." in name:
+            gate, up = tensor[:inter], tensor[inter:]
+            part = torch.cat([gate[cols.start:cols.stop], up[cols.start:cols.stop]])
+        elif name.endswith(".mlp.down_proj.weight"):
+            part = tensor[:, cols.start:cols.stop]
+        elif name.endswith((".self_attn.o_proj.bias", ".mlp.down_proj.bias")):
+            if shard.rank:
+                continue  # added once, after the sum
+            part = tensor
+        else:
+            out[name] = tensor  # whole on every rank
+            continue
+        out[name] = part.contiguous().clone()
+    return out

@@ -1,0 +1,113 @@
+"""A model split over ranks (kvferry/model/tensor_parallel.py) computes what the whole model
+does: each rank a process of its own, the ranks' sums over torch.distributed's gloo, each
+rank's pool holding only its K/V heads. Greedy tokens equal the whole model's; logits agree
+to the last bits the sums' order changes."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from kvferry.cache.layout import blocks_for_tokens
+from kvferry.cache.pool import KvPool
+from kvferry.model.config import load_model_config
+from kvferry.model.tensor_parallel import Shard, check_tensor_parallel
+from kvferry.model.transformer import Transformer
+from kvferry_kernels.dispatch import get_attention_backend
+
+PROMPTS = [[5, 9, 200, 31, 7], list(range(40, 77))]
+STEPS = 6
+
+
+def _greedy(model: Transformer, pool: KvPool) -> tuple[list[list[int]], torch.Tensor]:
+    """Both prompts prefilled in one forward, then STEPS batched decode steps: the tokens,
+    and the prefill's logits."""
+    tables = [pool.allocator.alloc(blocks_for_tokens(len(p) + STEPS, 16)) for p in PROMPTS]
+    slots = torch.cat([pool.slots(t, 0, len(p)) for t, p in zip(tables, PROMPTS)])
+    logits = model.prefill(torch.tensor(PROMPTS[0] + PROMPTS[1]),
+                           [len(p) for p in PROMPTS], slots, pool)
+    first = logits.clone()
+    tokens = [[int(row.argmax())] for row in logits]
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    for _ in range(STEPS - 1):
+        positions = [len(p) + len(t) - 1 for p, t in zip(PROMPTS, tokens)]
+        slots = torch.cat([pool.slots(t, pos, pos + 1) for t, pos in zip(tables, positions)])
+        logits = model.decode(torch.tensor([t[-1] for t in tokens]), torch.tensor(positions),
+                              slots, block_tables, pool)
+        for row, t in zip(logits, tokens):
+            t.append(int(row.argmax()))
+    return tokens, first
+
+
+def _pool(model: Transformer) -> KvPool:
+    cfg = model.config
+    return KvPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 16, 64, torch.float32)
+
+
+def _rank(rank: int, size: int, port: int, checkpoint: str, results: dict) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=size)
+    try:
+        torch.set_num_threads(1)
+        config = load_model_config(Path(checkpoint))
+        model = Transformer(config, get_attention_backend("torch"),
+                            shard=Shard.of(config, rank, size))
+        model.all_reduce = dist.all_reduce
+        pool = _pool(model)
+        tokens, logits = _greedy(model, pool)
+        results[rank] = (tokens, logits, pool.num_kv_heads)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("arch, size", [("qwen3", 2), ("qwen3", 4), ("llama", 2)])
+def test_split_over_ranks_it_decodes_as_the_whole_model(
+        arch: str, size: int, request: pytest.FixtureRequest) -> None:
+    """qwen3 has 4 heads and 2 K/V heads: over 2 ranks each holds one K/V head, over 4 each
+    K/V head is on two ranks; llama 6 and 2."""
+    checkpoint = request.getfixturevalue(f"{arch}_checkpoint")
+    config = load_model_config(checkpoint)
+    whole = Transformer(config, get_attention_backend("torch"))
+    expected, expected_logits = _greedy(whole, _pool(whole))
+    results = mp.Manager().dict()
+    mp.start_processes(_rank, args=(size, _free_port(), str(checkpoint), results),
+                       nprocs=size, start_method="spawn")
+    for rank in range(size):
+        tokens, logits, pool_kv_heads = results[rank]
+        assert tokens == expected, rank
+        torch.testing.assert_close(logits, expected_logits, atol=1e-4, rtol=1e-4)
+        assert pool_kv_heads == max(config.num_kv_heads // size, 1)  # only its own
+
+
+def test_each_rank_owns_its_heads_and_kv_heads_replicate_past_their_number(
+        qwen3_checkpoint: Path) -> None:
+    config = load_model_config(qwen3_checkpoint)  # 4 heads, 2 K/V heads
+    two = [Shard.of(config, r, 2) for r in range(2)]
+    assert [list(s.q_heads) for s in two] == [[0, 1], [2, 3]]
+    assert [list(s.kv_heads) for s in two] == [[0], [1]]
+    four = [Shard.of(config, r, 4) for r in range(4)]
+    assert [list(s.q_heads) for s in four] == [[0], [1], [2], [3]]
+    assert [list(s.kv_heads) for s in four] == [[0], [0], [1], [1]]  # each on two ranks
+    for shard in four:  # a rank's query heads read the K/V heads it holds
+        group = config.num_heads // config.num_kv_heads
+        assert {h // group for h in shard.q_heads} == set(shard.kv_heads)
+
+
+@pytest.mark.parametrize("size", [0, 3, 8])
+def test_a_size_that_does_not_split_the_model_is_named(qwen3_checkpoint: Path,
+                                                       size: int) -> None:
+    """qwen3: 4 heads (3 and 8 do not divide them), 2 K/V heads, an MLP 512 wide."""
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        check_tensor_parallel(load_model_config(qwen3_checkpoint), size)
