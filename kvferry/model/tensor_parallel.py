@@ -13,6 +13,11 @@ and vLLM serves it.
 `Shard` says which heads a rank owns, and `shard_config` and `shard_weights` give the rank's
 model. The all-reduce is the caller's: torch.distributed (gloo on CPU, NCCL on CUDA), or a
 plain sum in tests.
+
+Between a prefill worker split P ways and a decode worker split D ways, `transfer_plan` says
+which prefill rank sends each decode rank each K/V head it owns: every decode rank gets
+exactly its heads, each once, from a rank that holds it (with replicas, the one whose
+position among the replicas matches, so the sends spread over them).
 """
 
 from __future__ import annotations
@@ -71,6 +76,36 @@ class Shard:
     def mlp_columns(self) -> range:
         width = self.intermediate_size // self.size
         return range(self.rank * width, (self.rank + 1) * width)
+
+
+@dataclass(frozen=True)
+class HeadSend:
+    """One K/V head moved: prefill rank `src_rank` sends its pool's head `src_index` (its
+    position among the rank's K/V heads) into decode rank `dst_rank`'s `dst_index`; `head`
+    is the head's number in the whole model."""
+
+    head: int
+    src_rank: int
+    src_index: int
+    dst_rank: int
+    dst_index: int
+
+
+def transfer_plan(num_heads: int, num_kv_heads: int, intermediate_size: int,
+                  prefill_size: int, decode_size: int) -> list[HeadSend]:
+    """Every K/V head each decode rank owns, from a prefill rank that holds it, in order of
+    decode rank then head."""
+    def shards(size: int) -> list[Shard]:
+        return [Shard(r, size, num_heads, num_kv_heads, intermediate_size) for r in range(size)]
+
+    prefill, sends = shards(prefill_size), []
+    for dst in shards(decode_size):
+        for dst_index, head in enumerate(dst.kv_heads):
+            holders = [s for s in prefill if head in s.kv_heads]
+            src = holders[dst.rank % len(holders)]
+            sends.append(HeadSend(head, src.rank, src.kv_heads.index(head), dst.rank,
+                                  dst_index))
+    return sends
 
 
 def check_tensor_parallel(config: ModelConfig, size: int) -> None:

@@ -6,17 +6,20 @@ to the last bits the sums' order changes."""
 from __future__ import annotations
 
 import socket
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvferry.cache.layout import blocks_for_tokens
 from kvferry.cache.pool import KvPool
 from kvferry.model.config import load_model_config
-from kvferry.model.tensor_parallel import Shard, check_tensor_parallel
+from kvferry.model.tensor_parallel import Shard, check_tensor_parallel, transfer_plan
 from kvferry.model.transformer import Transformer
 from kvferry_kernels.dispatch import get_attention_backend
 
@@ -111,3 +114,44 @@ def test_a_size_that_does_not_split_the_model_is_named(qwen3_checkpoint: Path,
     """qwen3: 4 heads (3 and 8 do not divide them), 2 K/V heads, an MLP 512 wide."""
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         check_tensor_parallel(load_model_config(qwen3_checkpoint), size)
+
+
+@st.composite
+def _splits(draw: st.DrawFn) -> tuple[int, int, int, int]:
+    """A model's K/V heads and query heads, and a prefill and a decode size that split it."""
+    kv = draw(st.sampled_from([1, 2, 3, 4, 8]))
+    heads = kv * draw(st.sampled_from([1, 2, 3, 4]))
+
+    def size() -> int:
+        fits = [n for n in range(1, 17) if heads % n == 0 and (kv % n == 0 or n % kv == 0)]
+        return draw(st.sampled_from(fits))
+
+    return heads, kv, size(), size()
+
+
+@settings(max_examples=300, deadline=None)
+@given(_splits())
+def test_every_decode_rank_gets_exactly_its_kv_heads_from_ranks_holding_them(
+        split: tuple[int, int, int, int]) -> None:
+    """Whole K/V (one tensor a head) split as the prefill ranks hold it, moved as the plan
+    says: each decode rank's pool comes out as the whole K/V split its way, no head sent
+    twice to a rank, and with replicas the sends spread over them."""
+    heads, kv, prefill_size, decode_size = split
+    inter = 16 * heads
+    whole = torch.arange(kv, dtype=torch.float32)[:, None] * 10 + torch.rand(kv, 3)
+
+    def shards(size: int) -> list[Shard]:
+        return [Shard(r, size, heads, kv, inter) for r in range(size)]
+
+    prefill = [whole[list(s.kv_heads)] for s in shards(prefill_size)]
+    decode = [torch.full((s.kv_heads_per_rank, 3), float("nan")) for s in shards(decode_size)]
+    plan = transfer_plan(heads, kv, inter, prefill_size, decode_size)
+    for send in plan:
+        assert torch.isnan(decode[send.dst_rank][send.dst_index]).all()  # each slot once
+        decode[send.dst_rank][send.dst_index] = prefill[send.src_rank][send.src_index]
+    for shard, pool in zip(shards(decode_size), decode):
+        assert torch.equal(pool, whole[list(shard.kv_heads)])
+    load = Counter(s.src_rank for s in plan)
+    replicas = max(prefill_size // kv, 1)
+    if replicas > 1 and decode_size >= prefill_size:
+        assert len(load) == prefill_size  # every replica sends a share
