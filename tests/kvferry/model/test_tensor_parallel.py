@@ -16,41 +16,11 @@ import torch.multiprocessing as mp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvferry.cache.layout import blocks_for_tokens
-from kvferry.cache.pool import KvPool
 from kvferry.model.config import load_model_config
 from kvferry.model.tensor_parallel import Shard, check_tensor_parallel, transfer_plan
 from kvferry.model.transformer import Transformer
 from kvferry_kernels.dispatch import get_attention_backend
-
-PROMPTS = [[5, 9, 200, 31, 7], list(range(40, 77))]
-STEPS = 6
-
-
-def _greedy(model: Transformer, pool: KvPool) -> tuple[list[list[int]], torch.Tensor]:
-    """Both prompts prefilled in one forward, then STEPS batched decode steps: the tokens,
-    and the prefill's logits."""
-    tables = [pool.allocator.alloc(blocks_for_tokens(len(p) + STEPS, 16)) for p in PROMPTS]
-    slots = torch.cat([pool.slots(t, 0, len(p)) for t, p in zip(tables, PROMPTS)])
-    logits = model.prefill(torch.tensor(PROMPTS[0] + PROMPTS[1]),
-                           [len(p) for p in PROMPTS], slots, pool)
-    first = logits.clone()
-    tokens = [[int(row.argmax())] for row in logits]
-    width = max(len(t) for t in tables)
-    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    for _ in range(STEPS - 1):
-        positions = [len(p) + len(t) - 1 for p, t in zip(PROMPTS, tokens)]
-        slots = torch.cat([pool.slots(t, pos, pos + 1) for t, pos in zip(tables, positions)])
-        logits = model.decode(torch.tensor([t[-1] for t in tokens]), torch.tensor(positions),
-                              slots, block_tables, pool)
-        for row, t in zip(logits, tokens):
-            t.append(int(row.argmax()))
-    return tokens, first
-
-
-def _pool(model: Transformer) -> KvPool:
-    cfg = model.config
-    return KvPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 16, 64, torch.float32)
+from tests.kvferry.model.greedy_split import greedy, pool_of
 
 
 def _rank(rank: int, size: int, port: int, checkpoint: str, results: dict) -> None:
@@ -62,8 +32,8 @@ def _rank(rank: int, size: int, port: int, checkpoint: str, results: dict) -> No
         model = Transformer(config, get_attention_backend("torch"),
                             shard=Shard.of(config, rank, size))
         model.all_reduce = dist.all_reduce
-        pool = _pool(model)
-        tokens, logits = _greedy(model, pool)
+        pool = pool_of(model)
+        tokens, logits = greedy(model, pool)
         results[rank] = (tokens, logits, pool.num_kv_heads)
     finally:
         dist.destroy_process_group()
@@ -83,7 +53,7 @@ def test_split_over_ranks_it_decodes_as_the_whole_model(
     checkpoint = request.getfixturevalue(f"{arch}_checkpoint")
     config = load_model_config(checkpoint)
     whole = Transformer(config, get_attention_backend("torch"))
-    expected, expected_logits = _greedy(whole, _pool(whole))
+    expected, expected_logits = greedy(whole, pool_of(whole))
     results = mp.Manager().dict()
     mp.start_processes(_rank, args=(size, _free_port(), str(checkpoint), results),
                        nprocs=size, start_method="spawn")

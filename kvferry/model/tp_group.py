@@ -1,0 +1,171 @@
+"""A tensor-parallel worker's ranks (docs/tensor-parallel.md): the worker's process is rank 0
+and starts ranks 1..N-1 as processes of its own, joined in a torch.distributed group (gloo on
+CPU). Each rank holds its shard of the model (kvferry/model/tensor_parallel.py) and a pool of
+its own K/V heads, with the same blocks: block ids mean the same tokens on every rank, so only
+rank 0 allocates.
+
+`TensorParallelModel` stands where a `Transformer` does for `prefill` and `decode`: each call
+is broadcast to the other ranks (its tensors and numbers; the pool named, each rank using its
+own; callbacks are rank 0's alone), then run on rank 0's shard, the ranks meeting in its
+all-reduces. A rank that is gone fails the call with `RankLost`, at once where its connection
+closed; the worker then reports NOT_SERVING and the router migrates its requests.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from kvferry.cache.pool import KvPool
+from kvferry.model.config import load_model_config
+from kvferry.model.tensor_parallel import Shard
+from kvferry.model.transformer import Transformer
+from kvferry_kernels.dispatch import get_attention_backend
+
+COLLECTIVE_TIMEOUT_S = 60.0  # a rank that stops answering (alive, stuck) fails a call then
+_POOL = "<pool>"  # stands for the pool in a broadcast call: each rank uses its own
+_STOP = "stop"
+
+
+class RankLost(RuntimeError):
+    """A rank of the worker's group is gone (or stuck past COLLECTIVE_TIMEOUT_S)."""
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What a rank needs to build its shard and its pool."""
+
+    checkpoint: str
+    load_format: str
+    backend: str
+    dtype: str  # torch dtype name: "float32"
+    block_size: int
+    num_blocks: int
+    torch_threads: int = 1
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _join(rank: int, size: int, port: int) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=size, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+
+
+def _build(spec: RankSpec, rank: int, size: int) -> tuple[Transformer, KvPool]:
+    config = load_model_config(Path(spec.checkpoint), load_format=spec.load_format)
+    dtype = getattr(torch, spec.dtype)
+    model = Transformer(config, get_attention_backend(spec.backend), dtype,
+                        shard=Shard.of(config, rank, size))
+    model.all_reduce = dist.all_reduce
+    cfg = model.config
+    pool = KvPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, spec.block_size,
+                  spec.num_blocks, dtype)
+    return model, pool
+
+
+def _follow(rank: int, size: int, port: int, spec: RankSpec) -> None:
+    """Ranks 1..N-1: run each call rank 0 broadcasts, on this rank's shard and pool, until
+    told to stop or rank 0 is gone."""
+    torch.set_num_threads(spec.torch_threads)
+    _join(rank, size, port)
+    try:
+        model, pool = _build(spec, rank, size)
+        dist.barrier()  # built: rank 0 may call
+        while True:
+            box: list[Any] = [None]
+            dist.broadcast_object_list(box, src=0)
+            method, args, kwargs = box[0]
+            if method == _STOP:
+                return
+            args = [pool if a == _POOL else a for a in args]
+            kwargs = {k: pool if v == _POOL else v for k, v in kwargs.items()}
+            getattr(model, method)(*args, **kwargs)
+    except RuntimeError:
+        return  # rank 0 (or another rank) is gone: nothing to serve
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _as_sent(value: Any, pool: KvPool) -> Any:
+    if value is pool:
+        return _POOL
+    if callable(value):
+        return None  # rank 0's alone (a push's layer callback)
+    return value
+
+
+class TensorParallelModel:
+    """Rank 0 of a group of `size`: starts the other ranks, builds its own shard and pool,
+    and runs `prefill` and `decode` on all of them. `close()` stops the ranks."""
+
+    def __init__(self, spec: RankSpec, size: int) -> None:
+        if size < 2:
+            raise ValueError(f"tensor_parallel_size: a group needs >= 2 ranks, got {size}")
+        self.size = size
+        port = _free_port()
+        context = mp.get_context("spawn")
+        self.ranks = [context.Process(target=_follow, args=(rank, size, port, spec),
+                                      name=f"tp-rank-{rank}", daemon=True)
+                      for rank in range(1, size)]
+        for proc in self.ranks:
+            proc.start()
+        _join(0, size, port)
+        self.model, self.pool = _build(spec, 0, size)
+        self.config = self.model.config  # rank 0's shape: its heads, its pool's
+        self._closed = False
+        self._call(dist.barrier)
+
+    def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except RuntimeError as exc:
+            lost = [p.name for p in self.ranks if not p.is_alive()]
+            raise RankLost(f"tensor-parallel rank lost ({', '.join(lost) or 'stuck'}): "
+                           f"{exc}") from exc
+
+    def _run(self, method: str, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self._closed:
+            raise RankLost("tensor-parallel group closed")
+        pool = self.pool
+        sent = ([_as_sent(a, pool) for a in args],
+                {k: _as_sent(v, pool) for k, v in kwargs.items()})
+        self._call(dist.broadcast_object_list, [(method, *sent)], src=0)
+        return self._call(getattr(self.model, method), *args, **kwargs)
+
+    def prefill(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """`Transformer.prefill` on every rank (the pool given must be this model's)."""
+        return self._run("prefill", *args, **kwargs)
+
+    def decode(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """`Transformer.decode` on every rank (the pool given must be this model's)."""
+        return self._run("decode", *args, **kwargs)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop every rank and leave the group (also after a rank was lost)."""
+        if self._closed:
+            return
+        self._closed = True
+        if all(p.is_alive() for p in self.ranks):
+            try:
+                dist.broadcast_object_list([(_STOP, [], {})], src=0)
+            except RuntimeError:
+                pass
+        for proc in self.ranks:
+            proc.join(timeout_s)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout_s)
+        dist.destroy_process_group()

@@ -1,0 +1,42 @@
+"""The greedy run the tensor-parallel tests compare: two prompts prefilled in one forward,
+then batched decode steps, on any model with `prefill` and `decode` (a Transformer, a shard
+of one, or a tensor-parallel group's rank 0)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvferry.cache.layout import blocks_for_tokens
+from kvferry.cache.pool import KvPool
+from kvferry.model.tp_group import TensorParallelModel
+from kvferry.model.transformer import Transformer
+
+PROMPTS = [[5, 9, 200, 31, 7], list(range(40, 77))]
+STEPS = 6
+
+
+def greedy(model: Transformer | TensorParallelModel, pool: KvPool
+           ) -> tuple[list[list[int]], torch.Tensor]:
+    """Both prompts prefilled in one forward, then STEPS batched decode steps: the tokens,
+    and the prefill's logits."""
+    tables = [pool.allocator.alloc(blocks_for_tokens(len(p) + STEPS, 16)) for p in PROMPTS]
+    slots = torch.cat([pool.slots(t, 0, len(p)) for t, p in zip(tables, PROMPTS)])
+    logits = model.prefill(torch.tensor(PROMPTS[0] + PROMPTS[1]),
+                           [len(p) for p in PROMPTS], slots, pool)
+    first = logits.clone()
+    tokens = [[int(row.argmax())] for row in logits]
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    for _ in range(STEPS - 1):
+        positions = [len(p) + len(t) - 1 for p, t in zip(PROMPTS, tokens)]
+        slots = torch.cat([pool.slots(t, pos, pos + 1) for t, pos in zip(tables, positions)])
+        logits = model.decode(torch.tensor([t[-1] for t in tokens]), torch.tensor(positions),
+                              slots, block_tables, pool)
+        for row, t in zip(logits, tokens):
+            t.append(int(row.argmax()))
+    return tokens, first
+
+
+def pool_of(model: Transformer) -> KvPool:
+    cfg = model.config
+    return KvPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 16, 64, torch.float32)
