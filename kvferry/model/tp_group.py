@@ -7,8 +7,12 @@ rank 0 allocates.
 `TensorParallelModel` stands where a `Transformer` does for `prefill` and `decode`: each call
 is broadcast to the other ranks (its tensors and numbers; the pool named, each rank using its
 own; callbacks are rank 0's alone), then run on rank 0's shard, the ranks meeting in its
-all-reduces. A rank that is gone fails the call with `RankLost`, at once where its connection
-closed; the worker then reports NOT_SERVING and the router migrates its requests.
+all-reduces. The pool's data outside a forward moves the same way: `read_pages` gathers every
+K/V head of some blocks from the ranks (what a push sends), `write_pages` gives each rank its
+heads of whole pages (what a receive writes), `copy_blocks` copies on every rank.
+
+A rank that is gone fails the call with `RankLost`, at once where its connection closed;
+the worker is then to report NOT_SERVING, and the router migrates its requests.
 """
 
 from __future__ import annotations
@@ -89,6 +93,9 @@ def _follow(rank: int, size: int, port: int, spec: RankSpec) -> None:
             method, args, kwargs = box[0]
             if method == _STOP:
                 return
+            if method in _POOL_OPS:
+                _POOL_OPS[method](pool, model.shard, *args)
+                continue
             args = [pool if a == _POOL else a for a in args]
             kwargs = {k: pool if v == _POOL else v for k, v in kwargs.items()}
             getattr(model, method)(*args, **kwargs)
@@ -97,6 +104,34 @@ def _follow(rank: int, size: int, port: int, spec: RankSpec) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+# ---- the pool's data outside a forward: every rank does its part --------------------------
+def _gather_pages(pool: KvPool, shard: Shard | None, block_ids: list[int]) -> torch.Tensor:
+    """This rank's heads of the blocks, every layer, sent to rank 0 ([L, 2, n, bs, h, D])."""
+    ids = torch.tensor(block_ids, dtype=torch.int64, device=pool.cache.device)
+    local = pool.cache.index_select(2, ids).contiguous()
+    parts = ([torch.empty_like(local) for _ in range(dist.get_world_size())]
+             if dist.get_rank() == 0 else None)
+    dist.gather(local, parts, dst=0)
+    return local if parts is None else torch.stack(parts)
+
+
+def _scatter_pages(pool: KvPool, shard: Shard | None, block_ids: list[int],
+                   pages: torch.Tensor) -> None:
+    """Every K/V head of the blocks ([L, 2, n, bs, Hkv, D], the whole model's): this rank
+    keeps its own."""
+    ids = torch.tensor(block_ids, dtype=torch.int64, device=pool.cache.device)
+    heads = list(shard.kv_heads) if shard is not None else list(range(pages.shape[4]))
+    pool.cache.index_copy_(2, ids, pages[:, :, :, :, heads].to(pool.cache))
+
+
+def _copy_blocks(pool: KvPool, shard: Shard | None, src: list[int], dst: list[int]) -> None:
+    pool.copy_blocks(src, dst)
+
+
+_POOL_OPS: dict[str, Callable[..., Any]] = {
+    "gather_pages": _gather_pages, "scatter_pages": _scatter_pages, "copy_blocks": _copy_blocks}
 
 
 def _as_sent(value: Any, pool: KvPool) -> Any:
@@ -124,6 +159,8 @@ class TensorParallelModel:
             proc.start()
         _join(0, size, port)
         self.model, self.pool = _build(spec, 0, size)
+        self.whole_config = load_model_config(Path(spec.checkpoint),
+                                              load_format=spec.load_format)
         self.config = self.model.config  # rank 0's shape: its heads, its pool's
         self._closed = False
         self._call(dist.barrier)
@@ -152,6 +189,32 @@ class TensorParallelModel:
     def decode(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """`Transformer.decode` on every rank (the pool given must be this model's)."""
         return self._run("decode", *args, **kwargs)
+
+    def _pool_op(self, op: str, *args: Any) -> Any:
+        if self._closed:
+            raise RankLost("tensor-parallel group closed")
+        self._call(dist.broadcast_object_list, [(op, list(args), {})], src=0)
+        return self._call(_POOL_OPS[op], self.pool, self.model.shard, *args)
+
+    def read_pages(self, block_ids: list[int]) -> torch.Tensor:
+        """Every K/V head of these blocks, every layer, as one pool of the whole model holds
+        them ([L, 2, n, block_size, Hkv, D]): each head from the first rank holding it."""
+        parts = self._pool_op("gather_pages", list(block_ids))  # [size, L, 2, n, bs, h, D]
+        whole = self.whole_config
+        out = parts.new_empty((*parts.shape[1:5], whole.num_kv_heads, parts.shape[-1]))
+        for rank in reversed(range(self.size)):  # the first holder's copy written last
+            heads = list(Shard.of(whole, rank, self.size).kv_heads)
+            out[:, :, :, :, heads] = parts[rank]
+        return out
+
+    def write_pages(self, block_ids: list[int], pages: torch.Tensor) -> None:
+        """Every K/V head of these blocks ([L, 2, n, block_size, Hkv, D], the whole model's)
+        into the pools: each rank keeps its own heads."""
+        self._pool_op("scatter_pages", list(block_ids), pages)
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """`KvPool.copy_blocks` on every rank's pool."""
+        self._pool_op("copy_blocks", list(src), list(dst))
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop every rank and leave the group (also after a rank was lost)."""

@@ -19,12 +19,23 @@ def greedy(model: Transformer | TensorParallelModel, pool: KvPool
            ) -> tuple[list[list[int]], torch.Tensor]:
     """Both prompts prefilled in one forward, then STEPS batched decode steps: the tokens,
     and the prefill's logits."""
+    tables, tokens, first = prefill_part(model, pool)
+    return decode_part(model, pool, tables, tokens), first
+
+
+def prefill_part(model: Transformer | TensorParallelModel, pool: KvPool
+                 ) -> tuple[list[list[int]], list[list[int]], torch.Tensor]:
+    """The prompts prefilled in one forward: their block tables, first tokens and logits."""
     tables = [pool.allocator.alloc(blocks_for_tokens(len(p) + STEPS, 16)) for p in PROMPTS]
     slots = torch.cat([pool.slots(t, 0, len(p)) for t, p in zip(tables, PROMPTS)])
     logits = model.prefill(torch.tensor(PROMPTS[0] + PROMPTS[1]),
                            [len(p) for p in PROMPTS], slots, pool)
-    first = logits.clone()
-    tokens = [[int(row.argmax())] for row in logits]
+    return tables, [[int(row.argmax())] for row in logits], logits.clone()
+
+
+def decode_part(model: Transformer | TensorParallelModel, pool: KvPool,
+                tables: list[list[int]], tokens: list[list[int]]) -> list[list[int]]:
+    """STEPS - 1 batched decode steps after the first tokens, on the blocks `tables` name."""
     width = max(len(t) for t in tables)
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     for _ in range(STEPS - 1):
@@ -34,7 +45,7 @@ def greedy(model: Transformer | TensorParallelModel, pool: KvPool
                               slots, block_tables, pool)
         for row, t in zip(logits, tokens):
             t.append(int(row.argmax()))
-    return tokens, first
+    return tokens
 
 
 def pool_of(model: Transformer) -> KvPool:

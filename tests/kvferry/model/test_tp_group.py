@@ -1,7 +1,8 @@
 """A tensor-parallel worker's ranks (kvferry/model/tp_group.py): rank 0 here, the others
 processes it starts. Calls made on rank 0 run on every rank; greedy tokens equal the whole
 model's; a rank that dies fails the next call with RankLost, and closing leaves no rank
-behind."""
+behind. Pages read whole from a group of one size and written into one of another decode as
+the whole model does."""
 
 from __future__ import annotations
 
@@ -13,11 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvferry.cache.pool import KvPool
 from kvferry.model.config import load_model_config
 from kvferry.model.tp_group import RankLost, RankSpec, TensorParallelModel
 from kvferry.model.transformer import Transformer
 from kvferry_kernels.dispatch import get_attention_backend
-from tests.kvferry.model.greedy_split import greedy, pool_of
+from tests.kvferry.model.greedy_split import decode_part, greedy, pool_of, prefill_part
+
+pytestmark = pytest.mark.slow  # processes per rank: a few seconds a group
 
 
 def _spec(checkpoint: Path) -> RankSpec:
@@ -54,3 +58,70 @@ def test_a_rank_killed_fails_the_next_call_and_close_still_ends_the_rest(
     assert not any(p.is_alive() for p in group.ranks)
     with pytest.raises(RankLost, match="closed"):
         group.prefill(torch.tensor([1]), [1], torch.tensor([0]), group.pool)
+
+
+def _side(checkpoint: Path, size: int) -> tuple[Transformer | TensorParallelModel, KvPool]:
+    """A worker's model split `size` ways (1: whole), and its pool."""
+    if size == 1:
+        whole = Transformer(load_model_config(checkpoint), get_attention_backend("torch"))
+        return whole, pool_of(whole)
+    group = TensorParallelModel(_spec(checkpoint), size)
+    return group, group.pool
+
+
+def _read(model: Transformer | TensorParallelModel, pool: KvPool,
+          blocks: list[int]) -> torch.Tensor:
+    if isinstance(model, TensorParallelModel):
+        return model.read_pages(blocks)
+    return pool.cache.index_select(2, torch.tensor(blocks)).clone()
+
+
+def _write(model: Transformer | TensorParallelModel, pool: KvPool, blocks: list[int],
+           pages: torch.Tensor) -> None:
+    if isinstance(model, TensorParallelModel):
+        model.write_pages(blocks, pages)
+    else:
+        pool.cache.index_copy_(2, torch.tensor(blocks), pages)
+
+
+@pytest.mark.parametrize("sizes", [(1, 2), (2, 1), (2, 2), (2, 4), (4, 2)],
+                         ids=["1-2", "2-1", "2-2", "2-4", "4-2"])
+def test_kv_prefilled_at_one_size_decodes_at_another(qwen3_checkpoint: Path,
+                                                     sizes: tuple[int, int]) -> None:
+    """Prefill split P ways, its pages read whole, written into a decode side split D ways
+    (the same block ids), decoded there: the whole model's tokens. One group at a time."""
+    config = load_model_config(qwen3_checkpoint)
+    whole = Transformer(config, get_attention_backend("torch"))
+    expected, _ = greedy(whole, pool_of(whole))
+    prefill, pool = _side(qwen3_checkpoint, sizes[0])
+    try:
+        tables, tokens, _ = prefill_part(prefill, pool)
+        blocks = [b for table in tables for b in table]
+        pages = _read(prefill, pool, blocks)
+    finally:
+        if isinstance(prefill, TensorParallelModel):
+            prefill.close()
+    assert pages.shape[4] == config.num_kv_heads  # every head, whatever the split
+    decode, pool = _side(qwen3_checkpoint, sizes[1])
+    try:
+        for table in tables:  # the same block ids on the decode side
+            assert pool.allocator.alloc(len(table)) == table
+        _write(decode, pool, blocks, pages)
+        assert decode_part(decode, pool, tables, tokens) == expected
+    finally:
+        if isinstance(decode, TensorParallelModel):
+            decode.close()
+
+
+def test_a_block_copied_on_every_rank_reads_back_whole(qwen3_checkpoint: Path) -> None:
+    group = TensorParallelModel(_spec(qwen3_checkpoint), 2)
+    try:
+        tables, _, _ = prefill_part(group, group.pool)
+        src = tables[1][:2]
+        dst = group.pool.allocator.alloc(2)
+        group.copy_blocks(src, dst)
+        torch.testing.assert_close(group.read_pages(dst), group.read_pages(src), rtol=0,
+                                   atol=0)
+        assert group.read_pages(src).abs().sum() > 0
+    finally:
+        group.close()
