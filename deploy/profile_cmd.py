@@ -90,19 +90,17 @@ def profile_deployment(model: str, sweep, kv_transport: str, kv_pool_size: str,
         measured = measure(deployment.router_address, sweep, vocab, max_len, log,
                            router_pid=pids["router"], decode_pid=pids["decode-0"])
         plan = deployment.core_plan
-        if kv_transport != "ray":
-            threads = (len(plan.cores["decode-0"]) if plan is not None and plan.is_pinned
-                       else torch.get_num_threads())
+    decode_cores = (set(plan.cores["decode-0"]) if plan is not None and plan.is_pinned
+                    else None)
     colocated = None
     if kv_transport != "ray":  # (colocated workers run as processes only)
-        cores = (set(plan.cores["decode-0"]) if plan is not None and plan.is_pinned
-                 else os.sched_getaffinity(0))
+        threads = len(decode_cores) if decode_cores else torch.get_num_threads()
         colocated = _measure_colocated(
             Deployment(model=model, kv_pool_size=kv_pool_size, block_size=block_size,
                        torch_threads=0, pin_cores=True, is_colocated=True, num_decode=1,
                        log_dir=log_dir / "colocated" if log_dir is not None else None,
                        worker_args=load, router_args=load),
-            cores, sweep, vocab, max_len, log)
+            decode_cores or os.sched_getaffinity(0), sweep, vocab, max_len, log)
     return _profile(model, name, measured, kv_transport, kv_pool_size, block_size, threads,
                     colocated)
 

@@ -48,8 +48,9 @@ def _outside_ephemeral_ports() -> str:
     return ""  # no room outside it: any free port, as before
 
 
-if _outside_ephemeral_ports():
-    os.environ.setdefault(WORKER_PORTS_ENV, _outside_ephemeral_ports())
+_WORKER_PORTS = _outside_ephemeral_ports()
+if _WORKER_PORTS:
+    os.environ.setdefault(WORKER_PORTS_ENV, _WORKER_PORTS)
 
 _START_LOG = pytest.StashKey[Path]()
 _ZYGOTE = pytest.StashKey[subprocess.Popen[bytes] | None]()

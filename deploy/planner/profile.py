@@ -110,6 +110,11 @@ class Profile:
     colocated_decode: tuple[DecodePoint, ...] = ()
 
     @property
+    def has_colocated(self) -> bool:
+        """Whether a colocated worker's own points were measured."""
+        return bool(self.colocated_prefill and self.colocated_decode)
+
+    @property
     def key(self) -> str:
         """The name a profile is kept under: model, dtype, device and transport."""
         text = f"{self.model}-{self.dtype}-{self.device}-{self.kv_transport}"
@@ -236,8 +241,7 @@ class CostModel:
             raise ValueError("profile: needs prefill and transfer points")
         self.profile = profile
         # a colocated worker's own points, where the profile has them
-        self.is_colocated = colocated and bool(profile.colocated_prefill
-                                               and profile.colocated_decode)
+        self.is_colocated = colocated and profile.has_colocated
         prefill = profile.colocated_prefill if self.is_colocated else profile.prefill
         pre = np.array([[1.0, p.tokens, p.attention_tokens] for p in prefill])
         self.prefill_coef = nonneg_lstsq(pre, np.array([p.seconds for p in prefill]))
@@ -249,8 +253,7 @@ class CostModel:
     def colocated(self) -> CostModel:
         """The costs of a colocated worker: its own measured points (their router's and
         client's turns on its cores in them), else these."""
-        if self.is_colocated or not (self.profile.colocated_prefill
-                                     and self.profile.colocated_decode):
+        if self.is_colocated or not self.profile.has_colocated:
             return self
         return CostModel(self.profile, colocated=True)
 
@@ -275,22 +278,23 @@ class CostModel:
         colocated = self.colocated()
         if colocated is not self:
             a, b, _ = colocated.prefill_coef * 1000
-            bases = ", ".join(f"{n}: {v * 1000:.2f}" for n, v in zip(colocated.decode.batches,
-                                                                       colocated.decode.base))
             text += (f"\ncolocated prefill {a:.2f} ms + {b * 1000:.3f} ms per 1k tokens; "
-                     f"decode base by batch {{{bases}}} ms + "
-                     f"{colocated.decode.per_context_token * 1e6:.3f} ms per 1k context tokens")
+                     f"decode {colocated._decode_terms()}")
         return text
+
+    def _decode_terms(self) -> str:
+        """The decode fit: "base by batch {1: 2.31, ...} ms + x ms per 1k context tokens"."""
+        bases = ", ".join(f"{n}: {v * 1000:.2f}" for n, v in zip(self.decode.batches,
+                                                                   self.decode.base))
+        return (f"base by batch {{{bases}}} ms + "
+                f"{self.decode.per_context_token * 1e6:.3f} ms per 1k context tokens")
 
     def _describe(self) -> str:
         a, b, c = self.prefill_coef * 1000
-        bases = ", ".join(f"{n}: {v * 1000:.2f}" for n, v in zip(self.decode.batches,
-                                                                   self.decode.base))
         t0, t1 = self.transfer_coef * 1000
         return (f"prefill  {a:.2f} ms + {b * 1000:.3f} ms per 1k tokens + {c * 1e6:.3f} ms "
                 f"per 1M attention tokens\n"
-                f"decode   base by batch {{{bases}}} ms + "
-                f"{self.decode.per_context_token * 1e6:.3f} ms per 1k context tokens\n"
+                f"decode   {self._decode_terms()}\n"
                 f"transfer {t0:.2f} ms + {t1 * 1000:.3f} ms per 1k prompt tokens\n"
                 f"receive  {self.receive_coef[0] * 1000:.2f} ms + "
                 f"{self.receive_coef[1] * 1e6:.3f} ms per 1k prompt tokens of decode worker\n"

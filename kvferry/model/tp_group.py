@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from kvferry.cache.pool import KvPool
-from kvferry.model.config import load_model_config
+from kvferry.model.config import ModelConfig, load_model_config
 from kvferry.model.tensor_parallel import Shard
 from kvferry.model.transformer import Transformer
 from kvferry_kernels.dispatch import get_attention_backend
@@ -67,7 +67,9 @@ def _join(rank: int, size: int, port: int) -> None:
                             world_size=size, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
 
 
-def _build(spec: RankSpec, rank: int, size: int) -> tuple[Transformer, KvPool]:
+def _build(spec: RankSpec, rank: int, size: int
+           ) -> tuple[Transformer, KvPool, ModelConfig]:
+    """The rank's shard, its pool, and the whole model's config."""
     config = load_model_config(Path(spec.checkpoint), load_format=spec.load_format)
     dtype = getattr(torch, spec.dtype)
     model = Transformer(config, get_attention_backend(spec.backend), dtype,
@@ -76,7 +78,7 @@ def _build(spec: RankSpec, rank: int, size: int) -> tuple[Transformer, KvPool]:
     cfg = model.config
     pool = KvPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, spec.block_size,
                   spec.num_blocks, dtype)
-    return model, pool
+    return model, pool, config
 
 
 def _follow(rank: int, size: int, port: int, spec: RankSpec) -> None:
@@ -85,7 +87,7 @@ def _follow(rank: int, size: int, port: int, spec: RankSpec) -> None:
     torch.set_num_threads(spec.torch_threads)
     _join(rank, size, port)
     try:
-        model, pool = _build(spec, rank, size)
+        model, pool, _ = _build(spec, rank, size)
         dist.barrier()  # built: rank 0 may call
         while True:
             box: list[Any] = [None]
@@ -158,9 +160,9 @@ class TensorParallelModel:
         for proc in self.ranks:
             proc.start()
         _join(0, size, port)
-        self.model, self.pool = _build(spec, 0, size)
-        self.whole_config = load_model_config(Path(spec.checkpoint),
-                                              load_format=spec.load_format)
+        self.model, self.pool, whole = _build(spec, 0, size)
+        self.num_kv_heads = whole.num_kv_heads  # the whole model's
+        self.shards = [Shard.of(whole, rank, size) for rank in range(size)]
         self.config = self.model.config  # rank 0's shape: its heads, its pool's
         self._closed = False
         self._call(dist.barrier)
@@ -200,11 +202,9 @@ class TensorParallelModel:
         """Every K/V head of these blocks, every layer, as one pool of the whole model holds
         them ([L, 2, n, block_size, Hkv, D]): each head from the first rank holding it."""
         parts = self._pool_op("gather_pages", list(block_ids))  # [size, L, 2, n, bs, h, D]
-        whole = self.whole_config
-        out = parts.new_empty((*parts.shape[1:5], whole.num_kv_heads, parts.shape[-1]))
-        for rank in reversed(range(self.size)):  # the first holder's copy written last
-            heads = list(Shard.of(whole, rank, self.size).kv_heads)
-            out[:, :, :, :, heads] = parts[rank]
+        out = parts.new_empty((*parts.shape[1:5], self.num_kv_heads, parts.shape[-1]))
+        for shard in reversed(self.shards):  # the first holder's copy written last
+            out[:, :, :, :, list(shard.kv_heads)] = parts[shard.rank]
         return out
 
     def write_pages(self, block_ids: list[int], pages: torch.Tensor) -> None:

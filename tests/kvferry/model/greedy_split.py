@@ -1,6 +1,6 @@
-"""The greedy run the tensor-parallel tests compare: two prompts prefilled in one forward,
-then batched decode steps, on any model with `prefill` and `decode` (a Transformer, a shard
-of one, or a tensor-parallel group's rank 0)."""
+"""The greedy run the model tests compare: prompts prefilled, then batched decode steps, on
+any model with `prefill` and `decode` (a Transformer, a shard of one, or a tensor-parallel
+group's rank 0)."""
 
 from __future__ import annotations
 
@@ -34,12 +34,14 @@ def prefill_part(model: Transformer | TensorParallelModel, pool: KvPool
 
 
 def decode_part(model: Transformer | TensorParallelModel, pool: KvPool,
-                tables: list[list[int]], tokens: list[list[int]]) -> list[list[int]]:
-    """STEPS - 1 batched decode steps after the first tokens, on the blocks `tables` name."""
+                tables: list[list[int]], tokens: list[list[int]],
+                prompts: list[list[int]] = PROMPTS, steps: int = STEPS) -> list[list[int]]:
+    """`steps` - 1 batched decode steps after the prompts' first tokens (`tokens`, extended
+    in place), on the blocks `tables` name."""
     width = max(len(t) for t in tables)
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    for _ in range(STEPS - 1):
-        positions = [len(p) + len(t) - 1 for p, t in zip(PROMPTS, tokens)]
+    for _ in range(steps - 1):
+        positions = [len(p) + len(t) - 1 for p, t in zip(prompts, tokens)]
         slots = torch.cat([pool.slots(t, pos, pos + 1) for t, pos in zip(tables, positions)])
         logits = model.decode(torch.tensor([t[-1] for t in tokens]), torch.tensor(positions),
                               slots, block_tables, pool)

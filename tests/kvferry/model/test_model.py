@@ -13,6 +13,7 @@ from kvferry.cache.pool import KvPool
 from kvferry.model.config import load_model_config
 from kvferry.model.transformer import Transformer
 from kvferry_kernels.dispatch import get_attention_backend
+from tests.kvferry.model.greedy_split import decode_part
 
 
 def _setup(checkpoint: Path) -> tuple[Transformer, torch.nn.Module, KvPool]:
@@ -51,15 +52,7 @@ def test_batched_paged_decode_matches_transformers(arch: str,
         logits = model.prefill(torch.tensor(prompt), [len(prompt)],
                                pool.slots(table, 0, len(prompt)), pool)
         tokens.append([int(logits[0].argmax())])
-    width = max(len(t) for t in tables)
-    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    for _ in range(steps - 1):
-        positions = [len(p) + len(t) - 1 for p, t in zip(prompts, tokens)]
-        slots = torch.cat([pool.slots(tb, pos, pos + 1) for tb, pos in zip(tables, positions)])
-        logits = model.decode(torch.tensor([t[-1] for t in tokens]), torch.tensor(positions),
-                              slots, block_tables, pool)
-        for row, t in enumerate(tokens):
-            t.append(int(logits[row].argmax()))
+    decode_part(model, pool, tables, tokens, prompts, steps)
     for prompt, got in zip(prompts, tokens):
         expected = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=steps,
                                eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
