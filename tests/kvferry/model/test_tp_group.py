@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -49,10 +48,10 @@ def test_a_rank_killed_fails_the_next_call_and_close_still_ends_the_rest(
     try:
         os.kill(group.ranks[1].pid, signal.SIGKILL)  # rank 2 of 4
         group.ranks[1].join(10)
-        start = time.monotonic()
-        with pytest.raises(RankLost, match="tp-rank-2"):
+        with pytest.raises(RankLost, match="tp-rank-2") as lost:
             greedy(group, group.pool)
-        assert time.monotonic() - start < 30  # its connection closed: not the timeout
+        # its connection closed: the collective failed on that, not on its timeout
+        assert "connection closed" in str(lost.value.__cause__).lower()
     finally:
         group.close()
     assert not any(p.is_alive() for p in group.ranks)
