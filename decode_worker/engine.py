@@ -343,6 +343,7 @@ class DecodeEngine:
                   else IntegrityReport(False, "not checked"))
         return PoolStats(
             total_blocks=self.pool.num_usable_blocks,
+            tensor_parallel_size=self.pool.tensor_parallel_size,
             free_blocks=self.pool.allocator.num_free,
             reserved_blocks=sum(len(s.block_table) for s in reserved),
             num_running=len(self.steps.running),

@@ -134,9 +134,8 @@ class StepLoop:
                 self.running += fork_samples(self.pool, seq) if seq.num_samples > 1 else [seq]
 
     def _swap_out(self, seq: DecodeSeq) -> None:
-        ids = torch.tensor(seq.block_table, device=self.pool.cache.device)
         # [layers, 2, blocks, block_size, kv_heads, head_dim] in host memory
-        seq.swapped_kv = self.pool.cache.index_select(2, ids).to("cpu")
+        seq.swapped_kv = self.pool.read_pages(seq.block_table).to("cpu")
         self.pool.allocator.free(seq.block_table)
         seq.block_table = []
         seq.phase = Phase.SWAPPED
@@ -158,8 +157,7 @@ class StepLoop:
             if self.pool.allocator.num_free < n:
                 return
             seq.block_table = self.pool.allocator.alloc(n)
-            ids = torch.tensor(seq.block_table, device=self.pool.cache.device)
-            self.pool.cache[:, :, ids] = seq.swapped_kv.to(self.pool.cache.device)
+            self.pool.write_pages(seq.block_table, seq.swapped_kv)
             seq.swapped_kv = None
             seq.phase = Phase.RUNNING
             seq.draft_kv_tokens = 0  # the draft pool's pages were not swapped

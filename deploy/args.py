@@ -152,14 +152,23 @@ def _worker_parser(sub: argparse._SubParsersAction, role: str) -> None:
                         "one or it refuses to start (default: the context or, if less, the pool)")
     p.add_argument("--kv-max-resends", type=int, default=DEFAULT_KV_MAX_RESENDS,
                    help="resend a K/V push the receiver found corrupted; 0: fail (DATA_LOSS)")
-    p.add_argument("--kv-transport", default=KV_TRANSPORTS[0], choices=KV_TRANSPORTS,
-                   help="how prefill ships K/V pages: gRPC streams, Ray object refs (workers "
-                        "as Ray actors), or nixl: the decode worker reads them from the "
-                        "prefill worker's pool with NIXL (UCX); the same on every worker")
+    _transport_and_split_args(p)
     tier_args(p)
     _decode_side_args(p, role)
     _server_process_args(p)
     p.set_defaults(role=role)
+
+
+def _transport_and_split_args(p: argparse.ArgumentParser) -> None:
+    """How a worker's K/V pages travel, and how many ranks its model is split over."""
+    p.add_argument("--kv-transport", default=KV_TRANSPORTS[0], choices=KV_TRANSPORTS,
+                   help="how prefill ships K/V pages: gRPC streams, Ray object refs (workers "
+                        "as Ray actors), or nixl: the decode worker reads them from the "
+                        "prefill worker's pool with NIXL (UCX); the same on every worker")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="split the model over this many ranks (processes this worker starts; "
+                        "gloo on CPU), each holding its share of the heads and its own K/V "
+                        "heads' pool; 1: the whole model in this process")
 
 
 def _decode_side_args(p: argparse.ArgumentParser, role: str) -> None:
@@ -197,6 +206,12 @@ def _deployment_args(p: argparse.ArgumentParser) -> None:
                    choices=ATTENTION_BACKENDS, help=ATTENTION_HELP)
     p.add_argument("--colocated", action="store_true",
                    help="baseline: --num-decode workers each serving prefill and decode")
+    p.add_argument("--prefill-tensor-parallel-size", type=int, default=1,
+                   help="ranks each prefill worker splits the model over (see `kvferry "
+                        "prefill-worker --help`)")
+    p.add_argument("--decode-tensor-parallel-size", type=int, default=1,
+                   help="ranks each decode (or colocated) worker splits the model over; may "
+                        "differ from the prefill workers'")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="every worker: no prefix cache (see `kvferry decode-worker --help`)")
     p.add_argument("--kv-cache-dtype", default=KV_CACHE_DTYPES[0], choices=KV_CACHE_DTYPES,
@@ -325,7 +340,7 @@ def worker_settings(args: argparse.Namespace, model: str | None = None) -> Worke
         kv_transport=args.kv_transport, drain_timeout_s=args.drain_timeout_s,
         metrics_port=args.metrics_port, security=security_settings(args),
         tiers=tier_settings(args), speculative=speculative_config(args),
-        kv_eviction=eviction_config(args),
+        kv_eviction=eviction_config(args), tensor_parallel_size=args.tensor_parallel_size,
     )
 
 

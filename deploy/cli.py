@@ -88,6 +88,8 @@ def _deployment(args: argparse.Namespace, store_url: str | None = None):
         pin_cores=args.pin_cores == "auto", memory_utilization=args.memory_utilization,
         attention_backend=args.attention_backend, is_colocated=args.colocated, host=args.host,
         compile=args.compile, compile_batch_sizes=args.compile_batch_sizes,
+        prefill_tensor_parallel_size=args.prefill_tensor_parallel_size,
+        decode_tensor_parallel_size=args.decode_tensor_parallel_size,
         router_args=([] if args.metrics_port is None else ["--metrics-port",
                                                             str(args.metrics_port)])
         + security_argv(args) + public_access_argv(args) + router_flags

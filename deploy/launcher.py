@@ -114,6 +114,9 @@ class Deployment:
     is_colocated: bool = False  # num_decode workers each serving both roles; no prefill ones
     worker_args: list[str] = field(default_factory=list)  # extra flags for every worker
     role_args: dict[str, list[str]] = field(default_factory=dict)  # extra flags by role
+    # Ranks each prefill worker's model is split over, and each decode (or colocated) one's
+    prefill_tensor_parallel_size: int = 1
+    decode_tensor_parallel_size: int = 1
     router_args: list[str] = field(default_factory=list)  # extra flags for the router
     log_dir: Path | None = None
     log_format: str = "text"  # or "json": one object per line, with the request id
@@ -137,7 +140,17 @@ class Deployment:
                 "--attention-backend", self.attention_backend,
                 *(["--compile", self.compile, "--compile-batch-sizes", self.compile_batch_sizes]
                   if role != "prefill" else []),
-                *self.worker_args, *self.role_args.get(role, [])]
+                *self._tensor_parallel_args(role), *self.worker_args,
+                *self.role_args.get(role, [])]
+
+    def tensor_parallel_size(self, role: str) -> int:
+        """Ranks a worker of `role` splits its model over."""
+        return (self.prefill_tensor_parallel_size if role == "prefill"
+                else self.decode_tensor_parallel_size)
+
+    def _tensor_parallel_args(self, role: str) -> list[str]:
+        size = self.tensor_parallel_size(role)
+        return ["--tensor-parallel-size", str(size)] if size != 1 else []
 
     def _convert_gguf_once(self) -> None:
         """Convert a `.gguf` model here, before its processes start: each would otherwise

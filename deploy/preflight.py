@@ -69,6 +69,17 @@ def _check_max_model_len(settings: WorkerSettings) -> None:
     max_model_len_for(settings, load_model_config(settings.model))
 
 
+def _check_tensor_parallel(settings: WorkerSettings) -> None:
+    """--tensor-parallel-size splits the model: it divides the query heads and the MLP,
+    and divides the K/V heads or is a multiple of them (ValueError naming the flag)."""
+    if settings.tensor_parallel_size == 1:
+        return
+    from deploy.worker_model import rank_config
+    from kvferry.model.config import load_model_config
+
+    rank_config(settings, load_model_config(settings.model))
+
+
 def _check_draft(model: str, speculative: SpeculativeConfig) -> None:
     """A draft model (--speculative-model) that loads and shares the model's vocabulary,
     refused here (ValueError naming the flag) rather than by a worker mid-start."""
@@ -134,8 +145,16 @@ def _check_deployment(args: argparse.Namespace) -> None:
     _check_model(args.model)  # last: without --model, the default model may be converted
     _check_tokenizer(args.model)
     _check_draft(args.model or ensure_default_model(), speculative_config(args))
+    model = args.model or ensure_default_model()
+    sizes = {"prefill": args.prefill_tensor_parallel_size,
+             "decode": args.decode_tensor_parallel_size}
+    for role, size in sizes.items():  # each side's flags, then its split of the model
+        if size != 1 and (role == "decode" or not args.colocated):
+            _check_tensor_parallel(replace(settings, model=model, tensor_parallel_size=size,
+                                           kv_transport=args.kv_transport))
     if settings.max_model_len is not None:
-        _check_max_model_len(replace(settings, model=args.model or ensure_default_model()))
+        _check_max_model_len(replace(settings, model=model,
+                                     tensor_parallel_size=sizes["decode"]))
 
 
 def check_inputs(args: argparse.Namespace) -> WorkerSettings | RouterSettings | None:
@@ -151,6 +170,7 @@ def check_inputs(args: argparse.Namespace) -> WorkerSettings | RouterSettings | 
                                          "health_port": settings.security.health_port})
         settings = replace(settings, model=settings.model or ensure_default_model())
         _check_model(settings.model)
+        _check_tensor_parallel(settings)
         if settings.role != "prefill" or settings.ships_draft_kv:
             _check_draft(settings.model, settings.speculative)
         if settings.role in ("decode", "colocated"):

@@ -133,6 +133,7 @@ def build_worker(settings: WorkerSettings) -> tuple[Built, object]:
     from kvferry.cache.tiers.build import build_tiered_cache
 
     model, pool, backend_name = build_model(settings)
+    close_model = getattr(model, "close", None)  # a tensor-parallel group: its ranks
     layout = KvLayout.of_pool(pool, model.config.fingerprint)
     creds = security.load(settings.security)
     server = grpc_util.make_server(interceptors=security.server_interceptors(creds))
@@ -171,6 +172,8 @@ def build_worker(settings: WorkerSettings) -> tuple[Built, object]:
         prefill_server.add_to_server(server, engine)
         on_stop = engine.stop
         names = prefill_server.SERVICE_NAMES
+    if close_model is not None:
+        on_stop = _then(on_stop, close_model)
     engine.start()
     grpc_util.add_reflection(server, names)
     # Internal server: a CA means client certificates are required (mTLS).

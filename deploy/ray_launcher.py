@@ -194,10 +194,13 @@ class RayDeployment(Deployment):
     _owns_ray: bool = False
     _next_index: int = 0  # the highest worker index yet (add_worker counts on from it)
 
-    @staticmethod
-    def _gpus() -> float:
-        """A worker's GPUs: one each where the cluster has them."""
-        return 1.0 if ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
+    def _actor_gpus(self, role: str) -> float:
+        """A worker's GPUs where the cluster has them: one per rank of its model (its
+        --tensor-parallel-size; the ranks are processes the actor starts, on the GPUs Ray
+        gives it, so one actor's request keeps them on one node)."""
+        if ray.cluster_resources().get("GPU", 0) < 1:
+            return 0.0
+        return float(self.tensor_parallel_size(role))
 
     def _actor(self, name: str, num_gpus: float) -> RayActor:
         options: dict[str, object] = {"name": f"{name}-{id(self):x}", "namespace": NAMESPACE,
@@ -222,7 +225,8 @@ class RayDeployment(Deployment):
                 ray.init(address=self.ray_address, **options)
             self._owns_ray = True
         try:
-            workers = [self._actor(name, self._gpus()) for name in self._worker_names()]
+            workers = [self._actor(name, self._actor_gpus(name.rsplit("-", 1)[0]))
+                       for name in self._worker_names()]
             self._next_index = len(workers)
             self.actors = list(workers)
             starts = [w.handle.start.remote(ActorStart.of(
@@ -255,7 +259,7 @@ class RayDeployment(Deployment):
                              f"workers, not {role!r}")
         # a name never used in this deployment: Ray may not have released a killed one's yet
         self._next_index += 1
-        worker = self._actor(f"{role}-{self._next_index}", self._gpus())
+        worker = self._actor(f"{role}-{self._next_index}", self._actor_gpus(role))
         try:
             worker.address = ray.get(worker.handle.start.remote(
                 ActorStart.of(self._worker_args(role))), timeout=timeout_s)

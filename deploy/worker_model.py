@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,11 +31,16 @@ from kvferry.settings import (
 from kvferry.sizes import AUTO, parse_pool_size
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from decode_worker.draft_model import DraftModel
+    from kvferry.model.tp_group import TensorParallelModel
     from kvferry.model.transformer import Transformer
     from prefill_worker.draft_kv import DraftPrefill
 
 log = logging.getLogger("kvferry.worker")
+
+EXIT_RANK_LOST = 75  # a tensor-parallel worker's rank died (EX_TEMPFAIL: restart it)
 
 def tune_malloc() -> None:
     """Keep freed tensor memory in glibc's heap instead of returning it to the OS.
@@ -113,7 +120,8 @@ def stage_bytes(settings: WorkerSettings, pool: KvPool, backend_name: str) -> in
     as much K/V as the pool holds where attention would otherwise gather pages every step."""
     from decode_worker.kv_stage import stage_bytes_for_pool
 
-    if backend_name != "torch" or settings.speculative.is_on:  # speculation reads the pages
+    if (backend_name != "torch" or settings.speculative.is_on  # speculation reads the pages
+            or settings.tensor_parallel_size > 1):  # the stage is not mirrored on the ranks
         return 0
     if settings.decode_stage_mib is not None:
         return settings.decode_stage_mib << 20
@@ -142,8 +150,21 @@ def kv_block_bytes(settings: WorkerSettings, config, dtype: torch.dtype) -> int:
     return _shape(config, _kv_dtype(settings, dtype)).bytes_per_block(settings.block_size)
 
 
+def rank_config(settings: WorkerSettings, config):
+    """The model as one rank holds it (its heads, its MLP columns: what its pool is sized
+    for); the whole model without tensor parallelism. ValueError naming the flag where the
+    size does not split the model."""
+    if settings.tensor_parallel_size == 1:
+        return config
+    from kvferry.model.tensor_parallel import Shard, shard_config
+
+    return shard_config(config, Shard.of(config, 0, settings.tensor_parallel_size))
+
+
 def _num_blocks(settings: WorkerSettings, config, device: torch.device,
                 dtype: torch.dtype) -> int:
+    """Blocks of the worker's pool (of each rank's, split tensor-parallel)."""
+    config = rank_config(settings, config)
     size = pool_bytes(settings, config, device, dtype)
     per_block = kv_block_bytes(settings, config, dtype)
     num_blocks = size // per_block
@@ -225,6 +246,47 @@ def build_draft_prefill(settings: WorkerSettings, model: Transformer, pool: KvPo
     return DraftPrefill(built.model, built.pool, settings.prefill_chunk_size)
 
 
+def _exit_on_rank_loss(group: TensorParallelModel) -> Callable[[Exception], None]:
+    """A rank lost: the worker cannot serve another step, so it exits at once, its other
+    ranks with it. Its streams break, and the router migrates their requests and marks the
+    worker unhealthy, as for any worker lost (draining would only fail them)."""
+
+    def exit_now(error: Exception) -> None:
+        log.error("%s; exiting so the router moves this worker's requests", error)
+        for proc in group.ranks:
+            proc.kill()
+        logging.shutdown()
+        os._exit(EXIT_RANK_LOST)
+
+    return exit_now
+
+
+def build_group(settings: WorkerSettings, config, device: torch.device, dtype: torch.dtype,
+                backend_name: str, kernel_dir: Path | None) -> TensorParallelModel:
+    """A tensor-parallel worker's ranks (kvferry/model/tp_group.py): this process is rank 0.
+    Each rank's pool holds its own K/V heads of `--kv-pool-size`'s blocks, so the pool and
+    `--max-model-len` are sized per rank, as vLLM sizes them."""
+    from kvferry.model.tp_group import RankSpec, TensorParallelModel
+
+    size = settings.tensor_parallel_size
+    if device.type != "cpu":
+        raise ValueError(f"tensor_parallel_size: {size} ranks on {device.type} need NCCL "
+                         "ranks, not built yet (docs/tensor-parallel.md); use --device cpu")
+    rank = rank_config(settings, config)  # refuses a size that does not split the model
+    if settings.role in ("decode", "colocated") and settings.max_model_len is not None:
+        max_model_len_for(settings, config)
+    num_blocks = _num_blocks(settings, config, device, dtype)
+    spec = RankSpec(str(settings.model), settings.load_format, backend_name,
+                    str(dtype).removeprefix("torch."), settings.block_size, num_blocks,
+                    settings.torch_threads, None if kernel_dir is None else str(kernel_dir))
+    group = TensorParallelModel(spec, size)
+    group.on_lost = _exit_on_rank_loss(group)
+    log.info("%s worker split over %d ranks: %d of %d K/V heads and a pool of %d blocks "
+             "each", settings.role, size, rank.num_kv_heads, config.num_kv_heads,
+             num_blocks)
+    return group
+
+
 def build_model(settings: WorkerSettings) -> tuple[Transformer, KvPool, str]:
     """The worker's model, its pool and the attention backend's name. Decode and colocated
     workers compile (--compile) and capture (--cuda-graphs) their decode step here: before
@@ -238,6 +300,9 @@ def build_model(settings: WorkerSettings) -> tuple[Transformer, KvPool, str]:
     config = load_model_config(settings.model, load_format=settings.load_format)
     device, dtype, backend_name = device_and_dtype(settings)
     kernel_dir = KERNEL_CACHE_DIR if device.type == "cpu" else None
+    if settings.tensor_parallel_size > 1:
+        group = build_group(settings, config, device, dtype, backend_name, kernel_dir)
+        return group, group.pool, backend_name  # type: ignore[return-value]
     model = Transformer(config, get_attention_backend(backend_name, kernel_dir), dtype, device)
     if settings.role in ("decode", "colocated") and settings.max_model_len is not None:
         max_model_len_for(settings, config)  # checked before the pool is allocated

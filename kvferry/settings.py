@@ -267,6 +267,31 @@ def _check_eviction(settings: WorkerSettings) -> None:
                          "--decode-stage-mib 0 or leave it unset")
 
 
+def _check_tensor_parallel(settings: WorkerSettings) -> None:
+    """What a tensor-parallel worker does not do yet: what would move K/V outside the
+    operations every rank mirrors, or run a forward other than the group's (each refusal
+    names the flag; docs/tensor-parallel.md). --cuda-graphs is moot: ranks run on CPU only
+    yet (deploy/worker_model.build_group)."""
+    size = settings.tensor_parallel_size
+    if size < 1:
+        raise ValueError(f"tensor_parallel_size: must be >= 1, got {size}")
+    refused = [
+        ("compile", settings.compile != COMPILE_MODES[0], "--compile off"),
+        ("speculative_method", settings.speculative.is_on, "--speculative-method off"),
+        ("kv_eviction", settings.kv_eviction.is_on, "no --kv-eviction"),
+        ("kv_host_cache_size", settings.tiers.host_cache_size is not None,
+         "no K/V tiers"),
+        ("kv_cache_dtype", settings.kv_cache_dtype != KV_CACHE_DTYPES[0],
+         "--kv-cache-dtype auto"),
+        ("decode_stage_mib", bool(settings.decode_stage_mib), "--decode-stage-mib 0"),
+        ("kv_transport", settings.kv_transport == "nixl", "--kv-transport grpc or ray"),
+    ]
+    for name, is_set, instead in refused:
+        if is_set:
+            raise ValueError(f"{name}: not with tensor_parallel_size {size} yet; use "
+                             f"{instead}, or --tensor-parallel-size 1")
+
+
 @dataclass(frozen=True)
 class WorkerSettings:
     """A prefill or decode worker process."""
@@ -309,6 +334,8 @@ class WorkerSettings:
     tiers: TierSettings = field(default_factory=TierSettings)  # K/V tiers below the pool
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     kv_eviction: KvEvictionConfig = field(default_factory=KvEvictionConfig)
+    # Ranks the model is split over (docs/tensor-parallel.md); 1: the whole model here.
+    tensor_parallel_size: int = 1
 
     @property
     def ships_draft_kv(self) -> bool:
@@ -343,6 +370,8 @@ class WorkerSettings:
                              f"K/V transport, not {self.kv_transport}; use recompute")
         if self.kv_eviction.is_on:
             _check_eviction(self)
+        if self.tensor_parallel_size != 1:
+            _check_tensor_parallel(self)
         if self.speculative.is_on and self.decode_stage_mib:
             raise ValueError("decode_stage_mib: speculative decoding reads the pages; give 0 "
                              "or leave it unset")

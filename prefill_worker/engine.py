@@ -361,6 +361,7 @@ class PrefillEngine:
                   else IntegrityReport(False, "not checked"))
         return PoolStats(
             total_blocks=self.pool.num_blocks, free_blocks=self.pool.allocator.num_free,
+            tensor_parallel_size=self.pool.tensor_parallel_size,
             reserved_blocks=0,
             num_running=len(self._active) - self.batcher.num_pending - self.blocks.num_waiting,
             num_waiting=self.batcher.num_pending + self.blocks.num_waiting,

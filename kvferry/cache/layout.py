@@ -202,7 +202,7 @@ class KvLayout:
     @staticmethod
     def of_pool(pool: KvPool, model_fingerprint: str) -> KvLayout:
         return KvLayout(
-            pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.block_size,
+            pool.num_layers, pool.whole_kv_heads, pool.head_dim, pool.block_size,
             pool.kv_cache_dtype if pool.is_quantized else dtype_name(pool.dtype),
             model_fingerprint,
         )

@@ -120,6 +120,36 @@ class KvPool:
         index = torch.tensor(src, dtype=torch.int64, device=self.cache.device)
         self.cache[:, :, dst] = self.cache.index_select(2, index)
 
+    @property
+    def tensor_parallel_size(self) -> int:
+        """Ranks whose pools hold the same blocks (each its own K/V heads); 1: this pool
+        holds every head."""
+        return 1
+
+    @property
+    def whole_kv_heads(self) -> int:
+        """K/V heads of a whole page, as transfers carry it: this pool's own (one rank's pool
+        of a tensor-parallel worker holds some of them: kvferry/model/tp_group.py)."""
+        return self.num_kv_heads
+
+    @property
+    def page_shape(self) -> tuple[int, ...]:
+        """One whole page ([block_size, kv_heads, D], or a quantized page's bytes), as
+        `read_pages` returns and `write_pages` takes them."""
+        return tuple(self.cache.shape[3:])
+
+    def read_pages(self, block_ids: list[int], layers: slice = slice(None)) -> torch.Tensor:
+        """Whole pages of `block_ids` in `layers`: [layers, 2, blocks, *page_shape], on the
+        pool's device (a copy)."""
+        ids = torch.tensor(block_ids, dtype=torch.int64, device=self.cache.device)
+        return self.cache[layers].index_select(2, ids)
+
+    def write_pages(self, block_ids: list[int], pages: torch.Tensor,
+                    layers: slice = slice(None)) -> None:
+        """Whole pages ([layers, 2, blocks, *page_shape], any device) into `block_ids`."""
+        ids = torch.tensor(block_ids, dtype=torch.int64, device=self.cache.device)
+        self.cache[layers, :, ids] = pages.to(self.cache.device)
+
     def slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
         """Flat slot ids of positions [start, end) for a request's block table."""
         positions = torch.arange(start, end, dtype=torch.int64)

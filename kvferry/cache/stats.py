@@ -59,6 +59,7 @@ class PoolStats:
     cached_blocks: int = 0  # held by the prefix cache alone (reclaimable; counted free)
     tiers: tuple[TierStats, ...] = ()  # the tiers below the pool, fastest first
     prefill_s_per_token: float = 0.0  # measured forward time per prompt token (0: none yet)
+    tensor_parallel_size: int = 1  # ranks the model is split over (blocks count per rank)
     spec_draft_tokens: int = 0  # speculative decoding: drafts verified
     spec_accepted_tokens: int = 0  # of those, accepted
     # draft model: prompt and accepted positions its catch-ups prefilled on this worker

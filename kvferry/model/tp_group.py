@@ -18,7 +18,9 @@ the worker is then to report NOT_SERVING, and the router migrates its requests.
 from __future__ import annotations
 
 import multiprocessing as mp
+import multiprocessing.connection
 import socket
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -53,7 +55,8 @@ class RankSpec:
     dtype: str  # torch dtype name: "float32"
     block_size: int
     num_blocks: int
-    torch_threads: int = 1
+    torch_threads: int = 1  # 0: torch's default
+    kernel_dir: str | None = None  # the C attention kernel's build cache (CPU)
 
 
 def _free_port() -> int:
@@ -67,24 +70,26 @@ def _join(rank: int, size: int, port: int) -> None:
                             world_size=size, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
 
 
-def _build(spec: RankSpec, rank: int, size: int
+def _build(spec: RankSpec, rank: int, size: int, pool_type: type[KvPool] = KvPool
            ) -> tuple[Transformer, KvPool, ModelConfig]:
     """The rank's shard, its pool, and the whole model's config."""
     config = load_model_config(Path(spec.checkpoint), load_format=spec.load_format)
     dtype = getattr(torch, spec.dtype)
-    model = Transformer(config, get_attention_backend(spec.backend), dtype,
+    kernel_dir = None if spec.kernel_dir is None else Path(spec.kernel_dir)
+    model = Transformer(config, get_attention_backend(spec.backend, kernel_dir), dtype,
                         shard=Shard.of(config, rank, size))
     model.all_reduce = dist.all_reduce
     cfg = model.config
-    pool = KvPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, spec.block_size,
-                  spec.num_blocks, dtype)
+    pool = pool_type(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, spec.block_size,
+                     spec.num_blocks, dtype)
     return model, pool, config
 
 
 def _follow(rank: int, size: int, port: int, spec: RankSpec) -> None:
     """Ranks 1..N-1: run each call rank 0 broadcasts, on this rank's shard and pool, until
     told to stop or rank 0 is gone."""
-    torch.set_num_threads(spec.torch_threads)
+    if spec.torch_threads > 0:
+        torch.set_num_threads(spec.torch_threads)
     _join(rank, size, port)
     try:
         model, pool, _ = _build(spec, rank, size)
@@ -109,10 +114,10 @@ def _follow(rank: int, size: int, port: int, spec: RankSpec) -> None:
 
 
 # ---- the pool's data outside a forward: every rank does its part --------------------------
-def _gather_pages(pool: KvPool, shard: Shard | None, block_ids: list[int]) -> torch.Tensor:
-    """This rank's heads of the blocks, every layer, sent to rank 0 ([L, 2, n, bs, h, D])."""
-    ids = torch.tensor(block_ids, dtype=torch.int64, device=pool.cache.device)
-    local = pool.cache.index_select(2, ids).contiguous()
+def _gather_pages(pool: KvPool, shard: Shard | None, block_ids: list[int],
+                  layers: slice = slice(None)) -> torch.Tensor:
+    """This rank's heads of the blocks in `layers`, sent to rank 0 ([L, 2, n, bs, h, D])."""
+    local = KvPool.read_pages(pool, block_ids, layers).contiguous()
     parts = ([torch.empty_like(local) for _ in range(dist.get_world_size())]
              if dist.get_rank() == 0 else None)
     dist.gather(local, parts, dst=0)
@@ -120,20 +125,51 @@ def _gather_pages(pool: KvPool, shard: Shard | None, block_ids: list[int]) -> to
 
 
 def _scatter_pages(pool: KvPool, shard: Shard | None, block_ids: list[int],
-                   pages: torch.Tensor) -> None:
-    """Every K/V head of the blocks ([L, 2, n, bs, Hkv, D], the whole model's): this rank
-    keeps its own."""
-    ids = torch.tensor(block_ids, dtype=torch.int64, device=pool.cache.device)
+                   pages: torch.Tensor, layers: slice = slice(None)) -> None:
+    """Every K/V head of the blocks in `layers` ([L, 2, n, bs, Hkv, D], the whole model's):
+    this rank keeps its own."""
     heads = list(shard.kv_heads) if shard is not None else list(range(pages.shape[4]))
-    pool.cache.index_copy_(2, ids, pages[:, :, :, :, heads].to(pool.cache))
+    KvPool.write_pages(pool, block_ids, pages[:, :, :, :, heads], layers)
 
 
 def _copy_blocks(pool: KvPool, shard: Shard | None, src: list[int], dst: list[int]) -> None:
-    pool.copy_blocks(src, dst)
+    KvPool.copy_blocks(pool, src, dst)
 
 
 _POOL_OPS: dict[str, Callable[..., Any]] = {
     "gather_pages": _gather_pages, "scatter_pages": _scatter_pages, "copy_blocks": _copy_blocks}
+
+
+class RankPool(KvPool):
+    """Rank 0's pool: its own K/V heads, as each rank's pool holds its own, with the same
+    blocks. What engines and transports do to pages outside a forward goes through the group,
+    so it happens on every rank: whole pages (every K/V head) read and written, blocks
+    copied."""
+
+    group: TensorParallelModel
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.group.size
+
+    @property
+    def whole_kv_heads(self) -> int:
+        return self.group.num_kv_heads
+
+    @property
+    def page_shape(self) -> tuple[int, ...]:
+        block_size, _, head_dim = self.cache.shape[3:]
+        return (block_size, self.whole_kv_heads, head_dim)
+
+    def read_pages(self, block_ids: list[int], layers: slice = slice(None)) -> torch.Tensor:
+        return self.group.read_pages(block_ids, layers)
+
+    def write_pages(self, block_ids: list[int], pages: torch.Tensor,
+                    layers: slice = slice(None)) -> None:
+        self.group.write_pages(block_ids, pages, layers)
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        self.group.copy_blocks(src, dst)
 
 
 def _as_sent(value: Any, pool: KvPool) -> Any:
@@ -146,7 +182,15 @@ def _as_sent(value: Any, pool: KvPool) -> Any:
 
 class TensorParallelModel:
     """Rank 0 of a group of `size`: starts the other ranks, builds its own shard and pool,
-    and runs `prefill` and `decode` on all of them. `close()` stops the ranks."""
+    and runs `prefill` and `decode` on all of them. `close()` stops the ranks.
+
+    Calls may come from several threads (a worker's step thread, its event loop writing
+    received pages): each call's broadcast and run hold one lock, so every rank sees the
+    calls in one order."""
+
+    compiled = None  # a group's decode step is not compiled (--compile is refused)
+    # Called with the RankLost before it is raised (a worker exits: its router migrates).
+    on_lost: Callable[[RankLost], None] | None = None
 
     def __init__(self, spec: RankSpec, size: int) -> None:
         if size < 2:
@@ -160,29 +204,59 @@ class TensorParallelModel:
         for proc in self.ranks:
             proc.start()
         _join(0, size, port)
-        self.model, self.pool, whole = _build(spec, 0, size)
+        self._lock = threading.Lock()
+        self.model, pool, whole = _build(spec, 0, size, RankPool)
+        assert isinstance(pool, RankPool)  # noqa: S101 - built as one
+        pool.group = self
+        self.pool: RankPool = pool
         self.num_kv_heads = whole.num_kv_heads  # the whole model's
         self.shards = [Shard.of(whole, rank, size) for rank in range(size)]
         self.config = self.model.config  # rank 0's shape: its heads, its pool's
         self._closed = False
         self._call(dist.barrier)
+        threading.Thread(target=self._watch, name="tp-rank-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        """A rank that exits while the group is open is reported to `on_lost` at once, not
+        at the next call: an idle worker leaves as promptly as a busy one."""
+        mp.connection.wait([proc.sentinel for proc in self.ranks])
+        if self._closed or self.on_lost is None:
+            return
+        lost = [p.name for p in self.ranks if not p.is_alive()]
+        self.on_lost(RankLost(f"tensor-parallel rank lost ({', '.join(lost)}): it exited"))
 
     def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
         except RuntimeError as exc:
             lost = [p.name for p in self.ranks if not p.is_alive()]
-            raise RankLost(f"tensor-parallel rank lost ({', '.join(lost) or 'stuck'}): "
-                           f"{exc}") from exc
+            error = RankLost(f"tensor-parallel rank lost ({', '.join(lost) or 'stuck'}): "
+                             f"{exc}")
+            if self.on_lost is not None:
+                self.on_lost(error)
+            raise error from exc
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    @property
+    def backend(self) -> Any:
+        return self.model.backend
 
     def _run(self, method: str, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if self._closed:
-            raise RankLost("tensor-parallel group closed")
         pool = self.pool
         sent = ([_as_sent(a, pool) for a in args],
                 {k: _as_sent(v, pool) for k, v in kwargs.items()})
-        self._call(dist.broadcast_object_list, [(method, *sent)], src=0)
-        return self._call(getattr(self.model, method), *args, **kwargs)
+        with self._lock:
+            if self._closed:
+                raise RankLost("tensor-parallel group closed")
+            self._call(dist.broadcast_object_list, [(method, *sent)], src=0)
+            return self._call(getattr(self.model, method), *args, **kwargs)
 
     def prefill(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """`Transformer.prefill` on every rank (the pool given must be this model's)."""
@@ -193,24 +267,26 @@ class TensorParallelModel:
         return self._run("decode", *args, **kwargs)
 
     def _pool_op(self, op: str, *args: Any) -> Any:
-        if self._closed:
-            raise RankLost("tensor-parallel group closed")
-        self._call(dist.broadcast_object_list, [(op, list(args), {})], src=0)
-        return self._call(_POOL_OPS[op], self.pool, self.model.shard, *args)
+        with self._lock:
+            if self._closed:
+                raise RankLost("tensor-parallel group closed")
+            self._call(dist.broadcast_object_list, [(op, list(args), {})], src=0)
+            return self._call(_POOL_OPS[op], self.pool, self.model.shard, *args)
 
-    def read_pages(self, block_ids: list[int]) -> torch.Tensor:
-        """Every K/V head of these blocks, every layer, as one pool of the whole model holds
+    def read_pages(self, block_ids: list[int], layers: slice = slice(None)) -> torch.Tensor:
+        """Every K/V head of these blocks in `layers`, as one pool of the whole model holds
         them ([L, 2, n, block_size, Hkv, D]): each head from the first rank holding it."""
-        parts = self._pool_op("gather_pages", list(block_ids))  # [size, L, 2, n, bs, h, D]
+        parts = self._pool_op("gather_pages", list(block_ids), layers)  # [size, L, 2, n, ..]
         out = parts.new_empty((*parts.shape[1:5], self.num_kv_heads, parts.shape[-1]))
         for shard in reversed(self.shards):  # the first holder's copy written last
             out[:, :, :, :, list(shard.kv_heads)] = parts[shard.rank]
         return out
 
-    def write_pages(self, block_ids: list[int], pages: torch.Tensor) -> None:
-        """Every K/V head of these blocks ([L, 2, n, block_size, Hkv, D], the whole model's)
-        into the pools: each rank keeps its own heads."""
-        self._pool_op("scatter_pages", list(block_ids), pages)
+    def write_pages(self, block_ids: list[int], pages: torch.Tensor,
+                    layers: slice = slice(None)) -> None:
+        """Every K/V head of these blocks in `layers` ([L, 2, n, block_size, Hkv, D], the
+        whole model's) into the pools: each rank keeps its own heads."""
+        self._pool_op("scatter_pages", list(block_ids), pages, layers)
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """`KvPool.copy_blocks` on every rank's pool."""
@@ -218,9 +294,10 @@ class TensorParallelModel:
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop every rank and leave the group (also after a rank was lost)."""
-        if self._closed:
-            return
-        self._closed = True
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
         if all(p.is_alive() for p in self.ranks):
             try:
                 dist.broadcast_object_list([(_STOP, [], {})], src=0)

@@ -72,9 +72,9 @@ def span_bytes(layout: KvLayout, span: ChunkSpan) -> int:
 def pack_array(pool: KvPool, block_table: list[int], span: ChunkSpan) -> np.ndarray:
     """Copy one span of a request's pages out of the pool: a flat uint8 array, one copy
     (two from a GPU pool: the gather, then device to host)."""
-    ids = torch.tensor(block_table[span.block_start: span.block_start + span.num_blocks])
     # [layers, 2, blocks, block_size, kv_heads, head_dim]
-    pages = pool.cache[span.layer_start: span.layer_end].index_select(2, ids.to(pool.cache.device))
+    pages = pool.read_pages(block_table[span.block_start: span.block_start + span.num_blocks],
+                            slice(span.layer_start, span.layer_end))
     return pages.cpu().reshape(-1).view(torch.uint8).numpy()
 
 
@@ -112,7 +112,7 @@ def is_finite(data: bytes | np.ndarray, pool: KvPool) -> bool:
         raw = torch.frombuffer(data, dtype=torch.uint8)
     if raw.numel() == 0:
         return True
-    return pool.pages_finite(raw.view(pool.cache.dtype).view(-1, *pool.cache.shape[3:]))
+    return pool.pages_finite(raw.view(pool.cache.dtype).view(-1, *pool.page_shape))
 
 
 def unpack_into(pool: KvPool, block_table: list[int], span: ChunkSpan,
@@ -122,12 +122,9 @@ def unpack_into(pool: KvPool, block_table: list[int], span: ChunkSpan,
         warnings.simplefilter("ignore", UserWarning)  # read-only buffer: we only read it
         raw = torch.frombuffer(data, dtype=torch.uint8)
     num_layers = span.layer_end - span.layer_start
-    pages = raw.view(pool.cache.dtype).view(num_layers, 2, span.num_blocks,
-                                            *pool.cache.shape[3:])
-    ids = torch.tensor(block_table[span.block_start: span.block_start + span.num_blocks])
-    pool.cache[span.layer_start: span.layer_end, :, ids.to(pool.cache.device)] = pages.to(
-        pool.cache.device
-    )
+    pages = raw.view(pool.cache.dtype).view(num_layers, 2, span.num_blocks, *pool.page_shape)
+    pool.write_pages(block_table[span.block_start: span.block_start + span.num_blocks], pages,
+                     slice(span.layer_start, span.layer_end))
 
 
 def coverage(layout: KvLayout, num_tokens: int) -> np.ndarray:

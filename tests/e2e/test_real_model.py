@@ -138,6 +138,26 @@ def test_the_model_as_its_own_draft_serves_the_same_tokens(
         assert_alive(deployment)
 
 
+def test_split_three_ways_on_both_sides_serves_the_same_tokens(
+        prompts: list[list[int]], served: list[list[int]],
+        gguf_deployment: Deployment) -> None:
+    """The real model split over 3 ranks on each side (tensor parallelism: its 9 heads, 3
+    K/V heads and MLP 1,536 wide split only 3 ways; docs/tensor-parallel.md), without
+    speculation (not with a split worker yet), every prompt at once: the tokens the whole
+    model served (which match transformers, above)."""
+    deployment = gguf_deployment
+    flags = ["--tensor-parallel-size", "3", "--speculative-method", "off"]
+    with reconfigured(deployment, ["prefill-0", "decode-0"], flags):
+        assert {s.role: s.tensor_parallel_size for s in worker_stats(deployment)} == {
+            "prefill": 3, "decode": 3}
+        requests = [client.make_request(p, temperature=0.0, max_tokens=MAX_NEW_TOKENS)
+                    for p in prompts]
+        results = asyncio.run(client.generate_many(deployment.router_address, requests, 300))
+        assert [list(r.token_ids) for r in results] == served
+        assert_pools_clean(deployment)
+        assert_alive(deployment)
+
+
 def test_compiled_decode_serves_the_same_tokens(prompts: list[list[int]],
                                                 served: list[list[int]],
                                                 gguf_deployment: Deployment) -> None:

@@ -1,0 +1,124 @@
+"""Tensor-parallel workers through the processes (docs/tensor-parallel.md): a prefill worker
+split P ways ships K/V to a decode worker split D ways over gRPC, and greedy tokens are
+transformers' on every test prompt. A rank killed mid-stream takes its worker out; its
+requests migrate and finish token-exact, and no block leaks. Llama and Ray:
+test_tensor_parallel_llama.py and test_tensor_parallel_ray.py (modules of their own, so each
+runs with its shared deployments)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from contextlib import ExitStack
+from pathlib import Path
+
+import pytest
+
+from deploy import client
+from deploy.launcher import Deployment, Process
+from kvferry.faults import tag
+from tests.conftest import assert_pools_clean, busy_process, worker_stats
+from tests.deployments import reconfigured, respawn
+from tests.e2e.test_token_exact import _check_greedy
+
+pytestmark = pytest.mark.slow
+
+SIZES = [(1, 2), (2, 1), (2, 2)]
+SIZE_IDS = [f"{p}-{d}" for p, d in SIZES]
+
+
+def tp_flag(size: int) -> list[str]:
+    return ["--tensor-parallel-size", str(size)]
+
+
+def split_workers(deployment: Deployment, prefill: int, decode: int) -> ExitStack:
+    """prefill-0 and decode-0 restarted split `prefill` and `decode` ways (1: as they are),
+    for the duration."""
+    stack = ExitStack()
+    for name, size in (("prefill-0", prefill), ("decode-0", decode)):
+        if size > 1:
+            stack.enter_context(reconfigured(deployment, [name], tp_flag(size)))
+    return stack
+
+
+def sizes_reported(deployment: Deployment) -> dict[str, int]:
+    return {s.role: s.tensor_parallel_size for s in worker_stats(deployment)}
+
+
+@pytest.mark.parametrize("sizes", SIZES, ids=SIZE_IDS)
+def test_greedy_over_grpc_matches_transformers(sizes: tuple[int, int],
+                                               qwen3_checkpoint: Path,
+                                               qwen3_deployment: Deployment) -> None:
+    """The shared deployment's workers restarted split (P, D) ways: the token-exact
+    oracle's 20 prompts (1 to 300 tokens, up to 64 new tokens each, all at once)."""
+    with split_workers(qwen3_deployment, *sizes):
+        assert sizes_reported(qwen3_deployment) == {"prefill": sizes[0], "decode": sizes[1]}
+        _check_greedy(qwen3_checkpoint, qwen3_deployment)
+
+
+def _ranks_of(proc: Process) -> list[int]:
+    """The pids of a tensor-parallel worker's ranks 1..N-1 (processes it spawned)."""
+    children = Path(f"/proc/{proc.popen.pid}/task/{proc.popen.pid}/children")
+    pids = [int(pid) for pid in children.read_text().split()]
+    return [pid for pid in pids
+            if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
+
+
+def test_a_rank_killed_mid_stream_migrates_its_requests(
+        qwen3_checkpoint: Path, qwen3_2p2d_deployment: Deployment,
+        qwen3_deployment: Deployment) -> None:
+    """Both decode workers of the 2p2d deployment split 2 ways. Once a paced greedy stream
+    has tokens, one rank of the decode worker holding it is killed: that worker exits (its
+    other rank with it), the request migrates to the other one and finishes with exactly
+    the undisturbed tokens; the surviving pools are all free again."""
+    deployment = qwen3_2p2d_deployment
+    prompt = list(range(70, 150))
+    generate = client.make_request(prompt, max_tokens=200, ignore_eos=True, temperature=0.0)
+    generate.cache_salt = "test_tensor_parallel_workers-rank-kill"
+    undisturbed = asyncio.run(client.generate(qwen3_deployment.router_address, generate, 120))
+    with reconfigured(deployment, ["decode-0", "decode-1"], tp_flag(2)):
+        generate.request_id = "rank-kill" + tag(decode_step_delay_s=0.02)  # 4 s at least
+        got, victim, rank = _kill_a_rank_mid_stream(deployment, generate, 10)
+        assert victim.popen.wait(30) == 75  # EXIT_RANK_LOST: it left at once
+        assert _gone(rank)
+        assert got.token_ids == undisturbed.token_ids
+        assert got.finished.usage.completion_tokens == 200
+        log = (deployment.log_dir / "router.log").read_text()
+        assert "rank-kill" in log and "migrating" in log
+        log = (deployment.log_dir / f"{victim.name}.log").read_text()
+        assert "tensor-parallel rank lost" in log
+        respawn(victim.name, deployment, extra_args=tuple(tp_flag(2)))
+        assert_pools_clean(deployment)
+
+
+def _kill_a_rank_mid_stream(deployment: Deployment, request: object, after_tokens: int
+                            ) -> tuple[client.Completion, Process, int]:
+    """Stream `request`; once `after_tokens` arrived, SIGKILL rank 1 of the decode worker
+    running it. The completed stream, that worker and the rank's pid."""
+    from kvferry.rpc import grpc_util
+    from kvferry.v1 import generation_pb2_grpc
+
+    async def run() -> tuple[client.Completion, Process, int]:
+        async with grpc_util.channel(deployment.router_address) as chan:
+            stub = generation_pb2_grpc.GenerationServiceStub(chan)
+            completion, victim, rank = client.Completion(), None, 0
+            async for _, latest in client.stream(stub, request, timeout_s=120):
+                completion = latest
+                if victim is None and len(completion.token_ids) >= after_tokens:
+                    victim = await asyncio.to_thread(busy_process, deployment, "decode")
+                    assert victim is not None
+                    (rank,) = _ranks_of(victim)
+                    os.kill(rank, signal.SIGKILL)
+            assert victim is not None
+            return completion, victim, rank
+
+    return asyncio.run(run())
