@@ -16,6 +16,9 @@
 #              against the copy bandwidth and GEMM rate measured in the same run; int8/fp8 pages
 #   onelaunch  bench/bench_paged_attention.py --sections onelaunch splits: the split-K/V kernel
 #              in one launch against two, and the split count per K/V-head count
+#   tp         bench/gpu_tensor_parallel.py: tensor-parallel ranks on their own GPUs (NCCL),
+#              prefill and decode split (1,2), (2,1), (2,2) at the model level and as workers,
+#              token-exact (needs 2 GPUs)
 #   deploy     a Llama-3.1-8B-shaped disaggregated deployment (random weights, one prefill and
 #              one decode worker sharing the GPU) under `kvferry bench` at a few request rates
 #
@@ -80,6 +83,7 @@ for step in "${steps[@]}"; do
       --request-rate 4 16 64 --disable-tqdm --launch-log-dir /tmp/deploy-logs \
       --result-file "$OUT/deploy_bench.json"; rc=$?
       tar czf "$OUT/deploy_logs.tgz" -C /tmp deploy-logs; exit $rc' "$PY" ;;
+    tp) run tp 300 "$PY" bench/gpu_tensor_parallel.py --out "$OUT/tensor_parallel.json" ;;
     *) echo "unknown step $step"; failed=$((failed + 1)) ;;
   esac
 done

@@ -269,16 +269,21 @@ def build_group(settings: WorkerSettings, config, device: torch.device, dtype: t
     from kvferry.model.tp_group import RankSpec, TensorParallelModel
 
     size = settings.tensor_parallel_size
-    if device.type != "cpu":
-        raise ValueError(f"tensor_parallel_size: {size} ranks on {device.type} need NCCL "
-                         "ranks, not built yet (docs/tensor-parallel.md); use --device cpu")
+    if device.type == "cuda":  # rank r on the r-th device from the worker's (NCCL)
+        first, count = device.index or 0, torch.cuda.device_count()
+        if first + size > count:
+            raise ValueError(f"tensor_parallel_size: {size} ranks need {size} CUDA devices "
+                             f"from cuda:{first}; this machine has {count}")
+        if settings.cuda_graphs == "on":
+            log.info("decode step eager: CUDA graphs are not captured for a split worker yet")
     rank = rank_config(settings, config)  # refuses a size that does not split the model
     if settings.role in ("decode", "colocated") and settings.max_model_len is not None:
         max_model_len_for(settings, config)
     num_blocks = _num_blocks(settings, config, device, dtype)
     spec = RankSpec(str(settings.model), settings.load_format, backend_name,
                     str(dtype).removeprefix("torch."), settings.block_size, num_blocks,
-                    settings.torch_threads, None if kernel_dir is None else str(kernel_dir))
+                    settings.torch_threads, None if kernel_dir is None else str(kernel_dir),
+                    str(device))
     group = TensorParallelModel(spec, size)
     group.on_lost = _exit_on_rank_loss(group)
     log.info("%s worker split over %d ranks: %d of %d K/V heads and a pool of %d blocks "

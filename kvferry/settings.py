@@ -270,8 +270,8 @@ def _check_eviction(settings: WorkerSettings) -> None:
 def _check_tensor_parallel(settings: WorkerSettings) -> None:
     """What a tensor-parallel worker does not do yet: what would move K/V outside the
     operations every rank mirrors, or run a forward other than the group's (each refusal
-    names the flag; docs/tensor-parallel.md). --cuda-graphs is moot: ranks run on CPU only
-    yet (deploy/worker_model.build_group)."""
+    names the flag; docs/tensor-parallel.md). --cuda-graphs, on by default, is not refused:
+    a split worker's step runs eager (deploy/worker_model.build_group says so)."""
     size = settings.tensor_parallel_size
     if size < 1:
         raise ValueError(f"tensor_parallel_size: must be >= 1, got {size}")

@@ -57,6 +57,7 @@ class RankSpec:
     num_blocks: int
     torch_threads: int = 1  # 0: torch's default
     kernel_dir: str | None = None  # the C attention kernel's build cache (CPU)
+    device: str = "cpu"  # or rank 0's CUDA device: rank r runs on the r-th from it (NCCL)
 
 
 def _free_port() -> int:
@@ -65,9 +66,44 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _join(rank: int, size: int, port: int) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+def rank_device(spec: RankSpec, rank: int) -> torch.device:
+    """Where rank `rank` runs: the CPU, or the rank-th CUDA device from rank 0's."""
+    base = torch.device(spec.device)
+    if base.type != "cuda":
+        return base
+    return torch.device("cuda", (base.index or 0) + rank)
+
+
+def _join(rank: int, size: int, port: int, device: torch.device) -> None:
+    """Join the group: gloo on CPU; NCCL on CUDA, this rank's device made current first."""
+    backend = "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=size, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+
+
+def _portable(value: Any) -> Any:
+    """A call's argument as broadcast: tensors in host memory (each rank moves them to its
+    own device), lists of them likewise."""
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, list) and value and isinstance(value[0], torch.Tensor):
+        return [v.cpu() for v in value]
+    return value
+
+
+def _is_pool(value: Any) -> bool:
+    return isinstance(value, str) and value == _POOL
+
+
+def _here(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, list) and value and isinstance(value[0], torch.Tensor):
+        return [v.to(device) for v in value]
+    return value
 
 
 def _build(spec: RankSpec, rank: int, size: int, pool_type: type[KvPool] = KvPool
@@ -76,12 +112,13 @@ def _build(spec: RankSpec, rank: int, size: int, pool_type: type[KvPool] = KvPoo
     config = load_model_config(Path(spec.checkpoint), load_format=spec.load_format)
     dtype = getattr(torch, spec.dtype)
     kernel_dir = None if spec.kernel_dir is None else Path(spec.kernel_dir)
-    model = Transformer(config, get_attention_backend(spec.backend, kernel_dir), dtype,
+    device = rank_device(spec, rank)
+    model = Transformer(config, get_attention_backend(spec.backend, kernel_dir), dtype, device,
                         shard=Shard.of(config, rank, size))
     model.all_reduce = dist.all_reduce
     cfg = model.config
     pool = pool_type(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, spec.block_size,
-                     spec.num_blocks, dtype)
+                     spec.num_blocks, dtype, device)
     return model, pool, config
 
 
@@ -90,7 +127,7 @@ def _follow(rank: int, size: int, port: int, spec: RankSpec) -> None:
     told to stop or rank 0 is gone."""
     if spec.torch_threads > 0:
         torch.set_num_threads(spec.torch_threads)
-    _join(rank, size, port)
+    _join(rank, size, port, rank_device(spec, rank))
     try:
         model, pool, _ = _build(spec, rank, size)
         dist.barrier()  # built: rank 0 may call
@@ -103,8 +140,9 @@ def _follow(rank: int, size: int, port: int, spec: RankSpec) -> None:
             if method in _POOL_OPS:
                 _POOL_OPS[method](pool, model.shard, *args)
                 continue
-            args = [pool if a == _POOL else a for a in args]
-            kwargs = {k: pool if v == _POOL else v for k, v in kwargs.items()}
+            device = model.device
+            args = [pool if _is_pool(a) else _here(a, device) for a in args]
+            kwargs = {k: pool if _is_pool(v) else _here(v, device) for k, v in kwargs.items()}
             getattr(model, method)(*args, **kwargs)
     except RuntimeError:
         return  # rank 0 (or another rank) is gone: nothing to serve
@@ -177,7 +215,7 @@ def _as_sent(value: Any, pool: KvPool) -> Any:
         return _POOL
     if callable(value):
         return None  # rank 0's alone (a push's layer callback)
-    return value
+    return _portable(value)
 
 
 class TensorParallelModel:
@@ -203,7 +241,7 @@ class TensorParallelModel:
                       for rank in range(1, size)]
         for proc in self.ranks:
             proc.start()
-        _join(0, size, port)
+        _join(0, size, port, rank_device(spec, 0))
         self._lock = threading.Lock()
         self.model, pool, whole = _build(spec, 0, size, RankPool)
         assert isinstance(pool, RankPool)  # noqa: S101 - built as one
@@ -270,7 +308,8 @@ class TensorParallelModel:
         with self._lock:
             if self._closed:
                 raise RankLost("tensor-parallel group closed")
-            self._call(dist.broadcast_object_list, [(op, list(args), {})], src=0)
+            self._call(dist.broadcast_object_list, [(op, [_portable(a) for a in args], {})],
+                       src=0)
             return self._call(_POOL_OPS[op], self.pool, self.model.shard, *args)
 
     def read_pages(self, block_ids: list[int], layers: slice = slice(None)) -> torch.Tensor:
