@@ -20,7 +20,7 @@ import yaml
 
 K8S_DIR = Path(__file__).resolve().parents[2] / "k8s"
 OVERLAYS = ("gpu", "cpu-dev", "ray", "autoscale", "tls", "nixl", "nixl-gpu", "kv-tiers",
-            "planner")
+            "planner", "tensor-parallel")
 TREES = ("base", *(f"overlays/{name}" for name in OVERLAYS))
 KUBERNETES_VERSION = "1.30.0"
 

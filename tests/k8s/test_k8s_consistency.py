@@ -28,7 +28,8 @@ from kvferry.rpc import grpc_util
 REPO = K8S_DIR.parent
 SOURCE_DIRS = ("kvferry", "router", "prefill_worker", "decode_worker", "kvferry_kernels", "deploy")
 GPU_TREES = ("base", "overlays/gpu", "overlays/ray", "overlays/autoscale", "overlays/tls",
-             "overlays/nixl-gpu", "overlays/kv-tiers", "overlays/planner")
+             "overlays/nixl-gpu", "overlays/kv-tiers", "overlays/planner",
+             "overlays/tensor-parallel")
 CPU_DEV_TREES = ("overlays/cpu-dev", "overlays/nixl")  # cpu-dev's locally built images
 TLS_TREES = ("overlays/tls", "overlays/nixl-gpu")
 WORKER_COMMANDS = ("prefill-worker", "decode-worker", "colocated-worker")
@@ -174,6 +175,8 @@ def test_model_is_mounted_read_only(parsed) -> None:
 
 
 def test_workers_get_gpus_requests_equal_limits_and_shm(parsed) -> None:
+    """A GPU worker's pod holds one GPU per rank (--tensor-parallel-size: 1, or the
+    tensor-parallel overlay's sizes)."""
     for tree, found in parsed.items():
         for container, p in found:
             resources = container.spec.get("resources", {})
@@ -181,6 +184,8 @@ def test_workers_get_gpus_requests_equal_limits_and_shm(parsed) -> None:
             assert resources.get("requests", {}).get("nvidia.com/gpu") == gpus, container.name
             is_gpu_worker = tree in GPU_TREES and p.command in WORKER_COMMANDS
             assert (gpus is not None) == (is_gpu_worker and not container.is_init), container.name
+            if gpus is not None:  # one GPU per rank of the worker's model
+                assert int(gpus) == p.value("--tensor-parallel-size"), container.name
             if p.command in WORKER_COMMANDS and not container.is_init:
                 shm = next(m for m in container.spec["volumeMounts"]
                            if m["mountPath"] == "/dev/shm")

@@ -104,7 +104,8 @@ ALLOWED_CRDS: dict[tuple[str, str], CrdCheck] = {
 EXPECTED_CRD_KINDS = {"base": set(), "overlays/gpu": set(), "overlays/cpu-dev": set(),
                       "overlays/ray": {"RayCluster"}, "overlays/autoscale": {"PodMonitor"},
                       "overlays/tls": set(), "overlays/nixl": set(), "overlays/nixl-gpu": set(),
-                      "overlays/kv-tiers": set(), "overlays/planner": set()}
+                      "overlays/kv-tiers": set(), "overlays/planner": set(),
+                      "overlays/tensor-parallel": set()}
 
 
 def validate(resource: dict) -> None:
