@@ -18,8 +18,8 @@ import pytest
 from deploy import client
 from deploy.launcher import Deployment, Process
 from kvferry.faults import tag
-from tests.conftest import assert_pools_clean, busy_process, worker_stats
-from tests.deployments import reconfigured, respawn
+from tests.conftest import QWEN3_BLOCK_BYTES, assert_pools_clean, busy_process, worker_stats
+from tests.deployments import reconfigured, respawn, routed
 from tests.e2e.test_token_exact import _check_greedy
 
 pytestmark = pytest.mark.slow
@@ -55,6 +55,45 @@ def test_greedy_over_grpc_matches_transformers(sizes: tuple[int, int],
     with split_workers(qwen3_deployment, *sizes):
         assert sizes_reported(qwen3_deployment) == {"prefill": sizes[0], "decode": sizes[1]}
         _check_greedy(qwen3_checkpoint, qwen3_deployment)
+
+
+def test_preemption_swaps_pages_out_and_in_through_every_rank(
+        qwen3_tiny_deployment: Deployment, qwen3_deployment: Deployment) -> None:
+    """The tiny deployment's decode worker split 2 ways with a pool of 12 (half-size)
+    blocks, behind a round-robin router that sends requests whatever its headroom: it must
+    preempt, swapping each victim's pages out of every rank and back. Eight greedy requests
+    still give the tokens of the roomy deployment."""
+    deployment = qwen3_tiny_deployment
+    pool = ["--kv-pool-size", f"{12 * QWEN3_BLOCK_BYTES // 2}B"]
+    requests = [client.make_request(list(range(10 + i, 30 + i)), temperature=0.0,
+                                    max_tokens=40 + 5 * i, ignore_eos=True) for i in range(8)]
+    roomy = asyncio.run(client.generate_many(qwen3_deployment.router_address, requests, 300))
+    with reconfigured(deployment, ["decode-0"], [*tp_flag(2), *pool]), \
+            routed(deployment, "router-tp-round-robin", ["--policy", "round_robin"]) as view:
+        (decode,) = [s for s in worker_stats(view) if s.role == "decode"]
+        assert (decode.tensor_parallel_size, decode.total_blocks) == (2, 12)
+        squeezed = asyncio.run(client.generate_many(view.router_address, requests, 300))
+        assert [c.token_ids for c in squeezed] == [c.token_ids for c in roomy]
+        (decode,) = [s for s in worker_stats(view) if s.role == "decode"]
+        assert decode.num_preemptions > 0
+        assert_pools_clean(view)
+
+
+def test_parallel_samples_fork_their_blocks_on_every_rank(
+        qwen3_deployment: Deployment) -> None:
+    """n = 4 seeded samples of one prompt: the decode worker forks the prompt's blocks for
+    each (the last, partial one copied: `copy_blocks` on every rank). Split (2, 2), each
+    sample's tokens are those the whole-model workers give."""
+    prompt = list(range(100, 400))  # 18.75 blocks: a partial last block to copy
+    request = client.make_request(prompt, max_tokens=20, seed=77, n=4, temperature=0.9,
+                                  ignore_eos=True)
+    whole = asyncio.run(client.generate_samples(qwen3_deployment.router_address, request, 120))
+    assert len({tuple(s.token_ids) for s in whole}) > 1  # the samples differ
+    with split_workers(qwen3_deployment, 2, 2):
+        split = asyncio.run(client.generate_samples(qwen3_deployment.router_address, request,
+                                                    120))
+        assert [s.token_ids for s in split] == [s.token_ids for s in whole]
+        assert_pools_clean(qwen3_deployment)
 
 
 def _ranks_of(proc: Process) -> list[int]:
