@@ -284,7 +284,6 @@ def _check_tensor_parallel(settings: WorkerSettings) -> None:
         ("kv_cache_dtype", settings.kv_cache_dtype != KV_CACHE_DTYPES[0],
          "--kv-cache-dtype auto"),
         ("decode_stage_mib", bool(settings.decode_stage_mib), "--decode-stage-mib 0"),
-        ("kv_transport", settings.kv_transport == "nixl", "--kv-transport grpc or ray"),
     ]
     for name, is_set, instead in refused:
         if is_set:

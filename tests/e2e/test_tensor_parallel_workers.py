@@ -1,9 +1,9 @@
 """Tensor-parallel workers through the processes (docs/tensor-parallel.md): a prefill worker
 split P ways ships K/V to a decode worker split D ways over gRPC, and greedy tokens are
 transformers' on every test prompt. A rank killed mid-stream takes its worker out; its
-requests migrate and finish token-exact, and no block leaks. Llama and Ray:
-test_tensor_parallel_llama.py and test_tensor_parallel_ray.py (modules of their own, so each
-runs with its shared deployments)."""
+requests migrate and finish token-exact, and no block leaks. Llama, NIXL and Ray:
+test_tensor_parallel_llama.py, test_tensor_parallel_nixl.py and test_tensor_parallel_ray.py
+(modules of their own, so each runs with its shared deployments)."""
 
 from __future__ import annotations
 
@@ -32,13 +32,14 @@ def tp_flag(size: int) -> list[str]:
     return ["--tensor-parallel-size", str(size)]
 
 
-def split_workers(deployment: Deployment, prefill: int, decode: int) -> ExitStack:
-    """prefill-0 and decode-0 restarted split `prefill` and `decode` ways (1: as they are),
-    for the duration."""
+def split_workers(deployment: Deployment, prefill: int, decode: int,
+                  extra: tuple[str, ...] = ()) -> ExitStack:
+    """prefill-0 and decode-0 restarted split `prefill` and `decode` ways (1: as they are;
+    `extra`: more flags for a split one), for the duration."""
     stack = ExitStack()
     for name, size in (("prefill-0", prefill), ("decode-0", decode)):
         if size > 1:
-            stack.enter_context(reconfigured(deployment, [name], tp_flag(size)))
+            stack.enter_context(reconfigured(deployment, [name], [*tp_flag(size), *extra]))
     return stack
 
 

@@ -213,12 +213,20 @@ def span_ids(block_table: list[int], span: ChunkSpan) -> list[int]:
 def crc32_pages(pool: KvPool, block_table: list[int], span: ChunkSpan) -> int:
     """CRC-32C of the span's pages in wire order (equal to wire.crc32(wire.pack_array(...))),
     read in place. The crc32c library releases the GIL on large buffers."""
+    return crc32_blocks(pool, span_ids(block_table, span), span)
+
+
+def crc32_blocks(pool: KvPool, ids: list[int], span: ChunkSpan) -> int:
+    """`crc32_pages` of the span's pages in blocks `ids` (its logical blocks, in order)."""
     crc = 0
-    for region in _regions(pool, span_ids(block_table, span), span):
+    for region in _regions(pool, ids, span):
         crc = crc32c.crc32c(region.cpu().reshape(-1).view(torch.uint8).numpy(), crc)
     return crc
 
 
 def pages_finite(pool: KvPool, block_table: list[int], span: ChunkSpan) -> bool:
-    return all(pool.pages_finite(region)
-               for region in _regions(pool, span_ids(block_table, span), span))
+    return blocks_finite(pool, span_ids(block_table, span), span)
+
+
+def blocks_finite(pool: KvPool, ids: list[int], span: ChunkSpan) -> bool:
+    return all(pool.pages_finite(region) for region in _regions(pool, ids, span))

@@ -30,7 +30,6 @@ from typing import Any, NamedTuple
 
 import grpc
 import numpy as np
-import torch
 
 from kvferry import logs
 from kvferry.cache.layout import KvLayout, blocks_for_tokens
@@ -40,6 +39,7 @@ from kvferry.rpc import convert, grpc_util
 from kvferry.transfer import wire
 from kvferry.transfer.nixl import agent as nixl_agent
 from kvferry.transfer.nixl import pages as nixl_pages
+from kvferry.transfer.nixl import staging
 from kvferry.transfer.sink import KvSink
 from kvferry.v1 import worker_pb2
 
@@ -93,10 +93,14 @@ class NixlPuller:
         before = nixl_pages.thread_ids()
         self._owns_agent = agent is None  # then `close` closes it
         self.agent = agent if agent is not None else nixl_pages.make_agent("decode")
-        self._reg = nixl_agent.register(self.agent, pool.cache)
+        # READs land in the pool itself, or for a tensor-parallel worker's in whole-page
+        # staging, written into the ranks once checked (kvferry/transfer/nixl/staging.py)
+        self.staging = staging.staging_for(pool)
+        self.landing = landing = self.staging or pool
+        self._reg = nixl_agent.register(self.agent, landing.cache)
         nixl_pages.name_transfer_threads(nixl_pages.thread_ids() - before)
-        self.local = nixl_pages.PoolMemory.of(pool)
-        self._page = nixl_pages.page_bytes(pool)
+        self.local = nixl_pages.PoolMemory.of(landing)
+        self._page = nixl_pages.page_bytes(landing)
         self._peers: OrderedDict[str, None] = OrderedDict()  # loaded agents, LRU first
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="kvferry-nixl-read",
                                           initializer=nixl_pages.name_this_thread)
@@ -166,16 +170,18 @@ class NixlPuller:
         if target.received[rows, cols].any() or pull.claimed[rows, cols].any():
             raise InvalidArgument("group overlaps pages already received", "block_start")
         pull.claimed[rows, cols] = True
-        table = target.block_table
-        dest = nixl_pages.span_ids(table, span)
+        dest = nixl_pages.span_ids(target.block_table, span)
         self.pool.allocator.incref(dest)  # the fence: see the module docstring
         self.num_fenced_blocks += len(dest)
+        # where the READ lands: the fenced blocks, or as many staging blocks (never short:
+        # no more are in flight than the pool has)
+        landed = dest if self.staging is None else self.staging.allocator.alloc(len(dest))
         loop = asyncio.get_running_loop()
         over: asyncio.Future[None] = loop.create_future()  # the fence has dropped
         self._in_flight.setdefault(pull.request_id, set()).add(over)
-        reading = self._reader.submit(self._read_group, pull, table, span)
-        reading.add_done_callback(
-            lambda done: self._after_read(loop, done, dest, pull.request_id, over))
+        reading = self._reader.submit(self._read_group, pull, span, landed, dest)
+        reading.add_done_callback(lambda done: self._after_read(
+            loop, done, dest, pull.request_id, over, landed))
         try:
             checking = await asyncio.wrap_future(reading)
             landed = await asyncio.wrap_future(checking)
@@ -196,7 +202,8 @@ class NixlPuller:
             await asyncio.wait(set(pending))
 
     def _after_read(self, loop: asyncio.AbstractEventLoop, done: Future[Any],
-                    dest: list[int], request_id: str, over: asyncio.Future[None]) -> None:
+                    dest: list[int], request_id: str, over: asyncio.Future[None],
+                    landed: list[int]) -> None:
         """Runs on a puller thread when a READ ends: drop the fence once its check ends
         too (the check zeroes a bad group's pages), on the loop."""
         if not done.cancelled() and isinstance(done.exception(), nixl_pages.ReadNotReleased):
@@ -204,14 +211,17 @@ class NixlPuller:
             _call(loop, self._count_leak, len(dest))
             return
         if done.cancelled() or done.exception() is not None:
-            _call(loop, self._release, dest, request_id, over)
+            _call(loop, self._release, dest, request_id, over, landed)
             return
         done.result().add_done_callback(
-            lambda _: _call(loop, self._release, dest, request_id, over))
+            lambda _: _call(loop, self._release, dest, request_id, over, landed))
 
-    def _release(self, dest: list[int], request_id: str, over: asyncio.Future[None]) -> None:
+    def _release(self, dest: list[int], request_id: str, over: asyncio.Future[None],
+                 landed: list[int]) -> None:
         self.num_fenced_blocks -= len(dest)
         self.pool.allocator.free(dest)
+        if self.staging is not None:
+            self.staging.allocator.free(landed)
         over.set_result(None)
         pending = self._in_flight[request_id]
         pending.discard(over)
@@ -231,31 +241,37 @@ class NixlPuller:
         finally:
             nixl_pages.name_transfer_threads(nixl_pages.thread_ids() - before)
 
-    def _read_group(self, pull: Pull, table: list[int], span: wire.ChunkSpan
-                    ) -> Future[int | KvferryError]:
-        """On the NIXL thread: READ the span's pages, then queue their check on the check
-        thread. Returns the check's future (done at once, with the error, when the READ
-        failed: its pages are zeroed)."""
+    def _read_group(self, pull: Pull, span: wire.ChunkSpan, landed: list[int],
+                    dest: list[int]) -> Future[int | KvferryError]:
+        """On the NIXL thread: READ the span's pages into blocks `landed` (the pool's
+        `dest`, or staging blocks), then queue their check on the check thread. Returns the
+        check's future (done at once, with the error, when the READ failed: its pages are
+        zeroed)."""
         local, remote = nixl_pages.descriptors(
-            self.local, nixl_pages.span_ids(table, span), pull.remote,
-            nixl_pages.span_ids(pull.remote_table, span), span, self._page)
+            self.local, landed, pull.remote, nixl_pages.span_ids(pull.remote_table, span),
+            span, self._page)
         try:
             self._read(pull, local, remote)
         except KvferryError as exc:
-            self._zero(table, span)
+            staging.zero(self.landing, landed, span)
             failed: Future[int | KvferryError] = Future()
             failed.set_result(exc)
             return failed
-        return self._checker.submit(self._check, table, span)
+        return self._checker.submit(self._check, span, landed, dest)
 
-    def _check(self, table: list[int], span: wire.ChunkSpan) -> int | KvferryError:
+    def _check(self, span: wire.ChunkSpan, landed: list[int], dest: list[int]
+               ) -> int | KvferryError:
         """On the check thread: the CRC-32C of the pages where they landed, or the error
-        when they are not all finite (then they are zeroed)."""
-        if not nixl_pages.pages_finite(self.pool, table, span):
-            self._zero(table, span)
+        when they are not all finite (then they are zeroed). Staged pages that pass are
+        written into the pool's `dest` blocks, on every rank."""
+        if not nixl_pages.blocks_finite(self.landing, landed, span):
+            staging.zero(self.landing, landed, span)
             return DataLoss("group holds non-finite K/V (inf or NaN, or a scale that "
                             "dequantizes to inf); zeroed", "data")
-        return nixl_pages.crc32_pages(self.pool, table, span)
+        crc = nixl_pages.crc32_blocks(self.landing, landed, span)
+        if self.staging is not None:
+            staging.unstage(self.staging, landed, self.pool, dest, span)
+        return crc
 
     def _read(self, pull: Pull, local: Any, remote: Any) -> None:
         delay_s = self.faults.for_request(pull.request_id).nixl_read_delay_s
@@ -267,10 +283,6 @@ class NixlPuller:
                                 pull.peer, self.read_timeout_s)
         if state != "DONE":
             raise Unavailable(f"NIXL read from {pull.peer} ended {state}", "data")
-
-    def _zero(self, table: list[int], span: wire.ChunkSpan) -> None:
-        ids = torch.tensor(nixl_pages.span_ids(table, span), device=self.pool.cache.device)
-        self.pool.cache[span.layer_start: span.layer_end, :, ids] = 0
 
     def close(self) -> None:
         """Stop the threads (a READ in flight ends first), then close the agent if this

@@ -39,7 +39,8 @@ from kvferry.transfer.grpc import chunk_codec
 from kvferry.transfer.grpc.send import GrpcKvSender, Progress
 from kvferry.transfer.nixl import agent as nixl_agent
 from kvferry.transfer.nixl import pages as nixl_pages
-from kvferry.transfer.sender import DraftPush, LayersReady
+from kvferry.transfer.nixl import staging
+from kvferry.transfer.sender import DraftPush, LayersReady, PushResult
 from kvferry.v1 import worker_pb2
 
 log = logging.getLogger("kvferry.transport")
@@ -66,6 +67,11 @@ class NixlKvSender(GrpcKvSender):
         self.agent = agent if agent is not None else nixl_pages.make_agent("prefill")
         self._registered: dict[int, tuple[Any, nixl_pages.PoolMemory]] = {}
         self._metadata = b""
+        # A tensor-parallel worker's pool is read through whole-page staging, registered in
+        # its place (kvferry/transfer/nixl/staging.py): by the pool's id, and each push's
+        # staging blocks by request.
+        self._staging: dict[int, KvPool | None] = {}
+        self._staged: dict[str, list[int]] = {}
 
     def register(self, pool: KvPool) -> nixl_pages.PoolMemory:
         """Register `pool` with the agent (once): remote agents may then read it."""
@@ -84,6 +90,27 @@ class NixlKvSender(GrpcKvSender):
         await super().close()
         if self._owns_agent:
             nixl_agent.close(self.agent)
+
+    def _staging_of(self, pool: KvPool) -> KvPool | None:
+        if id(pool) not in self._staging:
+            self._staging[id(pool)] = staging.staging_for(pool)
+        return self._staging[id(pool)]
+
+    async def push(self, address: str, request_id: str, layout: KvLayout, num_tokens: int,
+                   pool: KvPool, block_table: list[int], *args: Any, **kwargs: Any
+                   ) -> PushResult:
+        """`GrpcKvSender.push`; a tensor-parallel worker's pages go through staging blocks
+        held for the push (every resend included)."""
+        stage = self._staging_of(pool)
+        if stage is None:
+            return await super().push(address, request_id, layout, num_tokens, pool,
+                                      block_table, *args, **kwargs)
+        self._staged[request_id] = stage.allocator.alloc(len(block_table))
+        try:
+            return await super().push(address, request_id, layout, num_tokens, pool,
+                                      block_table, *args, **kwargs)
+        finally:
+            stage.allocator.free(self._staged.pop(request_id))
 
     def _push_kv(self, address: str) -> grpc.aio.StreamUnaryMultiCallable:
         return self._channel(address).stream_unary(
@@ -105,21 +132,28 @@ class NixlKvSender(GrpcKvSender):
         if draft is not None:
             raise InvalidArgument("the nixl K/V transport carries no draft pages; use "
                                   "--speculative-draft-kv recompute", "speculative_draft_kv")
-        memory = self.register(pool)
+        stage = self._staging_of(pool)
+        # what the decode worker reads: the pool, or this push's staging blocks
+        source, table = ((pool, block_table) if stage is None
+                         else (stage, self._staged[request_id]))
+        memory = self.register(source)
         yield worker_pb2.KvPullMessage(begin=worker_pb2.KvPullBegin(
             request_id=request_id, layout=convert.layout_to_proto(layout),
             num_tokens=num_tokens, agent_name=self.agent.name, agent_metadata=self._metadata,
             pool_address=memory.address, pool_blocks=memory.num_blocks,
             memory_type=memory.memory_type, device_id=memory.device_id,
-            block_table=block_table))
+            block_table=table))
         chunk_delay_s = self.faults.for_request(request_id).push_chunk_delay_s
         async for i, span in self._ready_spans(spans, ready, progress, chunk_delay_s):
+            if stage is not None:  # the group's pages gathered from the ranks first
+                await asyncio.to_thread(staging.stage, pool, nixl_pages.span_ids(
+                    block_table, span), stage, nixl_pages.span_ids(table, span), span)
             progress.sent += wire.span_bytes(layout, span)
             yield worker_pb2.KvPullMessage(group=worker_pb2.KvPullGroup(
                 layer_start=span.layer_start, layer_end=span.layer_end,
                 block_start=span.block_start, num_blocks=span.num_blocks))
             # The decode worker READs the group meanwhile: both only read these pages.
-            crc = await asyncio.to_thread(nixl_pages.crc32_pages, pool, block_table, span)
+            crc = await asyncio.to_thread(nixl_pages.crc32_pages, source, table, span)
             if corrupt and i == 0:
                 crc ^= 0xFFFFFFFF  # fault injection: the pages no longer match their checksum
             yield worker_pb2.KvPullMessage(checksum=worker_pb2.KvPullChecksum(group=i,
