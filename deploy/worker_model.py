@@ -42,6 +42,7 @@ log = logging.getLogger("kvferry.worker")
 
 EXIT_RANK_LOST = 75  # a tensor-parallel worker's rank died (EX_TEMPFAIL: restart it)
 
+
 def tune_malloc() -> None:
     """Keep freed tensor memory in glibc's heap instead of returning it to the OS.
 
@@ -283,7 +284,7 @@ def build_group(settings: WorkerSettings, config, device: torch.device, dtype: t
     spec = RankSpec(str(settings.model), settings.load_format, backend_name,
                     str(dtype).removeprefix("torch."), settings.block_size, num_blocks,
                     settings.torch_threads, None if kernel_dir is None else str(kernel_dir),
-                    str(device))
+                    str(device), settings.role != "prefill" and settings.speculative.is_on)
     group = TensorParallelModel(spec, size)
     group.on_lost = _exit_on_rank_loss(group)
     log.info("%s worker split over %d ranks: %d of %d K/V heads and a pool of %d blocks "

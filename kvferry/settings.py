@@ -277,7 +277,6 @@ def _check_tensor_parallel(settings: WorkerSettings) -> None:
         raise ValueError(f"tensor_parallel_size: must be >= 1, got {size}")
     refused = [
         ("compile", settings.compile != COMPILE_MODES[0], "--compile off"),
-        ("speculative_method", settings.speculative.is_on, "--speculative-method off"),
         ("kv_eviction", settings.kv_eviction.is_on, "no --kv-eviction"),
         ("kv_host_cache_size", settings.tiers.host_cache_size is not None,
          "no K/V tiers"),

@@ -242,7 +242,10 @@ class PrefillEngine:
                          request_id, len(prompt), pushed.num_bytes, pushed.seconds * 1e3)
                 yield PushedEvent(pushed.seconds, pushed.num_bytes)
         finally:
-            await self._end(request_id, job, push, parked, draft)
+            # The cleanup runs to its end even if this task is cancelled again meanwhile
+            # (a stream cancelled while it already unwinds): else its blocks would leak.
+            ending = asyncio.ensure_future(self._end(request_id, job, push, parked, draft))
+            await asyncio.shield(ending)
 
     def _push(self, address: str, job: PrefillJob, timeout_s: float | None,
               **options: object) -> asyncio.Future[PushResult]:

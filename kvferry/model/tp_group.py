@@ -1,18 +1,21 @@
 """A tensor-parallel worker's ranks (docs/tensor-parallel.md): the worker's process is rank 0
 and starts ranks 1..N-1 as processes of its own, joined in a torch.distributed group (gloo on
-CPU). Each rank holds its shard of the model (kvferry/model/tensor_parallel.py) and a pool of
-its own K/V heads, with the same blocks: block ids mean the same tokens on every rank, so only
-rank 0 allocates.
+CPU, NCCL on CUDA with one device per rank). Each rank holds its shard of the model
+(kvferry/model/tensor_parallel.py) and a pool of its own K/V heads, with the same blocks:
+block ids mean the same tokens on every rank, so only rank 0 allocates.
 
 `TensorParallelModel` stands where a `Transformer` does for `prefill` and `decode`: each call
 is broadcast to the other ranks (its tensors and numbers; the pool named, each rank using its
 own; callbacks are rank 0's alone), then run on rank 0's shard, the ranks meeting in its
 all-reduces. The pool's data outside a forward moves the same way: `read_pages` gathers every
 K/V head of some blocks from the ranks (what a push sends), `write_pages` gives each rank its
-heads of whole pages (what a receive writes), `copy_blocks` copies on every rank.
+heads of whole pages (what a receive writes), `copy_blocks` copies on every rank. Rank 0's
+pool (`RankPool`) routes engines' and transports' page reads, writes and copies through
+these, so they need not know the model is split.
 
-A rank that is gone fails the call with `RankLost`, at once where its connection closed;
-the worker is then to report NOT_SERVING, and the router migrates its requests.
+A rank that is gone fails the call with `RankLost`, at once where its connection closed, and
+`on_lost` hears of it (also from a thread watching the ranks while idle): a worker then exits
+(deploy/worker_model.py), and the router migrates its requests.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ class RankSpec:
     torch_threads: int = 1  # 0: torch's default
     kernel_dir: str | None = None  # the C attention kernel's build cache (CPU)
     device: str = "cpu"  # or rank 0's CUDA device: rank r runs on the r-th from it (NCCL)
+    query_runs: bool = False  # decode steps verify speculated runs (Transformer.query_runs)
 
 
 def _free_port() -> int:
@@ -116,6 +120,7 @@ def _build(spec: RankSpec, rank: int, size: int, pool_type: type[KvPool] = KvPoo
     model = Transformer(config, get_attention_backend(spec.backend, kernel_dir), dtype, device,
                         shard=Shard.of(config, rank, size))
     model.all_reduce = dist.all_reduce
+    model.query_runs = spec.query_runs
     cfg = model.config
     pool = pool_type(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, spec.block_size,
                      spec.num_blocks, dtype, device)
@@ -285,6 +290,10 @@ class TensorParallelModel:
     @property
     def backend(self) -> Any:
         return self.model.backend
+
+    @property
+    def query_runs(self) -> bool:
+        return self.model.query_runs
 
     def _run(self, method: str, *args: Any, **kwargs: Any) -> torch.Tensor:
         pool = self.pool

@@ -47,14 +47,12 @@ def test_what_a_split_worker_does_not_do_yet_is_refused_by_name(field: str, valu
     WorkerSettings(role="decode", model="m", **{field: value})  # alone: fine
 
 
-def test_speculation_eviction_and_tiers_are_refused_with_a_split_worker() -> None:
+def test_eviction_and_tiers_are_refused_with_a_split_worker() -> None:
     args = build_parser().parse_args(["decode-worker", "--model", "m",
                                       "--tensor-parallel-size", "2"])
     settings = worker_settings(args)
     assert settings.tensor_parallel_size == 2
     for changed, named in [
-        ({"speculative": dataclasses.replace(settings.speculative, method="ngram")},
-         "speculative_method"),
         ({"kv_eviction": worker_settings(build_parser().parse_args(
             ["decode-worker", "--model", "m", "--kv-eviction", "streaming"])).kv_eviction},
          "kv_eviction"),

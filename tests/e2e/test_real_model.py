@@ -138,15 +138,17 @@ def test_the_model_as_its_own_draft_serves_the_same_tokens(
         assert_alive(deployment)
 
 
+@pytest.mark.parametrize("transport", ["grpc", "nixl"])
 def test_split_three_ways_on_both_sides_serves_the_same_tokens(
-        prompts: list[list[int]], served: list[list[int]],
+        transport: str, prompts: list[list[int]], served: list[list[int]],
         gguf_deployment: Deployment) -> None:
     """The real model split over 3 ranks on each side (tensor parallelism: its 9 heads, 3
-    K/V heads and MLP 1,536 wide split only 3 ways; docs/tensor-parallel.md), without
-    speculation (not with a split worker yet), every prompt at once: the tokens the whole
-    model served (which match transformers, above)."""
+    K/V heads and MLP 1,536 wide split only 3 ways; docs/tensor-parallel.md), speculating
+    (n-gram) as the deployment does, pages over gRPC or NIXL, every prompt at once: the
+    tokens the whole model served (which match transformers, above). Over Ray:
+    tests/e2e/test_tensor_parallel_ray.py."""
     deployment = gguf_deployment
-    flags = ["--tensor-parallel-size", "3", "--speculative-method", "off"]
+    flags = ["--tensor-parallel-size", "3", "--kv-transport", transport]
     with reconfigured(deployment, ["prefill-0", "decode-0"], flags):
         assert {s.role: s.tensor_parallel_size for s in worker_stats(deployment)} == {
             "prefill": 3, "decode": 3}

@@ -21,17 +21,14 @@ from tests.e2e.test_token_exact import _check_greedy
 
 pytestmark = pytest.mark.slow
 
-# The shared NIXL deployment's workers speculate, which a split worker does not do yet.
-NO_SPECULATION = ("--speculative-method", "off")
-
-
 @pytest.mark.parametrize("sizes", SIZES, ids=SIZE_IDS)
 def test_greedy_over_nixl_matches_transformers(sizes: tuple[int, int], qwen3_checkpoint: Path,
                                                qwen3_nixl_deployment: Deployment) -> None:
     """prefill-0 and decode-0 of the shared NIXL deployment split (P, D) ways, behind a
-    router of their own (the deployment's router would also use the other pair)."""
+    router of their own (the deployment's router would also use the other pair); its decode
+    workers speculate (n-gram drafts) too."""
     deployment = qwen3_nixl_deployment
-    with split_workers(deployment, *sizes, extra=NO_SPECULATION), \
+    with split_workers(deployment, *sizes), \
             routed(deployment, "router-tp-nixl", [], only=["prefill-0", "decode-0"]) as view:
         assert sizes_reported(view) == {"prefill": sizes[0], "decode": sizes[1]}
         _check_greedy(qwen3_checkpoint, view)

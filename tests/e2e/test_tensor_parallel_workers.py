@@ -20,7 +20,7 @@ from deploy.launcher import Deployment, Process
 from kvferry.faults import tag
 from tests.conftest import QWEN3_BLOCK_BYTES, assert_pools_clean, busy_process, worker_stats
 from tests.deployments import reconfigured, respawn, routed
-from tests.e2e.test_token_exact import _check_greedy
+from tests.e2e.test_token_exact import _check_greedy, _generate_all, _reference
 
 pytestmark = pytest.mark.slow
 
@@ -56,6 +56,27 @@ def test_greedy_over_grpc_matches_transformers(sizes: tuple[int, int],
     with split_workers(qwen3_deployment, *sizes):
         assert sizes_reported(qwen3_deployment) == {"prefill": sizes[0], "decode": sizes[1]}
         _check_greedy(qwen3_checkpoint, qwen3_deployment)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculative_decoding_on_split_workers_matches_transformers(
+        method: str, qwen3_checkpoint: Path, draft_checkpoint: Path,
+        qwen3_deployment: Deployment) -> None:
+    """Both sides split 2 ways, the decode worker speculating: n-gram drafts, or a draft
+    model (whole, on rank 0; the prefill worker builds and ships its prompt K/V) whose
+    drafts the split target verifies and rolls back. The oracle's prompts, all at once:
+    transformers' greedy tokens, and drafts were made and some accepted."""
+    flags = ["--speculative-method", method, "--num-speculative-tokens", "3"]
+    if method == "draft":
+        flags += ["--speculative-model", str(draft_checkpoint)]
+    with split_workers(qwen3_deployment, 2, 2, extra=tuple(flags)):
+        done = _generate_all(qwen3_checkpoint, qwen3_deployment)
+        for prompt, limit, got in done:
+            assert got.token_ids == _reference(qwen3_checkpoint, prompt, limit), len(prompt)
+        usage = [got.finished.usage for _, _, got in done]
+        assert sum(u.num_accepted_tokens for u in usage) > 0
+        assert sum(u.num_draft_tokens for u in usage) > 0
+        assert_pools_clean(qwen3_deployment)
 
 
 def test_preemption_swaps_pages_out_and_in_through_every_rank(

@@ -69,9 +69,9 @@ class NixlKvSender(GrpcKvSender):
         self._metadata = b""
         # A tensor-parallel worker's pool is read through whole-page staging, registered in
         # its place (kvferry/transfer/nixl/staging.py): by the pool's id, and each push's
-        # staging blocks by request.
+        # staging blocks by its block table's (unique among the pushes in flight).
         self._staging: dict[int, KvPool | None] = {}
-        self._staged: dict[str, list[int]] = {}
+        self._staged: dict[int, list[int]] = {}
 
     def register(self, pool: KvPool) -> nixl_pages.PoolMemory:
         """Register `pool` with the agent (once): remote agents may then read it."""
@@ -105,12 +105,12 @@ class NixlKvSender(GrpcKvSender):
         if stage is None:
             return await super().push(address, request_id, layout, num_tokens, pool,
                                       block_table, *args, **kwargs)
-        self._staged[request_id] = stage.allocator.alloc(len(block_table))
+        self._staged[id(block_table)] = stage.allocator.alloc(len(block_table))
         try:
             return await super().push(address, request_id, layout, num_tokens, pool,
                                       block_table, *args, **kwargs)
         finally:
-            stage.allocator.free(self._staged.pop(request_id))
+            stage.allocator.free(self._staged.pop(id(block_table)))
 
     def _push_kv(self, address: str) -> grpc.aio.StreamUnaryMultiCallable:
         return self._channel(address).stream_unary(
@@ -135,7 +135,7 @@ class NixlKvSender(GrpcKvSender):
         stage = self._staging_of(pool)
         # what the decode worker reads: the pool, or this push's staging blocks
         source, table = ((pool, block_table) if stage is None
-                         else (stage, self._staged[request_id]))
+                         else (stage, self._staged[id(block_table)]))
         memory = self.register(source)
         yield worker_pb2.KvPullMessage(begin=worker_pb2.KvPullBegin(
             request_id=request_id, layout=convert.layout_to_proto(layout),
