@@ -284,7 +284,8 @@ def build_group(settings: WorkerSettings, config, device: torch.device, dtype: t
     spec = RankSpec(str(settings.model), settings.load_format, backend_name,
                     str(dtype).removeprefix("torch."), settings.block_size, num_blocks,
                     settings.torch_threads, None if kernel_dir is None else str(kernel_dir),
-                    str(device), settings.role != "prefill" and settings.speculative.is_on)
+                    str(device), settings.role != "prefill" and settings.speculative.is_on,
+                    settings.kv_cache_dtype, settings.prefix_caching)
     group = TensorParallelModel(spec, size)
     group.on_lost = _exit_on_rank_loss(group)
     log.info("%s worker split over %d ranks: %d of %d K/V heads and a pool of %d blocks "

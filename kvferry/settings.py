@@ -280,8 +280,6 @@ def _check_tensor_parallel(settings: WorkerSettings) -> None:
         ("kv_eviction", settings.kv_eviction.is_on, "no --kv-eviction"),
         ("kv_host_cache_size", settings.tiers.host_cache_size is not None,
          "no K/V tiers"),
-        ("kv_cache_dtype", settings.kv_cache_dtype != KV_CACHE_DTYPES[0],
-         "--kv-cache-dtype auto"),
         ("decode_stage_mib", bool(settings.decode_stage_mib), "--decode-stage-mib 0"),
     ]
     for name, is_set, instead in refused:

@@ -111,6 +111,12 @@ def _until_router_takes(deployment: Deployment, workers: list[Process]) -> None:
     until_sync(takes_them, f"{router.name} counts {[p.name for p in workers]} healthy")
 
 
+def until_router_takes(deployment: Deployment, names: list[str]) -> None:
+    """Until the deployment's router counts workers `names` healthy (`reconfigured` does not
+    wait for it: its flags may give a worker a layout the router refuses)."""
+    _until_router_takes(deployment, [p for p in deployment.processes if p.name in names])
+
+
 @contextmanager
 def reconfigured(deployment: Deployment, names: list[str], extra_args: list[str],
                  extra_env: dict[str, str] | None = None, restore: bool = True

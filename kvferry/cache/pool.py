@@ -77,9 +77,10 @@ class KvPool:
         """Bytes of one layer's K (or V) for one block."""
         return self.cache[0, 0, 0].numel() * self.cache.element_size()
 
-    def _split(self, pages: torch.Tensor) -> QuantPages:
-        return kv_quant.split_pages(pages, self.block_size, self.num_kv_heads, self.head_dim,
-                                    self.kv_cache_dtype)
+    def _split(self, pages: torch.Tensor, num_kv_heads: int | None = None) -> QuantPages:
+        """Typed views of quantized byte pages of this pool's heads (or `num_kv_heads`)."""
+        return kv_quant.split_pages(pages, self.block_size, num_kv_heads or self.num_kv_heads,
+                                    self.head_dim, self.kv_cache_dtype)
 
     def k_cache(self, layer: int) -> torch.Tensor | QuantPages:
         """[num_blocks, block_size, kv_heads, D], or its quantized pages (values + scales)."""
@@ -96,13 +97,13 @@ class KvPool:
         return kv_quant.dequantize_pages(self._split(pages), self.dtype)
 
     def pages_finite(self, pages: torch.Tensor) -> bool:
-        """No inf or NaN in pages of `cache` ([..., blocks, *page]): in the values (floating
+        """No inf or NaN in whole pages ([..., blocks, *page_shape]): in the values (floating
         dtypes; fp8 e4m3 has NaN but no inf) and in a quantized page's scales, and no scale
         whose codes dequantize past `dtype`'s range (`kv_quant.max_scale`: finite, but it
         reads back as inf)."""
         if not self.is_quantized:
             return not pages.dtype.is_floating_point or all_finite(pages)
-        q = self._split(pages)
+        q = self._split(pages, self.whole_kv_heads)
         if q.scale.numel():
             low, high = torch.aminmax(q.scale)  # NaN propagates; inf fails the bound
             bound = kv_quant.max_scale(self.kv_cache_dtype, self.dtype)

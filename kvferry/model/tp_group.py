@@ -37,6 +37,7 @@ from kvferry.cache.pool import KvPool
 from kvferry.model.config import ModelConfig, load_model_config
 from kvferry.model.tensor_parallel import Shard
 from kvferry.model.transformer import Transformer
+from kvferry_kernels import kv_quant
 from kvferry_kernels.dispatch import get_attention_backend
 
 COLLECTIVE_TIMEOUT_S = 60.0  # a rank that stops answering (alive, stuck) fails a call then
@@ -62,6 +63,8 @@ class RankSpec:
     kernel_dir: str | None = None  # the C attention kernel's build cache (CPU)
     device: str = "cpu"  # or rank 0's CUDA device: rank r runs on the r-th from it (NCCL)
     query_runs: bool = False  # decode steps verify speculated runs (Transformer.query_runs)
+    kv_cache_dtype: str = "auto"  # pages as the model computes them, or quantized
+    prefix_caching: bool = True  # rank 0's allocator indexes finished blocks
 
 
 def _free_port() -> int:
@@ -123,7 +126,8 @@ def _build(spec: RankSpec, rank: int, size: int, pool_type: type[KvPool] = KvPoo
     model.query_runs = spec.query_runs
     cfg = model.config
     pool = pool_type(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, spec.block_size,
-                     spec.num_blocks, dtype, device)
+                     spec.num_blocks, dtype, device, prefix_caching=spec.prefix_caching,
+                     kv_cache_dtype=spec.kv_cache_dtype)
     return model, pool, config
 
 
@@ -157,6 +161,26 @@ def _follow(rank: int, size: int, port: int, spec: RankSpec) -> None:
 
 
 # ---- the pool's data outside a forward: every rank does its part --------------------------
+def _with_heads(pool: KvPool, pages: torch.Tensor, num_heads: int
+                ) -> tuple[torch.Tensor, ...]:
+    """Pages of `num_heads` K/V heads as tensors whose heads are dimension -2 (values
+    [..., bs, H, D]; quantized: their values [..., bs, H, D] and scales [..., bs, H, 1]),
+    views into `pages`."""
+    if not pool.is_quantized:
+        return (pages,)
+    q = pool._split(pages, num_heads)  # noqa: SLF001 - the pool's own page geometry
+    return q.data, q.scale.unsqueeze(-1)
+
+
+def _empty_pages(pool: KvPool, like: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Uninitialized pages shaped as `like` ([..., n, *page]) but holding `num_heads` heads."""
+    if pool.is_quantized:
+        nbytes = kv_quant.page_bytes(pool.block_size, num_heads, pool.head_dim,
+                                     pool.kv_cache_dtype)
+        return like.new_empty((*like.shape[:-1], nbytes))
+    return like.new_empty((*like.shape[:-2], num_heads, like.shape[-1]))
+
+
 def _gather_pages(pool: KvPool, shard: Shard | None, block_ids: list[int],
                   layers: slice = slice(None)) -> torch.Tensor:
     """This rank's heads of the blocks in `layers`, sent to rank 0 ([L, 2, n, bs, h, D])."""
@@ -171,8 +195,12 @@ def _scatter_pages(pool: KvPool, shard: Shard | None, block_ids: list[int],
                    pages: torch.Tensor, layers: slice = slice(None)) -> None:
     """Every K/V head of the blocks in `layers` ([L, 2, n, bs, Hkv, D], the whole model's):
     this rank keeps its own."""
-    heads = list(shard.kv_heads) if shard is not None else list(range(pages.shape[4]))
-    KvPool.write_pages(pool, block_ids, pages[:, :, :, :, heads], layers)
+    whole = pool.whole_kv_heads if shard is None else shard.num_kv_heads
+    heads = list(shard.kv_heads) if shard is not None else list(range(whole))
+    mine = _empty_pages(pool, pages, len(heads))
+    for out, full in zip(_with_heads(pool, mine, len(heads)), _with_heads(pool, pages, whole)):
+        out.copy_(full[..., heads, :])
+    KvPool.write_pages(pool, block_ids, mine, layers)
 
 
 def _copy_blocks(pool: KvPool, shard: Shard | None, src: list[int], dst: list[int]) -> None:
@@ -201,8 +229,10 @@ class RankPool(KvPool):
 
     @property
     def page_shape(self) -> tuple[int, ...]:
-        block_size, _, head_dim = self.cache.shape[3:]
-        return (block_size, self.whole_kv_heads, head_dim)
+        if self.is_quantized:
+            return (kv_quant.page_bytes(self.block_size, self.whole_kv_heads, self.head_dim,
+                                        self.kv_cache_dtype),)
+        return (self.block_size, self.whole_kv_heads, self.head_dim)
 
     def read_pages(self, block_ids: list[int], layers: slice = slice(None)) -> torch.Tensor:
         return self.group.read_pages(block_ids, layers)
@@ -325,9 +355,12 @@ class TensorParallelModel:
         """Every K/V head of these blocks in `layers`, as one pool of the whole model holds
         them ([L, 2, n, block_size, Hkv, D]): each head from the first rank holding it."""
         parts = self._pool_op("gather_pages", list(block_ids), layers)  # [size, L, 2, n, ..]
-        out = parts.new_empty((*parts.shape[1:5], self.num_kv_heads, parts.shape[-1]))
+        pool, whole = self.pool, self.num_kv_heads
+        out = _empty_pages(pool, parts[0], whole)
         for shard in reversed(self.shards):  # the first holder's copy written last
-            out[:, :, :, :, list(shard.kv_heads)] = parts[shard.rank]
+            own = _with_heads(pool, parts[shard.rank], shard.kv_heads_per_rank)
+            for full, part in zip(_with_heads(pool, out, whole), own):
+                full[..., list(shard.kv_heads), :] = part
         return out
 
     def write_pages(self, block_ids: list[int], pages: torch.Tensor,

@@ -37,7 +37,6 @@ def _one_line(result: subprocess.CompletedProcess) -> str:
 
 @pytest.mark.parametrize(("field", "value", "named"), [
     ("compile", "default", "compile"),
-    ("kv_cache_dtype", "int8", "kv_cache_dtype"),
     ("decode_stage_mib", 64, "decode_stage_mib"),
 ])
 def test_what_a_split_worker_does_not_do_yet_is_refused_by_name(field: str, value: object,

@@ -19,7 +19,7 @@ from deploy import client
 from deploy.launcher import Deployment, Process
 from kvferry.faults import tag
 from tests.conftest import QWEN3_BLOCK_BYTES, assert_pools_clean, busy_process, worker_stats
-from tests.deployments import reconfigured, respawn, routed
+from tests.deployments import reconfigured, respawn, routed, until_router_takes
 from tests.e2e.test_token_exact import _check_greedy, _generate_all, _reference
 
 pytestmark = pytest.mark.slow
@@ -33,13 +33,18 @@ def tp_flag(size: int) -> list[str]:
 
 
 def split_workers(deployment: Deployment, prefill: int, decode: int,
-                  extra: tuple[str, ...] = ()) -> ExitStack:
+                  extra: tuple[str, ...] = (), is_layout_kept: bool = True) -> ExitStack:
     """prefill-0 and decode-0 restarted split `prefill` and `decode` ways (1: as they are;
-    `extra`: more flags for a split one), for the duration."""
+    `extra`: more flags for a split one), for the duration; with `is_layout_kept` (their
+    pages as the deployment's router knows them), once that router takes them back."""
     stack = ExitStack()
+    names = [name for name, size in (("prefill-0", prefill), ("decode-0", decode))
+             if size > 1]
     for name, size in (("prefill-0", prefill), ("decode-0", decode)):
         if size > 1:
             stack.enter_context(reconfigured(deployment, [name], [*tp_flag(size), *extra]))
+    if is_layout_kept:
+        until_router_takes(deployment, names)
     return stack
 
 
@@ -77,6 +82,30 @@ def test_speculative_decoding_on_split_workers_matches_transformers(
         assert sum(u.num_accepted_tokens for u in usage) > 0
         assert sum(u.num_draft_tokens for u in usage) > 0
         assert_pools_clean(qwen3_deployment)
+
+
+@pytest.mark.parametrize(("kv_cache_dtype", "transport"), [("int8", "grpc"),
+                                                           ("fp8_e4m3", "nixl")])
+def test_quantized_pages_on_split_workers_give_the_whole_workers_tokens(
+        kv_cache_dtype: str, transport: str, qwen3_checkpoint: Path,
+        qwen3_deployment: Deployment) -> None:
+    """Quantized pages (a scale per token and K/V head, so splitting by head changes no
+    scale), over gRPC or NIXL (its staging holds quantized whole pages): the oracle's
+    prompts through whole workers with those pages, then through workers split (2, 2) with
+    them. The same greedy tokens (quantization moves them off transformers', so the whole
+    quantized workers are the reference here)."""
+    flags = ("--kv-cache-dtype", kv_cache_dtype, "--kv-transport", transport)
+    workers = ["prefill-0", "decode-0"]
+    # behind routers of their own: the shared router knows the fp32 layout and refuses them
+    with reconfigured(qwen3_deployment, workers, list(flags)), \
+            routed(qwen3_deployment, f"router-{kv_cache_dtype}", []) as view:
+        whole = [got.token_ids for _, _, got in _generate_all(qwen3_checkpoint, view)]
+    with split_workers(qwen3_deployment, 2, 2, extra=flags, is_layout_kept=False), \
+            routed(qwen3_deployment, f"router-tp-{kv_cache_dtype}", []) as view:
+        assert sizes_reported(view) == {"prefill": 2, "decode": 2}
+        split = [got.token_ids for _, _, got in _generate_all(qwen3_checkpoint, view)]
+        assert split == whole
+        assert_pools_clean(view)
 
 
 def test_preemption_swaps_pages_out_and_in_through_every_rank(

@@ -26,7 +26,8 @@ def staging_for(pool: KvPool) -> KvPool | None:
     if pool.tensor_parallel_size == 1:
         return None
     return KvPool(pool.num_layers, pool.whole_kv_heads, pool.head_dim, pool.block_size,
-                  pool.num_blocks, pool.dtype, "cpu", prefix_caching=False)
+                  pool.num_blocks, pool.dtype, "cpu", prefix_caching=False,
+                  kv_cache_dtype=pool.kv_cache_dtype)
 
 
 def stage(pool: KvPool, ids: list[int], staging: KvPool, staged: list[int],

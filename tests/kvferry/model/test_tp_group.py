@@ -124,3 +124,50 @@ def test_a_block_copied_on_every_rank_reads_back_whole(qwen3_checkpoint: Path) -
         assert group.read_pages(src).abs().sum() > 0
     finally:
         group.close()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("sizes", [(1, 2), (2, 1), (2, 2)], ids=["1-2", "2-1", "2-2"])
+def test_quantized_pages_move_whole_between_sizes(qwen3_checkpoint: Path,
+                                                  sizes: tuple[int, int],
+                                                  kv_cache_dtype: str) -> None:
+    """Quantized pages (values, then a scale per token and head) split by head on each rank,
+    read whole (every head's values and scales in the whole page's layout) and written into
+    another split: the tokens the whole model gives with quantized pages, and the pages
+    written read back bit for bit."""
+    config = load_model_config(qwen3_checkpoint)
+    whole = Transformer(config, get_attention_backend("torch"))
+
+    def quantized_side(size: int) -> tuple[Transformer | TensorParallelModel, KvPool]:
+        if size == 1:
+            cfg = whole.config
+            return whole, KvPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 16, 64,
+                                 torch.float32, kv_cache_dtype=kv_cache_dtype)
+        group = TensorParallelModel(RankSpec(str(qwen3_checkpoint), "auto", "torch",
+                                             "float32", 16, 64,
+                                             kv_cache_dtype=kv_cache_dtype), size)
+        return group, group.pool
+
+    expected, _ = greedy(*quantized_side(1))
+    _, reference = quantized_side(1)
+    tables, _, _ = prefill_part(whole, reference)
+    blocks = [b for table in tables for b in table]
+    reference_pages = reference.read_pages(blocks)  # the whole model's layout of them
+    prefill, pool = quantized_side(sizes[0])
+    try:
+        tables, tokens, _ = prefill_part(prefill, pool)
+        pages = pool.read_pages(blocks)
+    finally:
+        if isinstance(prefill, TensorParallelModel):
+            prefill.close()
+    assert pages.shape == reference_pages.shape and pages.dtype == torch.uint8
+    decode, pool = quantized_side(sizes[1])
+    try:
+        for table in tables:
+            assert pool.allocator.alloc(len(table)) == table
+        pool.write_pages(blocks, pages)
+        torch.testing.assert_close(pool.read_pages(blocks), pages, rtol=0, atol=0)
+        assert decode_part(decode, pool, tables, tokens) == expected
+    finally:
+        if isinstance(decode, TensorParallelModel):
+            decode.close()
