@@ -58,6 +58,10 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
                         "(default 2: one prefill, one decode)")
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
                    help="tokens per K/V block (page)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="a decode worker split this many ways (its --tensor-parallel-size): "
+                        "each rank's pool holds its own K/V heads of every block, and the "
+                        "figures are one rank's (default 1: the whole model)")
     for tier in ("host-cache", "disk-cache", "store"):
         p.add_argument(f"--{tier}-size", default=None,
                        help=f"also what a {tier.split('-')[0]} tier of this many bytes holds")
@@ -132,7 +136,12 @@ def _auto_pool_bytes(args: argparse.Namespace, device: str) -> int:
 
     from deploy.default_model import ensure_default_model
     from deploy.placement import memory_share
-    from deploy.worker_model import auto_pool_bytes_for, device_and_dtype, kv_block_bytes
+    from deploy.worker_model import (
+        auto_pool_bytes_for,
+        device_and_dtype,
+        kv_block_bytes,
+        rank_config,
+    )
     from kvferry.model.config import load_model_config
     from kvferry.settings import WorkerSettings
 
@@ -147,8 +156,9 @@ def _auto_pool_bytes(args: argparse.Namespace, device: str) -> int:
                          ["0"] if device == "cuda" else [], spread=False)
     settings = WorkerSettings(role="decode", model=model, device=device, dtype=args.dtype,
                               block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype,
-                              memory_utilization=share)
-    config = load_model_config(model)
+                              memory_utilization=share,
+                              tensor_parallel_size=args.tensor_parallel_size)
+    config = rank_config(settings, load_model_config(model))
     dev = torch.device(device)
     _, dtype, _ = device_and_dtype(settings)
     per_block = kv_block_bytes(settings, config, dtype)
@@ -157,6 +167,18 @@ def _auto_pool_bytes(args: argparse.Namespace, device: str) -> int:
            if share is not None else "on CPU without --memory-utilization, a fixed size")
     print(f"pool: auto, {how}: {pool} bytes ({pool // per_block} blocks)")
     return pool
+
+
+def per_rank(shape: KvShape, size: int) -> KvShape:
+    """The K/V one rank of a worker split `size` ways holds per token: its share of the K/V
+    heads (one each where `size` is a multiple of them: replicated, as vLLM does)."""
+    import dataclasses
+
+    heads = shape.num_kv_heads
+    if size < 1 or (heads % size and size % heads):
+        raise ValueError(f"tensor_parallel_size: {size} must divide the {heads} K/V heads or "
+                         "be a multiple of them")
+    return dataclasses.replace(shape, num_kv_heads=max(heads // size, 1))
 
 
 def kv_dtype(args: argparse.Namespace, device: str) -> str:
@@ -198,6 +220,8 @@ def run_plan(args: argparse.Namespace) -> int:
         except DefaultModelMissing as exc:
             print(exc, file=sys.stderr)
             return MISSING_EXIT_STATUS
+    whole_heads = shape.num_kv_heads
+    shape = per_rank(shape, args.tensor_parallel_size)
     unsized = args.pool_size == AUTO and not _sizable(args)
     if unsized:
         print("pool: auto is sized from a checkpoint's weights, and plan has none here (a "
@@ -213,6 +237,9 @@ def run_plan(args: argparse.Namespace) -> int:
     source = (args.model or ("the given dimensions" if args.model is None and None not in dims
                              else "the default model, SmolLM2-135M-Instruct"))
     print(f"model: {source}; K/V as serve stores it on {device}")
+    if args.tensor_parallel_size > 1:
+        print(f"split {args.tensor_parallel_size} ways: each rank holds {shape.num_kv_heads} "
+              f"of the {whole_heads} K/V heads of every block; the figures are one rank's")
     lines = format_plan(shape, result, args.batch, args.block_size).splitlines()
     if unsized:  # no pool: blocks per request only
         lines[-1] = lines[-1].split(", pool holds")[0]

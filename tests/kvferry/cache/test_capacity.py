@@ -63,6 +63,30 @@ def test_plan_command_reads_a_checkpoint(qwen3_checkpoint: Path,
     assert "bytes per token: 4,096" in out and "pool holds 4,096 blocks" in out
 
 
+@pytest.mark.parametrize(("size", "heads", "per_token"), [(2, 1, 2048), (4, 1, 2048)])
+def test_plan_counts_one_rank_of_a_split_worker(qwen3_checkpoint: Path, size: int,
+                                                heads: int, per_token: int,
+                                                capsys: pytest.CaptureFixture) -> None:
+    """--tensor-parallel-size: one rank's K/V heads (2 split 2 ways: 1 each; 4 ways: each
+    head on two ranks), so the same pool holds that many more blocks, as the worker's."""
+    assert main(["plan", "--model", str(qwen3_checkpoint), "--dtype", "float32",
+                 "--prompt-tokens", "10", "--pool-size", "256MiB",
+                 "--tensor-parallel-size", str(size)]) == 0
+    out = capsys.readouterr().out
+    assert f"each rank holds {heads} of the 2 K/V heads" in out
+    assert f"bytes per token: {per_token:,}" in out
+    assert f"pool holds {(256 << 20) // (per_token * 16):,} blocks" in out
+
+
+def test_plan_refuses_a_size_that_does_not_split_the_heads(
+        qwen3_checkpoint: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["plan", "--model", str(qwen3_checkpoint), "--tensor-parallel-size",
+                 "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == ("kvferry: tensor_parallel_size: 3 must divide the 2 K/V heads or "
+                           "be a multiple of them")
+
+
 def test_plan_sizes_each_tier(qwen3_checkpoint: Path, capsys: pytest.CaptureFixture) -> None:
     """Host blocks are bare (64 KiB here); disk files and store values add a 64-byte header."""
     assert main(["plan", "--model", str(qwen3_checkpoint), "--dtype", "float32",
