@@ -7,6 +7,7 @@ the whole model does."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -50,8 +51,11 @@ def test_a_rank_killed_fails_the_next_call_and_close_still_ends_the_rest(
         group.ranks[1].join(10)
         with pytest.raises(RankLost, match="tp-rank-2") as lost:
             greedy(group, group.pool)
-        # its connection closed: the collective failed on that, not on its timeout
-        assert "connection closed" in str(lost.value.__cause__).lower()
+        # its connection went: the collective failed on that (gloo says "closed by peer" or
+        # "reset by peer", as the kernel tore it down), not on its timeout
+        cause = str(lost.value.__cause__).lower()
+        assert re.search(r"connection (closed|reset)", cause), cause
+        assert "timed out" not in cause and "timeout" not in cause
     finally:
         group.close()
     assert not any(p.is_alive() for p in group.ranks)
