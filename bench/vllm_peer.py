@@ -9,7 +9,6 @@ import contextlib
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -17,6 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from kvferry.rpc.grpc_util import free_port
 from kvferry.settings import KVFERRY_HOME
 
 REPO = Path(__file__).resolve().parents[1]
@@ -98,11 +98,6 @@ def ensure_vllm(venv: Path) -> Path:
 
 # ---- processes ------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def tail(path: Path, num_lines: int = 5) -> str:
     """The last lines of a log, on one line, for an error message."""
@@ -141,7 +136,7 @@ def run_child(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> i
 def vllm_server(vllm: Path, model: str, log: Path) -> Iterator[str]:
     """`vllm serve` on 127.0.0.1 until the block ends (its whole process group is stopped);
     yields the base URL once /health answers."""
-    port = _free_port()
+    port = free_port()
     cmd = [str(vllm), "serve", model, "--host", "127.0.0.1", "--port", str(port),
            *VLLM_SERVE_ARGS]
     with open(log, "ab") as out:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import multiprocessing.connection
-import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from kvferry.cache.pool import KvPool
 from kvferry.model.config import ModelConfig, load_model_config
 from kvferry.model.tensor_parallel import Shard
 from kvferry.model.transformer import Transformer
+from kvferry.rpc.grpc_util import free_port
 from kvferry_kernels import kv_quant
 from kvferry_kernels.dispatch import get_attention_backend
 
@@ -66,11 +66,6 @@ class RankSpec:
     kv_cache_dtype: str = "auto"  # pages as the model computes them, or quantized
     prefix_caching: bool = True  # rank 0's allocator indexes finished blocks
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def rank_device(spec: RankSpec, rank: int) -> torch.device:
@@ -269,7 +264,7 @@ class TensorParallelModel:
         if size < 2:
             raise ValueError(f"tensor_parallel_size: a group needs >= 2 ranks, got {size}")
         self.size = size
-        port = _free_port()
+        port = free_port()
         context = mp.get_context("spawn")
         self.ranks = [context.Process(target=_follow, args=(rank, size, port, spec),
                                       name=f"tp-rank-{rank}", daemon=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 import sys
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
@@ -88,6 +89,14 @@ _STATUS = {
 
 
 _ERROR_FOR = {code: cls for cls, code in _STATUS.items()}
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port the kernel has free on `host` now, for a server or a rendezvous to bind
+    next (another process may take it meanwhile: for local processes and tests)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
 
 
 def status_for(exc: errors.KvferryError) -> grpc.StatusCode:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,11 +30,6 @@ pytestmark = pytest.mark.slow
 PROMPT_LENGTHS = [3, 17, 40, 130]
 MAX_TOKENS = 12
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _documented(prefix: str, folder: Path) -> list[str]:
@@ -65,7 +59,7 @@ def rogue_certs(tmp_path_factory: pytest.TempPathFactory) -> CertFiles:
 
 @pytest.fixture(scope="module")
 def health_port() -> int:
-    return _free_port()
+    return grpc_util.free_port()
 
 
 @pytest.fixture(scope="module")

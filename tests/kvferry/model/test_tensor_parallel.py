@@ -5,7 +5,6 @@ to the last bits the sums' order changes."""
 
 from __future__ import annotations
 
-import socket
 from collections import Counter
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from hypothesis import strategies as st
 from kvferry.model.config import load_model_config
 from kvferry.model.tensor_parallel import Shard, check_tensor_parallel, transfer_plan
 from kvferry.model.transformer import Transformer
+from kvferry.rpc.grpc_util import free_port
 from kvferry_kernels.dispatch import get_attention_backend
 from tests.kvferry.model.greedy_split import greedy, pool_of
 
@@ -39,11 +39,6 @@ def _rank(rank: int, size: int, port: int, checkpoint: str, results: dict) -> No
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 @pytest.mark.parametrize("arch, size", [("qwen3", 2), ("qwen3", 4), ("llama", 2)])
 def test_split_over_ranks_it_decodes_as_the_whole_model(
@@ -55,7 +50,7 @@ def test_split_over_ranks_it_decodes_as_the_whole_model(
     whole = Transformer(config, get_attention_backend("torch"))
     expected, expected_logits = greedy(whole, pool_of(whole))
     results = mp.Manager().dict()
-    mp.start_processes(_rank, args=(size, _free_port(), str(checkpoint), results),
+    mp.start_processes(_rank, args=(size, free_port(), str(checkpoint), results),
                        nprocs=size, start_method="spawn")
     for rank in range(size):
         tokens, logits, pool_kv_heads = results[rank]
