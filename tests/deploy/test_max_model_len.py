@@ -31,12 +31,12 @@ REPO = Path(__file__).resolve().parents[2]
 CONTEXT = 4096
 
 
-def _run(argv: list[str], home: Path) -> subprocess.CompletedProcess:
+def run_cli(argv: list[str], home: Path) -> subprocess.CompletedProcess:
     """The command forked by the run's zygote (a fresh interpreter without one)."""
     return zygote.run(argv, {**os.environ, "KVFERRY_HOME": str(home)}, REPO, 120)
 
 
-def _one_line(result: subprocess.CompletedProcess) -> str:
+def one_line(result: subprocess.CompletedProcess) -> str:
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert "Traceback" not in result.stderr, result.stderr
     assert result.returncode == 2, result.stderr
@@ -47,7 +47,7 @@ def _one_line(result: subprocess.CompletedProcess) -> str:
 @pytest.mark.parametrize("command", ["decode-worker", "colocated-worker", "serve"])
 def test_a_pool_short_of_max_model_len_refuses_to_start(command: str, qwen3_checkpoint: Path,
                                                         tmp_path: Path) -> None:
-    line = _one_line(_run([command, "--model", str(qwen3_checkpoint), "--kv-pool-size", "1MiB",
+    line = one_line(run_cli([command, "--model", str(qwen3_checkpoint), "--kv-pool-size", "1MiB",
                            "--max-model-len", str(CONTEXT), "--port", "0"], tmp_path))
     assert line == ("kvferry: kv_pool_size: the pool holds 256 tokens, less than one request "
                     f"of max_model_len {CONTEXT}; raise --kv-pool-size or lower "
@@ -56,10 +56,10 @@ def test_a_pool_short_of_max_model_len_refuses_to_start(command: str, qwen3_chec
 
 def test_max_model_len_past_the_context_or_below_one_is_refused(qwen3_checkpoint: Path,
                                                                  tmp_path: Path) -> None:
-    line = _one_line(_run(["decode-worker", "--model", str(qwen3_checkpoint),
+    line = one_line(run_cli(["decode-worker", "--model", str(qwen3_checkpoint),
                            "--max-model-len", str(CONTEXT + 1)], tmp_path))
     assert "max_model_len" in line and f"context of {CONTEXT}" in line
-    line = _one_line(_run(["decode-worker", "--model", str(qwen3_checkpoint),
+    line = one_line(run_cli(["decode-worker", "--model", str(qwen3_checkpoint),
                            "--max-model-len", "0"], tmp_path))
     assert "max_model_len" in line
 

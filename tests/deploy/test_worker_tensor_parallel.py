@@ -6,33 +6,18 @@ every rank. The tokens through the processes: tests/e2e/test_tensor_parallel_wor
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
-from deploy import cli, zygote
+from deploy import cli
 from deploy.args import build_parser, worker_settings
 from deploy.worker_model import build_model
 from kvferry.cache.pool import KvPool
 from kvferry.model.config import load_model_config
 from kvferry.settings import WorkerSettings
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _run(argv: list[str], home: Path) -> subprocess.CompletedProcess:
-    return zygote.run(argv, {**os.environ, "KVFERRY_HOME": str(home)}, REPO, 120)
-
-
-def _one_line(result: subprocess.CompletedProcess) -> str:
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert "Traceback" not in result.stderr, result.stderr
-    assert result.returncode == 2, result.stderr
-    assert len(lines) == 1 and lines[0].startswith("kvferry: "), result.stderr
-    return lines[0]
+from tests.deploy.test_max_model_len import one_line, run_cli
 
 
 @pytest.mark.parametrize(("field", "value", "named"), [
@@ -72,7 +57,7 @@ def test_eviction_and_tiers_are_refused_with_a_split_worker() -> None:
 ], ids=["decode-3", "prefill-8", "serve-decode-3", "serve-prefill-3"])
 def test_a_size_that_does_not_split_the_model_refuses_to_start(
         argv: list[str], qwen3_checkpoint: Path, tmp_path: Path) -> None:
-    line = _one_line(_run([*argv, "--model", str(qwen3_checkpoint)], tmp_path))
+    line = one_line(run_cli([*argv, "--model", str(qwen3_checkpoint)], tmp_path))
     assert line.startswith("kvferry: tensor_parallel_size: "), line
     assert "does not split this model" in line and "4 attention heads" in line
 
