@@ -16,10 +16,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from kvferry.cache.allocator import IntegrityReport
 from kvferry.cache.block_queue import BlockQueue
@@ -120,6 +120,12 @@ class _DraftRun:
             self.done.cancel()
         elif self.done is not None and not self.done.cancelled():
             self.done.exception()  # retrieved: the push that needed it has ended
+
+
+async def _to_its_end(cleanup: Coroutine[Any, Any, None]) -> None:
+    """Run `cleanup` to its end even if the caller is cancelled again meanwhile (a stream
+    cancelled while it already unwinds): cut short, a request's cleanup leaks its blocks."""
+    await asyncio.shield(asyncio.ensure_future(cleanup))
 
 
 class PrefillEngine:
@@ -242,10 +248,7 @@ class PrefillEngine:
                          request_id, len(prompt), pushed.num_bytes, pushed.seconds * 1e3)
                 yield PushedEvent(pushed.seconds, pushed.num_bytes)
         finally:
-            # The cleanup runs to its end even if this task is cancelled again meanwhile
-            # (a stream cancelled while it already unwinds): else its blocks would leak.
-            ending = asyncio.ensure_future(self._end(request_id, job, push, parked, draft))
-            await asyncio.shield(ending)
+            await _to_its_end(self._end(request_id, job, push, parked, draft))
 
     def _push(self, address: str, job: PrefillJob, timeout_s: float | None,
               **options: object) -> asyncio.Future[PushResult]:
