@@ -7,11 +7,11 @@ block ids mean the same tokens on every rank, so only rank 0 allocates.
 `TensorParallelModel` stands where a `Transformer` does for `prefill` and `decode`: each call
 is broadcast to the other ranks (its tensors and numbers; the pool named, each rank using its
 own; callbacks are rank 0's alone), then run on rank 0's shard, the ranks meeting in its
-all-reduces. The pool's data outside a forward moves the same way: `read_pages` gathers every
-K/V head of some blocks from the ranks (what a push sends), `write_pages` gives each rank its
-heads of whole pages (what a receive writes), `copy_blocks` copies on every rank. Rank 0's
-pool (`RankPool`) routes engines' and transports' page reads, writes and copies through
-these, so they need not know the model is split.
+all-reduces. The pool's data outside a forward moves the same way, through rank 0's pool
+(`RankPool`): its `read_pages` gathers every K/V head of some blocks from the ranks (what a
+push sends), `write_pages` gives each rank its heads of whole pages (what a receive writes),
+`copy_blocks` copies on every rank. Engines and transports call these as on any pool, so
+they need not know the model is split.
 
 A rank that is gone fails the call with `RankLost`, at once where its connection closed, and
 `on_lost` hears of it (also from a thread watching the ranks while idle): a worker then exits
@@ -67,7 +67,6 @@ class RankSpec:
     prefix_caching: bool = True  # rank 0's allocator indexes finished blocks
 
 
-
 def rank_device(spec: RankSpec, rank: int) -> torch.device:
     """Where rank `rank` runs: the CPU, or the rank-th CUDA device from rank 0's."""
     base = torch.device(spec.device)
@@ -86,26 +85,18 @@ def _join(rank: int, size: int, port: int, device: torch.device) -> None:
                             world_size=size, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
 
 
-def _portable(value: Any) -> Any:
-    """A call's argument as broadcast: tensors in host memory (each rank moves them to its
-    own device), lists of them likewise."""
-    if isinstance(value, torch.Tensor):
-        return value.cpu()
-    if isinstance(value, list) and value and isinstance(value[0], torch.Tensor):
-        return [v.cpu() for v in value]
-    return value
-
-
-def _is_pool(value: Any) -> bool:
-    return isinstance(value, str) and value == _POOL
-
-
-def _here(value: Any, device: torch.device) -> Any:
+def _on(value: Any, device: torch.device | str) -> Any:
+    """A call's argument with its tensors (or a list's) on `device`: host memory as
+    broadcast, then each rank's own device."""
     if isinstance(value, torch.Tensor):
         return value.to(device)
     if isinstance(value, list) and value and isinstance(value[0], torch.Tensor):
         return [v.to(device) for v in value]
     return value
+
+
+def _is_pool(value: Any) -> bool:
+    return isinstance(value, str) and value == _POOL
 
 
 def _build(spec: RankSpec, rank: int, size: int, pool_type: type[KvPool] = KvPool
@@ -145,8 +136,8 @@ def _follow(rank: int, size: int, port: int, spec: RankSpec) -> None:
                 _POOL_OPS[method](pool, model.shard, *args)
                 continue
             device = model.device
-            args = [pool if _is_pool(a) else _here(a, device) for a in args]
-            kwargs = {k: pool if _is_pool(v) else _here(v, device) for k, v in kwargs.items()}
+            args = [pool if _is_pool(a) else _on(a, device) for a in args]
+            kwargs = {k: pool if _is_pool(v) else _on(v, device) for k, v in kwargs.items()}
             getattr(model, method)(*args, **kwargs)
     except RuntimeError:
         return  # rank 0 (or another rank) is gone: nothing to serve
@@ -176,7 +167,7 @@ def _empty_pages(pool: KvPool, like: torch.Tensor, num_heads: int) -> torch.Tens
     return like.new_empty((*like.shape[:-2], num_heads, like.shape[-1]))
 
 
-def _gather_pages(pool: KvPool, shard: Shard | None, block_ids: list[int],
+def _gather_pages(pool: KvPool, shard: Shard, block_ids: list[int],
                   layers: slice = slice(None)) -> torch.Tensor:
     """This rank's heads of the blocks in `layers`, sent to rank 0 ([L, 2, n, bs, h, D])."""
     local = KvPool.read_pages(pool, block_ids, layers).contiguous()
@@ -186,19 +177,19 @@ def _gather_pages(pool: KvPool, shard: Shard | None, block_ids: list[int],
     return local if parts is None else torch.stack(parts)
 
 
-def _scatter_pages(pool: KvPool, shard: Shard | None, block_ids: list[int],
+def _scatter_pages(pool: KvPool, shard: Shard, block_ids: list[int],
                    pages: torch.Tensor, layers: slice = slice(None)) -> None:
     """Every K/V head of the blocks in `layers` ([L, 2, n, bs, Hkv, D], the whole model's):
     this rank keeps its own."""
-    whole = pool.whole_kv_heads if shard is None else shard.num_kv_heads
-    heads = list(shard.kv_heads) if shard is not None else list(range(whole))
+    heads = list(shard.kv_heads)
     mine = _empty_pages(pool, pages, len(heads))
-    for out, full in zip(_with_heads(pool, mine, len(heads)), _with_heads(pool, pages, whole)):
+    for out, full in zip(_with_heads(pool, mine, len(heads)),
+                         _with_heads(pool, pages, shard.num_kv_heads)):
         out.copy_(full[..., heads, :])
     KvPool.write_pages(pool, block_ids, mine, layers)
 
 
-def _copy_blocks(pool: KvPool, shard: Shard | None, src: list[int], dst: list[int]) -> None:
+def _copy_blocks(pool: KvPool, shard: Shard, src: list[int], dst: list[int]) -> None:
     KvPool.copy_blocks(pool, src, dst)
 
 
@@ -230,14 +221,26 @@ class RankPool(KvPool):
         return (self.block_size, self.whole_kv_heads, self.head_dim)
 
     def read_pages(self, block_ids: list[int], layers: slice = slice(None)) -> torch.Tensor:
-        return self.group.read_pages(block_ids, layers)
+        """Every K/V head of these blocks in `layers`, as one pool of the whole model holds
+        them ([L, 2, n, *page_shape]): each head from the first rank holding it."""
+        group = self.group
+        parts = group._pool_op("gather_pages", list(block_ids), layers)  # noqa: SLF001
+        out = _empty_pages(self, parts[0], self.whole_kv_heads)
+        for shard in reversed(group.shards):  # the first holder's copy written last
+            own = _with_heads(self, parts[shard.rank], shard.kv_heads_per_rank)
+            for full, part in zip(_with_heads(self, out, self.whole_kv_heads), own):
+                full[..., list(shard.kv_heads), :] = part
+        return out
 
     def write_pages(self, block_ids: list[int], pages: torch.Tensor,
                     layers: slice = slice(None)) -> None:
-        self.group.write_pages(block_ids, pages, layers)
+        """Every K/V head of these blocks in `layers` (the whole model's pages) into the
+        ranks' pools: each keeps its own heads."""
+        self.group._pool_op("scatter_pages", list(block_ids), pages, layers)  # noqa: SLF001
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
-        self.group.copy_blocks(src, dst)
+        """`KvPool.copy_blocks` on every rank's pool."""
+        self.group._pool_op("copy_blocks", list(src), list(dst))  # noqa: SLF001
 
 
 def _as_sent(value: Any, pool: KvPool) -> Any:
@@ -245,7 +248,7 @@ def _as_sent(value: Any, pool: KvPool) -> Any:
         return _POOL
     if callable(value):
         return None  # rank 0's alone (a push's layer callback)
-    return _portable(value)
+    return _on(value, "cpu")
 
 
 class TensorParallelModel:
@@ -342,31 +345,9 @@ class TensorParallelModel:
         with self._lock:
             if self._closed:
                 raise RankLost("tensor-parallel group closed")
-            self._call(dist.broadcast_object_list, [(op, [_portable(a) for a in args], {})],
+            self._call(dist.broadcast_object_list, [(op, [_on(a, "cpu") for a in args], {})],
                        src=0)
             return self._call(_POOL_OPS[op], self.pool, self.model.shard, *args)
-
-    def read_pages(self, block_ids: list[int], layers: slice = slice(None)) -> torch.Tensor:
-        """Every K/V head of these blocks in `layers`, as one pool of the whole model holds
-        them ([L, 2, n, block_size, Hkv, D]): each head from the first rank holding it."""
-        parts = self._pool_op("gather_pages", list(block_ids), layers)  # [size, L, 2, n, ..]
-        pool, whole = self.pool, self.num_kv_heads
-        out = _empty_pages(pool, parts[0], whole)
-        for shard in reversed(self.shards):  # the first holder's copy written last
-            own = _with_heads(pool, parts[shard.rank], shard.kv_heads_per_rank)
-            for full, part in zip(_with_heads(pool, out, whole), own):
-                full[..., list(shard.kv_heads), :] = part
-        return out
-
-    def write_pages(self, block_ids: list[int], pages: torch.Tensor,
-                    layers: slice = slice(None)) -> None:
-        """Every K/V head of these blocks in `layers` ([L, 2, n, block_size, Hkv, D], the
-        whole model's) into the pools: each rank keeps its own heads."""
-        self._pool_op("scatter_pages", list(block_ids), pages, layers)
-
-    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
-        """`KvPool.copy_blocks` on every rank's pool."""
-        self._pool_op("copy_blocks", list(src), list(dst))
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop every rank and leave the group (also after a rank was lost)."""

@@ -72,21 +72,6 @@ def _side(checkpoint: Path, size: int) -> tuple[Transformer | TensorParallelMode
     return group, group.pool
 
 
-def _read(model: Transformer | TensorParallelModel, pool: KvPool,
-          blocks: list[int]) -> torch.Tensor:
-    if isinstance(model, TensorParallelModel):
-        return model.read_pages(blocks)
-    return pool.cache.index_select(2, torch.tensor(blocks)).clone()
-
-
-def _write(model: Transformer | TensorParallelModel, pool: KvPool, blocks: list[int],
-           pages: torch.Tensor) -> None:
-    if isinstance(model, TensorParallelModel):
-        model.write_pages(blocks, pages)
-    else:
-        pool.cache.index_copy_(2, torch.tensor(blocks), pages)
-
-
 @pytest.mark.parametrize("sizes", [(1, 2), (2, 1), (2, 2), (2, 4), (4, 2)],
                          ids=["1-2", "2-1", "2-2", "2-4", "4-2"])
 def test_kv_prefilled_at_one_size_decodes_at_another(qwen3_checkpoint: Path,
@@ -100,7 +85,7 @@ def test_kv_prefilled_at_one_size_decodes_at_another(qwen3_checkpoint: Path,
     try:
         tables, tokens, _ = prefill_part(prefill, pool)
         blocks = [b for table in tables for b in table]
-        pages = _read(prefill, pool, blocks)
+        pages = pool.read_pages(blocks)
     finally:
         if isinstance(prefill, TensorParallelModel):
             prefill.close()
@@ -109,7 +94,7 @@ def test_kv_prefilled_at_one_size_decodes_at_another(qwen3_checkpoint: Path,
     try:
         for table in tables:  # the same block ids on the decode side
             assert pool.allocator.alloc(len(table)) == table
-        _write(decode, pool, blocks, pages)
+        pool.write_pages(blocks, pages)
         assert decode_part(decode, pool, tables, tokens) == expected
     finally:
         if isinstance(decode, TensorParallelModel):
@@ -122,10 +107,10 @@ def test_a_block_copied_on_every_rank_reads_back_whole(qwen3_checkpoint: Path) -
         tables, _, _ = prefill_part(group, group.pool)
         src = tables[1][:2]
         dst = group.pool.allocator.alloc(2)
-        group.copy_blocks(src, dst)
-        torch.testing.assert_close(group.read_pages(dst), group.read_pages(src), rtol=0,
+        group.pool.copy_blocks(src, dst)
+        torch.testing.assert_close(group.pool.read_pages(dst), group.pool.read_pages(src), rtol=0,
                                    atol=0)
-        assert group.read_pages(src).abs().sum() > 0
+        assert group.pool.read_pages(src).abs().sum() > 0
     finally:
         group.close()
 
