@@ -174,11 +174,13 @@ def per_rank(shape: KvShape, size: int) -> KvShape:
     heads (one each where `size` is a multiple of them: replicated, as vLLM does)."""
     import dataclasses
 
+    from kvferry.model.tensor_parallel import kv_heads_per_rank, splits_kv_heads
+
     heads = shape.num_kv_heads
-    if size < 1 or (heads % size and size % heads):
+    if size < 1 or not splits_kv_heads(heads, size):
         raise ValueError(f"tensor_parallel_size: {size} must divide the {heads} K/V heads or "
                          "be a multiple of them")
-    return dataclasses.replace(shape, num_kv_heads=max(heads // size, 1))
+    return dataclasses.replace(shape, num_kv_heads=kv_heads_per_rank(heads, size))
 
 
 def kv_dtype(args: argparse.Namespace, device: str) -> str:

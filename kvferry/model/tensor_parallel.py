@@ -55,7 +55,7 @@ class Shard:
 
     @property
     def kv_heads_per_rank(self) -> int:
-        return max(self.num_kv_heads // self.size, 1)
+        return kv_heads_per_rank(self.num_kv_heads, self.size)
 
     @property
     def replicas(self) -> int:
@@ -108,6 +108,17 @@ def transfer_plan(num_heads: int, num_kv_heads: int, intermediate_size: int,
     return sends
 
 
+def splits_kv_heads(num_kv_heads: int, size: int) -> bool:
+    """Whether `size` ranks can hold `num_kv_heads` K/V heads: it divides them, or is a
+    multiple of them (each head then replicated)."""
+    return not (num_kv_heads % size and size % num_kv_heads)
+
+
+def kv_heads_per_rank(num_kv_heads: int, size: int) -> int:
+    """K/V heads each of `size` ranks holds (one where they are replicated)."""
+    return max(num_kv_heads // size, 1)
+
+
 def check_tensor_parallel(config: ModelConfig, size: int) -> None:
     """ValueError naming tensor_parallel_size unless `size` ranks can split this model: it
     divides the query heads and the MLP, and divides the K/V heads or is a multiple of them."""
@@ -115,7 +126,7 @@ def check_tensor_parallel(config: ModelConfig, size: int) -> None:
         raise ValueError(f"tensor_parallel_size: must be >= 1, got {size}")
     kv = config.num_kv_heads
     if (config.num_heads % size or config.intermediate_size % size
-            or (kv % size and size % kv)):
+            or not splits_kv_heads(kv, size)):
         raise ValueError(
             f"tensor_parallel_size: {size} does not split this model: it must divide its "
             f"{config.num_heads} attention heads and its MLP width {config.intermediate_size}, "
