@@ -228,8 +228,9 @@ class HttpFront:
             self.router.open.open_stream()
         except ResourceExhausted as exc:
             return self._failed(clock, failure(exc, request_id, body))
-        tenant = getattr(request.state, "tenant", "")
-        caller = Caller(tenant, tenant or "http")  # ids made up here: no other client knows one
+        tenant = getattr(request.state, "tenant", None)
+        # without keys, ids are made up here: no other client knows one
+        caller = Caller(tenant, "http" if tenant is None else tenant.scope)
         events: AsyncIterator[str | Event] | None = None
         is_streaming = False
         try:

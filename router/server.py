@@ -111,14 +111,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     async def _caller(self, context: grpc.aio.ServicerContext) -> Caller:
         if not self.keys.is_enabled:
-            return Caller("", f"grpc:{context.peer()}")
+            return Caller(None, f"grpc:{context.peer()}")
         given = next((value for key, value in context.invocation_metadata() or ()
                       if key == TOKEN_METADATA_KEY), None)
         tenant = self.keys.tenant_of(given)
         if tenant is None:
             await context.abort(*grpc_util.describe(Unauthenticated(
                 "missing or invalid API key: send the metadata `authorization: Bearer <key>`")))
-        return Caller(tenant, tenant)
+        return Caller(tenant, tenant.scope)
 
     async def Generate(self, request: generation_pb2.GenerateRequest | Unparsable,
                        context: grpc.aio.ServicerContext

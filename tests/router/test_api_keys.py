@@ -5,12 +5,14 @@ caller's scope."""
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import pytest
 
 from kvferry.cache.prefix import MAX_CACHE_SALT_BYTES, check_cache_salt
 from kvferry.errors import InvalidArgument, ResourceExhausted
+from router import identity
 from router.identity import ApiKeys, read_keys_file, tenant_salt
 from router.request import OpenRequests, RouterRequest
 
@@ -24,7 +26,8 @@ def test_a_bearer_key_names_its_tenant_and_nothing_else_does() -> None:
     for refused in (None, "", "Bearer", "Bearer key-of-a-012345678", "key-of-a-0123456789",
                     "Basic key-of-a-0123456789", "Bearer key-of-a-0123456789x", b"\xff\xfe"):
         assert keys.tenant_of(refused) is None, refused
-    assert "0123456789" not in a  # the tenant's name does not carry the key
+    assert "0123456789" not in a.label  # the tenant's name does not carry the key
+    assert "0123456789" not in repr(a) and a.digest.hex() not in repr(a)  # the label alone
     assert not ApiKeys().is_enabled and keys.is_enabled
 
 
@@ -41,13 +44,58 @@ def test_keys_are_printable_and_files_are_read_line_by_line(tmp_path: Path) -> N
         read_keys_file(tmp_path / "missing")
 
 
+def _tenant(key: str):  # noqa: ANN202 - identity.Tenant
+    tenant = ApiKeys([key]).tenant_of(f"Bearer {key}")
+    assert tenant is not None
+    return tenant
+
+
 def test_each_tenant_has_its_own_bounded_cache_namespace() -> None:
-    assert tenant_salt("", "mine") == "mine"  # no keys: the client's salt as before
-    salts = {tenant_salt(t, s) for t in ("key-a", "key-b") for s in ("", "x", "y")}
-    assert len(salts) == 6  # tenant and salt both count, and never collide by concatenation
-    assert tenant_salt("key-a", "b") != tenant_salt("key-ab", "")
-    longest = tenant_salt("key-a", "s" * MAX_CACHE_SALT_BYTES)
+    assert tenant_salt(None, "mine") == "mine"  # no keys: the client's salt as before
+    a, b = _tenant("key-of-a-0123456789"), _tenant("key-of-b-0123456789")
+    salts = {tenant_salt(t, s) for t in (a, b) for s in ("", "x", "y")}
+    assert len(salts) == 6  # tenant and salt both count
+    longest = tenant_salt(a, "s" * MAX_CACHE_SALT_BYTES)
     check_cache_salt(longest)  # within what workers accept
+    # every router holding the key computes the same namespace (routers sharing workers)
+    assert tenant_salt(_tenant("key-of-a-0123456789"), "x") == tenant_salt(a, "x")
+
+
+def _label_derived_salt(label: str, cache_salt: str) -> str:
+    """The salt before issue 61: a digest of the tenant's public label and the client's salt,
+    which a router without keys (whose clients choose their cache_salt) could compute."""
+    digest = hashlib.blake2b(digest_size=16, person=b"kvferry-tenant1")
+    for part in (label, cache_salt):
+        data = part.encode()
+        digest.update(len(data).to_bytes(4, "little") + data)
+    return identity.TENANT_SALT_PREFIX + digest.hexdigest()
+
+
+def test_a_salt_needs_the_key_not_its_label() -> None:
+    """The salt is an HMAC keyed by a secret derived from the key's digest: the label (all a
+    keyless router or a log reader knows) reproduces neither the old nor the new salt."""
+    a = _tenant("key-of-a-0123456789")
+    salt = tenant_salt(a, "x")
+    assert salt != _label_derived_salt(a.label, "x")
+    # the label is the digest's first 6 bytes: the rest is what a keyless router lacks
+    guessed = identity.Tenant.of_digest(bytes.fromhex(a.label[4:]).ljust(32, b"\0"))
+    assert tenant_salt(guessed, "x") != salt
+    assert a.salt_key != a.digest and len(a.digest) == 32
+
+
+def test_keys_whose_labels_collide_are_still_two_tenants(monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """48-bit labels collide around 16M keys: the identity (scope) and the salt use the whole
+    digest, so two keys with one label stay apart; only the logs' name is shared."""
+    monkeypatch.setattr(identity, "_label", lambda digest: "key-000000000000")
+    keys = ApiKeys(["first-key-0123456789", "second-key-0123456789"])
+    first = keys.tenant_of("Bearer first-key-0123456789")
+    second = keys.tenant_of("Bearer second-key-0123456789")
+    assert first is not None and second is not None
+    assert first.label == second.label == "key-000000000000"
+    assert first != second and first.scope != second.scope
+    assert tenant_salt(first, "") != tenant_salt(second, "")
+    assert tenant_salt(first, "x") != tenant_salt(second, "x")
 
 
 def test_ids_live_in_their_callers_scope() -> None:
