@@ -3,10 +3,11 @@
 A full block's key is a 128-bit BLAKE2b digest of its parent block's key and its own token
 ids, so a key names the whole prefix up to the end of its block, not just the block's tokens
 (vLLM's block hashing; SGLang's radix tree keys the same thing by path). The first block's
-parent is a seed that covers everything else that changes the block's contents: the model
-fingerprint, the K/V dtype and the request's `cache_salt`, so two models, two dtypes or two
-tenants never share a page. Only full blocks have keys: a sequence's last, partly filled
-block stays private, and append-only decoding never writes a shared block.
+parent is a seed that covers everything else that changes the block's contents: the K/V
+format version, the model fingerprint, the K/V dtype and the request's `cache_salt`, so two
+models, two dtypes, two tenants or two ways of computing K/V never share a page. Only full
+blocks have keys: a sequence's last, partly filled block stays private, and append-only
+decoding never writes a shared block.
 
 The index itself lives in `kvferry.cache.allocator.BlockAllocator` (which blocks hold which
 keys, and the least-recently-used order of the ones no request holds), and below it in the
@@ -31,12 +32,20 @@ from kvferry.errors import InvalidArgument
 KEY_BYTES = 16  # 128-bit digests: collisions are out of reach for any cache size
 MAX_CACHE_SALT_BYTES = 256
 DEFAULT_MAX_EVENTS = 4096
+# How K/V is computed for given tokens, beyond what the shapes and dtypes say. Bump it with any
+# change to the bytes a block holds for the same tokens and model: rotary handling (positions,
+# scaling), the scale layout or quantization codes of quantized pages, the positions an
+# eviction policy keeps, the page layout within a block. It is folded into every block key
+# (`cache_seed`) and into the disk and store values' layout hash (kvferry.cache.tiers.codec),
+# so a bump retires the router's prefix keys and the blocks on disk or in a store together.
+# Router and workers must run the same version to share keys (an upgrade does both).
+KV_FORMAT_VERSION = 1
 
 
 def cache_seed(model_fingerprint: str, kv_dtype: str, cache_salt: str = "") -> bytes:
     """The parent key of a sequence's first block."""
     h = hashlib.blake2b(digest_size=KEY_BYTES, person=b"kvferry-prefix1")
-    for part in (model_fingerprint, kv_dtype, cache_salt):
+    for part in (f"kv-format-{KV_FORMAT_VERSION}", model_fingerprint, kv_dtype, cache_salt):
         data = part.encode()
         h.update(len(data).to_bytes(4, "little"))
         h.update(data)

@@ -23,6 +23,7 @@ from typing import NamedTuple
 import crc32c
 import torch
 
+from kvferry.cache import prefix
 from kvferry.cache.pool import KvPool
 from kvferry.cache.prefix import KEY_BYTES
 
@@ -45,10 +46,10 @@ class Header(NamedTuple):
 
 
 def layout_hash(pool: KvPool) -> bytes:
-    """8 bytes naming how a block's bytes are laid out in `pool` (not which model: the keys
-    name that)."""
+    """8 bytes naming how a block's bytes are laid out in `pool` and how they were computed
+    (`prefix.KV_FORMAT_VERSION`; not which model: the keys name that)."""
     parts = (tuple(pool.cache.shape[:2]), tuple(pool.cache.shape[3:]), str(pool.cache.dtype),
-             str(pool.dtype), pool.kv_cache_dtype, pool.block_size)
+             str(pool.dtype), pool.kv_cache_dtype, pool.block_size, prefix.KV_FORMAT_VERSION)
     return hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
 
 

@@ -7,11 +7,14 @@ again, and that a key always leads to the block it was registered with."""
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from kvferry.cache import prefix
 from kvferry.cache.allocator import BlockAllocator
+from kvferry.cache.pool import KvPool
 from kvferry.cache.prefix import (
     KEY_BYTES,
     CacheEvents,
@@ -22,6 +25,7 @@ from kvferry.cache.prefix import (
     check_skip_blocks,
     max_shared_blocks,
 )
+from kvferry.cache.tiers import codec
 from kvferry.errors import InvalidArgument, ResourceExhausted
 
 SEED = cache_seed("fingerprint", "float32")
@@ -45,6 +49,27 @@ def test_keys_chain_the_whole_prefix() -> None:
 def test_model_dtype_and_salt_each_change_every_key(seed: bytes) -> None:
     tokens = list(range(32))
     assert set(block_keys(tokens, 16, seed)).isdisjoint(block_keys(tokens, 16, SEED))
+
+
+def test_a_kv_format_bump_retires_every_key_and_every_stored_block(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """KV_FORMAT_VERSION is in the seed of every block key (router and workers both derive
+    theirs with cache_seed) and in the layout hash of disk and store values: a bump changes
+    both, a value written before it is refused, and an equal version reads it as before."""
+    tokens = list(range(32))
+    pool = KvPool(2, 2, 8, 16, 4, torch.float32, prefix_caching=True)
+    keys = block_keys(tokens, 16, cache_seed("fingerprint", "float32"))
+    layout = codec.layout_hash(pool)
+    payload = memoryview(bytes(64))
+    head = codec.header(layout, keys[0], payload)
+    monkeypatch.setattr(prefix, "KV_FORMAT_VERSION", prefix.KV_FORMAT_VERSION + 1)
+    assert set(block_keys(tokens, 16, cache_seed("fingerprint", "float32"))).isdisjoint(keys)
+    assert codec.layout_hash(pool) != layout
+    with pytest.raises(codec.BadValue, match="another K/V layout"):
+        codec.parse_header(head, codec.layout_hash(pool), keys[0], payload.nbytes)
+    monkeypatch.undo()
+    assert block_keys(tokens, 16, cache_seed("fingerprint", "float32")) == keys
+    assert codec.parse_header(head, codec.layout_hash(pool), keys[0], payload.nbytes)
 
 
 @pytest.mark.parametrize(("num_tokens", "most"), [(1, 0), (16, 0), (17, 1), (32, 1), (33, 2)])
