@@ -7,6 +7,7 @@ import argparse
 
 from kvferry.cache.tiers.config import (
     DEFAULT_DISK_CACHE_SIZE,
+    DEFAULT_STORE_DEADLINE_S,
     WRITE_POLICIES,
     TierSettings,
     host_memory_bytes,
@@ -39,6 +40,11 @@ def tier_args(p: argparse.ArgumentParser, is_deployment: bool = False) -> None:
     p.add_argument("--kv-store-password-file", default=None, metavar="FILE",
                    help=f"{every}the store's password (its requirepass), read from FILE (a "
                         "mounted Secret) so that it is in no URL, command line or log")
+    p.add_argument("--kv-store-deadline-ms", type=float,
+                   default=DEFAULT_STORE_DEADLINE_S * 1e3, metavar="MS",
+                   help=f"{every}how long a request waits for the store's lookup before going "
+                        "on without its blocks; a store whose calls keep taking longer is "
+                        "disabled and probed until it answers in time (default: %(default)g)")
     if is_deployment:
         p.add_argument("--kv-store-size", default=None, metavar="SIZE",
                        help="start a Valkey store of SIZE bytes (or a fraction of host "
@@ -67,7 +73,8 @@ def tier_settings(args: argparse.Namespace) -> TierSettings:
                         disk_cache_dir=args.kv_disk_cache_dir,
                         disk_cache_size=args.kv_disk_cache_size,
                         store_url=args.kv_store_url,
-                        store_password_file=args.kv_store_password_file)
+                        store_password_file=args.kv_store_password_file,
+                        store_deadline_s=args.kv_store_deadline_ms / 1e3)
 
 
 def store_bytes(size: str) -> int:
@@ -88,4 +95,6 @@ def tier_argv(args: argparse.Namespace, store_url: str | None = None) -> list[st
         argv += ["--kv-store-url", args.kv_store_url or store_url]
     if args.kv_store_password_file is not None:
         argv += ["--kv-store-password-file", args.kv_store_password_file]
+    if (args.kv_store_url or store_url) is not None:
+        argv += ["--kv-store-deadline-ms", f"{args.kv_store_deadline_ms:g}"]
     return argv

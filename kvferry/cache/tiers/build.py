@@ -45,6 +45,7 @@ def build_tiered_cache(pool: KvPool, settings: TierSettings) -> TieredCache:
         from kvferry.cache.tiers.store import StoreTier
 
         store = StoreTier(settings.store_url, codec.layout_hash(pool), block_nbytes(pool),
-                          pool.allocator.events, password=store_password(settings))
+                          pool.allocator.events, password=store_password(settings),
+                          deadline_s=settings.store_deadline_s)
         log.info("store K/V tier at %s", redacted_url(settings.store_url))
     return TieredCache(pool, host, disk, store, settings.host_write_policy)

@@ -12,6 +12,8 @@ from kvferry.sizes import parse_pool_size
 WRITE_POLICIES = ("write_through", "write_back")
 DEFAULT_DISK_CACHE_SIZE = "16GiB"
 STORE_SCHEMES = ("redis://", "rediss://", "unix://")
+# How long a request waits for the store's answer before going on without its blocks.
+DEFAULT_STORE_DEADLINE_S = 0.05
 _CGROUP_LIMIT = Path("/sys/fs/cgroup/memory.max")
 
 
@@ -33,6 +35,9 @@ class TierSettings:
     # A file holding the store's password (a mounted Secret), so it is in no URL, command line
     # or log; a password written into the URL is redacted from the logs.
     store_password_file: str | None = None
+    # A store lookup's deadline: past it the request goes on without the store's blocks, and
+    # a store that keeps missing it is disabled (then probed) like one that fails.
+    store_deadline_s: float = DEFAULT_STORE_DEADLINE_S
 
     def __post_init__(self) -> None:
         if self.host_write_policy not in WRITE_POLICIES:
@@ -45,6 +50,7 @@ class TierSettings:
                 raise ValueError("kv_disk_cache_dir: needs a host tier (--kv-host-cache-size): "
                                  "disk blocks are read through host memory")
             disk_cache_bytes(self)
+            refuse_unsafe_disk_dir(Path(self.disk_cache_dir))
         if self.store_url is not None:
             if self.host_cache_size is None:
                 raise ValueError("kv_store_url: needs a host tier (--kv-host-cache-size): "
@@ -52,6 +58,9 @@ class TierSettings:
             if not self.store_url.startswith(STORE_SCHEMES):
                 raise ValueError(f"kv_store_url: expected {', '.join(STORE_SCHEMES)}..., got "
                                  f"{redacted_url(self.store_url)!r}")
+        if not 0 < self.store_deadline_s <= 10:
+            raise ValueError(f"kv_store_deadline_ms: expected more than 0 and at most 10000, "
+                             f"got {self.store_deadline_s * 1e3:g}")
         if self.store_password_file is not None:
             if self.store_url is None:
                 raise ValueError("kv_store_password_file: needs --kv-store-url")
@@ -63,6 +72,20 @@ class TierSettings:
     @property
     def is_tiered(self) -> bool:
         return self.host_cache_size is not None
+
+
+def refuse_unsafe_disk_dir(directory: Path) -> None:
+    """ValueError naming --kv-disk-cache-dir when it exists and another user owns it or group
+    or others may write to it (checked with the flags, so the CLI refuses it in one line;
+    the disk tier checks again when it starts, and makes a missing one 0700)."""
+    if not directory.exists():
+        return
+    from kvferry_kernels.artifact_cache import unsafe_reason  # the on-disk caches' one rule
+
+    reason = unsafe_reason(directory) if directory.is_dir() else "not a directory"
+    if reason is not None:
+        raise ValueError(f"kv_disk_cache_dir: refusing {directory} ({reason}): give a "
+                         "directory only this user can write to")
 
 
 def store_password(settings: TierSettings) -> str | None:

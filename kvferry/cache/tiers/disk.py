@@ -11,7 +11,17 @@ A write goes to `tmp/` and is renamed into place: a file is visible whole or not
 a process killed mid-write leaves bytes only in `tmp/`, swept at the next start. The index
 (key -> file, least recently used first) lives on the event loop; a restart rebuilds it from
 a scan (file size checked; contents verified when read). A read checks the header and both
-CRCs; a block that fails is deleted and reported, never served.
+CRCs; a block that fails is deleted and reported, never served (the tiered cache then checks
+its values as a pushed chunk's: finite, and scales within bounds).
+
+Privacy (the rule of the other on-disk caches, `kvferry_kernels/artifact_cache.py`, but
+refused rather than worked around: a K/V cache in a temporary directory is no cache): K/V
+reads back as prompt text, so `<dir>` must be owned by this user and writable by no one else,
+or the worker refuses to start (ValueError naming it). Every directory under it is made 0700
+and every file 0600, whatever the umask (explicit modes, then chmod); an existing
+subdirectory owned by another user, or a symlink, is refused too. Files are opened with
+O_NOFOLLOW, and a file not owned by this user, or that others may read or write, is deleted
+at the scan and refused at a read.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ import fcntl
 import logging
 import os
 import shutil
+import stat
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -32,6 +43,7 @@ from kvferry.cache.allocator import IntegrityReport
 from kvferry.cache.prefix import KEY_BYTES, CacheEvents, Tier
 from kvferry.cache.stats import TierState
 from kvferry.cache.tiers import codec
+from kvferry.cache.tiers.config import refuse_unsafe_disk_dir
 
 log = logging.getLogger("kvferry.tiers")
 
@@ -63,10 +75,11 @@ class DiskTier:
         self._full_after_bytes = full_after_bytes  # fault: ENOSPC after this many bytes
         self._write_delay_s = write_delay_s  # fault: pause between the bytes and the rename
         self._written_bytes = 0
+        refuse_unsafe_root(root)
         self.dir, self._lock = _lock_a_directory(root / layout.hex())
         self._tmp = self.dir / "tmp"
         shutil.rmtree(self._tmp, ignore_errors=True)  # a killed writer's partial files
-        self._tmp.mkdir()
+        private_dir(self._tmp)
         self._files: OrderedDict[bytes, None] = OrderedDict()  # visible; LRU first
         self._pins: dict[bytes, int] = {}  # being read: never evicted meanwhile
         self._writing: set[bytes] = set()
@@ -76,16 +89,20 @@ class DiskTier:
     def _scan(self) -> None:
         """The index from the files there (oldest use first); wrong sizes are deleted."""
         found: list[tuple[float, bytes]] = []
+        for sub in self.dir.iterdir():
+            if sub.is_dir():
+                private_dir(sub)  # ours, 0700 (an older build's 0755 too); else refused
         for path in self.dir.glob(f"*/*{SUFFIX}"):
             try:
                 key = bytes.fromhex(path.stem)
-                stat = path.stat()
+                info = path.lstat()
             except (ValueError, OSError):
                 continue
-            if len(key) != KEY_BYTES or stat.st_size != self.file_nbytes:
-                path.unlink(missing_ok=True)
+            if (len(key) != KEY_BYTES or info.st_size != self.file_nbytes
+                    or _file_problem(info) is not None):
+                path.unlink(missing_ok=True)  # not ours, or readable by others: never served
                 continue
-            found.append((stat.st_mtime, key))
+            found.append((info.st_mtime, key))
         for _, key in sorted(found)[-self.capacity_blocks:]:
             self._files[key] = None
         for _, key in sorted(found)[:-self.capacity_blocks]:
@@ -128,13 +145,17 @@ class DiskTier:
     def read_into(self, key: bytes, slot: torch.Tensor) -> None:
         """Read and verify `key`'s block into a host slot; BadValue or OSError if not."""
         view = codec.as_bytes(slot)
-        with open(self.path(key), "rb") as f:
+        fd = os.open(self.path(key), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with open(fd, "rb") as f:
+            problem = _file_problem(os.fstat(fd))
+            if problem is not None:
+                raise codec.BadValue(f"refused: {problem}")
             expected = codec.parse_header(f.read(codec.HEADER_BYTES), self.layout, key,
                                           self.payload_nbytes)
             if f.readinto(view) != self.payload_nbytes:
                 raise codec.BadValue("file shorter than its header says")
-        codec.check_payload(view, expected)
-        os.utime(self.path(key))  # recently used, across restarts too
+            codec.check_payload(view, expected)
+            os.utime(fd)  # recently used, across restarts too
 
     def drop_bad(self, key: bytes, error: Exception) -> None:
         """Event loop: a block failed its read; delete it, report it removed."""
@@ -182,13 +203,16 @@ class DiskTier:
                 return done, DiskFull(errno.ENOSPC, "no space left (injected)")
             tmp = self._tmp / f"{key.hex()}.{os.getpid()}.{time.monotonic_ns()}"
             try:
-                with open(tmp, "wb") as f:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                             | os.O_CLOEXEC, 0o600)
+                with open(fd, "wb") as f:
+                    os.fchmod(fd, 0o600)  # whatever the umask
                     f.write(codec.header(self.layout, key, payload))
                     f.write(payload)
                 if self._write_delay_s:
                     time.sleep(self._write_delay_s)  # fault: the window a kill -9 hits
                 final = self.path(key)
-                final.parent.mkdir(exist_ok=True)
+                private_dir(final.parent)
                 os.replace(tmp, final)
             except OSError as exc:
                 tmp.unlink(missing_ok=True)
@@ -228,13 +252,57 @@ class DiskTier:
         self._lock.close()  # releases the flock
 
 
+def refuse_unsafe_root(root: Path) -> None:
+    """`--kv-disk-cache-dir` made (0700, with any missing parents) when missing; ValueError
+    naming it when another user owns it or group or others may write to it (what K/V it
+    would hold reads back as prompts, and a file planted there would be served)."""
+    missing = []
+    path = root
+    while not os.path.lexists(path) and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    for path in reversed(missing):
+        private_dir(path)
+    refuse_unsafe_disk_dir(root)
+
+
+def private_dir(path: Path) -> None:
+    """`path` a directory of this user's, mode 0700 (made so, whatever the umask, or set so
+    when it exists); ValueError naming it when it is a symlink or another user's."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
+        raise ValueError(f"kv_disk_cache_dir: refusing {path} (a symlink, not a directory, or "
+                         f"owned by uid {info.st_uid}, not {os.geteuid()})")
+    if stat.S_IMODE(info.st_mode) != 0o700:
+        os.chmod(path, 0o700)
+
+
+def _file_problem(info: os.stat_result) -> str | None:
+    """Why a block file may not be served: not a plain file, another user's, or open to
+    group or others (written by someone else, or read by them)."""
+    if not stat.S_ISREG(info.st_mode):
+        return "not a plain file"
+    if info.st_uid != os.geteuid():
+        return f"owned by uid {info.st_uid}"
+    if stat.S_IMODE(info.st_mode) & 0o077:
+        return f"mode {stat.S_IMODE(info.st_mode):o}, open to group or others"
+    return None
+
+
 def _lock_a_directory(base: Path):
     """The first `<base>/<n>` whose LOCK this process can take, and the open LOCK file."""
-    base.mkdir(parents=True, exist_ok=True)
+    private_dir(base)
     for n in range(1024):
         path = base / str(n)
-        path.mkdir(exist_ok=True)
-        lock = open(path / "LOCK", "a")  # noqa: SIM115 - held for the process's life
+        private_dir(path)
+        fd = os.open(path / "LOCK", os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW
+                     | os.O_CLOEXEC, 0o600)
+        os.fchmod(fd, 0o600)
+        lock = open(fd, "a")  # noqa: SIM115 - held for the process's life
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

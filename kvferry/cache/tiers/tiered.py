@@ -11,7 +11,13 @@ reused or rewritten under a copy, and evicting it from the pool later costs noth
 
 Index state lives on the event loop; bytes move on two tier threads (`kvferry-tier-read` for
 promotions, `kvferry-tier-write` for write-through), so a write never queues ahead of a
-promotion and the forward-pass executors never wait on tier I/O.
+promotion and the forward-pass executors never wait on tier I/O. The store's calls run on
+threads of its own, within a deadline (`store.py`): a slow store delays no host or disk
+promotion, and a request by at most the deadline.
+
+A block read from disk or the store is checked as a pushed chunk is (`KvPool.pages_finite`:
+no inf or NaN, and on quantized pools each scale within bounds) before it is copied into the
+pool: one that fails is dropped, counted as corrupt, and recomputed, as one failing its CRC.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple, TypeVar
 
 from kvferry.cache.allocator import IntegrityReport
@@ -53,6 +59,7 @@ class _Promotion:
     staged: list[Slot]  # host slots reserved for the disk and store runs after it, in order
     tiers: list[Tier]  # where each staged block is read from
     is_open: bool = True  # every key staged so far: a lower tier's run may follow
+    values: list[bytes] = field(default_factory=list)  # the store run's, fetched
 
 
 class TieredCache:
@@ -76,11 +83,10 @@ class TieredCache:
         self._counts = {tier: TierCounts() for tier in (Tier.HOST, Tier.DISK, Tier.STORE)}
         self._block_nbytes = block_nbytes(pool)
         self._reader = self._writes = None
-        self._probe: asyncio.Task[None] | None = None
         if host is not None:
             self._reader = ThreadPoolExecutor(1, thread_name_prefix="kvferry-tier-read")
             self._writes = WriteThrough(pool, host, disk, store, self._counts,
-                                        lambda: self.on_release(), self._probe_store)
+                                        lambda: self.on_release())
 
     @property
     def prefix_caching(self) -> bool:
@@ -163,30 +169,39 @@ class TieredCache:
         plan.is_open = run == len(keys)
 
     async def _plan_store(self, plan: _Promotion, rest: list[bytes]) -> None:
-        """Stage the store's run after the host and disk runs (one round trip to it)."""
-        assert self.store is not None and self._reader is not None
-        if not self.store.is_enabled:
-            return
+        """Stage the store's run after the host and disk runs and fetch it (two round trips,
+        each within its deadline; no call when no key is left to look up)."""
+        assert self.store is not None
         after = rest[len(plan.host_slots) + len(plan.staged):]
-        try:
-            num = await asyncio.wrap_future(self._reader.submit(self.store.leading, after))
-        except Exception as exc:
-            if self.store.failed(exc):
-                self._probe_store()
-                return
-            raise
+        num = await self.store.lookup(after)
+        if not num:
+            return
+        first = len(plan.staged)
         self._stage(plan, after[:num], Tier.STORE)
+        values = await self.store.fetch_run([slot.key for slot in plan.staged[first:]])
+        kept = first + len(values)
+        assert self.host is not None
+        self.host.commit(plan.staged[kept:], is_ok=False)  # gone, or not fetched in time
+        del plan.staged[kept:], plan.tiers[kept:]
+        plan.values = values
 
     def _promote(self, plan: _Promotion, fresh: list[int]) -> tuple[int, Exception | None]:
         """A tier thread: read the staged runs into their host slots (verified; stops at the
         first that fails), then copy the host slots into the first fresh blocks."""
         assert self.host is not None
         num_read, error = 0, None
+        values = iter(plan.values)
         for slot, tier in zip(plan.staged, plan.tiers):
-            source = self.disk if tier is Tier.DISK else self.store
+            data = self.host.data[slot.slot]  # [layers, 2, *page]
             try:
-                source.read_into(slot.key, self.host.data[slot.slot])  # type: ignore[union-attr]
-            except Exception as exc:  # a bad value, or the disk or store failing
+                if tier is Tier.DISK:
+                    self.disk.read_into(slot.key, data)  # type: ignore[union-attr]
+                else:
+                    self.store.verify_into(slot.key, next(values), data)  # type: ignore[union-attr]
+                if not self.pool.pages_finite(data):
+                    raise codec.BadValue("non-finite K/V (inf or NaN, or a quantized page's "
+                                         "scale out of bounds)")
+            except Exception as exc:  # a bad value, or the disk failing
                 error = exc
                 break
             num_read += 1
@@ -214,18 +229,7 @@ class TieredCache:
             self.disk.drop_bad(key, error)
         elif self.store is not None and not self.store.failed(error):
             self.store.removed(key, error)
-            if isinstance(error, codec.BadValue) and self._writes is not None:
-                self._writes.forget(key)  # delete it there, on the write thread
-        elif self.store is not None:
-            self._probe_store()
-
-    def _probe_store(self) -> None:
-        """Ping a disabled store, backing off, until it answers (then it is enabled)."""
-        if self._probe is not None and not self._probe.done():
-            return
-        assert self.store is not None and self._reader is not None
-        self._probe = asyncio.get_running_loop().create_task(
-            self.store.probe_until_up(self._reader))
+            self.store.forget(key)  # delete it there, on the store's write thread
 
     def _cancelled(self, done: asyncio.Future[tuple[int, Exception | None]],
                    plan: _Promotion, ids: list[int]) -> None:
@@ -287,7 +291,5 @@ class TieredCache:
             self._writes.close()
         if self.disk is not None:
             self.disk.close()
-        if self._probe is not None:
-            self._probe.cancel()
         if self.store is not None:
-            self.store.client.close()
+            self.store.close()

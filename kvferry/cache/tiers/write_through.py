@@ -1,7 +1,9 @@
 """Write-through: blocks the pool indexes are copied to the host tier on a thread of their
-own, then from the host tier to disk. A pool block stays referenced until its copy has read
-it (so it is never reused or rewritten under the copy), a host slot stays pinned until its
-disk write has read it, and each tier's index takes a block only once its copy is complete.
+own, then from the host tier to disk (on that thread) and to the store (on the store's write
+thread, so a slow store holds up no host or disk copy). A pool block stays referenced until
+its copy has read it (so it is never reused or rewritten under the copy), a host slot stays
+pinned until its disk or store write has read it, and each tier's index takes a block only
+once its copy is complete.
 """
 
 from __future__ import annotations
@@ -53,13 +55,12 @@ class WriteThrough:
 
     def __init__(self, pool: KvPool, host: HostTier, disk: DiskTier | None,
                  store: StoreTier | None, counts: dict[Tier, TierCounts],
-                 on_release: Callable[[], None], on_store_down: Callable[[], None]) -> None:
+                 on_release: Callable[[], None]) -> None:
         self.pool = pool
         self.allocator = pool.allocator
         self.host = host
         self.disk = disk
         self.store = store
-        self._on_store_down = on_store_down
         self._counts = counts
         self._on_release = on_release
         self._block_nbytes = block_nbytes(pool)
@@ -128,9 +129,12 @@ class WriteThrough:
         if self.store is not None and self.store.is_enabled:
             keys = [slot.key for slot in taken]
             slots = self.host.pin(keys)
+            queued = self.store.queue_write(keys, [self.host.data[s] for s in slots])
+            if queued is None:  # the store's write queue is full: dropped, counted
+                self.host.unpin(slots)
+                return
             self._num_queued += 1
-            _then(self._writer.submit(self.store.write, keys, [self.host.data[s] for s in slots]),
-                  lambda done: self._written_to_store(done, slots))
+            _then(queued, lambda done: self._written_to_store(done, slots))
 
     def _written_to_disk(self, done: Future[tuple[int, OSError | None]], keys: list[bytes],
                          slots: list[int]) -> None:
@@ -147,20 +151,8 @@ class WriteThrough:
         self._num_queued -= 1
         assert self.store is not None
         self.host.unpin(slots)
-        error = done.exception()
-        if error is not None:
-            if not self.store.failed(error):
-                raise error
-            self._on_store_down()
-            return
-        held, num_new = done.result()
-        self.store.stored(held)
+        num_new = self.store.written(done)  # a failure disables the store (then probed)
         self._counts[Tier.STORE].bytes_in += num_new * self._block_nbytes
-
-    def forget(self, key: bytes) -> None:
-        """Delete a value that failed its check from the store (best effort)."""
-        assert self.store is not None
-        self._writer.submit(self.store.delete, key)
 
 
 def _then(future: Future[T], callback: Callable[[Future[T]], None]) -> None:
