@@ -4,10 +4,12 @@ CPU, NCCL on CUDA with one device per rank). Each rank holds its shard of the mo
 (kvferry/model/tensor_parallel.py) and a pool of its own K/V heads, with the same blocks:
 block ids mean the same tokens on every rank, so only rank 0 allocates.
 
-`TensorParallelModel` stands where a `Transformer` does for `prefill` and `decode`: each call
-is broadcast to the other ranks (its tensors and numbers; the pool named, each rank using its
-own; callbacks are rank 0's alone), then run on rank 0's shard, the ranks meeting in its
-all-reduces. The pool's data outside a forward moves the same way, through rank 0's pool
+The ranks meet in a private `file://` store and talk on the loopback interface only
+(kvferry/model/tp_rendezvous.py). `TensorParallelModel` stands where a `Transformer` does
+for `prefill` and `decode`: each call is broadcast to the other ranks in a fixed schema,
+never pickled (kvferry/model/tp_wire.py: its tensors and numbers; the pool named, each rank
+using its own; callbacks are rank 0's alone), then run on rank 0's shard, the ranks meeting
+in its all-reduces. The pool's data outside a forward moves the same way, through rank 0's pool
 (`RankPool`): its `read_pages` gathers every K/V head of some blocks from the ranks (what a
 push sends), `write_pages` gives each rank its heads of whole pages (what a receive writes),
 `copy_blocks` copies on every rank. Engines and transports call these as on any pool, so
@@ -20,12 +22,12 @@ A rank that is gone fails the call with `RankLost`, at once where its connection
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import multiprocessing.connection
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -33,16 +35,19 @@ import torch
 import torch.distributed as dist
 
 from kvferry.cache.pool import KvPool
+from kvferry.model import tp_wire
 from kvferry.model.config import ModelConfig, load_model_config
 from kvferry.model.tensor_parallel import Shard
+from kvferry.model.tp_rendezvous import Rendezvous, join
 from kvferry.model.transformer import Transformer
-from kvferry.rpc.grpc_util import free_port
 from kvferry_kernels import kv_quant
 from kvferry_kernels.dispatch import get_attention_backend
 
 COLLECTIVE_TIMEOUT_S = 60.0  # a rank that stops answering (alive, stuck) fails a call then
-_POOL = "<pool>"  # stands for the pool in a broadcast call: each rank uses its own
+EXIT_PROTOCOL_ERROR = 3  # a rank's exit status for a call outside the schema
 _STOP = "stop"
+
+log = logging.getLogger(__name__)
 
 
 class RankLost(RuntimeError):
@@ -75,28 +80,33 @@ def rank_device(spec: RankSpec, rank: int) -> torch.device:
     return torch.device("cuda", (base.index or 0) + rank)
 
 
-def _join(rank: int, size: int, port: int, device: torch.device) -> None:
-    """Join the group: gloo on CPU; NCCL on CUDA, this rank's device made current first."""
-    backend = "gloo"
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        backend = "nccl"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=size, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+def _send(wire: tp_wire.Wire, control: dist.ProcessGroup | None) -> None:
+    """Rank 0: a call to the other ranks (its header on `control`, host memory; its tensors
+    on the default group, the ranks' devices)."""
+    dist.broadcast(wire.preamble, src=0, group=control)
+    if wire.header.numel():
+        dist.broadcast(wire.header, src=0, group=control)
+    for tensor in wire.tensors:
+        if tensor.numel():
+            dist.broadcast(tensor, src=0)
 
 
-def _on(value: Any, device: torch.device | str) -> Any:
-    """A call's argument with its tensors (or a list's) on `device`: host memory as
-    broadcast, then each rank's own device."""
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, list) and value and isinstance(value[0], torch.Tensor):
-        return [v.to(device) for v in value]
-    return value
-
-
-def _is_pool(value: Any) -> bool:
-    return isinstance(value, str) and value == _POOL
+def _receive(control: dist.ProcessGroup | None, device: torch.device, pool: KvPool
+             ) -> tuple[str, dict[str, Any]]:
+    """Ranks 1..N-1: the next call and its arguments, checked before anything is allocated
+    for it (tp_wire.ProtocolError otherwise)."""
+    preamble = torch.empty(tp_wire.PREAMBLE_LEN, dtype=torch.int64)
+    dist.broadcast(preamble, src=0, group=control)
+    method, length = tp_wire.header_length(preamble)
+    header = torch.empty(length, dtype=torch.int64)
+    if length:
+        dist.broadcast(header, src=0, group=control)
+    call = tp_wire.parse(method, header)
+    tensors = tp_wire.receive_buffers(call, device)
+    for tensor in tensors:
+        if tensor.numel():
+            dist.broadcast(tensor, src=0)
+    return method, call.fill(tensors, pool)
 
 
 def _build(spec: RankSpec, rank: int, size: int, pool_type: type[KvPool] = KvPool
@@ -117,28 +127,27 @@ def _build(spec: RankSpec, rank: int, size: int, pool_type: type[KvPool] = KvPoo
     return model, pool, config
 
 
-def _follow(rank: int, size: int, port: int, spec: RankSpec) -> None:
+def _follow(rank: int, size: int, rendezvous: Rendezvous, spec: RankSpec) -> None:
     """Ranks 1..N-1: run each call rank 0 broadcasts, on this rank's shard and pool, until
-    told to stop or rank 0 is gone."""
+    told to stop or rank 0 is gone. A call outside the schema stops the rank (exit status
+    EXIT_PROTOCOL_ERROR): its worker then exits as for a lost rank."""
     if spec.torch_threads > 0:
         torch.set_num_threads(spec.torch_threads)
-    _join(rank, size, port, rank_device(spec, rank))
+    control = join(rank, size, rendezvous, rank_device(spec, rank), COLLECTIVE_TIMEOUT_S)
     try:
         model, pool, _ = _build(spec, rank, size)
         dist.barrier()  # built: rank 0 may call
         while True:
-            box: list[Any] = [None]
-            dist.broadcast_object_list(box, src=0)
-            method, args, kwargs = box[0]
+            method, kwargs = _receive(control, model.device, pool)
             if method == _STOP:
                 return
             if method in _POOL_OPS:
-                _POOL_OPS[method](pool, model.shard, *args)
-                continue
-            device = model.device
-            args = [pool if _is_pool(a) else _on(a, device) for a in args]
-            kwargs = {k: pool if _is_pool(v) else _on(v, device) for k, v in kwargs.items()}
-            getattr(model, method)(*args, **kwargs)
+                _POOL_OPS[method](pool, model.shard, **kwargs)
+            else:
+                getattr(model, method)(**kwargs)
+    except tp_wire.ProtocolError as exc:
+        log.error("tensor-parallel rank %d: call refused (%s); stopping", rank, exc)
+        raise SystemExit(EXIT_PROTOCOL_ERROR) from exc
     except RuntimeError:
         return  # rank 0 (or another rank) is gone: nothing to serve
     finally:
@@ -193,6 +202,7 @@ def _copy_blocks(pool: KvPool, shard: Shard, src: list[int], dst: list[int]) -> 
     KvPool.copy_blocks(pool, src, dst)
 
 
+# Their parameters after (pool, shard) are tp_wire.METHODS' for the same names.
 _POOL_OPS: dict[str, Callable[..., Any]] = {
     "gather_pages": _gather_pages, "scatter_pages": _scatter_pages, "copy_blocks": _copy_blocks}
 
@@ -243,14 +253,6 @@ class RankPool(KvPool):
         self.group._pool_op("copy_blocks", list(src), list(dst))  # noqa: SLF001
 
 
-def _as_sent(value: Any, pool: KvPool) -> Any:
-    if value is pool:
-        return _POOL
-    if callable(value):
-        return None  # rank 0's alone (a push's layer callback)
-    return _on(value, "cpu")
-
-
 class TensorParallelModel:
     """Rank 0 of a group of `size`: starts the other ranks, builds its own shard and pool,
     and runs `prefill` and `decode` on all of them. `close()` stops the ranks.
@@ -267,14 +269,15 @@ class TensorParallelModel:
         if size < 2:
             raise ValueError(f"tensor_parallel_size: a group needs >= 2 ranks, got {size}")
         self.size = size
-        port = free_port()
+        self.rendezvous = Rendezvous.fresh()  # a restarted worker's group meets elsewhere
         context = mp.get_context("spawn")
-        self.ranks = [context.Process(target=_follow, args=(rank, size, port, spec),
+        self.ranks = [context.Process(target=_follow, args=(rank, size, self.rendezvous, spec),
                                       name=f"tp-rank-{rank}", daemon=True)
                       for rank in range(1, size)]
         for proc in self.ranks:
             proc.start()
-        _join(0, size, port, rank_device(spec, 0))
+        self._control = join(0, size, self.rendezvous, rank_device(spec, 0),
+                             COLLECTIVE_TIMEOUT_S)
         self._lock = threading.Lock()
         self.model, pool, whole = _build(spec, 0, size, RankPool)
         assert isinstance(pool, RankPool)  # noqa: S101 - built as one
@@ -294,7 +297,13 @@ class TensorParallelModel:
         if self._closed or self.on_lost is None:
             return
         lost = [p.name for p in self.ranks if not p.is_alive()]
-        self.on_lost(RankLost(f"tensor-parallel rank lost ({', '.join(lost)}): it exited"))
+        self._lost(RankLost(f"tensor-parallel rank lost ({', '.join(lost)}): it exited"))
+
+    def _lost(self, error: RankLost) -> None:
+        """Tell `on_lost` (which may end the process: the rendezvous goes first)."""
+        self.rendezvous.remove()
+        if self.on_lost is not None:
+            self.on_lost(error)
 
     def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         try:
@@ -303,8 +312,7 @@ class TensorParallelModel:
             lost = [p.name for p in self.ranks if not p.is_alive()]
             error = RankLost(f"tensor-parallel rank lost ({', '.join(lost) or 'stuck'}): "
                              f"{exc}")
-            if self.on_lost is not None:
-                self.on_lost(error)
+            self._lost(error)
             raise error from exc
 
     @property
@@ -323,14 +331,19 @@ class TensorParallelModel:
     def query_runs(self) -> bool:
         return self.model.query_runs
 
+    def _wire(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+              ) -> tp_wire.Wire:
+        """The call as the ranks receive it; ValueError, before anything is sent, for an
+        argument the schema does not take."""
+        return tp_wire.encode(method, tp_wire.bind(method, args, kwargs), self.pool,
+                              self.model.device)
+
     def _run(self, method: str, *args: Any, **kwargs: Any) -> torch.Tensor:
-        pool = self.pool
-        sent = ([_as_sent(a, pool) for a in args],
-                {k: _as_sent(v, pool) for k, v in kwargs.items()})
+        wire = self._wire(method, args, kwargs)
         with self._lock:
             if self._closed:
                 raise RankLost("tensor-parallel group closed")
-            self._call(dist.broadcast_object_list, [(method, *sent)], src=0)
+            self._call(_send, wire, self._control)
             return self._call(getattr(self.model, method), *args, **kwargs)
 
     def prefill(self, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -342,11 +355,11 @@ class TensorParallelModel:
         return self._run("decode", *args, **kwargs)
 
     def _pool_op(self, op: str, *args: Any) -> Any:
+        wire = self._wire(op, args, {})
         with self._lock:
             if self._closed:
                 raise RankLost("tensor-parallel group closed")
-            self._call(dist.broadcast_object_list, [(op, [_on(a, "cpu") for a in args], {})],
-                       src=0)
+            self._call(_send, wire, self._control)
             return self._call(_POOL_OPS[op], self.pool, self.model.shard, *args)
 
     def close(self, timeout_s: float = 10.0) -> None:
@@ -357,12 +370,13 @@ class TensorParallelModel:
             self._closed = True
         if all(p.is_alive() for p in self.ranks):
             try:
-                dist.broadcast_object_list([(_STOP, [], {})], src=0)
+                _send(self._wire(_STOP, (), {}), self._control)
             except RuntimeError:
-                pass
+                log.info("tensor-parallel group: a rank left before it was told to stop")
         for proc in self.ranks:
             proc.join(timeout_s)
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout_s)
         dist.destroy_process_group()
+        self.rendezvous.remove()
