@@ -1,19 +1,19 @@
-"""The live planner's process: every interval, scrape the router, decide
-(deploy/planner/live.py), log the decision with its reason, export it as metrics, and scale
-(deploy/planner/scalers.py) when it moves."""
+"""The live planner's process: every interval, scrape the routers, decide
+(deploy/planner/live.py) from those that answered, log the decision with its reason, export it
+as metrics, and scale (deploy/planner/scalers.py) when it moves."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from deploy.planner.live import Decision, Planner
-from deploy.planner.observe import Scrape, observation, scraper
+from deploy.planner.observe import Scrape, interval_fault, merge, observation, scraper
 from deploy.planner.scalers import RayScaler, Scaler, WorkerActors
 from deploy.planner.simulator import Layout
 
@@ -49,20 +49,38 @@ def _action(current: Layout, chosen: Layout) -> str:
 @dataclass
 class PlannerLoop:
     planner: Planner
-    scrape: Callable[[], Scrape]
+    scrape: Callable[[], Mapping[str, Scrape]]  # the routers that answered, by URL
     scaler: Scaler
     metrics: PlannerMetrics
     is_dry_run: bool = False  # decide and log, scale nothing
-    _last: Scrape | None = None
+    _last: Mapping[str, Scrape] = field(default_factory=dict)
+
+    def _interval(self) -> tuple[Scrape, Scrape] | None:
+        """This interval's scrapes, merged over the routers that answered this time and last
+        time with sound counters; None when no router did (logged after the first call)."""
+        scrapes = self.scrape()
+        before, self._last = self._last, dict(scrapes)
+        pairs = []
+        for url, after in scrapes.items():
+            if url not in before:  # its first answer (new, or back): a baseline
+                continue
+            if (fault := interval_fault(before[url], after)) is not None:
+                log.warning("planner: router %s left out this interval: %s", url, fault)
+                continue
+            pairs.append((before[url], after))
+        if not pairs:
+            if before:
+                log.warning("planner: no router gave this interval's counters; no decision")
+            return None
+        return merge([b for b, _ in pairs]), merge([a for _, a in pairs])
 
     def run_once(self) -> Decision | None:
-        """One interval: None on the first call (it only takes the first scrape)."""
-        scrape = self.scrape()
-        before, self._last = self._last, scrape
-        if before is None:
+        """One interval: None (no decision) on the first call, which only takes the first
+        scrapes, and whenever no router answered twice in a row with sound counters."""
+        interval = self._interval()
+        if interval is None:
             return None
-        obs = observation(before, scrape, [(t.name, t.percentile)
-                                           for t in self.planner.sla.targets])
+        obs = observation(*interval, [(t.name, t.percentile) for t in self.planner.sla.targets])
         current = Layout(*self.scaler.current())
         decision = self.planner.decide(obs, current)
         action = _action(current, decision.layout)

@@ -5,6 +5,11 @@ HTTP layer replaced, validated offline against the API schema."""
 from __future__ import annotations
 
 import json
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,7 +21,15 @@ from prometheus_client import CollectorRegistry, generate_latest
 from deploy.cli import main
 from deploy.planner.live import Bounds, Planner
 from deploy.planner.loop import PlannerLoop, PlannerMetrics
-from deploy.planner.observe import Scrape, merge, observation, parse, percentile_ms
+from deploy.planner.observe import (
+    Scrape,
+    interval_fault,
+    merge,
+    observation,
+    parse,
+    percentile_ms,
+    scraper,
+)
 from deploy.planner.scalers import (
     KubernetesScaler,
     RayScaler,
@@ -24,6 +37,7 @@ from deploy.planner.scalers import (
     scale_object,
 )
 from deploy.planner.search import Sla
+from kvferry.rpc.grpc_util import free_port
 from kvferry.rpc.metrics import RouterMetrics
 from tests.deploy.planner.synthetic import make_cost, make_profile
 
@@ -112,9 +126,9 @@ def test_the_loop_scales_after_its_patience_and_exports_why() -> None:
     registry = CollectorRegistry()
     scaler = FakeScaler(1, 1)
 
-    def scrape() -> Scrape:
+    def scrape() -> dict[str, Scrape]:
         router.serve(40, 32, 300, 0.1, 0.02)  # 4 requests/s of long answers
-        return router.scrape(float(next(clock)))
+        return {"router": router.scrape(float(next(clock)))}
 
     planner = Planner(make_cost(), Sla.parse("ttft-p90=500,itl-p90=15"),
                       Bounds(max_prefill=3, max_decode=3, max_workers=4), patience=2)
@@ -135,6 +149,129 @@ def test_the_loop_scales_after_its_patience_and_exports_why() -> None:
     for _ in range(4):
         dry.run_once()
     assert dry.scaler.calls == []
+
+
+def _planner() -> Planner:
+    return Planner(make_cost(), Sla.parse("ttft-p90=500,itl-p90=15"),
+                   Bounds(max_prefill=3, max_decode=3, max_workers=4), patience=2)
+
+
+@contextmanager
+def _metrics_server(routes: dict[str, bytes]) -> Iterator[str]:
+    """An HTTP server answering each path of `routes` with its body (404 otherwise)."""
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            body = routes.get(self.path)
+            self.send_response(200 if body is not None else 404)
+            self.send_header("Content-Length", str(len(body or b"")))
+            self.end_headers()
+            self.wfile.write(body or b"")
+
+        def log_message(self, *args: object) -> None:
+            pass  # the test's output stays quiet
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def test_the_scrape_keeps_the_routers_that_answer_within_the_cap(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """An unreachable router, an error, a body past the cap and a text that is no metrics
+    text each leave their router out of the interval (logged); the others are kept."""
+    router = Router()
+    router.serve(2, 100, 10, 0.1, 0.01)
+    text = generate_latest(router.registry)
+    with _metrics_server({"/ok": text, "/huge": text + b"#" * 64, "/junk": b"\xff\xfe{"}) as base:
+        urls = [f"{base}/ok", f"http://127.0.0.1:{free_port()}/metrics", f"{base}/missing",
+                f"{base}/huge", f"{base}/junk"]
+        with caplog.at_level(logging.WARNING, logger="kvferry.planner"):
+            got = scraper(lambda: urls, lambda: 1.0, timeout_s=5,
+                          max_body_bytes=len(text) + 32)()
+    assert list(got) == [f"{base}/ok"] and got[f"{base}/ok"].finished == 2
+    for url in urls[1:]:
+        assert f"router {url} left out" in caplog.text
+    assert "more than" in caplog.text  # the cap, said
+    with caplog.at_level(logging.WARNING, logger="kvferry.planner"):
+        assert scraper(lambda: _unresolvable(), lambda: 1.0)() == {}
+    assert "cannot list the routers" in caplog.text
+
+
+def _unresolvable() -> list[str]:
+    raise OSError("Name or service not known")
+
+
+def test_nan_and_restarted_counters_are_no_interval() -> None:
+    router = Router()
+    router.serve(3, 100, 10, 0.1, 0.01)
+    before = router.scrape(0.0)
+    router.serve(1, 100, 10, 0.1, 0.01)
+    after = router.scrape(1.0)
+    assert interval_fault(before, after) is None
+    assert "went down" in interval_fault(after, Router().scrape(2.0))  # restarted
+    nan = Scrape(1.0, float("nan"), after.prompt_tokens, after.generation_tokens, after.buckets)
+    assert "finite" in interval_fault(before, nan)
+    assert observation(before, nan).num_requests == 0  # NaN reads as nothing, never as NaN
+    negative = Scrape(0.5, -5.0, -1.0, -1.0, {})
+    assert "non-negative" in interval_fault(negative, after)
+    assert "no time passed" in interval_fault(after, after)
+    ttft = tuple((le, 0.0 if le < 1 else c) for le, c in after.buckets["ttft"])
+    not_cumulative = Scrape(1.0, after.finished, after.prompt_tokens,
+                            after.generation_tokens, {**after.buckets, "ttft": ttft})
+    assert "histogram ttft" in interval_fault(before, not_cumulative)
+
+
+def test_the_loop_plans_from_the_routers_that_answer(caplog: pytest.LogCaptureFixture) -> None:
+    """Two routers each serving 2 requests/s: one unreachable, restarted or sending NaN is
+    left out (the plan reads the other's 2/s); none answering twice in a row: no decision."""
+    routers, clock = {"a": Router(), "b": Router()}, iter(range(0, 1000, 10))
+    answering = {"a", "b"}
+    broken: dict[str, Callable[[Scrape], Scrape]] = {}  # this interval's answer, altered
+
+    def scrape() -> dict[str, Scrape]:
+        at = float(next(clock))
+        for router in routers.values():
+            router.serve(20, 32, 300, 0.1, 0.02)
+        scrapes = {name: router.scrape(at) for name, router in routers.items()}
+        scrapes.update({name: alter(scrapes[name]) for name, alter in broken.items()})
+        broken.clear()
+        return {name: scrapes[name] for name in sorted(answering)}
+
+    scaler = FakeScaler(1, 1)
+    registry = CollectorRegistry()
+    loop = PlannerLoop(_planner(), scrape, scaler, PlannerMetrics(registry))
+
+    def rate() -> float | None:
+        return registry.get_sample_value("kvferry_planner_observed_request_rate")
+
+    assert loop.run_once() is None  # baselines
+    assert loop.run_once() is not None and rate() == pytest.approx(4.0)
+    answering.discard("b")
+    with caplog.at_level(logging.WARNING, logger="kvferry.planner"):
+        assert loop.run_once() is not None and rate() == pytest.approx(2.0)
+        answering.add("b")  # back: its first answer is a baseline again
+        assert loop.run_once() is not None and rate() == pytest.approx(2.0)
+        assert loop.run_once() is not None and rate() == pytest.approx(4.0)
+        routers["b"] = Router()  # restarted: its counters start again from zero
+        assert loop.run_once() is not None and rate() == pytest.approx(2.0)
+        assert "router b left out this interval: a counter went down" in caplog.text
+        loop.run_once()  # from b's fresh baseline: a sound interval again
+        assert rate() == pytest.approx(4.0)
+        caplog.clear()
+        broken["b"] = lambda got: Scrape(got.at_s, float("nan"), got.prompt_tokens,
+                                         got.generation_tokens, got.buckets)
+        assert loop.run_once() is not None and rate() == pytest.approx(2.0)
+        assert "router b left out this interval: a value is not a finite" in caplog.text
+        answering.clear()
+        calls = list(scaler.calls)
+        assert loop.run_once() is None and loop.run_once() is None
+        assert "no decision" in caplog.text and scaler.calls == calls
 
 
 class Recorded:
