@@ -24,6 +24,15 @@ worker that never saw them. A worker's snapshot does not clear it (the store out
 worker that wrote a block). A key the store evicted without anyone noticing is credited too
 long, at the cost of one mispriced choice: the worker routed there recomputes the block and
 writes it to the store again.
+
+Both stay bounded however long the store runs: a worker remembers at most
+`kvferry.cache.tiers.store.MAX_KNOWN_KEYS` store keys and reports the ones it forgets as
+removed, so a worker's mirror holds no more store keys than the worker does (its GetStats
+snapshot neither), and `StoreMirror` drops its least recently reported keys past
+`MAX_STORE_KEYS`. A key forgotten that way is credited to no one until a worker reports it
+again: under-crediting costs a recompute at worst, never a wrong answer. Store keys stay
+reported per worker rather than once per deployment: each worker's events already carry them,
+and a key one worker forgets may still be fresh on another.
 """
 
 from __future__ import annotations
@@ -38,9 +47,10 @@ from kvferry.cache.prefix import EventsSince, Tier
 # How long a key predicted on a worker (a request sent there) counts as cached without the
 # worker's events confirming it: a long prefill and push, plus a few stats refreshes.
 PREDICTED_KEY_TTL_S = 10.0
-# Store keys the router remembers, least recently reported dropped first: 32-byte keys, so
-# some 100 MiB at most; a 48 GB store of 2.3 MiB blocks (Qwen3-4B, 16 tokens) holds ~21k.
-MAX_STORE_KEYS = 1 << 20
+# Store keys the router remembers, least recently reported dropped first: four workers' caps
+# (`MAX_KNOWN_KEYS`), some 30 MiB at most; a 48 GB store of 2.3 MiB blocks (Qwen3-4B, 16
+# tokens) holds ~21k.
+MAX_STORE_KEYS = 1 << 18
 
 
 @dataclass(slots=True)
