@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import ray
 
+from deploy.child_env import router_secrets_hidden, without_router_secrets
 from deploy.launcher import Deployment, serves
 from deploy.placement import placed_argv
 from deploy.start_log import record_start
@@ -48,7 +49,8 @@ def start_local_ray(**options: object) -> object:
     if mode is not None and mode.lower() != "token":
         log.warning("%s=%s: this Ray instance authenticates nothing, and anything that reaches "
                     "its ports can run code here", RAY_AUTH_MODE_ENV, mode)
-    return ray.init(**options)
+    with router_secrets_hidden():  # its processes copy the environment; no actor reads them
+        return ray.init(**options)
 
 
 @dataclass(frozen=True)
@@ -208,8 +210,8 @@ class RayDeployment(Deployment):
         if name == "router" and HEAD_RESOURCE in ray.cluster_resources():
             # On the head node, where the cluster's entry point (a Service) points.
             options["resources"] = {HEAD_RESOURCE: 0.001}
-        if self.env:
-            options["runtime_env"] = {"env_vars": dict(self.env)}
+        if self.env:  # the router actor is handed its API keys in its settings
+            options["runtime_env"] = {"env_vars": without_router_secrets(self.env)}
         return RayActor(name, ray.remote(ServerActor).options(**options).remote())
 
     def start(self, timeout_s: float | None = None) -> RayDeployment:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from deploy import zygote
+from deploy.child_env import is_router, without_router_secrets
 from kvferry.rpc.grpc_util import parse_ready
 
 
@@ -56,9 +57,13 @@ LOOPBACK = Placement("127.0.0.1", "127.0.0.1")
 
 def _spawn(name: str, args: list[str], log_dir: Path | None, env: dict[str, str],
            place: Placement = LOOPBACK) -> Process:
-    """Start `deploy.cli args` in a session of its own; its log appends (a worker restarted)."""
+    """Start `deploy.cli args` in a session of its own; its log appends (a worker restarted).
+    Only a router (`name` "router" or "router-*") keeps the router's secrets (the API key) in
+    its environment (deploy/child_env.py)."""
     stderr = open(log_dir / f"{name}.log", "a") if log_dir else None  # noqa: SIM115
     env = {**os.environ, **env}
+    if not is_router(name):
+        env = without_router_secrets(env)
     popen = (None if place.prefix else zygote.spawn(args, env, stderr)) or subprocess.Popen(
         [*place.prefix, sys.executable, "-m", "deploy.cli", *args], stdout=subprocess.PIPE,
         stderr=stderr, text=True, env=env, start_new_session=True)

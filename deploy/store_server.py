@@ -9,6 +9,7 @@ past `--maxmemory` (`allkeys-lru`): the server owns capacity and eviction, worke
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import tempfile
@@ -16,6 +17,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from deploy.child_env import without_router_secrets
 
 READY_TIMEOUT_S = 30.0
 
@@ -62,7 +65,8 @@ class StoreServer:
              "--maxmemory-policy", "allkeys-lru", "--save", "", "--appendonly", "no",
              "--dir", str(self.directory),
              *([] if self.password is None else ["--requirepass", self.password])],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=without_router_secrets(os.environ))
         log.close()
         client = redis.Redis(unix_socket_path=str(self.socket), socket_timeout=1.0,
                              password=self.password)

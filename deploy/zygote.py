@@ -34,6 +34,8 @@ import time
 from pathlib import Path
 from typing import IO
 
+from deploy.child_env import without_router_secrets
+
 ZYGOTE_ENV = "KVFERRY_ZYGOTE"  # the socket's path; "off": never start one
 _MAX_MESSAGE = 1 << 20
 
@@ -227,8 +229,11 @@ def start() -> subprocess.Popen[bytes] | None:
     if os.environ.get(ZYGOTE_ENV):
         return None
     path = str(Path(tempfile.mkdtemp(prefix="kvferry-zygote-")) / "socket")
+    # Without the router's secrets: a forked server's /proc/PID/environ shows the zygote's
+    # own environment, whatever `spawn` hands it (a router gets its key through that).
     zygote = subprocess.Popen([sys.executable, "-m", "deploy.zygote", path],
-                              stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+                              stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                              env=without_router_secrets(os.environ))
     deadline = time.monotonic() + 30
     while not Path(path).exists():  # bound before the imports: a fraction of a second
         if zygote.poll() is not None or time.monotonic() > deadline:
