@@ -1,6 +1,7 @@
 """K/V tier faults through worker processes: a disk that fills up
 (an injected cap) turns its tier read-only with one warning; a worker killed with SIGKILL
 while blocks are being written to disk leaves none of them visible after its restart; a
+block file forged as NaNs under valid CRCs is dropped and counted, never served; a
 store server that stops mid-run disables its tier and serving goes on, and it is enabled
 again once the server is back. Every answer is transformers' greedy tokens, every pool ends
 free and passes its integrity check."""
@@ -101,6 +102,44 @@ def test_kill_9_during_disk_writes_leaves_no_block_visible(
             again = _generate(deployment, prompt)
             assert again.token_ids == expected
             assert again.finished.usage.cached_prompt_tokens == 0
+            assert_pools_clean(deployment)
+    finally:
+        restart(qwen3_deployment, NAMES)
+
+
+def _forge_non_finite(path: Path) -> None:
+    """A block file rewritten as NaNs (0xFF bytes: NaN in fp32, bf16 and fp16) under a header
+    and CRCs recomputed to match: nothing secret is needed to do it."""
+    data = path.read_bytes()
+    layout, key = data[8:16], data[16:32]
+    payload = b"\xff" * (len(data) - codec.HEADER_BYTES)
+    path.write_bytes(codec.header(layout, key, memoryview(payload)) + payload)
+
+
+def test_a_forged_disk_block_is_dropped_and_the_answer_stays_exact(
+        qwen3_deployment: Deployment, qwen3_checkpoint: Path, tmp_path: Path) -> None:
+    vocab = _hf_model(qwen3_checkpoint).config.vocab_size
+    root = tmp_path / "kv"
+    flags = [*HOST, "--kv-disk-cache-dir", str(root)]
+    prompt = _prompt(7, vocab)
+    expected = _reference(qwen3_checkpoint, prompt, MAX_TOKENS)
+    try:
+        with (reconfigured(qwen3_deployment, NAMES, flags, restore=False),
+              routed(qwen3_deployment, "router-disk-forged", DETAILS) as deployment):
+            assert _generate(deployment, prompt).token_ids == expected
+            until_sync(lambda: len({p.parents[1] for p in root.glob("*/*/*/*.kvb")}) == 2,
+                       "both workers' blocks on disk")
+        with (reconfigured(qwen3_deployment, NAMES, flags, restore=False),
+              routed(qwen3_deployment, "router-disk-forged-2", DETAILS) as deployment):
+            files = list(root.glob("*/*/*/*.kvb"))
+            for path in files:  # after the restart's scan: found by size, checked at read
+                _forge_non_finite(path)
+            again = _generate(deployment, prompt)
+            assert again.token_ids == expected
+            assert again.finished.usage.cached_prompt_tokens == 0
+            corrupt = [_tier(s, worker_pb2.KV_TIER_DISK).corrupt_blocks
+                       for s in worker_stats(deployment)]
+            assert all(n >= 1 for n in corrupt), corrupt
             assert_pools_clean(deployment)
     finally:
         restart(qwen3_deployment, NAMES)
