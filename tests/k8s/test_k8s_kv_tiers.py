@@ -114,6 +114,9 @@ def test_each_tier_fits_what_holds_it(rendered, parsed, tree: str) -> None:
         assert parse_pool_size(p.value("--kv-host-cache-size"), limit, "host") <= limit // 4
         mount, volume = _mounted_volume(container, p.value("--kv-disk-cache-dir"))
         assert not mount.get("readOnly") and "emptyDir" in volume, container.name
+        # A directory inside the emptyDir, made 0700 by the worker: the emptyDir itself is
+        # writable by everyone, which the disk tier refuses.
+        assert p.value("--kv-disk-cache-dir").rstrip("/") != mount["mountPath"].rstrip("/")
         room = min(_bytes(volume["emptyDir"]["sizeLimit"]),
                    _bytes(resources["requests"]["ephemeral-storage"]))
         assert parse_pool_size(p.value("--kv-disk-cache-size"), room, "disk") <= room
