@@ -316,8 +316,10 @@ class StoreTier:
     def close(self) -> None:
         if self._probe is not None:
             self._probe.cancel()
+        # Not waited for: a hung store must not hold up the worker's exit (what is queued is
+        # a cache's writes, dropped as a full queue's are).
         self._reads.shutdown(wait=False, cancel_futures=True)
-        self._writes.shutdown(wait=True)
+        self._writes.shutdown(wait=False, cancel_futures=True)
         self.client.close()
 
 
