@@ -279,3 +279,21 @@ def test_the_routers_store_mirror_drops_its_least_recently_reported_keys() -> No
         events.add(keys[:1], [], Tier.STORE)  # reported again: kept
     shared.apply(events.since(1, {}))
     assert len(shared.keys) == 50 and list(shared.keys)[-1] == keys[0]
+
+
+def test_the_deadline_flag_is_checked_and_passed_on() -> None:
+    import argparse
+
+    from deploy.tier_args import tier_args, tier_argv, tier_settings
+    from kvferry.cache.tiers.config import TierSettings
+
+    with pytest.raises(ValueError, match="^kv_store_deadline_ms: "):
+        TierSettings(host_cache_size="1MiB", store_url="unix:///s", store_deadline_s=0)
+    parser = argparse.ArgumentParser()
+    tier_args(parser, is_deployment=True)
+    args = parser.parse_args(["--kv-host-cache-size", "1MiB", "--kv-store-size", "64MiB",
+                              "--kv-store-deadline-ms", "20"])
+    assert tier_settings(args).store_deadline_s == pytest.approx(0.02)
+    argv = tier_argv(args, store_url="unix:///s")
+    assert argv[argv.index("--kv-store-deadline-ms") + 1] == "20"
+    assert "--kv-store-deadline-ms" not in tier_argv(parser.parse_args([]))
