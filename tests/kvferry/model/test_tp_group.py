@@ -15,11 +15,19 @@ import pytest
 import torch
 
 from kvferry.cache.pool import KvPool
+from kvferry.model import tp_wire
 from kvferry.model.config import load_model_config
-from kvferry.model.tp_group import RankLost, RankSpec, TensorParallelModel
+from kvferry.model.tp_group import (
+    EXIT_PROTOCOL_ERROR,
+    RankLost,
+    RankSpec,
+    TensorParallelModel,
+    _send,
+)
 from kvferry.model.transformer import Transformer
 from kvferry_kernels.dispatch import get_attention_backend
 from tests.kvferry.model.greedy_split import decode_part, greedy, pool_of, prefill_part
+from tests.listening import listeners, strangers
 
 pytestmark = pytest.mark.slow  # processes per rank: a few seconds a group
 
@@ -61,6 +69,43 @@ def test_a_rank_killed_fails_the_next_call_and_close_still_ends_the_rest(
     assert not any(p.is_alive() for p in group.ranks)
     with pytest.raises(RankLost, match="closed"):
         group.prefill(torch.tensor([1]), [1], torch.tensor([0]), group.pool)
+
+
+def test_the_ranks_listen_on_loopback_only_and_strangers_change_nothing(
+        qwen3_checkpoint: Path) -> None:
+    """No rendezvous port (a file store), gloo on the loopback interface: a rank's only
+    listening sockets are gloo's, on 127.0.0.1. Garbage and a TCPStore handshake sent to
+    each leave the ranks running and the tokens the whole model's."""
+    config = load_model_config(qwen3_checkpoint)
+    whole = Transformer(config, get_attention_backend("torch"))
+    expected, _ = greedy(whole, pool_of(whole))
+    group = TensorParallelModel(_spec(qwen3_checkpoint), 2)
+    try:
+        rendezvous = Path(group.rendezvous.directory)
+        assert rendezvous.stat().st_mode & 0o777 == 0o700
+        found = listeners([p.pid for p in group.ranks])
+        assert found and all(f.address == "127.0.0.1" for f in found), found
+        assert strangers(found) == []
+        assert all(p.is_alive() for p in group.ranks)
+        assert greedy(group, group.pool)[0] == expected
+    finally:
+        group.close()
+    assert not rendezvous.exists()
+
+
+def test_a_call_outside_the_schema_stops_the_rank(qwen3_checkpoint: Path) -> None:
+    """A header the schema refuses (here: an absurd length) stops the rank before it
+    allocates anything; the next call fails with RankLost naming it."""
+    group = TensorParallelModel(_spec(qwen3_checkpoint), 2)
+    try:
+        preamble = torch.tensor([tp_wire.MAGIC, tp_wire.VERSION, 0, 1 << 40])
+        _send(tp_wire.Wire(preamble, torch.empty(0, dtype=torch.int64), []), group._control)
+        group.ranks[0].join(30)
+        assert group.ranks[0].exitcode == EXIT_PROTOCOL_ERROR
+        with pytest.raises(RankLost, match="tp-rank-1"):
+            greedy(group, group.pool)
+    finally:
+        group.close()
 
 
 def _side(checkpoint: Path, size: int) -> tuple[Transformer | TensorParallelModel, KvPool]:
