@@ -97,7 +97,10 @@ os._exit(0)
 
 
 def _host(listener: Listener) -> str:
-    return "::1" if ":" in listener.address else "127.0.0.1"
+    """Where to reach it: its own address, or loopback for a wildcard."""
+    if listener.is_wildcard:
+        return "::1" if ":" in listener.address else "127.0.0.1"
+    return listener.address
 
 
 def strangers(found: list[Listener], timeout_s: float = 1.0) -> list[int]:
