@@ -276,8 +276,15 @@ class TensorParallelModel:
                       for rank in range(1, size)]
         for proc in self.ranks:
             proc.start()
-        self._control = join(0, size, self.rendezvous, rank_device(spec, 0),
-                             COLLECTIVE_TIMEOUT_S)
+        try:
+            self._control = join(0, size, self.rendezvous, rank_device(spec, 0),
+                                 COLLECTIVE_TIMEOUT_S)
+        except BaseException:  # no group (a rank died starting, or a peer broke the mesh)
+            for proc in self.ranks:
+                proc.kill()
+                proc.join()
+            self.rendezvous.remove()
+            raise
         self._lock = threading.Lock()
         self.model, pool, whole = _build(spec, 0, size, RankPool)
         assert isinstance(pool, RankPool)  # noqa: S101 - built as one

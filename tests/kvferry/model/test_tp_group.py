@@ -6,6 +6,7 @@ the whole model does."""
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import re
 import signal
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from kvferry.cache.pool import KvPool
-from kvferry.model import tp_wire
+from kvferry.model import tp_group, tp_wire
 from kvferry.model.config import load_model_config
 from kvferry.model.tp_group import (
     EXIT_PROTOCOL_ERROR,
@@ -24,6 +25,7 @@ from kvferry.model.tp_group import (
     TensorParallelModel,
     _send,
 )
+from kvferry.model.tp_rendezvous import Rendezvous
 from kvferry.model.transformer import Transformer
 from kvferry_kernels.dispatch import get_attention_backend
 from tests.kvferry.model.greedy_split import decode_part, greedy, pool_of, prefill_part
@@ -91,6 +93,29 @@ def test_the_ranks_listen_on_loopback_only_and_strangers_change_nothing(
     finally:
         group.close()
     assert not rendezvous.exists()
+
+
+def test_a_group_that_cannot_form_leaves_no_rank_and_no_rendezvous(
+        qwen3_checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 failing to join (a rank that died starting, a mesh a local process broke) ends
+    the ranks it started and removes the rendezvous before the error goes up."""
+    made: list[Rendezvous] = []
+
+    class Recorded(Rendezvous):
+        @classmethod
+        def fresh(cls) -> Rendezvous:
+            made.append(Rendezvous.fresh())
+            return made[-1]
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("mesh broken")
+
+    monkeypatch.setattr(tp_group, "Rendezvous", Recorded)
+    monkeypatch.setattr(tp_group, "join", broken)
+    with pytest.raises(RuntimeError, match="mesh broken"):
+        TensorParallelModel(_spec(qwen3_checkpoint), 2)
+    assert [p for p in mp.active_children() if p.name.startswith("tp-rank")] == []
+    assert len(made) == 1 and not Path(made[0].directory).exists()
 
 
 def test_a_call_outside_the_schema_stops_the_rank(qwen3_checkpoint: Path) -> None:
