@@ -295,6 +295,8 @@ class TensorParallelModel:
         self.config = self.model.config  # rank 0's shape: its heads, its pool's
         self._closed = False
         self._call(dist.barrier)
+        if self.device.type != "cuda":  # every rank joined, and gloo needs the store no more
+            self.rendezvous.remove()  # (NCCL makes communicators through it as it goes)
         threading.Thread(target=self._watch, name="tp-rank-watch", daemon=True).start()
 
     def _watch(self) -> None:

@@ -2,8 +2,9 @@
 another host can reach (docs/security.md, "Ports"; docs/tensor-parallel.md).
 
 - The rendezvous is a `file://` store in a private directory (mode 0700, from
-  `tempfile.mkdtemp`), fresh for each group and removed when it closes: no TCPStore, whose
-  server would listen on every interface whatever address `tcp://` names.
+  `tempfile.mkdtemp`), fresh for each group, removed once every rank has joined (gloo needs
+  it no more) or, on CUDA, when the group closes: no TCPStore, whose server would listen on
+  every interface whatever address `tcp://` names.
 - The ranks are processes of one host (rank 0 starts the others), so gloo and NCCL are
   pinned to the loopback interface (`GLOO_SOCKET_IFNAME`, `NCCL_SOCKET_IFNAME`): otherwise
   gloo listens on whatever the hostname resolves to (a pod's IP) and NCCL on its first
