@@ -129,7 +129,8 @@ ELSEWHERE = {"app.kubernetes.io/name": "something-else"}
 
 def policy_problems(tree: str, resources: list[dict]) -> list[str]:
     """Prefill pods: UCX's range open to decode pods and to nothing else; decode pods: no UCX
-    ingress at all (pull); every port a worker serves open as before."""
+    ingress at all (pull); metrics and health open to every pod, gRPC to the router (and, on
+    a decode pod, the prefill pods) only, as overlays/gpu's worker policies keep it."""
     policies = [r for r in resources if r["kind"] == "NetworkPolicy"]
     workers = [c for c in containers(tree, resources)
                if c.labels.get(COMPONENT) in ("prefill", "decode") and not c.is_init]
@@ -140,10 +141,17 @@ def policy_problems(tree: str, resources: list[dict]) -> list[str]:
     for c in workers:
         if not any(_selects(p["spec"]["podSelector"], c.labels) for p in policies):
             problems.append(f"{c.name}: no NetworkPolicy fences its UCX port range")
+        prefill = next(w.labels for w in workers if w.labels[COMPONENT] == "prefill")
         for port in c.spec.get("ports", []):
-            if not admitted(policies, c.labels, port["containerPort"], port.get("name"),
-                            ELSEWHERE):
-                problems.append(f"{c.name}: port {port.get('name')} no longer admitted")
+            name = port.get("name")
+            for source, labels in (("router", router), ("prefill", prefill),
+                                   ("elsewhere", ELSEWHERE)):
+                wanted = name != "grpc" or source == "router" or (
+                    source == "prefill" and c.labels[COMPONENT] == "decode")
+                if admitted(policies, c.labels, port["containerPort"], name,
+                            labels) is not wanted:
+                    problems.append(f"{c.name}: port {name} from {source}: expected "
+                                    f"{'open' if wanted else 'closed'}")
         first, last = _ucx_range(c)
         for number in range(first, last + 1):
             wanted = {"decode": c.labels[COMPONENT] == "prefill", "router": False,
@@ -191,7 +199,13 @@ def test_policy_check_catches_mistakes(rendered) -> None:
     assert any("from elsewhere" in p for p in broken(open_ucx_to_all))
     assert any("from decode: expected open" in p for p in broken(drop_ucx))
     assert any("kvferry-decode" in p and "expected closed" in p for p in broken(open_decode_ucx))
+    def open_grpc_to_all(name: str, spec: dict) -> None:
+        if name == "kvferry-decode":
+            spec["ingress"][0]["ports"].append({"port": "grpc"})
+
     assert any("port metrics" in p for p in broken(drop_metrics))
+    assert any("port grpc from elsewhere: expected closed" in p
+               for p in broken(open_grpc_to_all))
     no_policies = [r for r in resources if r["kind"] != "NetworkPolicy"]
     assert any("no NetworkPolicy" in p for p in policy_problems("overlays/nixl", no_policies))
 

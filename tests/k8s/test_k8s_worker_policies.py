@@ -1,4 +1,4 @@
-"""Workers' ingress in the gpu overlay and every tree built on it without NIXL
+"""Workers' ingress in the gpu overlay, every tree built on it, and the NIXL trees
 (overlays/gpu/networkpolicy.yaml): a prefill pod's gRPC port admits the router only, a decode
 pod's the router and prefill pods (K/V pushes); metrics and health stay open; every other
 port, a tensor-parallel worker's would-be rendezvous or gloo ports among them, is closed to
@@ -13,10 +13,11 @@ from conftest import selects
 from k8s_manifests import containers
 from test_k8s_nixl import ELSEWHERE, admitted
 
-# Trees with the gpu overlay's workers and no components/nixl (whose policies keep gRPC open
-# from anywhere, TLS and the token guarding it: docs/security.md, NIXL).
+# Trees with the gpu overlay's workers, and the NIXL trees (components/nixl admits gRPC the
+# same way; its UCX port range is test_k8s_nixl's).
 POLICY_TREES = ("overlays/gpu", "overlays/tensor-parallel", "overlays/tls",
-                "overlays/autoscale", "overlays/planner", "overlays/kv-tiers")
+                "overlays/autoscale", "overlays/planner", "overlays/kv-tiers", "overlays/nixl",
+                "overlays/nixl-gpu")
 COMPONENT = "app.kubernetes.io/component"
 OPEN_TO_ALL = ("metrics", "health")
 # Ports nothing may reach on a worker pod: torch's default rendezvous port, a gloo-like
@@ -25,6 +26,8 @@ OTHER_PORTS = (29500, 41073, 20000)
 
 
 def worker_policy_problems(tree: str, resources: list[dict]) -> list[str]:
+    # UCX's range is open to decode pods on a NIXL tree's prefill pods (test_k8s_nixl).
+    other_ports = OTHER_PORTS if "nixl" not in tree else OTHER_PORTS[:2]
     policies = [r for r in resources if r["kind"] == "NetworkPolicy"]
     found = [c for c in containers(tree, resources) if not c.is_init]
     peers = {c.labels[COMPONENT]: c.labels for c in found
@@ -42,7 +45,7 @@ def worker_policy_problems(tree: str, resources: list[dict]) -> list[str]:
             problems.append(f"{c.name}: no NetworkPolicy selects it")
         dialers = {"router"} | ({"prefill"} if role == "decode" else set())
         ports = [(p["containerPort"], p.get("name")) for p in c.spec.get("ports", [])]
-        for number, name in [*ports, *((n, None) for n in OTHER_PORTS)]:
+        for number, name in [*ports, *((n, None) for n in other_ports)]:
             for source, labels in sources.items():
                 wanted = (name in OPEN_TO_ALL or (name == "grpc" and source in dialers))
                 if admitted(policies, c.labels, number, name, labels) is not wanted:
@@ -54,8 +57,9 @@ def worker_policy_problems(tree: str, resources: list[dict]) -> list[str]:
 @pytest.mark.parametrize("tree", POLICY_TREES)
 def test_workers_admit_only_the_router_and_their_peers(rendered, tree: str) -> None:
     resources = rendered[tree]
-    assert {"kvferry-prefill-ingress", "kvferry-decode-ingress"} <= {
-        r["metadata"]["name"] for r in resources if r["kind"] == "NetworkPolicy"}
+    names = {r["metadata"]["name"] for r in resources if r["kind"] == "NetworkPolicy"}
+    assert {"kvferry-prefill-ingress", "kvferry-decode-ingress"} <= names or (
+        "nixl" in tree and {"kvferry-prefill", "kvferry-decode"} <= names)
     assert worker_policy_problems(tree, resources) == []
 
 
