@@ -35,6 +35,9 @@ def add_planner_parser(sub: argparse._SubParsersAction) -> None:
                         "running")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve the planner's own metrics (kvferry_planner_*) here")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address the metrics port binds (default: %(default)s, as every "
+                        "kvferry server; 0.0.0.0 in a pod)")
 
 
 class _Fixed:
@@ -85,7 +88,7 @@ def run_planner(args: argparse.Namespace) -> int:
     if args.metrics_port is not None:
         from prometheus_client import start_http_server
 
-        start_http_server(args.metrics_port)
+        start_http_server(args.metrics_port, addr=args.host)
     while True:
         try:
             loop.run_once()
