@@ -26,6 +26,9 @@ that steady state never adds one (a package has no guards: nothing can recompile
 "default" (inductor, MKL's packed GEMMs), "max-autotune" (also benchmarks inductor's C++
 GEMM templates against MKL per shape and keeps the faster), and "auto" (both packages of a
 bucket built and timed as whole steps, the faster kept; the choice is recorded beside them).
+One package with a symbolic batch (`export_package` given dynamic shapes) was measured against
+buckets and is not a mode: inductor packs weights for MKL only for a static batch, and its
+steps at 8 and 32 rows were 10-20% slower (bench/bench_compile_dynamic.py, docs/performance.md).
 """
 
 from __future__ import annotations
@@ -171,18 +174,8 @@ class CompiledDecode:
 
     def _build(self, size: int, mode: str, scratch: Path) -> None:
         """Export and compile bucket `size` into a package in (empty, private) `scratch`."""
-        import torch._inductor
-        from torch._inductor import list_mode_options
-
-        tuned = list_mode_options("max-autotune-no-cudagraphs") if mode == "max-autotune" else {}
         tokens = torch.zeros(size, dtype=torch.int64, device=self.model.device)
-        with torch.inference_mode(False), torch.no_grad():
-            # Outside inference mode: inductor freezes (and packs) weights only under no_grad.
-            exported = torch.export.export(self._graph, (tokens, torch.zeros_like(tokens)),
-                                           strict=False)
-            torch._inductor.aoti_compile_and_package(
-                exported, package_path=str(scratch / PACKAGE),
-                inductor_configs={**tuned, "freezing": True})
+        export_package(self._graph, tokens, scratch / PACKAGE, mode)
         self.num_builds += 1
 
     def _package(self, size: int, mode: str) -> tuple[Callable[..., torch.Tensor], bool]:
@@ -263,6 +256,23 @@ def _read_choice(path: Path) -> str | None:
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return chosen if chosen in AUTO_MODES else None
+
+
+def export_package(graph: torch.nn.Module, tokens: torch.Tensor, package: Path, mode: str,
+                   dynamic_shapes: tuple[dict[int, object], ...] | None = None) -> None:
+    """`graph` exported at example `tokens` (positions alike) and compiled ahead of time into
+    the file `package`, its weights frozen and packed; `dynamic_shapes` as torch.export takes
+    them (None: every shape the example's)."""
+    import torch._inductor
+    from torch._inductor import list_mode_options
+
+    tuned = list_mode_options("max-autotune-no-cudagraphs") if mode == "max-autotune" else {}
+    with torch.inference_mode(False), torch.no_grad():
+        # Outside inference mode: inductor freezes (and packs) weights only under no_grad.
+        exported = torch.export.export(graph, (tokens, torch.zeros_like(tokens)),
+                                       dynamic_shapes=dynamic_shapes, strict=False)
+        torch._inductor.aoti_compile_and_package(
+            exported, package_path=str(package), inductor_configs={**tuned, "freezing": True})
 
 
 def attend_nothing(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
