@@ -30,6 +30,7 @@ from typing import NamedTuple
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script too
+from bench.bench_kv_tiers import worker_stats  # noqa: E402
 from bench.bench_prefix_cache import Spread, ratio, spread  # noqa: E402
 from bench.store_proxy import StoreProxy  # noqa: E402
 from deploy import client  # noqa: E402
@@ -37,7 +38,7 @@ from deploy.default_model import BENCH_MODEL_HELP, bench_model  # noqa: E402
 from deploy.launcher import Deployment  # noqa: E402
 from deploy.store_server import StoreServer  # noqa: E402
 from kvferry.rpc import grpc_util  # noqa: E402
-from kvferry.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
+from kvferry.v1 import worker_pb2  # noqa: E402
 
 RUNS = ("none", "slow", "waiting")
 STATES = {0: "enabled", 1: "read-only", 2: "disabled"}
@@ -102,16 +103,8 @@ async def _ttfts(address: str, args: argparse.Namespace, seed: int) -> list[floa
 
 
 async def _store_states(deployment: Deployment) -> list[str]:
-    states = []
-    for role in ("prefill", "decode"):
-        for address in deployment.addresses(role):
-            async with grpc_util.channel(address) as chan:
-                stub = (worker_pb2_grpc.PrefillServiceStub(chan) if role == "prefill"
-                        else worker_pb2_grpc.DecodeServiceStub(chan))
-                stats = await stub.GetStats(worker_pb2.GetStatsRequest(), timeout=30)
-            states += [STATES.get(t.state, str(t.state)) for t in stats.tiers
-                       if t.tier == worker_pb2.KV_TIER_STORE]
-    return states
+    return [STATES.get(t.state, str(t.state)) for stats in await worker_stats(deployment)
+            for t in stats.tiers if t.tier == worker_pb2.KV_TIER_STORE]
 
 
 def format_report(runs: dict[str, list[Figures]], args: argparse.Namespace,

@@ -129,18 +129,25 @@ async def _turns(address: str, conversations: list[Chat], turns: range, output_l
     return records
 
 
-async def _tier_tokens(deployment: Deployment) -> dict[str, int]:
-    """Prompt tokens each tier served, summed over the workers."""
-    served: dict[str, int] = {}
+async def worker_stats(deployment: Deployment) -> list[worker_pb2.WorkerStats]:
+    """GetStats of every prefill and decode worker of `deployment`."""
+    found = []
     for role in ("prefill", "decode"):
         for address in deployment.addresses(role):
             async with grpc_util.channel(address) as chan:
                 stub = (worker_pb2_grpc.PrefillServiceStub(chan) if role == "prefill"
                         else worker_pb2_grpc.DecodeServiceStub(chan))
-                stats = await stub.GetStats(worker_pb2.GetStatsRequest(), timeout=30)
-            for tier in stats.tiers:
-                name = TIERS[tier.tier]
-                served[name] = served.get(name, 0) + tier.hit_tokens
+                found.append(await stub.GetStats(worker_pb2.GetStatsRequest(), timeout=30))
+    return found
+
+
+async def _tier_tokens(deployment: Deployment) -> dict[str, int]:
+    """Prompt tokens each tier served, summed over the workers."""
+    served: dict[str, int] = {}
+    for stats in await worker_stats(deployment):
+        for tier in stats.tiers:
+            name = TIERS[tier.tier]
+            served[name] = served.get(name, 0) + tier.hit_tokens
     return served
 
 
