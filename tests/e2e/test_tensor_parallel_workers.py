@@ -176,6 +176,10 @@ def test_a_rank_killed_mid_stream_migrates_its_requests(
     generate.cache_salt = "test_tensor_parallel_workers-rank-kill"
     undisturbed = asyncio.run(client.generate(qwen3_deployment.router_address, generate, 120))
     with reconfigured(deployment, ["decode-0", "decode-1"], tp_flag(2)):
+        # Both taken back first: the migration needs the other one healthy in the router (a
+        # clean-clone CI run migrated before its next stats refresh: "no healthy decode
+        # worker").
+        until_router_takes(deployment, ["decode-0", "decode-1"])
         generate.request_id = "rank-kill" + tag(decode_step_delay_s=0.02)  # 4 s at least
         got, victim, rank = _kill_a_rank_mid_stream(deployment, generate, 10)
         assert victim.popen.wait(30) == 75  # EXIT_RANK_LOST: it left at once
