@@ -105,7 +105,7 @@ def tail(path: Path, num_lines: int = 5) -> str:
     return " | ".join(line.strip() for line in lines[-num_lines:])
 
 
-def _stop_group(proc: subprocess.Popen, sig: int = signal.SIGTERM, grace_s: float = 30.0) -> None:
+def stop_group(proc: subprocess.Popen, sig: int = signal.SIGTERM, grace_s: float = 30.0) -> None:
     """Signal the process group `proc` leads and give its leader `grace_s` to exit; then
     SIGKILL whatever is left of the group (a leader that exited can leave children)."""
     if proc.poll() is None:
@@ -129,7 +129,7 @@ def run_child(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> i
     try:
         return proc.wait()
     finally:
-        _stop_group(proc, signal.SIGINT, grace_s=60.0)
+        stop_group(proc, signal.SIGINT, grace_s=60.0)
 
 
 @contextmanager
@@ -163,4 +163,4 @@ def vllm_server(vllm: Path, model: str, log: Path) -> Iterator[str]:
             time.sleep(2.0)
         yield url
     finally:
-        _stop_group(proc)
+        stop_group(proc)
