@@ -49,7 +49,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
@@ -327,9 +326,11 @@ def build_workloads(args: argparse.Namespace, vocab_size: int) -> Workloads:
     unloaded = MixedWorkload((("short", short, 1.0),))
     loaded = MixedWorkload((("short", short, 1.0 - args.long_fraction),
                             ("long", long, args.long_fraction)))
-    phases = {name: w.build(args.num_requests, vocab_size, args.seed)
-              for name, w in (("unloaded", unloaded), ("loaded", loaded))}
-    loops = {c: short.build(num_prompts_at(args, c), vocab_size, args.seed + 1 + c)
+    # Prompts differ between phases and loops (seeds apart), so that none of them finds
+    # another's in a prefix cache; arrival times are seeded by args.seed in both phases.
+    phases = {name: w.build(args.num_requests, vocab_size, args.seed + offset)
+              for name, w, offset in (("unloaded", unloaded, 0), ("loaded", loaded, 1000))}
+    loops = {c: short.build(num_prompts_at(args, c), vocab_size, args.seed + 2000 + c)
              for c in args.concurrency}
     return Workloads(phases, loops, vocab_size)
 

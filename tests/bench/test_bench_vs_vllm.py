@@ -364,3 +364,16 @@ def test_defaults_scenario_runs_against_kvferry_on_the_tiny_model(tmp_path: Path
     assert figures["rss_mib"] > 100 and figures["c2.output_tok_s"] > 0
     assert figures["loaded.long_ttft_p50_ms"] > 0 and figures["unloaded.short_itl_p50_ms"] > 0
     assert "kvferry / vLLM" in result.stdout
+
+
+def test_defaults_workloads_share_no_prompt() -> None:
+    args = defaults.parse_args(["--num-requests", "12", "--long-fraction", "0.5",
+                                "--concurrency", "2", "4"])
+    work = defaults.build_workloads(args, vocab_size=1000)
+    prompts = [r.prompt for reqs in (*work.phases.values(), *work.loops.values()) for r in reqs]
+    assert len(set(prompts)) == len(prompts)
+    loaded = work.phases["loaded"]
+    assert {r.tag for r in loaded} == {"short", "long"}
+    assert all(r.prompt_len == 2000 for r in loaded if r.tag == "long")
+    assert [len(work.loops[c]) for c in (2, 4)] == [8, 16]
+    assert work.phases == defaults.build_workloads(args, vocab_size=1000).phases  # seeded
