@@ -106,6 +106,11 @@ def _parts(step: Step) -> tuple[float, float, float]:
     return cpu, gil, wall - cpu - gil
 
 
+def step_parts(step: Step) -> tuple[float, float, float]:
+    """(thread CPU, GIL wait, descheduled) seconds of a step; they sum to its wall time."""
+    return _parts(step)
+
+
 def _baseline(traces: Traces, phase: str | None) -> Baseline:
     """Over the steps that ended within the phase's arrivals (all steps without a phase, or
     when none did)."""
