@@ -227,7 +227,8 @@ class StepLoop:
     async def _iteration(self) -> bool:
         """One pass: prefill batch, admissions, swaps, growth, decode steps. Returns whether
         there may be more to do right away."""
-        ran_prefill = await self.batcher.run_once()
+        # a wave of prompts still arriving never holds decoding: the steps run meanwhile
+        ran_prefill = await self.batcher.run_once(may_wait=not self.running)
         self._admit_and_reap()
         self._swap_in()
         self.blocks.grant()

@@ -10,6 +10,11 @@ one by one would have kept (docs/kv-eviction-design.md 3.2). Jobs are cancellabl
 a queued job is dropped; a job inside a running batch is released once that batch finishes,
 so its blocks are never freed while a forward pass still writes into them. Tests slow the
 batches that hold a request with the prefill_batch_delay_s fault (kvferry/faults.py).
+
+A forward with room left in its budget waits a few milliseconds for the rest of a wave of
+arrivals (`Gathering`): a closed loop's clients arrive together, and a forward started on the
+first arrival alone holds the others for its whole length (issue 62). A colocated worker with
+sequences decoding never waits: it steps them meanwhile (`run_once(may_wait=False)`).
 """
 
 from __future__ import annotations
@@ -44,6 +49,29 @@ log = logging.getLogger("kvferry.prefill")
 MIN_MEASURED_TOKENS = 64
 EWMA_WEIGHT = 0.2
 
+
+@dataclass(frozen=True, slots=True)
+class Gathering:
+    """How a forward with room left in its budget waits for the rest of a wave: while
+    submissions keep coming less than `gap_s` apart, at most `window_s` after the oldest
+    waiting job's. A lone prompt waits `gap_s`; a wave, at most `window_s`. Zero: no wait."""
+
+    gap_s: float
+    window_s: float
+
+    def __post_init__(self) -> None:
+        if self.gap_s < 0 or self.window_s < 0:
+            raise ValueError(f"prefill gathering: gap_s and window_s must be >= 0, got {self}")
+
+
+# Chosen with bench/bench_prefill_wave.py, 8 prompts arriving 0-5 ms apart: a 6 ms gap already
+# gathered every wave into one forward (2 and 4 ms split most), 10 ms leaves room for a busy
+# event loop's late wake-ups; the window covers seven such gaps with room to spare. A lone
+# prompt pays the gap: 4% of a 64-token forward of the default model on one CPU thread.
+DEFAULT_GATHERING = Gathering(gap_s=0.010, window_s=0.050)
+NO_GATHERING = Gathering(gap_s=0.0, window_s=0.0)
+
+
 def token_budget_for(device: torch.device, budget: int | None = None) -> int:
     """`budget`, or where it is None the default for prefills on `device`. On CPU 512 prompt
     tokens per forward already run the GEMMs at full speed (2048 was 2-3% faster per token on
@@ -77,6 +105,7 @@ class PrefillJob:
     # left the table, and of those the ones its rotary positions no longer count.
     num_evicted: int = 0
     num_rebased: int = 0
+    submitted_at: float = 0.0  # perf_counter when queued (PrefillBatcher.submit)
 
     @property
     def key(self) -> Hashable:
@@ -138,8 +167,10 @@ class PrefillBatcher:
 
     def __init__(self, model: Transformer, pool: KvPool, executor: Executor,
                  on_submit: Callable[[], None], token_budget: int = DEFAULT_PREFILL_TOKEN_BUDGET,
-                 chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE, eviction: Bound | None = None
-                 ) -> None:
+                 chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE, eviction: Bound | None = None,
+                 gathering: Gathering = DEFAULT_GATHERING) -> None:
+        """`on_submit` wakes whoever calls `run_once` (a submission, or a deferred wave's
+        window closing)."""
         if token_budget < 1 or chunk_size < 1:
             raise ValueError("prefill token_budget and chunk_size must be >= 1")
         self.model = model
@@ -149,7 +180,11 @@ class PrefillBatcher:
         self.token_budget = token_budget
         self.chunk_size = chunk_size
         self.eviction = eviction
+        self.gathering = gathering
         self._queue: list[PrefillJob] = []
+        self._last_submit_at = 0.0  # perf_counter of the newest submission
+        self._submitted = asyncio.Event()  # cuts a gathering wait short to look again
+        self._deferred: asyncio.TimerHandle | None = None  # wakes a deferred wave's caller
         self._loop: asyncio.AbstractEventLoop | None = None
         # Forward seconds per prompt token, an EWMA over batches of at least
         # MIN_MEASURED_TOKENS (0: none yet): what routers price a recompute with.
@@ -165,7 +200,9 @@ class PrefillBatcher:
         return sum(len(j.prompt) - j.num_computed for j in self._queue)
 
     def submit(self, job: PrefillJob) -> None:
+        job.submitted_at = self._last_submit_at = time.perf_counter()
         self._queue.append(job)
+        self._submitted.set()
         self.on_submit()
 
     async def release(self, job: PrefillJob) -> None:
@@ -250,9 +287,50 @@ class PrefillBatcher:
             result[i] = [*(result[i] or []), token]
         return result
 
-    async def run_once(self) -> bool:
-        """Run one batch if any job waits. Returns whether a batch ran."""
+    def gather_left_s(self, now: float) -> float:
+        """Seconds the next forward should still wait for more of a wave (0: start now):
+        while its budget has room, the newest submission is under `gap_s` old and the oldest
+        waiting job under `window_s`."""
+        if not self._queue or not self.gathering.gap_s or not self.gathering.window_s:
+            return 0.0
+        wanted = sum(min(len(j.prompt) - j.num_computed, self.chunk_size) for j in self._queue)
+        if wanted >= self.token_budget:  # full: waiting adds nobody to this forward
+            return 0.0
+        until = min(self._last_submit_at + self.gathering.gap_s,
+                    self._queue[0].submitted_at + self.gathering.window_s)
+        return max(until - now, 0.0)
+
+    async def _gather(self) -> None:
+        """Wait while `gather_left_s` says so, looking again at every submission (a
+        cancelled job leaves the queue meanwhile as it would have anyway)."""
+        tracer, traced_from = trace.get(), time.monotonic()
+        while (left := self.gather_left_s(time.perf_counter())) > 0:
+            self._submitted.clear()
+            waiter = asyncio.ensure_future(self._submitted.wait())
+            await asyncio.wait({waiter}, timeout=left)
+            waiter.cancel()
+        if tracer:
+            tracer.event("prefill_gather", t0=traced_from, t1=time.monotonic(),
+                         ids=[j.request_id for j in self._queue])
+
+    def _defer(self, left_s: float) -> None:
+        """A caller that may not wait (decode steps to run): wake it when the window
+        closes, unless a submission does first."""
+        if self._deferred is not None:
+            self._deferred.cancel()
+        assert self._loop is not None  # noqa: S101 - set by run_once
+        self._deferred = self._loop.call_later(left_s, self.on_submit)
+
+    async def run_once(self, may_wait: bool = True) -> bool:
+        """Run one batch if any job waits. Returns whether a batch ran. A wave still
+        arriving is waited for (`Gathering`), or with `may_wait` False left for a later call:
+        `on_submit` is called when its window closes."""
         self._loop = asyncio.get_running_loop()
+        if (left_s := self.gather_left_s(time.perf_counter())) > 0:
+            if not may_wait:
+                self._defer(left_s)
+                return False
+            await self._gather()
         items = self._plan()
         if not items:
             return False

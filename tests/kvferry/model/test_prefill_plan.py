@@ -11,7 +11,7 @@ from concurrent.futures import Executor, Future
 import pytest
 
 from kvferry.faults import FAULTS_ENV, PER_REQUEST, tag
-from kvferry.model.prefill_batch import PrefillBatcher, PrefillJob
+from kvferry.model.prefill_batch import NO_GATHERING, PrefillBatcher, PrefillJob
 from kvferry.model.sampling import SamplingParams
 
 Loop = asyncio.AbstractEventLoop
@@ -102,7 +102,7 @@ def test_the_prefill_batch_delay_fault_holds_only_batches_with_a_tagged_request(
     monkeypatch.setenv(FAULTS_ENV, PER_REQUEST)
     executor = _RecordingExecutor()
     batcher = PrefillBatcher(None, None, executor, lambda: None,  # type: ignore[arg-type]
-                             token_budget=512, chunk_size=512)
+                             token_budget=512, chunk_size=512, gathering=NO_GATHERING)
     name = "p" + (tag(prefill_batch_delay_s=0.2) if tagged else "")
     job = _job(loop, name, 64)
     batcher.submit(job)
