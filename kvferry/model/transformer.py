@@ -76,12 +76,19 @@ class DenseKv(Protocol):
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-class CompiledStep(Protocol):
-    """A compiled decode forward (kvferry.model.compiled): logits [B, vocab], or None where
-    it does not cover batch B (the step then runs eagerly)."""
+# on_layer_done(layer): layer's K/V is in the pool (prefill ships it layer by layer)
+LayerDoneFn = Callable[[int], None]
 
-    def __call__(self, token_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn
-                 ) -> torch.Tensor | None: ...
+
+class CompiledStep(Protocol):
+    """A compiled forward (kvferry.model.compiled) over T tokens: logits [R, vocab] of
+    `logit_rows` [R] (None: every row, a decode step), or None where it does not cover the
+    call (it then runs eagerly). `attend` writes each layer's K/V and attends, then
+    `on_layer_done(layer)` is called, as `forward_tokens` does."""
+
+    def __call__(self, token_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn,
+                 logit_rows: torch.Tensor | None = None,
+                 on_layer_done: LayerDoneFn | None = None) -> torch.Tensor | None: ...
 
 
 class GraphStep(Protocol):
@@ -182,11 +189,12 @@ class Transformer:
     def forward_tokens(
         self, w: Weights, inv_freq: torch.Tensor, token_ids: torch.Tensor,
         positions: torch.Tensor, attend: AttendFn, logit_rows: torch.Tensor | None = None,
-        on_layer_done: Callable[[int], None] | None = None,
+        on_layer_done: LayerDoneFn | None = None,
     ) -> torch.Tensor:
         """The whole decoder over `token_ids` at `positions`; `attend` writes each layer's K/V
-        and attends. Pure in `w` and `inv_freq` (the compiled decode step passes its own
-        registered copies of the same tensors, kvferry.model.compiled)."""
+        and attends. Logits [R, vocab] of `logit_rows` (None: every row). Pure in `w` and
+        `inv_freq` (the compiled forward passes its own registered copies of the same tensors,
+        kvferry.model.compiled)."""
         cfg = self.config
         x = w["model.embed_tokens.weight"][token_ids]  # [T, hidden]
         cos, sin = self._rope(positions, inv_freq)
@@ -206,11 +214,19 @@ class Transformer:
     def _forward(
         self, token_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
         pool: KvPool, attend: AttendFn, logit_rows: torch.Tensor | None,
-        on_layer_done: Callable[[int], None] | None = None,
+        on_layer_done: LayerDoneFn | None = None,
     ) -> torch.Tensor:
-        return self.forward_tokens(self.weights, self.inv_freq, token_ids, positions,
-                                   self.writing(attend, slot_mapping, pool), logit_rows,
-                                   on_layer_done)
+        """The forward compiled where `compiled` covers it, else eager (the same contract)."""
+        writing = self.writing(attend, slot_mapping, pool)
+        logits = None
+        if self.compiled is not None and logit_rows is None and on_layer_done is None:
+            logits = self.compiled(token_ids, positions, writing)  # a decode step: defaults
+        elif self.compiled is not None:
+            logits = self.compiled(token_ids, positions, writing, logit_rows, on_layer_done)
+        if logits is None:  # eager, or rows no compiled package covers
+            logits = self.forward_tokens(self.weights, self.inv_freq, token_ids, positions,
+                                         writing, logit_rows, on_layer_done)
+        return logits
 
     def writing(self, attend: AttendFn, slot_mapping: torch.Tensor, pool: KvPool) -> AttendFn:
         """`attend`, after writing the layer's new K/V to the pool slots `slot_mapping`."""
@@ -232,7 +248,7 @@ class Transformer:
         pool: KvPool,
         context_lens: list[int] | None = None,  # tokens of each prompt already in the pool
         block_tables: list[list[int]] | None = None,  # needed where context_lens > 0
-        on_layer_done: Callable[[int], None] | None = None,  # after each layer's K/V write
+        on_layer_done: LayerDoneFn | None = None,  # after each layer's K/V write
         rope_offsets: list[int] | None = None,  # rotary position - cache index, per chunk
         mass: list[torch.Tensor | None] | None = None,  # per chunk: fp32 [>= context + n]
     ) -> torch.Tensor:  # [num_chunks, vocab] logits of each chunk's last token
@@ -360,11 +376,7 @@ class Transformer:
 
         if stage is not None:
             stage.begin_step(positions)
-        logits = None
-        if self.compiled is not None:
-            logits = self.compiled(token_ids, positions, self.writing(attend, slot_mapping, pool))
-        if logits is None:  # eager, or a batch above every compiled bucket
-            logits = self._forward(token_ids, positions, slot_mapping, pool, attend, None)
+        logits = self._forward(token_ids, positions, slot_mapping, pool, attend, None)
         if stage is not None:
             stage.end_step()
         return logits
