@@ -26,6 +26,10 @@ Per repetition, for each engine in turn (the order rotates each repetition):
   C=...:      closed loop of C clients for each --concurrency, max(8, 4 x C) short requests
               after C warm-ups: output tok/s, TTFT p50, TPOT p50;
   and the RSS again after the load.
+vLLM 0.32.0 (CPU) with torch 2.13 fails to load its own AOT compile cache on the warm start
+("Compiling model again due to a load failure ... 'function' object has no attribute
+'finalize_loading'", in its log) and compiles again, helped by inductor's cache: that is its
+default warm start here, and what the warm figure measures.
 Reported per figure, median [min-max] over repetitions, and kvferry / vLLM taken within each
 repetition (for every figure here but throughput, lower is better). Usage:
 
