@@ -7,8 +7,8 @@ unless told) staggered by seeded random gaps of 0 to `--max-gap-ms`; each one's 
 submission to its first token. Each repetition runs the same wave with gathering off (a
 forward as soon as one job waits) and on (`--gap-ms`, `--window-ms`; the batcher's default
 unless told), in alternating order, then a lone prompt each way (what the window costs a
-request nobody joins); `--budget N` adds a third arm, gathering with N tokens per forward
-instead of the device's budget. Prints the median [min-max] over repetitions of TTFT p50 and
+request nobody joins); `--budget N` adds two arms, off and on with N prompt tokens per
+forward instead of the device's budget. Prints the median [min-max] over repetitions of TTFT p50 and
 mean, the off/arm ratios, and the forwards each wave took; JSON to --out. Usage:
 
     .venv/bin/python bench/bench_prefill_wave.py [--model default|tiny|PATH] [--reps 3]
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import time
@@ -118,7 +119,7 @@ def main() -> None:
     parser.add_argument("--gap-ms", type=float, default=DEFAULT_GATHERING.gap_s * 1e3)
     parser.add_argument("--window-ms", type=float, default=DEFAULT_GATHERING.window_s * 1e3)
     parser.add_argument("--budget", type=int, default=None,
-                        help="a third arm: gathering, this many prompt tokens per forward")
+                        help="two more arms, off and on, this many prompt tokens per forward")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None)
@@ -137,6 +138,7 @@ def main() -> None:
     budget = token_budget_for(model.device)
     arms = {"off": Arm(NO_GATHERING, budget), "on": Arm(on, budget)}
     if args.budget is not None:
+        arms[f"off@{args.budget}"] = Arm(NO_GATHERING, args.budget)
         arms[f"on@{args.budget}"] = Arm(on, args.budget)
     rng = random.Random(args.seed)
 
@@ -148,6 +150,7 @@ def main() -> None:
     for arm in arms.values():
         asyncio.run(run_wave(model, pool, executor, arm, prompts(), [0.0] * args.prompts))
         asyncio.run(run_wave(model, pool, executor, arm, prompts()[:1], [0.0]))
+    load_start = os.getloadavg()[0]  # the machine's, shared: timings scale with it
     waves: dict[str, list[Wave]] = {arm: [] for arm in arms}
     lone: dict[str, list[float]] = {arm: [] for arm in arms}
     for rep in range(args.reps):
@@ -168,7 +171,8 @@ def main() -> None:
         "model": args.model, "threads": args.threads, "reps": args.reps,
         "prompts": args.prompts, "prompt_tokens": args.prompt_tokens,
         "max_gap_ms": args.max_gap_ms, "gap_ms": args.gap_ms, "window_ms": args.window_ms,
-        "token_budget": budget, "budget_arm": args.budget, "seed": args.seed}
+        "token_budget": budget, "budget_arm": args.budget, "seed": args.seed,
+        "load_average_1m": [load_start, os.getloadavg()[0]]}
     print(f"\n{args.prompts} prompts of {args.prompt_tokens} tokens, gaps 0-{args.max_gap_ms} ms,"
           f" gathering gap {args.gap_ms} ms window {args.window_ms} ms, {args.reps} reps")
     for arm in arms:

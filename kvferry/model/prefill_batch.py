@@ -67,7 +67,11 @@ class Gathering:
 # Chosen with bench/bench_prefill_wave.py, 8 prompts arriving 0-5 ms apart: a 6 ms gap already
 # gathered every wave into one forward (2 and 4 ms split most), 10 ms leaves room for a busy
 # event loop's late wake-ups; the window covers seven such gaps with room to spare. A lone
-# prompt pays the gap: 4% of a 64-token forward of the default model on one CPU thread.
+# prompt pays the gap: 4% of a 64-token forward of the default model on one CPU thread. On CPU
+# it helps a wave's TTFT p50 a little (1.11x [0.98-1.29]) and not its mean (1.00x [0.88-1.15],
+# bench/results/bench_prefill_wave_smollm2.json): a CPU forward's time grows with its tokens, so
+# what the later arrivals gain the first ones lose; under a 256-token budget it costs (the
+# first arrival alone, then the rest, was faster).
 DEFAULT_GATHERING = Gathering(gap_s=0.010, window_s=0.050)
 NO_GATHERING = Gathering(gap_s=0.0, window_s=0.0)
 
