@@ -310,7 +310,7 @@ class CompiledForward(_Packages):
 
     def padded_rows(self, rows: int) -> int | None:
         """The rows the package runs for `rows` real ones, or None (run eagerly)."""
-        if rows > self.max_rows:
+        if not 1 <= rows <= self.max_rows:  # the package's range of rows
             return None
         return min(-(-rows // self.pad_rows_to) * self.pad_rows_to, self.max_rows)
 

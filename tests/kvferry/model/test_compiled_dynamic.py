@@ -190,7 +190,8 @@ def test_a_second_start_loads_the_package_and_pads_rows_as_asked(qwen3_dynamic: 
 
 def test_rows_are_padded_to_a_multiple_within_max_rows(qwen3_checkpoint: Path) -> None:
     model = _eager(qwen3_checkpoint)
-    assert [CompiledForward(model, 40).padded_rows(n) for n in (1, 7, 40, 41)] == [1, 7, 40, None]
+    unpadded = CompiledForward(model, 40)
+    assert [unpadded.padded_rows(n) for n in (0, 1, 7, 40, 41)] == [None, 1, 7, 40, None]
     padded = CompiledForward(model, 40, pad_rows_to=16)
     assert [padded.padded_rows(n) for n in (1, 16, 17, 33, 40, 41)] == [16, 16, 32, 40, 40, None]
 
