@@ -12,6 +12,8 @@ prefill, token 1 joins the decode batch), its producing decode step and its path
                   CPU, the GIL wait (the process's other threads ran meanwhile) and the rest
                   (descheduled: another process had the core)
     between       end of the previous step -> start of this one (scheduling, Python)
+    other_cpu     the decode process's CPU outside the step thread over the cycle (its event
+                  loop and gRPC's threads, on the same core: what it takes from the step)
   path (the token's latency after its step; on the ITL only through what it takes from the
   decode worker's core or GIL while the next step runs):
     loop_hop      step end -> `deliver` on the worker's event loop
@@ -61,7 +63,7 @@ from kvferry import trace  # noqa: E402
 CYCLE = ("step", "between")
 STEP_PARTS = ("step_cpu", "step_gil", "step_desched")
 PATH = ("loop_hop", "to_write", "to_router", "relay", "to_client")
-STAGES = (*CYCLE, *STEP_PARTS, *PATH, "cycle", "itl", "latency")
+STAGES = (*CYCLE, *STEP_PARTS, *PATH, "cycle", "itl", "latency", "other_cpu")
 NAME = "itl"  # the bench target's name: measured requests are "bench-itl-inf-<i>"
 
 
@@ -124,6 +126,10 @@ def token_stages(traces: Traces, writes: dict[str, list[Write]],
                 continue
             write = by_id[i]
             cpu, gil, desched = step_parts(step)
+            # The decode process's CPU outside the step thread, from the end of the previous
+            # step to the end of this one: its event loop, gRPC's threads (same core).
+            other = step.pcpu_s - step.cpu_s + (step.p0 - prev.p1 if step.p0 is not None
+                                                 and prev.p1 is not None else 0.0)
             values = {
                 "step": step.t1 - step.t0, "between": step.t0 - prev.t1,
                 "step_cpu": cpu, "step_gil": gil, "step_desched": desched,
@@ -131,7 +137,7 @@ def token_stages(traces: Traces, writes: dict[str, list[Write]],
                 "to_router": relay.t_in - write.t0, "relay": relay.t_out - relay.t_in,
                 "to_client": a.t[k] - relay.t_out,
                 "cycle": step.t1 - prev.t1, "itl": a.t[k] - a.t[k - 1],
-                "latency": a.t[k] - step.t1}
+                "latency": a.t[k] - step.t1, "other_cpu": other}
             out.append(TokenStages(a.id, k, values))
     return out
 
@@ -165,6 +171,7 @@ def across(runs: Sequence[dict[str, tuple[float, float, float]]]
 
 LABELS = {"step": "decode step (wall)", "step_cpu": "  its thread CPU",
           "step_gil": "  GIL wait", "step_desched": "  descheduled",
+          "other_cpu": "decode process, other threads' CPU",
           "between": "step end -> next step start", "cycle": "cycle (step + between)",
           "loop_hop": "step end -> deliver (loop)", "to_write": "deliver -> gRPC write",
           "to_router": "gRPC write -> router read", "relay": "router read -> write",
@@ -175,16 +182,18 @@ LABELS = {"step": "decode step (wall)", "step_cpu": "  its thread CPU",
 def format_table(runs: Sequence[dict[str, tuple[float, float, float]]]) -> str:
     """Per stage: median [p10-p90] of each repetition, then the median [min-max] of the
     repetitions' medians; the step's share of the ITL and the cycle's sum against it."""
-    lines = [f"{'stage, ms':<30} " + "  ".join(f"{'rep ' + str(i + 1):>20}"
+    lines = [f"{'stage, ms':<36} " + "  ".join(f"{'rep ' + str(i + 1):>20}"
                                                 for i in range(len(runs)))
              + f"  {'across reps':>22}"]
     agg = across(runs)
     for stage in ("itl", "cycle", "step", "step_cpu", "step_gil", "step_desched", "between",
-                  "latency", *PATH):
+                  "other_cpu", "latency", *PATH):
+        if stage not in agg:  # untraced: the client's ITL only
+            continue
         cells = [f"{r[stage][1]:7.2f} [{r[stage][0]:6.2f}-{r[stage][2]:6.2f}]"
                  if stage in r else f"{'-':>20}" for r in runs]
         lo, mid, hi = agg.get(stage, (float("nan"),) * 3)
-        lines.append(f"{LABELS[stage]:<30} " + "  ".join(cells)
+        lines.append(f"{LABELS[stage]:<36} " + "  ".join(cells)
                      + f"  {mid:7.2f} [{lo:6.2f}-{hi:6.2f}]")
     if "itl" in agg and "step" in agg:
         itl = agg["itl"][1]
@@ -209,11 +218,16 @@ def _ticks(path: Path) -> float:
 
 
 def _thread_cpu(pid: int) -> dict[str, float]:
-    """Thread name -> CPU seconds (threads of one name summed)."""
+    """Thread -> CPU seconds: "main" (the event loop), "python-<tid>" for each other Python
+    thread (a decode worker's step thread among them), other names summed (gRPC's
+    event_engine pool)."""
     out: dict[str, float] = defaultdict(float)
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
-            out[(task / "comm").read_text().strip()] += _ticks(task / "stat")
+            comm = (task / "comm").read_text().strip()
+            name = ("main" if task.name == str(pid)
+                    else f"{comm}-{task.name}" if comm == "python" else comm)
+            out[name] += _ticks(task / "stat")
         except OSError:  # the thread ended
             continue
     return dict(out)
@@ -274,6 +288,22 @@ def spent(before: dict[str, dict], after: dict[str, dict], wall_s: float
                      "threads": {n: s for n, s in sorted(threads.items(), key=lambda x: -x[1])
                                  if s > 0.01 * wall_s}}
     return out
+
+
+def format_processes(runs: Sequence[dict[str, object]], num_tokens: int) -> str:
+    """Per process: where it may run, its CPU seconds over the measured requests (median
+    [min-max] over the repetitions), per streamed token, and its busiest threads' share."""
+    lines = [f"{'process':<10} {'cpus':<6} {'CPU s over the run':>22} {'ms/token':>9}  "
+             "threads (first repetition, CPU s)"]
+    for role, first in runs[0]["processes"].items():
+        if role == "serve":
+            continue
+        values = sorted(r["processes"][role]["cpu_s"] for r in runs if role in r["processes"])
+        mid = statistics.median(values)
+        threads = ", ".join(f"{n} {v}" for n, v in list(first["threads"].items())[:4])
+        lines.append(f"{role:<10} {first['cpus']:<6} {mid:>8.2f} [{values[0]:.2f}-"
+                     f"{values[-1]:.2f}] {1e3 * mid / num_tokens:>9.2f}  {threads}")
+    return "\n".join(lines)
 
 
 # ---- one repetition ------------------------------------------------------------------------
@@ -384,11 +414,13 @@ def main(argv: Sequence[str] | None = None) -> None:
           f" tokens, {args.repeats} repetitions; per repetition median [p10-p90], across "
           f"repetitions median [min-max] of the medians")
     print(table)
+    processes = format_processes(runs, args.num_requests * args.output_len)
+    print(processes)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         payload = {"args": {k: str(v) for k, v in vars(args).items()},
                    "model": Path(model).name, "machine": platform.platform(),
-                   "num_cpus": os.cpu_count(), "table": table,
+                   "num_cpus": os.cpu_count(), "table": table, "processes": processes,
                    "across_ms": across([r["stages_ms"] for r in runs]), "runs": runs}
         args.out.write_text(json.dumps(payload, indent=2))
 

@@ -75,6 +75,7 @@ def test_token_stages_split_each_token(tmp_path: Path) -> None:
         assert v["latency"] == pytest.approx(0.0075)
         assert v["cycle"] == pytest.approx(v["step"] + v["between"])
         assert v["itl"] == pytest.approx(0.060)
+        assert v["other_cpu"] == pytest.approx(0.005)
 
 
 def test_a_merged_update_is_skipped(tmp_path: Path) -> None:
@@ -102,3 +103,15 @@ def test_defaults() -> None:
     assert (args.model, args.repeats, args.input_len, args.output_len) == ("tiny", 3, 64, 128)
     with pytest.raises(SystemExit):
         bench.parse_args(["--warmups", "0"])
+
+
+def test_processes_table() -> None:
+    def run(decode_s: float) -> dict:
+        return {"processes": {
+            "serve": {"cpus": "0-1", "cpu_s": 0.0, "threads": {}},
+            "decode": {"cpus": "1", "cpu_s": decode_s,
+                       "threads": {"decode-step_0": decode_s - 1, "python": 1.0}}}}
+    table = bench.format_processes([run(30.0), run(34.0), run(32.0)], num_tokens=400)
+    assert "serve" not in table
+    assert "decode     1" in table and "32.00 [30.00-34.00]" in table
+    assert "80.00" in table and "decode-step_0 29.0" in table
