@@ -27,6 +27,7 @@ from kvferry.settings import (
     CUDA_GRAPH_MODES,
     DEFAULT_BLOCK_SIZE,
     DEFAULT_COMPILE_BATCH_SIZES,
+    DEFAULT_COMPILE_MODE,
     DEFAULT_DECODE_STAGE_MIB,
     DEFAULT_DNS_INTERVAL_S,
     DEFAULT_DRAIN_TIMEOUT_S,
@@ -129,14 +130,18 @@ def _worker_parser(sub: argparse._SubParsersAction, role: str) -> None:
                         "densely beside the pages (default: none where the C kernel reads "
                         "the pages in place, else what the whole pool's tokens take "
                         "densely); 0: none")
-    p.add_argument("--compile", default=COMPILE_MODES[0], choices=COMPILE_MODES,
-                   help="decode/colocated workers: torch.compile the decode step, a graph "
-                        "per batch-size bucket, compiled before serving (max-autotune also "
-                        "tunes the GEMMs; slower to start; auto: builds both, times them and "
-                        "keeps the faster per bucket, recorded in the cache); off: eager")
+    p.add_argument("--compile", default=DEFAULT_COMPILE_MODE, choices=COMPILE_MODES,
+                   help="compile the model ahead of time with inductor before serving, cached "
+                        "on disk: dynamic (default): one package for every batch and prompt "
+                        "size, serving prefill and decode (CPU; eager on CUDA and for a "
+                        "split model, said in the log); default/max-autotune/auto: the decode "
+                        "step only, one package per batch-size bucket (max-autotune also "
+                        "tunes the GEMMs; auto builds both, times them and keeps the faster "
+                        "per bucket); off: eager")
     p.add_argument("--compile-batch-sizes", default=DEFAULT_COMPILE_BATCH_SIZES,
-                   help="--compile: batch-size buckets, comma-separated (a batch runs padded "
-                        "to the next one; larger batches run eagerly)")
+                   help="--compile default/max-autotune/auto: batch-size buckets, "
+                        "comma-separated (a batch runs padded to the next one; larger batches "
+                        "run eagerly)")
     p.add_argument("--cuda-graphs", default=CUDA_GRAPH_MODES[0], choices=CUDA_GRAPH_MODES,
                    help="decode/colocated workers on CUDA with Triton attention: replay the "
                         "decode step from CUDA graphs captured before serving, one per bucket "
@@ -197,9 +202,9 @@ def _deployment_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help=BLOCK_SIZE_HELP)
     p.add_argument("--kv-pool-size", default=DEFAULT_KV_POOL_SIZE,
                    help="every worker's: " + POOL_SIZE_HELP)
-    p.add_argument("--compile", default=COMPILE_MODES[0], choices=COMPILE_MODES,
-                   help="decode/colocated workers: torch.compile the decode step "
-                        "(see `kvferry decode-worker --help`); off: eager")
+    p.add_argument("--compile", default=DEFAULT_COMPILE_MODE, choices=COMPILE_MODES,
+                   help="every worker: compile the model ahead of time (default dynamic; "
+                        "see `kvferry decode-worker --help`); off: eager")
     p.add_argument("--compile-batch-sizes", default=DEFAULT_COMPILE_BATCH_SIZES,
                    help="--compile: batch-size buckets, comma-separated")
     p.add_argument("--attention-backend", default=ATTENTION_BACKENDS[0],

@@ -47,9 +47,9 @@ from deploy.start_log import record_start
 from kvferry.model.gguf import ensure_converted, is_gguf
 from kvferry.settings import (
     ATTENTION_BACKENDS,
-    COMPILE_MODES,
     DEFAULT_BLOCK_SIZE,
     DEFAULT_COMPILE_BATCH_SIZES,
+    DEFAULT_COMPILE_MODE,
     DEPLOYMENT_TORCH_THREADS,
     LAUNCHED_KV_POOL_SIZE,
 )
@@ -108,7 +108,7 @@ class Deployment:
     pin_cores: bool = False  # workers on cores (and GPUs) of their own: deploy/placement.py
     core_plan: CorePlan | None = None  # once started with pin_cores: where each process runs
     attention_backend: str = ATTENTION_BACKENDS[0]
-    compile: str = COMPILE_MODES[0]  # decode and colocated workers' --compile
+    compile: str = DEFAULT_COMPILE_MODE  # every worker's --compile
     compile_batch_sizes: str = DEFAULT_COMPILE_BATCH_SIZES
     host: str = "127.0.0.1"  # what every server binds; 0.0.0.0 for other hosts to reach it
     is_colocated: bool = False  # num_decode workers each serving both roles; no prefill ones
@@ -138,8 +138,7 @@ class Deployment:
                 "--block-size", str(self.block_size), "--kv-pool-size", self.kv_pool_size,
                 "--torch-threads", str(self.torch_threads),
                 "--attention-backend", self.attention_backend,
-                *(["--compile", self.compile, "--compile-batch-sizes", self.compile_batch_sizes]
-                  if role != "prefill" else []),
+                "--compile", self.compile, "--compile-batch-sizes", self.compile_batch_sizes,
                 *self._tensor_parallel_args(role), *self.worker_args,
                 *self.role_args.get(role, [])]
 
@@ -197,7 +196,7 @@ class Deployment:
 
     def start(self, timeout_s: float | None = None) -> Deployment:
         """Start every process; each must be ready within `timeout_s` (default 180 s, 1800 s
-        where decode workers compile their step first)."""
+        where workers compile their model first)."""
         if timeout_s is None:
             timeout_s = 180.0 if self.compile == "off" else 1800.0
         record_start("deployment", self.shape)

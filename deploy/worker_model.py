@@ -6,7 +6,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -308,21 +308,48 @@ def build_model(settings: WorkerSettings) -> tuple[Transformer, KvPool, str]:
     device, dtype, backend_name = device_and_dtype(settings)
     kernel_dir = KERNEL_CACHE_DIR if device.type == "cpu" else None
     if settings.tensor_parallel_size > 1:
+        if settings.compile != "off":  # only "dynamic" gets here (settings refuse buckets)
+            log.info("forwards eager: a model split over %d ranks is not compiled yet",
+                     settings.tensor_parallel_size)
         group = build_group(settings, config, device, dtype, backend_name, kernel_dir)
         return group, group.pool, backend_name  # type: ignore[return-value]
     model = Transformer(config, get_attention_backend(backend_name, kernel_dir), dtype, device)
     if settings.role in ("decode", "colocated") and settings.max_model_len is not None:
         max_model_len_for(settings, config)  # checked before the pool is allocated
     pool = build_pool(settings, config, device, dtype)
+    buckets = parse_batch_sizes(settings.compile_batch_sizes)
+    compile_forwards(model, settings, buckets)
     if settings.role in ("decode", "colocated"):
         model.query_runs = settings.speculative.is_on  # verification's rows
-        buckets = parse_batch_sizes(settings.compile_batch_sizes)
-        if settings.compile != "off":
-            from kvferry.model.compiled import compile_decode
-
-            compile_decode(model, settings.compile, buckets, COMPILE_CACHE_DIR)
         if settings.cuda_graphs == "on":  # CUDA + Triton only (else None)
             from kvferry.model.cuda_graphs import capture_decode
 
             capture_decode(model, pool, buckets)
     return model, pool, backend_name
+
+
+def compile_forwards(model: Transformer, settings: WorkerSettings, buckets: Sequence[int]
+                     ) -> None:
+    """--compile: "dynamic" (the default) compiles the prefill forward and the decode step of
+    every role into one package on CPU; on CUDA they stay eager (not yet measured there: the
+    decode step replays CUDA graphs), and where the build fails (no C++ compiler, say) the
+    worker serves eagerly, saying why. The bucket modes compile the decode step of decode and
+    colocated workers and fail the start if they cannot."""
+    if settings.compile == "off":
+        return
+    from kvferry.model.compiled import DYNAMIC, compile_model
+
+    if settings.compile != DYNAMIC:
+        if settings.role in ("decode", "colocated"):
+            compile_model(model, settings.compile, buckets, COMPILE_CACHE_DIR)
+        return
+    if model.device.type != "cpu":
+        log.info("forwards eager: --compile dynamic builds for CPU only so far (%s here)",
+                 model.device.type)
+        return
+    try:
+        compile_model(model, DYNAMIC, cache_dir=COMPILE_CACHE_DIR)
+    except Exception as exc:  # noqa: BLE001 - eager is the fallback, and the log says why
+        log.warning("forwards eager: compiling the model failed (%s: %s)",
+                    type(exc).__name__, exc)
+        model.compiled = None

@@ -61,8 +61,15 @@ KV_TRANSPORTS = tuple(TRANSPORTS)  # kvferry/transfer/__init__.py: one line per 
 # KV_CACHE_DTYPES this equals: kept here too so that flags parse without importing torch).
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
 TRANSFER_THREAD = "kvferry-xfer"  # OS name of the threads that move and check K/V bytes
-# Decode step: eager, or torch.compile'd per batch-size bucket (kvferry/model/compiled.py).
-COMPILE_MODES = ("off", "default", "max-autotune", "auto")
+# Forwards: eager ("off"); ONE AOTInductor package with a dynamic row count serving the prefill
+# forward and the decode step of every batch ("dynamic", the default); or the decode step alone,
+# one package per batch-size bucket (the rest; kvferry/model/compiled.py).
+COMPILE_MODES = ("off", "dynamic", "default", "max-autotune", "auto")
+# $KVFERRY_COMPILE sets --compile's default everywhere (the test suite runs eager by it, but
+# where a test compiles); a value outside COMPILE_MODES is refused naming the field.
+COMPILE_ENV = "KVFERRY_COMPILE"
+DEFAULT_COMPILE_MODE = os.environ.get(COMPILE_ENV, "dynamic")
+BUCKET_COMPILE_MODES = COMPILE_MODES[2:]
 DEFAULT_COMPILE_BATCH_SIZES = "1,2,4,8,16,32"
 # Decode step on CUDA with Triton attention: replayed from CUDA graphs per bucket (the same
 # buckets), or eager ("off", vLLM's --enforce-eager); kvferry/model/cuda_graphs.py.
@@ -270,13 +277,14 @@ def _check_eviction(settings: WorkerSettings) -> None:
 def _check_tensor_parallel(settings: WorkerSettings) -> None:
     """What a tensor-parallel worker does not do yet: what would move K/V outside the
     operations every rank mirrors, or run a forward other than the group's (each refusal
-    names the flag; docs/tensor-parallel.md). --cuda-graphs, on by default, is not refused:
-    a split worker's step runs eager (deploy/worker_model.build_group says so)."""
+    names the flag; docs/tensor-parallel.md). --cuda-graphs and --compile dynamic, on by
+    default, are not refused: a split worker's forwards run eager (deploy/worker_model.py
+    says so in its log)."""
     size = settings.tensor_parallel_size
     if size < 1:
         raise ValueError(f"tensor_parallel_size: must be >= 1, got {size}")
     refused = [
-        ("compile", settings.compile != COMPILE_MODES[0], "--compile off"),
+        ("compile", settings.compile in BUCKET_COMPILE_MODES, "--compile dynamic or off"),
         ("kv_eviction", settings.kv_eviction.is_on, "no --kv-eviction"),
         ("kv_host_cache_size", settings.tiers.host_cache_size is not None,
          "no K/V tiers"),
@@ -313,7 +321,7 @@ class WorkerSettings:
     # Torch attention backend: MiB for the running batch's K/V mirrored densely beside the
     # pages (decode_worker/kv_stage.py); 0: gather pages every step; None: the whole pool.
     decode_stage_mib: int | None = DEFAULT_DECODE_STAGE_MIB
-    compile: str = COMPILE_MODES[0]  # decode/colocated: compile the decode step
+    compile: str = DEFAULT_COMPILE_MODE  # compile the forwards (a split model's: eager)
     compile_batch_sizes: str = DEFAULT_COMPILE_BATCH_SIZES  # buckets; larger batches: eager
     cuda_graphs: str = CUDA_GRAPH_MODES[0]  # decode/colocated, CUDA + Triton only; else moot
     # Keep finished requests' full K/V blocks indexed for reuse (kvferry/cache/prefix.py).

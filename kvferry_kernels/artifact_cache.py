@@ -8,8 +8,10 @@ Entries: an entry is a directory `<cache>/<name>/` holding the artifact's files 
 `manifest.json` (each file's size and SHA-256). It is built in a private scratch directory
 beside it; every file, the manifest and the directory are fsynced, then the scratch directory is
 renamed to the entry's name in one step and the parent fsynced. A reader therefore sees no entry
-or a complete one, across a crash or a race between processes (the loser drops its copy and uses
-the winner's). Before anything is loaded the entry is checked against its manifest, every byte
+or a complete one, across a crash or a race between processes. Builders of one entry take turns
+(a lock file beside it): workers started together on a cold cache build it once; where the lock
+does not hold (a file system without flock), the loser of the rename drops its copy and uses the
+winner's. Before anything is loaded the entry is checked against its manifest, every byte
 hashed; an entry that fails (a truncated or stub file, a hash that does not match, a file the
 manifest does not name, no readable manifest) is moved aside and built again, with one warning
 naming it. Nothing is ever loaded from an entry that did not verify.
@@ -24,7 +26,9 @@ and nothing it loads came from the refused directory.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import errno
+import fcntl
 import functools
 import hashlib
 import json
@@ -34,7 +38,7 @@ import shutil
 import stat
 import tempfile
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -191,18 +195,36 @@ def publish(scratch: Path, entry: Path, log: logging.Logger) -> None:
 
 def get_or_build(entry: Path, build: Callable[[Path], None], log: logging.Logger) -> Cached:
     """The verified entry at `entry`, built first when missing or bad: `build(scratch)` writes
-    the artifact's files into an empty private directory, which is then published."""
+    the artifact's files into an empty private directory, which is then published. One
+    process builds an entry at a time: the others wait for it (a lock file beside the entry,
+    released by the OS if the builder dies) and load what it published, so workers starting
+    together on a cold cache compile once, not once each."""
     if lookup(entry, log):
         return Cached(entry, True)
     entry.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f".{entry.name}.tmp-", dir=entry.parent))
-    try:
-        build(scratch)
-    except BaseException:
-        shutil.rmtree(scratch, ignore_errors=True)
-        raise
-    publish(scratch, entry, log)
+    with _building(entry):
+        if lookup(entry, log):  # built by the process that held the lock before us
+            return Cached(entry, True)
+        scratch = Path(tempfile.mkdtemp(prefix=f".{entry.name}.tmp-", dir=entry.parent))
+        try:
+            build(scratch)
+        except BaseException:
+            shutil.rmtree(scratch, ignore_errors=True)
+            raise
+        publish(scratch, entry, log)
     return Cached(entry, False)
+
+
+@contextlib.contextmanager
+def _building(entry: Path) -> Iterator[None]:
+    """Held while `entry` is looked up again and built: an exclusive flock on
+    `.<name>.lock` beside it (every opener gets its own lock, threads of one process too)."""
+    fd = os.open(entry.parent / f".{entry.name}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def write_file_atomic(path: Path, data: bytes) -> None:

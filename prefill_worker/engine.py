@@ -372,6 +372,7 @@ class PrefillEngine:
             num_running=len(self._active) - self.batcher.num_pending - self.blocks.num_waiting,
             num_waiting=self.batcher.num_pending + self.blocks.num_waiting,
             num_pending_prefill_tokens=self.batcher.pending_tokens,
+            num_compiles=getattr(self.model.compiled, "num_compiles", 0),
             integrity_ok=report.ok, integrity_error=report.error,
             num_corrupt_pushes=self.sender.num_corrupt_pushes,
             num_parked=len(self._parked), num_evictions=self.num_evictions,

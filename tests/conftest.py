@@ -9,6 +9,10 @@ import torch
 # Triton reads TRITON_INTERPRET when it is first imported: set it before anything can.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Workers run eager unless a test compiles (--compile dynamic, the product's default, costs a
+# few seconds a start even from the cache): the token-exact deployments compile, the rest do
+# not. Read by kvferry.settings when first imported. KVFERRY_COMPILE=dynamic runs all compiled.
+os.environ.setdefault("KVFERRY_COMPILE", "off")
 
 import re  # noqa: E402
 import signal  # noqa: E402
@@ -223,6 +227,9 @@ def assert_alive(deployment: Deployment) -> None:
     assert deployment.dead() == [], "components died"
 
 
+# The deployments the token-exact oracle runs on compile as the product does by default (the
+# session's default is eager: KVFERRY_COMPILE above).
+COMPILED = "dynamic"
 # The token-exact oracle is transformers in fp32: workers run fp32 on every device (--dtype
 # auto would be bf16 on a GPU).
 ORACLE_DTYPE = ["--dtype", "float32"]
@@ -254,10 +261,12 @@ def _stop(deployment: Deployment) -> None:
 @pytest.fixture(scope="session")
 def qwen3_deployment(qwen3_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
                      ) -> Iterator[Deployment]:
-    """The main test deployment; every process serves Prometheus metrics too."""
+    """The main test deployment, compiled as the product's default; every process serves
+    Prometheus metrics too."""
     logs = tmp_path_factory.mktemp("qwen3-logs")
     yield from shared("qwen3_deployment", lambda: _start(
-        qwen3_checkpoint, logs, worker_args=METRICS, router_args=[*METRICS, *DETAILS]), _stop)
+        qwen3_checkpoint, logs, compile=COMPILED, worker_args=METRICS,
+        router_args=[*METRICS, *DETAILS]), _stop)
 
 
 @pytest.fixture(scope="session")
@@ -314,7 +323,8 @@ def chat_deployment(chat_checkpoint: Path, tmp_path_factory: pytest.TempPathFact
 def llama_deployment(llama_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
                      ) -> Iterator[Deployment]:
     logs = tmp_path_factory.mktemp("llama-logs")
-    yield from shared("llama_deployment", lambda: _start(llama_checkpoint, logs), _stop)
+    yield from shared("llama_deployment", lambda: _start(llama_checkpoint, logs,
+                                                         compile=COMPILED), _stop)
 
 
 @pytest.fixture(scope="session")
@@ -322,8 +332,8 @@ def colocated_deployment(qwen3_checkpoint: Path, tmp_path_factory: pytest.TempPa
                          ) -> Iterator[Deployment]:
     logs = tmp_path_factory.mktemp("colocated-logs")
     yield from shared("colocated_deployment", lambda: _start(
-        qwen3_checkpoint, logs, is_colocated=True, worker_args=[*CHUNKED, *SPECULATIVE, *METRICS],
-        router_args=DETAILS),
+        qwen3_checkpoint, logs, is_colocated=True, compile=COMPILED,
+        worker_args=[*CHUNKED, *SPECULATIVE, *METRICS], router_args=DETAILS),
         _stop)
 
 

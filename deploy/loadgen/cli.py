@@ -34,6 +34,7 @@ from kvferry import trace
 from kvferry.settings import (
     COMPILE_MODES,
     DEFAULT_COMPILE_BATCH_SIZES,
+    DEFAULT_COMPILE_MODE,
     DEFAULT_KV_POOL_SIZE,
     KVFERRY_HOME,
     LOAD_FORMATS,
@@ -73,8 +74,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--kv-pool-size", default=DEFAULT_KV_POOL_SIZE, help="launch: per worker")
     placement_args(t, "launch: ", " (this client runs on the router's cores; the placement "
                                   "is in the JSON)")
-    t.add_argument("--compile", default=COMPILE_MODES[0], choices=COMPILE_MODES,
-                   help="launch: decode/colocated workers compile their decode step")
+    t.add_argument("--compile", default=DEFAULT_COMPILE_MODE, choices=COMPILE_MODES,
+                   help="launch: workers compile their forwards (as `serve --compile`)")
     t.add_argument("--compile-batch-sizes", default=DEFAULT_COMPILE_BATCH_SIZES,
                    help="launch: --compile batch-size buckets")
     t.add_argument("--launch-log-dir", type=Path, default=None,

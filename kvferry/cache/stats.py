@@ -53,7 +53,7 @@ class PoolStats:
     num_corrupt_pushes: int = 0
     num_parked: int = 0
     num_evictions: int = 0
-    num_compiles: int = 0  # decode-step graphs compiled (--compile)
+    num_compiles: int = 0  # compiled packages in use (--compile), built or loaded
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, found
     cached_blocks: int = 0  # held by the prefix cache alone (reclaimable; counted free)

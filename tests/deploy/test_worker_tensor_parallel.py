@@ -6,6 +6,7 @@ every rank. The tokens through the processes: tests/e2e/test_tensor_parallel_wor
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ from tests.deploy.test_max_model_len import one_line, run_cli
 
 
 @pytest.mark.parametrize(("field", "value", "named"), [
-    ("compile", "default", "compile"),
+    ("compile", "default", "compile"),  # a bucket mode (dynamic, the default, runs eager)
     ("decode_stage_mib", 64, "decode_stage_mib"),
 ])
 def test_what_a_split_worker_does_not_do_yet_is_refused_by_name(field: str, value: object,
@@ -85,12 +86,18 @@ def test_whole_pages_read_and_written_by_layers() -> None:
 
 @pytest.mark.slow  # starts a rank process
 def test_a_split_worker_sizes_its_pool_per_rank_and_moves_whole_pages(
-        qwen3_checkpoint: Path) -> None:
+        qwen3_checkpoint: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Also: --compile dynamic, the product's default, is not refused with a split model;
+    its forwards run eager and the log says why."""
     settings = WorkerSettings(role="decode", model=str(qwen3_checkpoint), kv_pool_size="1MiB",
-                              dtype="float32", device="cpu", tensor_parallel_size=2)
-    whole_model, whole_pool, _ = build_model(dataclasses.replace(settings,
-                                                                 tensor_parallel_size=1))
-    model, pool, _ = build_model(settings)
+                              dtype="float32", device="cpu", tensor_parallel_size=2,
+                              compile="dynamic")
+    whole_model, whole_pool, _ = build_model(dataclasses.replace(
+        settings, tensor_parallel_size=1, compile="off"))
+    with caplog.at_level(logging.INFO, logger="kvferry.worker"):
+        model, pool, _ = build_model(settings)
+    assert "forwards eager: a model split over 2 ranks is not compiled yet" in caplog.text
+    assert getattr(model, "compiled", None) is None
     try:
         config = load_model_config(qwen3_checkpoint)
         assert pool.num_kv_heads == config.num_kv_heads // 2  # rank 0's own

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from deploy import client
 from deploy.launcher import Deployment
-from tests.conftest import SPECULATIVE, assert_alive, assert_pools_clean, worker_stats
+from tests.conftest import COMPILED, SPECULATIVE, assert_alive, assert_pools_clean, worker_stats
 from tests.deployments import reconfigured
 from tests.e2e.test_metrics import scrape, value
 
@@ -56,7 +56,7 @@ def prompts(tokenizer) -> list[list[int]]:
 
 
 def _deploy(model: Path, logs: Path) -> Iterator[Deployment]:
-    deployment = Deployment(model=str(model), log_dir=logs,
+    deployment = Deployment(model=str(model), log_dir=logs, compile=COMPILED,
                             worker_args=[*SPECULATIVE, "--metrics-port", "0"]).start()
     try:
         yield deployment
@@ -160,23 +160,18 @@ def test_split_three_ways_on_both_sides_serves_the_same_tokens(
         assert_alive(deployment)
 
 
-def test_compiled_decode_serves_the_same_tokens(prompts: list[list[int]],
-                                                served: list[list[int]],
-                                                gguf_deployment: Deployment) -> None:
-    """The real model with its decode step compiled (--compile default: the eager
-    deployment's decode worker restarted so, last in this module), every prompt at once
-    (batches of 1 to 6, each padded to the one bucket, 8: one graph to compile keeps this
-    test's start-up short; the tiny models' compiled test covers several buckets and the
-    eager fallback): the tokens the eager worker served (which match transformers, above),
-    and no compile after start-up."""
+def test_compiled_forwards_serve_the_same_tokens_at_every_batch(
+        prompts: list[list[int]], served: list[list[int]], gguf_deployment: Deployment) -> None:
+    """The deployment runs the product's default, --compile dynamic: one package per worker
+    (loaded by the second from the first's build) serving prefill and decode. Every prompt at
+    once (prefill batches of several prompts, decode batches of 1 to 6): the tokens served one
+    at a time (which match transformers, above), and no compile after start-up."""
     deployment = gguf_deployment
-    with reconfigured(deployment, ["decode-0"],
-                      ["--compile", "default", "--compile-batch-sizes", "8"], restore=False):
-        requests = [client.make_request(p, temperature=0.0, max_tokens=MAX_NEW_TOKENS)
-                    for p in prompts]
-        results = asyncio.run(client.generate_many(deployment.router_address, requests, 300))
-        assert [list(r.token_ids) for r in results] == served
-        decode = [s for s in worker_stats(deployment) if s.role == "decode"]
-        assert [s.num_compiles for s in decode] == [1]
-        assert_pools_clean(deployment)
-        assert_alive(deployment)
+    requests = [client.make_request(p, temperature=0.0, max_tokens=MAX_NEW_TOKENS)
+                for p in prompts]
+    results = asyncio.run(client.generate_many(deployment.router_address, requests, 300))
+    assert [list(r.token_ids) for r in results] == served
+    assert [(s.role, s.num_compiles) for s in worker_stats(deployment)] == [
+        ("prefill", 1), ("decode", 1)]
+    assert_pools_clean(deployment)
+    assert_alive(deployment)
