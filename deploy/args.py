@@ -131,17 +131,14 @@ def _worker_parser(sub: argparse._SubParsersAction, role: str) -> None:
                         "the pages in place, else what the whole pool's tokens take "
                         "densely); 0: none")
     p.add_argument("--compile", default=DEFAULT_COMPILE_MODE, choices=COMPILE_MODES,
-                   help="compile the model ahead of time with inductor before serving, cached "
-                        "on disk: dynamic (default): one package for every batch and prompt "
-                        "size, serving prefill and decode (CPU; eager on CUDA and for a "
-                        "split model, said in the log); default/max-autotune/auto: the decode "
-                        "step only, one package per batch-size bucket (max-autotune also "
-                        "tunes the GEMMs; auto builds both, times them and keeps the faster "
-                        "per bucket); off: eager")
+                   help="compile the model ahead of time (inductor, cached on disk): dynamic "
+                        "(default): one package for prefill and every decode batch (CPU; eager "
+                        "on CUDA and split models, said in the log); default/max-autotune/auto: "
+                        "the decode step per batch-size bucket (max-autotune also tunes the "
+                        "GEMMs; auto keeps the faster of both per bucket); off: eager")
     p.add_argument("--compile-batch-sizes", default=DEFAULT_COMPILE_BATCH_SIZES,
-                   help="--compile default/max-autotune/auto: batch-size buckets, "
-                        "comma-separated (a batch runs padded to the next one; larger batches "
-                        "run eagerly)")
+                   help="bucket modes of --compile: batch sizes, comma-separated (a batch runs "
+                        "padded to the next; larger ones eagerly)")
     p.add_argument("--cuda-graphs", default=CUDA_GRAPH_MODES[0], choices=CUDA_GRAPH_MODES,
                    help="decode/colocated workers on CUDA with Triton attention: replay the "
                         "decode step from CUDA graphs captured before serving, one per bucket "

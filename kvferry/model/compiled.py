@@ -10,8 +10,9 @@ slot mappings, chunk lengths and context lengths never reach the graph and never
 recompile. Padded rows carry token 0 at position 0; attention runs over the real rows only
 (padded rows get zeros) and the padded rows' logits are dropped.
 
-Modes. "default" (inductor, MKL's packed GEMMs), "max-autotune" (also benchmarks inductor's
-C++ GEMM templates against MKL per shape and keeps the faster) and "auto" (both packages of a
+Modes. "default" (inductor, oneDNN's packed GEMMs: inductor turns MKL's prepacking off when
+compiling ahead of time), "max-autotune" (also benchmarks inductor's C++ GEMM templates against
+the library's per shape and keeps the faster) and "auto" (both packages of a
 bucket built and timed as whole steps, the faster kept; the choice is recorded beside them)
 compile the decode step per bucket (`CompiledDecode`): the batch is padded up to the next
 bucket, batches above the largest run eagerly, prefill runs eagerly. "dynamic"
@@ -19,9 +20,13 @@ bucket, batches above the largest run eagerly, prefill runs eagerly. "dynamic"
 `DEFAULT_MAX_ROWS` by default) that serves the decode step (all rows' logits) and the prefill
 forward (packed chunks, logits of the `logit_rows` sampled only); more rows than `max_rows`
 run eagerly, and `pad_rows_to` rounds the rows up to a multiple (1: none). It builds and loads
-in about half the time and memory of three buckets, at parity at batch 1, but its steps at 8
-and 32 rows were 10-20% slower than buckets' (inductor packs weights for MKL only for a static
-batch: bench/bench_compile_dynamic.py, docs/performance.md).
+in about half the time and memory of three buckets (bench/bench_compile_dynamic.py) and calls
+the same oneDNN linears on the same packed weight layouts as a bucket: measured in one process
+on thread CPU time, its step is within 5% of a bucket's at 8 and 32 rows and faster off them,
+having nothing to pad (bench/bench_compile_rows.py, docs/performance.md). torch.export
+specializes the sizes 0 and 1, so a package built with a symbolic row count checks for 2 or
+more rows only where AOTI_RUNTIME_CHECK_INPUTS asks it to; one row runs unchecked (and is
+token-exact: tests/kvferry/model/test_compiled_dynamic.py).
 
 Each package is an AOTInductor package (`torch.export`, then inductor ahead of time, the
 weights frozen into it as constants: the packed-weight GEMMs are where most of a CPU step's
