@@ -8,13 +8,13 @@ Entries: an entry is a directory `<cache>/<name>/` holding the artifact's files 
 `manifest.json` (each file's size and SHA-256). It is built in a private scratch directory
 beside it; every file, the manifest and the directory are fsynced, then the scratch directory is
 renamed to the entry's name in one step and the parent fsynced. A reader therefore sees no entry
-or a complete one, across a crash or a race between processes. Builders of one entry take turns
-(a lock file beside it): workers started together on a cold cache build it once; where the lock
-does not hold (a file system without flock), the loser of the rename drops its copy and uses the
-winner's. Before anything is loaded the entry is checked against its manifest, every byte
-hashed; an entry that fails (a truncated or stub file, a hash that does not match, a file the
-manifest does not name, no readable manifest) is moved aside and built again, with one warning
-naming it. Nothing is ever loaded from an entry that did not verify.
+or a complete one, across a crash or a race between processes. Builders in one cache directory
+take turns (a lock on the directory): workers started together on a cold cache build an entry
+once; where the lock does not hold (a file system without flock), the loser of the rename drops
+its copy and uses the winner's. Before anything is loaded the entry is checked against its
+manifest, every byte hashed; an entry that fails (a truncated or stub file, a hash that does not
+match, a file the manifest does not name, no readable manifest) is moved aside and built again,
+with one warning naming it. Nothing is ever loaded from an entry that did not verify.
 
 Permissions (refuse, then build privately): a cache directory owned by another user, or
 writable by group or others, could hold a file someone else planted under the predictable name.
@@ -195,10 +195,11 @@ def publish(scratch: Path, entry: Path, log: logging.Logger) -> None:
 
 def get_or_build(entry: Path, build: Callable[[Path], None], log: logging.Logger) -> Cached:
     """The verified entry at `entry`, built first when missing or bad: `build(scratch)` writes
-    the artifact's files into an empty private directory, which is then published. One
-    process builds an entry at a time: the others wait for it (a lock file beside the entry,
-    released by the OS if the builder dies) and load what it published, so workers starting
-    together on a cold cache compile once, not once each."""
+    the artifact's files into an empty private directory, which is then published. Builds in
+    one cache directory take turns (a lock on the directory, released by the OS if the
+    builder dies): a process that finds the entry missing waits for a build under way and
+    loads what it published, so workers starting together on a cold cache compile once, not
+    once each. A `build` must not build another entry of the same directory."""
     if lookup(entry, log):
         return Cached(entry, True)
     entry.parent.mkdir(parents=True, exist_ok=True)
@@ -217,9 +218,10 @@ def get_or_build(entry: Path, build: Callable[[Path], None], log: logging.Logger
 
 @contextlib.contextmanager
 def _building(entry: Path) -> Iterator[None]:
-    """Held while `entry` is looked up again and built: an exclusive flock on
-    `.<name>.lock` beside it (every opener gets its own lock, threads of one process too)."""
-    fd = os.open(entry.parent / f".{entry.name}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    """Held while `entry` is looked up again and built: an exclusive flock on its directory
+    (no lock file left in the cache; each open gets its own lock, threads of one process
+    too)."""
+    fd = os.open(entry.parent, os.O_RDONLY | os.O_DIRECTORY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
