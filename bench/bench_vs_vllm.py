@@ -64,6 +64,7 @@ from deploy.default_model import BENCH_MODEL_HELP, bench_model  # noqa: E402
 from kvferry.settings import (  # noqa: E402
     COMPILE_MODES,
     DEFAULT_COMPILE_BATCH_SIZES,
+    DEFAULT_COMPILE_MODE,
     DEPLOYMENT_TORCH_THREADS,
     KVFERRY_HOME,
     parse_batch_sizes,
@@ -305,8 +306,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="words appended to every kvferry worker's command line, e.g. "
                         "'--decode-stage-mib 2048' (the dense K/V stage instead of attention "
                         "over the pages in place)")
-    p.add_argument("--kvferry-compile", default=COMPILE_MODES[0], choices=COMPILE_MODES,
-                   help="kvferry's decode workers: --compile")
+    p.add_argument("--kvferry-compile", default=DEFAULT_COMPILE_MODE, choices=COMPILE_MODES,
+                   help="kvferry's workers: --compile (default: kvferry's own)")
     p.add_argument("--kvferry-compile-batch-sizes", default=DEFAULT_COMPILE_BATCH_SIZES,
                    help="kvferry's decode workers: --compile-batch-sizes")
     p.add_argument("--kvferry-torch-threads", type=int, default=DEPLOYMENT_TORCH_THREADS,
