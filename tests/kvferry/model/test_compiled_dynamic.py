@@ -17,13 +17,16 @@ from transformers import AutoModelForCausalLM
 from kvferry.cache.layout import blocks_for_tokens
 from kvferry.cache.pool import KvPool
 from kvferry.model.compiled import (
+    DEFAULT_MAX_ROWS,
     DYNAMIC,
+    EXACT_ROWS,
     PACKAGE,
     CompiledDecode,
     CompiledForward,
     attend_nothing,
     compile_decode,
     compile_model,
+    row_grid,
 )
 from kvferry.model.config import load_model_config
 from kvferry.model.transformer import Transformer
@@ -194,6 +197,16 @@ def test_rows_are_padded_to_a_multiple_within_max_rows(qwen3_checkpoint: Path) -
     assert [unpadded.padded_rows(n) for n in (0, 1, 7, 40, 41)] == [None, 1, 7, 40, None]
     padded = CompiledForward(model, 40, pad_rows_to=16)
     assert [padded.padded_rows(n) for n in (1, 16, 17, 33, 40, 41)] == [16, 16, 32, 40, 40, None]
+
+
+def test_row_counts_above_16_run_on_a_grid_of_at_most_50_sizes_25_percent_apart() -> None:
+    sizes = [row_grid(n) for n in range(1, DEFAULT_MAX_ROWS + 1)]
+    assert sizes[:EXACT_ROWS] == list(range(1, EXACT_ROWS + 1))  # small batches: exact
+    assert all(n <= size <= 1.25 * n for n, size in enumerate(sizes, start=1))
+    assert len(set(sizes)) <= 50
+    assert [row_grid(n) for n in (17, 20, 21, 33, 64, 65, 512, 513)] == [
+        20, 20, 24, 40, 64, 80, 512, 640]
+    assert row_grid(DEFAULT_MAX_ROWS) == DEFAULT_MAX_ROWS  # the largest row count on the grid
 
 
 @pytest.mark.parametrize("field, kwargs", [("max_rows", {"max_rows": 1}),
