@@ -43,6 +43,7 @@ import torch
 from torch._inductor import aoti_load_package
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.bench_compile_dynamic import span  # noqa: E402
 from deploy.default_model import BENCH_MODEL_HELP, bench_model  # noqa: E402
 from kvferry.model.compiled import _Graph, _run, attend_nothing, export_package  # noqa: E402
 from kvferry.model.config import load_model_config  # noqa: E402
@@ -85,11 +86,6 @@ def stepper(model: Transformer, way: str, runner, size: int, rows: int):
         return lambda: model.forward_tokens(model.weights, model.inv_freq, tokens, positions,
                                             attend_nothing)
     return lambda: _run(runner, size, tokens, positions, attend_nothing)
-
-
-def span(values: list[float], digits: int = 1) -> str:
-    return (f"{statistics.median(values):.{digits}f} "
-            f"[{min(values):.{digits}f}-{max(values):.{digits}f}]")
 
 
 def main(argv: list[str] | None = None) -> int:

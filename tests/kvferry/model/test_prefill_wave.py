@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
-from concurrent.futures import Executor, Future
 
 import pytest
 
@@ -21,6 +20,7 @@ from kvferry.model.prefill_batch import (
     PrefillJob,
 )
 from kvferry.model.sampling import SamplingParams
+from tests.kvferry.model.test_prefill_plan import _RecordingExecutor
 
 Loop = asyncio.AbstractEventLoop
 
@@ -30,19 +30,6 @@ def loop() -> Iterator[asyncio.AbstractEventLoop]:
     loop = asyncio.new_event_loop()
     yield loop
     loop.close()
-
-
-class _RecordingExecutor(Executor):
-    """Runs the forward at once, on the caller's thread, and records each batch's jobs."""
-
-    def __init__(self) -> None:
-        self.calls: list[list[str]] = []
-
-    def submit(self, fn, /, *args, **kwargs):  # type: ignore[no-untyped-def]
-        self.calls.append([it.job.request_id for it in args[0]])
-        future: Future = Future()
-        future.set_result([[7]] * len(args[0]))  # each job's first token
-        return future
 
 
 def _batcher(gathering: Gathering, budget: int = 512, on_submit=lambda: None
