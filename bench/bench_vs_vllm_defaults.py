@@ -35,7 +35,7 @@ repetition (for every figure here but throughput, lower is better). Usage:
 
     .venv/bin/python bench/bench_vs_vllm_defaults.py [--model default|tiny|PATH]
         [--engines vllm,kvferry] [--repeats 3] [--num-requests 40] [--rate 1]
-        [--concurrency 8 32] [--out FILE]
+        [--concurrency 8 32] [--kvferry-args FLAGS] [--out FILE]
 """
 
 from __future__ import annotations
@@ -394,7 +394,7 @@ def run_engine(engine: str, repeat: int, args: argparse.Namespace, model: str,
     def launch() -> AbstractContextManager[Server]:
         port = free_port()
         cmd = (vllm_command(vllm, model, port) if engine == "vllm"
-               else kvferry_command(model, free_port(), port))
+               else kvferry_command(model, free_port(), port) + shlex.split(args.kvferry_args))
         return started(cmd, env, f"http://127.0.0.1:{port}", log, args.start_timeout_s)
 
     cold_s = None
@@ -453,6 +453,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=None,
                    help="requests per closed loop (default: max(8, 4 x concurrency))")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kvferry-args", default="",
+                   help="flags after kvferry serve's (an ablation, e.g. '--lend-cores off'; "
+                        "default none: its defaults)")
     p.add_argument("--no-cold", dest="cold", action="store_false",
                    help="skip the cold start (warm start only)")
     p.add_argument("--start-timeout-s", type=float, default=SERVER_START_TIMEOUT_S)
@@ -506,7 +509,8 @@ def report(args: argparse.Namespace, model: str, runs: Sequence[EngineRun]) -> d
         "engines": args.engines, "repeats": args.repeats, "is_cold_measured": args.cold,
         "commands": {"vllm": shlex.join(vllm_command(Path("vllm"), "DIR", 0)),
                      "vllm_env": VLLM_ENV,
-                     "kvferry": "kvferry serve --model DIR --port FREE --http-port FREE"},
+                     "kvferry": " ".join(["kvferry serve --model DIR --port FREE --http-port "
+                                          "FREE", args.kvferry_args]).strip()},
         "vllm_version": VLLM_VERSION,
         "workload": {k: getattr(args, k) for k in (
             "num_requests", "rate", "short_input", "short_output", "long_input",

@@ -117,6 +117,8 @@ def _worker_parser(sub: argparse._SubParsersAction, role: str) -> None:
                    choices=ATTENTION_BACKENDS, help=ATTENTION_HELP)
     p.add_argument("--torch-threads", type=int, default=DEFAULT_TORCH_THREADS,
                    help="torch intra-op threads of this process")
+    p.add_argument("--core-lending", metavar="FILE:SLOT:PARTNER:CPUS", help="also a thread "
+                   "on each of CPUS while PARTNER's slot of FILE says idle (serve sets it)")
     p.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING,
                    help="reservations that may wait for K/V blocks before RESOURCE_EXHAUSTED")
     p.add_argument("--prefill-token-budget", type=int, default=None,
@@ -343,6 +345,7 @@ def worker_settings(args: argparse.Namespace, model: str | None = None) -> Worke
         metrics_port=args.metrics_port, security=security_settings(args),
         tiers=tier_settings(args), speculative=speculative_config(args),
         kv_eviction=eviction_config(args), tensor_parallel_size=args.tensor_parallel_size,
+        core_lending=args.core_lending,
     )
 
 

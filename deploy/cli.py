@@ -85,7 +85,8 @@ def _deployment(args: argparse.Namespace, store_url: str | None = None):
         num_decode=args.num_decode, router_port=args.port, http_port=args.http_port,
         block_size=args.block_size,
         kv_pool_size=args.kv_pool_size, torch_threads=args.torch_threads,
-        pin_cores=args.pin_cores == "auto", memory_utilization=args.memory_utilization,
+        pin_cores=args.pin_cores == "auto", lend_cores=args.lend_cores == "auto",
+        memory_utilization=args.memory_utilization,
         attention_backend=args.attention_backend, is_colocated=args.colocated, host=args.host,
         compile=args.compile, compile_batch_sizes=args.compile_batch_sizes,
         prefill_tensor_parallel_size=args.prefill_tensor_parallel_size,
@@ -293,7 +294,8 @@ def _main(argv: list[str] | None) -> int:
             return _make_files(args)
         settings = check_inputs(args)
         if getattr(args, "cpus", None) is not None:  # a worker or router placed by serve
-            from deploy.placement import parse_cpu_list, pin_self
+            from deploy.placement import pin_self
+            from kvferry.cores import parse_cpu_list
 
             pin_self(parse_cpu_list(args.cpus))
     except INPUT_ERRORS as exc:

@@ -27,6 +27,7 @@ import os
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +37,8 @@ from deploy.default_model import default_model_router_args, ensure_default_model
 from deploy.placement import (
     CorePlan,
     gpu_env,
+    lending_argv,
+    lending_pairs,
     memory_share,
     pin_threads,
     placed_argv,
@@ -44,6 +47,7 @@ from deploy.placement import (
 )
 from deploy.spawn import Placement, Process, _spawn, serves
 from deploy.start_log import record_start
+from kvferry.cores import create_file
 from kvferry.model.gguf import ensure_converted, is_gguf
 from kvferry.settings import (
     ATTENTION_BACKENDS,
@@ -107,6 +111,10 @@ class Deployment:
     torch_threads: int = DEPLOYMENT_TORCH_THREADS  # per worker (0: one per core it is placed on)
     pin_cores: bool = False  # workers on cores (and GPUs) of their own: deploy/placement.py
     core_plan: CorePlan | None = None  # once started with pin_cores: where each process runs
+    # With pin_cores on CPU: paired prefill and decode workers run threads on each other's
+    # cores while the other is idle (kvferry/cores.py); the file their marks live in.
+    lend_cores: bool = False
+    lending_file: Path | None = None
     attention_backend: str = ATTENTION_BACKENDS[0]
     compile: str = DEFAULT_COMPILE_MODE  # every worker's --compile
     compile_batch_sizes: str = DEFAULT_COMPILE_BATCH_SIZES
@@ -206,10 +214,12 @@ class Deployment:
             names = self._worker_names()
             plan = self.core_plan = self._core_plan()
             gpus, memory = gpu_env(names, self._gpus()), self._memory_argv()
+            lending = self._lending_argv(plan)
             for name in names:
                 place = self._place(name)
                 args = (self._worker_args(name.rsplit("-", 1)[0], place.bind_host)
-                        + placed_argv(plan, name, self.torch_threads) + memory)
+                        + placed_argv(plan, name, self.torch_threads) + memory
+                        + lending.get(name, []))
                 self.processes.append(_spawn(name, args, self.log_dir,
                                              {**self.env, **gpus.get(name, {})}, place))
             workers = list(self.processes)
@@ -240,6 +250,22 @@ class Deployment:
         if plan.warning:
             log.warning("%s", plan.warning)
         return plan
+
+    def _lending_argv(self, plan: CorePlan | None) -> dict[str, list[str]]:
+        """With lend_cores: each paired CPU worker's --core-lending (none on GPUs, or where a
+        worker splits its model over ranks), and the file they share, made now."""
+        if not self.lend_cores or visible_gpus() or 1 != (
+                self.prefill_tensor_parallel_size * self.decode_tensor_parallel_size):
+            return {}
+        pairs = lending_pairs(plan)
+        if not pairs:
+            return {}
+        shm = Path("/dev/shm")
+        fd, name = tempfile.mkstemp(prefix="kvferry-cores-", dir=shm if shm.is_dir() else None)
+        os.close(fd)
+        self.lending_file = Path(name)
+        create_file(self.lending_file, 2 * len(pairs))
+        return lending_argv(plan, pairs, self.lending_file)
 
     def _gpus(self) -> list[str]:
         return visible_gpus() if self.pin_cores else []
@@ -331,6 +357,9 @@ class Deployment:
             if self.network is not None:  # after the processes: nothing left inside
                 self.network.destroy()
                 self.network = None
+            if self.lending_file is not None:
+                self.lending_file.unlink(missing_ok=True)
+                self.lending_file = None
         return codes
 
     def __enter__(self) -> Deployment:

@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
 
+from kvferry.cores import cpu_list
 from kvferry.settings import DEPLOYMENT_TORCH_THREADS, TRANSFER_THREAD
 
 ROUTER = "router"  # the router and the clients started beside it
@@ -57,38 +58,6 @@ class CorePlan(NamedTuple):
             return f"placement: not pinned ({self.num_workers} workers, {self.num_cores} cores)"
         parts = [f"{name} on {cpu_list(cores)}" for name, cores in self.cores.items()]
         return "placement: " + ", ".join(parts) + " (--pin-cores off: let the kernel place)"
-
-
-def cpu_list(cores: Sequence[int]) -> str:
-    """(0, 1, 2, 5) -> "0-2,5", as taskset and /sys write core lists."""
-    out: list[str] = []
-    run: list[int] = []
-    for core in sorted(cores):
-        if run and core != run[-1] + 1:
-            out.append(_span(run))
-            run = []
-        run.append(core)
-    if run:
-        out.append(_span(run))
-    return ",".join(out)
-
-
-def _span(run: list[int]) -> str:
-    return str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}"
-
-
-def parse_cpu_list(text: str) -> set[int]:
-    """"0-2,5" -> {0, 1, 2, 5}; ValueError naming --cpus otherwise."""
-    cores: set[int] = set()
-    try:
-        for part in text.split(","):
-            low, _, high = part.strip().partition("-")
-            cores.update(range(int(low), int(high or low) + 1))
-    except ValueError:
-        raise ValueError(f"cpus: expected core numbers like 0-2,5, got {text!r}") from None
-    if not cores or min(cores) < 0:
-        raise ValueError(f"cpus: expected core numbers like 0-2,5, got {text!r}")
-    return cores
 
 
 def plan_cores(workers: Sequence[str], cpus: Sequence[int]) -> CorePlan:
@@ -163,6 +132,31 @@ def placed_argv(plan: CorePlan | None, name: str, torch_threads: int) -> list[st
     argv = ["--cpus", cpu_list(cores)] if cores else []
     if name != ROUTER and torch_threads == 0:
         argv += ["--torch-threads", str(len(cores) if cores else DEPLOYMENT_TORCH_THREADS)]
+    return argv
+
+
+def lending_pairs(plan: CorePlan | None) -> list[tuple[str, str]]:
+    """(prefill-i, decode-i) for every i both exist, when each has cores of its own: the
+    workers that lend each other their cores while idle (kvferry/cores.py)."""
+    if plan is None or not plan.is_pinned:
+        return []
+    return [(name, "decode-" + name.removeprefix("prefill-")) for name in plan.cores
+            if name.startswith("prefill-")
+            and "decode-" + name.removeprefix("prefill-") in plan.cores]
+
+
+def lending_argv(plan: CorePlan | None, pairs: Sequence[tuple[str, str]], path: Path
+                 ) -> dict[str, list[str]]:
+    """Each paired worker's --core-lending: slot 2i for the prefill worker of pair i, 2i+1
+    for its decode worker, in the shared file `path` (create_file's, 2 x pairs slots), and
+    the partner's cores."""
+    argv: dict[str, list[str]] = {}
+    for i, (prefill, decode) in enumerate(pairs):
+        assert plan is not None  # noqa: S101 - pairs come from a pinned plan
+        for name, slot, partner, other in ((prefill, 2 * i, 2 * i + 1, decode),
+                                           (decode, 2 * i + 1, 2 * i, prefill)):
+            spec = f"{path}:{slot}:{partner}:{cpu_list(plan.cores[other])}"
+            argv[name] = ["--core-lending", spec]
     return argv
 
 

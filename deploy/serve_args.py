@@ -31,6 +31,10 @@ def placement_args(p: argparse.ArgumentParser, prefix: str = "", pin_note: str =
                    help=f"{prefix}auto: each worker on cores (and GPUs) of its own where the "
                         "machine has enough, the router on what is left; off: the kernel "
                         f"places them{pin_note}")
+    p.add_argument("--lend-cores", default="auto", choices=("auto", "off"),
+                   help=f"{prefix}auto: with --pin-cores auto on CPU, a prefill and a decode "
+                        "worker each also run a thread on the other's cores while the other "
+                        "has nothing to compute; off: each its own cores only")
 
 
 def serve_process_args(p: argparse.ArgumentParser) -> None:

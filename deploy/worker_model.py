@@ -319,6 +319,7 @@ def build_model(settings: WorkerSettings) -> tuple[Transformer, KvPool, str]:
     pool = build_pool(settings, config, device, dtype)
     buckets = parse_batch_sizes(settings.compile_batch_sizes)
     compile_forwards(model, settings, buckets)
+    lend_cores(model, settings)
     if settings.role in ("decode", "colocated"):
         model.query_runs = settings.speculative.is_on  # verification's rows
         if settings.cuda_graphs == "on":  # CUDA + Triton only (else None)
@@ -326,6 +327,19 @@ def build_model(settings: WorkerSettings) -> tuple[Transformer, KvPool, str]:
 
             capture_decode(model, pool, buckets)
     return model, pool, backend_name
+
+
+def lend_cores(model: Transformer, settings: WorkerSettings) -> None:
+    """--core-lending: the forwards also run threads on the partner's cores while it is idle
+    (kvferry/cores.py); CPU workers only (a GPU worker's forwards are not the CPU's)."""
+    if settings.core_lending is None:
+        return
+    if model.device.type != "cpu":
+        log.info("core lending off: the model runs on %s", model.device.type)
+        return
+    from kvferry.cores import CoreLending
+
+    model.cores = CoreLending.from_spec(settings.core_lending, torch.get_num_threads())
 
 
 def compile_forwards(model: Transformer, settings: WorkerSettings, buckets: Sequence[int]

@@ -289,6 +289,7 @@ def _check_tensor_parallel(settings: WorkerSettings) -> None:
         ("kv_host_cache_size", settings.tiers.host_cache_size is not None,
          "no K/V tiers"),
         ("decode_stage_mib", bool(settings.decode_stage_mib), "--decode-stage-mib 0"),
+        ("core_lending", settings.core_lending is not None, "no --core-lending"),
     ]
     for name, is_set, instead in refused:
         if is_set:
@@ -340,6 +341,9 @@ class WorkerSettings:
     kv_eviction: KvEvictionConfig = field(default_factory=KvEvictionConfig)
     # Ranks the model is split over (docs/tensor-parallel.md); 1: the whole model here.
     tensor_parallel_size: int = 1
+    # FILE:SLOT:PARTNER:CPUS: threads on the partner's cores while it is idle (kvferry/cores.py;
+    # serve sets it); None: this worker's own threads only.
+    core_lending: str | None = None
 
     @property
     def ships_draft_kv(self) -> bool:
@@ -394,6 +398,10 @@ class WorkerSettings:
             raise ValueError(f"dtype: unknown {self.dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend: unknown {self.attention_backend!r}")
+        if self.core_lending is not None:
+            from kvferry.cores import parse_spec
+
+            parse_spec(self.core_lending)
 
 
 @dataclass(frozen=True)

@@ -261,12 +261,13 @@ def _stop(deployment: Deployment) -> None:
 @pytest.fixture(scope="session")
 def qwen3_deployment(qwen3_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
                      ) -> Iterator[Deployment]:
-    """The main test deployment, compiled as the product's default; every process serves
-    Prometheus metrics too."""
+    """The main test deployment, compiled and placed as serve's defaults (each worker on a
+    core of its own, lending it to the other while idle); every process serves Prometheus
+    metrics too."""
     logs = tmp_path_factory.mktemp("qwen3-logs")
     yield from shared("qwen3_deployment", lambda: _start(
         qwen3_checkpoint, logs, compile=COMPILED, worker_args=METRICS,
-        router_args=[*METRICS, *DETAILS]), _stop)
+        router_args=[*METRICS, *DETAILS], pin_cores=True, lend_cores=True), _stop)
 
 
 @pytest.fixture(scope="session")

@@ -273,7 +273,7 @@ def run(args: argparse.Namespace) -> int:
                         num_prefill=args.num_prefill,
                         num_decode=args.num_decode, kv_pool_size=args.kv_pool_size,
                         torch_threads=args.torch_threads, log_dir=log_dir,
-                        pin_cores=args.pin_cores == "auto",
+                        pin_cores=args.pin_cores == "auto", lend_cores=args.lend_cores == "auto",
                         compile=args.compile, compile_batch_sizes=args.compile_batch_sizes,
                         worker_args=load_format_argv(args),
                         router_args=["--enable-prompt-tokens-details",  # cache hit rates

@@ -167,10 +167,11 @@ class _Packages:
         self.num_cache_hits = 0  # of those, the loaded ones
         self.num_builds = 0  # packages compiled here ("auto" builds both modes of a bucket)
         self.warm_up_s = 0.0
-        # Everything a package depends on but its mode and size, hashed once (sources read).
+        # Everything a package depends on but its mode and size, hashed once (sources read);
+        # the thread count too: inductor writes it into its kernels' parallel regions.
         self._key_base = hashlib.sha256()
         for part in (model.config.fingerprint, str(model.dtype), str(model.device),
-                     torch.__version__, _source_digest(),
+                     torch.__version__, _source_digest(), str(torch.get_num_threads()),
                      artifact_cache.native_target(model.device)):
             self._key_base.update(part.encode() + b"\0")
 

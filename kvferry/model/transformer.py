@@ -100,6 +100,17 @@ class GraphStep(Protocol):
                  seq_lens: torch.Tensor) -> torch.Tensor | None: ...
 
 
+class ForwardCores(Protocol):
+    """Threads per forward (kvferry.cores.CoreLending): `begin` as a forward starts,
+    `adjust` between its layers, `end` once it is done."""
+
+    def begin(self) -> None: ...
+
+    def adjust(self) -> None: ...
+
+    def end(self) -> None: ...
+
+
 class Transformer:
     """Inference-only decoder. Not an nn.Module: weights are a flat dict of tensors."""
 
@@ -132,6 +143,7 @@ class Transformer:
         # Steps may hold several query positions of one sequence (speculative verification):
         # a backend with `run_rows` then attends each sequence's rows with one K/V read.
         self.query_runs = False
+        self.cores: ForwardCores | None = None  # set by a worker lending cores
 
     def _rope(self, positions: torch.Tensor, inv_freq: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -217,6 +229,21 @@ class Transformer:
         on_layer_done: LayerDoneFn | None = None,
     ) -> torch.Tensor:
         """The forward compiled where `compiled` covers it, else eager (the same contract)."""
+        if self.cores is None:
+            return self._forward_on(token_ids, positions, slot_mapping, pool, attend,
+                                    logit_rows, on_layer_done)
+        self.cores.begin()
+        try:
+            return self._forward_on(token_ids, positions, slot_mapping, pool, attend,
+                                    logit_rows, on_layer_done)
+        finally:
+            self.cores.end()
+
+    def _forward_on(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+        pool: KvPool, attend: AttendFn, logit_rows: torch.Tensor | None,
+        on_layer_done: LayerDoneFn | None,
+    ) -> torch.Tensor:
         writing = self.writing(attend, slot_mapping, pool)
         logits = None
         if self.compiled is not None and logit_rows is None and on_layer_done is None:
@@ -232,6 +259,8 @@ class Transformer:
         """`attend`, after writing the layer's new K/V to the pool slots `slot_mapping`."""
         def write_then_attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                               ) -> torch.Tensor:
+            if self.cores is not None:
+                self.cores.adjust()
             self.backend.write_kv(k, v, pool.k_cache(layer), pool.v_cache(layer), slot_mapping)
             if pool.is_quantized:  # attend over what the pages hold, as later steps will
                 k = fake_quantize(k, pool.kv_cache_dtype)

@@ -18,11 +18,13 @@ from deploy.placement import (
     beside_router,
     cpu_list,
     gpu_env,
-    parse_cpu_list,
+    lending_argv,
+    lending_pairs,
     pin_self,
     placed_argv,
     plan_cores,
 )
+from kvferry.cores import parse_cpu_list
 from kvferry.settings import DEPLOYMENT_TORCH_THREADS
 
 
@@ -133,3 +135,29 @@ def test_a_bad_cpus_flag_is_one_line_naming_it(cpus: str, said: str, qwen3_check
                  "--cpus", cpus]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvferry: cpus: ") and said in err and err.count("\n") == 1
+
+
+def test_paired_workers_lend_each_other_their_cores_through_one_file(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    plan = plan_cores(["prefill-0", "prefill-1", "decode-0"], range(16))
+    assert lending_pairs(plan) == [("prefill-0", "decode-0")]  # prefill-1 has no partner
+    argv = lending_argv(plan, lending_pairs(plan), tmp_path / "f")
+    # prefill-0 on 0-4, prefill-1 on 5-9, decode-0 on 10-14: each gets its partner's cores
+    assert argv == {"prefill-0": ["--core-lending", f"{tmp_path / 'f'}:0:1:10-14"],
+                    "decode-0": ["--core-lending", f"{tmp_path / 'f'}:1:0:0-4"]}
+    assert lending_pairs(plan_cores(["prefill-0", "decode-0"], [0])) == []  # not pinned
+    assert lending_pairs(None) == []
+    monkeypatch.setattr("deploy.launcher.visible_gpus", lambda: [])
+    two = plan_cores(["prefill-0", "decode-0"], [0, 1])
+    deployment = Deployment(model="m", pin_cores=True, lend_cores=True)
+    argv = deployment._lending_argv(two)
+    assert deployment.lending_file is not None and deployment.lending_file.read_bytes() == (
+        bytes(16))  # two slots, both idle
+    assert argv["decode-0"] == ["--core-lending", f"{deployment.lending_file}:1:0:0"]
+    deployment.stop()
+    assert deployment.lending_file is None
+    assert Deployment(model="m", pin_cores=True)._lending_argv(two) == {}  # not asked
+    assert Deployment(model="m", pin_cores=True, lend_cores=True,
+                      decode_tensor_parallel_size=2)._lending_argv(two) == {}
+    monkeypatch.setattr("deploy.launcher.visible_gpus", lambda: ["0"])
+    assert Deployment(model="m", pin_cores=True, lend_cores=True)._lending_argv(two) == {}

@@ -35,3 +35,11 @@ def test_serve_passes_router_and_process_flags_on(command: str) -> None:
 def test_serve_refuses_client_auth_without_a_ca(capsys: pytest.CaptureFixture) -> None:
     assert cli.main(["serve", "--model", "/nonexistent", "--public-client-auth"]) == 2
     assert "public_client_auth: needs --tls-ca" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["serve", "demo"])
+def test_serve_lends_cores_unless_told_not_to(command: str) -> None:
+    parser = build_parser()
+    assert cli._deployment(parser.parse_args([command, "--model", "/m"])).lend_cores
+    assert not cli._deployment(parser.parse_args(
+        [command, "--model", "/m", "--lend-cores", "off"])).lend_cores

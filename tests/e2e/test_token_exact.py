@@ -4,6 +4,7 @@ token-identical to transformers generate (fp32), for Llama and Qwen3 checkpoints
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 import pytest
@@ -81,6 +82,12 @@ def test_greedy_matches_transformers(fixture: str, restarted_with: list[str],
             assert "nixl K/V transport" in log.read_text()[log_size:]
     else:
         _check_greedy(checkpoint, deployment)
+    if fixture == "qwen3_deployment" and len(os.sched_getaffinity(0)) >= 2:
+        # placed as serve places them: both workers ran forwards on the other's core too
+        assert deployment.log_dir is not None
+        for worker in ("prefill-0", "decode-0"):
+            log = (deployment.log_dir / f"{worker}.log").read_text()
+            assert "core lending: first forward with the partner's cores" in log, worker
 
 
 def _check_greedy(checkpoint: Path, deployment: Deployment) -> None:
