@@ -64,8 +64,9 @@ def _run(engine: DecodeEngine, prompt: int, params: SamplingParams, samples: int
             push_random_prompt(engine, "g", prompt, 5)
             queue = engine.attach("g", FIRST_TOKENS[0], params, MAX_TOKENS - 1, [],
                                   sample_first_token_ids=FIRST_TOKENS[1:samples])
-            await until(lambda: len(engine.steps.running) == samples or engine.steps.swapped,
-                        "the samples forked")
+            await until(lambda: (len(engine.steps.running) == samples
+                                 and engine.steps.num_steps > 0) or engine.steps.swapped,
+                        "the samples forked and stepping")
             tables = [list(s.block_table) for s in engine.steps.running]
             if during is not None:
                 during(engine)
