@@ -140,9 +140,9 @@ def lending_pairs(plan: CorePlan | None) -> list[tuple[str, str]]:
     workers that lend each other their cores while idle (kvferry/cores.py)."""
     if plan is None or not plan.is_pinned:
         return []
-    return [(name, "decode-" + name.removeprefix("prefill-")) for name in plan.cores
-            if name.startswith("prefill-")
-            and "decode-" + name.removeprefix("prefill-") in plan.cores]
+    pairs = [(name, "decode-" + name.removeprefix("prefill-")) for name in plan.cores
+             if name.startswith("prefill-")]
+    return [(prefill, decode) for prefill, decode in pairs if decode in plan.cores]
 
 
 def lending_argv(plan: CorePlan | None, pairs: Sequence[tuple[str, str]], path: Path

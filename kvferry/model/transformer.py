@@ -229,15 +229,15 @@ class Transformer:
         on_layer_done: LayerDoneFn | None = None,
     ) -> torch.Tensor:
         """The forward compiled where `compiled` covers it, else eager (the same contract)."""
-        if self.cores is None:
-            return self._forward_on(token_ids, positions, slot_mapping, pool, attend,
-                                    logit_rows, on_layer_done)
-        self.cores.begin()
+        cores = self.cores
+        if cores is not None:
+            cores.begin()
         try:
             return self._forward_on(token_ids, positions, slot_mapping, pool, attend,
                                     logit_rows, on_layer_done)
         finally:
-            self.cores.end()
+            if cores is not None:
+                cores.end()
 
     def _forward_on(
         self, token_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
