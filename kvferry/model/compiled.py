@@ -46,11 +46,13 @@ that steady state never adds one (a package has no guards: nothing can recompile
 
 from __future__ import annotations
 
+import atexit
 import functools
 import hashlib
 import json
 import logging
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -195,12 +197,43 @@ class _Packages:
         if self.cache_dir is None:  # a package for this process only (loading copies it)
             with tempfile.TemporaryDirectory(prefix="kvferry-decode-") as tmp:
                 self._build(size, mode, Path(tmp))
-                return torch._inductor.aoti_load_package(str(Path(tmp) / PACKAGE)), False
+                return load_package(Path(tmp) / PACKAGE, self.model.device), False
         entry = self.cache_dir / "aoti" / f"decode-{self.package_key(size, mode)}"
         cached = artifact_cache.get_or_build(
             entry, functools.partial(self._build, size, mode), log)
         # Verified against its manifest: only now is it loaded.
-        return torch._inductor.aoti_load_package(str(cached.path / PACKAGE)), cached.is_hit
+        return load_package(cached.path / PACKAGE, self.model.device), cached.is_hit
+
+
+_EXTRACTED_LOCK = threading.Lock()
+
+
+def load_package(path: Path, device: torch.device) -> Callable[..., torch.Tensor]:
+    """Load the AOTInductor package at `path`, leaving nothing on disk. Loading extracts the
+    package (its shared object, weights included: 600 MB for the real model) into a fresh
+    folder under $TMPDIR, which torch removes only when the loader is destroyed, never in a
+    worker that exits without destructors or is killed: a suite starting a few dozen workers
+    filled a CI machine's disk. Here the folder is made inside one of ours and removed once
+    loaded on CPU (the shared object is mapped, so its pages live until the process ends);
+    on an accelerator, whose kernel binaries may be read at their first call, at exit."""
+    import torch._inductor
+
+    with _EXTRACTED_LOCK:
+        scratch = tempfile.mkdtemp(prefix="kvferry-aoti-")
+        before = os.environ.get("TMPDIR")
+        os.environ["TMPDIR"] = scratch  # where the C++ loader extracts
+        try:
+            runner = torch._inductor.aoti_load_package(str(path))
+        finally:
+            if before is None:
+                del os.environ["TMPDIR"]
+            else:
+                os.environ["TMPDIR"] = before
+    if device.type == "cpu":
+        shutil.rmtree(scratch, ignore_errors=True)
+    else:
+        atexit.register(shutil.rmtree, scratch, True)
+    return runner
 
 
 class CompiledDecode(_Packages):

@@ -118,6 +118,26 @@ def test_compiled_decode_matches_eager_and_transformers(arch: str,
         assert tokens == expected
 
 
+@pytest.mark.slow
+def test_loading_leaves_no_extracted_package_on_disk(
+        qwen3_built: Built, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch extracts a package (weights included) under $TMPDIR on load and removes it only
+    # when the loader is destroyed: never in a worker killed or ended with os._exit.
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temp))
+    monkeypatch.setattr("tempfile.tempdir", str(temp))
+    model = Transformer(load_model_config(qwen3_built.checkpoint), get_attention_backend("torch"))
+    loaded = compile_decode(model, "default", BUCKETS, qwen3_built.cache)
+    assert loaded is not None and loaded.num_cache_hits == len(BUCKETS)
+    assert list(temp.iterdir()) == []  # while every loaded package is in use
+    assert os.environ["TMPDIR"] == str(temp)
+    pool = KvPool(model.config.num_layers, model.config.num_kv_heads, model.config.head_dim,
+                  16, 64, torch.float32)
+    assert _decode_all(model, pool) == _decode_all(
+        Transformer(model.config, get_attention_backend("torch")), pool)
+
+
 def test_compile_off_is_eager(qwen3_checkpoint: Path) -> None:
     model = Transformer(load_model_config(qwen3_checkpoint), get_attention_backend("torch"))
     assert compile_decode(model, "off") is None and model.compiled is None
