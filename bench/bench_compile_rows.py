@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 from torch._inductor import aoti_load_package
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in (".", "kernels")]
 from bench.bench_compile_dynamic import span  # noqa: E402
 from deploy.default_model import BENCH_MODEL_HELP, bench_model  # noqa: E402
 from kvferry.model.compiled import _Graph, _run, attend_nothing, export_package  # noqa: E402

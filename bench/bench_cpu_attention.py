@@ -1,4 +1,4 @@
-"""The CPU decode step's attention, C kernel (kvferry_kernels/cpu_attention.py) against the torch
+"""The CPU decode step's attention, C kernel (kernels/kvferry_kernels/cpu_attention.py) against the torch
 ops it replaces, in the same run: the stage's 30 per-layer callbacks (K/V append and
 attention, `KvStage.attend`) and the whole compiled step around them.
 
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in (".", "kernels")]
 from bench.bench_compiled_step import _span  # noqa: E402
 from bench.bench_decode_step import BLOCK_SIZE, random_pool  # noqa: E402
 from bench.bench_step_parts import _TimedStage, add_step_arguments  # noqa: E402

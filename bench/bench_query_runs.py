@@ -1,5 +1,5 @@
 """Decode attention over a speculative step's rows: one sequence's k + 1 query positions
-attended together (each K/V line read once for all of them, kvferry_kernels/query_runs.py)
+attended together (each K/V line read once for all of them, kernels/kvferry_kernels/query_runs.py)
 against each row alone, in the same run, per kernel:
 
 - c: the C kernel over fp32 pages (`CpuAttention.paged`, max_run=rows against max_run=1);
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in (".", "kernels")]
 from deploy.default_model import BENCH_MODEL_HELP, bench_model  # noqa: E402
 from kvferry.model.config import load_model_config  # noqa: E402
 from kvferry_kernels import cpu_attention  # noqa: E402

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in (".", "kernels")]
 from bench.bench_compiled_step import _span  # noqa: E402
 from bench.bench_decode_step import BLOCK_SIZE, random_pool, scattered_batch  # noqa: E402
 from decode_worker.kv_stage import KvStage  # noqa: E402

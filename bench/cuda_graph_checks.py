@@ -52,7 +52,7 @@ from typing import Any, NamedTuple  # noqa: E402
 
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in (".", "kernels")]
 from kvferry.cache.layout import blocks_for_tokens  # noqa: E402
 from kvferry.cache.pool import KvPool  # noqa: E402
 from kvferry.model.config import load_model_config  # noqa: E402

@@ -35,7 +35,7 @@ for dir in .whl .whl-nixl; do
       --target /tmp/site "$dir"/*.whl || exit 100
   fi
 done
-export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="/tmp/site:$PWD:$PWD/kernels${PYTHONPATH:+:$PYTHONPATH}"
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(graphs attention tests)
 failed=0

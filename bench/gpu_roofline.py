@@ -66,7 +66,7 @@ from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in (".", "kernels")]
 from decode_worker.sequence import PlainSeq, step_inputs  # noqa: E402
 from kvferry.cache.layout import KvShape, blocks_for_tokens  # noqa: E402
 from kvferry.cache.pool import KvPool  # noqa: E402

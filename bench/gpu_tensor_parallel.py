@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in (".", "kernels")]
 
 from deploy import client  # noqa: E402
 from deploy.launcher import Deployment  # noqa: E402

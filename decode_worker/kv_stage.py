@@ -2,7 +2,7 @@
 sequence, kept in step with the paged pool so that attention need not gather pages each step.
 
 On a GPU the Triton kernel reads pages in place, and on CPU so does the C kernel over float32
-pages (kvferry_kernels/cpu_attention.py; then a worker keeps no stage unless
+pages (kernels/kvferry_kernels/cpu_attention.py; then a worker keeps no stage unless
 --decode-stage-mib asks). Where neither can (quantized pages, no C compiler, or
 KVFERRY_CPU_ATTENTION=torch), the torch path gathers every sequence's blocks into a padded
 tensor on every step, a memory-bound copy of the whole batch's K/V per layer that costs as
@@ -57,7 +57,7 @@ class KvStage:
         self._clock = clock
         self._parked_at: float | None = None  # when the batch went empty (park)
         self._oversized_since: float | None = None  # capacity past the need since then
-        # Attention over each row's own length (kvferry_kernels/cpu_attention.py), where it builds.
+        # Attention over each row's own length (kernels/kvferry_kernels/cpu_attention.py), where it builds.
         self.kernel = None
         if (pool.cache.device.type == "cpu" and pool.dtype == torch.float32
                 and cpu_attention.wanted()):

@@ -57,7 +57,7 @@ ROLES = ("prefill", "decode", "colocated")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # auto: triton on CUDA, torch on CPU
 KV_TRANSPORTS = tuple(TRANSPORTS)  # kvferry/transfer/__init__.py: one line per transport
-# K/V pages as the model computes them (auto) or quantized (kvferry_kernels/kv_quant.py, whose
+# K/V pages as the model computes them (auto) or quantized (kernels/kvferry_kernels/kv_quant.py, whose
 # KV_CACHE_DTYPES this equals: kept here too so that flags parse without importing torch).
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
 TRANSFER_THREAD = "kvferry-xfer"  # OS name of the threads that move and check K/V bytes

@@ -38,7 +38,7 @@ COPY kvferry/ kvferry/
 COPY router/ router/
 COPY prefill_worker/ prefill_worker/
 COPY decode_worker/ decode_worker/
-COPY kvferry_kernels/ kvferry_kernels/
+COPY kernels/ kernels/
 COPY deploy/ deploy/
 RUN pip install . && rm -rf /src
 

@@ -1,7 +1,7 @@
 """One Llama-family decoder (Llama, Qwen3) shared by prefill and decode workers.
 
 Weights load from a Hugging Face checkpoint directory (safetensors). Attention reads and
-writes the paged K/V pool through an attention backend from `kvferry_kernels/` (torch reference on
+writes the paged K/V pool through an attention backend from `kernels/kvferry_kernels/` (torch reference on
 CPU, Triton on CUDA). The math mirrors transformers' implementation op for op, so greedy
 decoding in fp32 is token-identical to `transformers` `generate`.
 """

@@ -20,7 +20,7 @@ LAYERS, HQ, HKV, D, BS = 2, 4, 2, 16, 4
 
 @pytest.fixture(autouse=True, params=["kernel", "torch"])
 def attention_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Every test on both attention paths: the C kernel (kvferry_kernels/cpu_attention.py) and the
+    """Every test on both attention paths: the C kernel (kernels/kvferry_kernels/cpu_attention.py) and the
     torch ops."""
     if request.param == "torch":
         monkeypatch.setenv(CPU_ATTENTION_ENV, "torch")

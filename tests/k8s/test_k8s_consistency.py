@@ -26,7 +26,7 @@ from test_k8s_kv_tiers import STORE_IMAGE
 from kvferry.rpc import grpc_util
 
 REPO = K8S_DIR.parent
-SOURCE_DIRS = ("kvferry", "router", "prefill_worker", "decode_worker", "kvferry_kernels", "deploy")
+SOURCE_DIRS = ("kvferry", "router", "prefill_worker", "decode_worker", "kernels", "deploy")
 GPU_TREES = ("base", "overlays/gpu", "overlays/ray", "overlays/autoscale", "overlays/tls",
              "overlays/nixl-gpu", "overlays/kv-tiers", "overlays/planner",
              "overlays/tensor-parallel")

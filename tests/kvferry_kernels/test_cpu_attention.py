@@ -1,4 +1,4 @@
-"""The C decode attention over dense K/V rows (kvferry_kernels/cpu_attention.py) against the torch
+"""The C decode attention over dense K/V rows (kernels/kvferry_kernels/cpu_attention.py) against the torch
 ops it replaces (`dense_decode_attention`, itself checked against the per-sequence oracle):
 every head size path (32, 64 and 128 in registers, any other in a plain loop), grouped
 queries, rows of every length from 1 to the row width, positions past a row's length

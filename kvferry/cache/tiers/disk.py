@@ -14,7 +14,7 @@ a scan (file size checked; contents verified when read). A read checks the heade
 CRCs; a block that fails is deleted and reported, never served (the tiered cache then checks
 its values as a pushed chunk's: finite, and scales within bounds).
 
-Privacy (the rule of the other on-disk caches, `kvferry_kernels/artifact_cache.py`, but
+Privacy (the rule of the other on-disk caches, `kernels/kvferry_kernels/artifact_cache.py`, but
 refused rather than worked around: a K/V cache in a temporary directory is no cache): K/V
 reads back as prompt text, so `<dir>` must be owned by this user and writable by no one else,
 or the worker refuses to start (ValueError naming it). Every directory under it is made 0700

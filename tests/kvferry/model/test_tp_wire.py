@@ -18,7 +18,7 @@ from kvferry.model.tp_rendezvous import Rendezvous, loopback_interface
 from kvferry.model.tp_wire import Kind, ProtocolError
 
 REPO = Path(__file__).resolve().parents[3]
-PRODUCT = ("kvferry", "router", "prefill_worker", "decode_worker", "deploy", "kvferry_kernels",
+PRODUCT = ("kvferry", "router", "prefill_worker", "decode_worker", "deploy", "kernels",
            "bench")
 POOL = object()  # stands for rank 0's pool; a rank fills in its own
 
