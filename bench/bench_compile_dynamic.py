@@ -38,7 +38,10 @@ from pathlib import Path
 
 import torch
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in (".", "kernels")]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "kernels"))
+from kvferry_kernels.dispatch import get_attention_backend  # noqa: E402
+
 from bench.bench_decode_step import (  # noqa: E402
     BLOCK_SIZE,
     _median_step_ms,
@@ -59,7 +62,6 @@ from kvferry.model.compiled import (  # noqa: E402
 )
 from kvferry.model.config import load_model_config  # noqa: E402
 from kvferry.model.transformer import Transformer  # noqa: E402
-from kvferry_kernels.dispatch import get_attention_backend  # noqa: E402
 
 WAYS = ("eager", "buckets", "dynamic", "inductor")
 

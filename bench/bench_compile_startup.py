@@ -27,7 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in (".", "kernels")]  # run as a script too
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script too
+sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "kernels"))
 from deploy.default_model import BENCH_MODEL_HELP, bench_model  # noqa: E402
 from deploy.launcher import Deployment  # noqa: E402
 from kvferry.settings import COMPILE_MODES, parse_batch_sizes  # noqa: E402

@@ -1,6 +1,6 @@
-"""The CPU decode step's attention, C kernel (kernels/kvferry_kernels/cpu_attention.py) against the torch
-ops it replaces, in the same run: the stage's 30 per-layer callbacks (K/V append and
-attention, `KvStage.attend`) and the whole compiled step around them.
+"""The CPU decode step's attention, C kernel (kernels/kvferry_kernels/cpu_attention.py)
+against the torch ops it replaces, in the same run: the stage's 30 per-layer callbacks (K/V
+append and attention, `KvStage.attend`) and the whole compiled step around them.
 
 At each batch size, contexts either all `--context` tokens ("equal") or spread evenly over
 [context/2, 3 context/2] ("spread": what a closed loop of requests of one length gives, each
@@ -26,7 +26,10 @@ from pathlib import Path
 
 import torch
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in (".", "kernels")]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "kernels"))
+from kvferry_kernels.dispatch import get_attention_backend  # noqa: E402
+
 from bench.bench_compiled_step import _span  # noqa: E402
 from bench.bench_decode_step import BLOCK_SIZE, random_pool  # noqa: E402
 from bench.bench_step_parts import _TimedStage, add_step_arguments  # noqa: E402
@@ -38,7 +41,6 @@ from kvferry.model.compiled import compile_decode  # noqa: E402
 from kvferry.model.config import load_model_config  # noqa: E402
 from kvferry.model.transformer import Transformer  # noqa: E402
 from kvferry.settings import COMPILE_CACHE_DIR, COMPILE_MODES  # noqa: E402
-from kvferry_kernels.dispatch import get_attention_backend  # noqa: E402
 
 SHAPES = ("equal", "spread")
 PATHS = ("torch", "kernel")

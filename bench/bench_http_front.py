@@ -47,7 +47,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in (".", "kernels")]  # run as a script too
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script too
+sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "kernels"))
 from bench import front_interleave  # noqa: E402
 from bench.bench_prefix_cache import Spread, spread  # noqa: E402
 from deploy import client  # noqa: E402

@@ -39,7 +39,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in (".", "kernels")]  # bench.* helpers
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.* helpers
+sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "kernels"))
 from bench.interference_attribution import slow_gap_table  # noqa: E402
 from deploy.default_model import BENCH_MODEL_HELP, bench_model
 from deploy.launcher import Deployment, pin_threads

@@ -52,7 +52,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in (".", "kernels")]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "kernels"))
 from deploy.default_model import BENCH_MODEL_HELP, bench_model  # noqa: E402
 from deploy.loadgen import BenchConfig, RandomWorkload  # noqa: E402
 from deploy.loadgen.attribution import step_parts  # noqa: E402

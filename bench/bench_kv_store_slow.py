@@ -29,7 +29,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in (".", "kernels")]  # run as a script too
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script too
+sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "kernels"))
 from bench.bench_kv_tiers import worker_stats  # noqa: E402
 from bench.bench_prefix_cache import Spread, ratio, spread  # noqa: E402
 from bench.store_proxy import StoreProxy  # noqa: E402

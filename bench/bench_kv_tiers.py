@@ -52,7 +52,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in (".", "kernels")]  # run as a script too
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script too
+sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "kernels"))
 from bench.bench_prefix_cache import Spread, ratio, spread  # noqa: E402
 from deploy import client  # noqa: E402
 from deploy.default_model import BENCH_MODEL_HELP, bench_model  # noqa: E402
@@ -60,7 +61,7 @@ from deploy.launcher import Deployment  # noqa: E402
 from deploy.store_server import StoreServer  # noqa: E402
 from kvferry.cache.layout import KvShape  # noqa: E402
 from kvferry.rpc import grpc_util  # noqa: E402
-from kvferry.sizes import parse_pool_size  # noqa: E402
+from kvferry.settings.sizes import parse_pool_size  # noqa: E402
 from kvferry.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
 
 FULL = dict(repeats=3, conversations=16, num_turns=6, system_len=128, message_len=32,

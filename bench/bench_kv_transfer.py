@@ -36,7 +36,8 @@ from typing import NamedTuple
 
 import torch
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in (".", "kernels")]  # run as a script too
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script too
+sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "kernels"))
 from bench.kv_transfer_ceiling import bare_grpc_gbps  # noqa: E402
 from bench.kv_transfer_nixl_bare import bare_nixl_gbps  # noqa: E402
 from bench.kv_transfer_ray import ray_stage_gbps  # noqa: E402

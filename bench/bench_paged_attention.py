@@ -4,7 +4,8 @@
     python bench/bench_paged_attention.py --out dry.json --dry-run    # CPU, TRITON_INTERPRET=1
     python bench/bench_paged_attention.py --out f.json --sections onelaunch splits  # < 2 min
 
-Needs only torch, triton and this repo's kernels/kvferry_kernels/. For each (Hq, Hkv) x batch x context it
+Needs only torch, triton and this repo's kernels/kvferry_kernels/. For each (Hq, Hkv) x batch
+x context it
 reports the kernel time (triton.testing.do_bench, which flushes L2 before every run; the
 median of --repeats calls, with their range), the
 achieved bandwidth counting K/V bytes read, that bandwidth as a fraction of the device's
@@ -56,10 +57,12 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in (".", "kernels")]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "kernels"))
+from kvferry_kernels import triton_paged_attention as tpa  # noqa: E402
+
 from bench import paged_attention_checks as checks  # noqa: E402
 from bench.cuda_graph_timing import graph_ms  # noqa: E402
-from kvferry_kernels import triton_paged_attention as tpa  # noqa: E402
 
 DRY = ARGS.dry_run
 DEVICE = torch.device("cpu" if DRY else "cuda")

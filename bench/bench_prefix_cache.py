@@ -61,7 +61,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in (".", "kernels")]  # run as a script too
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script too
+sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "kernels"))
 from deploy import client  # noqa: E402
 from deploy.default_model import BENCH_MODEL_HELP, bench_model  # noqa: E402
 from deploy.launcher import Deployment  # noqa: E402

@@ -59,7 +59,8 @@ from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple, NoReturn
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in (".", "kernels")]  # run as a script too
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script too
+sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "kernels"))
 from bench.bench_vs_vllm import Spread, checkpoint_dir, spread  # noqa: E402
 from bench.vllm_peer import (  # noqa: E402
     DEFAULT_VLLM_VENV,

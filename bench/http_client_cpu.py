@@ -27,7 +27,8 @@ from typing import Any
 
 import httpx
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in (".", "kernels")]  # run as a script too
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script too
+sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "kernels"))
 from bench.bench_prefix_cache import spread  # noqa: E402
 from deploy.default_model import bench_model  # noqa: E402
 from deploy.launcher import Deployment  # noqa: E402

@@ -16,7 +16,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in (".", "kernels")]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "kernels"))
 from deploy.loadgen.attribution import UNEXPLAINED, attribute  # noqa: E402
 from deploy.loadgen.causes import family_of  # noqa: E402
 

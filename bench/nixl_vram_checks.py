@@ -31,7 +31,8 @@ from typing import Any
 
 import torch
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in (".", "kernels")]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "kernels"))
 from bench.kv_transfer_nixl_bare import PoolShape, bare_nixl_gbps  # noqa: E402
 from kvferry.cache.layout import KvLayout, blocks_for_tokens  # noqa: E402
 from kvferry.cache.pool import KvPool  # noqa: E402

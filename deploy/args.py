@@ -18,7 +18,6 @@ from deploy.security_args import api_keys, public_access_args, security_settings
 from deploy.serve_args import MEMORY_HELP, serve_process_args
 from deploy.speculative_args import speculative_args, speculative_config
 from deploy.tier_args import tier_args, tier_settings
-from kvferry.limits import PublicLimits
 from kvferry.model.shapes import PUBLISHED_SHAPES
 from kvferry.settings import (
     ATTENTION_BACKENDS,
@@ -34,6 +33,7 @@ from kvferry.settings import (
     DEFAULT_HTTP_PORT,
     DEFAULT_KV_MAX_RESENDS,
     DEFAULT_KV_POOL_SIZE,
+    DEFAULT_KV_TRANSPORT,
     DEFAULT_LEASE_S,
     DEFAULT_MAX_WAITING,
     DEFAULT_MODEL_DIR,
@@ -49,6 +49,7 @@ from kvferry.settings import (
     WorkerSettings,
     parse_http_port,
 )
+from kvferry.settings.limits import PublicLimits
 
 DEMO_QUESTION = "What is the capital of France?"  # kvferry demo's default
 
@@ -165,7 +166,7 @@ def _worker_parser(sub: argparse._SubParsersAction, role: str) -> None:
 
 def _transport_and_split_args(p: argparse.ArgumentParser) -> None:
     """How a worker's K/V pages travel, and how many ranks its model is split over."""
-    p.add_argument("--kv-transport", default=KV_TRANSPORTS[0], choices=KV_TRANSPORTS,
+    p.add_argument("--kv-transport", default=DEFAULT_KV_TRANSPORT, choices=KV_TRANSPORTS,
                    help="how prefill ships K/V pages: gRPC streams, Ray object refs (workers "
                         "as Ray actors), or nixl: the decode worker reads them from the "
                         "prefill worker's pool with NIXL (UCX); the same on every worker")
@@ -221,7 +222,7 @@ def _deployment_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default=KV_CACHE_DTYPES[0], choices=KV_CACHE_DTYPES,
                    help="every worker's K/V pool (see `kvferry decode-worker --help`)")
     p.add_argument("--max-model-len", type=int, default=None, help="every decode worker's")
-    p.add_argument("--kv-transport", default=KV_TRANSPORTS[0], choices=KV_TRANSPORTS,
+    p.add_argument("--kv-transport", default=DEFAULT_KV_TRANSPORT, choices=KV_TRANSPORTS,
                    help="ray: router and workers run as Ray actors and K/V pages travel as "
                         "Ray object refs; nixl: decode workers read K/V pages from prefill "
                         "workers' pools with NIXL")

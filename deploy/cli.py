@@ -295,7 +295,7 @@ def _main(argv: list[str] | None) -> int:
         settings = check_inputs(args)
         if getattr(args, "cpus", None) is not None:  # a worker or router placed by serve
             from deploy.placement import pin_self
-            from kvferry.cores import parse_cpu_list
+            from kvferry.settings.cpus import parse_cpu_list
 
             pin_self(parse_cpu_list(args.cpus))
     except INPUT_ERRORS as exc:

@@ -57,7 +57,7 @@ from kvferry.settings import (
     DEPLOYMENT_TORCH_THREADS,
     LAUNCHED_KV_POOL_SIZE,
 )
-from kvferry.sizes import AUTO
+from kvferry.settings.sizes import AUTO
 
 log = logging.getLogger("kvferry")
 ISOLATIONS = ("loopback", "netns")

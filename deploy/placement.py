@@ -26,8 +26,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
 
-from kvferry.cores import cpu_list
 from kvferry.settings import DEPLOYMENT_TORCH_THREADS, TRANSFER_THREAD
+from kvferry.settings.cpus import cpu_list
 
 ROUTER = "router"  # the router and the clients started beside it
 

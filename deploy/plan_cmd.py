@@ -205,7 +205,7 @@ def run_plan(args: argparse.Namespace) -> int:
     from deploy.default_model import MISSING_EXIT_STATUS, DefaultModelMissing, default_gguf_path
     from kvferry.cache.capacity import format_plan, format_tiers, plan, tier_plans
     from kvferry.cache.layout import KvShape
-    from kvferry.sizes import AUTO, is_fraction, parse_pool_size
+    from kvferry.settings.sizes import AUTO, is_fraction, parse_pool_size
 
     device = _device(args.device)
     dtype = kv_dtype(args, device)

@@ -13,7 +13,6 @@ from deploy.eviction_args import eviction_config
 from deploy.security_args import check_client_tls, security_settings
 from deploy.speculative_args import speculative_config
 from deploy.tier_args import tier_settings
-from kvferry.model.sampling_defaults import SamplingDefaults
 from kvferry.rpc.security import refuse_plaintext_token
 from kvferry.settings import (
     RouterSettings,
@@ -21,7 +20,8 @@ from kvferry.settings import (
     WorkerSettings,
     parse_batch_sizes,
 )
-from kvferry.sizes import check_pool_size
+from kvferry.settings.sampling import SamplingDefaults
+from kvferry.settings.sizes import check_pool_size
 
 
 def _check_model(model: str | None) -> None:

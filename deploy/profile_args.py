@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from deploy.parser import comma_ints
-from kvferry.settings import DEFAULT_BLOCK_SIZE, KV_TRANSPORTS, LOAD_FORMATS
+from kvferry.settings import DEFAULT_BLOCK_SIZE, DEFAULT_KV_TRANSPORT, KV_TRANSPORTS, LOAD_FORMATS
 
 PROFILE_POOL_SIZE = "1GiB"  # room for the largest decode batch of the sweep
 
@@ -26,7 +26,7 @@ def add_profile_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, default=None,
                    help="profile file (default: KVFERRY_HOME/profiles/MODEL-DTYPE-DEVICE-"
                         "TRANSPORT.json)")
-    p.add_argument("--kv-transport", default=KV_TRANSPORTS[0], choices=KV_TRANSPORTS,
+    p.add_argument("--kv-transport", default=DEFAULT_KV_TRANSPORT, choices=KV_TRANSPORTS,
                    help="how the prefill worker ships K/V to the decode worker")
     p.add_argument("--kv-pool-size", default=PROFILE_POOL_SIZE,
                    help="each worker's K/V pool, as serve's flag (the plan's pools are this)")

@@ -27,7 +27,7 @@ def _sweep(args: argparse.Namespace):
 def run_profile(args: argparse.Namespace) -> int:
     from deploy.default_model import ensure_default_model
     from kvferry.settings import KVFERRY_HOME
-    from kvferry.sizes import check_pool_size
+    from kvferry.settings.sizes import check_pool_size
 
     try:
         sweep = _sweep(args)
@@ -130,7 +130,7 @@ def _profile(model: str, name: str, measured, kv_transport: str, kv_pool_size: s
     from deploy.worker_model import default_dtype
     from kvferry.cache.layout import KvShape, dtype_name, read_hf_config
     from kvferry.model.prefill_batch import token_budget_for
-    from kvferry.sizes import parse_pool_size
+    from kvferry.settings.sizes import parse_pool_size
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype_name(default_dtype(device))

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import argparse
 
-from kvferry.cache.tiers.config import (
+from kvferry.settings.sizes import parse_pool_size
+from kvferry.settings.tiers import (
     DEFAULT_DISK_CACHE_SIZE,
     DEFAULT_STORE_DEADLINE_S,
     WRITE_POLICIES,
     TierSettings,
     host_memory_bytes,
 )
-from kvferry.sizes import parse_pool_size
 
 
 def tier_args(p: argparse.ArgumentParser, is_deployment: bool = False) -> None:

@@ -28,7 +28,7 @@ from kvferry.settings import (
     WorkerSettings,
     parse_batch_sizes,
 )
-from kvferry.sizes import AUTO, parse_pool_size
+from kvferry.settings.sizes import AUTO, parse_pool_size
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -82,8 +82,8 @@ def auto_pool_bytes_for(settings: WorkerSettings, config, device: torch.device,
     device less its weights and a prefill's activations; on CPU also less the host tier and,
     for a decode worker's default dense stage (as many tokens as the pool, in the model's
     dtype), the stage's share."""
-    from kvferry.cache.tiers.config import host_cache_bytes
     from kvferry.model.prefill_batch import token_budget_for
+    from kvferry.settings.tiers import host_cache_bytes
 
     utilization = settings.memory_utilization or default_utilization(device.type)
     if utilization is None:  # CPU, no share asked for
@@ -298,8 +298,9 @@ def build_model(settings: WorkerSettings) -> tuple[Transformer, KvPool, str]:
     """The worker's model, its pool and the attention backend's name. Decode and colocated
     workers compile (--compile) and capture (--cuda-graphs) their decode step here: before
     the server exists, so before the worker reports SERVING."""
-    from kvferry.model.transformer import Transformer
     from kvferry_kernels.dispatch import get_attention_backend
+
+    from kvferry.model.transformer import Transformer
 
     tune_malloc()
     if settings.torch_threads > 0:

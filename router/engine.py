@@ -16,10 +16,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 from kvferry import trace
 from kvferry.errors import NotFound, Unavailable
-from kvferry.limits import PublicLimits
 from kvferry.model.config import ModelConfig
 from kvferry.model.sampling import FinishReason, SamplingParams
 from kvferry.settings import DEFAULT_LEASE_S
+from kvferry.settings.limits import PublicLimits
 from router import validation
 from router.decode_client import StreamBroken, next_update
 from router.detok import IncrementalDetokenizer

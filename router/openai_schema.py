@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict
 
 from kvferry.errors import InvalidArgument
 from kvferry.model.sampling import SamplingParams
-from kvferry.model.sampling_defaults import KVFERRY_DEFAULTS, SamplingDefaults
+from kvferry.settings.sampling import KVFERRY_DEFAULTS, SamplingDefaults
 from router.validation import ChatMessage, GenerateInput
 
 # Parameters refused unless neutral (absent, null, false, 0, empty, or the value listed).

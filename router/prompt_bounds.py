@@ -18,7 +18,7 @@ import logging
 from dataclasses import dataclass
 
 from kvferry.errors import InvalidArgument
-from kvferry.limits import PublicLimits
+from kvferry.settings.limits import PublicLimits
 from router.validation import GenerateInput
 
 log = logging.getLogger("kvferry.router")

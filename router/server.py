@@ -19,11 +19,11 @@ from google.protobuf.message import DecodeError
 
 from kvferry import logs
 from kvferry.errors import InvalidArgument, ResourceExhausted, Unauthenticated
-from kvferry.model.sampling_defaults import KVFERRY_DEFAULTS, SamplingDefaults
 from kvferry.rpc import convert, grpc_util
 from kvferry.rpc.metrics import RouterMetrics
 from kvferry.rpc.proto_utf8 import Malformed, invalid_utf8_field
 from kvferry.rpc.security import TOKEN_METADATA_KEY
+from kvferry.settings.sampling import KVFERRY_DEFAULTS, SamplingDefaults
 from kvferry.v1 import generation_pb2, generation_pb2_grpc
 from router.engine import Router
 from router.events import ChunkEvent, DoneEvent

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 from kvferry.cache.prefix import check_cache_salt
 from kvferry.errors import InvalidArgument
-from kvferry.limits import PublicLimits
 from kvferry.model.config import ModelConfig
 from kvferry.model.sampling import DEFAULT_MAX_TOKENS, SamplingParams
+from kvferry.settings.limits import PublicLimits
 
 CHAT_ROLES = ("system", "user", "assistant")
 

@@ -25,6 +25,10 @@ LAYERS = {
     "decode_worker": 2,
     "deploy": 3,  # CLI, launchers, process bootstrap, client, load generator
 }
+# Inside the core the same rule, a floor per folder: settings and the one-file helpers
+# (errors, logs, faults, trace, cores) at the bottom, importing nothing above them.
+CORE_LAYERS = {"settings": 0, "cache": 1, "model": 2, "rpc": 3, "transfer": 4}
+CORE_LEAVES = ("errors", "logs", "faults", "trace", "cores")
 GENERATED = "kvferry/v1/*"
 # A package under a source root (a folder on the import path) rather than the repository root.
 SOURCE_ROOTS = {"kvferry_kernels": REPO / "kernels"}
@@ -151,6 +155,47 @@ def test_no_import_points_upward_or_sideways() -> None:
             if LAYERS[other] >= LAYERS[top]:
                 bad.append(f"{_rel(name)}:{imp.line} imports {target}")
     assert bad == []
+
+
+def _core_floor(module: str) -> int | None:
+    """The floor of a module of kvferry/ (None: the generated protobuf, or the package itself)."""
+    parts = module.split(".")
+    if parts[0] != "kvferry" or len(parts) < 2 or parts[1] == "v1":
+        return None
+    if parts[1] in CORE_LEAVES:
+        return 0
+    return CORE_LAYERS[parts[1]]
+
+
+def upward_core_imports(imports: dict[str, list[Import]]) -> list[str]:
+    """`path:line imports target` of every import inside kvferry/ to a higher floor."""
+    bad = []
+    for name, found in imports.items():
+        floor = _core_floor(name)
+        if floor is None:
+            continue
+        for imp in found:
+            target = _resolve(imp.target) or imp.target
+            other = _core_floor(target)
+            if other is not None and other > floor:
+                bad.append(f"{_rel(name)}:{imp.line} imports {target}")
+    return bad
+
+
+def test_every_core_module_has_a_floor() -> None:
+    tops = {name.split(".")[1] for name in SOURCES if name.startswith("kvferry.")}
+    assert tops - {"v1"} == set(CORE_LAYERS) | set(CORE_LEAVES)
+
+
+def test_no_import_inside_the_core_points_up_a_floor() -> None:
+    assert upward_core_imports(IMPORTS) == []
+
+
+def test_the_floor_rule_finds_a_planted_import() -> None:
+    planted = {"kvferry.settings": [Import("kvferry.settings", "kvferry.transfer.transport", 9)],
+               "kvferry.model.sampling": [Import("kvferry.model.sampling", "kvferry.settings", 3)]}
+    assert upward_core_imports(planted) == [
+        "kvferry/settings/__init__.py:9 imports kvferry.transfer.transport"]
 
 
 def _graph() -> dict[str, set[str]]:

@@ -36,8 +36,8 @@ DTYPES: dict[str, KvDtype] = {
     "float32": KvDtype(torch.float32, 4),
     "float16": KvDtype(torch.float16, 2),
     "bfloat16": KvDtype(torch.bfloat16, 2),
-    # Quantized pages (`--kv-cache-dtype`, kernels/kvferry_kernels/kv_quant.py): a float32 scale per token
-    # and K/V head travels with the values.
+    # Quantized pages (`--kv-cache-dtype`, kernels/kvferry_kernels/kv_quant.py): a float32
+    # scale per token and K/V head travels with the values.
     "int8": KvDtype(torch.int8, 1, 4),
     "fp8_e4m3": KvDtype(torch.float8_e4m3fn, 1, 4),
     # vLLM's fp8 cache (one scale per layer): `kvferry plan` sizes it; no pool stores it.

@@ -61,10 +61,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from kvferry_kernels import artifact_cache
 
 from kvferry.model.step_timing import median_ms
 from kvferry.settings import COMPILE_MODES, DEFAULT_COMPILE_BATCH_SIZES, parse_batch_sizes
-from kvferry_kernels import artifact_cache
 
 if TYPE_CHECKING:
     from kvferry.model.transformer import AttendFn, LayerDoneFn, Transformer
@@ -192,7 +192,6 @@ class _Packages:
     def _package(self, size: int, mode: str) -> tuple[Callable[..., torch.Tensor], bool]:
         """The package of `mode` for `size` rows, loaded from cache_dir or built; and whether
         it was loaded."""
-        import torch._inductor
 
         if self.cache_dir is None:  # a package for this process only (loading copies it)
             with tempfile.TemporaryDirectory(prefix="kvferry-decode-") as tmp:

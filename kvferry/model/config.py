@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvferry.model.identity import checkpoint_fingerprint
-from kvferry.model.sampling_defaults import SamplingDefaults
 from kvferry.settings import LOAD_FORMATS, check_load_format
+from kvferry.settings.sampling import SamplingDefaults
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM")
 

@@ -16,7 +16,7 @@ from enum import Enum
 import torch
 
 from kvferry.errors import InvalidArgument
-from kvferry.model.sampling_defaults import DEFAULT_TEMPERATURE
+from kvferry.settings.sampling import DEFAULT_TEMPERATURE
 
 DEFAULT_MAX_TOKENS = 256
 _MIX = 0x9E3779B97F4A7C15

@@ -8,7 +8,7 @@ from kvferry.cache.layout import KvLayout
 from kvferry.cache.prefix import CacheEvent, EventsSince, Tier
 from kvferry.cache.stats import PoolStats, TierState, TierStats
 from kvferry.model.sampling import DEFAULT_MAX_TOKENS, SamplingParams
-from kvferry.model.sampling_defaults import KVFERRY_DEFAULTS, SamplingDefaults
+from kvferry.settings.sampling import KVFERRY_DEFAULTS, SamplingDefaults
 from kvferry.v1 import generation_pb2, worker_pb2
 
 

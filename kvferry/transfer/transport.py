@@ -1,6 +1,6 @@
 """What a K/V transport package provides, and how a worker gets its transport's ends.
 
-A transport package (one per entry of `kvferry.transfer.TRANSPORTS`) exports two functions,
+A transport package (one per entry of `kvferry.settings.KV_TRANSPORTS`) exports two functions,
 which import its heavy parts (Ray, NIXL) only when called:
 - `make_sender(options: SenderOptions) -> KvSender`: the prefill worker's end.
 - `add_receiver(server, sink: KvSink, faults: Faults) -> Callable[[], None] | None`: its end
@@ -20,7 +20,7 @@ import grpc
 
 from kvferry.faults import Faults
 from kvferry.rpc import security
-from kvferry.transfer import TRANSPORTS
+from kvferry.settings import KV_TRANSPORTS
 from kvferry.transfer.grpc.chunk_codec import KV_TRANSFER_SERVICE
 from kvferry.transfer.sender import KvSender
 from kvferry.transfer.sink import KvSink
@@ -45,8 +45,8 @@ class Transport(Protocol):
 
 
 def load(name: str) -> Transport:
-    """The transport package `name` names in TRANSPORTS."""
-    return cast(Transport, importlib.import_module(TRANSPORTS[name]))
+    """The transport package `name` names in KV_TRANSPORTS."""
+    return cast(Transport, importlib.import_module(KV_TRANSPORTS[name]))
 
 
 def make_sender(name: str, options: SenderOptions) -> KvSender:

@@ -34,7 +34,7 @@ from bench.bench_vs_vllm import (
 )
 from bench.vllm_peer import VLLM_ENV
 from deploy.loadgen.metrics import RequestRecord
-from kvferry.sizes import parse_pool_size
+from kvferry.settings.sizes import parse_pool_size
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -24,8 +24,8 @@ from deploy.placement import (
     placed_argv,
     plan_cores,
 )
-from kvferry.cores import parse_cpu_list
 from kvferry.settings import DEPLOYMENT_TORCH_THREADS
+from kvferry.settings.cpus import parse_cpu_list
 
 
 def test_two_cores_give_each_worker_one_and_the_router_shares_prefills() -> None:

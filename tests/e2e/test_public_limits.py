@@ -14,8 +14,8 @@ import pytest
 from deploy import client
 from deploy.launcher import Deployment
 from kvferry.faults import tag
-from kvferry.limits import PublicLimits
 from kvferry.rpc import grpc_util
+from kvferry.settings.limits import PublicLimits
 from kvferry.v1 import generation_pb2
 from tests.conftest import assert_alive, assert_pools_clean
 from tests.deployments import routed

@@ -20,7 +20,7 @@ from k8s_manifests import Container, containers
 from test_k8s_nixl import ELSEWHERE, _bytes, _workers, admitted
 
 from deploy.store_server import server_binary
-from kvferry.sizes import parse_pool_size
+from kvferry.settings.sizes import parse_pool_size
 
 TIER_TREES = ("overlays/kv-tiers",)
 COMPONENT = "app.kubernetes.io/component"

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvferry.cores import HOLD_S, CoreLending, create_file, parse_spec
+from kvferry.cores import HOLD_S, CoreLending, create_file
 from kvferry.settings import WorkerSettings
+from kvferry.settings.cpus import parse_spec
 
 
 class Clock:

@@ -1,5 +1,6 @@
-"""The C decode attention over dense K/V rows (kernels/kvferry_kernels/cpu_attention.py) against the torch
-ops it replaces (`dense_decode_attention`, itself checked against the per-sequence oracle):
+"""The C decode attention over dense K/V rows (kernels/kvferry_kernels/cpu_attention.py) against
+the torch ops it replaces (`dense_decode_attention`, itself checked against the per-sequence
+oracle):
 every head size path (32, 64 and 128 in registers, any other in a plain loop), grouped
 queries, rows of every length from 1 to the row width, positions past a row's length
 poisoned with NaN (the kernel must never read them), and the stage's strided layer slice. The
@@ -16,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from kvferry_kernels import artifact_cache, cpu_attention
 from kvferry_kernels.paged_attention_torch import (
     dense_decode_attention,

@@ -18,11 +18,11 @@ import psutil
 import pytest
 
 from kvferry.errors import InvalidArgument, ResourceExhausted
-from kvferry.limits import PublicLimits
 from kvferry.model.checkpoint import CHATML_TEMPLATE
 from kvferry.model.sampling import FinishReason, SamplingParams
-from kvferry.model.sampling_defaults import KVFERRY_DEFAULTS
 from kvferry.settings import SecuritySettings
+from kvferry.settings.limits import PublicLimits
+from kvferry.settings.sampling import KVFERRY_DEFAULTS
 from router.events import ChunkEvent, DoneEvent, Timing
 from router.http_body import BodyParser, BodyRefusal, count_roles, parse_json
 from router.http_front import HttpFront

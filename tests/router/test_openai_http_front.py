@@ -16,10 +16,10 @@ import httpx
 import pytest
 
 from kvferry.errors import Unavailable
-from kvferry.limits import PublicLimits
 from kvferry.model.sampling import FinishReason
-from kvferry.model.sampling_defaults import KVFERRY_DEFAULTS
 from kvferry.settings import SecuritySettings
+from kvferry.settings.limits import PublicLimits
+from kvferry.settings.sampling import KVFERRY_DEFAULTS
 from router.events import ChunkEvent, DoneEvent, Timing
 from router.http_front import HttpFront
 from router.identity import ANONYMOUS, Caller

@@ -7,17 +7,17 @@ from pathlib import Path
 
 from kvferry.cache.pool import KvPool
 from kvferry.cache.tiers import codec
-from kvferry.cache.tiers.config import (
+from kvferry.cache.tiers.disk import DiskTier
+from kvferry.cache.tiers.host import HostTier, block_nbytes
+from kvferry.cache.tiers.tiered import TieredCache
+from kvferry.faults import Faults
+from kvferry.settings.tiers import (
     TierSettings,
     disk_cache_bytes,
     host_cache_bytes,
     redacted_url,
     store_password,
 )
-from kvferry.cache.tiers.disk import DiskTier
-from kvferry.cache.tiers.host import HostTier, block_nbytes
-from kvferry.cache.tiers.tiered import TieredCache
-from kvferry.faults import Faults
 
 log = logging.getLogger("kvferry.tiers")
 

@@ -43,7 +43,7 @@ from kvferry.cache.allocator import IntegrityReport
 from kvferry.cache.prefix import KEY_BYTES, CacheEvents, Tier
 from kvferry.cache.stats import TierState
 from kvferry.cache.tiers import codec
-from kvferry.cache.tiers.config import refuse_unsafe_disk_dir
+from kvferry.settings.tiers import refuse_unsafe_disk_dir
 
 log = logging.getLogger("kvferry.tiers")
 

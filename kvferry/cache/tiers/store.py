@@ -38,7 +38,7 @@ import torch
 from kvferry.cache.prefix import CacheEvents, Tier
 from kvferry.cache.stats import TierState
 from kvferry.cache.tiers import codec
-from kvferry.cache.tiers.config import DEFAULT_STORE_DEADLINE_S, redacted_url
+from kvferry.settings.tiers import DEFAULT_STORE_DEADLINE_S, redacted_url
 
 log = logging.getLogger("kvferry.tiers")
 T = TypeVar("T")

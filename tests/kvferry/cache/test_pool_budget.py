@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from kvferry_kernels.cpu_attention import CPU_ATTENTION_ENV
+from kvferry_kernels.dispatch import get_attention_backend
 
 from deploy.launcher import Deployment
 from deploy.placement import memory_share
@@ -24,13 +26,11 @@ from kvferry.cache.pool_budget import (
     device_memory,
     weight_bytes,
 )
-from kvferry.cache.tiers.config import TierSettings
 from kvferry.model.config import load_model_config
 from kvferry.model.prefill_batch import token_budget_for
 from kvferry.model.transformer import Transformer
 from kvferry.settings import CPU_POOL_BYTES, CUDA_UTILIZATION, WorkerSettings
-from kvferry_kernels.cpu_attention import CPU_ATTENTION_ENV
-from kvferry_kernels.dispatch import get_attention_backend
+from kvferry.settings.tiers import TierSettings
 
 CPU = torch.device("cpu")
 

@@ -14,8 +14,8 @@ import pytest
 from deploy.default_model import DEFAULT_MODEL_SAMPLING
 from deploy.launcher import Deployment
 from kvferry.model.config import load_model_config
-from kvferry.model.sampling_defaults import KVFERRY_DEFAULTS, SamplingDefaults
 from kvferry.rpc.convert import sampling_from_proto
+from kvferry.settings.sampling import KVFERRY_DEFAULTS, SamplingDefaults
 from kvferry.v1 import generation_pb2
 from router.openai_schema import ChatCompletionRequest
 

@@ -22,8 +22,8 @@ from kvferry.cache.layout import KvLayout, blocks_for_tokens
 from kvferry.cache.pool import KvPool
 from kvferry.faults import Faults
 from kvferry.rpc import grpc_util
-from kvferry.settings import KV_TRANSPORTS
-from kvferry.transfer import TRANSPORTS, transport, wire
+from kvferry.settings import DEFAULT_KV_TRANSPORT, KV_TRANSPORTS
+from kvferry.transfer import transport, wire
 from kvferry.transfer.grpc.chunk_codec import KV_TRANSFER_SERVICE
 from kvferry.v1 import worker_pb2
 
@@ -32,8 +32,8 @@ BLOCK_SIZE = 8
 
 
 def test_every_transport_loads_with_both_ends() -> None:
-    assert KV_TRANSPORTS == tuple(TRANSPORTS) and KV_TRANSPORTS[0] == transport.BASELINE
-    for name in TRANSPORTS:
+    assert DEFAULT_KV_TRANSPORT == transport.BASELINE
+    for name in KV_TRANSPORTS:
         package = transport.load(name)
         assert callable(package.make_sender) and callable(package.add_receiver), name
 
@@ -117,7 +117,7 @@ def test_the_contributing_example_is_a_working_transport(tmp_path: Path,
     monkeypatch.setattr(kvferry.transfer, "__path__",
                         [*kvferry.transfer.__path__, str(tmp_path)])
     for name, module in registration.items():
-        monkeypatch.setitem(TRANSPORTS, name, module)
+        monkeypatch.setitem(KV_TRANSPORTS, name, module)
     try:
         _push_through("onecall")
     finally:

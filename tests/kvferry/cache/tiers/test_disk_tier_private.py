@@ -15,16 +15,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from kvferry_kernels import kv_quant
 
 from kvferry.cache.block_queue import BlockQueue
 from kvferry.cache.pool import KvPool
 from kvferry.cache.prefix import block_keys, cache_seed
 from kvferry.cache.tiers import codec
-from kvferry.cache.tiers.config import TierSettings
 from kvferry.cache.tiers.disk import DiskTier
 from kvferry.cache.tiers.host import HostTier, block_nbytes
 from kvferry.cache.tiers.tiered import TieredCache
-from kvferry_kernels import kv_quant
+from kvferry.settings.tiers import TierSettings
 from tests.waiting import until
 
 BLOCK = 4

@@ -19,10 +19,10 @@ from kvferry.cache.pool import KvPool
 from kvferry.cache.prefix import Tier, TierTokens, block_keys, cache_seed
 from kvferry.cache.stats import TierState
 from kvferry.cache.tiers import codec, store
-from kvferry.cache.tiers.config import TierSettings, store_password
 from kvferry.cache.tiers.host import HostTier, block_nbytes
 from kvferry.cache.tiers.store import StoreTier
 from kvferry.cache.tiers.tiered import TieredCache
+from kvferry.settings.tiers import TierSettings, store_password
 from tests.waiting import until
 
 BLOCK = 4

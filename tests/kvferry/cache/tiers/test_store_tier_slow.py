@@ -285,7 +285,7 @@ def test_the_deadline_flag_is_checked_and_passed_on() -> None:
     import argparse
 
     from deploy.tier_args import tier_args, tier_argv, tier_settings
-    from kvferry.cache.tiers.config import TierSettings
+    from kvferry.settings.tiers import TierSettings
 
     with pytest.raises(ValueError, match="^kv_store_deadline_ms: "):
         TierSettings(host_cache_size="1MiB", store_url="unix:///s", store_deadline_s=0)

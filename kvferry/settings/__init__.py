@@ -6,10 +6,9 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvferry.cache.tiers.config import TierSettings
-from kvferry.limits import PublicLimits
-from kvferry.model.sampling_defaults import SamplingDefaults
-from kvferry.transfer import TRANSPORTS
+from kvferry.settings.limits import PublicLimits
+from kvferry.settings.sampling import SamplingDefaults
+from kvferry.settings.tiers import TierSettings
 
 # Where kvferry keeps what it makes: converted and seeded models, demo logs.
 KVFERRY_HOME = Path(os.environ.get("KVFERRY_HOME", Path.home() / ".cache" / "kvferry"))
@@ -56,9 +55,16 @@ ROLES = ("prefill", "decode", "colocated")
 # equal), plus auto: see WorkerSettings.dtype.
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # auto: triton on CUDA, torch on CPU
-KV_TRANSPORTS = tuple(TRANSPORTS)  # kvferry/transfer/__init__.py: one line per transport
-# K/V pages as the model computes them (auto) or quantized (kernels/kvferry_kernels/kv_quant.py, whose
-# KV_CACHE_DTYPES this equals: kept here too so that flags parse without importing torch).
+# Every K/V transport (kvferry/transfer/<name>/ holds both of its ends) and its package, one
+# line each: what `--kv-transport` offers, the first the default (docs/contributing.md).
+KV_TRANSPORTS = {
+    "grpc": "kvferry.transfer.grpc",  # client-streaming PushKv of ~1 MiB chunks
+    "ray": "kvferry.transfer.ray",  # Ray object refs between actors
+    "nixl": "kvferry.transfer.nixl",  # the decode worker READs the pages with NIXL
+}
+DEFAULT_KV_TRANSPORT = next(iter(KV_TRANSPORTS))
+# K/V pages as the model computes them (auto) or quantized (kernels/kvferry_kernels/kv_quant.py,
+# whose KV_CACHE_DTYPES this equals: kept here too so that flags parse without importing torch).
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
 TRANSFER_THREAD = "kvferry-xfer"  # OS name of the threads that move and check K/V bytes
 # Forwards: eager ("off"); ONE AOTInductor package with a dynamic row count serving the prefill
@@ -331,7 +337,7 @@ class WorkerSettings:
     load_format: str = LOAD_FORMATS[0]  # dummy: random weights (model/weights.py)
     # Resend a K/V push corrupted in flight this many times; 0: fail with DATA_LOSS.
     kv_max_resends: int = DEFAULT_KV_MAX_RESENDS
-    kv_transport: str = KV_TRANSPORTS[0]  # how pages move (ray: Ray actors; nixl: NIXL reads)
+    kv_transport: str = DEFAULT_KV_TRANSPORT  # how pages move (ray: Ray actors; nixl: NIXL reads)
     max_model_len: int | None = None  # decode: longest prompt + max_tokens (max_model_len_for)
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S  # SIGTERM: to finish in-flight requests
     metrics_port: int | None = None  # Prometheus /metrics on this HTTP port (0: any free)
@@ -399,7 +405,7 @@ class WorkerSettings:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend: unknown {self.attention_backend!r}")
         if self.core_lending is not None:
-            from kvferry.cores import parse_spec
+            from kvferry.settings.cpus import parse_spec
 
             parse_spec(self.core_lending)
 
@@ -437,7 +443,7 @@ class RouterSettings:
     is_prompt_tokens_details: bool = False  # report cached prompt tokens to clients
     served_model_name: str | None = None  # the API's model id; None: the checkpoint's name
     override_generation_config: str | None = None  # JSON over the checkpoint's sampling
-    # defaults (kvferry/model/sampling_defaults.py), as vLLM's flag of that name
+    # defaults (kvferry/settings/sampling.py), as vLLM's flag of that name
     load_format: str = LOAD_FORMATS[0]  # the workers' (it is part of the model's fingerprint)
     # The decode workers' --kv-eviction: under a policy a sequence's K/V is bounded, so
     # prompt + max_tokens may pass the model's context (the prompt itself must fit it).

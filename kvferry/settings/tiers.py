@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvferry.sizes import parse_pool_size
+from kvferry.settings.sizes import parse_pool_size
 
 WRITE_POLICIES = ("write_through", "write_back")
 DEFAULT_DISK_CACHE_SIZE = "16GiB"
