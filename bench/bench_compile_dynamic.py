@@ -40,8 +40,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "kernels"))
-from kvferry_kernels.dispatch import get_attention_backend  # noqa: E402
-
 from bench.bench_decode_step import (  # noqa: E402
     BLOCK_SIZE,
     _median_step_ms,
@@ -62,6 +60,7 @@ from kvferry.model.compiled import (  # noqa: E402
 )
 from kvferry.model.config import load_model_config  # noqa: E402
 from kvferry.model.transformer import Transformer  # noqa: E402
+from kvferry_kernels.dispatch import get_attention_backend  # noqa: E402
 
 WAYS = ("eager", "buckets", "dynamic", "inductor")
 

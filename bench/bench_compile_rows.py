@@ -44,13 +44,12 @@ from torch._inductor import aoti_load_package
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "kernels"))
-from kvferry_kernels.dispatch import get_attention_backend  # noqa: E402
-
 from bench.bench_compile_dynamic import span  # noqa: E402
 from deploy.default_model import BENCH_MODEL_HELP, bench_model  # noqa: E402
 from kvferry.model.compiled import _Graph, _run, attend_nothing, export_package  # noqa: E402
 from kvferry.model.config import load_model_config  # noqa: E402
 from kvferry.model.transformer import Transformer  # noqa: E402
+from kvferry_kernels.dispatch import get_attention_backend  # noqa: E402
 
 
 def build(model: Transformer, path: Path, rows: int, dynamic_max: int | None) -> float:

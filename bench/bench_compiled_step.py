@@ -22,8 +22,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "kernels"))
-from kvferry_kernels.dispatch import get_attention_backend  # noqa: E402
-
 from bench.bench_decode_step import _median_step_ms, random_pool  # noqa: E402
 from deploy.default_model import BENCH_MODEL_HELP, bench_model  # noqa: E402
 from deploy.worker_model import tune_malloc  # noqa: E402
@@ -31,6 +29,7 @@ from kvferry.model.compiled import compile_decode  # noqa: E402
 from kvferry.model.config import load_model_config  # noqa: E402
 from kvferry.model.transformer import Transformer  # noqa: E402
 from kvferry.settings import COMPILE_CACHE_DIR, COMPILE_MODES  # noqa: E402
+from kvferry_kernels.dispatch import get_attention_backend  # noqa: E402
 
 
 def _span(values: list[float], digits: int = 1) -> str:

@@ -28,8 +28,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "kernels"))
-from kvferry_kernels.dispatch import get_attention_backend  # noqa: E402
-
 from bench.bench_compiled_step import _span  # noqa: E402
 from bench.bench_decode_step import BLOCK_SIZE, random_pool  # noqa: E402
 from bench.bench_step_parts import _TimedStage, add_step_arguments  # noqa: E402
@@ -41,6 +39,7 @@ from kvferry.model.compiled import compile_decode  # noqa: E402
 from kvferry.model.config import load_model_config  # noqa: E402
 from kvferry.model.transformer import Transformer  # noqa: E402
 from kvferry.settings import COMPILE_CACHE_DIR, COMPILE_MODES  # noqa: E402
+from kvferry_kernels.dispatch import get_attention_backend  # noqa: E402
 
 SHAPES = ("equal", "spread")
 PATHS = ("torch", "kernel")

@@ -50,8 +50,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script too
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "kernels"))
-from kvferry_kernels.dispatch import get_attention_backend  # noqa: E402
-
 from decode_worker.sequence import DecodeSeq, step_inputs  # noqa: E402
 from deploy.default_model import bench_model  # noqa: E402
 from kvferry.cache.layout import blocks_for_tokens  # noqa: E402
@@ -60,6 +58,7 @@ from kvferry.model.config import load_model_config  # noqa: E402
 from kvferry.model.eviction import StreamingEviction, make_eviction  # noqa: E402
 from kvferry.model.transformer import Transformer  # noqa: E402
 from kvferry.settings import KERNEL_CACHE_DIR, KvEvictionConfig  # noqa: E402
+from kvferry_kernels.dispatch import get_attention_backend  # noqa: E402
 
 TEXT = Path(__file__).resolve().parent / "data" / "coriolanus_long.txt"
 BLOCK_SIZE = 16

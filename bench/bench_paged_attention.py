@@ -59,10 +59,9 @@ import triton  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "kernels"))
-from kvferry_kernels import triton_paged_attention as tpa  # noqa: E402
-
 from bench import paged_attention_checks as checks  # noqa: E402
 from bench.cuda_graph_timing import graph_ms  # noqa: E402
+from kvferry_kernels import triton_paged_attention as tpa  # noqa: E402
 
 DRY = ARGS.dry_run
 DEVICE = torch.device("cpu" if DRY else "cuda")

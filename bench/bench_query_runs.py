@@ -31,15 +31,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "kernels"))
+from deploy.default_model import BENCH_MODEL_HELP, bench_model  # noqa: E402
+from kvferry.model.config import load_model_config  # noqa: E402
 from kvferry_kernels import cpu_attention  # noqa: E402
 from kvferry_kernels.kv_quant import QuantPages, quantize  # noqa: E402
 from kvferry_kernels.paged_attention_torch import (  # noqa: E402
     _attend_rows,
     paged_decode_attention_torch,
 )
-
-from deploy.default_model import BENCH_MODEL_HELP, bench_model  # noqa: E402
-from kvferry.model.config import load_model_config  # noqa: E402
 
 KERNELS = ("c", "torch-int8", "triton")
 BLOCK_SIZE = 16

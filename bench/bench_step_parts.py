@@ -33,8 +33,6 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "kernels"))
-from kvferry_kernels.dispatch import get_attention_backend  # noqa: E402
-
 from bench.bench_compiled_step import _span  # noqa: E402
 from bench.bench_decode_step import BLOCK_SIZE, random_pool, scattered_batch  # noqa: E402
 from decode_worker.kv_stage import KvStage  # noqa: E402
@@ -46,6 +44,7 @@ from kvferry.model.compiled import compile_decode  # noqa: E402
 from kvferry.model.config import ModelConfig, load_model_config  # noqa: E402
 from kvferry.model.transformer import Transformer  # noqa: E402
 from kvferry.settings import COMPILE_CACHE_DIR, COMPILE_MODES  # noqa: E402
+from kvferry_kernels.dispatch import get_attention_backend  # noqa: E402
 
 
 class _TimedStage(KvStage):

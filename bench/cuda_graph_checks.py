@@ -54,13 +54,12 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "kernels"))
-from kvferry_kernels.dispatch import get_attention_backend  # noqa: E402
-
 from kvferry.cache.layout import blocks_for_tokens  # noqa: E402
 from kvferry.cache.pool import KvPool  # noqa: E402
 from kvferry.model.config import load_model_config  # noqa: E402
 from kvferry.model.cuda_graphs import CudaGraphDecode  # noqa: E402
 from kvferry.model.transformer import Transformer  # noqa: E402
+from kvferry_kernels.dispatch import get_attention_backend  # noqa: E402
 
 DEVICE = torch.device("cpu" if DRY else "cuda")
 BLOCK_SIZE = 16

@@ -68,9 +68,6 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "kernels"))
-from kvferry_kernels.dispatch import get_attention_backend  # noqa: E402
-from kvferry_kernels.triton_paged_attention import paged_decode_attention_triton  # noqa: E402
-
 from decode_worker.sequence import PlainSeq, step_inputs  # noqa: E402
 from kvferry.cache.layout import KvShape, blocks_for_tokens  # noqa: E402
 from kvferry.cache.pool import KvPool  # noqa: E402
@@ -78,6 +75,8 @@ from kvferry.model.config import ModelConfig, load_model_config  # noqa: E402
 from kvferry.model.cuda_graphs import CudaGraphDecode  # noqa: E402
 from kvferry.model.shapes import make_shape  # noqa: E402
 from kvferry.model.transformer import Transformer  # noqa: E402
+from kvferry_kernels.dispatch import get_attention_backend  # noqa: E402
+from kvferry_kernels.triton_paged_attention import paged_decode_attention_triton  # noqa: E402
 
 DEVICE = torch.device("cpu" if DRY else "cuda")
 DTYPE = torch.float32 if DRY else torch.bfloat16  # the interpreter cannot do bf16

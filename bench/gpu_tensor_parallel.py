@@ -31,8 +31,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "kernels"))
 
-from kvferry_kernels.dispatch import get_attention_backend  # noqa: E402
-
 from deploy import client  # noqa: E402
 from deploy.launcher import Deployment  # noqa: E402
 from kvferry.cache.layout import blocks_for_tokens  # noqa: E402
@@ -41,6 +39,7 @@ from kvferry.model.checkpoint import LLAMA_SPEC, ModelSpec, make_model  # noqa: 
 from kvferry.model.config import load_model_config  # noqa: E402
 from kvferry.model.tp_group import RankSpec, TensorParallelModel  # noqa: E402
 from kvferry.model.transformer import Transformer  # noqa: E402
+from kvferry_kernels.dispatch import get_attention_backend  # noqa: E402
 
 PROMPTS = [[5, 9, 200, 31, 7], list(range(40, 77)), list(range(300, 390))]
 STEPS = 8

@@ -21,7 +21,6 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
-from decode_worker.draft_model import DraftModel
 from decode_worker.kv_receiver import DraftPages, KvReceiver
 from decode_worker.leases import LeaseKeeper
 from decode_worker.prefix_cache import DecodePrefixCache
@@ -35,6 +34,7 @@ from decode_worker.sequence import (
     check_reservation,
     lookup,
 )
+from decode_worker.spec.draft_model import DraftModel
 from decode_worker.steps import StepLoop
 from kvferry.cache.allocator import IntegrityReport
 from kvferry.cache.block_queue import BlockQueue

@@ -26,13 +26,13 @@ import time
 from collections.abc import Callable
 
 import torch
-from kvferry_kernels import cpu_attention
-from kvferry_kernels.paged_attention_torch import dense_decode_attention
 
 from decode_worker.sequence import PagedSeq
 from kvferry import trace
 from kvferry.cache.pool import KvPool
 from kvferry.settings import KERNEL_CACHE_DIR
+from kvferry_kernels import cpu_attention
+from kvferry_kernels.paged_attention_torch import dense_decode_attention
 
 _LENGTH_GRAIN = 64  # tokens: capacity grows in steps of at least this
 # Capacity this many times the batch's need is given back (resized to the need): a long

@@ -85,7 +85,7 @@ class DecodeSeq:
     # A draft model's pages pushed with the prompt's (--speculative-draft-kv ship): those
     # delivered by the push now filling `received` (None: none yet), then, once the push
     # ended with all of them, the leading positions whose draft K/V is in place (the draft
-    # model takes it over at its first step: decode_worker/draft_model.py).
+    # model takes it over at its first step: decode_worker/spec/draft_model.py).
     draft_received: np.ndarray | None = None
     draft_kv_tokens: int = 0
     # K/V eviction (docs/kv-eviction-design.md): tokens whose K/V left the cache (the table

@@ -5,14 +5,18 @@ worker attempts, or by a request's own, counted over the steps that hold that re
 from __future__ import annotations
 
 import os
+import time
 
+from decode_worker.step_plugin import StepPlugin
+from decode_worker.step_rows import StepRows
 from kvferry.faults import FAULTS_ENV, PER_REQUEST, Faults, InjectedFault, step_numbers
 
 __all__ = ["InjectedFault", "StepFaults"]
 
 
-class StepFaults:
-    """Owned by the step loop's executor thread: `before_step` runs at the start of each."""
+class StepFaults(StepPlugin):
+    """A plug-in of the step loop (decode_worker/step_plugin.py), first at each step's start:
+    `before_step` on its executor thread."""
 
     def __init__(self, faults: Faults) -> None:
         self.faults = faults
@@ -22,6 +26,11 @@ class StepFaults:
         self._is_per_request = os.environ.get(FAULTS_ENV) == PER_REQUEST
         # Steps attempted holding each request armed with decode_steps (test requests only).
         self._request_attempts: dict[str, int] = {}
+
+    def plan(self, rows: StepRows) -> None:
+        delay_s = self.before_step([seq.request_id for seq in rows.batch])
+        if delay_s > 0:
+            time.sleep(delay_s)
 
     def before_step(self, request_ids: list[str]) -> float:
         """Raise InjectedFault if this step must fail; else the seconds to slow it by."""

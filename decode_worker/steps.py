@@ -1,5 +1,10 @@
 """The decode engine's step loop: admit, preempt (swap out/in), grow, step, deliver.
 
+Each step is a pipeline with fixed points: every running sequence's table bounded and grown
+(event loop), then per forward the rows planned, the forward run and the tokens kept
+(executor thread). Speculation, K/V eviction and fault injection are plug-ins called at those
+points (decode_worker/step_plugin.py), in folders of their own.
+
 `StepLoop` is composed by `decode_worker.engine.DecodeEngine`, which owns reservations, K/V
 arrival and request lifecycles. Everything here runs on the event loop except `_run_steps`
 and `_step`, which run on the single executor thread (forward passes only touch the pool
@@ -21,9 +26,7 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
-import torch
-
-from decode_worker.draft_model import DraftModel
+from decode_worker.evict.plugin import EvictionStep
 from decode_worker.kv_stage import KvStage
 from decode_worker.samples import fork_samples
 from decode_worker.sequence import (
@@ -33,20 +36,21 @@ from decode_worker.sequence import (
     FinishedEvent,
     Phase,
     TokensEvent,
-    step_inputs,
 )
-from decode_worker.speculative import Drafting, accept, ngram_proposer, row_inputs, trim
+from decode_worker.spec.draft_model import DraftModel
+from decode_worker.spec.drafting import Drafting, ngram_proposer
 from decode_worker.step_faults import InjectedFault, StepFaults
+from decode_worker.step_plugin import StepPlugin
+from decode_worker.step_rows import StepRows
 from kvferry import trace
 from kvferry.cache.block_queue import BlockQueue
-from kvferry.cache.layout import blocks_for_tokens
 from kvferry.cache.pool import KvPool
 from kvferry.errors import Internal
 from kvferry.faults import Faults
 from kvferry.model.eviction import make_eviction
 from kvferry.model.executor import run_to_completion
 from kvferry.model.prefill_batch import Gathering, PrefillBatcher
-from kvferry.model.sampling import FinishReason, SamplingParams, sample_tokens
+from kvferry.model.sampling import FinishReason
 from kvferry.model.transformer import Transformer
 from kvferry.settings import KvEvictionConfig, SpeculativeConfig
 
@@ -89,20 +93,25 @@ class StepLoop:
         self.max_abort_delay_steps = 0
         self.consecutive_failures = 0
         self.on_fatal: Callable[[], None] = lambda: None  # set by the process: drain
-        self._faults = StepFaults(Faults.from_env())  # executor thread only
         # CPU decode: mirror the batch's K/V densely (kv_stage) instead of gathering pages.
         self.stage = KvStage(pool, stage_bytes) if stage_bytes > 0 else None
-        # Speculative decoding: drafts verified over flattened rows (decode_worker/speculative.py).
+        # The step's plug-ins, in the order the loop calls them: fault injection (tests),
+        # speculation (decode_worker/spec/), K/V eviction (decode_worker/evict/).
+        self.plugins: list[StepPlugin] = [StepFaults(Faults.from_env())]
         self.drafting: Drafting | None = None
         if speculative is not None and speculative.is_on:
             if self.stage is not None:
                 raise ValueError("speculative decoding reads the pages: no dense K/V stage "
                                  "(--decode-stage-mib 0)")
-            self.drafting = Drafting(speculative, ngram_proposer(speculative), draft=draft)
-        # K/V eviction (kvferry/model/eviction.py): each sequence bounded before its steps.
-        self.eviction = make_eviction(eviction, model, pool)
-        if self.eviction is not None and (self.stage is not None or self.drafting is not None):
-            raise ValueError("kv_eviction: not with speculative decoding or a dense K/V stage")
+            self.drafting = Drafting(speculative, ngram_proposer(speculative), pool,
+                                     draft=draft)
+            self.plugins.append(self.drafting)
+        self.eviction = make_eviction(eviction, model, pool)  # kvferry/model/eviction.py
+        if self.eviction is not None:
+            if self.stage is not None or self.drafting is not None:
+                raise ValueError("kv_eviction: not with speculative decoding or a dense K/V "
+                                 "stage")
+            self.plugins.append(EvictionStep(self.eviction))
         self.joining = DEFAULT_JOINING  # a batch starting from idle waits for its wave
         self._wake = asyncio.Event()
         # Set when the step loop must come back to the event loop (admissions, prefill work):
@@ -125,10 +134,8 @@ class StepLoop:
             self.running.remove(seq)
         if seq in self.swapped:
             self.swapped.remove(seq)
-        if self.drafting is not None:
-            self.drafting.forget(seq.key)
-        if self.eviction is not None:
-            self.eviction.forget(seq.key)
+        for plugin in self.plugins:
+            plugin.forget(seq)
 
     def _admit_and_reap(self) -> None:
         for seq in list(self.running):
@@ -170,24 +177,18 @@ class StepLoop:
             self.pool.write_pages(seq.block_table, seq.swapped_kv)
             seq.swapped_kv = None
             seq.phase = Phase.RUNNING
-            seq.draft_kv_tokens = 0  # the draft pool's pages were not swapped
-            if self.drafting is not None:
-                self.drafting.moved(seq.key)
+            for plugin in self.plugins:
+                plugin.moved(seq)
             self.swapped.pop(0)
             self.running.append(seq)
 
     def _grow(self) -> None:
         """Give every running sequence the slot its next step writes; preempt the newest
-        running sequence while the pool is short. With speculation, then trim each table to
-        what its next step's drafts may write and give it those slots from unused blocks
-        (never preempting or evicting for drafts: a sequence without room verifies fewer)."""
+        running sequence while the pool is short. Plug-ins give K/V back before (eviction,
+        rejected drafts) and take unused blocks after (the next drafts' slots)."""
         block_size = self.pool.block_size
-        if self.eviction is not None:
-            for seq in self.running:
-                self.eviction.bound(seq)
-        if self.drafting is not None:
-            for seq in self.running:
-                trim(self.pool, seq, self.drafting.lookahead(seq))
+        for plugin in self.plugins:
+            plugin.before_grow(self.running)
         if any(len(s.block_table) * block_size <= s.cache_position for s in self.running):
             for seq in sorted(self.running, key=lambda s: s.arrival):
                 while (seq.phase is Phase.RUNNING
@@ -196,13 +197,8 @@ class StepLoop:
                         seq.block_table += self.pool.allocator.alloc(1)
                     else:
                         self._swap_out(max(self.running, key=lambda s: s.arrival))
-        if self.drafting is None:
-            return
-        for seq in sorted(self.running, key=lambda s: s.arrival):
-            want = blocks_for_tokens(seq.cache_position + 1 + self.drafting.lookahead(seq),
-                                     block_size)
-            while len(seq.block_table) < want and self._num_unused_blocks() > 0:
-                seq.block_table += self.pool.allocator.alloc(1)
+        for plugin in self.plugins:
+            plugin.after_grow(self.running, self._num_unused_blocks)
 
     def _num_unused_blocks(self) -> int:
         """Blocks neither a request nor the prefix cache holds: what drafts' slots may take
@@ -307,8 +303,6 @@ class StepLoop:
             tokens = self._step(batch, arranged is not None)
             self.num_steps += 1
             elapsed = time.perf_counter() - start
-            if self.drafting is not None:
-                self.drafting.timed(elapsed)
             if clock is not None:
                 clock.span(tracer, "step", s=self.num_steps, ids=[q.request_id for q in batch])
             finished: list[DecodeSeq] = []
@@ -316,74 +310,26 @@ class StepLoop:
                 if len(seq.tokens) == 1:
                     seq.first_step_s = elapsed
                 seq.tokens.extend(kept)
-                if self.drafting is not None:
-                    self.drafting.kept(seq, kept)
                 if kept[-1] in seq.stop_token_ids or seq.tokens_left <= 0:
                     finished.append(seq)
             self._loop.call_soon_threadsafe(self._deliver, batch, tokens, finished,
                                             self.num_steps)
             if (finished or self._needs_loop.is_set() or any(s.is_aborted for s in batch)
                     or any(len(s.block_table) * block_size <= s.cache_position for s in batch)
-                    or self._wants_lookahead(batch) or self._wants_eviction(batch)):
+                    or any(plugin.needs_loop(batch) for plugin in self.plugins)):
                 return
 
-    def _wants_eviction(self, batch: list[DecodeSeq]) -> bool:
-        """A sequence must give up K/V (or re-base) before its next step (`_grow`)."""
-        return self.eviction is not None and any(self.eviction.needs(s) for s in batch)
-
-    def _wants_lookahead(self, batch: list[DecodeSeq]) -> bool:
-        """With speculation: a sequence's table no longer holds its next step's drafts and a
-        block is free to give it (on the event loop, `_grow`)."""
-        if self.drafting is None or self._num_unused_blocks() == 0:
-            return False
-        last = [s.cache_position + self.drafting.lookahead(s) for s in batch]
-        return any(len(s.block_table) * self.pool.block_size <= p for s, p in zip(batch, last))
-
     def _step(self, batch: list[DecodeSeq], is_staged: bool = False) -> list[list[int]]:
-        """One forward for the whole ragged batch (executor thread): the tokens each sequence
-        keeps (one, or with speculation its accepted drafts and one more); `is_staged`: the
-        stage holds the batch's K/V, rows in batch order."""
-        delay_s = self._faults.before_step([seq.request_id for seq in batch])
-        if delay_s > 0:
-            time.sleep(delay_s)
-        if self.drafting is not None:
-            drafts = self.drafting.batch_drafts(batch, self.pool.block_size)
-            if any(drafts):
-                return self._verify(batch, drafts)
-        inputs = step_inputs(batch, self.pool.block_size)
-        device = self.model.device
-        mass = None  # H2O: each kept position's attention this step
-        if self.eviction is not None and self.eviction.wants_mass:
-            mass = torch.zeros(inputs.block_tables.shape[0],
-                               inputs.block_tables.shape[1] * self.pool.block_size,
-                               device=device)
-        logits = self.model.decode(
-            torch.tensor([s.tokens[-1] for s in batch], device=device),
-            inputs.positions.to(device),
-            inputs.slots.to(device),
-            inputs.block_tables.to(device),
-            self.pool,
-            self.stage if is_staged else None,
-            seq_lens=inputs.seq_lens.to(device),
-            mass=mass,
-        )
-        if mass is not None and self.eviction is not None:
-            self.eviction.observe(batch, mass)
-        params = [s.params or SamplingParams() for s in batch]  # attached: never None
-        indices = [s.output_offset + len(s.tokens) for s in batch]
-        return [[token] for token in sample_tokens(logits, params, indices)]
-
-    def _verify(self, batch: list[DecodeSeq], drafts: list[list[int]]) -> list[list[int]]:
-        """Executor thread: one forward over every sequence's last token and drafts, then the
-        tokens each keeps (decode_worker/speculative.py)."""
-        assert self.drafting is not None  # noqa: S101 - the caller checked
-        token_ids, rows = row_inputs(batch, drafts, self.pool.block_size)
-        device = self.model.device
-        logits = self.model.decode(token_ids.to(device), rows.positions.to(device),
-                                   rows.slots.to(device), rows.block_tables.to(device),
-                                   self.pool, seq_lens=rows.seq_lens.to(device))
-        kept = accept(logits, batch, drafts)
-        self.drafting.count(batch, drafts, kept)
+        """One forward for the whole ragged batch (executor thread): the rows planned (by
+        the plug-ins too), the forward run, the tokens each sequence keeps (one, or with
+        speculation its accepted drafts and one more); `is_staged`: the stage holds the
+        batch's K/V, rows in batch order."""
+        rows = StepRows(batch, self.pool.block_size, is_staged)
+        for plugin in self.plugins:
+            plugin.plan(rows)
+        kept = rows.keep(rows.forward(self.model, self.pool, self.stage))
+        for plugin in self.plugins:
+            plugin.done(rows, kept)
         return kept
 
     def _deliver(self, batch: list[DecodeSeq], tokens: list[list[int]],

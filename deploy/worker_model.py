@@ -33,7 +33,7 @@ from kvferry.settings.sizes import AUTO, parse_pool_size
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from decode_worker.draft_model import DraftModel
+    from decode_worker.spec.draft_model import DraftModel
     from kvferry.model.tp_group import TensorParallelModel
     from kvferry.model.transformer import Transformer
     from prefill_worker.draft_kv import DraftPrefill
@@ -222,7 +222,7 @@ def build_draft(settings: WorkerSettings, model: Transformer, pool: KvPool
     when its vocabulary differs)."""
     if settings.speculative.method != "draft":
         return None
-    from decode_worker.draft_model import DraftModel, check_draft, draft_pool
+    from decode_worker.spec.draft_model import DraftModel, check_draft, draft_pool
     from kvferry.model.transformer import Transformer
 
     config = load_model_config(settings.speculative.model, load_format=settings.load_format)
@@ -298,9 +298,8 @@ def build_model(settings: WorkerSettings) -> tuple[Transformer, KvPool, str]:
     """The worker's model, its pool and the attention backend's name. Decode and colocated
     workers compile (--compile) and capture (--cuda-graphs) their decode step here: before
     the server exists, so before the worker reports SERVING."""
-    from kvferry_kernels.dispatch import get_attention_backend
-
     from kvferry.model.transformer import Transformer
+    from kvferry_kernels.dispatch import get_attention_backend
 
     tune_malloc()
     if settings.torch_threads > 0:

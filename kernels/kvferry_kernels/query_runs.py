@@ -1,7 +1,7 @@
 """Runs of rows: several query positions of one sequence in one decode batch.
 
 A speculative step attends a sequence's last token and its k drafts as k + 1 consecutive rows
-with the same block table and lengths one apart (`decode_worker/speculative.py`, the K/V of
+with the same block table and lengths one apart (`decode_worker/spec/drafting.py`, the K/V of
 all of them written before attention). A run's rows read the same K/V, so every kernel reads
 it once for all of them: the C kernel (`cpu_decode_attention.c`, `run_of_rows`), the torch
 path (`paged_attention_torch`) and Triton (`triton_paged_attention`, given `run_rows`).

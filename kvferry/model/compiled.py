@@ -61,10 +61,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from kvferry_kernels import artifact_cache
 
 from kvferry.model.step_timing import median_ms
 from kvferry.settings import COMPILE_MODES, DEFAULT_COMPILE_BATCH_SIZES, parse_batch_sizes
+from kvferry_kernels import artifact_cache
 
 if TYPE_CHECKING:
     from kvferry.model.transformer import AttendFn, LayerDoneFn, Transformer

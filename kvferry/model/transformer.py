@@ -14,14 +14,14 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-from kvferry_kernels.dispatch import AttentionBackend
-from kvferry_kernels.kv_quant import fake_quantize
-from kvferry_kernels.paged_attention_torch import summed_probs
 
 from kvferry.cache.pool import KvPool
 from kvferry.model.config import ModelConfig
 from kvferry.model.tensor_parallel import Shard, shard_config, shard_weights
 from kvferry.model.weights import load_weights
+from kvferry_kernels.dispatch import AttentionBackend
+from kvferry_kernels.kv_quant import fake_quantize
+from kvferry_kernels.paged_attention_torch import summed_probs
 
 Weights = Mapping[str, torch.Tensor]  # checkpoint names (q/k/v and gate/up fused) -> tensors
 

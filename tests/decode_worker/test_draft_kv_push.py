@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from decode_worker.draft_model import DraftModel, draft_pool
 from decode_worker.engine import DecodeEngine
+from decode_worker.spec.draft_model import DraftModel, draft_pool
 from kvferry.cache.layout import KvLayout, blocks_for_tokens
 from kvferry.cache.pool import KvPool
 from kvferry.errors import DataLoss, InvalidArgument

@@ -1,4 +1,4 @@
-"""Speculative decoding with a draft model (decode_worker/draft_model.py) in an in-process
+"""Speculative decoding with a draft model (decode_worker/spec/draft_model.py) in an in-process
 colocated engine: the prompt prefilled here, the draft's K/V recomputed in its own pool.
 Greedy and seeded tokens equal those of decoding without drafts, with the model as its own
 draft (drafts nearly always accepted) and with an unrelated one-layer draft (mostly rejected,
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from decode_worker.draft_model import DraftModel, check_draft, draft_pool
 from decode_worker.engine import DecodeEngine
+from decode_worker.spec.draft_model import DraftModel, check_draft, draft_pool
 from kvferry.model.config import load_model_config
 from kvferry.model.sampling import SamplingParams
 from kvferry.model.transformer import Transformer

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from kvferry_kernels.dispatch import get_attention_backend
 
 from decode_worker.engine import DecodeEngine
 from decode_worker.steps import DEFAULT_JOINING
@@ -18,6 +17,7 @@ from kvferry.model.config import load_model_config
 from kvferry.model.prefill_batch import NO_GATHERING, Gathering
 from kvferry.model.sampling import SamplingParams
 from kvferry.model.transformer import Transformer
+from kvferry_kernels.dispatch import get_attention_backend
 from tests.decode_worker.engines import collect_tokens, cpu_engine, push_random_prompt, run_to_idle
 from tests.waiting import until
 

@@ -8,12 +8,12 @@ import random
 
 import pytest
 import torch
-from kvferry_kernels.cpu_attention import CPU_ATTENTION_ENV
-from kvferry_kernels.paged_attention_ref import paged_decode_attention_ref, write_kv_ref
 
 from decode_worker.kv_stage import HOLD_S, KvStage, stage_bytes_for_pool
 from decode_worker.sequence import PlainSeq, step_inputs
 from kvferry.cache.pool import KvPool
+from kvferry_kernels.cpu_attention import CPU_ATTENTION_ENV
+from kvferry_kernels.paged_attention_ref import paged_decode_attention_ref, write_kv_ref
 
 LAYERS, HQ, HKV, D, BS = 2, 4, 2, 16, 4
 
@@ -253,10 +253,9 @@ def test_a_reused_row_keeps_nothing_of_its_previous_holder() -> None:
 def test_decode_with_stage_matches_decode_over_pages(num_tokens: int, qwen3_checkpoint
                                                      ) -> None:
     """The model's decode steps give the same logits from the stage as from the pages."""
-    from kvferry_kernels.dispatch import get_attention_backend
-
     from kvferry.model.config import load_model_config
     from kvferry.model.transformer import Transformer
+    from kvferry_kernels.dispatch import get_attention_backend
 
     config = load_model_config(qwen3_checkpoint)
     model = Transformer(config, get_attention_backend("torch"))

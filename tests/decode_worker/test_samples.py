@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from kvferry_kernels.dispatch import get_attention_backend
 
 from decode_worker.engine import DecodeEngine
 from decode_worker.sequence import DecodeEvent, FinishedEvent, TokensEvent
@@ -21,6 +20,7 @@ from kvferry.model.config import load_model_config
 from kvferry.model.sampling import FinishReason, SamplingParams
 from kvferry.model.transformer import Transformer
 from kvferry.settings import SpeculativeConfig
+from kvferry_kernels.dispatch import get_attention_backend
 from tests.decode_worker.engines import cpu_engine, push_random_prompt
 from tests.waiting import until, within
 

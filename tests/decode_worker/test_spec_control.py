@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from decode_worker.spec_control import (
+from decode_worker.spec.control import (
     MAX_PAUSE_STEPS,
     MIN_ROW_COST,
     PAUSE_STEPS,

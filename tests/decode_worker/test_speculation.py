@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from decode_worker.speculation import NgramProposer
+from decode_worker.spec.ngram import NgramProposer
 
 
 def _scan(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:

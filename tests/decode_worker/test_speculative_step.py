@@ -1,4 +1,4 @@
-"""Speculative decoding in an in-process decode engine (decode_worker/speculative.py): drafts
+"""Speculative decoding in an in-process decode engine (decode_worker/spec/drafting.py): drafts
 verified over flattened rows give the tokens of decoding without them, whatever the drafts
 were (all right, all wrong, right then wrong), greedy and seeded; rejected drafts' K/V is
 rolled back across block boundaries (4-token blocks, up to 6 drafts), and every block comes
@@ -94,7 +94,7 @@ def _decode(engine: DecodeEngine, params: SamplingParams,
 def _speculating(model: Transformer, k: int, make: Callable[[DecodeSeq], Scripted],
                  is_adaptive: bool = False) -> DecodeEngine:
     """An engine verifying `make`'s drafts: k every step unless `is_adaptive` (the
-    controller then chooses, decode_worker/spec_control.py)."""
+    controller then chooses, decode_worker/spec/control.py)."""
     engine = _engine(model, SpeculativeConfig("ngram", k, is_adaptive=is_adaptive))
     assert engine.steps.drafting is not None
     engine.steps.drafting.make_proposer = make

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from kvferry_kernels import artifact_cache, cpu_attention
 from kvferry_kernels.paged_attention_torch import (
     dense_decode_attention,

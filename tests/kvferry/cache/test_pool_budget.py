@@ -12,8 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from kvferry_kernels.cpu_attention import CPU_ATTENTION_ENV
-from kvferry_kernels.dispatch import get_attention_backend
 
 from deploy.launcher import Deployment
 from deploy.placement import memory_share
@@ -31,6 +29,8 @@ from kvferry.model.prefill_batch import token_budget_for
 from kvferry.model.transformer import Transformer
 from kvferry.settings import CPU_POOL_BYTES, CUDA_UTILIZATION, WorkerSettings
 from kvferry.settings.tiers import TierSettings
+from kvferry_kernels.cpu_attention import CPU_ATTENTION_ENV
+from kvferry_kernels.dispatch import get_attention_backend
 
 CPU = torch.device("cpu")
 

@@ -16,8 +16,6 @@ from typing import NamedTuple
 
 import pytest
 import torch
-from kvferry_kernels import artifact_cache
-from kvferry_kernels.dispatch import get_attention_backend
 from transformers import AutoModelForCausalLM
 
 from kvferry.cache.layout import blocks_for_tokens
@@ -26,6 +24,8 @@ from kvferry.model.compiled import AUTO_MODES, CHOICE, PACKAGE, CompiledDecode, 
 from kvferry.model.config import load_model_config
 from kvferry.model.transformer import Transformer
 from kvferry.settings import parse_batch_sizes
+from kvferry_kernels import artifact_cache
+from kvferry_kernels.dispatch import get_attention_backend
 
 BUCKETS = (1, 2)
 STEPS = 10

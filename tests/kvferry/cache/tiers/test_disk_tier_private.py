@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from kvferry_kernels import kv_quant
 
 from kvferry.cache.block_queue import BlockQueue
 from kvferry.cache.pool import KvPool
@@ -25,6 +24,7 @@ from kvferry.cache.tiers.disk import DiskTier
 from kvferry.cache.tiers.host import HostTier, block_nbytes
 from kvferry.cache.tiers.tiered import TieredCache
 from kvferry.settings.tiers import TierSettings
+from kvferry_kernels import kv_quant
 from tests.waiting import until
 
 BLOCK = 4

@@ -1,37 +1,27 @@
-"""Speculative decoding in the step loop: draft, verify over flattened rows, accept, roll back
-(docs/spec-decode-design.md, 3.3 and 3.4).
-
-A sequence with k drafts d_1..d_k becomes k + 1 rows of one decode forward: its last token
-and the drafts, at positions P..P+k (P = `next_position`), each row with its own copy of the
-sequence's block-table row and its own length (position + 1). The model writes every row's
-K/V before attending, so row j sees the drafts before it: today's one-token step contract with
-more rows, which every backend, the compiled step and the CUDA graphs already run. A sequence
-without drafts is one row of the same forward.
-
-`rejection.verify` keeps the drafts that equal what the target samples at their positions and
-adds the target's next token, so the tokens are those of decoding without speculation, draw
-for draw. Positions past the last kept token hold rejected K/V: they are past `next_position`
-(no attention reads them, no prefix-index key names them) and the next steps overwrite them;
-`trim` frees the whole blocks past what the next step needs.
+"""Speculative decoding as a plug-in of the decode step (decode_worker/step_plugin.py;
+docs/spec-decode-design.md, 3.3 and 3.4): before each forward, drafts for every sequence
+(a proposer per sequence, or a draft model for the batch), which the step verifies as extra
+rows (decode_worker/step_rows.py); after it, the counts and the proposers learn what each
+kept. Around the steps it keeps each table to what its next step's drafts may write: blocks
+of rejected drafts freed (`trim`), slots for the next drafts taken from unused blocks.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-import torch
-
-from decode_worker.draft_model import DraftModel
-from decode_worker.sequence import DecodeSeq, PagedRow, StepInputs, step_inputs
-from decode_worker.spec_control import SpecController
-from decode_worker.speculation import NgramProposer
+from decode_worker.sequence import DecodeSeq
+from decode_worker.spec.control import SpecController
+from decode_worker.spec.draft_model import DraftModel
+from decode_worker.spec.ngram import NgramProposer
+from decode_worker.step_plugin import StepPlugin
+from decode_worker.step_rows import StepRows
 from kvferry.cache.block_table import truncate
 from kvferry.cache.layout import blocks_for_tokens
 from kvferry.cache.pool import KvPool
-from kvferry.model.rejection import verify
-from kvferry.model.sampling import SamplingParams
 from kvferry.settings import SpeculativeConfig
 
 
@@ -47,12 +37,13 @@ def ngram_proposer(config: SpeculativeConfig) -> Callable[[DecodeSeq], Proposer]
     return lambda seq: NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
 
 
-@dataclass
-class Drafting:
+@dataclass(eq=False)
+class Drafting(StepPlugin):
     """The step loop's speculation: a proposer per sequence and the lookahead each may use."""
 
     config: SpeculativeConfig
     make_proposer: Callable[[DecodeSeq], Proposer]  # a sequence's, when it first steps
+    pool: KvPool
     num_draft_tokens: int = 0  # drafts verified, over the worker's life
     num_accepted_tokens: int = 0  # of those, accepted
     draft: DraftModel | None = None  # drafts from a model for the whole batch (not proposers)
@@ -61,6 +52,58 @@ class Drafting:
         self._proposers: dict[tuple[str, int], Proposer] = {}
         self.controller = SpecController(self.config.num_tokens, self.config.is_adaptive)
         self.step_rows = 0  # rows of the step just run (executor thread)
+        self._step_start = 0.0
+
+    # The step's fixed points (decode_worker/step_plugin.py).
+
+    def before_grow(self, running: Sequence[DecodeSeq]) -> None:
+        for seq in running:
+            trim(self.pool, seq, self.lookahead(seq))
+
+    def after_grow(self, running: Sequence[DecodeSeq], unused_blocks: Callable[[], int]
+                   ) -> None:
+        """Slots for each sequence's next drafts, oldest first, from blocks nobody holds
+        (a sequence without room verifies fewer)."""
+        for seq in sorted(running, key=lambda s: s.arrival):
+            want = blocks_for_tokens(seq.cache_position + 1 + self.lookahead(seq),
+                                     self.pool.block_size)
+            while len(seq.block_table) < want and unused_blocks() > 0:
+                seq.block_table += self.pool.allocator.alloc(1)
+
+    def needs_loop(self, batch: Sequence[DecodeSeq]) -> bool:
+        """A table no longer holds its next step's drafts and a block is free to give it."""
+        allocator = self.pool.allocator
+        if allocator.num_free - allocator.num_cached == 0:
+            return False
+        size = self.pool.block_size
+        return any(len(s.block_table) * size <= s.cache_position + self.lookahead(s)
+                   for s in batch)
+
+    def plan(self, rows: StepRows) -> None:
+        self._step_start = time.perf_counter()
+        rows.drafts = self.batch_drafts(rows.batch, rows.block_size)
+
+    def done(self, rows: StepRows, kept: Sequence[list[int]]) -> None:
+        self.timed(time.perf_counter() - self._step_start)
+        if rows.is_verifying:
+            self.count(rows.batch, rows.drafts, kept)
+        for seq, tokens in zip(rows.batch, kept):
+            self.kept(seq, tokens)
+
+    def forget(self, seq: DecodeSeq) -> None:
+        """A sequence left the step loop."""
+        self._proposers.pop(seq.key, None)
+        self.controller.forget(seq.key)
+        if self.draft is not None:
+            self.draft.forget(seq.key)
+
+    def moved(self, seq: DecodeSeq) -> None:
+        """A sequence's blocks changed under it (swapped back in): its draft K/V is gone."""
+        seq.draft_kv_tokens = 0  # the draft pool's pages were not swapped
+        if self.draft is not None:
+            self.draft.forget(seq.key)
+
+    # What those points use.
 
     def lookahead(self, seq: DecodeSeq) -> int:
         """Drafts `seq` may verify next step: k, but never more tokens than it may still
@@ -124,52 +167,6 @@ class Drafting:
             seq.num_accepted_tokens += accepted
             self.num_draft_tokens += len(seq_drafts)
             self.num_accepted_tokens += accepted
-
-    def forget(self, key: tuple[str, int]) -> None:
-        """A sequence (`DecodeSeq.key`) left the step loop."""
-        self._proposers.pop(key, None)
-        self.controller.forget(key)
-        if self.draft is not None:
-            self.draft.forget(key)
-
-    def moved(self, key: tuple[str, int]) -> None:
-        """A sequence's blocks changed under it (swapped back in): its draft K/V is gone."""
-        if self.draft is not None:
-            self.draft.forget(key)
-
-
-def row_inputs(batch: Sequence[DecodeSeq], drafts: Sequence[list[int]], block_size: int
-               ) -> tuple[torch.Tensor, StepInputs]:
-    """Token ids [T] and paging inputs of the rows [last token, drafts...] of every
-    sequence, in batch order: each row a one-token step of its own (`step_inputs`)."""
-    tokens: list[int] = []
-    rows: list[PagedRow] = []
-    for seq, seq_drafts in zip(batch, drafts):
-        for j, token in enumerate([seq.tokens[-1], *seq_drafts]):
-            tokens.append(token)
-            rows.append(PagedRow(seq.block_table, seq.cache_position + j,
-                                 seq.rope_position + j))
-    return torch.tensor(tokens), step_inputs(rows, block_size)
-
-
-def accept(logits: torch.Tensor, batch: Sequence[DecodeSeq], drafts: Sequence[list[int]]
-           ) -> list[list[int]]:
-    """Per sequence, the tokens its rows of `logits` [T, V] yield: the accepted drafts and the
-    target's next token, cut after a stop token or at max_new_tokens."""
-    out: list[list[int]] = []
-    row = 0
-    for seq, seq_drafts in zip(batch, drafts):
-        rows = logits[row: row + len(seq_drafts) + 1]
-        row += len(seq_drafts) + 1
-        params = seq.params or SamplingParams()  # attached: never None
-        tokens = verify(rows, seq_drafts, params, seq.output_offset + len(seq.tokens)).token_ids
-        tokens = tokens[:max(1, seq.tokens_left)]
-        for i, token in enumerate(tokens):
-            if token in seq.stop_token_ids:
-                tokens = tokens[:i + 1]
-                break
-        out.append(tokens)
-    return out
 
 
 def trim(pool: KvPool, seq: DecodeSeq, lookahead: int) -> None:

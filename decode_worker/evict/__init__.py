@@ -1,0 +1,1 @@
+"""K/V eviction in the decode step (StreamingLLM, H2O): decode_worker/evict/plugin.py."""
