@@ -38,7 +38,8 @@ from decode_worker.spec.draft_model import DraftModel
 from decode_worker.steps import StepLoop
 from kvferry.cache.allocator import IntegrityReport
 from kvferry.cache.block_queue import BlockQueue
-from kvferry.cache.layout import KvLayout, blocks_for_tokens, blocks_needed
+from kvferry.cache.budget import KvBudget
+from kvferry.cache.layout import KvLayout, blocks_for_tokens
 from kvferry.cache.pool import KvPool
 from kvferry.cache.prefix import TierTokens
 from kvferry.cache.stats import PoolStats
@@ -74,6 +75,8 @@ class DecodeEngine:
                  speculative: SpeculativeConfig | None = None, draft: DraftModel | None = None,
                  eviction: KvEvictionConfig | None = None, **prefill_options: int) -> None:
         self.model = model
+        # What a request holds at most (kvferry/cache/budget.py): the router's formula too.
+        self.kv_budget = KvBudget(eviction or KvEvictionConfig())
         self.max_model_len = max_model_len or model.config.max_position_embeddings
         self.pool = pool
         self.layout = layout
@@ -100,8 +103,7 @@ class DecodeEngine:
     @property
     def _budget_blocks(self) -> int | None:
         """Blocks a sequence holds at most under K/V eviction (None: unbounded)."""
-        eviction = self.steps.eviction
-        return None if eviction is None else eviction.budget_blocks
+        return self.kv_budget.bounded_blocks(self.pool.block_size)
 
     @property
     def kv_bytes_received(self) -> int:
@@ -152,7 +154,7 @@ class DecodeEngine:
         if self.is_draining:
             raise Unavailable("draining: this worker is shutting down")
         check_reservation(request_id, num_prompt_tokens, max_tokens, lease_s, self._seqs,
-                          self.max_model_len, self.pool, num_samples, self._budget_blocks)
+                          self.max_model_len, self.pool, num_samples, self.kv_budget)
         prompt = list(prompt_token_ids or [])
         budget = self._budget_blocks
         # A prompt past the K/V budget is evicted while prefilled (here, or by a prefill
@@ -355,8 +357,8 @@ class DecodeEngine:
             num_compiles=getattr(self.model.compiled, "num_compiles", 0),
             num_decode_steps=self.steps.num_steps,
             max_abort_delay_steps=self.steps.max_abort_delay_steps,
-            projected_blocks=sum(blocks_needed(s.num_prompt_tokens, s.max_tokens,
-                                               self.pool.block_size, s.num_samples)
+            projected_blocks=sum(self.kv_budget.blocks(s.num_prompt_tokens, s.max_tokens,
+                                                       self.pool.block_size, s.num_samples)
                                  for s in self._seqs.values()),
             prefix_cache_queries=self.pool.allocator.num_query_tokens,
             prefix_cache_hits=self.pool.allocator.num_hit_tokens,

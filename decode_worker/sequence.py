@@ -13,7 +13,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import torch
 
-from kvferry.cache.layout import blocks_for_tokens, blocks_needed
+from kvferry.cache.budget import KvBudget
 from kvferry.cache.pool import KvPool
 from kvferry.cache.prefix import NO_TIER_TOKENS, TierTokens
 from kvferry.errors import InvalidArgument, NotFound, ResourceExhausted
@@ -155,10 +155,12 @@ class Reservation(NamedTuple):
 
 def check_reservation(request_id: str, num_prompt_tokens: int, max_tokens: int, lease_s: float,
                       seqs: Mapping[str, DecodeSeq], context: int, pool: KvPool,
-                      num_samples: int = 1, budget_blocks: int | None = None) -> None:
+                      num_samples: int = 1, budget: KvBudget | None = None) -> None:
     """A Reserve's fields, each named when wrong; RESOURCE_EXHAUSTED when the request could
-    not fit in `pool` even alone. With K/V eviction (`budget_blocks` per sequence) a request
-    may run past the context: it holds its prompt's blocks, then at most the budget's."""
+    not fit in `pool` even alone (at most what `budget` says it holds). With K/V eviction a
+    request may run past the context: it holds its prompt's blocks, then at most the
+    policy's."""
+    budget = budget or KvBudget()
     if not request_id:
         raise InvalidArgument("request_id must be non-empty", "request_id")
     if request_id in seqs:
@@ -167,7 +169,7 @@ def check_reservation(request_id: str, num_prompt_tokens: int, max_tokens: int, 
         raise InvalidArgument("num_prompt_tokens must be >= 1", "num_prompt_tokens")
     if max_tokens < 1:
         raise InvalidArgument("max_tokens must be >= 1", "max_tokens")
-    if num_prompt_tokens > context or (budget_blocks is None
+    if num_prompt_tokens > context or (not budget.is_bounded
                                        and num_prompt_tokens + max_tokens > context):
         raise InvalidArgument(f"prompt {num_prompt_tokens} + max_tokens {max_tokens} exceeds "
                               f"the context of {context}", "max_tokens")
@@ -175,10 +177,7 @@ def check_reservation(request_id: str, num_prompt_tokens: int, max_tokens: int, 
         raise InvalidArgument("lease_s must be > 0", "lease_s")
     if num_samples < 1:
         raise InvalidArgument("num_samples must be >= 1", "num_samples")
-    most = blocks_needed(num_prompt_tokens, max_tokens, pool.block_size, num_samples)
-    if budget_blocks is not None:
-        most = min(most, num_samples * max(budget_blocks, blocks_for_tokens(
-            num_prompt_tokens + 1, pool.block_size)))
+    most = budget.blocks(num_prompt_tokens, max_tokens, pool.block_size, num_samples)
     if most > pool.num_usable_blocks:
         samples = f" ({num_samples} samples)" if num_samples > 1 else ""
         raise ResourceExhausted(f"request needs up to {most} K/V blocks{samples}; the pool "

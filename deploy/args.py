@@ -41,7 +41,6 @@ from kvferry.settings import (
     DEFAULT_PREFILL_TOKEN_BUDGET,
     DEFAULT_TORCH_THREADS,
     DTYPES,
-    EVICTION_POLICIES,
     KV_CACHE_DTYPES,
     KV_TRANSPORTS,
     LOAD_FORMATS,
@@ -293,10 +292,10 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, default, help_text in PublicLimits.flags():  # public input limits
         p.add_argument(flag, type=int, default=default, help=help_text)
     public_access_args(p)
-    p.add_argument("--kv-eviction", default=EVICTION_POLICIES[0], choices=EVICTION_POLICIES,
-                   help="the decode workers' --kv-eviction: under streaming or h2o, prompt + "
-                        "max_tokens may pass the model's context (a decode worker without "
-                        "the policy refuses such a request, naming the flag)")
+    eviction_args(p, "the decode workers' flag (admission counts what its policy bounds a "
+                     "request to: prompt + max_tokens may pass the pool and the model's "
+                     "context; a decode worker without the policy refuses such a request, "
+                     "naming the flag): ")
 
     p = sub.add_parser("serve", help="start router + workers on localhost until Ctrl-C")
     _deployment_args(p)
@@ -364,7 +363,7 @@ def router_settings(args: argparse.Namespace, model: str | None = None) -> Route
         api_keys=api_keys(args), is_prompt_tokens_details=args.enable_prompt_tokens_details,
         served_model_name=args.served_model_name,
         override_generation_config=args.override_generation_config,
-        load_format=args.load_format, kv_eviction=args.kv_eviction,
+        load_format=args.load_format, kv_eviction=eviction_config(args),
     )
 
 

@@ -94,7 +94,7 @@ def _deployment(args: argparse.Namespace, store_url: str | None = None):
         router_args=([] if args.metrics_port is None else ["--metrics-port",
                                                             str(args.metrics_port)])
         + security_argv(args) + public_access_argv(args) + router_flags
-        + (["--kv-eviction", args.kv_eviction] if args.kv_eviction != "none" else []),
+        + eviction_argv(args),
         worker_args=security_argv(args) + ([] if args.prefix_caching
                                            else ["--no-prefix-caching"])
         + (["--kv-transport", args.kv_transport] if args.kv_transport != "ray" else [])

@@ -87,6 +87,8 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
 def eviction_line(args: argparse.Namespace, shape: KvShape, result: Plan,
                   pool_bytes: int) -> str | None:
     """What --kv-eviction bounds a sequence to (None without a policy)."""
+    from kvferry.cache.layout import blocks_needed
+
     config = eviction_config(args)
     if not config.is_on:
         return None
@@ -94,8 +96,9 @@ def eviction_line(args: argparse.Namespace, shape: KvShape, result: Plan,
     per_block = shape.bytes_per_block(args.block_size)
     line = (f"kv eviction {config.describe()}, in whole blocks of {args.block_size}): at most "
             f"{budget} blocks, {budget * per_block:,} bytes, per sequence however long it runs; "
-            f"this request holds {min(budget, result.blocks_per_request)} of its "
-            f"{result.blocks_per_request} blocks")
+            f"this request holds {result.blocks_per_request} of the "
+            f"{blocks_needed(args.prompt_tokens, args.output_tokens, args.block_size)} blocks "
+            f"it would without eviction")
     if pool_bytes:
         line += f"; the pool holds {pool_bytes // (budget * per_block):,} sequences at the bound"
     return line
@@ -203,6 +206,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
         return run_sla_plan(args)
     from deploy.default_model import MISSING_EXIT_STATUS, DefaultModelMissing, default_gguf_path
+    from kvferry.cache.budget import KvBudget
     from kvferry.cache.capacity import format_plan, format_tiers, plan, tier_plans
     from kvferry.cache.layout import KvShape
     from kvferry.settings.sizes import AUTO, is_fraction, parse_pool_size
@@ -235,7 +239,7 @@ def run_plan(args: argparse.Namespace) -> int:
         memory = _memory_bytes(device) if is_fraction(args.pool_size) else 0
         pool_bytes = parse_pool_size(args.pool_size, memory, "pool_size")
     result = plan(shape, args.prompt_tokens, args.output_tokens, args.batch, pool_bytes,
-                  args.block_size)
+                  args.block_size, KvBudget(eviction_config(args)))
     source = (args.model or ("the given dimensions" if args.model is None and None not in dims
                              else "the default model, SmolLM2-135M-Instruct"))
     print(f"model: {source}; K/V as serve stores it on {device}")

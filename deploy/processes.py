@@ -13,6 +13,7 @@ import grpc
 from deploy.start_log import record_start
 from deploy.worker_model import build_draft, build_draft_prefill, build_model, stage_bytes
 from kvferry import trace
+from kvferry.cache.budget import KvBudget
 from kvferry.cache.layout import KvLayout
 from kvferry.faults import Faults
 from kvferry.model.config import load_model_config
@@ -226,7 +227,7 @@ async def build_router(settings: RouterSettings) -> Built:
     router = Router(config, tokenizer, workers, settings.lease_s, policy,
                     settings.local_prefill_threshold, limits=settings.limits,
                     is_prompt_tokens_details=settings.is_prompt_tokens_details,
-                    is_generation_bounded=settings.kv_eviction != "none")
+                    kv_budget=KvBudget(settings.kv_eviction))
     keys = ApiKeys(settings.api_keys)
     if keys.is_enabled and not settings.security.is_tls:
         log.warning("API keys on plaintext public ports: keys travel in the clear unless a "

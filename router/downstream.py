@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from kvferry.cache.layout import blocks_needed
+from kvferry.cache.budget import KvBudget
 from kvferry.cache.prefix import block_keys, cache_seed, max_shared_blocks
 from kvferry.errors import (
     Cancelled,
@@ -41,8 +41,10 @@ class Downstream:
     load live in `workers`; each request's progress in the `RouterRequest` a call is given."""
 
     def __init__(self, workers: WorkerSet, policy: Policy, lease_s: float,
-                 admission_timeout_s: float) -> None:
+                 admission_timeout_s: float, kv_budget: KvBudget | None = None) -> None:
         self.workers = workers
+        # What a request holds at most: the decode workers' formula (kvferry/cache/budget.py).
+        self.kv_budget = kv_budget or KvBudget()
         self.policy = policy
         self.lease_s = lease_s
         self.admission_timeout_s = admission_timeout_s
@@ -60,12 +62,20 @@ class Downstream:
         state.block_keys = block_keys(prompt, layout.block_size, seed,
                                       max_shared_blocks(len(prompt), layout.block_size))
 
-    def check_fits(self, num_prompt: int, max_tokens: int, num_samples: int = 1) -> None:
+    def need(self, num_prompt: int, max_tokens: int, block_size: int, num_samples: int = 1,
+             keeps_all: bool = False) -> int:
+        """Blocks a request holds at most on a decode worker (`keeps_all`: it opted out of
+        the deployment's K/V eviction)."""
+        return self.kv_budget.blocks(num_prompt, max_tokens, block_size, num_samples, keeps_all)
+
+    def check_fits(self, num_prompt: int, max_tokens: int, num_samples: int = 1,
+                   keeps_all: bool = False) -> None:
         """Refuse a request that no healthy decode worker could hold at its longest even with
         its whole pool free (INVALID_ARGUMENT naming the field: RESOURCE_EXHAUSTED would be
         retried, and waiting cannot make it fit). One that fits but not now waits or gets
         RESOURCE_EXHAUSTED in `reserve`. Nothing is refused before a worker reports its pool.
-        """
+        Under K/V eviction generation may pass the pool: a sequence holds the policy's
+        budget at most."""
         pools = [(w.total_blocks, w.layout.block_size)
                  for w in self.workers.healthy("decode", "colocated")
                  if w.layout is not None and w.total_blocks > 0]
@@ -76,13 +86,14 @@ class Downstream:
             raise InvalidArgument(
                 f"input: a prompt of {num_prompt} tokens does not fit the largest decode "
                 f"worker's K/V pool, which holds {capacity} tokens", "input")
-        if num_prompt + max_tokens > capacity:
+        if all(self.need(num_prompt, max_tokens, size, 1, keeps_all) > blocks
+               for blocks, size in pools):
             raise InvalidArgument(
                 f"sampling.max_tokens: prompt {num_prompt} + max_tokens {max_tokens} is more "
                 f"than the largest decode worker's K/V pool holds ({capacity} tokens); lower "
                 f"max_tokens to at most {capacity - num_prompt}", "sampling.max_tokens")
-        if num_samples > 1 and all(blocks_needed(num_prompt, max_tokens, size, num_samples)
-                                   > blocks for blocks, size in pools):
+        if num_samples > 1 and all(self.need(num_prompt, max_tokens, size, num_samples,
+                                             keeps_all) > blocks for blocks, size in pools):
             raise InvalidArgument(
                 f"sampling.n: {num_samples} samples of prompt {num_prompt} + max_tokens "
                 f"{max_tokens} are more than the largest decode worker's K/V pool holds "
@@ -92,8 +103,8 @@ class Downstream:
                       deadline: float | None) -> float:
         """Reserve on the best decode worker; returns seconds spent waiting for headroom.
         Nothing is reserved when the request was aborted before its turn."""
-        need = blocks_needed(len(prompt), max_tokens, self.workers.block_size(),
-                             state.num_samples)
+        need = self.need(len(prompt), max_tokens, self.workers.block_size(), state.num_samples,
+                         state.keeps_all_kv)
         candidates, waited = await self._admit(state, need, deadline)
         if state.is_aborted:
             # Aborted while it waited: a reservation now would only take blocks a running
@@ -144,13 +155,14 @@ class Downstream:
                                                   state.block_keys)
         return candidates, self.clock() - start
 
-    def admission_would_wait(self, num_prompt: int, max_tokens: int) -> bool:
+    def admission_would_wait(self, num_prompt: int, max_tokens: int, keeps_all: bool = False
+                             ) -> bool:
         """Headroom policy, prefill workers to prefill on, and no decode worker with room
         right now."""
         if not isinstance(self.policy, HeadroomPolicy) or not self.workers.has_prefill_workers():
             return False
         workers = self.workers.decode_workers()
-        need = blocks_needed(num_prompt, max_tokens, self.workers.block_size())
+        need = self.need(num_prompt, max_tokens, self.workers.block_size(), 1, keeps_all)
         return max(w.headroom for w in workers) < need
 
     async def abort_decode(self, state: RouterRequest) -> None:

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 from kvferry import trace
+from kvferry.cache.budget import KvBudget
 from kvferry.errors import NotFound, Unavailable
 from kvferry.model.config import ModelConfig
 from kvferry.model.sampling import FinishReason, SamplingParams
@@ -52,11 +53,11 @@ class Router:
                  local_prefill_threshold: int = 0, admission_timeout_s: float = 30.0,
                  max_migrations: int = 2, limits: PublicLimits | None = None,
                  is_prompt_tokens_details: bool = False,
-                 is_generation_bounded: bool = False) -> None:
+                 kv_budget: KvBudget | None = None) -> None:
         self.config = config
-        # The decode workers bound each sequence's K/V (--kv-eviction): generation may pass
-        # the model's context.
-        self.is_generation_bounded = is_generation_bounded
+        # What a request holds at most on a decode worker, under its --kv-eviction: with a
+        # policy generation may pass the pool and the model's context.
+        self.kv_budget = kv_budget or KvBudget()
         self.tokenizer = tokenizer
         self.limits = limits or PublicLimits()
         self.is_prompt_tokens_details = is_prompt_tokens_details
@@ -70,7 +71,8 @@ class Router:
         self.prompt_bounds = PromptBounds.of(tokenizer)  # sizes refused before tokenizing
         self.workers = workers
         policy = policy or HeadroomPolicy()
-        self.downstream = Downstream(workers, policy, lease_s, admission_timeout_s)
+        self.downstream = Downstream(workers, policy, lease_s, admission_timeout_s,
+                                     self.kv_budget)
         self.prefill = PrefillLeg(workers, policy, local_prefill_threshold)
         self.max_migrations = max_migrations
 
@@ -92,10 +94,11 @@ class Router:
                 prompt = await asyncio.get_running_loop().run_in_executor(
                     self._tokenize, validation.prompt_ids, inp, self.config, self.tokenizer)
         params = validation.resolve_sampling(inp, self.config, len(prompt), self.limits,
-                                             self.is_generation_bounded)
+                                             self.kv_budget.is_bounded)
         request_id = inp.request_id or uuid.uuid4().hex
         state = RouterRequest(self.open.downstream_id(request_id, self.instance_id),
-                              cache_salt=tenant_salt(caller.tenant, inp.cache_salt))
+                              cache_salt=tenant_salt(caller.tenant, inp.cache_salt),
+                              keeps_all_kv=params.kv_eviction == "none")
         self.open.add(caller.scope, request_id, state)
         yield request_id
         try:
@@ -132,7 +135,8 @@ class Router:
         request migrates: a new leg prefills prompt + every token streamed so far on another
         pair. However the request ends (aborted, a finish on the first token, the decode's
         finish), it leaves the loop with its `Ending`; its last chunk and DoneEvent follow."""
-        self.downstream.check_fits(len(prompt), params.max_tokens)  # before any work
+        self.downstream.check_fits(len(prompt), params.max_tokens,  # before any work
+                                   keeps_all=state.keeps_all_kv)
         detok = detok or IncrementalDetokenizer(self.tokenizer, params.stop)
         stop_ids = validation.stop_ids(params, self.config)
         generated = [] if generated is None else generated  # every token streamed so far
@@ -194,8 +198,8 @@ class Router:
         self.downstream.key_prompt(state, context)
         state.is_push_deferred = (is_first_leg and remaining > 1
                                   and len(context) >= self.prefill.local_prefill_threshold
-                                  and self.downstream.admission_would_wait(len(context),
-                                                                           remaining))
+                                  and self.downstream.admission_would_wait(
+                                      len(context), remaining, state.keeps_all_kv))
         if not state.is_push_deferred and (remaining > 1
                                            or not self.workers.has_prefill_workers()):
             timing = await self._reserve(state, context, remaining, deadline, timing)

@@ -81,7 +81,7 @@ class SampleGroup:
 
     async def run(self) -> AsyncIterator[Event]:
         self.router.downstream.check_fits(len(self.prompt), self.params.max_tokens,
-                                          self.params.n)
+                                          self.params.n, self.state.keeps_all_kv)
         try:
             async for event in self._one_leg():
                 yield event

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from kvferry.cache.layout import KvShape, blocks_needed
+from kvferry.cache.budget import KvBudget
+from kvferry.cache.layout import KvShape
 
 
 class Plan(NamedTuple):
@@ -22,10 +23,11 @@ class Plan(NamedTuple):
 
 
 def plan(shape: KvShape, prompt_tokens: int, output_tokens: int, batch: int,
-         pool_bytes: int, block_size: int) -> Plan:
+         pool_bytes: int, block_size: int, budget: KvBudget | None = None) -> Plan:
     """What `batch` requests of prompt + output tokens cost, and how many fit in the pool
-    (whole blocks: a request's last block is allocated in full). ValueError naming a bad
-    argument (block_size: a power of two, as pools require)."""
+    (whole blocks: a request's last block is allocated in full; under K/V eviction at most
+    the policy's budget, `budget`, the formula admission and the pool use). ValueError
+    naming a bad argument (block_size: a power of two, as pools require)."""
     if block_size < 1 or block_size & (block_size - 1):
         raise ValueError(f"block_size: must be a power of two, got {block_size}")
     for name, value in (("prompt_tokens", prompt_tokens), ("output_tokens", output_tokens)):
@@ -35,7 +37,7 @@ def plan(shape: KvShape, prompt_tokens: int, output_tokens: int, batch: int,
         raise ValueError(f"batch: must be >= 1, got {batch}")
     tokens = prompt_tokens + output_tokens
     per_request = shape.bytes_per_token * tokens
-    blocks = blocks_needed(prompt_tokens, output_tokens, block_size)
+    blocks = (budget or KvBudget()).blocks(prompt_tokens, output_tokens, block_size)
     pool_blocks = pool_bytes // shape.bytes_per_block(block_size)
     return Plan(shape.bytes_per_token, tokens, per_request, per_request * batch, blocks,
                 pool_blocks, pool_blocks // blocks if blocks else 0)

@@ -445,14 +445,12 @@ class RouterSettings:
     override_generation_config: str | None = None  # JSON over the checkpoint's sampling
     # defaults (kvferry/settings/sampling.py), as vLLM's flag of that name
     load_format: str = LOAD_FORMATS[0]  # the workers' (it is part of the model's fingerprint)
-    # The decode workers' --kv-eviction: under a policy a sequence's K/V is bounded, so
-    # prompt + max_tokens may pass the model's context (the prompt itself must fit it).
-    kv_eviction: str = EVICTION_POLICIES[0]
+    # The decode workers' --kv-eviction and its sizes: under a policy a sequence's K/V is
+    # bounded, so prompt + max_tokens may pass the pool and the model's context (the prompt
+    # itself must fit them); admission counts the policy's budget (kvferry/cache/budget.py).
+    kv_eviction: KvEvictionConfig = field(default_factory=KvEvictionConfig)
 
     def __post_init__(self) -> None:
-        if self.kv_eviction not in EVICTION_POLICIES:
-            raise ValueError(f"kv_eviction: expected one of {', '.join(EVICTION_POLICIES)}, "
-                             f"got {self.kv_eviction!r}")
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise ValueError("served_model_name: must not be empty")
         SamplingDefaults().overridden(self.override_generation_config)  # ValueError naming it

@@ -19,6 +19,7 @@ import torch
 from deploy import cli, client
 from deploy.args import build_parser
 from deploy.launcher import Deployment
+from kvferry.cache.layout import KvShape
 from kvferry.errors import InvalidArgument
 from kvferry.faults import tag
 from kvferry.model.config import load_model_config
@@ -55,6 +56,33 @@ def test_streaming_eviction_serves_far_past_its_budget(qwen3_deployment: Deploym
         assert evicted >= written - BUDGET_BLOCKS, (evicted, written)
         assert_pools_clean(deployment)
         assert_alive(deployment)
+
+
+def test_generation_several_times_the_decode_pool_completes_token_exact(
+        qwen3_checkpoint: Path, qwen3_deployment: Deployment) -> None:
+    """The decode worker restarted with a pool of 12 blocks (192 tokens) and streaming
+    eviction (5 blocks a sequence), behind a router told the same policy: 40 prompt tokens
+    and 800 more (4.4 times the pool) are admitted (the router counts the policy's budget,
+    kvferry/cache/budget.py, as the pool does), every token arrives, equal to the in-process
+    engine's with the same policy and pool, and the pool is free afterwards. (A router not
+    told of the policy refuses such a request: tests/kvferry/cache/test_budget.py.)"""
+    deployment = qwen3_deployment
+    config = load_model_config(qwen3_checkpoint)
+    per_block = KvShape(config.num_layers, config.num_kv_heads, config.head_dim,
+                        "float32").bytes_per_block(BLOCK_SIZE)
+    flags = ["--kv-pool-size", str(12 * per_block), *POLICIES["streaming"]]
+    prompt = [17 + i % 270 for i in range(40)]
+    model = Transformer(config, get_attention_backend("torch"), torch.float32,
+                        torch.device("cpu"))
+    eviction = KvEvictionConfig("streaming", sink_tokens=4, window_tokens=60)
+    want = serve_local(cpu_engine(model, BLOCK_SIZE, 12, eviction=eviction), prompt, 800)[0]
+    request = client.make_request(prompt, temperature=0.0, max_tokens=800, ignore_eos=True)
+    request.cache_salt = "past-the-pool"
+    with (reconfigured(deployment, ["decode-0"], flags),
+          routed(deployment, "router-evicting", POLICIES["streaming"]) as view):
+        got = asyncio.run(client.generate(view.router_address, request, 300))
+        assert got.finished is not None and got.token_ids == want and len(want) == 800
+        assert_pools_clean(deployment)
 
 
 POLICIES = {

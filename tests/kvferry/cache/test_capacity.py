@@ -102,14 +102,19 @@ def test_plan_sizes_each_tier(qwen3_checkpoint: Path, capsys: pytest.CaptureFixt
 def test_plan_shows_the_bound_under_streaming_eviction(qwen3_checkpoint: Path,
                                                        capsys: pytest.CaptureFixture) -> None:
     """Sinks 4 and window 60 tokens are 1 + 4 blocks of 16 (4,096 bytes a token: 65,536 a
-    block), however long the request: 20,100 tokens would take 1,257 blocks."""
+    block), however long the request: 20,100 tokens would take 1,257 blocks. The prompt and
+    its first decode slot take 7 (a prompt pushed whole is bounded at its first step): what
+    the request holds at most, as admission and the pool count it (kvferry/cache/budget.py),
+    so 256 MiB (4,096 blocks) holds 585 such requests."""
     assert main(["plan", "--model", str(qwen3_checkpoint), "--dtype", "float32",
                  "--prompt-tokens", "100", "--output-tokens", "20000", "--pool-size",
                  "256MiB", "--kv-eviction", "streaming", "--kv-sink-tokens", "4",
                  "--kv-window-tokens", "60"]) == 0
     out = capsys.readouterr().out
     assert ("at most 5 blocks, 327,680 bytes, per sequence however long it runs; this request "
-            "holds 5 of its 1257 blocks; the pool holds 819 sequences at the bound") in out
+            "holds 7 of the 1257 blocks it would without eviction; the pool holds 819 sequences "
+            "at the bound") in out
+    assert "7 blocks per request, pool holds 4,096 blocks -> 585 requests fit" in out
 
 
 def test_plan_shows_the_bound_under_h2o(qwen3_checkpoint: Path,
