@@ -12,32 +12,29 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 
 from kvferry import trace
 from kvferry.cache.budget import KvBudget
 from kvferry.errors import NotFound, Unavailable
 from kvferry.model.config import ModelConfig
-from kvferry.model.sampling import FinishReason, SamplingParams
+from kvferry.model.sampling import FinishReason
 from kvferry.settings import DEFAULT_LEASE_S
 from kvferry.settings.limits import PublicLimits
-from router import validation
+from router.admission import Admission
 from router.decode_client import StreamBroken, next_update
 from router.detok import IncrementalDetokenizer
 from router.downstream import Downstream
 from router.events import ChunkEvent, DoneEvent, Ending, Timing
-from router.identity import ANONYMOUS, Caller, tenant_salt
+from router.identity import ANONYMOUS, Caller
 from router.policy import HeadroomPolicy, Policy
 from router.prefill_leg import PrefillLeg
-from router.prompt_bounds import PromptBounds, check_prompt_bounds
 from router.records import DecodeStart, FirstToken
-from router.request import OpenRequests, RouterRequest, remaining_s
+from router.request import Admitted, OpenRequests, RouterRequest, remaining_s
 from router.sample_group import SampleGroup
 from router.validation import GenerateInput
 from router.worker_set import WorkerSet
 
 log = logging.getLogger("kvferry.router")
-TOKENIZE_QUEUE = 2  # prompts queued on the tokenizer thread at once
 
 
 class Router:
@@ -60,15 +57,10 @@ class Router:
         self.kv_budget = kv_budget or KvBudget()
         self.tokenizer = tokenizer
         self.limits = limits or PublicLimits()
+        self.admission = Admission(config, tokenizer, self.limits, self.kv_budget)
         self.is_prompt_tokens_details = is_prompt_tokens_details
         self.instance_id = uuid.uuid4().hex[:12]
         self.open = OpenRequests(self.limits.max_streams)
-        # Tokenization and chat templates run here, one at a time, off the event loop.
-        self._tokenize = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
-        # Prompts handed to that thread at once: the rest wait here, where a client that
-        # leaves costs nothing, instead of in the executor's unbounded queue.
-        self._tokenize_slots = asyncio.Semaphore(TOKENIZE_QUEUE)
-        self.prompt_bounds = PromptBounds.of(tokenizer)  # sizes refused before tokenizing
         self.workers = workers
         policy = policy or HeadroomPolicy()
         self.downstream = Downstream(workers, policy, lease_s, admission_timeout_s,
@@ -82,29 +74,16 @@ class Router:
                        ) -> AsyncIterator[ChunkEvent | DoneEvent | str]:
         """Yields the request id first, then chunks, then exactly one DoneEvent per sample
         (one sample unless sampling.n asks for more: router/sample_group.py)."""
-        received = time.perf_counter()
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        validation.check_limits(inp, self.config, self.limits)
-        check_prompt_bounds(inp, self.config.max_position_embeddings, self.limits,
-                            self.prompt_bounds)
-        if inp.token_ids is not None:  # no tokenizer work: checked right here
-            prompt = validation.prompt_ids(inp, self.config, self.tokenizer)
-        else:
-            async with self._tokenize_slots:
-                prompt = await asyncio.get_running_loop().run_in_executor(
-                    self._tokenize, validation.prompt_ids, inp, self.config, self.tokenizer)
-        params = validation.resolve_sampling(inp, self.config, len(prompt), self.limits,
-                                             self.kv_budget.is_bounded)
-        request_id = inp.request_id or uuid.uuid4().hex
+        job = await self.admission.admit(inp, timeout_s, caller)
+        request_id = job.public_id or uuid.uuid4().hex
         state = RouterRequest(self.open.downstream_id(request_id, self.instance_id),
-                              cache_salt=tenant_salt(caller.tenant, inp.cache_salt),
-                              keeps_all_kv=params.kv_eviction == "none")
+                              cache_salt=job.cache_salt, keeps_all_kv=job.keeps_all_kv)
         self.open.add(caller.scope, request_id, state)
         yield request_id
         try:
             await self.workers.revive()
-            run = (self.run_one(state, prompt, params, received, deadline) if params.n == 1
-                   else SampleGroup(self, state, prompt, params, received, deadline).run())
+            run = (self.run_one(state, job) if job.params.n == 1
+                   else SampleGroup(self, state, job).run())
             async for event in run:
                 if isinstance(event, DoneEvent) and self.is_prompt_tokens_details:
                     event = event._replace(cached_prompt_tokens=state.num_cached_tokens,
@@ -126,19 +105,19 @@ class Router:
             except asyncio.CancelledError:
                 pass  # the release goes on by itself
 
-    async def run_one(self, state: RouterRequest, prompt: list[int], params: SamplingParams,
-                   received: float, deadline: float | None, generated: list[int] | None = None,
-                   detok: IncrementalDetokenizer | None = None
-                   ) -> AsyncIterator[ChunkEvent | DoneEvent]:
+    async def run_one(self, state: RouterRequest, job: Admitted,
+                      generated: list[int] | None = None,
+                      detok: IncrementalDetokenizer | None = None
+                      ) -> AsyncIterator[ChunkEvent | DoneEvent]:
         """Legs of reserve -> prefill -> first token -> decode (from `generated`, with
         `detok`: a sample going on alone, sample_group.py). When a decode worker dies the
         request migrates: a new leg prefills prompt + every token streamed so far on another
         pair. However the request ends (aborted, a finish on the first token, the decode's
         finish), it leaves the loop with its `Ending`; its last chunk and DoneEvent follow."""
+        prompt, params, deadline = job.prompt, job.params, job.deadline
         self.downstream.check_fits(len(prompt), params.max_tokens,  # before any work
-                                   keeps_all=state.keeps_all_kv)
+                                   keeps_all=job.keeps_all_kv)
         detok = detok or IncrementalDetokenizer(self.tokenizer, params.stop)
-        stop_ids = validation.stop_ids(params, self.config)
         generated = [] if generated is None else generated  # every token streamed so far
         timing = Timing(0.0, 0.0, 0.0, 0.0, 0.0)  # num_migrations counts the legs after the first
         ending = Ending()  # aborted, unless the loop finds otherwise
@@ -149,14 +128,14 @@ class Router:
                                                deadline, timing)
             if state.is_aborted:
                 break
-            first_msg, timing = await self.first_token(state, context, params, deadline,
-                                                        len(generated), received, timing)
+            first_msg, timing = await self.first_token(state, job, context, len(generated),
+                                                        timing)
             if first_msg is None:
                 break
             first = first_msg.token_id
             generated.append(first)
             step = detok.add([first])
-            is_stop = step.is_stopped or first in stop_ids
+            is_stop = step.is_stopped or first in job.stop_ids
             if is_stop or remaining == 1:
                 ending = Ending(FinishReason.STOP if is_stop else FinishReason.LENGTH, [first],
                                 step.text, step.is_stopped)
@@ -175,8 +154,8 @@ class Router:
                 if not timing.num_migrations:
                     timing = timing._replace(kv_transfer_s=done_msg.kv_transfer_s)
                 decoded = Ending(always_chunk=False)
-                async for event in self._decode(state, params, stop_ids, detok, deadline,
-                                                generated, remaining, decoded):
+                async for event in self._decode(state, job, detok, generated, remaining,
+                                                decoded):
                     yield event
                 ending = decoded
                 break
@@ -211,22 +190,22 @@ class Router:
         waited = await self.downstream.reserve(state, context, remaining, deadline)
         return timing._replace(admission_wait_s=timing.admission_wait_s + waited)
 
-    async def first_token(self, state: RouterRequest, context: list[int],
-                           params: SamplingParams, deadline: float | None,
-                           num_generated: int, received: float, timing: Timing
-                           ) -> tuple[FirstToken | None, Timing]:
-        """Prefill this leg up to its first token: the prefill's answer (None: aborted), and
-        `timing` with the first leg's queue, prefill and TTFT."""
+    async def first_token(self, state: RouterRequest, job: Admitted, context: list[int],
+                          num_generated: int, timing: Timing
+                          ) -> tuple[FirstToken | None, Timing]:
+        """Prefill this leg (`context`: the prompt and every token streamed so far) up to its
+        first token: the prefill's answer (None: aborted), and `timing` with the first leg's
+        queue, prefill and TTFT."""
         if not num_generated:
-            timing = timing._replace(queue_s=time.perf_counter() - received)
-        first_msg = await self.prefill.first_token(state, context, params, deadline,
+            timing = timing._replace(queue_s=time.perf_counter() - job.received)
+        first_msg = await self.prefill.first_token(state, context, job.params, job.deadline,
                                                    num_generated)
         if first_msg is None:
             return None, timing
         state.last_token_s = time.monotonic()
         if not num_generated:
             timing = timing._replace(prefill_s=first_msg.prefill_s,
-                                     time_to_first_token_s=time.perf_counter() - received)
+                                     time_to_first_token_s=time.perf_counter() - job.received)
             state.num_cached_tokens = first_msg.num_cached_tokens
             state.cached_by_tier = first_msg.cached_by_tier
         else:  # a migrated leg: Usage counts the first leg's cache; the log shows this one's
@@ -254,9 +233,8 @@ class Router:
         state.holds_decode = state.is_decoding = False
         state.decode_cached_blocks = 0
 
-    async def _decode(self, state: RouterRequest, params: SamplingParams,
-                      stop_ids: list[int], detok: IncrementalDetokenizer,
-                      deadline: float | None, generated: list[int], remaining: int,
+    async def _decode(self, state: RouterRequest, job: Admitted,
+                      detok: IncrementalDetokenizer, generated: list[int], remaining: int,
                       ending: Ending) -> AsyncIterator[ChunkEvent]:
         """Stream one decode leg: its tokens' chunks, each token appended to `generated`;
         how it ended goes into `ending` (aborted unless told otherwise)."""
@@ -265,8 +243,8 @@ class Router:
         if client is None:
             raise Unavailable("decode reservation lost")
         start = DecodeStart(
-            request_id=state.request_id, first_token_id=generated[-1], sampling=params,
-            max_new_tokens=remaining - 1, stop_token_ids=stop_ids,
+            request_id=state.request_id, first_token_id=generated[-1], sampling=job.params,
+            max_new_tokens=remaining - 1, stop_token_ids=list(job.stop_ids),
             num_generated=len(generated) - 1,
         )
         if state.is_aborted:  # aborted between the push and the decode: never start it
@@ -277,7 +255,7 @@ class Router:
         updates = client.start(start)
         try:
             while True:
-                update = await next_update(updates, remaining_s(deadline))
+                update = await next_update(updates, remaining_s(job.deadline))
                 ids = update.token_ids
                 state.last_token_s = update.received_s
                 if ids:

@@ -1,16 +1,43 @@
-"""One request's state in the router, shared by the engine (its flow) and `Downstream` (its
-calls to the workers); the table of the router's open requests; and the deadline arithmetic
-they use."""
+"""A request in the router: its record, built once at the edge (`Admitted`,
+router/admission.py) and read by every leg; its state downstream, shared by the engine (its
+flow) and `Downstream` (its calls to the workers); the table of the router's open requests;
+and the deadline arithmetic they use."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
 from kvferry.cache.prefix import TierTokens
 from kvferry.errors import InvalidArgument, ResourceExhausted
+from kvferry.model.sampling import SamplingParams
 from router.prefill_client import PrefillCall
 from router.workers import Worker
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A public request as its legs read it, validated (router/admission.py)."""
+
+    public_id: str  # the client's request id ("": one is minted when it is opened)
+    prompt: list[int]
+    params: SamplingParams  # resolved: max_tokens set, checked against the prompt
+    stop_ids: tuple[int, ...]  # token ids that end generation (eos unless ignore_eos)
+    received: float  # time.perf_counter() at arrival: queue and TTFT count from it
+    deadline: float | None  # time.monotonic() past which the request fails
+    cache_salt: str  # the prefix-cache namespace (a tenant's keyed salt, router/identity.py)
+
+    @property
+    def keeps_all_kv(self) -> bool:
+        """It opted out of the deployment's K/V eviction (kv_eviction "none")."""
+        return self.params.kv_eviction == "none"
+
+    def sample(self, index: int) -> Admitted:
+        """Sample `index` of a request of several, going on as a request of its own (seed
+        + index, one sample)."""
+        return dataclasses.replace(
+            self, params=dataclasses.replace(self.params.for_sample(index), n=1))
 
 
 @dataclass(slots=True)

@@ -17,19 +17,17 @@ them at once; seeding keeps every sample's tokens what they would have been.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvferry.errors import Unavailable
-from kvferry.model.sampling import FinishReason, SamplingParams
-from router import validation
+from kvferry.model.sampling import FinishReason
 from router.decode_client import StreamBroken, next_update
 from router.detok import IncrementalDetokenizer
 from router.events import ChunkEvent, DoneEvent, Ending, Timing
 from router.records import DecodeFinished, DecodeStart
-from router.request import RouterRequest, remaining_s
+from router.request import Admitted, RouterRequest, remaining_s
 
 Event = ChunkEvent | DoneEvent
 
@@ -46,15 +44,13 @@ class Router(Protocol):
                             is_first_leg: bool, deadline: float | None, timing: Timing
                             ) -> Timing: ...
 
-    async def first_token(self, state: RouterRequest, context: list[int],
-                          params: SamplingParams, deadline: float | None, num_generated: int,
-                          received: float, timing: Timing) -> tuple[Any, Timing]: ...
+    async def first_token(self, state: RouterRequest, job: Admitted, context: list[int],
+                          num_generated: int, timing: Timing) -> tuple[Any, Timing]: ...
 
     def lose_decode(self, state: RouterRequest, exc: StreamBroken, migrations: int
                     ) -> None: ...
 
-    def run_one(self, state: RouterRequest, prompt: list[int], params: SamplingParams,
-                received: float, deadline: float | None, generated: list[int] | None = None,
+    def run_one(self, state: RouterRequest, job: Admitted, generated: list[int] | None = None,
                 detok: IncrementalDetokenizer | None = None) -> AsyncIterator[Event]: ...
 
 
@@ -69,19 +65,19 @@ class _Sample:
 class SampleGroup:
     """One request of `params.n` samples, from its reservation to its last DoneEvent."""
 
-    def __init__(self, router: Router, state: RouterRequest, prompt: list[int],
-                 params: SamplingParams, received: float, deadline: float | None) -> None:
-        self.router, self.state, self.prompt = router, state, prompt
-        self.params, self.received, self.deadline = params, received, deadline
+    def __init__(self, router: Router, state: RouterRequest, job: Admitted) -> None:
+        self.router, self.state, self.job = router, state, job
+        self.prompt, self.params, self.deadline = job.prompt, job.params, job.deadline
+        params = job.params
         state.num_samples = params.n
-        self.stop_ids = validation.stop_ids(params, router.config)
+        self.stop_ids = job.stop_ids
         self.samples = [_Sample(i, IncrementalDetokenizer(router.tokenizer, params.stop))
                         for i in range(params.n)]
         self.timing = Timing(0.0, 0.0, 0.0, 0.0, 0.0)
 
     async def run(self) -> AsyncIterator[Event]:
         self.router.downstream.check_fits(len(self.prompt), self.params.max_tokens,
-                                          self.params.n, self.state.keeps_all_kv)
+                                          self.params.n, self.job.keeps_all_kv)
         try:
             async for event in self._one_leg():
                 yield event
@@ -114,8 +110,8 @@ class SampleGroup:
                                                   False, self.deadline, self.timing)
         if state.is_aborted:
             return
-        first_msg, self.timing = await router.first_token(
-            state, self.prompt, params, self.deadline, 0, self.received, self.timing)
+        first_msg, self.timing = await router.first_token(state, self.job, self.prompt, 0,
+                                                          self.timing)
         if first_msg is None:
             return
         firsts = [first_msg.token_id, *first_msg.sample_token_ids]
@@ -160,7 +156,7 @@ class SampleGroup:
         state.is_decoding = True
         updates = client.start(DecodeStart(
             state.request_id, firsts[0], self.params, self.params.max_tokens - 1,
-            self.stop_ids, 0, tuple(firsts[1:])))
+            list(self.stop_ids), 0, tuple(firsts[1:])))
         for sample in self.samples:
             if sample.is_done:  # ended at its first token: the worker need not decode it
                 client.abort_sample_on_stream(state.request_id, sample.index)
@@ -213,10 +209,9 @@ class SampleGroup:
         state = RouterRequest(f"{parent.request_id}#{sample.index}",
                               cache_salt=parent.cache_salt, is_aborted=parent.is_aborted)
         parent.sub_requests.append(state)
-        params = dataclasses.replace(self.params.for_sample(sample.index), n=1)
         try:
-            async for event in router.run_one(state, self.prompt, params, self.received,
-                                           self.deadline, sample.generated, sample.detok):
+            async for event in router.run_one(state, self.job.sample(sample.index),
+                                              sample.generated, sample.detok):
                 if isinstance(event, DoneEvent):
                     sample.is_done = True
                     timing = event.timing._replace(
