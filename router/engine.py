@@ -105,8 +105,7 @@ class Router:
             except asyncio.CancelledError:
                 pass  # the release goes on by itself
 
-    async def run_one(self, state: RouterRequest, job: Admitted,
-                      generated: list[int] | None = None,
+    async def run_one(self, state: RouterRequest, job: Admitted, generated: list[int] | None = None,
                       detok: IncrementalDetokenizer | None = None
                       ) -> AsyncIterator[ChunkEvent | DoneEvent]:
         """Legs of reserve -> prefill -> first token -> decode (from `generated`, with
