@@ -380,15 +380,15 @@ class WorkerSettings:
         if self.cuda_graphs not in CUDA_GRAPH_MODES:
             raise ValueError(f"cuda_graphs: expected on or off, got {self.cuda_graphs!r}")
         if self.speculative.draft_kv == "ship" and self.kv_transport != "grpc":
-            raise ValueError(f"speculative_draft_kv: ship sends the draft's pages over the grpc "
-                             f"K/V transport, not {self.kv_transport}; use recompute")
+            raise ValueError(f"speculative_draft_kv: ship sends the draft's pages over "
+                             f"--kv-transport grpc, not {self.kv_transport}; use recompute")
         if self.kv_eviction.is_on:
             _check_eviction(self)
         if self.tensor_parallel_size != 1:
             _check_tensor_parallel(self)
         if self.speculative.is_on and self.decode_stage_mib:
-            raise ValueError("decode_stage_mib: speculative decoding reads the pages; give 0 "
-                             "or leave it unset")
+            raise ValueError("decode_stage_mib: speculative decoding (--speculative-method) "
+                             "reads the pages; give 0 or leave it unset")
         if self.decode_stage_mib is not None and self.decode_stage_mib < 0:
             raise ValueError(f"decode_stage_mib: must be >= 0, got {self.decode_stage_mib}")
         if self.kv_max_resends < 0:

@@ -85,6 +85,32 @@ def test_generation_several_times_the_decode_pool_completes_token_exact(
         assert_pools_clean(deployment)
 
 
+def test_eviction_over_nixl_is_token_exact(qwen3_checkpoint: Path,
+                                           qwen3_nixl_deployment: Deployment) -> None:
+    """Over NIXL the prefill worker prefills the prompt whole and the decode worker reads its
+    pages, then bounds the sequence before its first step: with a prompt inside the budget
+    (40 tokens, 5 blocks of 16 kept) and 300 tokens generated past it, the tokens are the
+    in-process engine's with the same policy, and every pool is clean."""
+    deployment = qwen3_nixl_deployment
+    names = ["decode-0", "decode-1"]
+    flags = ["--speculative-method", "off", *POLICIES["streaming"]]
+    prompt = [19 + i % 260 for i in range(40)]
+    model = Transformer(load_model_config(qwen3_checkpoint), get_attention_backend("torch"),
+                        torch.float32, torch.device("cpu"))
+    eviction = KvEvictionConfig("streaming", sink_tokens=4, window_tokens=60)
+    want = serve_local(cpu_engine(model, BLOCK_SIZE, 64, eviction=eviction), prompt, 300)[0]
+    request = client.make_request(prompt, temperature=0.0, max_tokens=300, ignore_eos=True)
+    request.cache_salt = "eviction-over-nixl"
+    with (reconfigured(deployment, names, flags),
+          routed(deployment, "router-evicting-nixl", POLICIES["streaming"]) as view):
+        got = asyncio.run(client.generate(view.router_address, request, 300))
+        assert got.finished is not None and got.token_ids == want
+        evicted = sum(value(scrape(p.metrics_port), "kvferry_kv_evicted_blocks_total")
+                      for p in deployment.processes if p.name in names)
+        assert evicted >= -(-(len(prompt) + 299) // BLOCK_SIZE) - BUDGET_BLOCKS
+        assert_pools_clean(deployment)
+
+
 POLICIES = {
     "streaming": ["--kv-eviction", "streaming", "--kv-sink-tokens", "4",
                   "--kv-window-tokens", "60"],
