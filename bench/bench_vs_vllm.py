@@ -45,7 +45,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, NamedTuple, NoReturn
+from typing import Any, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script too
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "kernels"))
@@ -56,6 +56,7 @@ from bench.vllm_peer import (  # noqa: E402
     VLLM_ENV,
     VLLM_SERVE_ARGS,
     VLLM_VERSION,
+    ScriptParser,
     ensure_vllm,
     run_child,
     tail,
@@ -281,15 +282,10 @@ def _engine(engine: str, vllm: Path | None, model: str, args: argparse.Namespace
 
 # ---- command line ---------------------------------------------------------------------------
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        print(f"bench_vs_vllm: {message}", file=sys.stderr)
-        raise SystemExit(2)
-
-
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parsed and checked arguments; bad input: one line on stderr, SystemExit(2)."""
-    p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ScriptParser(prog="bench_vs_vllm", description=__doc__,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny", help=BENCH_MODEL_HELP)
     p.add_argument("--engines", default=",".join(ENGINES),
                    help="comma-separated subset of vllm,disagg,colocated")

@@ -57,7 +57,7 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
-from typing import Any, NamedTuple, NoReturn
+from typing import Any, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script too
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "kernels"))
@@ -69,6 +69,7 @@ from bench.vllm_peer import (  # noqa: E402
     VLLM_ENV,
     VLLM_SERVE_ARGS,
     VLLM_VERSION,
+    ScriptParser,
     ensure_vllm,
     stop_group,
     tail,
@@ -429,15 +430,10 @@ def run_all(args: argparse.Namespace, model: str, vllm: Path | None, work: Workl
 
 # ---- command line ---------------------------------------------------------------------------
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        print(f"bench_vs_vllm_defaults: {message}", file=sys.stderr)
-        raise SystemExit(2)
-
-
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parsed and checked arguments; bad input: one line on stderr naming the flag, exit 2."""
-    p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ScriptParser(prog="bench_vs_vllm_defaults", description=__doc__,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="default", help=BENCH_MODEL_HELP)
     p.add_argument("--engines", default=",".join(ENGINES), help="comma-separated: vllm,kvferry")
     p.add_argument("--repeats", type=int, default=3)

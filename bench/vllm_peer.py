@@ -5,16 +5,19 @@ group is stopped however the benchmark ends. Used by bench/bench_vs_vllm.py."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import shlex
 import signal
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NoReturn
 
 from kvferry.rpc.grpc_util import free_port
 from kvferry.settings import KVFERRY_HOME
@@ -164,3 +167,12 @@ def vllm_server(vllm: Path, model: str, log: Path) -> Iterator[str]:
         yield url
     finally:
         stop_group(proc)
+
+
+class ScriptParser(argparse.ArgumentParser):
+    """The comparison scripts' parser: bad input is one line on stderr, `prog: message`, and
+    exit status 2 (argparse prints the usage too)."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{self.prog}: {message}", file=sys.stderr)
+        raise SystemExit(2)

@@ -58,6 +58,17 @@ def test_streaming_eviction_serves_far_past_its_budget(qwen3_deployment: Deploym
         assert_alive(deployment)
 
 
+def _streaming_in_process(checkpoint: Path, prompt: list[int], max_tokens: int,
+                          num_blocks: int = 64) -> list[int]:
+    """Greedy tokens of the in-process engine under POLICIES["streaming"], on a float32 pool
+    of `num_blocks` blocks."""
+    model = Transformer(load_model_config(checkpoint), get_attention_backend("torch"),
+                        torch.float32, torch.device("cpu"))
+    eviction = KvEvictionConfig("streaming", sink_tokens=4, window_tokens=60)
+    engine = cpu_engine(model, BLOCK_SIZE, num_blocks, eviction=eviction)
+    return serve_local(engine, prompt, max_tokens)[0]
+
+
 def test_generation_several_times_the_decode_pool_completes_token_exact(
         qwen3_checkpoint: Path, qwen3_deployment: Deployment) -> None:
     """The decode worker restarted with a pool of 12 blocks (192 tokens) and streaming
@@ -72,10 +83,7 @@ def test_generation_several_times_the_decode_pool_completes_token_exact(
                         "float32").bytes_per_block(BLOCK_SIZE)
     flags = ["--kv-pool-size", str(12 * per_block), *POLICIES["streaming"]]
     prompt = [17 + i % 270 for i in range(40)]
-    model = Transformer(config, get_attention_backend("torch"), torch.float32,
-                        torch.device("cpu"))
-    eviction = KvEvictionConfig("streaming", sink_tokens=4, window_tokens=60)
-    want = serve_local(cpu_engine(model, BLOCK_SIZE, 12, eviction=eviction), prompt, 800)[0]
+    want = _streaming_in_process(qwen3_checkpoint, prompt, 800, num_blocks=12)
     request = client.make_request(prompt, temperature=0.0, max_tokens=800, ignore_eos=True)
     request.cache_salt = "past-the-pool"
     with (reconfigured(deployment, ["decode-0"], flags),
@@ -95,10 +103,7 @@ def test_eviction_over_nixl_is_token_exact(qwen3_checkpoint: Path,
     names = ["decode-0", "decode-1"]
     flags = ["--speculative-method", "off", *POLICIES["streaming"]]
     prompt = [19 + i % 260 for i in range(40)]
-    model = Transformer(load_model_config(qwen3_checkpoint), get_attention_backend("torch"),
-                        torch.float32, torch.device("cpu"))
-    eviction = KvEvictionConfig("streaming", sink_tokens=4, window_tokens=60)
-    want = serve_local(cpu_engine(model, BLOCK_SIZE, 64, eviction=eviction), prompt, 300)[0]
+    want = _streaming_in_process(qwen3_checkpoint, prompt, 300)
     request = client.make_request(prompt, temperature=0.0, max_tokens=300, ignore_eos=True)
     request.cache_salt = "eviction-over-nixl"
     with (reconfigured(deployment, names, flags),

@@ -26,6 +26,7 @@ from kvferry.model.transformer import Transformer
 from kvferry.settings import parse_batch_sizes
 from kvferry_kernels import artifact_cache
 from kvferry_kernels.dispatch import get_attention_backend
+from tests.kvferry.model.builds import Built, build
 
 BUCKETS = (1, 2)
 STEPS = 10
@@ -59,29 +60,20 @@ def _decode_all(model: Transformer, pool: KvPool) -> list[list[int]]:
     return tokens
 
 
-class Built(NamedTuple):
-    checkpoint: Path
-    compiled: CompiledDecode  # the first start's: every bucket built into an empty cache
-    cache: Path
-
-
-def _build(checkpoint: Path, cache: Path) -> Built:
-    model = Transformer(load_model_config(checkpoint), get_attention_backend("torch"))
-    compiled = compile_decode(model, "default", BUCKETS, cache)
-    assert compiled is not None and model.compiled is compiled
-    return Built(checkpoint, compiled, cache)
+def _compile(model: Transformer, cache: Path) -> CompiledDecode | None:
+    return compile_decode(model, "default", BUCKETS, cache)
 
 
 # The tests that compile (a minute or more each on 2 cores) run in the full tier only. Qwen3's
 # first build is shared by the module's tests (each compile is ~20 s of the machine).
 @pytest.fixture(scope="module")
-def qwen3_built(qwen3_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Built:
-    return _build(qwen3_checkpoint, tmp_path_factory.mktemp("compile-cache"))
+def qwen3_built(request: pytest.FixtureRequest) -> Built:
+    return build(request, "qwen3", _compile)
 
 
 @pytest.fixture(scope="module")
-def llama_built(llama_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Built:
-    return _build(llama_checkpoint, tmp_path_factory.mktemp("compile-cache"))
+def llama_built(request: pytest.FixtureRequest) -> Built:
+    return build(request, "llama", _compile)
 
 
 @pytest.mark.slow

@@ -31,6 +31,7 @@ from kvferry.model.compiled import (
 from kvferry.model.config import load_model_config
 from kvferry.model.transformer import Transformer
 from kvferry_kernels.dispatch import get_attention_backend
+from tests.kvferry.model.builds import Built, build
 from tests.kvferry.model.test_compiled import PROMPTS, STEPS, _decode_all
 
 MAX_ROWS = 40  # above _decode_all's prompts (31 tokens) and PACKED (35): LONG runs eagerly
@@ -40,33 +41,26 @@ PACKED = [(list(range(10, 27)), 0), ([5, 9, 200, 7, 3], 0), (list(range(40, 73))
 LONG = list(range(3, 3 + MAX_ROWS + 5))
 
 
-class Built(NamedTuple):
-    checkpoint: Path
-    compiled: CompiledForward  # the first start's: built into an empty cache
-    cache: Path
-
-
 def _pool(model: Transformer) -> KvPool:
     cfg = model.config
     return KvPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 16, 64, torch.float32)
 
 
-def _build(checkpoint: Path, cache: Path) -> Built:
-    model = Transformer(load_model_config(checkpoint), get_attention_backend("torch"))
+def _compile(model: Transformer, cache: Path) -> CompiledForward:
     compiled = compile_model(model, DYNAMIC, cache_dir=cache, max_rows=MAX_ROWS)
-    assert isinstance(compiled, CompiledForward) and model.compiled is compiled
-    return Built(checkpoint, compiled, cache)
+    assert isinstance(compiled, CompiledForward)
+    return compiled
 
 
 # Each build (~20 s of the machine) is shared by the module's tests, full tier only.
 @pytest.fixture(scope="module")
-def qwen3_dynamic(qwen3_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Built:
-    return _build(qwen3_checkpoint, tmp_path_factory.mktemp("compile-cache"))
+def qwen3_dynamic(request: pytest.FixtureRequest) -> Built:
+    return build(request, "qwen3", _compile)
 
 
 @pytest.fixture(scope="module")
-def llama_dynamic(llama_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Built:
-    return _build(llama_checkpoint, tmp_path_factory.mktemp("compile-cache"))
+def llama_dynamic(request: pytest.FixtureRequest) -> Built:
+    return build(request, "llama", _compile)
 
 
 class Prefilled(NamedTuple):
