@@ -21,7 +21,7 @@ Runs (each a fresh deployment of --model, 1 prefill + 1 decode worker, --kv-pool
               pools empty): the turns after the restart hit on disk.
   store       host + --kv-store-url (a Valkey server this script starts).
   prefix-2p2d, priced-2p2d   host tiers on 2 prefill + 2 decode workers, the router's
-              `prefix` policy against `priced` (router/priced_policy.py).
+              `prefix` policy against `priced` (router/policies/priced.py).
 Figures per run: TTFT p50 and p99, prompt tokens computed (prompt minus cached, as the router
 reports them), hit rate (cached / prompt tokens, turns 2 on), tokens served per tier (the
 workers' TierStats), and for `disk` the hit rate before and after the restart. Each run is

@@ -133,7 +133,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _starting_line(deployment) -> str:
     """What serve says at once, so that the model loading that follows is not silence."""
-    from router.openai_schema import served_model_name
+    from router.http.schema import served_model_name
 
     workers = (f"{deployment.num_decode} colocated worker(s)" if deployment.is_colocated else
                f"{deployment.num_prefill} prefill + {deployment.num_decode} decode worker(s)")

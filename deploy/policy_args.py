@@ -1,5 +1,5 @@
 """The router's worker-choice flags (`--policy` and the prefix policy's cost weights,
-router/policy.py), and the settings fields they fill: one place for `deploy.args`."""
+router/policies/routing.py), and the settings fields they fill: one place for `deploy.args`."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from kvferry.settings import (
 
 def policy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default=POLICIES[0], choices=POLICIES,
-                   help="prefix: cached blocks and load, in blocks (router/policy.py); "
+                   help="prefix: cached blocks and load, in blocks (router/policies/routing.py); "
                         "priced: the same in seconds, each cache tier priced by what the "
-                        "workers measure (router/priced_policy.py); headroom, round_robin, "
+                        "workers measure (router/policies/priced.py); headroom, round_robin, "
                         "least_requests: no cache")
     p.add_argument("--prefix-weight", type=float, default=DEFAULT_PREFIX_WEIGHT,
                    help="prefix policy: cost of each prompt block not cached on a decode "

@@ -24,8 +24,8 @@ from kvferry.transfer.sender import KvSender
 
 if TYPE_CHECKING:
     from router.engine import Router
-    from router.http_front import HttpFront
-    from router.worker_set import WorkerSet
+    from router.http.front import HttpFront
+    from router.workers.registry import WorkerSet
 
 log = logging.getLogger("kvferry")
 
@@ -212,10 +212,10 @@ async def build_router(settings: RouterSettings) -> Built:
 
     from router import server as router_server
     from router.engine import Router
+    from router.http.schema import served_model_name
     from router.identity import ApiKeys
-    from router.leases import renew_loop
-    from router.openai_schema import served_model_name
     from router.policies import make_policy
+    from router.workers.leases import renew_loop
 
     config = load_model_config(settings.model, settings.override_generation_config,
                                settings.load_format)
@@ -247,7 +247,7 @@ async def build_router(settings: RouterSettings) -> Built:
                              require_client_auth=settings.is_public_client_auth)
     http = None
     if settings.http_port is not None:
-        from router.http_front import HttpFront
+        from router.http.front import HttpFront
 
         http = HttpFront(router, settings.model, settings.host, settings.http_port,
                          settings.security, settings.is_public_client_auth, router_metrics,
@@ -267,7 +267,7 @@ async def _router_workers(settings: RouterSettings, fingerprint: str,
                           creds: security.Credentials) -> tuple[WorkerSet, list[asyncio.Task]]:
     """The router's workers, connected and refreshed once, and the task that rediscovers
     them by DNS (when named by a headless Service)."""
-    from router.worker_set import WorkerSet
+    from router.workers.registry import WorkerSet
 
     workers = WorkerSet.connect(list(settings.prefill), list(settings.decode), fingerprint,
                                 list(settings.colocated), creds)
@@ -275,7 +275,7 @@ async def _router_workers(settings: RouterSettings, fingerprint: str,
                                                ("decode", settings.decode_dns)) if name}
     tasks = []
     if dns_names:
-        from router.discovery import discover_once, discovery_loop
+        from router.workers.discovery import discover_once, discovery_loop
 
         await discover_once(workers, dns_names)
         tasks.append(asyncio.create_task(

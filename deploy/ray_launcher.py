@@ -31,7 +31,7 @@ from kvferry.transfer.ray.send import NAMESPACE, ChunkAck, PushBegun
 from kvferry.transfer.wire import ChunkSpan
 
 if TYPE_CHECKING:
-    from router.worker_set import WorkerSet
+    from router.workers.registry import WorkerSet
 
 log = logging.getLogger("kvferry.ray")
 
@@ -135,7 +135,7 @@ class ServerActor:
     async def set_workers(self, role: str, addresses: list[str]) -> None:
         """A router's workers of `role` become exactly `addresses`: a new one is connected,
         one no longer named gets no new request and is dropped once nothing is open there
-        (router.worker_set.WorkerSet.sync_role). Only Ray's authenticated members can call
+        (router.workers.registry.WorkerSet.sync_role). Only Ray's authenticated members can call
         an actor, so this needs no port of its own."""
         workers = self._router_workers()
         self._named[role] = set(addresses)

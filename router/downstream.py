@@ -3,7 +3,7 @@ headroom, reserving on the best decode worker, aborting and releasing there. Wor
 and calls only: the request's flow and state belong to `router.engine.Router` (its prefill leg
 to `router.prefill_leg.PrefillLeg`), which passes each call the request's `RouterRequest`.
 
-The RPCs go through the client adapters (`router.decode_client`); their failures arrive here
+The RPCs go through the client adapters (`router.workers.decode_client`); their failures arrive here
 as `kvferry.errors`, whose classes decide what to try next.
 """
 
@@ -25,10 +25,10 @@ from kvferry.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from router.policy import HeadroomPolicy, Policy
+from router.policies.routing import HeadroomPolicy, Policy
 from router.request import RouterRequest, remaining_s
-from router.worker_set import WorkerSet
-from router.workers import Worker
+from router.workers.registry import WorkerSet
+from router.workers.worker import Worker
 
 log = logging.getLogger("kvferry.router")
 

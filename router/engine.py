@@ -21,18 +21,18 @@ from kvferry.model.sampling import FinishReason
 from kvferry.settings import DEFAULT_LEASE_S
 from kvferry.settings.limits import PublicLimits
 from router.admission import Admission
-from router.decode_client import StreamBroken, next_update
 from router.detok import IncrementalDetokenizer
 from router.downstream import Downstream
 from router.events import ChunkEvent, DoneEvent, Ending, Timing
 from router.identity import ANONYMOUS, Caller
-from router.policy import HeadroomPolicy, Policy
+from router.policies.routing import HeadroomPolicy, Policy
 from router.prefill_leg import PrefillLeg
 from router.records import DecodeStart, FirstToken
 from router.request import Admitted, OpenRequests, RouterRequest, remaining_s
 from router.sample_group import SampleGroup
 from router.validation import GenerateInput
-from router.worker_set import WorkerSet
+from router.workers.decode_client import StreamBroken, next_update
+from router.workers.registry import WorkerSet
 
 log = logging.getLogger("kvferry.router")
 

@@ -18,13 +18,13 @@ from typing import TypeVar
 
 from kvferry.errors import KvferryError, NotFound, Unavailable
 from kvferry.model.sampling import SamplingParams
-from router.decode_client import StreamBroken
-from router.policy import Policy
-from router.prefill_client import PrefillCall
+from router.policies.routing import Policy
 from router.records import FirstToken, PrefillDone, PrefillStart
 from router.request import RouterRequest, remaining_s
-from router.worker_set import WorkerSet
-from router.workers import Worker
+from router.workers.decode_client import StreamBroken
+from router.workers.prefill_client import PrefillCall
+from router.workers.registry import WorkerSet
+from router.workers.worker import Worker
 
 log = logging.getLogger("kvferry.router")
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from kvferry.cache.prefix import TierTokens
 from kvferry.errors import InvalidArgument, ResourceExhausted
 from kvferry.model.sampling import SamplingParams
-from router.prefill_client import PrefillCall
-from router.workers import Worker
+from router.workers.prefill_client import PrefillCall
+from router.workers.worker import Worker
 
 
 @dataclass(frozen=True)

@@ -23,11 +23,11 @@ from typing import Any, Protocol
 
 from kvferry.errors import Unavailable
 from kvferry.model.sampling import FinishReason
-from router.decode_client import StreamBroken, next_update
 from router.detok import IncrementalDetokenizer
 from router.events import ChunkEvent, DoneEvent, Ending, Timing
 from router.records import DecodeFinished, DecodeStart
 from router.request import Admitted, RouterRequest, remaining_s
+from router.workers.decode_client import StreamBroken, next_update
 
 Event = ChunkEvent | DoneEvent
 

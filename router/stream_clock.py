@@ -1,6 +1,6 @@
 """Client-visible timings of one public request, recorded into the router's Prometheus
 metrics (kvferry/rpc/metrics.py). One clock per request, whichever front served it (the
-gRPC Generate stream, router/server.py, or the HTTP API, router/http_front.py), so both
+gRPC Generate stream, router/server.py, or the HTTP API, router/http/front.py), so both
 fill the same histograms and counters."""
 
 from __future__ import annotations

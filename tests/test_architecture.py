@@ -41,7 +41,7 @@ PROTOBUF_HOMES = (
     # Each K/V transport's two ends (kvferry/transfer/<name>/): KvTransferService's clients
     # and servers. The transport-neutral modules beside them (sender, sink, wire) hold none.
     "kvferry/transfer/*/*",
-    "router/*_client.py",  # the router's clients of PrefillService and DecodeService
+    "router/workers/*client.py",  # the router's clients of PrefillService and DecodeService
     "deploy/client.py",  # client of the public GenerationService
     "deploy/loadgen/runner.py",  # the load generator's GenerationService client
 )
@@ -52,8 +52,8 @@ PROTOBUF_HOMES = (
 GRPC_HOMES = (
     *PROTOBUF_HOMES,
     "kvferry/transfer/*",  # the K/V transports' ends, and the registry that adds them
-    "router/public_errors.py", "router/openai_errors.py",  # the public statuses
-    "router/http_front.py",  # the HTTP edge (statuses named for the failure metrics)
+    "router/public_errors.py", "router/http/errors.py",  # the public statuses
+    "router/http/front.py",  # the HTTP edge (statuses named for the failure metrics)
     "deploy/*",  # the command line: public-API clients, servers started in processes
 )
 # Files are sized by what they hold: past this many lines a file gets a warning to look at,

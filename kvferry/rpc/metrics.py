@@ -200,7 +200,7 @@ class ReportedKeys(Protocol):
 
 
 class RouterWorkerView(Protocol):
-    """What the router believes about one worker (`router.workers.Worker` is one), read at
+    """What the router believes about one worker (`router.workers.worker.Worker` is one), read at
     scrape time from the metrics thread: plain fields only, nothing iterated."""
 
     @property

@@ -42,7 +42,7 @@ DEFAULT_DECODE_STAGE_MIB: int | None = None
 DEFAULT_KV_MAX_RESENDS = 2
 DEFAULT_LEASE_S = 30.0  # a decode reservation waits this long for its K/V
 DEFAULT_DNS_INTERVAL_S = 5.0
-# The router's OpenAI-compatible HTTP API (router/http_front.py): off in library use and for
+# The router's OpenAI-compatible HTTP API (router/http/front.py): off in library use and for
 # `kvferry router` unless --http-port is given; `kvferry serve` opens it here (vLLM's port).
 DEFAULT_HTTP_PORT = 8000
 DEFAULT_TORCH_THREADS = 0  # 0: torch's default (every core)
@@ -83,11 +83,12 @@ CUDA_GRAPH_MODES = ("on", "off")
 # auto: the checkpoint's safetensors; dummy: seeded random weights of the config's shapes made
 # on the device (vLLM's --load-format dummy), to measure a model whose weights are not here
 LOAD_FORMATS = ("auto", "dummy")
-POLICIES = ("prefix", "headroom", "round_robin", "least_requests",  # router/policy.py
-            "priced")  # router/priced_policy.py
-# The prefix policy's cost weights (router/policy.py, which says how each was measured): per
-# prompt block not cached on a decode worker (a block pushed) or on a prefill worker (a block
-# computed), and per block of load there; headroom for the request stays a hard constraint.
+POLICIES = ("prefix", "headroom", "round_robin", "least_requests",  # router/policies/routing.py
+            "priced")  # router/policies/priced.py
+# The prefix policy's cost weights (router/policies/routing.py, which says how each was
+# measured): per prompt block not cached on a decode worker (a block pushed) or on a prefill
+# worker (a block computed), and per block of load there; headroom for the request stays a
+# hard constraint.
 DEFAULT_PREFIX_WEIGHT = 16.0
 DEFAULT_PREFILL_PREFIX_WEIGHT = 4.0
 DEFAULT_LOAD_WEIGHT = 1.0

@@ -22,7 +22,7 @@ class PublicLimits:
     max_streams: int = 1024  # open requests, gRPC streams and HTTP together
     max_chat_messages: int = 1024  # messages of one chat conversation
     max_samples: int = 16  # SamplingParams.n, OpenAI's n
-    # The HTTP front's connections (router/http_conn.py): bytes of a request head, seconds to
+    # The HTTP front's connections (router/http/conn.py): bytes of a request head, seconds to
     # receive one (and the longest gap inside a body), connections open at once (fewer where
     # the file-descriptor limit could not hold them), seconds an idle keep-alive one stays.
     http_max_header_bytes: int = 64 << 10

@@ -93,7 +93,7 @@ class Block(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, Block())
 import deploy.args, deploy.cli, deploy.processes
 import kvferry.model.checkpoint, kvferry.transfer.grpc.send
-import router.server, router.http_front, router.discovery
+import router.server, router.http.front, router.workers.discovery
 import prefill_worker.server, decode_worker.server
 import kvferry.transfer.nixl.send, kvferry.transfer.nixl.receive, nixl_cu12._api
 from kvferry_kernels.dispatch import get_attention_backend

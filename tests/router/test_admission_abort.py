@@ -9,10 +9,10 @@ import asyncio
 
 from kvferry.cache.layout import KvLayout
 from router.downstream import Downstream
-from router.policy import HeadroomPolicy
+from router.policies.routing import HeadroomPolicy
 from router.request import RouterRequest
-from router.worker_set import WorkerSet
-from router.workers import Worker
+from router.workers.registry import WorkerSet
+from router.workers.worker import Worker
 from tests.waiting import until, within
 
 LAYOUT = KvLayout(2, 2, 64, 16, "bfloat16", "fp")

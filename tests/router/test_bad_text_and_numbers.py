@@ -19,9 +19,9 @@ from kvferry.model.config import ModelConfig
 from kvferry.settings import SecuritySettings
 from kvferry.v1 import generation_pb2
 from router.engine import Router
-from router.http_front import HttpFront
+from router.http.front import HttpFront
 from router.server import _input
-from router.worker_set import WorkerSet
+from router.workers.registry import WorkerSet
 
 VOCAB = 512
 CONFIG = ModelConfig(

@@ -9,8 +9,8 @@ import pytest
 
 from deploy import client
 from deploy.launcher import _spawn
-from router.discovery import discover_once, resolve, split_host_port
-from router.worker_set import WorkerSet
+from router.workers.discovery import discover_once, resolve, split_host_port
+from router.workers.registry import WorkerSet
 
 
 def test_workers_follow_the_resolved_addresses() -> None:
@@ -71,7 +71,7 @@ def test_router_discovers_workers_by_dns(qwen3_checkpoint: Path, tmp_path: Path)
 def test_a_worker_that_leaves_with_requests_open_is_kept_until_they_end(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Left: never chosen again, dropped once idle; named again before that: back."""
-    from router import worker_set
+    from router.workers import registry as worker_set
 
     asked = []
 

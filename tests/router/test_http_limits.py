@@ -24,8 +24,8 @@ from kvferry.settings import SecuritySettings
 from kvferry.settings.limits import PublicLimits
 from kvferry.settings.sampling import KVFERRY_DEFAULTS
 from router.events import ChunkEvent, DoneEvent, Timing
-from router.http_body import BodyParser, BodyRefusal, count_roles, parse_json
-from router.http_front import HttpFront
+from router.http.body import BodyParser, BodyRefusal, count_roles, parse_json
+from router.http.front import HttpFront
 from router.prompt_bounds import PromptBounds, check_prompt_bounds
 from router.validation import ChatMessage, GenerateInput
 from tests.waiting import DEADLINE_S, within

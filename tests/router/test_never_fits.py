@@ -16,10 +16,10 @@ from kvferry.errors import InvalidArgument
 from kvferry.settings import SecuritySettings
 from router.downstream import Downstream
 from router.engine import Router
-from router.http_front import HttpFront
-from router.policy import HeadroomPolicy
-from router.worker_set import WorkerSet
-from router.workers import Worker
+from router.http.front import HttpFront
+from router.policies.routing import HeadroomPolicy
+from router.workers.registry import WorkerSet
+from router.workers.worker import Worker
 from tests.router.test_bad_text_and_numbers import CONFIG, FakeTokenizer
 
 LAYOUT = KvLayout(2, 2, 32, 16, "float32", "fp")

@@ -21,7 +21,7 @@ from kvferry.settings import SecuritySettings
 from kvferry.settings.limits import PublicLimits
 from kvferry.settings.sampling import KVFERRY_DEFAULTS
 from router.events import ChunkEvent, DoneEvent, Timing
-from router.http_front import HttpFront
+from router.http.front import HttpFront
 from router.identity import ANONYMOUS, Caller
 from router.request import OpenRequests
 from router.validation import GenerateInput

@@ -1,6 +1,6 @@
 """OpenAI request bodies -> the router engine's GenerateInput, parameter names in refusals, and
-failures -> OpenAI error objects with their HTTP status (router/openai_schema.py,
-router/openai_errors.py)."""
+failures -> OpenAI error objects with their HTTP status (router/http/schema.py,
+router/http/errors.py)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pydantic import ValidationError
 
 from kvferry.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from kvferry.model.sampling import DEFAULT_MAX_TOKENS, SamplingParams
-from router.openai_errors import failure
-from router.openai_schema import (
+from router.http.errors import failure
+from router.http.schema import (
     ChatCompletionRequest,
     CompletionRequest,
     body_error,

@@ -9,8 +9,8 @@ import pytest
 from kvferry.rpc.convert import stats_from_proto
 from kvferry.v1 import worker_pb2
 from router.policies import make_policy
-from router.policy import HeadroomPolicy, LeastRequestsPolicy, RoundRobinPolicy
-from router.workers import Worker
+from router.policies.routing import HeadroomPolicy, LeastRequestsPolicy, RoundRobinPolicy
+from router.workers.worker import Worker
 
 
 def _worker(name: str, total: int = 100, projected: int = 0, pending_tokens: int = 0,

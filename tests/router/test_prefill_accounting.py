@@ -12,12 +12,12 @@ import grpc
 from kvferry.model.sampling import SamplingParams
 from kvferry.rpc.grpc_util import from_rpc
 from router.downstream import Downstream
-from router.policy import HeadroomPolicy
+from router.policies.routing import HeadroomPolicy
 from router.prefill_leg import PrefillLeg
 from router.records import FirstToken, PrefillDone, PrefillStart
 from router.request import RouterRequest
-from router.worker_set import WorkerSet
-from router.workers import Worker
+from router.workers.registry import WorkerSet
+from router.workers.worker import Worker
 
 
 class _Call:

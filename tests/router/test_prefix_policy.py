@@ -1,5 +1,5 @@
 """Routing on the workers' prefix caches with fake workers: the cost
-formula of router/policy.py, and the router's mirror of each worker's cache index (events,
+formula of router/policies/routing.py, and the router's mirror of each worker's cache index (events,
 snapshots, out-of-order answers, predictions)."""
 
 from __future__ import annotations
@@ -25,14 +25,14 @@ from kvferry.cache.stats import PoolStats
 from kvferry.rpc import convert
 from kvferry.settings import DEMAND_TAU_S, RouterSettings
 from kvferry.v1 import worker_pb2
-from router import cache_mirror
 from router.downstream import Downstream
 from router.policies import make_policy
-from router.policy import HeadroomPolicy, PrefixPolicy
+from router.policies.routing import HeadroomPolicy, PrefixPolicy
 from router.request import RouterRequest
-from router.worker_client import WorkerClient
-from router.worker_set import WorkerSet
-from router.workers import Worker
+from router.workers import cache_mirror
+from router.workers.client import WorkerClient
+from router.workers.registry import WorkerSet
+from router.workers.worker import Worker
 
 BLOCK = 16
 LAYOUT = KvLayout(2, 2, 64, BLOCK, "bfloat16", "fp")

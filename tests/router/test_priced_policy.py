@@ -20,11 +20,11 @@ from kvferry.cache.prefix import (
     max_shared_blocks,
 )
 from kvferry.cache.stats import PoolStats, TierState, TierStats
-from router.cache_mirror import StoreMirror
 from router.policies import make_policy
-from router.policy import PrefixPolicy
-from router.priced_policy import PricedPolicy
-from router.workers import Worker
+from router.policies.priced import PricedPolicy
+from router.policies.routing import PrefixPolicy
+from router.workers.cache_mirror import StoreMirror
+from router.workers.worker import Worker
 
 BLOCK = 16
 LAYOUT = KvLayout(2, 2, 64, BLOCK, "bfloat16", "fp")

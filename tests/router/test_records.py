@@ -15,14 +15,14 @@ from kvferry.errors import Unavailable
 from kvferry.model.sampling import FinishReason
 from kvferry.rpc import convert
 from kvferry.v1 import worker_pb2
-from router import decode_client
-from router.decode_client import _update_from_proto
 from router.downstream import Downstream
-from router.policy import HeadroomPolicy
+from router.policies.routing import HeadroomPolicy
 from router.records import DecodeFinished, DecodeUpdate
-from router.worker_client import stats_from_reply
-from router.worker_set import WorkerSet
-from router.workers import Worker
+from router.workers import decode_client
+from router.workers.client import stats_from_reply
+from router.workers.decode_client import _update_from_proto
+from router.workers.registry import WorkerSet
+from router.workers.worker import Worker
 
 
 def _layout(block_size: int) -> KvLayout:

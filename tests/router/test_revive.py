@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
-from router.worker_set import WorkerSet
-from router.workers import Worker
+from router.workers.registry import WorkerSet
+from router.workers.worker import Worker
 from tests.waiting import until, within
 
 

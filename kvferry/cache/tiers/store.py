@@ -259,7 +259,7 @@ class StoreTier:
     def removed(self, key: bytes, error: Exception) -> None:
         """A value found gone or corrupt: credited to no worker. Reported even when this
         worker never reported the key: the router credits a store key any worker wrote to
-        every worker (`router.cache_mirror.StoreMirror`)."""
+        every worker (`router.workers.cache_mirror.StoreMirror`)."""
         if "evicted" not in str(error):
             self.num_corrupt += 1
             log.warning("store K/V tier: block %s dropped (%s); it is recomputed",

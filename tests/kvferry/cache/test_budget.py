@@ -20,9 +20,9 @@ from kvferry.cache.pool import KvPool
 from kvferry.errors import InvalidArgument, ResourceExhausted
 from kvferry.settings import KvEvictionConfig
 from router.downstream import Downstream
-from router.policy import HeadroomPolicy
-from router.worker_set import WorkerSet
-from router.workers import Worker
+from router.policies.routing import HeadroomPolicy
+from router.workers.registry import WorkerSet
+from router.workers.worker import Worker
 
 BLOCK_SIZE = 16
 POLICIES = {

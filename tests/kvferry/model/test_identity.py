@@ -24,10 +24,10 @@ from kvferry.model.config import load_model_config
 from kvferry.model.transformer import Transformer
 from kvferry_kernels import artifact_cache
 from kvferry_kernels.dispatch import get_attention_backend
-from router import worker_set as router_workers
 from router.records import WorkerStats
-from router.worker_set import WorkerSet
-from router.workers import Worker
+from router.workers import registry as router_workers
+from router.workers.registry import WorkerSet
+from router.workers.worker import Worker
 from tests.kvferry.model.test_compiled import copying
 
 EDGE_BYTES = 1 << 16  # what the old fingerprint read at each end of a weight file

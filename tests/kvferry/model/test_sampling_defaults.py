@@ -17,7 +17,7 @@ from kvferry.model.config import load_model_config
 from kvferry.rpc.convert import sampling_from_proto
 from kvferry.settings.sampling import KVFERRY_DEFAULTS, SamplingDefaults
 from kvferry.v1 import generation_pb2
-from router.openai_schema import ChatCompletionRequest
+from router.http.schema import ChatCompletionRequest
 
 
 def test_generation_config_fields_and_overrides() -> None:

@@ -9,8 +9,8 @@ from prometheus_client import CollectorRegistry
 from kvferry.cache.prefix import CacheEvent, EventsSince
 from kvferry.cache.stats import PoolStats
 from kvferry.rpc.metrics import RouterWorkersCollector
-from router.worker_set import WorkerSet
-from router.workers import Worker
+from router.workers.registry import WorkerSet
+from router.workers.worker import Worker
 
 KEYS = [bytes([i]) * 16 for i in range(8)]
 

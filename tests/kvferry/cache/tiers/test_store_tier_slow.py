@@ -25,7 +25,7 @@ from kvferry.cache.tiers import codec, store
 from kvferry.cache.tiers.host import HostTier, block_nbytes
 from kvferry.cache.tiers.store import StoreTier
 from kvferry.cache.tiers.tiered import TieredCache
-from router.cache_mirror import CacheMirror, StoreMirror
+from router.workers.cache_mirror import CacheMirror, StoreMirror
 from tests.waiting import until
 
 BLOCK = 4

@@ -2,11 +2,11 @@
 process's own event loop, beside the gRPC server (`HttpFront.start` / `stop`).
 
 Like router/server.py it only translates. Bodies become `GenerateInput`s
-(router/openai_schema.py) and run through the router engine and its validation, as gRPC
+(router/http/schema.py) and run through the router engine and its validation, as gRPC
 Generates do; the engine's events become JSON bodies or server-sent events
-(router/http_stream.py, router/openai_reply.py); a failure becomes an OpenAI error object
+(router/http/stream.py, router/http/reply.py); a failure becomes an OpenAI error object
 carrying the message a gRPC client would get, the parameter named as the client sent it, and the
-HTTP status of its gRPC code (router/openai_errors.py).
+HTTP status of its gRPC code (router/http/errors.py).
 
 A stream's headers wait for the request's first event, so a refusal before any token
 (validation, overload) gets its own status; a later failure arrives as an error event. Every
@@ -43,9 +43,18 @@ from kvferry.rpc.grpc_util import PUBLIC_MAX_RECEIVE_BYTES
 from kvferry.rpc.metrics import RouterMetrics
 from kvferry.settings import SecuritySettings
 from router.engine import Router
-from router.http_body import BodyParser, BodyRefusal
-from router.http_conn import ConnectionLimits, bounded_protocol, fd_bounded_connections
-from router.http_stream import (
+from router.http.body import BodyParser, BodyRefusal
+from router.http.conn import ConnectionLimits, bounded_protocol, fd_bounded_connections
+from router.http.errors import ApiError, api_error, failure
+from router.http.reply import Reply, model_list_json
+from router.http.schema import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIRequest,
+    body_error,
+    served_model_name,
+)
+from router.http.stream import (
     ClientGone,
     Event,
     EventStream,
@@ -55,15 +64,6 @@ from router.http_stream import (
     until_disconnect,
 )
 from router.identity import ApiKeys, Caller
-from router.openai_errors import ApiError, api_error, failure
-from router.openai_reply import Reply, model_list_json
-from router.openai_schema import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    OpenAIRequest,
-    body_error,
-    served_model_name,
-)
 from router.stream_clock import StreamClock
 
 log = logging.getLogger("kvferry.router")
@@ -191,7 +191,7 @@ class HttpFront:
         return await self._generate(request, body, "cmpl-")
 
     async def _body(self, request: Request, model: type[R]) -> R | Response:
-        """The body as `model`, or the response refusing it (router/http_body.py: large
+        """The body as `model`, or the response refusing it (router/http/body.py: large
         bodies are parsed off the event loop, and what comes back is bounded)."""
         data = await self._bodies.read(request)
         if isinstance(data, BodyRefusal):

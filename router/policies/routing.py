@@ -27,10 +27,10 @@ to load scorers with weights):
 - used_blocks: total_blocks - headroom, the blocks that every known and in-flight request
   there may grow to hold; pending_prompt_tokens: prompt tokens queued or sent to prefill there.
 - recent_demand_blocks: the blocks of the requests this router sent the worker, each decayed
-  by exp(-age / 10 s) (`router.workers.RecentDemand`). Chats come back to the worker holding their
-  history, so this is the load a worker's cache draws; it decides where a new conversation
-  starts (no worker holds its prefix, so only load separates them), where the blocks in use
-  at that instant would leave it to chance.
+  by exp(-age / 10 s) (`router.workers.worker.RecentDemand`). Chats come back to the worker
+  holding their history, so this is the load a worker's cache draws; it decides where a new
+  conversation starts (no worker holds its prefix, so only load separates them), where the
+  blocks in use at that instant would leave it to chance.
 - Weights: `--prefix-weight` (default 16), `--prefill-prefix-weight` (default 4),
   `--load-weight` (default 1) and `--demand-weight` (default 0.25: a block of history weighs
   64 blocks of recent demand, so a conversation leaves its history only for a worker whose
@@ -60,7 +60,7 @@ from kvferry.settings import (
     DEFAULT_PREFILL_PREFIX_WEIGHT,
     DEFAULT_PREFIX_WEIGHT,
 )
-from router.workers import Worker
+from router.workers.worker import Worker
 
 
 class Policy(Protocol):

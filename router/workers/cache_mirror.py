@@ -1,6 +1,6 @@
 """The router's mirror of one worker's prefix-cache index, for the `prefix` policy.
 
-A `CacheMirror` is owned by its `router.workers.Worker`; it holds the block keys the worker
+A `CacheMirror` is owned by its `router.workers.worker.Worker`; it holds the block keys the worker
 reported (from its cache events), the cursor of the last event applied, and the keys the
 router predicts the worker holds. Every GetStats sends the cursor and gets the events after
 it (keys stored, keys evicted), or a snapshot of every key when the worker no longer has them

@@ -8,7 +8,7 @@ import logging
 import socket
 from collections.abc import Awaitable, Callable
 
-from router.worker_set import WorkerSet
+from router.workers.registry import WorkerSet
 
 log = logging.getLogger("kvferry.router")
 

@@ -16,9 +16,9 @@ from starlette.types import Receive, Scope, Send
 
 from kvferry.errors import Internal
 from router.events import ChunkEvent, DoneEvent
-from router.openai_errors import failure
-from router.openai_reply import SSE_DONE, Reply
-from router.openai_schema import OpenAIRequest
+from router.http.errors import failure
+from router.http.reply import SSE_DONE, Reply
+from router.http.schema import OpenAIRequest
 from router.stream_clock import StreamClock
 
 log = logging.getLogger("kvferry.router")

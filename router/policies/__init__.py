@@ -9,14 +9,14 @@ from kvferry.settings import (
     DEFAULT_PREFIX_WEIGHT,
 )
 from kvferry.settings import POLICIES as POLICY_NAMES
-from router.policy import (
+from router.policies.priced import PricedPolicy
+from router.policies.routing import (
     HeadroomPolicy,
     LeastRequestsPolicy,
     Policy,
     PrefixPolicy,
     RoundRobinPolicy,
 )
-from router.priced_policy import PricedPolicy
 
 # Keyed by kvferry.settings.POLICIES, the names flags and settings accept, in their order.
 POLICIES: dict[str, type[Policy]] = {

@@ -1,7 +1,7 @@
 """All of the router's workers (`WorkerSet`): connected, checked for compatibility with the
 served model (layout, fingerprint), refreshed (health, then stats) and revived; the
-healthy ones of each role, for the policies (`router.policy`). One worker's view is
-`router.workers.Worker`."""
+healthy ones of each role, for the policies (`router.policies.routing`). One worker's view is
+`router.workers.worker.Worker`."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 from kvferry.cache.layout import KvLayout
 from kvferry.errors import KvferryError, Unavailable
 from kvferry.rpc import security
-from router import worker_client
-from router.cache_mirror import StoreMirror
-from router.decode_client import DecodeClient
-from router.prefill_client import PrefillClient
-from router.workers import Worker
+from router.workers import client as worker_client
+from router.workers.cache_mirror import StoreMirror
+from router.workers.decode_client import DecodeClient
+from router.workers.prefill_client import PrefillClient
+from router.workers.worker import Worker
 
 log = logging.getLogger("kvferry.router")
 

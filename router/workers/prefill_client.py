@@ -13,7 +13,7 @@ from kvferry.cache.prefix import TierTokens
 from kvferry.rpc import convert, grpc_util
 from kvferry.v1 import worker_pb2, worker_pb2_grpc
 from router.records import FirstToken, PrefillDone, PrefillStart
-from router.worker_client import WorkerClient
+from router.workers.client import WorkerClient
 
 
 class PrefillCall:

@@ -35,8 +35,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvferry.cache.prefix import Tier
-from router.policy import PrefixPolicy
-from router.workers import Worker
+from router.policies.routing import PrefixPolicy
+from router.workers.worker import Worker
 
 
 def _block_bytes(worker: Worker) -> int:

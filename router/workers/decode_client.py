@@ -24,7 +24,7 @@ from kvferry.model.sampling import FinishReason
 from kvferry.rpc import convert, grpc_util
 from kvferry.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 from router.records import DecodeFinished, DecodeStart, DecodeUpdate
-from router.worker_client import WorkerClient
+from router.workers.client import WorkerClient
 
 
 class StreamBroken(Unavailable):

@@ -1,5 +1,5 @@
-"""The router's view of its workers: channels and their RPC clients (`router.prefill_client`,
-`router.decode_client`, `router.worker_client`), layouts, load telemetry, in-flight accounting.
+"""The router's view of one worker: its channel and RPC clients (`prefill_client.py`,
+`decode_client.py`, `client.py` beside it), layout, load telemetry, in-flight accounting.
 
 Telemetry (GetStats) is refreshed periodically and is always a little stale, so the router
 also counts what it sent each worker since: a request's projected blocks and prompt tokens are
@@ -10,7 +10,7 @@ sees each other and spreads out. A prefill worker's entry goes as soon as its pr
 pending work for it (`RouterRequest.drop_prefill_worker`).
 
 Each worker's prefix-cache index is mirrored here for the `prefix` policy, by a
-`router.cache_mirror.CacheMirror` per worker (`Worker.cache`): the keys its cache events
+`router.workers.cache_mirror.CacheMirror` per worker (`Worker.cache`): the keys its cache events
 reported, the cursor every GetStats sends, and the keys predicted from requests sent there.
 """
 
@@ -27,10 +27,10 @@ from kvferry.cache.prefix import Tier
 from kvferry.cache.stats import PoolStats, TierState, TierStats
 from kvferry.errors import Unavailable
 from kvferry.settings import DEMAND_TAU_S
-from router.cache_mirror import CacheMirror, StoreMirror
-from router.decode_client import DecodeClient
-from router.prefill_client import PrefillClient
-from router.worker_client import Channel
+from router.workers.cache_mirror import CacheMirror, StoreMirror
+from router.workers.client import Channel
+from router.workers.decode_client import DecodeClient
+from router.workers.prefill_client import PrefillClient
 
 log = logging.getLogger("kvferry.router")
 
@@ -40,7 +40,7 @@ LINK_EWMA_WEIGHT = 0.2
 
 @dataclass(slots=True)
 class RecentDemand:
-    """A decode worker's recent demand, for the `prefix` policy (router/policy.py): the
+    """A decode worker's recent demand, for the `prefix` policy (router/policies/routing.py): the
     blocks of the requests the router sent it, each decayed by exp(-age / DEMAND_TAU_S).
     Chats come back to the worker holding their history, so this is the load a worker's
     cache draws; it decides where a new conversation starts."""
@@ -88,7 +88,7 @@ class Worker:
     refuse_reason: str = ""
     cache: CacheMirror = field(default_factory=CacheMirror)  # its prefix-cache index
     demand: RecentDemand = field(default_factory=RecentDemand)  # blocks recently sent here
-    # Measured figures the `priced` policy reads (router.priced_policy); 0: none yet.
+    # Measured figures the `priced` policy reads (router.policies.priced); 0: none yet.
     prefill_s_per_token: float = 0.0  # from stats: forward seconds per prompt token
     tiers: tuple[TierStats, ...] = ()  # from stats: the tiers below its pool
     link_bytes_per_s: float = 0.0  # K/V pushed to it, bytes per second (an EWMA)

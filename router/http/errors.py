@@ -10,8 +10,8 @@ from typing import NamedTuple
 import grpc
 
 from kvferry.errors import KvferryError
-from router.openai_reply import error_json
-from router.openai_schema import OpenAIRequest
+from router.http.reply import error_json
+from router.http.schema import OpenAIRequest
 from router.public_errors import public_status
 
 HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.UNAUTHENTICATED: 401,
