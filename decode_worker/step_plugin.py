@@ -10,7 +10,7 @@ no-op here; a feature overrides the ones it needs.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -25,10 +25,9 @@ class StepPlugin:
         """Event loop, before each running sequence gets the slot its next step writes:
         give K/V back (eviction bounds a table; speculation trims rejected drafts' blocks)."""
 
-    def after_grow(self, running: Sequence[DecodeSeq], unused_blocks: Callable[[], int]
-                   ) -> None:
+    def after_grow(self, running: Sequence[DecodeSeq]) -> None:
         """Event loop, once every running sequence has its slot: take more slots from blocks
-        nobody holds (`unused_blocks()` of them), never preempting anyone."""
+        nobody holds (the allocator's truly free ones), never preempting or evicting."""
 
     def needs_loop(self, batch: Sequence[DecodeSeq]) -> bool:
         """Executor thread, between two steps of a stable batch: whether the event loop must

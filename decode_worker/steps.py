@@ -198,13 +198,7 @@ class StepLoop:
                     else:
                         self._swap_out(max(self.running, key=lambda s: s.arrival))
         for plugin in self.plugins:
-            plugin.after_grow(self.running, self._num_unused_blocks)
-
-    def _num_unused_blocks(self) -> int:
-        """Blocks neither a request nor the prefix cache holds: what drafts' slots may take
-        (never evicting the cache, never preempting)."""
-        allocator = self.pool.allocator
-        return allocator.num_free - allocator.num_cached
+            plugin.after_grow(self.running)
 
     async def run(self) -> None:
         self._loop = asyncio.get_running_loop()

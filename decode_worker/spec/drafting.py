@@ -60,20 +60,19 @@ class Drafting(StepPlugin):
         for seq in running:
             trim(self.pool, seq, self.lookahead(seq))
 
-    def after_grow(self, running: Sequence[DecodeSeq], unused_blocks: Callable[[], int]
-                   ) -> None:
+    def after_grow(self, running: Sequence[DecodeSeq]) -> None:
         """Slots for each sequence's next drafts, oldest first, from blocks nobody holds
-        (a sequence without room verifies fewer)."""
+        (never evicting the prefix cache: a sequence without room verifies fewer)."""
+        allocator = self.pool.allocator
         for seq in sorted(running, key=lambda s: s.arrival):
             want = blocks_for_tokens(seq.cache_position + 1 + self.lookahead(seq),
                                      self.pool.block_size)
-            while len(seq.block_table) < want and unused_blocks() > 0:
-                seq.block_table += self.pool.allocator.alloc(1)
+            while len(seq.block_table) < want and allocator.num_truly_free > 0:
+                seq.block_table += allocator.alloc(1)
 
     def needs_loop(self, batch: Sequence[DecodeSeq]) -> bool:
         """A table no longer holds its next step's drafts and a block is free to give it."""
-        allocator = self.pool.allocator
-        if allocator.num_free - allocator.num_cached == 0:
+        if self.pool.allocator.num_truly_free == 0:
             return False
         size = self.pool.block_size
         return any(len(s.block_table) * size <= s.cache_position + self.lookahead(s)

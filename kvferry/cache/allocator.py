@@ -57,6 +57,11 @@ class BlockAllocator:
         return self.num_blocks - self.num_free
 
     @property
+    def num_truly_free(self) -> int:
+        """Blocks neither a request nor the prefix cache holds: taking them evicts nothing."""
+        return len(self._free)
+
+    @property
     def num_cached(self) -> int:
         """Blocks only the prefix cache holds (reclaimable)."""
         return len(self._evictable)

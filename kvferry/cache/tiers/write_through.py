@@ -79,7 +79,7 @@ class WriteThrough:
         the next quarter in line for eviction to the host tier, so that evicting them loses
         nothing; allocations never wait for it (a block evicted first is lost)."""
         low = max(self.pool.num_blocks // 4, 1)
-        if self.allocator.num_free - self.allocator.num_cached < low:
+        if self.allocator.num_truly_free < low:
             cold = [(key, block) for key, block in self.allocator.coldest(low)
                     if key not in self.host]
             if cold:
