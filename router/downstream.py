@@ -100,11 +100,12 @@ class Downstream:
                 f"({capacity} tokens); ask for fewer samples or tokens", "sampling.n")
 
     async def reserve(self, state: RouterRequest, prompt: list[int], max_tokens: int,
-                      deadline: float | None) -> float:
-        """Reserve on the best decode worker; returns seconds spent waiting for headroom.
-        Nothing is reserved when the request was aborted before its turn."""
+                      deadline: float | None, keeps_all: bool = False) -> float:
+        """Reserve on the best decode worker; returns seconds spent waiting for headroom
+        (`keeps_all`: the request opted out of K/V eviction). Nothing is reserved when the
+        request was aborted before its turn."""
         need = self.need(len(prompt), max_tokens, self.workers.block_size(), state.num_samples,
-                         state.keeps_all_kv)
+                         keeps_all)
         candidates, waited = await self._admit(state, need, deadline)
         if state.is_aborted:
             # Aborted while it waited: a reservation now would only take blocks a running

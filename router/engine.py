@@ -77,7 +77,7 @@ class Router:
         job = await self.admission.admit(inp, timeout_s, caller)
         request_id = job.public_id or uuid.uuid4().hex
         state = RouterRequest(self.open.downstream_id(request_id, self.instance_id),
-                              cache_salt=job.cache_salt, keeps_all_kv=job.keeps_all_kv)
+                              cache_salt=job.cache_salt)
         self.open.add(caller.scope, request_id, state)
         yield request_id
         try:
@@ -123,8 +123,8 @@ class Router:
         while True:
             context = prompt + generated
             remaining = params.max_tokens - len(generated)
-            timing = await self.reserve_first(state, context, remaining, not generated,
-                                               deadline, timing)
+            timing = await self.reserve_first(state, job, context, remaining, not generated,
+                                              timing)
             if state.is_aborted:
                 break
             first_msg, timing = await self.first_token(state, job, context, len(generated),
@@ -141,7 +141,7 @@ class Router:
                 break
             yield ChunkEvent([first], step.text)
             if state.is_push_deferred:
-                timing = await self._reserve(state, context, remaining, deadline, timing)
+                timing = await self._reserve(state, job, context, remaining, timing)
                 if state.is_aborted:
                     break
                 await self.prefill.ship(state, deadline)
@@ -166,9 +166,8 @@ class Router:
             yield ChunkEvent(ending.token_ids, text)
         yield ending.done(len(prompt), len(generated), timing)
 
-    async def reserve_first(self, state: RouterRequest, context: list[int], remaining: int,
-                             is_first_leg: bool, deadline: float | None, timing: Timing
-                             ) -> Timing:
+    async def reserve_first(self, state: RouterRequest, job: Admitted, context: list[int],
+                            remaining: int, is_first_leg: bool, timing: Timing) -> Timing:
         """Reserve this leg's decode blocks before its prefill, unless the first leg finds no
         decode worker with room now (then it prefills anyway and streams its first token, its
         K/V waiting in the prefill worker's pool until `_reserve` after it) or nothing is
@@ -177,16 +176,17 @@ class Router:
         state.is_push_deferred = (is_first_leg and remaining > 1
                                   and len(context) >= self.prefill.local_prefill_threshold
                                   and self.downstream.admission_would_wait(
-                                      len(context), remaining, state.keeps_all_kv))
+                                      len(context), remaining, job.keeps_all_kv))
         if not state.is_push_deferred and (remaining > 1
                                            or not self.workers.has_prefill_workers()):
-            timing = await self._reserve(state, context, remaining, deadline, timing)
+            timing = await self._reserve(state, job, context, remaining, timing)
         return timing
 
-    async def _reserve(self, state: RouterRequest, context: list[int], remaining: int,
-                       deadline: float | None, timing: Timing) -> Timing:
+    async def _reserve(self, state: RouterRequest, job: Admitted, context: list[int],
+                       remaining: int, timing: Timing) -> Timing:
         """Reserve decode blocks for this leg; `timing` with the wait for headroom added."""
-        waited = await self.downstream.reserve(state, context, remaining, deadline)
+        waited = await self.downstream.reserve(state, context, remaining, job.deadline,
+                                               job.keeps_all_kv)
         return timing._replace(admission_wait_s=timing.admission_wait_s + waited)
 
     async def first_token(self, state: RouterRequest, job: Admitted, context: list[int],

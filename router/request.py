@@ -66,7 +66,6 @@ class RouterRequest:
     kv_bytes_shipped: int = 0  # K/V bytes pushed, every leg
     last_token_s: float = 0.0  # time.monotonic() its latest tokens reached the router
     num_samples: int = 1  # parallel sampling: samples decoded from the one prefill
-    keeps_all_kv: bool = False  # opted out of the deployment's K/V eviction (kv_eviction none)
     # Parallel sampling after a migration: each unfinished sample as a request of its own.
     sub_requests: list[RouterRequest] = field(default_factory=list)
 

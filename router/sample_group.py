@@ -40,9 +40,8 @@ class Router(Protocol):
     downstream: Any
     prefill: Any
 
-    async def reserve_first(self, state: RouterRequest, context: list[int], remaining: int,
-                            is_first_leg: bool, deadline: float | None, timing: Timing
-                            ) -> Timing: ...
+    async def reserve_first(self, state: RouterRequest, job: Admitted, context: list[int],
+                            remaining: int, is_first_leg: bool, timing: Timing) -> Timing: ...
 
     async def first_token(self, state: RouterRequest, job: Admitted, context: list[int],
                           num_generated: int, timing: Timing) -> tuple[Any, Timing]: ...
@@ -106,8 +105,8 @@ class SampleGroup:
     async def _one_leg(self) -> AsyncIterator[Event]:
         """Reserve, prefill once (n first tokens), push once, decode every sample."""
         router, state, params = self.router, self.state, self.params
-        self.timing = await router.reserve_first(state, self.prompt, params.max_tokens,
-                                                  False, self.deadline, self.timing)
+        self.timing = await router.reserve_first(state, self.job, self.prompt,
+                                                  params.max_tokens, False, self.timing)
         if state.is_aborted:
             return
         first_msg, self.timing = await router.first_token(state, self.job, self.prompt, 0,
