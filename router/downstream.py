@@ -1,7 +1,8 @@
-"""The router's decode-side calls for one request: fitting it to a pool, waiting for
-headroom, reserving on the best decode worker, aborting and releasing there. Worker selection
-and calls only: the request's flow and state belong to `router.engine.Router` (its prefill leg
-to `router.prefill_leg.PrefillLeg`), which passes each call the request's `RouterRequest`.
+"""The decode side of one request, composed by `router.engine.Router` (its prefill leg is
+`router.prefill_leg.PrefillLeg`): fitting it to a pool, waiting for headroom and reserving on
+the best decode worker (`reserve_leg`, once per leg), decoding there (`decode_leg`), forgetting a
+decode worker lost under it (`lose_decode`), aborting and releasing. Each call is passed the
+request's record (`Admitted`) and its state (`RouterRequest`).
 
 The RPCs go through the client adapters (`router.workers.decode_client`); their failures arrive here
 as `kvferry.errors`, whose classes decide what to try next.
@@ -12,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 from kvferry.cache.budget import KvBudget
 from kvferry.cache.prefix import block_keys, cache_seed, max_shared_blocks
@@ -25,8 +26,13 @@ from kvferry.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from kvferry.model.sampling import FinishReason
+from router.detok import IncrementalDetokenizer
+from router.events import ChunkEvent, Ending
 from router.policies.routing import HeadroomPolicy, Policy
-from router.request import RouterRequest, remaining_s
+from router.records import DecodeStart
+from router.request import Admitted, RouterRequest, remaining_s
+from router.workers.decode_client import StreamBroken, next_update
 from router.workers.registry import WorkerSet
 from router.workers.worker import Worker
 
@@ -41,8 +47,13 @@ class Downstream:
     load live in `workers`; each request's progress in the `RouterRequest` a call is given."""
 
     def __init__(self, workers: WorkerSet, policy: Policy, lease_s: float,
-                 admission_timeout_s: float, kv_budget: KvBudget | None = None) -> None:
+                 admission_timeout_s: float, kv_budget: KvBudget | None = None,
+                 local_prefill_threshold: int = 0, max_migrations: int = 2) -> None:
         self.workers = workers
+        # Prompts shorter than this prefill on the decode worker (router/prefill_leg.py):
+        # they never wait for headroom before their prefill.
+        self.local_prefill_threshold = local_prefill_threshold
+        self.max_migrations = max_migrations  # decode workers lost under one request, at most
         # What a request holds at most: the decode workers' formula (kvferry/cache/budget.py).
         self.kv_budget = kv_budget or KvBudget()
         self.policy = policy
@@ -50,6 +61,26 @@ class Downstream:
         self.admission_timeout_s = admission_timeout_s
         # The clock admission waits by: monotonic, as request deadlines are (tests move one).
         self.clock: Callable[[], float] = time.monotonic
+
+    async def reserve_leg(self, state: RouterRequest, job: Admitted, context: list[int],
+                          remaining: int, is_first_leg: bool, may_defer: bool = True) -> float:
+        """Reserve this leg's decode blocks before its prefill; seconds waited for headroom.
+        The first leg is checked against the pools first (`check_fits`). Nothing is reserved
+        when the first leg of a request that `may_defer` finds no decode worker with room now
+        (it prefills anyway and streams its first token, its K/V waiting in the prefill
+        worker's pool, `state.is_push_deferred`, until `reserve` after it), or when nothing is
+        left to decode but the prefill worker's token."""
+        if is_first_leg:
+            self.check_fits(len(job.prompt), job.params.max_tokens, state.num_samples,
+                            job.keeps_all_kv)
+        self.key_prompt(state, context)
+        state.is_push_deferred = (may_defer and is_first_leg and remaining > 1
+                                  and len(context) >= self.local_prefill_threshold
+                                  and self.admission_would_wait(len(context), remaining,
+                                                                job.keeps_all_kv))
+        if state.is_push_deferred or (remaining <= 1 and self.workers.has_prefill_workers()):
+            return 0.0
+        return await self.reserve(state, context, remaining, job.deadline, job.keeps_all_kv)
 
     def key_prompt(self, state: RouterRequest, prompt: list[int]) -> None:
         """Compute the keys of the prompt's shareable blocks, as the workers' caches key them
@@ -165,6 +196,72 @@ class Downstream:
         workers = self.workers.decode_workers()
         need = self.need(num_prompt, max_tokens, self.workers.block_size(), 1, keeps_all)
         return max(w.headroom for w in workers) < need
+
+    async def decode_leg(self, state: RouterRequest, job: Admitted,
+                         detok: IncrementalDetokenizer, generated: list[int], remaining: int,
+                         ending: Ending) -> AsyncIterator[ChunkEvent]:
+        """Stream one decode leg: its tokens' chunks, each token appended to `generated`;
+        how it ended goes into `ending` (aborted unless told otherwise)."""
+        worker = state.decode_worker
+        client = worker.decode_client if worker is not None else None
+        if client is None:
+            raise Unavailable("decode reservation lost")
+        start = DecodeStart(
+            request_id=state.request_id, first_token_id=generated[-1], sampling=job.params,
+            max_new_tokens=remaining - 1, stop_token_ids=list(job.stop_ids),
+            num_generated=len(generated) - 1,
+        )
+        if state.is_aborted:  # aborted between the push and the decode: never start it
+            await self.abort_decode(state)
+            state.holds_decode = False
+            return
+        state.is_decoding = True
+        updates = client.start(start)
+        try:
+            while True:
+                update = await next_update(updates, remaining_s(job.deadline))
+                ids = update.token_ids
+                state.last_token_s = update.received_s
+                if ids:
+                    generated.extend(ids)
+                    step = detok.add(ids)
+                    yield ChunkEvent(ids, step.text)
+                    if step.is_stopped:
+                        ending.reason, ending.is_stopped = FinishReason.STOP, True
+                        break  # the decode worker still holds it: released in `release`
+                if update.finished is not None:
+                    state.holds_decode = False
+                    ending.reason = update.finished.reason
+                    ending.first_decode_step_s = update.finished.first_decode_step_s
+                    ending.num_draft_tokens += update.finished.num_draft_tokens
+                    ending.num_accepted_tokens += update.finished.num_accepted_tokens
+                    break
+        finally:
+            client.forget(state.request_id)
+            if state.holds_decode:
+                # Ended early (stop string, cancel, deadline): abort on the same stream, so
+                # the abort can never overtake the start it answers.
+                client.abort_on_stream(state.request_id)
+        state.is_decoding = False
+
+    def lose_decode(self, state: RouterRequest, exc: StreamBroken, migrations: int) -> None:
+        """Forget a decode worker that died under a request, before its `migrations`-th
+        migration; past `max_migrations`, give up (UNAVAILABLE)."""
+        if migrations > self.max_migrations:
+            log.warning("request %s: decode failed %d times, last: %s", state.request_id,
+                        migrations, exc)
+            raise Unavailable(f"decode failed {migrations} times") from exc
+        lost = state.decode_worker
+        if lost is not None:
+            log.warning("request %s: decode worker %s lost (%s); migrating", state.request_id,
+                        lost.address, exc)
+            lost.is_healthy = False
+            lost.done(state.request_id)
+        if state.prefill_worker is not None and state.prefill_worker is not lost:
+            state.prefill_worker.done(state.request_id)
+        state.decode_worker = state.prefill_worker = state.prefill_call = None
+        state.holds_decode = state.is_decoding = False
+        state.decode_cached_blocks = 0
 
     async def abort_decode(self, state: RouterRequest) -> None:
         worker = state.decode_worker

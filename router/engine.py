@@ -1,4 +1,8 @@
-"""Router engine: validate, reserve decode blocks, prefill, relay tokens, clean up.
+"""Router engine: the table of open requests and each request's run, from its record
+(`Admitted`, made by the fronts through `admission`) to its last event: reserve decode
+blocks, prefill, relay tokens, migrate, clean up. Each leg's decode side is
+`router.downstream.Downstream`, its prefill `router.prefill_leg.PrefillLeg`; a request of
+several samples is a `router.sample_group.SampleGroup`.
 
 The token contract (docs/architecture.md): prefill computes K/V for the N prompt tokens and
 samples token N+1, which the router streams at once. Decode is told that token, feeds it at
@@ -12,10 +16,11 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 from kvferry import trace
 from kvferry.cache.budget import KvBudget
-from kvferry.errors import NotFound, Unavailable
+from kvferry.errors import NotFound
 from kvferry.model.config import ModelConfig
 from kvferry.model.sampling import FinishReason
 from kvferry.settings import DEFAULT_LEASE_S
@@ -27,11 +32,9 @@ from router.events import ChunkEvent, DoneEvent, Ending, Timing
 from router.identity import ANONYMOUS, Caller
 from router.policies.routing import HeadroomPolicy, Policy
 from router.prefill_leg import PrefillLeg
-from router.records import DecodeStart, FirstToken
-from router.request import Admitted, OpenRequests, RouterRequest, remaining_s
+from router.request import Admitted, GenerateInput, OpenRequests, RouterRequest
 from router.sample_group import SampleGroup
-from router.validation import GenerateInput
-from router.workers.decode_client import StreamBroken, next_update
+from router.workers.decode_client import StreamBroken
 from router.workers.registry import WorkerSet
 
 log = logging.getLogger("kvferry.router")
@@ -64,17 +67,24 @@ class Router:
         self.workers = workers
         policy = policy or HeadroomPolicy()
         self.downstream = Downstream(workers, policy, lease_s, admission_timeout_s,
-                                     self.kv_budget)
+                                     self.kv_budget, local_prefill_threshold, max_migrations)
         self.prefill = PrefillLeg(workers, policy, local_prefill_threshold)
-        self.max_migrations = max_migrations
 
     # ---- the request ---------------------------------------------------------------------
     async def generate(self, inp: GenerateInput, timeout_s: float | None,
                        caller: Caller = ANONYMOUS
                        ) -> AsyncIterator[ChunkEvent | DoneEvent | str]:
+        """`relay` of the record `admission` makes of `inp` (in-process callers; the fronts
+        admit first themselves)."""
+        job = await self.admission.admit(inp, timeout_s, caller)
+        async with aclosing(self.relay(job, caller)) as events:
+            async for event in events:
+                yield event
+
+    async def relay(self, job: Admitted, caller: Caller = ANONYMOUS
+                  ) -> AsyncIterator[ChunkEvent | DoneEvent | str]:
         """Yields the request id first, then chunks, then exactly one DoneEvent per sample
         (one sample unless sampling.n asks for more: router/sample_group.py)."""
-        job = await self.admission.admit(inp, timeout_s, caller)
         request_id = job.public_id or uuid.uuid4().hex
         state = RouterRequest(self.open.downstream_id(request_id, self.instance_id),
                               cache_salt=job.cache_salt)
@@ -83,7 +93,8 @@ class Router:
         try:
             await self.workers.revive()
             run = (self.run_one(state, job) if job.params.n == 1
-                   else SampleGroup(self, state, job).run())
+                   else SampleGroup(self.downstream, self.prefill, self.tokenizer, self.run_one,
+                                    state, job).run())
             async for event in run:
                 if isinstance(event, DoneEvent) and self.is_prompt_tokens_details:
                     event = event._replace(cached_prompt_tokens=state.num_cached_tokens,
@@ -109,26 +120,24 @@ class Router:
                       detok: IncrementalDetokenizer | None = None
                       ) -> AsyncIterator[ChunkEvent | DoneEvent]:
         """Legs of reserve -> prefill -> first token -> decode (from `generated`, with
-        `detok`: a sample going on alone, sample_group.py). When a decode worker dies the
-        request migrates: a new leg prefills prompt + every token streamed so far on another
-        pair. However the request ends (aborted, a finish on the first token, the decode's
-        finish), it leaves the loop with its `Ending`; its last chunk and DoneEvent follow."""
+        `detok`: a sample going on alone); a lost decode worker migrates the request to a new
+        leg, which prefills prompt + every token streamed so far. However it ends, the loop
+        leaves with its `Ending`; its last chunk and DoneEvent follow."""
         prompt, params, deadline = job.prompt, job.params, job.deadline
-        self.downstream.check_fits(len(prompt), params.max_tokens,  # before any work
-                                   keeps_all=job.keeps_all_kv)
-        detok = detok or IncrementalDetokenizer(self.tokenizer, params.stop)
         generated = [] if generated is None else generated  # every token streamed so far
         timing = Timing(0.0, 0.0, 0.0, 0.0, 0.0)  # num_migrations counts the legs after the first
         ending = Ending()  # aborted, unless the loop finds otherwise
         while True:
             context = prompt + generated
             remaining = params.max_tokens - len(generated)
-            timing = await self.reserve_first(state, job, context, remaining, not generated,
-                                              timing)
+            waited = await self.downstream.reserve_leg(state, job, context, remaining,
+                                                       not generated)
+            detok = detok or IncrementalDetokenizer(self.tokenizer, params.stop)
             if state.is_aborted:
                 break
-            first_msg, timing = await self.first_token(state, job, context, len(generated),
-                                                        timing)
+            timing = timing._replace(admission_wait_s=timing.admission_wait_s + waited)
+            first_msg, timing = await self.prefill.first(state, job, context, len(generated),
+                                                         timing)
             if first_msg is None:
                 break
             first = first_msg.token_id
@@ -141,7 +150,9 @@ class Router:
                 break
             yield ChunkEvent([first], step.text)
             if state.is_push_deferred:
-                timing = await self._reserve(state, job, context, remaining, timing)
+                waited = await self.downstream.reserve(state, context, remaining, deadline,
+                                                       job.keeps_all_kv)
+                timing = timing._replace(admission_wait_s=timing.admission_wait_s + waited)
                 if state.is_aborted:
                     break
                 await self.prefill.ship(state, deadline)
@@ -153,131 +164,18 @@ class Router:
                 if not timing.num_migrations:
                     timing = timing._replace(kv_transfer_s=done_msg.kv_transfer_s)
                 decoded = Ending(always_chunk=False)
-                async for event in self._decode(state, job, detok, generated, remaining,
-                                                decoded):
+                async for event in self.downstream.decode_leg(state, job, detok, generated,
+                                                          remaining, decoded):
                     yield event
                 ending = decoded
                 break
             except StreamBroken as exc:
                 timing = timing._replace(num_migrations=timing.num_migrations + 1)
-                self.lose_decode(state, exc, timing.num_migrations)
-        text = ending.text + ("" if ending.is_stopped else detok.finish())
+                self.downstream.lose_decode(state, exc, timing.num_migrations)
+        text = ending.text + ("" if ending.is_stopped or detok is None else detok.finish())
         if ending.token_ids or text or ending.always_chunk:
             yield ChunkEvent(ending.token_ids, text)
         yield ending.done(len(prompt), len(generated), timing)
-
-    async def reserve_first(self, state: RouterRequest, job: Admitted, context: list[int],
-                            remaining: int, is_first_leg: bool, timing: Timing) -> Timing:
-        """Reserve this leg's decode blocks before its prefill, unless the first leg finds no
-        decode worker with room now (then it prefills anyway and streams its first token, its
-        K/V waiting in the prefill worker's pool until `_reserve` after it) or nothing is
-        left to decode but the prefill's token."""
-        self.downstream.key_prompt(state, context)
-        state.is_push_deferred = (is_first_leg and remaining > 1
-                                  and len(context) >= self.prefill.local_prefill_threshold
-                                  and self.downstream.admission_would_wait(
-                                      len(context), remaining, job.keeps_all_kv))
-        if not state.is_push_deferred and (remaining > 1
-                                           or not self.workers.has_prefill_workers()):
-            timing = await self._reserve(state, job, context, remaining, timing)
-        return timing
-
-    async def _reserve(self, state: RouterRequest, job: Admitted, context: list[int],
-                       remaining: int, timing: Timing) -> Timing:
-        """Reserve decode blocks for this leg; `timing` with the wait for headroom added."""
-        waited = await self.downstream.reserve(state, context, remaining, job.deadline,
-                                               job.keeps_all_kv)
-        return timing._replace(admission_wait_s=timing.admission_wait_s + waited)
-
-    async def first_token(self, state: RouterRequest, job: Admitted, context: list[int],
-                          num_generated: int, timing: Timing
-                          ) -> tuple[FirstToken | None, Timing]:
-        """Prefill this leg (`context`: the prompt and every token streamed so far) up to its
-        first token: the prefill's answer (None: aborted), and `timing` with the first leg's
-        queue, prefill and TTFT."""
-        if not num_generated:
-            timing = timing._replace(queue_s=time.perf_counter() - job.received)
-        first_msg = await self.prefill.first_token(state, context, job.params, job.deadline,
-                                                   num_generated)
-        if first_msg is None:
-            return None, timing
-        state.last_token_s = time.monotonic()
-        if not num_generated:
-            timing = timing._replace(prefill_s=first_msg.prefill_s,
-                                     time_to_first_token_s=time.perf_counter() - job.received)
-            state.num_cached_tokens = first_msg.num_cached_tokens
-            state.cached_by_tier = first_msg.cached_by_tier
-        else:  # a migrated leg: Usage counts the first leg's cache; the log shows this one's
-            log.info("request %s: migrated leg prefilled %d context tokens, %d from the "
-                     "prefix cache", state.request_id, len(context),
-                     first_msg.num_cached_tokens)
-        return first_msg, timing
-
-    def lose_decode(self, state: RouterRequest, exc: StreamBroken, migrations: int) -> None:
-        """Forget a decode worker that died under a request, before its `migrations`-th
-        migration; past `max_migrations`, give up (UNAVAILABLE)."""
-        if migrations > self.max_migrations:
-            log.warning("request %s: decode failed %d times, last: %s", state.request_id,
-                        migrations, exc)
-            raise Unavailable(f"decode failed {migrations} times") from exc
-        lost = state.decode_worker
-        if lost is not None:
-            log.warning("request %s: decode worker %s lost (%s); migrating", state.request_id,
-                        lost.address, exc)
-            lost.is_healthy = False
-            lost.done(state.request_id)
-        if state.prefill_worker is not None and state.prefill_worker is not lost:
-            state.prefill_worker.done(state.request_id)
-        state.decode_worker = state.prefill_worker = state.prefill_call = None
-        state.holds_decode = state.is_decoding = False
-        state.decode_cached_blocks = 0
-
-    async def _decode(self, state: RouterRequest, job: Admitted,
-                      detok: IncrementalDetokenizer, generated: list[int], remaining: int,
-                      ending: Ending) -> AsyncIterator[ChunkEvent]:
-        """Stream one decode leg: its tokens' chunks, each token appended to `generated`;
-        how it ended goes into `ending` (aborted unless told otherwise)."""
-        worker = state.decode_worker
-        client = worker.decode_client if worker is not None else None
-        if client is None:
-            raise Unavailable("decode reservation lost")
-        start = DecodeStart(
-            request_id=state.request_id, first_token_id=generated[-1], sampling=job.params,
-            max_new_tokens=remaining - 1, stop_token_ids=list(job.stop_ids),
-            num_generated=len(generated) - 1,
-        )
-        if state.is_aborted:  # aborted between the push and the decode: never start it
-            await self.downstream.abort_decode(state)
-            state.holds_decode = False
-            return
-        state.is_decoding = True
-        updates = client.start(start)
-        try:
-            while True:
-                update = await next_update(updates, remaining_s(job.deadline))
-                ids = update.token_ids
-                state.last_token_s = update.received_s
-                if ids:
-                    generated.extend(ids)
-                    step = detok.add(ids)
-                    yield ChunkEvent(ids, step.text)
-                    if step.is_stopped:
-                        ending.reason, ending.is_stopped = FinishReason.STOP, True
-                        break  # the decode worker still holds it: released in _release
-                if update.finished is not None:
-                    state.holds_decode = False
-                    ending.reason = update.finished.reason
-                    ending.first_decode_step_s = update.finished.first_decode_step_s
-                    ending.num_draft_tokens += update.finished.num_draft_tokens
-                    ending.num_accepted_tokens += update.finished.num_accepted_tokens
-                    break
-        finally:
-            client.forget(state.request_id)
-            if state.holds_decode:
-                # Ended early (stop string, cancel, deadline): abort on the same stream, so
-                # the abort can never overtake the start it answers.
-                client.abort_on_stream(state.request_id)
-        state.is_decoding = False
 
     def abort(self, request_id: str, caller: Caller = ANONYMOUS
               ) -> asyncio.Future[None] | None:

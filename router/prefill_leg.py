@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
 from kvferry.errors import KvferryError, NotFound, Unavailable
 from kvferry.model.sampling import SamplingParams
+from router.events import Timing
 from router.policies.routing import Policy
 from router.records import FirstToken, PrefillDone, PrefillStart
-from router.request import RouterRequest, remaining_s
+from router.request import Admitted, RouterRequest, remaining_s
 from router.workers.decode_client import StreamBroken
 from router.workers.prefill_client import PrefillCall
 from router.workers.registry import WorkerSet
@@ -124,6 +126,29 @@ class PrefillLeg:
         state.prefill_worker = worker
         state.prefill_call = worker.prefill.prefill(start, remaining_s(deadline))
         return state.prefill_call
+
+    async def first(self, state: RouterRequest, job: Admitted, context: list[int],
+                    num_generated: int, timing: Timing) -> tuple[FirstToken | None, Timing]:
+        """Prefill this leg (`context`: the prompt and every token streamed so far) up to its
+        first token: the prefill's answer (None: aborted), and `timing` with the first leg's
+        queue, prefill and TTFT."""
+        if not num_generated:
+            timing = timing._replace(queue_s=time.perf_counter() - job.received)
+        first_msg = await self.first_token(state, context, job.params, job.deadline,
+                                           num_generated)
+        if first_msg is None:
+            return None, timing
+        state.last_token_s = time.monotonic()
+        if not num_generated:
+            timing = timing._replace(prefill_s=first_msg.prefill_s,
+                                     time_to_first_token_s=time.perf_counter() - job.received)
+            state.num_cached_tokens = first_msg.num_cached_tokens
+            state.cached_by_tier = first_msg.cached_by_tier
+        else:  # a migrated leg: Usage counts the first leg's cache; the log shows this one's
+            log.info("request %s: migrated leg prefilled %d context tokens, %d from the "
+                     "prefix cache", state.request_id, len(context),
+                     first_msg.num_cached_tokens)
+        return first_msg, timing
 
     async def first_token(self, state: RouterRequest, prompt: list[int],
                           params: SamplingParams, deadline: float | None, num_generated: int

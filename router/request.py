@@ -1,7 +1,7 @@
-"""A request in the router: its record, built once at the edge (`Admitted`,
-router/admission.py) and read by every leg; its state downstream, shared by the engine (its
-flow) and `Downstream` (its calls to the workers); the table of the router's open requests;
-and the deadline arithmetic they use."""
+"""A request in the router: what a front hands it (`GenerateInput`); its record, built once
+at the edge (`Admitted`, router/admission.py) and read by every leg; its state downstream,
+shared by its legs (`RouterRequest`); the table of the router's open requests; and the
+deadline arithmetic they use."""
 
 from __future__ import annotations
 
@@ -14,6 +14,30 @@ from kvferry.errors import InvalidArgument, ResourceExhausted
 from kvferry.model.sampling import SamplingParams
 from router.workers.prefill_client import PrefillCall
 from router.workers.worker import Worker
+
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    """One turn of a conversation; `role` is one of CHAT_ROLES once validated."""
+
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class GenerateInput:
+    """A Generate request as the router engine sees it: exactly one of text, token_ids and
+    messages is set (or none, which is refused as an empty prompt)."""
+
+    request_id: str
+    text: str | None
+    token_ids: list[int] | None
+    params: SamplingParams
+    is_max_tokens_set: bool
+    messages: tuple[ChatMessage, ...] | None = None
+    cache_salt: str = ""  # prefix-cache namespace (kvferry/cache/prefix.py)
 
 
 @dataclass(frozen=True)

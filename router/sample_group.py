@@ -1,5 +1,5 @@
-"""Parallel sampling at the router: a request of n samples (sampling.n > 1), composed by
-`router.engine.Router` (its n = 1 path is `Router.run_one`).
+"""Parallel sampling at the router: a request of n samples (sampling.n > 1), run by
+`router.engine.Router` (its n = 1 path is `Router.run_one`) on the same legs.
 
 One reservation holds the prompt's K/V once for every sample (a decode worker forks the
 samples from it, decode_worker/samples.py); one prefill draws the n first tokens (sample i
@@ -17,14 +17,15 @@ them at once; seeding keeps every sample's tokens what they would have been.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
 
 from kvferry.errors import Unavailable
 from kvferry.model.sampling import FinishReason
 from router.detok import IncrementalDetokenizer
+from router.downstream import Downstream
 from router.events import ChunkEvent, DoneEvent, Ending, Timing
+from router.prefill_leg import PrefillLeg
 from router.records import DecodeFinished, DecodeStart
 from router.request import Admitted, RouterRequest, remaining_s
 from router.workers.decode_client import StreamBroken, next_update
@@ -32,25 +33,8 @@ from router.workers.decode_client import StreamBroken, next_update
 Event = ChunkEvent | DoneEvent
 
 
-class Router(Protocol):
-    """What a group uses of `router.engine.Router` (which imports this module): its legs."""
-
-    config: Any
-    tokenizer: Any
-    downstream: Any
-    prefill: Any
-
-    async def reserve_first(self, state: RouterRequest, job: Admitted, context: list[int],
-                            remaining: int, is_first_leg: bool, timing: Timing) -> Timing: ...
-
-    async def first_token(self, state: RouterRequest, job: Admitted, context: list[int],
-                          num_generated: int, timing: Timing) -> tuple[Any, Timing]: ...
-
-    def lose_decode(self, state: RouterRequest, exc: StreamBroken, migrations: int
-                    ) -> None: ...
-
-    def run_one(self, state: RouterRequest, job: Admitted, generated: list[int] | None = None,
-                detok: IncrementalDetokenizer | None = None) -> AsyncIterator[Event]: ...
+RunOne = Callable[[RouterRequest, Admitted, list[int], IncrementalDetokenizer],
+                 AsyncIterator[Event]]
 
 
 @dataclass
@@ -62,27 +46,28 @@ class _Sample:
 
 
 class SampleGroup:
-    """One request of `params.n` samples, from its reservation to its last DoneEvent."""
+    """One request of `params.n` samples, from its reservation to its last DoneEvent: its
+    legs' decode side in `downstream`, its prefill in `prefill`; after a migration each
+    unfinished sample goes on alone through `run_one` (the engine's one-sample run)."""
 
-    def __init__(self, router: Router, state: RouterRequest, job: Admitted) -> None:
-        self.router, self.state, self.job = router, state, job
+    def __init__(self, downstream: Downstream, prefill: PrefillLeg, tokenizer: object,
+                 run_one: RunOne, state: RouterRequest, job: Admitted) -> None:
+        self.downstream, self.prefill, self.run_one = downstream, prefill, run_one
+        self.state, self.job = state, job
         self.prompt, self.params, self.deadline = job.prompt, job.params, job.deadline
-        params = job.params
-        state.num_samples = params.n
+        state.num_samples = job.params.n
         self.stop_ids = job.stop_ids
-        self.samples = [_Sample(i, IncrementalDetokenizer(router.tokenizer, params.stop))
-                        for i in range(params.n)]
+        self.samples = [_Sample(i, IncrementalDetokenizer(tokenizer, job.params.stop))
+                        for i in range(job.params.n)]
         self.timing = Timing(0.0, 0.0, 0.0, 0.0, 0.0)
 
     async def run(self) -> AsyncIterator[Event]:
-        self.router.downstream.check_fits(len(self.prompt), self.params.max_tokens,
-                                          self.params.n, self.job.keeps_all_kv)
         try:
             async for event in self._one_leg():
                 yield event
         except StreamBroken as exc:
             self.timing = self.timing._replace(num_migrations=1)
-            self.router.lose_decode(self.state, exc, 1)
+            self.downstream.lose_decode(self.state, exc, 1)
             async for event in self._migrate():
                 yield event
         for sample in self.samples:  # aborted before it ended
@@ -104,12 +89,13 @@ class SampleGroup:
 
     async def _one_leg(self) -> AsyncIterator[Event]:
         """Reserve, prefill once (n first tokens), push once, decode every sample."""
-        router, state, params = self.router, self.state, self.params
-        self.timing = await router.reserve_first(state, self.job, self.prompt,
-                                                  params.max_tokens, False, self.timing)
+        state, params = self.state, self.params
+        waited = await self.downstream.reserve_leg(state, self.job, self.prompt,
+                                                   params.max_tokens, True, may_defer=False)
+        self.timing = self.timing._replace(admission_wait_s=waited)
         if state.is_aborted:
             return
-        first_msg, self.timing = await router.first_token(state, self.job, self.prompt, 0,
+        first_msg, self.timing = await self.prefill.first(state, self.job, self.prompt, 0,
                                                           self.timing)
         if first_msg is None:
             return
@@ -122,8 +108,8 @@ class SampleGroup:
                 yield event
         if all(s.is_done for s in self.samples):
             return
-        done_msg = await router.prefill.prefill_done(state, self.prompt, params,
-                                                     self.deadline, 0)
+        done_msg = await self.prefill.prefill_done(state, self.prompt, params,
+                                                   self.deadline, 0)
         if done_msg is None:
             return
         self.timing = self.timing._replace(kv_transfer_s=done_msg.kv_transfer_s)
@@ -149,7 +135,7 @@ class SampleGroup:
         if client is None:
             raise Unavailable("decode reservation lost")
         if state.is_aborted:  # aborted between the push and the decode: never start it
-            await self.router.downstream.abort_decode(state)
+            await self.downstream.abort_decode(state)
             state.holds_decode = False
             return
         state.is_decoding = True
@@ -204,13 +190,13 @@ class SampleGroup:
             yield event
 
     async def _leg(self, sample: _Sample) -> AsyncIterator[Event]:
-        router, parent = self.router, self.state
+        parent = self.state
         state = RouterRequest(f"{parent.request_id}#{sample.index}",
                               cache_salt=parent.cache_salt, is_aborted=parent.is_aborted)
         parent.sub_requests.append(state)
         try:
-            async for event in router.run_one(state, self.job.sample(sample.index),
-                                              sample.generated, sample.detok):
+            async for event in self.run_one(state, self.job.sample(sample.index),
+                                            sample.generated, sample.detok):
                 if isinstance(event, DoneEvent):
                     sample.is_done = True
                     timing = event.timing._replace(
@@ -218,7 +204,7 @@ class SampleGroup:
                     event = event._replace(timing=timing)
                 yield event._replace(sample_index=sample.index)
         finally:
-            release = asyncio.ensure_future(router.downstream.release(state))
+            release = asyncio.ensure_future(self.downstream.release(state))
             await asyncio.shield(release)
 
 

@@ -25,12 +25,13 @@ from kvferry.rpc.proto_utf8 import Malformed, invalid_utf8_field
 from kvferry.rpc.security import TOKEN_METADATA_KEY
 from kvferry.settings.sampling import KVFERRY_DEFAULTS, SamplingDefaults
 from kvferry.v1 import generation_pb2, generation_pb2_grpc
+from router.admission import Admission
 from router.engine import Router
 from router.events import ChunkEvent, DoneEvent
 from router.identity import ApiKeys, Caller
 from router.public_errors import public_status
+from router.request import ChatMessage, GenerateInput
 from router.stream_clock import StreamClock
-from router.validation import ChatMessage, GenerateInput
 
 log = logging.getLogger("kvferry.router")
 
@@ -77,9 +78,14 @@ def _done_to_proto(request_id: str, event: DoneEvent) -> generation_pb2.Generate
 
 
 class Unparsable(NamedTuple):
-    """A request protobuf refused; `error` says why, naming the field where it can."""
+    """A request protobuf refused: the status it is answered with (INVALID_ARGUMENT, its
+    message naming the field where it can)."""
 
-    error: InvalidArgument
+    status: tuple[grpc.StatusCode, str]
+
+    @staticmethod
+    def of(error: InvalidArgument) -> Unparsable:
+        return Unparsable(grpc_util.describe(error))
 
 
 def _parser(message: type) -> Callable[[bytes], object]:
@@ -92,8 +98,8 @@ def _parser(message: type) -> Callable[[bytes], object]:
             except Malformed:
                 field = None
             if field is None:
-                return Unparsable(InvalidArgument(f"not a valid {message.__name__}"))
-            return Unparsable(InvalidArgument(f"{field}: not valid UTF-8", field))
+                return Unparsable.of(InvalidArgument(f"not a valid {message.__name__}"))
+            return Unparsable.of(InvalidArgument(f"{field}: not valid UTF-8", field))
     return parse
 
 
@@ -105,6 +111,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     def __init__(self, router: Router, metrics: RouterMetrics | None = None,
                  keys: ApiKeys | None = None, model_name: str = "") -> None:
         self.router = router
+        self.admission: Admission = router.admission  # each request's record, made here
         self.metrics = metrics
         self.keys = keys or ApiKeys()
         self.model_name = model_name  # GetModelInfo's, the OpenAI API's `model`
@@ -125,7 +132,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                        ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         caller = await self._caller(context)
         if isinstance(request, Unparsable):
-            await context.abort(*grpc_util.describe(request.error))
+            await context.abort(*request.status)
         try:
             self.router.open.open_stream()
         except ResourceExhausted as exc:
@@ -143,9 +150,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         logs.request_id.set(request_id)
         clock = StreamClock(self.metrics)
         try:
-            events = self.router.generate(_input(request, self.router.config.sampling_defaults),
-                                          context.time_remaining(), caller)
-            async with aclosing(events):
+            inp = _input(request, self.router.config.sampling_defaults)
+            job = await self.admission.admit(inp, context.time_remaining(), caller)
+            async with aclosing(self.router.relay(job, caller)) as events:
                 async for event in events:
                     if isinstance(event, str):
                         request_id = event
@@ -178,7 +185,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                     context: grpc.aio.ServicerContext) -> generation_pb2.AbortResponse:
         caller = await self._caller(context)
         if isinstance(request, Unparsable):
-            await context.abort(*grpc_util.describe(request.error))
+            await context.abort(*request.status)
         try:
             pending = self.router.abort(request.request_id, caller)
             if pending is not None:

@@ -4,7 +4,7 @@ colocated workers, charged the times a profile measured (deploy/planner/profile.
 What it models, as the code it stands for does:
 - the router reserves the decode blocks of prompt + 1 token on the decode worker with the most
   free blocks before the prefill; with none free it prefills anyway and the push waits for
-  room (router/engine.py, reserve_first), first come first served;
+  room (router/downstream.py, reserve_leg), first come first served;
 - it sends the prompt to the prefill worker with the fewest tokens queued, or to the decode
   worker itself below the local-prefill threshold (router/prefill_leg.py);
 - a worker prefills as kvferry/model/prefill_batch.py does: waiting prompts packed FIFO into

@@ -237,8 +237,9 @@ class HttpFront:
             if body.model is not None and body.model not in self._model_names:
                 raise NotFound(f"model: {body.model!r} is not served here; this server serves "
                                f"{self.model!r} (GET /v1/models)", "model")
-            events = self.router.generate(
-                body.to_input(request_id, self.router.config.sampling_defaults), None, caller)
+            inp = body.to_input(request_id, self.router.config.sampling_defaults)
+            job = await until_disconnect(request, self.router.admission.admit(inp, None, caller))
+            events = self.router.relay(job, caller)
             reply = Reply(request_id, self.model, isinstance(body, ChatCompletionRequest),
                           body.include_usage, body.return_token_ids)
             if not body.stream:

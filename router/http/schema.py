@@ -1,5 +1,5 @@
 """The OpenAI API's request bodies, as the HTTP front parses them (pydantic models), and their
-translation into the router engine's own input, `router.validation.GenerateInput`.
+translation into the router engine's own input, `router.request.GenerateInput`.
 
 Only types are checked here. Values go through the router's validation, the same as a gRPC
 Generate's, whose refusals name proto fields (`sampling.max_tokens`, `input.messages[1].role`);
@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict
 from kvferry.errors import InvalidArgument
 from kvferry.model.sampling import SamplingParams
 from kvferry.settings.sampling import KVFERRY_DEFAULTS, SamplingDefaults
-from router.validation import ChatMessage, GenerateInput
+from router.request import ChatMessage, GenerateInput
 
 # Parameters refused unless neutral (absent, null, false, 0, empty, or the value listed).
 UNSERVED: dict[str, object] = {

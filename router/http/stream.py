@@ -69,7 +69,7 @@ class EventStream(StreamingResponse):
 
 
 async def first_event(events: AsyncIterator[str | Event]) -> Event:
-    """Past the request id (validation and tokenization done), the first event."""
+    """Past the request id, the first event."""
     await anext(events)
     return await anext(events)  # type: ignore[return-value]  # ids come first only
 

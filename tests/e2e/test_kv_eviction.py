@@ -28,8 +28,8 @@ from kvferry.model.transformer import Transformer
 from kvferry.rpc import convert
 from kvferry.settings import KvEvictionConfig
 from kvferry_kernels.dispatch import get_attention_backend
-from router import validation
-from router.validation import GenerateInput
+from router import admission
+from router.request import GenerateInput
 from tests.conftest import assert_alive, assert_pools_clean
 from tests.decode_worker.engines import cpu_engine, serve_local
 from tests.deployments import kill_decode_mid_stream, reconfigured, respawn, routed
@@ -182,28 +182,28 @@ def test_a_router_told_of_the_policy_lets_generation_pass_the_context(
     inp = GenerateInput("r", None, prompt, SamplingParams(max_tokens=context + 4,
                                                           temperature=0.0), True)
     with pytest.raises(InvalidArgument) as exc:
-        validation.resolve_sampling(inp, config, len(prompt))
+        admission.resolve_sampling(inp, config, len(prompt))
     assert exc.value.field == "sampling.max_tokens"
-    assert validation.resolve_sampling(
+    assert admission.resolve_sampling(
         inp, config, len(prompt), is_generation_bounded=True).max_tokens == context + 4
     # A request that opts out (sampling.kv_eviction "none") is bounded by the context again.
     kept = GenerateInput("r", None, prompt, SamplingParams(max_tokens=context + 4,
                                                            kv_eviction="none"), True)
     with pytest.raises(InvalidArgument) as exc:
-        validation.resolve_sampling(kept, config, len(prompt), is_generation_bounded=True)
+        admission.resolve_sampling(kept, config, len(prompt), is_generation_bounded=True)
     assert exc.value.field == "sampling.max_tokens"
     unset_kept = GenerateInput("r", None, prompt, SamplingParams(kv_eviction="none"), False)
-    assert validation.resolve_sampling(unset_kept, config, context - 10,
+    assert admission.resolve_sampling(unset_kept, config, context - 10,
                                        is_generation_bounded=True).max_tokens == 10
     assert convert.sampling_from_proto(convert.sampling_to_proto(
         kept.params)).kv_eviction == "none"
     bad = GenerateInput("r", None, prompt, SamplingParams(kv_eviction="h2o"), False)
     with pytest.raises(InvalidArgument) as exc:  # a request cannot choose another policy
-        validation.resolve_sampling(bad, config, len(prompt), is_generation_bounded=True)
+        admission.resolve_sampling(bad, config, len(prompt), is_generation_bounded=True)
     assert exc.value.field == "sampling.kv_eviction"
     unset = GenerateInput("r", None, prompt, SamplingParams(), False)
-    assert validation.resolve_sampling(unset, config, context - 10).max_tokens == 10
-    assert validation.resolve_sampling(unset, config, context - 10,
+    assert admission.resolve_sampling(unset, config, context - 10).max_tokens == 10
+    assert admission.resolve_sampling(unset, config, context - 10,
                                        is_generation_bounded=True).max_tokens == 256
 
 

@@ -14,8 +14,9 @@ from kvferry.errors import InvalidArgument
 from kvferry.model.checkpoint import CHATML_TEMPLATE, SPECIAL_TOKENS, ModelSpec, make_model
 from kvferry.model.config import load_model_config
 from kvferry.model.sampling import SamplingParams
+from router.admission import prompt_ids
+from router.request import ChatMessage, GenerateInput
 from router.server import _input
-from router.validation import ChatMessage, GenerateInput, prompt_ids
 
 CONVERSATION = [("system", "Be brief."), ("user", "The quick brown fox"),
                 ("assistant", "jumps."), ("user", "Over what?")]

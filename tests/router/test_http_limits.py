@@ -23,11 +23,11 @@ from kvferry.model.sampling import FinishReason, SamplingParams
 from kvferry.settings import SecuritySettings
 from kvferry.settings.limits import PublicLimits
 from kvferry.settings.sampling import KVFERRY_DEFAULTS
+from router.admission import PromptBounds, check_prompt_bounds
 from router.events import ChunkEvent, DoneEvent, Timing
 from router.http.body import BodyParser, BodyRefusal, count_roles, parse_json
 from router.http.front import HttpFront
-from router.prompt_bounds import PromptBounds, check_prompt_bounds
-from router.validation import ChatMessage, GenerateInput
+from router.request import ChatMessage, GenerateInput
 from tests.waiting import DEADLINE_S, within
 
 HEADER_TIMEOUT_S = 600  # beyond any test's real run: only a moved clock reaches it
@@ -58,10 +58,14 @@ class FakeRouter:
         self.limits = limits
         self.open = _Streams(limits.max_streams)
         self.inputs: list[GenerateInput] = []
+        self.admission = self  # admits every input as it is: the record is the input
 
-    async def generate(self, inp: GenerateInput, timeout_s: float | None,
-                       caller: object = None) -> AsyncIterator[object]:
+    async def admit(self, inp: GenerateInput, timeout_s: float | None,
+                    caller: object = None) -> GenerateInput:
         self.inputs.append(inp)
+        return inp
+
+    async def relay(self, inp: GenerateInput, caller: object = None) -> AsyncIterator[object]:
         yield inp.request_id
         for i in range(3):
             yield ChunkEvent([i], f"t{i} ")

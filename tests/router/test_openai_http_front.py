@@ -23,8 +23,7 @@ from kvferry.settings.sampling import KVFERRY_DEFAULTS
 from router.events import ChunkEvent, DoneEvent, Timing
 from router.http.front import HttpFront
 from router.identity import ANONYMOUS, Caller
-from router.request import OpenRequests
-from router.validation import GenerateInput
+from router.request import GenerateInput, OpenRequests
 from tests.waiting import within
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
@@ -50,11 +49,16 @@ class FakeRouter:
         self.inputs: list[GenerateInput] = []
         self.callers: list[Caller] = []
         self.open = OpenRequests(max_streams)  # the real cap
+        self.admission = self  # admits every input as it is: the record is the input
 
-    async def generate(self, inp: GenerateInput, timeout_s: float | None,
-                       caller: Caller = ANONYMOUS) -> AsyncIterator[object]:
+    async def admit(self, inp: GenerateInput, timeout_s: float | None,
+                    caller: Caller = ANONYMOUS) -> GenerateInput:
         self.inputs.append(inp)
         self.callers.append(caller)
+        return inp
+
+    async def relay(self, inp: GenerateInput, caller: Caller = ANONYMOUS
+                    ) -> AsyncIterator[object]:
         self.started.set()
         try:
             yield inp.request_id

@@ -20,7 +20,7 @@ from router.http.schema import (
     body_error,
     served_model_name,
 )
-from router.validation import ChatMessage
+from router.request import ChatMessage
 
 USER = [{"role": "user", "content": "hi"}]
 
