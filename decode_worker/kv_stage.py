@@ -262,6 +262,14 @@ class KvStage:
         return out
 
 
+def reads_pages_in_place(device: torch.device, kv_dtype: str) -> bool:
+    """Whether the torch backend's CPU decode attention reads the pool's pages in place (float32
+    pages, and the C kernel builds here): then no dense stage is kept by default
+    (--decode-stage-mib). Quantized pages keep it: it holds them dequantized."""
+    return (device.type == "cpu" and kv_dtype == "float32" and cpu_attention.wanted()
+            and cpu_attention.load(KERNEL_CACHE_DIR) is not None)
+
+
 def stage_bytes_for_pool(pool: KvPool) -> int:
     """The stage's default budget: every token the pool holds, staged densely in the model's
     dtype. The stage mirrors the running batch, which never holds more tokens than the pool;

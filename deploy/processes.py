@@ -11,18 +11,17 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 import grpc
 
 from deploy.start_log import record_start
-from deploy.worker_model import build_draft, build_draft_prefill, build_model, stage_bytes
+from deploy.worker_model import build_draft_prefill, build_model
 from kvferry import trace
 from kvferry.cache.budget import KvBudget
 from kvferry.cache.layout import KvLayout
-from kvferry.faults import Faults
 from kvferry.model.config import load_model_config
-from kvferry.model.prefill_batch import token_budget_for
 from kvferry.rpc import grpc_util, security
 from kvferry.settings import RouterSettings, SecuritySettings, WorkerSettings
-from kvferry.transfer.sender import KvSender
 
 if TYPE_CHECKING:
+    from decode_worker.engine import DecodeEngine
+    from prefill_worker.engine import PrefillEngine
     from router.engine import Router
     from router.http.front import HttpFront
     from router.workers.registry import WorkerSet
@@ -113,13 +112,6 @@ async def _serve(built: Built, role: str) -> None:
     await stop(built)
 
 
-def _make_sender(settings: WorkerSettings, creds: security.Credentials) -> KvSender:
-    from kvferry.transfer import transport
-
-    return transport.make_sender(settings.kv_transport, transport.SenderOptions(
-        settings.kv_max_resends, creds, Faults.from_env()))  # faults: kvferry/faults.py
-
-
 def _then(stop: Callable[[], Awaitable[None]], close: Callable[[], None]
           ) -> Callable[[], Awaitable[None]]:
     async def both() -> None:
@@ -130,49 +122,26 @@ def _then(stop: Callable[[], Awaitable[None]], close: Callable[[], None]
 
 
 def build_worker(settings: WorkerSettings) -> tuple[Built, object]:
-    """The worker's server (not started) and its engine (started: needs a running loop)."""
-    from kvferry.cache.tiers.build import build_tiered_cache
-
+    """The worker's server (not started) and its engine (started: needs a running loop),
+    put together by its role's own `build.assemble`."""
     model, pool, backend_name = build_model(settings)
     close_model = getattr(model, "close", None)  # a tensor-parallel group: its ranks
     layout = KvLayout.of_pool(pool, model.config.fingerprint)
     creds = security.load(settings.security)
     server = grpc_util.make_server(interceptors=security.server_interceptors(creds))
     health = grpc_util.add_health(server)
-    on_stop: Callable[[], Awaitable[None]]
-    token_budget = token_budget_for(pool.cache.device, settings.prefill_token_budget)
+    engine: DecodeEngine | PrefillEngine
     if settings.role in ("decode", "colocated"):
-        from decode_worker import server as decode_server
-        from decode_worker.engine import DecodeEngine
+        from decode_worker import build as decode_build
 
-        engine = DecodeEngine(model, pool, layout, settings.max_waiting,
-                              stage_bytes=stage_bytes(settings, pool, backend_name),
-                              max_model_len=settings.max_model_len,
-                              cache=build_tiered_cache(pool, settings.tiers),
-                              token_budget=token_budget,
-                              chunk_size=settings.prefill_chunk_size,
-                              speculative=settings.speculative,
-                              eviction=settings.kv_eviction,
-                              draft=build_draft(settings, model, pool))
-        from kvferry.transfer import transport
-
-        on_stop = _then(engine.stop, transport.add_receivers(
-            server, engine.receiver, settings.kv_transport, Faults.from_env()))
-        decode_server.add_to_server(server, engine, settings.role)
-        names = decode_server.SERVICE_NAMES
+        engine, on_stop, names = decode_build.assemble(settings, model, pool, layout,
+                                                       backend_name, server)
     else:
-        from prefill_worker import server as prefill_server
-        from prefill_worker.engine import PrefillEngine
+        from prefill_worker import build as prefill_build
 
-        engine = PrefillEngine(model, pool, layout, _make_sender(settings, creds),
-                               token_budget, settings.prefill_chunk_size,
-                               settings.max_waiting, build_tiered_cache(pool, settings.tiers),
-                               build_draft_prefill(settings, model, pool),
-                               # pushes carry an evicted prompt over grpc only
-                               settings.kv_eviction if settings.kv_transport == "grpc" else None)
-        prefill_server.add_to_server(server, engine)
-        on_stop = engine.stop
-        names = prefill_server.SERVICE_NAMES
+        engine, on_stop, names = prefill_build.assemble(
+            settings, model, pool, layout, server, creds,
+            build_draft_prefill(settings, model, pool))
     if close_model is not None:
         on_stop = _then(on_stop, close_model)
     engine.start()

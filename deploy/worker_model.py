@@ -33,7 +33,6 @@ from kvferry.settings.sizes import AUTO, parse_pool_size
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from decode_worker.spec.draft_model import DraftModel
     from kvferry.model.tp_group import TensorParallelModel
     from kvferry.model.transformer import Transformer
     from prefill_worker.draft_kv import DraftPrefill
@@ -82,6 +81,7 @@ def auto_pool_bytes_for(settings: WorkerSettings, config, device: torch.device,
     device less its weights and a prefill's activations; on CPU also less the host tier and,
     for a decode worker's default dense stage (as many tokens as the pool, in the model's
     dtype), the stage's share."""
+    from decode_worker import kv_stage
     from kvferry.model.prefill_batch import token_budget_for
     from kvferry.settings.tiers import host_cache_bytes
 
@@ -98,36 +98,12 @@ def auto_pool_bytes_for(settings: WorkerSettings, config, device: torch.device,
         if settings.role != "prefill" and settings.attention_backend in ("auto", "torch"):
             if settings.decode_stage_mib is not None:
                 reserved += settings.decode_stage_mib << 20
-            elif not reads_pages_in_place(device, _kv_dtype(settings, dtype)):
+            elif not kv_stage.reads_pages_in_place(device, _kv_dtype(settings, dtype)):
                 staged = (_shape(config, dtype_name(dtype)).bytes_per_token
                           / _shape(config, _kv_dtype(settings, dtype)).bytes_per_token)
     left = auto_pool_bytes(device_memory(device), utilization,
                            weight_bytes(settings.model, dtype), activations, reserved)
     return int(left / (1 + staged))
-
-
-def reads_pages_in_place(device: torch.device, kv_dtype: str) -> bool:
-    """Whether the torch backend's CPU decode attention reads the pool's pages in place (float32
-    pages, and the C kernel builds here): then no dense stage is kept by default
-    (--decode-stage-mib). Quantized pages keep it: it holds them dequantized."""
-    from kvferry_kernels import cpu_attention
-
-    return (device.type == "cpu" and kv_dtype == "float32" and cpu_attention.wanted()
-            and cpu_attention.load(KERNEL_CACHE_DIR) is not None)
-
-
-def stage_bytes(settings: WorkerSettings, pool: KvPool, backend_name: str) -> int:
-    """The decode stage's budget (decode_worker/kv_stage.py): --decode-stage-mib, or by default
-    as much K/V as the pool holds where attention would otherwise gather pages every step."""
-    from decode_worker.kv_stage import stage_bytes_for_pool
-
-    if (backend_name != "torch" or settings.speculative.is_on  # speculation reads the pages
-            or settings.tensor_parallel_size > 1):  # the stage is not mirrored on the ranks
-        return 0
-    if settings.decode_stage_mib is not None:
-        return settings.decode_stage_mib << 20
-    kv_dtype = "quantized" if pool.is_quantized else dtype_name(pool.dtype)
-    return 0 if reads_pages_in_place(pool.cache.device, kv_dtype) else stage_bytes_for_pool(pool)
 
 
 def pool_bytes(settings: WorkerSettings, config, device: torch.device,
@@ -215,31 +191,13 @@ def build_pool(settings: WorkerSettings, config, device: torch.device,
                   kv_cache_dtype=settings.kv_cache_dtype)
 
 
-def build_draft(settings: WorkerSettings, model: Transformer, pool: KvPool
-                ) -> DraftModel | None:
-    """The draft model of `--speculative-method draft` (None otherwise): on the target's
-    device and dtype, with a pool of the target pool's blocks (ValueError naming the flag
-    when its vocabulary differs)."""
-    if settings.speculative.method != "draft":
-        return None
-    from decode_worker.spec.draft_model import DraftModel, check_draft, draft_pool
-    from kvferry.model.transformer import Transformer
-
-    config = load_model_config(settings.speculative.model, load_format=settings.load_format)
-    draft = Transformer(config, model.backend, model.dtype, model.device)
-    check_draft(model, draft)
-    built = DraftModel(draft, draft_pool(draft, pool))
-    log.info("draft model %s: %d layers, its K/V pool %d blocks", settings.speculative.model,
-             config.num_layers, built.pool.num_blocks)
-    return built
-
-
 def build_draft_prefill(settings: WorkerSettings, model: Transformer, pool: KvPool
                         ) -> DraftPrefill | None:
     """A prefill worker's draft model and pool where its prompt K/V is built here and
     shipped (`WorkerSettings.ships_draft_kv`; None otherwise)."""
     if not settings.ships_draft_kv:
         return None
+    from decode_worker.build import build_draft
     from prefill_worker.draft_kv import DraftPrefill
 
     built = build_draft(settings, model, pool)

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from decode_worker.build import stage_bytes
 from decode_worker.kv_stage import stage_bytes_for_pool
-from deploy.worker_model import build_model, stage_bytes
+from deploy.worker_model import build_model
 from kvferry.settings import WorkerSettings
 from kvferry_kernels.cpu_attention import CPU_ATTENTION_ENV
 from kvferry_kernels.paged_attention_torch import paged_decode_attention_torch
