@@ -49,5 +49,12 @@ def build_planner(args: argparse.Namespace, prefix: str = ""):
         raise ValueError(f"{prefix}latency_correction: must be in [0, 1]".replace("-", "_"))
     bounds = Bounds(flag("min-prefill"), flag("max-prefill"), flag("min-decode"),
                     flag("max-decode"), flag("max-workers"))
-    return Planner(CostModel(Profile.load(flag("profile"))), Sla.parse(flag("sla")), bounds,
+    budget = None  # serve's --kv-eviction, which the simulator counts as the workers do
+    if getattr(args, "kv_eviction", None) is not None:
+        from deploy.eviction_args import eviction_config
+        from kvferry.cache.budget import KvBudget
+
+        budget = KvBudget(eviction_config(args))
+    return Planner(CostModel(Profile.load(flag("profile")), kv_budget=budget),
+                   Sla.parse(flag("sla")), bounds,
                    flag("patience"), flag("headroom"), flag("latency-correction"))

@@ -8,10 +8,12 @@ import argparse
 import sys
 from pathlib import Path
 
+from deploy.eviction_args import eviction_config
 from deploy.parser import comma_ints
 from deploy.planner.profile import PROFILES_DIR, CostModel, Profile
 from deploy.planner.search import Outcome, Sla, layouts, search
 from deploy.planner.workloads import load_workload
+from kvferry.cache.budget import KvBudget
 
 
 def _profile_path(given: Path | None) -> Path:
@@ -51,7 +53,7 @@ def run_sla_plan(args: argparse.Namespace) -> int:
         thresholds = _thresholds(args.local_prefill_thresholds)
         path = _profile_path(args.profile)
         profile = Profile.load(path)
-        cost = CostModel(profile)
+        cost = CostModel(profile, kv_budget=KvBudget(eviction_config(args)))
         requests, trace_rate = load_workload(args.workload, args.num_requests)
     except (ValueError, OSError) as exc:
         print(f"kvferry: plan: {exc}", file=sys.stderr)

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvferry.cache.budget import KvBudget
 from kvferry.settings import KVFERRY_HOME
 
 PROFILE_VERSION = 1
@@ -236,10 +237,14 @@ class CostModel:
     receive        r0 + r1 * prompt_tokens, of the decode worker's time
     """
 
-    def __init__(self, profile: Profile, colocated: bool = False) -> None:
+    def __init__(self, profile: Profile, colocated: bool = False,
+                 kv_budget: KvBudget | None = None) -> None:
         if not profile.prefill or not profile.transfer:
             raise ValueError("profile: needs prefill and transfer points")
         self.profile = profile
+        # What a request holds in a decode pool at most: the deployment's --kv-eviction
+        # policy (kvferry/cache/budget.py), as its router and workers count it.
+        self.kv_budget = kv_budget or KvBudget()
         # a colocated worker's own points, where the profile has them
         self.is_colocated = colocated and profile.has_colocated
         prefill = profile.colocated_prefill if self.is_colocated else profile.prefill
@@ -255,7 +260,7 @@ class CostModel:
         client's turns on its cores in them), else these."""
         if self.is_colocated or not self.profile.has_colocated:
             return self
-        return CostModel(self.profile, colocated=True)
+        return CostModel(self.profile, colocated=True, kv_budget=self.kv_budget)
 
     def prefill_s(self, tokens: int, attention: int) -> float:
         a, b, c = self.prefill_coef

@@ -223,7 +223,8 @@ class _Worker:
             if self.swapped:  # it swapped itself out: alone, it fits once all is free
                 self.resume_swapped()
             return
-        context = sum(s.context for s in batch)
+        context = sum(min(s.context, s.num_blocks * self.sim.cost.profile.block_size)
+                      for s in batch)  # what attention reads: the kept K/V under eviction
         duration = self.sim.step_s(len(batch), context)
         # K/V coming in runs on the event loop beside the step, on the same core: each
         # takes half of it until the smaller is done
@@ -244,9 +245,8 @@ class _Worker:
     def _grow(self) -> None:
         """Every running sequence gets the block its next token needs; with none free the
         newest is swapped out (its blocks freed) until the rest fit."""
-        block = self.sim.cost.profile.block_size
         for seq in list(self.running):
-            need = math.ceil((seq.context + 1) / block) - seq.num_blocks
+            need = self.sim.blocks_held(seq) - seq.num_blocks
             while need > self.free_blocks and self.running:
                 victim = self.running.pop()
                 self.free_blocks += victim.num_blocks
@@ -265,10 +265,9 @@ class _Worker:
 
     def resume_swapped(self) -> None:
         """Swapped sequences come back (oldest first) before any new reservation."""
-        block = self.sim.cost.profile.block_size
         while self.swapped:
             seq = self.swapped[0]
-            need = math.ceil((seq.context + 1) / block)
+            need = self.sim.blocks_held(seq)
             if need > self.free_blocks:
                 return
             self.swapped.popleft()
@@ -348,8 +347,9 @@ class Simulation:
 
     def _route(self, seq: _Seq) -> None:
         seq.decode = max(self.decode, key=lambda w: w.free_blocks)
-        block, profile = self.cost.profile.block_size, self.cost.profile
-        if math.ceil((seq.req.prompt_len + seq.req.output_len) / block) > profile.num_blocks:
+        profile = self.cost.profile
+        if (self.cost.kv_budget.blocks(seq.req.prompt_len, seq.req.output_len,
+                                       profile.block_size) > profile.num_blocks):
             seq.is_refused = True  # too big even alone: refused at Reserve
             return
         if seq.req.output_len > 1:
@@ -359,6 +359,13 @@ class Simulation:
         worker = seq.decode if local else min(self.prefill, key=lambda w: w.queued_tokens)
         worker.prefill_queue.append(seq)
         worker.wake()
+
+    def blocks_held(self, seq: _Seq) -> int:
+        """Blocks `seq` holds with its next token's slot: every token's, or under K/V
+        eviction at most its policy's budget (kvferry/cache/budget.py, as the workers)."""
+        return self.cost.kv_budget.blocks(seq.req.prompt_len,
+                                          seq.context + 1 - seq.req.prompt_len,
+                                          self.cost.profile.block_size)
 
     def _reserve(self, seq: _Seq, worker: _Worker) -> bool:
         need = math.ceil((seq.req.prompt_len + 1) / self.cost.profile.block_size)

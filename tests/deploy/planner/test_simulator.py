@@ -13,6 +13,8 @@ import pytest
 from deploy.loadgen.metrics import calculate_metrics
 from deploy.planner.profile import CostModel
 from deploy.planner.simulator import Layout, SimRequest, Simulation, simulate
+from kvferry.cache.budget import KvBudget
+from kvferry.settings import KvEvictionConfig
 from tests.deploy.planner.synthetic import make_cost, make_profile
 
 
@@ -132,6 +134,27 @@ def test_a_request_bigger_than_the_pool_is_refused() -> None:
     [big, small] = simulate(cost, Layout(1, 1), [SimRequest(0.0, 100, 10),
                                                  SimRequest(0.0, 10, 5)])
     assert big.status == "RESOURCE_EXHAUSTED" and small.is_success
+
+
+def test_under_eviction_a_generation_longer_than_the_pool_is_served_in_the_budget() -> None:
+    """The deployment's K/V budget (kvferry/cache/budget.py) is the simulator's: under
+    streaming eviction (32 + 32 tokens kept, 4 blocks of 16) a request of 40 prompt tokens
+    and 400 generated, 28 blocks at its longest, runs in a pool of 10 blocks where it is
+    refused without a policy; its steps attend over the kept tokens only."""
+    request = [SimRequest(0.0, 40, 400)]
+    [refused] = simulate(make_cost(num_blocks=10), Layout(1, 1), request)
+    assert refused.status == "RESOURCE_EXHAUSTED"
+    budget = KvBudget(KvEvictionConfig("streaming", sink_tokens=32, window_tokens=32))
+    profile = make_profile(num_blocks=10)
+    cost = CostModel(profile, kv_budget=budget)
+    sim = Simulation(cost, Layout(1, 1))
+    [record] = sim.run(request)
+    assert record.is_success and record.output_len == 400
+    assert [w.free_blocks for w in sim.decode] == [10]  # every block back at the end
+    last = cost.decode_s(1, 4 * profile.block_size)  # the budget's 4 blocks
+    assert record.itls_s[-1] == pytest.approx(last)
+    unbounded = simulate(make_cost(num_blocks=100), Layout(1, 1), request)[0]
+    assert unbounded.itls_s[-1] > last  # 438 tokens read at its last step
 
 
 def test_the_decode_spread_widens_itl_but_keeps_its_median() -> None:
