@@ -200,6 +200,14 @@ def kv_dtype(args: argparse.Namespace, device: str) -> str:
     return dtype_name(default_dtype(torch.device(device)))
 
 
+def _config_path(model: str | Path) -> str | Path:
+    """Where `model`'s config is read: a GGUF file's cached conversion where there is one
+    (the file's own metadata takes seconds to parse), else `model` itself."""
+    from kvferry.model.gguf import cached_conversion, is_gguf
+
+    return (cached_conversion(model) or model) if is_gguf(model) else model
+
+
 def run_plan(args: argparse.Namespace) -> int:
     if args.sla is not None or args.workload is not None:
         from deploy.planner.plan_sla import run_sla_plan
@@ -222,7 +230,7 @@ def run_plan(args: argparse.Namespace) -> int:
         return 2
     else:
         try:
-            shape = KvShape.from_config(args.model or default_gguf_path(), dtype)
+            shape = KvShape.from_config(_config_path(args.model or default_gguf_path()), dtype)
         except DefaultModelMissing as exc:
             print(exc, file=sys.stderr)
             return MISSING_EXIT_STATUS

@@ -51,6 +51,15 @@ def converted_dir(path: str | Path, models_dir: Path | None = None) -> Path:
     return (models_dir or MODELS_DIR) / f"{source.stem}-{gguf_cache_key(source)}"
 
 
+def cached_conversion(path: str | Path, models_dir: Path | None = None) -> Path | None:
+    """The converted checkpoint of GGUF file `path` if one is cached (None otherwise): its
+    config.json reads in milliseconds, where the GGUF's metadata (a whole tokenizer's
+    vocabulary) takes seconds to parse. A directory there is complete (renamed into place
+    whole); its weights are verified by whoever loads them."""
+    directory = converted_dir(path, models_dir)
+    return directory if (directory / "config.json").is_file() else None
+
+
 def is_converted(directory: Path) -> bool:
     """Whether `directory` is a complete conversion that matches its manifest byte for byte."""
     return artifact_cache.verify(directory) is None and (directory / "config.json").exists()
