@@ -7,7 +7,8 @@ stops right after the last test that uses it, and modules are ordered so that it
 together: first the modules that start nothing (unit tests, on a quiet machine), then the
 modules grouped by the first shared deployment they use, those that set FIRST_ON_SHARED
 first in their group (they need the deployment as it starts). Module order never splits a module,
-so module-scoped fixtures still start once.
+so module-scoped fixtures still start once. With pytest-xdist (`-n 2 --dist loadgroup`, the
+whole-suite command) the same groups go to the workers whole (`_worker_group`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ SHARED = ("qwen3_deployment", "qwen3_2p2d_deployment", "qwen3_tiny_deployment",
           "qwen3_nixl_deployment", "qwen3_ray_deployment",
           "llama_ray_deployment", "ray_session")
 
-_LAST_USER = pytest.StashKey[dict[str, str]]()  # fixture -> nodeid of its last user
+_LAST_USER = pytest.StashKey[dict[str, pytest.Item]]()  # fixture -> its last user
 _stoppers: dict[str, Callable[[], None]] = {}  # live shared fixtures -> how to stop them
 
 
@@ -73,16 +74,31 @@ def order(config: pytest.Config, items: list[pytest.Item]) -> None:
         return min((SHARED.index(name) + 1 for name in used), default=0), not first
 
     items[:] = [item for group in sorted(modules.values(), key=rank) for item in group]
-    last: dict[str, str] = {}
+    last: dict[str, pytest.Item] = {}
     for item in items:
         for name in _uses(item):
-            last[name] = item.nodeid
+            last[name] = item
     config.stash[_LAST_USER] = last
+    if config.pluginmanager.hasplugin("xdist") and config.getoption("dist", "no") == "loadgroup":
+        for item in items:
+            item.add_marker(pytest.mark.xdist_group(_worker_group(item)))
+
+
+def _worker_group(item: pytest.Item) -> str:
+    """Which of pytest-xdist's workers runs `item` (`-n 2 --dist loadgroup`): every test
+    using Ray (the shared session, or a Ray of its own: marked `ray`) on one worker, so that
+    two local Ray clusters never share the cores; every test whose first shared deployment
+    is the same on one worker, so that each starts once; the rest by module, so that a
+    module's own fixtures start once."""
+    used = _uses(item)
+    if "ray_session" in used or item.get_closest_marker("ray") is not None:
+        return "ray"
+    return used[0] if used else item.nodeid.split("::")[0]
 
 
 def stop_after_last_user(item: pytest.Item) -> None:
     """Stop every shared fixture whose last user `item` was (Ray deployments before Ray)."""
     last = item.config.stash.get(_LAST_USER, {})
     for name in _uses(item):
-        if last.get(name) == item.nodeid and name in _stoppers:
+        if last.get(name) is item and name in _stoppers:
             _stoppers.pop(name)()
