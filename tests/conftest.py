@@ -25,7 +25,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from suite_order import order, shared, stop_after_last_user
+from suite_order import order, shared, stop_after_last_user, this_workers_ports
 
 from deploy import zygote
 from deploy.launcher import WORKER_PORTS_ENV, Deployment, Process
@@ -52,22 +52,10 @@ def _outside_ephemeral_ports() -> str:
     return ""  # no room outside it: any free port, as before
 
 
-def _this_workers_ports(text: str) -> str:
-    """Under pytest-xdist, this worker process's own slice of the range (`gw0` the first),
-    so that two workers never give out one port before its server binds it."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
-    if not text or not worker.startswith("gw"):
-        return text
-    low, high = map(int, text.split("-"))
-    size = (high - low + 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    first = low + int(worker[2:]) * size
-    return f"{first}-{first + size - 1}"
-
-
 _WORKER_PORTS = _outside_ephemeral_ports()
 if _WORKER_PORTS:
     os.environ.setdefault(WORKER_PORTS_ENV, _WORKER_PORTS)
-    os.environ[WORKER_PORTS_ENV] = _this_workers_ports(os.environ[WORKER_PORTS_ENV])
+    os.environ[WORKER_PORTS_ENV] = this_workers_ports(os.environ[WORKER_PORTS_ENV])
 
 _START_LOG = pytest.StashKey[Path]()
 _ZYGOTE = pytest.StashKey[subprocess.Popen[bytes] | None]()

@@ -13,6 +13,7 @@ whole-suite command) the same groups go to the workers whole (`_worker_group`).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -102,3 +103,15 @@ def stop_after_last_user(item: pytest.Item) -> None:
     for name in _uses(item):
         if last.get(name) is item and name in _stoppers:
             _stoppers.pop(name)()
+
+
+def this_workers_ports(text: str) -> str:
+    """Under pytest-xdist, this worker process's own slice of the range (`gw0` the first),
+    so that two workers never give out one port before its server binds it."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not text or not worker.startswith("gw"):
+        return text
+    low, high = map(int, text.split("-"))
+    size = (high - low + 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    first = low + int(worker[2:]) * size
+    return f"{first}-{first + size - 1}"
