@@ -71,8 +71,8 @@ class Downstream:
         worker's pool, `state.is_push_deferred`, until `reserve` after it), or when nothing is
         left to decode but the prefill worker's token."""
         if is_first_leg:
-            self.check_fits(len(job.prompt), job.params.max_tokens, state.num_samples,
-                            job.keeps_all_kv)
+            await self.check_fits_fresh(len(job.prompt), job.params.max_tokens,
+                                        state.num_samples, job.keeps_all_kv)
         self.key_prompt(state, context)
         state.is_push_deferred = (may_defer and is_first_leg and remaining > 1
                                   and len(context) >= self.local_prefill_threshold
@@ -107,9 +107,7 @@ class Downstream:
         RESOURCE_EXHAUSTED in `reserve`. Nothing is refused before a worker reports its pool.
         Under K/V eviction generation may pass the pool: a sequence holds the policy's
         budget at most."""
-        pools = [(w.total_blocks, w.layout.block_size)
-                 for w in self.workers.healthy("decode", "colocated")
-                 if w.layout is not None and w.total_blocks > 0]
+        pools = self._pools()
         if not pools or (max_tokens <= 1 and self.workers.has_prefill_workers()):
             return  # unknown yet, or no reservation (the prefill worker's token is the last)
         capacity = max(blocks * size for blocks, size in pools)  # a whole pool, in tokens
@@ -129,6 +127,25 @@ class Downstream:
                 f"sampling.n: {num_samples} samples of prompt {num_prompt} + max_tokens "
                 f"{max_tokens} are more than the largest decode worker's K/V pool holds "
                 f"({capacity} tokens); ask for fewer samples or tokens", "sampling.n")
+
+    async def check_fits_fresh(self, num_prompt: int, max_tokens: int, num_samples: int = 1,
+                               keeps_all: bool = False) -> None:
+        """`check_fits`, confirmed on fresh stats before a refusal: a pool that grew since its
+        worker last reported (restarted at its address with a larger --kv-pool-size) is not
+        held against the request. Concurrent refusals share one round of stats calls."""
+        try:
+            self.check_fits(num_prompt, max_tokens, num_samples, keeps_all)
+        except InvalidArgument:
+            await self.workers.refresh_shared()
+            if not self._pools():
+                raise  # no worker answered: its last report stands
+            self.check_fits(num_prompt, max_tokens, num_samples, keeps_all)
+
+    def _pools(self) -> list[tuple[int, int]]:
+        """(blocks, block size) of every healthy decode pool that reported its size."""
+        return [(w.total_blocks, w.layout.block_size)
+                for w in self.workers.healthy("decode", "colocated")
+                if w.layout is not None and w.total_blocks > 0]
 
     async def reserve(self, state: RouterRequest, prompt: list[int], max_tokens: int,
                       deadline: float | None, keeps_all: bool = False) -> float:

@@ -49,6 +49,28 @@ def test_the_largest_pool_decides() -> None:
     assert exc.value.field == "input"
 
 
+def test_a_refusal_is_confirmed_on_fresh_stats() -> None:
+    """A decode worker restarted at its address with a larger pool: the router's last
+    snapshot says 128 tokens, the worker now holds 1024. The request is checked again on
+    fresh stats before it is refused, and goes on; one that fits no fresh pool still fails."""
+    workers = _workers(8)
+    downstream = _downstream(workers)
+    refreshed = []
+
+    async def refresh_shared() -> None:  # the worker's GetStats, as the restarted worker answers
+        refreshed.append(True)
+        workers.workers[0].total_blocks = 64
+
+    workers.refresh_shared = refresh_shared  # type: ignore[method-assign]
+    asyncio.run(downstream.check_fits_fresh(1000, 24))
+    assert refreshed == [True]
+    asyncio.run(downstream.check_fits_fresh(100, 24))  # fits the snapshot: no stats call
+    assert refreshed == [True]
+    with pytest.raises(InvalidArgument) as exc:
+        asyncio.run(downstream.check_fits_fresh(1000, 25))
+    assert exc.value.field == "sampling.max_tokens" and len(refreshed) == 2
+
+
 def test_unhealthy_and_prefill_workers_do_not_count_and_unknown_pools_refuse_nothing() -> None:
     workers = _workers(8, 64, roles=("decode", "prefill"))
     with pytest.raises(InvalidArgument):
