@@ -7,8 +7,9 @@ stops right after the last test that uses it, and modules are ordered so that it
 together: first the modules that start nothing (unit tests, on a quiet machine), then the
 modules grouped by the first shared deployment they use, those that set FIRST_ON_SHARED
 first in their group (they need the deployment as it starts). Module order never splits a module,
-so module-scoped fixtures still start once. With pytest-xdist (`-n 2 --dist loadgroup`, the
-whole-suite command) the same groups go to the workers whole (`_worker_group`).
+so module-scoped fixtures still start once. With pytest-xdist (`-n 2`, the whole-suite
+command) each worker starts the shared deployments its tests need, and gives out worker
+ports from its own slice of the range (`this_workers_ports`).
 """
 
 from __future__ import annotations
@@ -80,21 +81,6 @@ def order(config: pytest.Config, items: list[pytest.Item]) -> None:
         for name in _uses(item):
             last[name] = item
     config.stash[_LAST_USER] = last
-    if config.pluginmanager.hasplugin("xdist") and config.getoption("dist", "no") == "loadgroup":
-        for item in items:
-            item.add_marker(pytest.mark.xdist_group(_worker_group(item)))
-
-
-def _worker_group(item: pytest.Item) -> str:
-    """Which of pytest-xdist's workers runs `item` (`-n 2 --dist loadgroup`): every test
-    using Ray (the shared session, or a Ray of its own: marked `ray`) on one worker, so that
-    two local Ray clusters never share the cores; every test whose first shared deployment
-    is the same on one worker, so that each starts once; the rest by module, so that a
-    module's own fixtures start once."""
-    used = _uses(item)
-    if "ray_session" in used or item.get_closest_marker("ray") is not None:
-        return "ray"
-    return used[0] if used else item.nodeid.split("::")[0]
 
 
 def stop_after_last_user(item: pytest.Item) -> None:
