@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "kernels"))
 from decode_worker.sequence import DecodeSeq, step_inputs  # noqa: E402
 from deploy.default_model import bench_model  # noqa: E402
-from kvferry.cache.layout import blocks_for_tokens  # noqa: E402
+from kvferry.cache.budget import blocks_for_tokens  # noqa: E402
 from kvferry.cache.pool import KvPool  # noqa: E402
 from kvferry.model.config import load_model_config  # noqa: E402
 from kvferry.model.eviction import StreamingEviction, make_eviction  # noqa: E402

@@ -39,7 +39,8 @@ from transformers import AutoTokenizer
 
 from deploy.default_model import BENCH_MODEL_HELP, bench_model
 from deploy.worker_model import tune_malloc
-from kvferry.cache.layout import KvLayout, KvShape, blocks_for_tokens, blocks_needed
+from kvferry.cache.budget import blocks_for_tokens, blocks_needed
+from kvferry.cache.layout import KvLayout, KvShape
 from kvferry.cache.pool import KvPool
 from kvferry.model.config import load_model_config
 from kvferry.model.transformer import Transformer

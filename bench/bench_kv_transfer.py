@@ -50,7 +50,8 @@ from bench.kv_transfer_report import (  # noqa: E402
 from bench.kv_transfer_ttft import NIXL_WORKER_ARGS, print_ttft, ttft_rows  # noqa: E402
 from deploy.launcher import Deployment  # noqa: E402
 from deploy.worker_model import tune_malloc  # noqa: E402
-from kvferry.cache.layout import KvLayout, blocks_for_tokens  # noqa: E402
+from kvferry.cache.budget import blocks_for_tokens  # noqa: E402
+from kvferry.cache.layout import KvLayout  # noqa: E402
 from kvferry.cache.pool import KvPool  # noqa: E402
 from kvferry.model.checkpoint import ModelSpec, make_model  # noqa: E402
 from kvferry.rpc import grpc_util  # noqa: E402

@@ -54,7 +54,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "kernels"))
-from kvferry.cache.layout import blocks_for_tokens  # noqa: E402
+from kvferry.cache.budget import blocks_for_tokens  # noqa: E402
 from kvferry.cache.pool import KvPool  # noqa: E402
 from kvferry.model.config import load_model_config  # noqa: E402
 from kvferry.model.cuda_graphs import CudaGraphDecode  # noqa: E402

@@ -69,7 +69,8 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "kernels"))
 from decode_worker.sequence import PlainSeq, step_inputs  # noqa: E402
-from kvferry.cache.layout import KvShape, blocks_for_tokens  # noqa: E402
+from kvferry.cache.budget import blocks_for_tokens  # noqa: E402
+from kvferry.cache.layout import KvShape  # noqa: E402
 from kvferry.cache.pool import KvPool  # noqa: E402
 from kvferry.model.config import ModelConfig, load_model_config  # noqa: E402
 from kvferry.model.cuda_graphs import CudaGraphDecode  # noqa: E402

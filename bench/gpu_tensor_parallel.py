@@ -33,7 +33,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "kernels"))
 
 from deploy import client  # noqa: E402
 from deploy.launcher import Deployment  # noqa: E402
-from kvferry.cache.layout import blocks_for_tokens  # noqa: E402
+from kvferry.cache.budget import blocks_for_tokens  # noqa: E402
 from kvferry.cache.pool import KvPool  # noqa: E402
 from kvferry.model.checkpoint import LLAMA_SPEC, ModelSpec, make_model  # noqa: E402
 from kvferry.model.config import load_model_config  # noqa: E402

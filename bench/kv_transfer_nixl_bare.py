@@ -19,7 +19,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from kvferry.cache.layout import KvLayout, blocks_for_tokens
+from kvferry.cache.budget import blocks_for_tokens
+from kvferry.cache.layout import KvLayout
 from kvferry.cache.pool import KvPool
 from kvferry.transfer import wire
 from kvferry.transfer.nixl import pages as nixl_pages

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import time
 
-from kvferry.cache.layout import KvLayout, blocks_for_tokens
+from kvferry.cache.budget import blocks_for_tokens
+from kvferry.cache.layout import KvLayout
 from kvferry.cache.pool import KvPool
 from kvferry.transfer import wire
 

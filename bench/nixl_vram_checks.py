@@ -34,7 +34,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "kernels"))
 from bench.kv_transfer_nixl_bare import PoolShape, bare_nixl_gbps  # noqa: E402
-from kvferry.cache.layout import KvLayout, blocks_for_tokens  # noqa: E402
+from kvferry.cache.budget import blocks_for_tokens  # noqa: E402
+from kvferry.cache.layout import KvLayout  # noqa: E402
 from kvferry.cache.pool import KvPool  # noqa: E402
 from kvferry.transfer import wire
 from kvferry.transfer.nixl import pages as nixl_pages  # noqa: E402

@@ -38,8 +38,8 @@ from decode_worker.spec.draft_model import DraftModel
 from decode_worker.steps import StepLoop
 from kvferry.cache.allocator import IntegrityReport
 from kvferry.cache.block_queue import BlockQueue
-from kvferry.cache.budget import KvBudget
-from kvferry.cache.layout import KvLayout, blocks_for_tokens
+from kvferry.cache.budget import KvBudget, blocks_for_tokens
+from kvferry.cache.layout import KvLayout
 from kvferry.cache.pool import KvPool
 from kvferry.cache.prefix import TierTokens
 from kvferry.cache.stats import PoolStats

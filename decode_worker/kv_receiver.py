@@ -29,7 +29,8 @@ from typing import NamedTuple
 import numpy as np
 
 from decode_worker.sequence import DecodeSeq, Phase, lookup
-from kvferry.cache.layout import KvLayout, blocks_for_tokens
+from kvferry.cache.budget import blocks_for_tokens
+from kvferry.cache.layout import KvLayout
 from kvferry.cache.pool import KvPool
 from kvferry.errors import Aborted, AlreadyExists, DataLoss, InvalidArgument
 from kvferry.transfer import wire

@@ -87,7 +87,7 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
 def eviction_line(args: argparse.Namespace, shape: KvShape, result: Plan,
                   pool_bytes: int) -> str | None:
     """What --kv-eviction bounds a sequence to (None without a policy)."""
-    from kvferry.cache.layout import blocks_needed
+    from kvferry.cache.budget import KvBudget
 
     config = eviction_config(args)
     if not config.is_on:
@@ -97,7 +97,7 @@ def eviction_line(args: argparse.Namespace, shape: KvShape, result: Plan,
     line = (f"kv eviction {config.describe()}, in whole blocks of {args.block_size}): at most "
             f"{budget} blocks, {budget * per_block:,} bytes, per sequence however long it runs; "
             f"this request holds {result.blocks_per_request} of the "
-            f"{blocks_needed(args.prompt_tokens, args.output_tokens, args.block_size)} blocks "
+            f"{KvBudget().blocks(args.prompt_tokens, args.output_tokens, args.block_size)} blocks "
             f"it would without eviction")
     if pool_bytes:
         line += f"; the pool holds {pool_bytes // (budget * per_block):,} sequences at the bound"

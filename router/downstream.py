@@ -31,8 +31,9 @@ from router.detok import IncrementalDetokenizer
 from router.events import ChunkEvent, Ending
 from router.policies.routing import HeadroomPolicy, Policy
 from router.records import DecodeStart
-from router.request import Admitted, RouterRequest, remaining_s
-from router.workers.decode_client import StreamBroken, next_update
+from router.request import Admitted, RouterRequest
+from router.workers.client import remaining_s
+from router.workers.decode_client import StreamBroken
 from router.workers.registry import WorkerSet
 from router.workers.worker import Worker
 
@@ -233,10 +234,10 @@ class Downstream:
             state.holds_decode = False
             return
         state.is_decoding = True
-        updates = client.start(start)
+        call = client.start(start, job.deadline)
         try:
             while True:
-                update = await next_update(updates, remaining_s(job.deadline))
+                update = await call.next()
                 ids = update.token_ids
                 state.last_token_s = update.received_s
                 if ids:
@@ -254,11 +255,11 @@ class Downstream:
                     ending.num_accepted_tokens += update.finished.num_accepted_tokens
                     break
         finally:
-            client.forget(state.request_id)
+            call.close()
             if state.holds_decode:
                 # Ended early (stop string, cancel, deadline): abort on the same stream, so
                 # the abort can never overtake the start it answers.
-                client.abort_on_stream(state.request_id)
+                call.abort()
         state.is_decoding = False
 
     def lose_decode(self, state: RouterRequest, exc: StreamBroken, migrations: int) -> None:

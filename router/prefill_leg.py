@@ -22,7 +22,8 @@ from kvferry.model.sampling import SamplingParams
 from router.events import Timing
 from router.policies.routing import Policy
 from router.records import FirstToken, PrefillDone, PrefillStart
-from router.request import Admitted, RouterRequest, remaining_s
+from router.request import Admitted, RouterRequest
+from router.workers.client import remaining_s
 from router.workers.decode_client import StreamBroken
 from router.workers.prefill_client import PrefillCall
 from router.workers.registry import WorkerSet

@@ -10,6 +10,7 @@ import re
 
 import grpc
 
+from kvferry import logs
 from kvferry.errors import KvferryError
 from kvferry.rpc import grpc_util
 
@@ -30,8 +31,12 @@ def scrub(message: str) -> str:
     return _ADDRESS.sub("<worker>", message)
 
 
-def public_status(exc: BaseException, request_id: str) -> tuple[grpc.StatusCode, str]:
-    """The status and message a public client gets for `exc`; details go to the log."""
+def public_status(exc: BaseException, request_id: str | None = None
+                  ) -> tuple[grpc.StatusCode, str]:
+    """The status and message a public client gets for `exc`; details go to the log, under
+    `request_id` (by default the one the handler's log lines carry, `kvferry.logs`)."""
+    if request_id is None:
+        request_id = logs.request_id.get()
     if isinstance(exc, KvferryError) and exc.downstream:
         code = grpc_util.status_for(exc)
         log.warning("request %s: downstream %s: %s", request_id, code.name, exc)

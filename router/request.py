@@ -6,7 +6,6 @@ deadline arithmetic they use."""
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass, field
 
 from kvferry.cache.prefix import TierTokens
@@ -100,11 +99,6 @@ class RouterRequest:
         if worker is not None and worker is not self.decode_worker:
             worker.done(self.request_id)
         self.prefill_worker = None
-
-
-def remaining_s(deadline: float | None) -> float | None:
-    """Seconds left before a monotonic `deadline` (None: no deadline), never zero."""
-    return None if deadline is None else max(deadline - time.monotonic(), 0.001)
 
 
 class OpenRequests:

@@ -27,8 +27,8 @@ from router.downstream import Downstream
 from router.events import ChunkEvent, DoneEvent, Ending, Timing
 from router.prefill_leg import PrefillLeg
 from router.records import DecodeFinished, DecodeStart
-from router.request import Admitted, RouterRequest, remaining_s
-from router.workers.decode_client import StreamBroken, next_update
+from router.request import Admitted, RouterRequest
+from router.workers.decode_client import StreamBroken
 
 Event = ChunkEvent | DoneEvent
 
@@ -139,15 +139,15 @@ class SampleGroup:
             state.holds_decode = False
             return
         state.is_decoding = True
-        updates = client.start(DecodeStart(
+        call = client.start(DecodeStart(
             state.request_id, firsts[0], self.params, self.params.max_tokens - 1,
-            list(self.stop_ids), 0, tuple(firsts[1:])))
+            list(self.stop_ids), 0, tuple(firsts[1:])), self.deadline)
         for sample in self.samples:
             if sample.is_done:  # ended at its first token: the worker need not decode it
-                client.abort_sample_on_stream(state.request_id, sample.index)
+                call.abort_sample(sample.index)
         try:
             while not all(s.is_done for s in self.samples):
-                update = await next_update(updates, remaining_s(self.deadline))
+                update = await call.next()
                 if not 0 <= update.sample_index < len(self.samples):
                     raise Unavailable(f"decode worker sent sample {update.sample_index}")
                 sample = self.samples[update.sample_index]
@@ -156,12 +156,12 @@ class SampleGroup:
                     for event in self._update(sample, update.token_ids, update.finished):
                         yield event
                     if sample.is_done and update.finished is None:  # a stop string ended it
-                        client.abort_sample_on_stream(state.request_id, sample.index)
+                        call.abort_sample(sample.index)
             state.holds_decode = False  # every sample finished there or was told to stop
         finally:
-            client.forget(state.request_id)
+            call.close()
             if state.holds_decode:  # ended early (cancel, deadline): abort every sample
-                client.abort_on_stream(state.request_id)
+                call.abort()
         state.is_decoding = False
 
     def _update(self, sample: _Sample, ids: list[int], finished: DecodeFinished | None

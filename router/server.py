@@ -146,8 +146,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     async def _generate(self, request: generation_pb2.GenerateRequest,
                         context: grpc.aio.ServicerContext, caller: Caller
                         ) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        request_id = request.request_id
-        logs.request_id.set(request_id)
+        logs.request_id.set(request.request_id)  # until the relay names it (a new one if empty)
+        request_id = ""
         clock = StreamClock(self.metrics)
         try:
             inp = _input(request, self.router.config.sampling_defaults)
@@ -177,7 +177,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             clock.failed(grpc.StatusCode.CANCELLED.name)
             raise
         except Exception as exc:
-            code, message = public_status(exc, request_id)
+            code, message = public_status(exc)
             clock.failed(code.name)
             await context.abort(code, message)
 

@@ -20,7 +20,7 @@ from decode_worker.spec.ngram import NgramProposer
 from decode_worker.step_plugin import StepPlugin
 from decode_worker.step_rows import StepRows
 from kvferry.cache.block_table import truncate
-from kvferry.cache.layout import blocks_for_tokens
+from kvferry.cache.budget import blocks_for_tokens
 from kvferry.cache.pool import KvPool
 from kvferry.settings import SpeculativeConfig
 

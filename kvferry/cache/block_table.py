@@ -11,7 +11,7 @@ on its first step. The caller owns its tables and calls these on the event loop,
 
 from __future__ import annotations
 
-from kvferry.cache.layout import blocks_for_tokens
+from kvferry.cache.budget import blocks_for_tokens
 from kvferry.cache.pool import KvPool
 from kvferry.errors import ResourceExhausted
 

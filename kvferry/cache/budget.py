@@ -14,8 +14,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvferry.cache.layout import blocks_for_tokens, blocks_needed
 from kvferry.settings import KvEvictionConfig
+
+
+def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
+    """Blocks needed to hold `num_tokens` positions."""
+    return (num_tokens + block_size - 1) // block_size
+
+
+def blocks_needed(prompt_tokens: int, max_tokens: int, block_size: int,
+                  num_samples: int = 1) -> int:
+    """Blocks a request may occupy at its longest: ceil((prompt + max_tokens) / block_size),
+    and for several samples of one prompt, the prompt's full blocks once (shared) and each
+    sample's blocks past them."""
+    most = blocks_for_tokens(prompt_tokens + max_tokens, block_size)
+    shared = prompt_tokens // block_size
+    return shared + num_samples * (most - shared)
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ arithmetic: bytes per token = 2 (K and V) x layers x kv_heads x head_dim x bytes
 `KvLayout` is that geometry plus what a running pool adds (block size, model fingerprint):
 what two workers must share to exchange pages (mirrors proto `KvLayout`). `kvferry plan` and
 the router's headroom use the shape; pools, the wire format and the peers' handshake use the
-layout. The dtype table and the token -> block rounding live here too, once.
+layout. The dtype table lives here too, once; the token -> block rounding is
+`kvferry.cache.budget`'s.
 """
 
 from __future__ import annotations
@@ -62,21 +63,6 @@ def dtype_name(dtype: torch.dtype) -> str:
         if entry.torch_dtype == dtype:
             return name
     raise ValueError(f"unsupported dtype {dtype}")
-
-
-def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
-    """Blocks needed to hold `num_tokens` positions."""
-    return (num_tokens + block_size - 1) // block_size
-
-
-def blocks_needed(prompt_tokens: int, max_tokens: int, block_size: int,
-                  num_samples: int = 1) -> int:
-    """Blocks a request may occupy at its longest: ceil((prompt + max_tokens) / block_size),
-    and for several samples of one prompt, the prompt's full blocks once (shared) and each
-    sample's blocks past them."""
-    most = blocks_for_tokens(prompt_tokens + max_tokens, block_size)
-    shared = prompt_tokens // block_size
-    return shared + num_samples * (most - shared)
 
 
 @dataclass(frozen=True)

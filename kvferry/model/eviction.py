@@ -41,7 +41,7 @@ from typing import Protocol
 
 import torch
 
-from kvferry.cache.layout import blocks_for_tokens
+from kvferry.cache.budget import blocks_for_tokens
 from kvferry.cache.pool import KvPool
 from kvferry.model.sampling import SamplingParams
 from kvferry.model.transformer import Transformer

@@ -18,7 +18,8 @@ import crc32c
 import numpy as np
 import torch
 
-from kvferry.cache.layout import KvLayout, blocks_for_tokens
+from kvferry.cache.budget import blocks_for_tokens
+from kvferry.cache.layout import KvLayout
 from kvferry.cache.pool import KvPool, all_finite  # noqa: F401 - all_finite: wire's check
 from kvferry.errors import InvalidArgument
 

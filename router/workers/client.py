@@ -9,6 +9,7 @@ a failed call raises the `kvferry.errors` class of its status (`grpc_util.from_r
 
 from __future__ import annotations
 
+import time
 from typing import Protocol
 
 import grpc
@@ -64,3 +65,8 @@ async def is_serving(channel: grpc.aio.Channel, timeout_s: float, wait_for_ready
             health_pb2.HealthCheckRequest(service=""), timeout=timeout_s,
             wait_for_ready=wait_for_ready)
     return health.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def remaining_s(deadline: float | None) -> float | None:
+    """Seconds left before a monotonic `deadline` (None: no deadline), never zero."""
+    return None if deadline is None else max(deadline - time.monotonic(), 0.001)

@@ -24,7 +24,7 @@ from kvferry.model.sampling import FinishReason
 from kvferry.rpc import convert, grpc_util
 from kvferry.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 from router.records import DecodeFinished, DecodeStart, DecodeUpdate
-from router.workers.client import WorkerClient
+from router.workers.client import WorkerClient, remaining_s
 
 
 class StreamBroken(Unavailable):
@@ -45,6 +45,48 @@ def _update_from_proto(msg: worker_pb2.DecodeUpdate) -> DecodeUpdate:
     return DecodeUpdate(msg.request_id, list(msg.token_ids), finished,
                         msg.error_code or None, msg.error_message, time.monotonic(),
                         msg.sample_index)
+
+
+class DecodeCall:
+    """One request's decode on its worker's shared stream, as `DecodeClient.start` began
+    it: its updates in order, and the commands that may follow the start on the same
+    stream (so that none can overtake it)."""
+
+    def __init__(self, client: DecodeClient, request_id: str, updates: asyncio.Queue[MuxItem],
+                 deadline: float | None) -> None:
+        self.client, self.request_id = client, request_id
+        self._updates = updates
+        self.deadline = deadline
+
+    async def next(self) -> DecodeUpdate:
+        """The next update; the stream's failure, a worker's error, or no update before the
+        deadline, raise."""
+        updates = self._updates
+        if not updates.empty():  # the common case under load: no timer, no task
+            item = updates.get_nowait()
+        else:
+            try:
+                async with asyncio.timeout(remaining_s(self.deadline)):
+                    item = await updates.get()
+            except TimeoutError:
+                raise DeadlineExceeded("deadline exceeded while decoding") from None
+        if isinstance(item, Exception):
+            raise item
+        if item.error_code is not None:
+            raise Remote(f"decode worker: {item.error_message}", item.error_code)
+        return item
+
+    def abort(self) -> None:
+        """Stop the whole request (every sample) on the worker."""
+        self.client.abort_on_stream(self.request_id)
+
+    def abort_sample(self, sample_index: int) -> None:
+        """Stop one sample on the worker; the others go on."""
+        self.client.abort_sample_on_stream(self.request_id, sample_index)
+
+    def close(self) -> None:
+        """No more updates are read: the client drops the request's queue."""
+        self.client.forget(self.request_id)
 
 
 class DecodeClient(WorkerClient):
@@ -102,8 +144,9 @@ class DecodeClient(WorkerClient):
         for queue in self._queues.values():
             queue.put_nowait(error)
 
-    def start(self, start: DecodeStart) -> asyncio.Queue[MuxItem]:
-        """Begin decoding a reserved request; its updates arrive on the returned queue."""
+    def start(self, start: DecodeStart, deadline: float | None) -> DecodeCall:
+        """Begin decoding a reserved request; its updates arrive through the returned call,
+        until the monotonic `deadline` (None: no limit)."""
         commands = self._ensure_stream()
         queue: asyncio.Queue[MuxItem] = asyncio.Queue()
         self._queues[start.request_id] = queue
@@ -116,7 +159,7 @@ class DecodeClient(WorkerClient):
         )))
         if tracer := trace.get():
             tracer.event("start", t=time.monotonic(), down=start.request_id)
-        return queue
+        return DecodeCall(self, start.request_id, queue, deadline)
 
     def abort_on_stream(self, request_id: str) -> None:
         """Abort on the DecodeStream: it cannot overtake the start sent before it."""
@@ -144,22 +187,3 @@ async def _iterate(commands: asyncio.Queue[worker_pb2.DecodeCommand]
                    ) -> AsyncIterator[worker_pb2.DecodeCommand]:
     while True:
         yield await commands.get()
-
-
-async def next_update(updates: asyncio.Queue[MuxItem], timeout_s: float | None
-                      ) -> DecodeUpdate:
-    """A request's next decode update from its queue; its failure, or no update within
-    `timeout_s` (None: no limit), raise."""
-    if not updates.empty():  # the common case under load: no timer, no task
-        item = updates.get_nowait()
-    else:
-        try:
-            async with asyncio.timeout(timeout_s):
-                item = await updates.get()
-        except TimeoutError:
-            raise DeadlineExceeded("deadline exceeded while decoding") from None
-    if isinstance(item, Exception):
-        raise item
-    if item.error_code is not None:
-        raise Remote(f"decode worker: {item.error_message}", item.error_code)
-    return item

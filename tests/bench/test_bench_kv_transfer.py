@@ -22,7 +22,8 @@ from bench.kv_transfer_report import (
     ratio_summary,
     target_verdict,
 )
-from kvferry.cache.layout import KvLayout, blocks_for_tokens
+from kvferry.cache.budget import blocks_for_tokens
+from kvferry.cache.layout import KvLayout
 from kvferry.cache.pool import KvPool
 from kvferry.transfer import wire
 from kvferry.transfer.nixl.pages import PoolMemory

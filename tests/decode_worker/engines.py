@@ -12,7 +12,8 @@ import torch
 
 from decode_worker.engine import DecodeEngine
 from decode_worker.sequence import DecodeEvent, FinishedEvent, TokensEvent
-from kvferry.cache.layout import KvLayout, blocks_for_tokens
+from kvferry.cache.budget import blocks_for_tokens
+from kvferry.cache.layout import KvLayout
 from kvferry.cache.pool import KvPool
 from kvferry.model.sampling import SamplingParams
 from kvferry.model.transformer import Transformer

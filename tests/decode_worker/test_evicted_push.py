@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from decode_worker.engine import DecodeEngine
-from kvferry.cache.layout import KvLayout, blocks_for_tokens
+from kvferry.cache.budget import blocks_for_tokens
+from kvferry.cache.layout import KvLayout
 from kvferry.cache.pool import KvPool
 from kvferry.errors import InvalidArgument
 from kvferry.model.config import load_model_config

@@ -16,7 +16,8 @@ import torch
 
 from decode_worker.engine import DecodeEngine
 from decode_worker.sequence import FinishedEvent, TokensEvent
-from kvferry.cache.layout import KvLayout, blocks_for_tokens
+from kvferry.cache.budget import blocks_for_tokens
+from kvferry.cache.layout import KvLayout
 from kvferry.cache.pool import KvPool
 from kvferry.errors import Aborted, DataLoss, InvalidArgument
 from kvferry.model.config import load_model_config

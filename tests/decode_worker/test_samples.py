@@ -14,7 +14,7 @@ import torch
 
 from decode_worker.engine import DecodeEngine
 from decode_worker.sequence import DecodeEvent, FinishedEvent, TokensEvent
-from kvferry.cache.layout import blocks_for_tokens, blocks_needed
+from kvferry.cache.budget import blocks_for_tokens, blocks_needed
 from kvferry.errors import InvalidArgument
 from kvferry.model.config import load_model_config
 from kvferry.model.sampling import FinishReason, SamplingParams

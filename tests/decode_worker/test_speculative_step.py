@@ -15,7 +15,7 @@ import torch
 
 from decode_worker.engine import DecodeEngine
 from decode_worker.sequence import DecodeSeq
-from kvferry.cache.layout import blocks_for_tokens
+from kvferry.cache.budget import blocks_for_tokens
 from kvferry.model.config import load_model_config
 from kvferry.model.sampling import SamplingParams
 from kvferry.model.transformer import Transformer

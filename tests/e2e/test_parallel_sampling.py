@@ -13,7 +13,7 @@ import torch
 
 from deploy import client
 from deploy.launcher import Deployment, Process
-from kvferry.cache.layout import blocks_for_tokens
+from kvferry.cache.budget import blocks_for_tokens
 from kvferry.faults import tag
 from kvferry.rpc import grpc_util
 from tests.conftest import (

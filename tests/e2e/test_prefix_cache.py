@@ -17,7 +17,7 @@ import torch
 
 from deploy import client
 from deploy.launcher import Deployment
-from kvferry.cache.layout import blocks_for_tokens
+from kvferry.cache.budget import blocks_for_tokens
 from tests.conftest import DETAILS, QWEN3_BLOCK_BYTES, assert_alive, assert_pools_clean
 from tests.deployments import reconfigured, routed
 from tests.e2e.test_token_exact import _reference

@@ -32,7 +32,8 @@ import grpc
 import numpy as np
 
 from kvferry import logs
-from kvferry.cache.layout import KvLayout, blocks_for_tokens
+from kvferry.cache.budget import blocks_for_tokens
+from kvferry.cache.layout import KvLayout
 from kvferry.errors import DataLoss, InvalidArgument, KvferryError, Unavailable
 from kvferry.faults import Faults
 from kvferry.rpc import convert, grpc_util

@@ -13,9 +13,9 @@ import torch
 
 from decode_worker.sequence import check_reservation
 from deploy.cli import main
-from kvferry.cache.budget import KvBudget
+from kvferry.cache.budget import KvBudget, blocks_needed
 from kvferry.cache.capacity import plan
-from kvferry.cache.layout import KvLayout, KvShape, blocks_needed
+from kvferry.cache.layout import KvLayout, KvShape
 from kvferry.cache.pool import KvPool
 from kvferry.errors import InvalidArgument, ResourceExhausted
 from kvferry.settings import KvEvictionConfig

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from deploy.cli import main
+from kvferry.cache.budget import blocks_needed
 from kvferry.cache.capacity import plan
-from kvferry.cache.layout import KvShape, blocks_needed
+from kvferry.cache.layout import KvShape
 
 LLAMA3_8B = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
              "hidden_size": 4096}

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvferry.cache.allocator import BlockAllocator
-from kvferry.cache.layout import blocks_for_tokens
+from kvferry.cache.budget import blocks_for_tokens
 from kvferry.cache.pool import KvPool
 from kvferry.errors import ResourceExhausted
 

@@ -51,7 +51,8 @@ from decode_worker.engine import DecodeEngine
 from decode_worker.sequence import DecodeSeq, Phase, Reservation
 from decode_worker.step_faults import InjectedFault
 from kvferry.cache.allocator import BlockAllocator
-from kvferry.cache.layout import KvLayout, blocks_for_tokens
+from kvferry.cache.budget import blocks_for_tokens
+from kvferry.cache.layout import KvLayout
 from kvferry.cache.pool import KvPool
 from kvferry.cache.prefix import block_keys, cache_seed, max_shared_blocks
 from kvferry.model.config import ModelConfig

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from kvferry.cache.layout import blocks_for_tokens
+from kvferry.cache.budget import blocks_for_tokens
 from kvferry.cache.pool import KvPool
 from kvferry.model.tp_group import TensorParallelModel
 from kvferry.model.transformer import Transformer

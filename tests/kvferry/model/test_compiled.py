@@ -18,7 +18,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from kvferry.cache.layout import blocks_for_tokens
+from kvferry.cache.budget import blocks_for_tokens
 from kvferry.cache.pool import KvPool
 from kvferry.model.compiled import AUTO_MODES, CHOICE, PACKAGE, CompiledDecode, compile_decode
 from kvferry.model.config import load_model_config

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from kvferry.cache.layout import blocks_for_tokens
+from kvferry.cache.budget import blocks_for_tokens
 from kvferry.cache.pool import KvPool
 from kvferry.model.compiled import (
     DEFAULT_MAX_ROWS,

@@ -19,7 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.cache_utils import DynamicLayer
 
-from kvferry.cache.layout import blocks_for_tokens
+from kvferry.cache.budget import blocks_for_tokens
 from kvferry.cache.pool import KvPool
 from kvferry.model.config import load_model_config
 from kvferry.model.transformer import Transformer

@@ -16,7 +16,8 @@ import torch
 
 from decode_worker.kv_receiver import KvReceiver
 from decode_worker.sequence import DecodeSeq
-from kvferry.cache.layout import KvLayout, blocks_for_tokens
+from kvferry.cache.budget import blocks_for_tokens
+from kvferry.cache.layout import KvLayout
 from kvferry.cache.pool import KvPool
 from kvferry.errors import DataLoss, InvalidArgument, NotFound, Unavailable
 from kvferry.transfer import wire

@@ -18,7 +18,8 @@ import torch
 import kvferry.transfer
 from decode_worker.kv_receiver import KvReceiver
 from decode_worker.sequence import DecodeSeq
-from kvferry.cache.layout import KvLayout, blocks_for_tokens
+from kvferry.cache.budget import blocks_for_tokens
+from kvferry.cache.layout import KvLayout
 from kvferry.cache.pool import KvPool
 from kvferry.faults import Faults
 from kvferry.rpc import grpc_util
