@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from deploy import zygote
 from kvferry.cache.layout import KvShape, dtype_name, torch_dtype
 from kvferry.cache.pool import KvPool
 from kvferry.cache.pool_budget import (
@@ -244,11 +245,12 @@ def build_group(settings: WorkerSettings, config, device: torch.device, dtype: t
                     settings.torch_threads, None if kernel_dir is None else str(kernel_dir),
                     str(device), settings.role != "prefill" and settings.speculative.is_on,
                     settings.kv_cache_dtype, settings.prefix_caching)
-    group = TensorParallelModel(spec, size)
+    group = TensorParallelModel(spec, size, zygote.start_rank)
     group.on_lost = _exit_on_rank_loss(group)
-    log.info("%s worker split over %d ranks: %d of %d K/V heads and a pool of %d blocks "
-             "each", settings.role, size, rank.num_kv_heads, config.num_kv_heads,
-             num_blocks)
+    log.info("%s worker split over %d ranks (rank processes: %s): %d of %d K/V heads and a "
+             "pool of %d blocks each", settings.role, size,
+             ", ".join(str(p.pid) for p in group.ranks), rank.num_kv_heads,
+             config.num_kv_heads, num_blocks)
     return group
 
 

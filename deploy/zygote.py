@@ -30,13 +30,19 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 from deploy.child_env import without_router_secrets
 
+if TYPE_CHECKING:
+    from kvferry.model.tp_group import RankProcess, RankSpec
+    from kvferry.model.tp_rendezvous import Rendezvous
+
 ZYGOTE_ENV = "KVFERRY_ZYGOTE"  # the socket's path; "off": never start one
+CLI = "deploy.cli"  # what a forked child runs unless its request names another module
 _MAX_MESSAGE = 1 << 20
 
 
@@ -48,7 +54,7 @@ def _preload() -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401
 
 
-def _serve(path: str) -> tuple[list[str], str] | None:
+def _serve(path: str) -> tuple[list[str], str, str] | None:
     """Fork a server for each request until stdin closes. In a child: its (arguments,
     working directory), its descriptors and environment already in place."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -118,7 +124,7 @@ def _reap(children: dict[int, socket.socket]) -> None:
             conn.close()
 
 
-def _become(request: dict[str, object], fds: list[int]) -> tuple[list[str], str]:
+def _become(request: dict[str, object], fds: list[int]) -> tuple[list[str], str, str]:
     """In the forked child: a session of its own, the caller's descriptors and environment."""
     os.setsid()
     stdout_fd, stderr_fd = fds
@@ -130,9 +136,10 @@ def _become(request: dict[str, object], fds: list[int]) -> tuple[list[str], str]
     assert isinstance(env, dict)  # noqa: S101 - written by spawn below
     os.environ.clear()
     os.environ.update(env)
-    argv, cwd = request["argv"], request["cwd"]
+    argv, cwd, module = request["argv"], request["cwd"], request.get("module", CLI)
     assert isinstance(argv, list) and isinstance(cwd, str)  # noqa: S101
-    return [str(a) for a in argv], cwd
+    assert isinstance(module, str)  # noqa: S101
+    return [str(a) for a in argv], cwd, module
 
 
 class ZygoteProcess:
@@ -145,18 +152,26 @@ class ZygoteProcess:
         self.stdout = stdout
         self.returncode: int | None = None
         self._conn = conn
+        self._lock = threading.Lock()  # one reader of the exit message (a rank's is polled
+        # from its group's watch thread and the worker's own)
 
     def _read_exit(self, timeout_s: float | None) -> bool:
-        if self.returncode is not None:
+        with self._lock:
+            if self.returncode is not None:
+                return True
+            ready, _, _ = select.select([self._conn], [], [], timeout_s)
+            if not ready:
+                return False
+            message = self._conn.recv(64).decode()
+            self._conn.close()
+            # No message: the zygote died first (the run is ending); the child is gone or
+            # going.
+            self.returncode = int(message.split()[1]) if message.startswith("exit ") else -9
             return True
-        ready, _, _ = select.select([self._conn], [], [], timeout_s)
-        if not ready:
-            return False
-        message = self._conn.recv(64).decode()
-        self._conn.close()
-        # No message: the zygote died first (the run is ending); the server is gone or going.
-        self.returncode = int(message.split()[1]) if message.startswith("exit ") else -9
-        return True
+
+    def exit_fd(self) -> int:
+        """A descriptor readable once the child has exited (a copy: the caller closes it)."""
+        return os.dup(self._conn.fileno())
 
     def poll(self) -> int | None:
         self._read_exit(0)
@@ -180,10 +195,10 @@ class ZygoteProcess:
 
 
 def spawn(args: list[str], env: dict[str, str], stderr: IO[str] | None,
-          cwd: str | Path | None = None) -> ZygoteProcess | None:
-    """`deploy.cli args` forked by the zygote that KVFERRY_ZYGOTE names in `env` (the
-    server's environment), its stdout a pipe to us; None when there is none or it says "off"
-    (the caller starts a fresh interpreter)."""
+          cwd: str | Path | None = None, module: str = "deploy.cli") -> ZygoteProcess | None:
+    """`python -m <module> args` (a server: `deploy.cli args`) forked by the zygote that
+    KVFERRY_ZYGOTE names in `env` (the server's environment), its stdout a pipe to us; None
+    when there is none or it says "off" (the caller starts a fresh interpreter)."""
     path = env.get(ZYGOTE_ENV, "")
     if not path or path == "off":
         return None
@@ -191,7 +206,7 @@ def spawn(args: list[str], env: dict[str, str], stderr: IO[str] | None,
     read_fd, write_fd = os.pipe()
     try:
         conn.connect(path)
-        message = json.dumps({"argv": args, "env": env,
+        message = json.dumps({"argv": args, "env": env, "module": module,
                               "cwd": str(cwd or os.getcwd())}).encode()
         socket.send_fds(conn, [message], [write_fd, (stderr or sys.stderr).fileno()])
         answer = conn.recv(64).decode()
@@ -204,7 +219,46 @@ def spawn(args: list[str], env: dict[str, str], stderr: IO[str] | None,
         os.close(read_fd)
         return None
     stdout = open(read_fd, encoding="utf-8", errors="replace")  # noqa: SIM115
-    return ZygoteProcess(["deploy.cli", *args], int(answer.split()[1]), conn, stdout)
+    return ZygoteProcess([module, *args], int(answer.split()[1]), conn, stdout)
+
+
+class ZygoteRank:
+    """A tensor-parallel rank the zygote forked, as its group uses a rank's process
+    (kvferry/model/tp_group.py `RankProcess`)."""
+
+    def __init__(self, name: str, proc: ZygoteProcess) -> None:
+        self.name, self.pid = name, proc.pid
+        self._proc = proc
+        self.sentinel = proc.exit_fd()
+
+    @property
+    def exitcode(self) -> int | None:
+        return self._proc.poll()
+
+    def is_alive(self) -> bool:
+        return self._proc.poll() is None
+
+    def join(self, timeout: float | None = None) -> None:
+        try:
+            self._proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass  # still running, as multiprocessing's join leaves it
+
+    def kill(self) -> None:
+        self._proc.kill()
+
+
+def start_rank(rank: int, size: int, rendezvous: Rendezvous, spec: RankSpec) -> RankProcess:
+    """Rank `rank` of a worker's tensor-parallel group forked by the zygote, torch imported
+    already (a fresh interpreter spends ~2 s of CPU importing it); spawned as
+    multiprocessing does when there is no zygote."""
+    from kvferry.model.tp_group import rank_args, spawn_rank
+
+    proc = spawn([rank_args(rank, size, rendezvous, spec)], dict(os.environ), None,
+                 module="kvferry.model.tp_rank")
+    if proc is None:
+        return spawn_rank(rank, size, rendezvous, spec)
+    return ZygoteRank(f"tp-rank-{rank}", proc)
 
 
 def run(args: list[str], env: dict[str, str], cwd: str | Path, timeout_s: float
@@ -250,12 +304,12 @@ def main() -> None:
         path.unlink(missing_ok=True)
         path.parent.rmdir()
         return
-    argv, cwd = became
+    argv, cwd, module = became
     os.chdir(cwd)
     import runpy
 
-    sys.argv = ["deploy.cli", *argv]
-    runpy.run_module("deploy.cli", run_name="__main__", alter_sys=True)
+    sys.argv = [module, *argv]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -92,6 +93,18 @@ def _respawn(names: list[str], deployment: Deployment, views: tuple[Deployment, 
         for where in (deployment, *views):
             _until_router_takes(where, procs)
     return procs
+
+
+def rank_pids(deployment: Deployment, proc: Process) -> list[int]:
+    """The pids of a split worker's ranks 1..N-1, as its log names them (the suite's zygote
+    forks them: they are not the worker's children)."""
+    assert deployment.log_dir is not None
+    lines = (deployment.log_dir / f"{proc.name}.log").read_text().splitlines()
+    said = [m for line in lines if (m := _RANKS.search(line))]
+    return [int(pid) for pid in said[-1].group(1).split(", ")] if said else []
+
+
+_RANKS = re.compile(r"split over \d+ ranks \(rank processes: ([\d, ]+)\)")
 
 
 def _until_router_takes(deployment: Deployment, workers: list[Process]) -> None:

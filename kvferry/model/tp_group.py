@@ -22,14 +22,17 @@ A rank that is gone fails the call with `RankLost`, at once where its connection
 
 from __future__ import annotations
 
+import json
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
+import os
 import threading
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -70,6 +73,66 @@ class RankSpec:
     query_runs: bool = False  # decode steps verify speculated runs (Transformer.query_runs)
     kv_cache_dtype: str = "auto"  # pages as the model computes them, or quantized
     prefix_caching: bool = True  # rank 0's allocator indexes finished blocks
+
+
+class RankProcess(Protocol):
+    """What the group uses of a rank's process (a `multiprocessing.Process` is one)."""
+
+    name: str
+    pid: int | None
+
+    @property
+    def sentinel(self) -> int: ...  # readable once the process has exited
+
+    @property
+    def exitcode(self) -> int | None: ...
+
+    def is_alive(self) -> bool: ...
+
+    def join(self, timeout: float | None = None) -> None: ...
+
+    def kill(self) -> None: ...
+
+
+# Starts rank `rank` of `size` (running `follow`) and returns its process, started.
+RankStarter = Callable[[int, int, Rendezvous, "RankSpec"], RankProcess]
+
+
+def spawn_rank(rank: int, size: int, rendezvous: Rendezvous, spec: RankSpec) -> RankProcess:
+    """A rank in a fresh interpreter (multiprocessing's spawn: it imports torch itself)."""
+    proc = mp.get_context("spawn").Process(target=follow, args=(rank, size, rendezvous, spec),
+                                           name=f"tp-rank-{rank}", daemon=True)
+    proc.start()
+    return proc
+
+
+def rank_args(rank: int, size: int, rendezvous: Rendezvous, spec: RankSpec) -> str:
+    """What `python -m kvferry.model.tp_rank` takes to run `follow` (one JSON argument)."""
+    return json.dumps({"rank": rank, "size": size, "rendezvous": rendezvous.directory,
+                       "spec": asdict(spec), "leader_pid": os.getpid()})
+
+
+def follow_args(text: str) -> None:
+    """`follow` as `rank_args` describes it; the rank exits once its leader (rank 0's
+    process) is gone, even if no call is under way to tell it."""
+    given = json.loads(text)
+    _exit_with(given["leader_pid"])
+    follow(given["rank"], given["size"], Rendezvous(given["rendezvous"]),
+           RankSpec(**given["spec"]))
+
+
+def _exit_with(pid: int) -> None:
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)  # paces the check of the leader; nothing else wakes this thread
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                os._exit(0)
+            except PermissionError:
+                pass
+
+    threading.Thread(target=watch, name="tp-leader-watch", daemon=True).start()
 
 
 def rank_device(spec: RankSpec, rank: int) -> torch.device:
@@ -127,7 +190,7 @@ def _build(spec: RankSpec, rank: int, size: int, pool_type: type[KvPool] = KvPoo
     return model, pool, config
 
 
-def _follow(rank: int, size: int, rendezvous: Rendezvous, spec: RankSpec) -> None:
+def follow(rank: int, size: int, rendezvous: Rendezvous, spec: RankSpec) -> None:
     """Ranks 1..N-1: run each call rank 0 broadcasts, on this rank's shard and pool, until
     told to stop or rank 0 is gone. A call outside the schema stops the rank (exit status
     EXIT_PROTOCOL_ERROR): its worker then exits as for a lost rank."""
@@ -265,17 +328,14 @@ class TensorParallelModel:
     # Called with the RankLost before it is raised (a worker exits: its router migrates).
     on_lost: Callable[[RankLost], None] | None = None
 
-    def __init__(self, spec: RankSpec, size: int) -> None:
+    def __init__(self, spec: RankSpec, size: int, start_rank: RankStarter = spawn_rank
+                 ) -> None:
         if size < 2:
             raise ValueError(f"tensor_parallel_size: a group needs >= 2 ranks, got {size}")
         self.size = size
         self.rendezvous = Rendezvous.fresh()  # a restarted worker's group meets elsewhere
-        context = mp.get_context("spawn")
-        self.ranks = [context.Process(target=_follow, args=(rank, size, self.rendezvous, spec),
-                                      name=f"tp-rank-{rank}", daemon=True)
-                      for rank in range(1, size)]
-        for proc in self.ranks:
-            proc.start()
+        self.ranks: list[RankProcess] = [start_rank(rank, size, self.rendezvous, spec)
+                                         for rank in range(1, size)]
         try:
             self._control = join(0, size, self.rendezvous, rank_device(spec, 0),
                                  COLLECTIVE_TIMEOUT_S)

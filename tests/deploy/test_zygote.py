@@ -89,3 +89,52 @@ def test_without_a_zygote_the_launcher_starts_a_fresh_interpreter(
     own_zygote.stdin.close()
     assert own_zygote.wait(30) == 0  # it exits with the process that started it
     assert zygote.spawn(["plan"], dict(os.environ), None) is None
+
+
+def test_a_tensor_parallel_rank_is_forked_and_its_loss_is_heard(
+        own_zygote: subprocess.Popen[bytes], qwen3_checkpoint: Path) -> None:
+    """A split worker's ranks 1..N-1 come from the zygote (torch imported already), in a
+    session of their own; the group computes with them as with spawned ones, and one killed
+    is heard by the group's watch at once, as multiprocessing's sentinel would tell it."""
+    import threading
+
+    from kvferry.model.config import load_model_config
+    from kvferry.model.tp_group import RankSpec, TensorParallelModel
+    from kvferry.model.transformer import Transformer
+    from kvferry_kernels.dispatch import get_attention_backend
+    from tests.kvferry.model.greedy_split import greedy, pool_of
+
+    whole = Transformer(load_model_config(qwen3_checkpoint), get_attention_backend("torch"))
+    expected, _ = greedy(whole, pool_of(whole))
+    spec = RankSpec(str(qwen3_checkpoint), "auto", "torch", "float32", block_size=16,
+                    num_blocks=64)
+    group = TensorParallelModel(spec, 2, zygote.start_rank)
+    lost = threading.Event()
+    group.on_lost = lambda error: lost.set()
+    try:
+        (rank,) = group.ranks
+        assert isinstance(rank, zygote.ZygoteRank) and rank.name == "tp-rank-1"
+        assert rank.is_alive() and os.getsid(rank.pid) == rank.pid
+        assert greedy(group, group.pool)[0] == expected  # both ranks computed their halves
+        os.kill(rank.pid, signal.SIGKILL)
+        assert lost.wait(30)  # the watch woke on the rank's exit, with no call under way
+        assert not rank.is_alive() and rank.exitcode == -signal.SIGKILL
+    finally:
+        group.close()
+
+
+def test_without_a_zygote_a_rank_is_spawned(monkeypatch: pytest.MonkeyPatch,
+                                             qwen3_checkpoint: Path) -> None:
+    import multiprocessing as mp
+
+    from kvferry.model.tp_group import RankSpec, TensorParallelModel
+
+    monkeypatch.setenv(zygote.ZYGOTE_ENV, "off")
+    spec = RankSpec(str(qwen3_checkpoint), "auto", "torch", "float32", block_size=16,
+                    num_blocks=64)
+    group = TensorParallelModel(spec, 2, zygote.start_rank)
+    try:
+        assert isinstance(group.ranks[0], mp.process.BaseProcess)
+    finally:
+        group.close()
+    assert not group.ranks[0].is_alive()

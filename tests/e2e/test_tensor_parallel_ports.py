@@ -14,6 +14,7 @@ import pytest
 from deploy import client
 from deploy.launcher import Deployment, Process
 from tests.conftest import assert_alive, assert_pools_clean
+from tests.deployments import rank_pids
 from tests.e2e.test_tensor_parallel_workers import sizes_reported, split_workers
 from tests.e2e.test_token_exact import MAX_TOKENS, _hf_model, _prompts, _reference
 from tests.listening import Listener, children, listeners, strangers
@@ -23,11 +24,21 @@ pytestmark = pytest.mark.slow
 NUM_PROMPTS = 6  # of the token-exact oracle's: 1 to 300 tokens
 
 
-def _family(pid: int) -> list[int]:
-    """A process and its descendants (a worker's ranks, the resource tracker)."""
+def _descendants(pid: int) -> list[int]:
+    """A process and its descendants."""
     found = [pid]
     for child in children(pid):
-        found += _family(child)
+        found += _descendants(child)
+    return found
+
+
+def _family(deployment: Deployment, proc: Process) -> list[int]:
+    """A process, its descendants, and a split worker's ranks with theirs (the suite's
+    zygote forks the ranks: they are not the worker's children)."""
+    found = _descendants(proc.popen.pid)
+    for rank in rank_pids(deployment, proc) if proc.name.startswith(("prefill", "decode")) \
+            else []:
+        found += _descendants(rank)
     return found
 
 
@@ -42,7 +53,7 @@ def _internal(deployment: Deployment) -> list[Listener]:
     for proc in deployment.processes:
         if proc.name.startswith(("prefill", "decode")):
             public = _public_ports(proc)
-            found += [f for f in listeners(_family(proc.popen.pid)) if f.port not in public]
+            found += [f for f in listeners(_family(deployment, proc)) if f.port not in public]
     return found
 
 
@@ -50,7 +61,8 @@ def test_no_wildcard_listener_and_strangers_change_no_rank(
         qwen3_checkpoint: Path, qwen3_deployment: Deployment) -> None:
     with split_workers(qwen3_deployment, 2, 2):
         assert sizes_reported(qwen3_deployment) == {"prefill": 2, "decode": 2}
-        pids = [pid for proc in qwen3_deployment.processes for pid in _family(proc.popen.pid)]
+        pids = [pid for proc in qwen3_deployment.processes
+                for pid in _family(qwen3_deployment, proc)]
         found = listeners(pids)
         assert [f for f in found if f.is_wildcard] == []
         internal = _internal(qwen3_deployment)
@@ -60,7 +72,8 @@ def test_no_wildcard_listener_and_strangers_change_no_rank(
         ranks = sorted(pids)
         assert strangers(internal) == []
         assert sorted(pid for proc in qwen3_deployment.processes
-                      for pid in _family(proc.popen.pid)) == ranks  # no rank left or restarted
+                      for pid in _family(qwen3_deployment, proc)) == ranks  # none restarted
+        assert all(Path(f"/proc/{pid}").exists() for pid in ranks)  # and none left
         prompts = _prompts(_hf_model(qwen3_checkpoint).config.vocab_size)[:NUM_PROMPTS]
         limits = [MAX_TOKENS[i % len(MAX_TOKENS)] for i in range(len(prompts))]
         requests = [client.make_request(p, temperature=0.0, max_tokens=m)

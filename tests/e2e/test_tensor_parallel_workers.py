@@ -19,7 +19,13 @@ from deploy import client
 from deploy.launcher import Deployment, Process
 from kvferry.faults import tag
 from tests.conftest import QWEN3_BLOCK_BYTES, assert_pools_clean, busy_process, worker_stats
-from tests.deployments import reconfigured, respawn, routed, until_router_takes
+from tests.deployments import (
+    rank_pids,
+    reconfigured,
+    respawn,
+    routed,
+    until_router_takes,
+)
 from tests.e2e.test_token_exact import _check_greedy, _generate_all, _reference
 
 pytestmark = pytest.mark.slow
@@ -147,14 +153,6 @@ def test_parallel_samples_fork_their_blocks_on_every_rank(
         assert_pools_clean(qwen3_deployment)
 
 
-def _ranks_of(proc: Process) -> list[int]:
-    """The pids of a tensor-parallel worker's ranks 1..N-1 (processes it spawned)."""
-    children = Path(f"/proc/{proc.popen.pid}/task/{proc.popen.pid}/children")
-    pids = [int(pid) for pid in children.read_text().split()]
-    return [pid for pid in pids
-            if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")]
-
-
 def _gone(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -210,7 +208,7 @@ def _kill_a_rank_mid_stream(deployment: Deployment, request: object, after_token
                 if victim is None and len(completion.token_ids) >= after_tokens:
                     victim = await asyncio.to_thread(busy_process, deployment, "decode")
                     assert victim is not None
-                    (rank,) = _ranks_of(victim)
+                    (rank,) = rank_pids(deployment, victim)
                     os.kill(rank, signal.SIGKILL)
             assert victim is not None
             return completion, victim, rank

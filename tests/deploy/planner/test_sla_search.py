@@ -72,7 +72,7 @@ def test_the_split_follows_the_work() -> None:
     prefill_heavy, _ = load_workload("2000:4", 200)
     best = search(cost, prefill_heavy, Sla.parse("ttft-p90=2000,itl-p90=100"), candidates)
     assert str(best[0].layout) == "2P+1D"
-    decode_heavy, _ = load_workload("32:400", 200)
+    decode_heavy, _ = load_workload("32:200", 100)  # 400-token answers choose the same, 4x slower
     best = search(cost, decode_heavy, Sla.parse("ttft-p90=500,itl-p90=12"), candidates)
     assert str(best[0].layout) == "1P+2D"
     assert best[0].goodput > best[1].goodput

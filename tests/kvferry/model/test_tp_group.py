@@ -2,7 +2,10 @@
 processes it starts. Calls made on rank 0 run on every rank; greedy tokens equal the whole
 model's; a rank that dies fails the next call with RankLost, and closing leaves no rank
 behind. Pages read whole from a group of one size and written into one of another decode as
-the whole model does."""
+the whole model does. The first group's ranks, and those of the group that fails to join
+(checked among multiprocessing's children), are spawned, as a worker without the test
+suite's zygote starts them; the others are forked by the zygote, as the suite's workers'
+are."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from deploy import zygote
 from kvferry.cache.pool import KvPool
 from kvferry.model import tp_group, tp_wire
 from kvferry.model.config import load_model_config
@@ -55,7 +59,7 @@ def test_calls_on_rank_zero_decode_as_the_whole_model(qwen3_checkpoint: Path) ->
 
 def test_a_rank_killed_fails_the_next_call_and_close_still_ends_the_rest(
         qwen3_checkpoint: Path) -> None:
-    group = TensorParallelModel(_spec(qwen3_checkpoint), 4)
+    group = TensorParallelModel(_spec(qwen3_checkpoint), 4, zygote.start_rank)
     try:
         os.kill(group.ranks[1].pid, signal.SIGKILL)  # rank 2 of 4
         group.ranks[1].join(10)
@@ -81,7 +85,7 @@ def test_the_ranks_listen_on_loopback_only_and_strangers_change_nothing(
     config = load_model_config(qwen3_checkpoint)
     whole = Transformer(config, get_attention_backend("torch"))
     expected, _ = greedy(whole, pool_of(whole))
-    group = TensorParallelModel(_spec(qwen3_checkpoint), 2)
+    group = TensorParallelModel(_spec(qwen3_checkpoint), 2, zygote.start_rank)
     try:
         assert not Path(group.rendezvous.directory).exists()  # gloo: gone once formed
         found = listeners([p.pid for p in group.ranks])
@@ -119,7 +123,7 @@ def test_a_group_that_cannot_form_leaves_no_rank_and_no_rendezvous(
 def test_a_call_outside_the_schema_stops_the_rank(qwen3_checkpoint: Path) -> None:
     """A header the schema refuses (here: an absurd length) stops the rank before it
     allocates anything; the next call fails with RankLost naming it."""
-    group = TensorParallelModel(_spec(qwen3_checkpoint), 2)
+    group = TensorParallelModel(_spec(qwen3_checkpoint), 2, zygote.start_rank)
     try:
         preamble = torch.tensor([tp_wire.MAGIC, tp_wire.VERSION, 0, 1 << 40])
         _send(tp_wire.Wire(preamble, torch.empty(0, dtype=torch.int64), []), group._control)
@@ -136,7 +140,7 @@ def _side(checkpoint: Path, size: int) -> tuple[Transformer | TensorParallelMode
     if size == 1:
         whole = Transformer(load_model_config(checkpoint), get_attention_backend("torch"))
         return whole, pool_of(whole)
-    group = TensorParallelModel(_spec(checkpoint), size)
+    group = TensorParallelModel(_spec(checkpoint), size, zygote.start_rank)
     return group, group.pool
 
 
@@ -170,7 +174,7 @@ def test_kv_prefilled_at_one_size_decodes_at_another(qwen3_checkpoint: Path,
 
 
 def test_a_block_copied_on_every_rank_reads_back_whole(qwen3_checkpoint: Path) -> None:
-    group = TensorParallelModel(_spec(qwen3_checkpoint), 2)
+    group = TensorParallelModel(_spec(qwen3_checkpoint), 2, zygote.start_rank)
     try:
         tables, _, _ = prefill_part(group, group.pool)
         src = tables[1][:2]
@@ -202,7 +206,8 @@ def test_quantized_pages_move_whole_between_sizes(qwen3_checkpoint: Path,
                                  torch.float32, kv_cache_dtype=kv_cache_dtype)
         group = TensorParallelModel(RankSpec(str(qwen3_checkpoint), "auto", "torch",
                                              "float32", 16, 64,
-                                             kv_cache_dtype=kv_cache_dtype), size)
+                                             kv_cache_dtype=kv_cache_dtype), size,
+                                    zygote.start_rank)
         return group, group.pool
 
     expected, _ = greedy(*quantized_side(1))
