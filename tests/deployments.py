@@ -12,7 +12,7 @@ import re
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from deploy import client, zygote
@@ -145,6 +145,23 @@ def reconfigured(deployment: Deployment, names: list[str], extra_args: list[str]
     finally:
         if restore:
             restart(deployment, names)
+
+
+@contextmanager
+def restarted_in_turn(deployment: Deployment, names: list[str]
+                      ) -> Iterator[Callable[[list[str]], list[Process]]]:
+    """`reconfigured` for several sets of flags in turn: each call of what this yields
+    restarts workers `names` with those flags after their own; at the end they are restarted
+    with their own flags once (not after each set, as nested `reconfigured` would)."""
+
+    def restart_with(extra_args: list[str]) -> list[Process]:
+        _stop_named(deployment, names)
+        return _respawn(names, deployment, (), tuple(extra_args))
+
+    try:
+        yield restart_with
+    finally:
+        restart(deployment, names)
 
 
 def restart(deployment: Deployment, names: list[str]) -> list[Process]:

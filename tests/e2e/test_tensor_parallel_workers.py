@@ -23,6 +23,7 @@ from tests.deployments import (
     rank_pids,
     reconfigured,
     respawn,
+    restarted_in_turn,
     routed,
     until_router_takes,
 )
@@ -69,25 +70,28 @@ def test_greedy_over_grpc_matches_transformers(sizes: tuple[int, int],
         _check_greedy(qwen3_checkpoint, qwen3_deployment)
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_speculative_decoding_on_split_workers_matches_transformers(
-        method: str, qwen3_checkpoint: Path, draft_checkpoint: Path,
-        qwen3_deployment: Deployment) -> None:
-    """Both sides split 2 ways, the decode worker speculating: n-gram drafts, or a draft
+        qwen3_checkpoint: Path, draft_checkpoint: Path, qwen3_deployment: Deployment) -> None:
+    """Both sides split 2 ways, the decode worker speculating: n-gram drafts, then a draft
     model (whole, on rank 0; the prefill worker builds and ships its prompt K/V) whose
     drafts the split target verifies and rolls back. The oracle's prompts, all at once:
     transformers' greedy tokens, and drafts were made and some accepted."""
-    flags = ["--speculative-method", method, "--num-speculative-tokens", "3"]
-    if method == "draft":
-        flags += ["--speculative-model", str(draft_checkpoint)]
-    with split_workers(qwen3_deployment, 2, 2, extra=tuple(flags)):
-        done = _generate_all(qwen3_checkpoint, qwen3_deployment)
-        for prompt, limit, got in done:
-            assert got.token_ids == _reference(qwen3_checkpoint, prompt, limit), len(prompt)
-        usage = [got.finished.usage for _, _, got in done]
-        assert sum(u.num_accepted_tokens for u in usage) > 0
-        assert sum(u.num_draft_tokens for u in usage) > 0
-        assert_pools_clean(qwen3_deployment)
+    names = ["prefill-0", "decode-0"]
+    with restarted_in_turn(qwen3_deployment, names) as restart_with:
+        for method in ("ngram", "draft"):
+            flags = ["--speculative-method", method, "--num-speculative-tokens", "3"]
+            if method == "draft":
+                flags += ["--speculative-model", str(draft_checkpoint)]
+            restart_with([*tp_flag(2), *flags])
+            until_router_takes(qwen3_deployment, names)
+            done = _generate_all(qwen3_checkpoint, qwen3_deployment)
+            for prompt, limit, got in done:
+                assert got.token_ids == _reference(qwen3_checkpoint, prompt, limit), \
+                    (method, len(prompt))
+            usage = [got.finished.usage for _, _, got in done]
+            assert sum(u.num_accepted_tokens for u in usage) > 0, method
+            assert sum(u.num_draft_tokens for u in usage) > 0, method
+            assert_pools_clean(qwen3_deployment)
 
 
 @pytest.mark.parametrize(("kv_cache_dtype", "transport"), [("int8", "grpc"),
@@ -100,18 +104,18 @@ def test_quantized_pages_on_split_workers_give_the_whole_workers_tokens(
     prompts through whole workers with those pages, then through workers split (2, 2) with
     them. The same greedy tokens (quantization moves them off transformers', so the whole
     quantized workers are the reference here)."""
-    flags = ("--kv-cache-dtype", kv_cache_dtype, "--kv-transport", transport)
-    workers = ["prefill-0", "decode-0"]
+    flags = ["--kv-cache-dtype", kv_cache_dtype, "--kv-transport", transport]
     # behind routers of their own: the shared router knows the fp32 layout and refuses them
-    with reconfigured(qwen3_deployment, workers, list(flags)), \
-            routed(qwen3_deployment, f"router-{kv_cache_dtype}", []) as view:
-        whole = [got.token_ids for _, _, got in _generate_all(qwen3_checkpoint, view)]
-    with split_workers(qwen3_deployment, 2, 2, extra=flags, is_layout_kept=False), \
-            routed(qwen3_deployment, f"router-tp-{kv_cache_dtype}", []) as view:
-        assert sizes_reported(view) == {"prefill": 2, "decode": 2}
-        split = [got.token_ids for _, _, got in _generate_all(qwen3_checkpoint, view)]
-        assert split == whole
-        assert_pools_clean(view)
+    with restarted_in_turn(qwen3_deployment, ["prefill-0", "decode-0"]) as restart_with:
+        restart_with(flags)
+        with routed(qwen3_deployment, f"router-{kv_cache_dtype}", []) as view:
+            whole = [got.token_ids for _, _, got in _generate_all(qwen3_checkpoint, view)]
+        restart_with([*tp_flag(2), *flags])
+        with routed(qwen3_deployment, f"router-tp-{kv_cache_dtype}", []) as view:
+            assert sizes_reported(view) == {"prefill": 2, "decode": 2}
+            split = [got.token_ids for _, _, got in _generate_all(qwen3_checkpoint, view)]
+            assert split == whole
+            assert_pools_clean(view)
 
 
 def test_preemption_swaps_pages_out_and_in_through_every_rank(

@@ -31,10 +31,18 @@ def _prompts(vocab: int) -> list[list[int]]:
 
 
 def _reference(checkpoint: Path, prompt: list[int], max_tokens: int) -> list[int]:
-    hf = _hf_model(checkpoint)
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_tokens)
-    return out[0, len(prompt):].tolist()
+    """transformers' greedy tokens (computed once per run: many tests ask for the same)."""
+    key = (checkpoint, tuple(prompt), max_tokens)
+    if key not in _REFERENCES:
+        hf = _hf_model(checkpoint)
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([prompt]), do_sample=False,
+                              max_new_tokens=max_tokens)
+        _REFERENCES[key] = out[0, len(prompt):].tolist()
+    return list(_REFERENCES[key])
+
+
+_REFERENCES: dict[tuple[Path, tuple[int, ...], int], list[int]] = {}
 
 
 _HF: dict[Path, torch.nn.Module] = {}
