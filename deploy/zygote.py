@@ -195,7 +195,7 @@ class ZygoteProcess:
 
 
 def spawn(args: list[str], env: dict[str, str], stderr: IO[str] | None,
-          cwd: str | Path | None = None, module: str = "deploy.cli") -> ZygoteProcess | None:
+          cwd: str | Path | None = None, module: str = CLI) -> ZygoteProcess | None:
     """`python -m <module> args` (a server: `deploy.cli args`) forked by the zygote that
     KVFERRY_ZYGOTE names in `env` (the server's environment), its stdout a pipe to us; None
     when there is none or it says "off" (the caller starts a fresh interpreter)."""
