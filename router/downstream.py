@@ -29,7 +29,7 @@ from kvferry.errors import (
 from kvferry.model.sampling import FinishReason
 from router.detok import IncrementalDetokenizer
 from router.events import ChunkEvent, Ending
-from router.policies.routing import HeadroomPolicy, Policy
+from router.policies.routing import HeadroomPolicy, LocalPrefill, Policy
 from router.records import DecodeStart
 from router.request import Admitted, RouterRequest
 from router.workers.client import remaining_s
@@ -49,11 +49,9 @@ class Downstream:
 
     def __init__(self, workers: WorkerSet, policy: Policy, lease_s: float,
                  admission_timeout_s: float, kv_budget: KvBudget | None = None,
-                 local_prefill_threshold: int = 0, max_migrations: int = 2) -> None:
+                 local_prefill: LocalPrefill | None = None, max_migrations: int = 2) -> None:
         self.workers = workers
-        # Prompts shorter than this prefill on the decode worker (router/prefill_leg.py):
-        # they never wait for headroom before their prefill.
-        self.local_prefill_threshold = local_prefill_threshold
+        self.local_prefill = local_prefill or LocalPrefill()
         self.max_migrations = max_migrations  # decode workers lost under one request, at most
         # What a request holds at most: the decode workers' formula (kvferry/cache/budget.py).
         self.kv_budget = kv_budget or KvBudget()
@@ -76,7 +74,7 @@ class Downstream:
                                         state.num_samples, job.keeps_all_kv)
         self.key_prompt(state, context)
         state.is_push_deferred = (may_defer and is_first_leg and remaining > 1
-                                  and len(context) >= self.local_prefill_threshold
+                                  and not self.local_prefill.is_local(len(context))
                                   and self.admission_would_wait(len(context), remaining,
                                                                 job.keeps_all_kv))
         if state.is_push_deferred or (remaining <= 1 and self.workers.has_prefill_workers()):

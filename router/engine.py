@@ -30,7 +30,7 @@ from router.detok import IncrementalDetokenizer
 from router.downstream import Downstream
 from router.events import ChunkEvent, DoneEvent, Ending, Timing
 from router.identity import ANONYMOUS, Caller
-from router.policies.routing import HeadroomPolicy, Policy
+from router.policies.routing import HeadroomPolicy, LocalPrefill, Policy
 from router.prefill_leg import PrefillLeg
 from router.request import Admitted, GenerateInput, OpenRequests, RouterRequest
 from router.sample_group import SampleGroup
@@ -66,9 +66,10 @@ class Router:
         self.open = OpenRequests(self.limits.max_streams)
         self.workers = workers
         policy = policy or HeadroomPolicy()
+        local_prefill = LocalPrefill(local_prefill_threshold)
         self.downstream = Downstream(workers, policy, lease_s, admission_timeout_s,
-                                     self.kv_budget, local_prefill_threshold, max_migrations)
-        self.prefill = PrefillLeg(workers, policy, local_prefill_threshold)
+                                     self.kv_budget, local_prefill, max_migrations)
+        self.prefill = PrefillLeg(workers, policy, local_prefill)
 
     # ---- the request ---------------------------------------------------------------------
     async def generate(self, inp: GenerateInput, timeout_s: float | None,

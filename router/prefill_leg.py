@@ -20,7 +20,7 @@ from typing import TypeVar
 from kvferry.errors import KvferryError, NotFound, Unavailable
 from kvferry.model.sampling import SamplingParams
 from router.events import Timing
-from router.policies.routing import Policy
+from router.policies.routing import LocalPrefill, Policy
 from router.records import FirstToken, PrefillDone, PrefillStart
 from router.request import Admitted, RouterRequest
 from router.workers.client import remaining_s
@@ -60,13 +60,11 @@ class PrefillLeg:
     reservation; `on_retry` is called each time a lost prefill worker is replaced or a lost
     push prefilled again (the router's metrics count them)."""
 
-    def __init__(self, workers: WorkerSet, policy: Policy, local_prefill_threshold: int
+    def __init__(self, workers: WorkerSet, policy: Policy, local_prefill: LocalPrefill
                  ) -> None:
         self.workers = workers
         self.policy = policy
-        # Conditional disaggregation: prompts shorter than this are prefilled on the decode
-        # worker itself (no K/V transfer); 0 turns it off.
-        self.local_prefill_threshold = local_prefill_threshold
+        self.local_prefill = local_prefill
         self.on_retry: Callable[[], None] = lambda: None
 
     async def ship(self, state: RouterRequest, deadline: float | None) -> None:
@@ -108,7 +106,7 @@ class PrefillLeg:
         if decode is not None and decode.layout is not None:
             uncached -= state.decode_cached_blocks * decode.layout.block_size
         is_local = decode is not None and (
-            decode.role == "colocated" or uncached < self.local_prefill_threshold)
+            decode.role == "colocated" or self.local_prefill.is_local(uncached))
         if is_local and decode is not None:
             worker = decode
         else:

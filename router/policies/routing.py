@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from kvferry.settings import (
@@ -61,6 +62,18 @@ from kvferry.settings import (
     DEFAULT_PREFIX_WEIGHT,
 )
 from router.workers.worker import Worker
+
+
+@dataclass(frozen=True)
+class LocalPrefill:
+    """Conditional disaggregation (`--local-prefill-threshold`): a prompt with fewer than
+    `threshold` tokens left to compute is prefilled on its decode worker itself, with no K/V
+    transfer; such a prompt never waits for decode headroom before its prefill. 0: never."""
+
+    threshold: int = 0
+
+    def is_local(self, uncached_tokens: int) -> bool:
+        return uncached_tokens < self.threshold
 
 
 class Policy(Protocol):

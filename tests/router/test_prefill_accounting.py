@@ -12,7 +12,7 @@ import grpc
 from kvferry.model.sampling import SamplingParams
 from kvferry.rpc.grpc_util import from_rpc
 from router.downstream import Downstream
-from router.policies.routing import HeadroomPolicy
+from router.policies.routing import HeadroomPolicy, LocalPrefill
 from router.prefill_leg import PrefillLeg
 from router.records import FirstToken, PrefillDone, PrefillStart
 from router.request import RouterRequest
@@ -67,7 +67,7 @@ def _setup(pending: dict[str, int], failing: str = "") -> tuple[_Legs, dict[str,
         workers.workers.append(worker)
     workers.workers.append(Worker("d1", "decode", channel=None, is_healthy=True))
     legs = _Legs(Downstream(workers, HeadroomPolicy(), lease_s=30.0, admission_timeout_s=1.0),
-                 PrefillLeg(workers, HeadroomPolicy(), local_prefill_threshold=0))
+                 PrefillLeg(workers, HeadroomPolicy(), LocalPrefill()))
     return legs, {w.address: w for w in workers.workers}
 
 
