@@ -32,6 +32,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
@@ -230,6 +231,9 @@ class ZygoteRank:
         self.name, self.pid = name, proc.pid
         self._proc = proc
         self.sentinel = proc.exit_fd()
+        # closed with this object, as multiprocessing closes a Process's (the group's watch
+        # thread holds the group, and so its ranks, while it waits on the sentinels)
+        weakref.finalize(self, os.close, self.sentinel)
 
     @property
     def exitcode(self) -> int | None:

@@ -5,6 +5,7 @@ launcher falls back to a fresh interpreter once the zygote is gone."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
@@ -119,8 +120,13 @@ def test_a_tensor_parallel_rank_is_forked_and_its_loss_is_heard(
         os.kill(rank.pid, signal.SIGKILL)
         assert lost.wait(30)  # the watch woke on the rank's exit, with no call under way
         assert not rank.is_alive() and rank.exitcode == -signal.SIGKILL
+        sentinel = str(rank.sentinel)
     finally:
         group.close()
+    assert sentinel in os.listdir("/proc/self/fd")
+    del group, rank
+    gc.collect()
+    assert sentinel not in os.listdir("/proc/self/fd")  # closed with the rank: none kept
 
 
 def test_without_a_zygote_a_rank_is_spawned(monkeypatch: pytest.MonkeyPatch,
