@@ -14,6 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 
 from kvferry.cache.budget import KvBudget
 from kvferry.cache.prefix import block_keys, cache_seed, max_shared_blocks
@@ -33,7 +34,7 @@ from router.policies.routing import HeadroomPolicy, LocalPrefill, Policy
 from router.records import DecodeStart
 from router.request import Admitted, RouterRequest
 from router.workers.client import remaining_s
-from router.workers.decode_client import StreamBroken
+from router.workers.decode_client import DecodeCall, StreamBroken
 from router.workers.registry import WorkerSet
 from router.workers.worker import Worker
 
@@ -218,23 +219,13 @@ class Downstream:
                          ending: Ending) -> AsyncIterator[ChunkEvent]:
         """Stream one decode leg: its tokens' chunks, each token appended to `generated`;
         how it ended goes into `ending` (aborted unless told otherwise)."""
-        worker = state.decode_worker
-        client = worker.decode_client if worker is not None else None
-        if client is None:
-            raise Unavailable("decode reservation lost")
         start = DecodeStart(
             request_id=state.request_id, first_token_id=generated[-1], sampling=job.params,
             max_new_tokens=remaining - 1, stop_token_ids=list(job.stop_ids),
             num_generated=len(generated) - 1,
         )
-        if state.is_aborted:  # aborted between the push and the decode: never start it
-            await self.abort_decode(state)
-            state.holds_decode = False
-            return
-        state.is_decoding = True
-        call = client.start(start, job.deadline)
-        try:
-            while True:
+        async with self.decoding(state, start, job.deadline) as call:
+            while call is not None:
                 update = await call.next()
                 ids = update.token_ids
                 state.last_token_s = update.received_s
@@ -252,11 +243,31 @@ class Downstream:
                     ending.num_draft_tokens += update.finished.num_draft_tokens
                     ending.num_accepted_tokens += update.finished.num_accepted_tokens
                     break
+
+    @asynccontextmanager
+    async def decoding(self, state: RouterRequest, start: DecodeStart,
+                       deadline: float | None) -> AsyncIterator[DecodeCall | None]:
+        """The frame of a decode on the reserved worker (one sample or several): the call
+        `start` begins there, or None when the request was aborted between the push and the
+        decode (the reservation is released, nothing is started). On the way out the call's
+        queue is dropped, and a request the worker still holds (a stop string, a cancel, a
+        deadline) is aborted on the same stream, so the abort can never overtake its start."""
+        worker = state.decode_worker
+        client = worker.decode_client if worker is not None else None
+        if client is None:
+            raise Unavailable("decode reservation lost")
+        if state.is_aborted:
+            await self.abort_decode(state)
+            state.holds_decode = False
+            yield None
+            return
+        state.is_decoding = True
+        call = client.start(start, deadline)
+        try:
+            yield call
         finally:
             call.close()
             if state.holds_decode:
-                # Ended early (stop string, cancel, deadline): abort on the same stream, so
-                # the abort can never overtake the start it answers.
                 call.abort()
         state.is_decoding = False
 

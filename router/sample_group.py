@@ -130,22 +130,15 @@ class SampleGroup:
     async def _decode(self, firsts: list[int]) -> AsyncIterator[Event]:
         """One Decode start for every sample; each sample's updates to its own stream."""
         state = self.state
-        worker = state.decode_worker
-        client = worker.decode_client if worker is not None else None
-        if client is None:
-            raise Unavailable("decode reservation lost")
-        if state.is_aborted:  # aborted between the push and the decode: never start it
-            await self.downstream.abort_decode(state)
-            state.holds_decode = False
-            return
-        state.is_decoding = True
-        call = client.start(DecodeStart(
-            state.request_id, firsts[0], self.params, self.params.max_tokens - 1,
-            list(self.stop_ids), 0, tuple(firsts[1:])), self.deadline)
-        for sample in self.samples:
-            if sample.is_done:  # ended at its first token: the worker need not decode it
-                call.abort_sample(sample.index)
-        try:
+        start = DecodeStart(state.request_id, firsts[0], self.params,
+                            self.params.max_tokens - 1, list(self.stop_ids), 0,
+                            tuple(firsts[1:]))
+        async with self.downstream.decoding(state, start, self.deadline) as call:
+            if call is None:
+                return
+            for sample in self.samples:
+                if sample.is_done:  # ended at its first token: the worker need not decode it
+                    call.abort_sample(sample.index)
             while not all(s.is_done for s in self.samples):
                 update = await call.next()
                 if not 0 <= update.sample_index < len(self.samples):
@@ -158,11 +151,6 @@ class SampleGroup:
                     if sample.is_done and update.finished is None:  # a stop string ended it
                         call.abort_sample(sample.index)
             state.holds_decode = False  # every sample finished there or was told to stop
-        finally:
-            call.close()
-            if state.holds_decode:  # ended early (cancel, deadline): abort every sample
-                call.abort()
-        state.is_decoding = False
 
     def _update(self, sample: _Sample, ids: list[int], finished: DecodeFinished | None
                 ) -> list[Event]:
