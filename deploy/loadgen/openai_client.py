@@ -24,10 +24,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
-
-import aiohttp
 
 from deploy.loadgen.metrics import OK, RequestRecord
 from deploy.loadgen.openai_stream import (
@@ -41,6 +39,9 @@ from deploy.loadgen.openai_stream import (
 )
 from deploy.loadgen.runner import Clock, SendOptions
 from deploy.loadgen.workload import BenchRequest, Conversation
+
+if TYPE_CHECKING:  # imported where used: every command's parser imports this module, and
+    import aiohttp  # aiohttp takes 0.25 s to import (only `kvferry bench` needs it)
 
 BACKENDS = ("grpc", "openai-chat", "openai-completions")
 OPENAI_BACKENDS = BACKENDS[1:]
@@ -104,6 +105,7 @@ def aiohttp_post(session: aiohttp.ClientSession) -> Post:
     """`Post` over one aiohttp session. aiohttp, as vLLM's `bench serve` uses: its C HTTP
     parser costs the client about half the CPU per streamed chunk that httpx's pure-Python
     stack did here, CPU the measured server shares on a small machine."""
+    import aiohttp
 
     @asynccontextmanager
     async def post(url: str, body: dict[str, Any], headers: dict[str, str]
@@ -120,6 +122,8 @@ def aiohttp_post(session: aiohttp.ClientSession) -> Post:
 
 
 async def _lines(response: aiohttp.ClientResponse) -> AsyncIterator[str]:
+    import aiohttp
+
     try:
         async for line in response.content:
             yield line.decode("utf-8", "replace").rstrip("\r\n")
@@ -189,6 +193,8 @@ class OpenAISender:
 
 async def served_model(session: aiohttp.ClientSession, root: str) -> str:
     """The first model GET {root}/models lists (what `model` names when not given)."""
+    import aiohttp
+
     try:
         async with session.get(root + "/models") as response:
             response.raise_for_status()
@@ -204,6 +210,8 @@ async def open_sender(base_url: str, backend: str, model: str | None = None,
                       ) -> AsyncIterator[OpenAISender]:
     """A sender for one server, its connections pooled without limit (the load sets the
     concurrency); OPENAI_API_KEY, when set, is sent as the bearer token."""
+    import aiohttp
+
     if backend not in OPENAI_BACKENDS:
         raise ValueError(f"backend: expected one of {OPENAI_BACKENDS}, got {backend!r}")
     root = api_root(base_url)
