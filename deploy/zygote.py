@@ -335,11 +335,10 @@ def _run_child(module: str) -> NoReturn:
     except BaseException:  # noqa: BLE001 - reported as the interpreter would report it
         sys.excepthook(*sys.exc_info())
         code = 1
-    main_thread = threading.main_thread()
-    for thread in threading.enumerate():
-        if thread is not main_thread and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()  # noqa: SLF001 - what the interpreter calls at exit
+    # What the interpreter calls at exit: threading's exit hooks (a thread pool's wake its
+    # idle workers so they end) and the join of the other non-daemon threads, then atexit's.
+    threading._shutdown()  # type: ignore[attr-defined]  # noqa: SLF001
+    atexit._run_exitfuncs()  # noqa: SLF001
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

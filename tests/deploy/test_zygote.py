@@ -76,6 +76,29 @@ def test_exit_codes_and_signals_come_back_as_from_popen(
     worker.kill()  # gone: nothing is sent (its pid may be another process's by now)
 
 
+@pytest.mark.parametrize(("how", "status", "stderr"), [
+    ("none", 0, ""), ("3", 3, ""), ("a message", 1, "a message"),
+    ("raise", 1, "RuntimeError: probe failed"), ("interrupt", -signal.SIGINT, "KeyboardInterrupt")])
+def test_a_forked_child_ends_as_the_interpreter_would(
+        own_zygote: subprocess.Popen[bytes], tmp_path: Path, how: str, status: int,
+        stderr: str) -> None:
+    """Without tearing down its modules (deploy/zygote.py `_run_child`), a child still ends
+    as a fresh interpreter would: threading's exit hooks wake an idle thread pool's worker
+    (else the join waits forever), atexit handlers run and stdout is flushed, and the status
+    is SystemExit's (a message: printed, 1), 1 after an exception, SIGINT after a Ctrl-C."""
+    with open(tmp_path / "err", "w+") as err:
+        child = zygote.spawn([how], dict(os.environ), err, module="tests.deploy.zygote_exit_probe")
+        assert child is not None
+        try:
+            assert child.wait(30) == status
+        finally:
+            child.kill()  # (one that hangs at exit)
+        out = child.stdout.read()
+        err.seek(0)
+        assert stderr in err.read()
+    assert out == "pool ran\natexit ran\n"
+
+
 def _spawned(checkpoint: Path) -> zygote.ZygoteProcess:
     worker = zygote.spawn(["prefill-worker", "--model", str(checkpoint), "--kv-pool-size",
                            "64MiB"], dict(os.environ), None)
