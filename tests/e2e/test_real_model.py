@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from deploy import client
 from deploy.launcher import Deployment
 from tests.conftest import COMPILED, SPECULATIVE, assert_alive, assert_pools_clean, worker_stats
-from tests.deployments import reconfigured, restarted_in_turn
+from tests.deployments import reconfigured
 from tests.e2e.test_metrics import scrape, value
 
 pytestmark = pytest.mark.slow
@@ -142,22 +142,20 @@ def test_split_three_ways_on_both_sides_serves_the_same_tokens(
         prompts: list[list[int]], served: list[list[int]], gguf_deployment: Deployment) -> None:
     """The real model split over 3 ranks on each side (tensor parallelism: its 9 heads, 3
     K/V heads and MLP 1,536 wide split only 3 ways; docs/tensor-parallel.md), speculating
-    (n-gram) as the deployment does, pages over gRPC, then over NIXL, every prompt at once:
-    the tokens the whole model served (which match transformers, above). Over Ray:
-    tests/e2e/test_tensor_parallel_ray.py."""
+    (n-gram) as the deployment does, pages over gRPC, every prompt at once: the tokens the
+    whole model served (which match transformers, above). Over Ray:
+    tests/e2e/test_tensor_parallel_ray.py; split pages over NIXL (staging on each side):
+    tests/e2e/test_tensor_parallel_nixl.py."""
     deployment = gguf_deployment
-    with restarted_in_turn(deployment, ["prefill-0", "decode-0"]) as restart_with:
-        for transport in ("grpc", "nixl"):
-            restart_with(["--tensor-parallel-size", "3", "--kv-transport", transport])
-            assert {s.role: s.tensor_parallel_size for s in worker_stats(deployment)} == {
-                "prefill": 3, "decode": 3}
-            requests = [client.make_request(p, temperature=0.0, max_tokens=MAX_NEW_TOKENS)
-                        for p in prompts]
-            results = asyncio.run(client.generate_many(deployment.router_address, requests,
-                                                       300))
-            assert [list(r.token_ids) for r in results] == served, transport
-            assert_pools_clean(deployment)
-            assert_alive(deployment)
+    with reconfigured(deployment, ["prefill-0", "decode-0"], ["--tensor-parallel-size", "3"]):
+        assert {s.role: s.tensor_parallel_size for s in worker_stats(deployment)} == {
+            "prefill": 3, "decode": 3}
+        requests = [client.make_request(p, temperature=0.0, max_tokens=MAX_NEW_TOKENS)
+                    for p in prompts]
+        results = asyncio.run(client.generate_many(deployment.router_address, requests, 300))
+        assert [list(r.token_ids) for r in results] == served
+        assert_pools_clean(deployment)
+        assert_alive(deployment)
 
 
 def test_compiled_forwards_serve_the_same_tokens_at_every_batch(
