@@ -63,6 +63,19 @@ CHANNEL_OPTIONS = [
     *_keepalive(KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS),
     *RECONNECT_OPTIONS,
 ]
+# Public clients (`kvferry generate`, `chat`, `bench`, the planner's profiler, the tests'
+# client): 20 s + 20 s. A client cannot migrate its request, so a false alarm only fails it:
+# it rides out a stall of its router, or of the whole machine (a loaded 2-core test run once
+# paused every process for about 9 s, and a 5 s client keepalive failed a request the router
+# then served), and still finds a router behind a cut link within 40 s, not TCP's minutes.
+PUBLIC_KEEPALIVE_TIME_MS = 20_000
+PUBLIC_KEEPALIVE_TIMEOUT_MS = 20_000
+PUBLIC_CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    *_keepalive(PUBLIC_KEEPALIVE_TIME_MS, PUBLIC_KEEPALIVE_TIMEOUT_MS),
+    *RECONNECT_OPTIONS,
+]
 # Servers accept their clients' pings: the default policing (one ping per 5 minutes without
 # data, two strikes) would answer a 5 s keepalive with GOAWAY "too_many_pings".
 SERVER_KEEPALIVE_OPTIONS = [
@@ -222,4 +235,5 @@ def parse_ready(line: str) -> Ready | None:
 
 
 def channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    """A plaintext channel to a router's public port (PUBLIC_CHANNEL_OPTIONS)."""
+    return grpc.aio.insecure_channel(address, options=PUBLIC_CHANNEL_OPTIONS)
