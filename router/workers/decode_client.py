@@ -94,7 +94,7 @@ class DecodeClient(WorkerClient):
         super().__init__(worker_pb2_grpc.DecodeServiceStub(channel))
         self._stub: worker_pb2_grpc.DecodeServiceStub
         self._queues: dict[str, asyncio.Queue[MuxItem]] = {}
-        self._commands: asyncio.Queue[worker_pb2.DecodeCommand] | None = None
+        self._commands: asyncio.Queue[worker_pb2.DecodeCommand | None] | None = None
         self._reader: asyncio.Task[None] | None = None
 
     # ---- unary calls ---------------------------------------------------------------------
@@ -120,29 +120,39 @@ class DecodeClient(WorkerClient):
         return list(response.unknown_ids)
 
     # ---- the shared DecodeStream ---------------------------------------------------------
-    def _ensure_stream(self) -> asyncio.Queue[worker_pb2.DecodeCommand]:
+    def _ensure_stream(self) -> asyncio.Queue[worker_pb2.DecodeCommand | None]:
         if self._commands is None or self._reader is None or self._reader.done():
             self._commands = asyncio.Queue()
             call = self._stub.DecodeStream(_iterate(self._commands))
-            self._reader = asyncio.create_task(self._read(call))
+            self._reader = asyncio.create_task(self._read(call, self._commands))
         return self._commands
 
-    async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
+    async def _read(self, call: grpc.aio.StreamStreamCall,
+                    commands: asyncio.Queue[worker_pb2.DecodeCommand | None]) -> None:
         error: Exception = StreamBroken("decode stream closed by the worker")
         try:
-            async for batch in call:
-                for msg in batch.updates:
-                    queue = self._queues.get(msg.request_id)
-                    if queue is None:
-                        continue
-                    try:
-                        queue.put_nowait(_update_from_proto(msg))
-                    except ValueError as exc:  # an unknown finish reason fails its request only
-                        queue.put_nowait(exc)
+            await self._relay(call)
         except grpc.aio.AioRpcError as exc:
             error = StreamBroken(f"decode stream broke: {exc.code().name}: {exc.details()}")
+        finally:
+            # The commands' iterator ends with the stream: gRPC does not cancel the task
+            # reading it once the worker ended the call, and that task, left waiting, was
+            # destroyed pending (asyncio's "Task was destroyed" in the router's log).
+            commands.put_nowait(None)
         for queue in self._queues.values():
             queue.put_nowait(error)
+
+    async def _relay(self, call: grpc.aio.StreamStreamCall) -> None:
+        """Each update the stream brings to its request's queue (none: forgotten)."""
+        async for batch in call:
+            for msg in batch.updates:
+                queue = self._queues.get(msg.request_id)
+                if queue is None:
+                    continue
+                try:
+                    queue.put_nowait(_update_from_proto(msg))
+                except ValueError as exc:  # an unknown finish reason fails its request only
+                    queue.put_nowait(exc)
 
     def start(self, start: DecodeStart, deadline: float | None) -> DecodeCall:
         """Begin decoding a reserved request; its updates arrive through the returned call,
@@ -183,7 +193,8 @@ class DecodeClient(WorkerClient):
             await asyncio.gather(self._reader, return_exceptions=True)
 
 
-async def _iterate(commands: asyncio.Queue[worker_pb2.DecodeCommand]
+async def _iterate(commands: asyncio.Queue[worker_pb2.DecodeCommand | None]
                    ) -> AsyncIterator[worker_pb2.DecodeCommand]:
-    while True:
-        yield await commands.get()
+    """The stream's commands, until None (the stream ended)."""
+    while (command := await commands.get()) is not None:
+        yield command
