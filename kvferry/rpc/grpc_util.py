@@ -57,12 +57,16 @@ def _keepalive(time_ms: int, timeout_ms: int) -> list[tuple[str, int]]:
 # address is nothing.
 RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100),
                      ("grpc.max_reconnect_backoff_ms", 1_000)]
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    *_keepalive(KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS),
-    *RECONNECT_OPTIONS,
-]
+
+
+def _channel_options(keepalive_time_ms: int, keepalive_timeout_ms: int
+                     ) -> list[tuple[str, int]]:
+    return [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            *_keepalive(keepalive_time_ms, keepalive_timeout_ms), *RECONNECT_OPTIONS]
+
+
+CHANNEL_OPTIONS = _channel_options(KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS)
 # Public clients (`kvferry generate`, `chat`, `bench`, the planner's profiler, the tests'
 # client): 20 s + 20 s. A client cannot migrate its request, so a false alarm only fails it:
 # it rides out a stall of its router, or of the whole machine (a loaded 2-core test run once
@@ -70,12 +74,7 @@ CHANNEL_OPTIONS = [
 # then served), and still finds a router behind a cut link within 40 s, not TCP's minutes.
 PUBLIC_KEEPALIVE_TIME_MS = 20_000
 PUBLIC_KEEPALIVE_TIMEOUT_MS = 20_000
-PUBLIC_CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    *_keepalive(PUBLIC_KEEPALIVE_TIME_MS, PUBLIC_KEEPALIVE_TIMEOUT_MS),
-    *RECONNECT_OPTIONS,
-]
+PUBLIC_CHANNEL_OPTIONS = _channel_options(PUBLIC_KEEPALIVE_TIME_MS, PUBLIC_KEEPALIVE_TIMEOUT_MS)
 # Servers accept their clients' pings: the default policing (one ping per 5 minutes without
 # data, two strikes) would answer a 5 s keepalive with GOAWAY "too_many_pings".
 SERVER_KEEPALIVE_OPTIONS = [
