@@ -33,13 +33,14 @@ PUBLIC_MAX_RECEIVE_BYTES = 4 << 20  # the router's public port: prompts are text
 # deadline covers that case: tests/e2e/test_faults.py stalls a worker for about 3 s).
 KEEPALIVE_TIME_MS = 5_000
 KEEPALIVE_TIMEOUT_MS = 5_000
-# Servers: 1 s + 2 s, faster than their clients on purpose. A decode worker must drop a K/V
-# push from a silent prefill worker (forgetting its partial pages) before the router, which
-# notices the same silence on its Prefill call, has another worker push to the reservation
-# again; the second push would otherwise find the pages taken. The same pings free a vanished
-# router's DecodeStream blocks within ~3 s.
-SERVER_KEEPALIVE_TIME_MS = 1_000
-SERVER_KEEPALIVE_TIMEOUT_MS = 2_000
+# Servers: 2 s + 6 s. They free a vanished router's DecodeStream blocks and drop a K/V push
+# from a silent prefill worker (forgetting its partial pages) within ~8 s. The order against
+# the channels' 5-10 s no longer matters: a newer push for the same reservation supersedes an
+# unfinished one (push epochs). Not shorter: 1 s + 2 s closed a live router's DecodeStream
+# with GOAWAY when a loaded 2-core test run starved every process for ~3-9 s (a local Ray
+# instance starting its actors beside it), and the request then failed.
+SERVER_KEEPALIVE_TIME_MS = 2_000
+SERVER_KEEPALIVE_TIMEOUT_MS = 6_000
 
 
 def _keepalive(time_ms: int, timeout_ms: int) -> list[tuple[str, int]]:
