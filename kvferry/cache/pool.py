@@ -121,6 +121,25 @@ class KvPool:
         index = torch.tensor(src, dtype=torch.int64, device=self.cache.device)
         self.cache[:, :, dst] = self.cache.index_select(2, index)
 
+    def read_keys(self, ids: torch.Tensor) -> torch.Tensor:
+        """Every layer's keys of blocks `ids` as float32 values: [layers, blocks, block_size,
+        kv_heads, D] (dequantized from quantized pages; a copy)."""
+        return self.dense(self.cache[:, 0, ids]).float()
+
+    def write_keys(self, ids: torch.Tensor, keys: torch.Tensor) -> None:
+        """Every layer's keys of blocks `ids` (as `read_keys` returns them) into the pool:
+        quantized pages get new codes and scales (one scale per token and K/V head, as the
+        forward writes them)."""
+        if not self.is_quantized:
+            self.cache[:, 0, ids] = keys.to(self.cache.dtype)
+            return
+        values, scale = kv_quant.quantize(keys, self.kv_cache_dtype)
+        pages = self.cache[:, 0, ids]  # a copy: filled, then written back whole
+        quant = self._split(pages)
+        quant.data.copy_(values)
+        quant.scale.copy_(scale)
+        self.cache[:, 0, ids] = pages
+
     @property
     def tensor_parallel_size(self) -> int:
         """Ranks whose pools hold the same blocks (each its own K/V heads); 1: this pool

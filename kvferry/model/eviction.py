@@ -84,8 +84,6 @@ class StreamingEviction:
         the position it was written at, the sinks included (no re-rotation, no re-base): the
         alternative to positions within the cache that the design measures."""
         self.text_positions = text_positions
-        if pool.is_quantized:
-            raise ValueError("kv_eviction: quantized pages are not re-rotated yet")
         block_size = pool.block_size
         self.model, self.pool = model, pool
         self.sink_blocks = config.sink_blocks(block_size)
@@ -142,7 +140,7 @@ class StreamingEviction:
             # as first written: rotated back by what it evicted before this policy knew it
             # (a sample forked after its prompt evicted; 0, exactly the keys, otherwise)
             self._sinks[seq.key] = self.model.rotate_keys(
-                self.pool.cache[:, 0, ids].float(), seq.num_rebased - seq.num_evicted)
+                self.pool.read_keys(ids), seq.num_rebased - seq.num_evicted)
         self._drop(seq, self.sink_blocks)
         self._write_sinks(seq)
         return True
@@ -160,8 +158,7 @@ class StreamingEviction:
             return
         ids = self._ids(seq.block_table[:self.sink_blocks])
         shift = seq.num_evicted - seq.num_rebased
-        self.pool.cache[:, 0, ids] = self.model.rotate_keys(self._sinks[seq.key], shift).to(
-            self.pool.cache.dtype)
+        self.pool.write_keys(ids, self.model.rotate_keys(self._sinks[seq.key], shift))
 
     def _rebase(self, seq: EvictingSeq) -> None:
         """Every kept key rotated back to its index in the cache."""
@@ -169,8 +166,7 @@ class StreamingEviction:
             return
         shift = seq.num_evicted - seq.num_rebased
         ids = self._ids(seq.block_table[self.sink_blocks:])
-        keys = self.pool.cache[:, 0, ids]
-        self.pool.cache[:, 0, ids] = self.model.rotate_keys(keys, -shift)
+        self.pool.write_keys(ids, self.model.rotate_keys(self.pool.read_keys(ids), -shift))
         seq.num_rebased = seq.num_evicted
         if seq.key in self._sinks:
             self._write_sinks(seq)

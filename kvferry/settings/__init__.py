@@ -273,9 +273,6 @@ def _check_eviction(settings: WorkerSettings) -> None:
     if settings.speculative.is_on:
         raise ValueError("kv_eviction: speculative decoding rolls back K/V that eviction may "
                          "have moved; use --speculative-method off with --kv-eviction")
-    if settings.kv_cache_dtype != KV_CACHE_DTYPES[0]:
-        raise ValueError("kv_eviction: the sinks' keys are re-rotated in place, which "
-                         "quantized pages do not take yet; use --kv-cache-dtype auto")
     if settings.decode_stage_mib:
         raise ValueError("kv_eviction: the dense K/V stage mirrors whole sequences; give "
                          "--decode-stage-mib 0 or leave it unset")

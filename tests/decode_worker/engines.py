@@ -22,13 +22,13 @@ from tests.waiting import until, within
 T = TypeVar("T")
 
 
-def cpu_engine(model: Transformer, block_size: int, num_blocks: int, **options: object
-               ) -> DecodeEngine:
-    """An engine over a float32 CPU pool of `num_blocks` blocks; `options` go to
-    DecodeEngine (stage_bytes, speculative, ...)."""
+def cpu_engine(model: Transformer, block_size: int, num_blocks: int,
+               kv_cache_dtype: str = "auto", **options: object) -> DecodeEngine:
+    """An engine over a float32 CPU pool of `num_blocks` blocks (pages of `kv_cache_dtype`);
+    `options` go to DecodeEngine (stage_bytes, speculative, ...)."""
     config = model.config
     pool = KvPool(config.num_layers, config.num_kv_heads, config.head_dim, block_size,
-                  num_blocks, torch.float32, torch.device("cpu"))
+                  num_blocks, torch.float32, torch.device("cpu"), kv_cache_dtype=kv_cache_dtype)
     return DecodeEngine(model, pool, KvLayout.of_pool(pool, config.fingerprint),
                         **options)  # type: ignore[arg-type]
 

@@ -24,6 +24,7 @@ from kvferry.model.eviction import make_eviction
 from kvferry.model.sampling import SamplingParams
 from kvferry.model.transformer import Transformer
 from kvferry.settings import KvEvictionConfig
+from kvferry_kernels import kv_quant
 from kvferry_kernels.dispatch import get_attention_backend
 from tests.decode_worker.engines import cpu_engine, run_to_idle, serve_local
 
@@ -40,13 +41,13 @@ def model(qwen3_checkpoint: Path) -> Transformer:
                        torch.float32, torch.device("cpu"))
 
 
-def _stepwise(model: Transformer, config: KvEvictionConfig, prompt: list[int], count: int
-              ) -> list[int]:
+def _stepwise(model: Transformer, config: KvEvictionConfig, prompt: list[int], count: int,
+              kv_cache_dtype: str = "auto") -> list[int]:
     """The reference: `prompt` fed one token at a time through the decode step, the policy
     bounding the sequence before each step, then `count` greedy tokens."""
     cfg = model.config
     pool = KvPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, BLOCK, 32, torch.float32,
-                  torch.device("cpu"), prefix_caching=False)
+                  torch.device("cpu"), prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
     policy = make_eviction(config, model, pool)
     assert policy is not None
     seq = DecodeSeq(request_id="ref", num_prompt_tokens=0, max_tokens=len(prompt) + count,
@@ -72,8 +73,10 @@ def _stepwise(model: Transformer, config: KvEvictionConfig, prompt: list[int], c
     return out
 
 
-def _engine(model: Transformer, config: KvEvictionConfig) -> DecodeEngine:
-    return cpu_engine(model, BLOCK, 64, eviction=config, chunk_size=16, token_budget=64)
+def _engine(model: Transformer, config: KvEvictionConfig, kv_cache_dtype: str = "auto"
+            ) -> DecodeEngine:
+    return cpu_engine(model, BLOCK, 64, kv_cache_dtype, eviction=config, chunk_size=16,
+                      token_budget=64)
 
 
 def test_a_prompt_past_the_budget_is_prefilled_as_decoding_it_would_have(
@@ -160,3 +163,58 @@ def test_a_request_that_opts_out_keeps_every_token(model: Transformer) -> None:
     assert engine.steps.eviction is not None and engine.steps.eviction.num_evicted_blocks == 0
     longest = max(len(table) for table, _, _ in steps)
     assert longest == -(-(len(PROMPT) + 29) // BLOCK) > STREAMING.budget_blocks(BLOCK)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("config", [STREAMING, H2O], ids=["streaming", "h2o"])
+def test_quantized_pages_evict_as_stepwise_decoding_would(
+        model: Transformer, config: KvEvictionConfig, kv_cache_dtype: str) -> None:
+    """Eviction on int8 and fp8 pages: the prompt prefilled past the budget gives the tokens
+    of the stepwise reference on the same pages, within the budget at every step, and a
+    migrated request continues as it would have (its sinks re-rotated from the same first
+    values, so quantized to the same codes)."""
+    engine = _engine(model, config, kv_cache_dtype)
+    got, steps = serve_local(engine, PROMPT, 40)
+    assert got == _stepwise(model, config, PROMPT, 40, kv_cache_dtype)
+    assert max(len(table) for table, _, _ in steps) <= config.budget_blocks(BLOCK)
+    assert engine.steps.eviction is not None and engine.steps.eviction.num_evicted_blocks > 0
+    moved = serve_local(_engine(model, config, kv_cache_dtype), PROMPT + got[:23], 40 - 23)[0]
+    assert moved == got[23:]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_quantized_sinks_are_rotated_from_their_first_values(
+        model: Transformer, kv_cache_dtype: str) -> None:
+    """Each eviction rewrites the sinks' keys as the quantization of their first stored
+    values rotated by every token evicted so far (one rotation from the original, so the
+    rounding never compounds), with a new scale per token and head; their values and every
+    other page are left as they were."""
+    cfg = model.config
+    pool = KvPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, BLOCK, 16, torch.float32,
+                  torch.device("cpu"), prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
+    policy = make_eviction(STREAMING, model, pool)
+    assert policy is not None
+    budget = STREAMING.budget_blocks(BLOCK)
+    table = pool.allocator.alloc(budget)
+    torch.manual_seed(0)
+    pool.write_keys(torch.tensor(table), torch.randn(cfg.num_layers, budget, BLOCK,
+                                                     cfg.num_kv_heads, cfg.head_dim))
+    sink = torch.tensor(table[:1])
+    first = pool.read_keys(sink)
+    seq = DecodeSeq(request_id="q", num_prompt_tokens=0, max_tokens=4 * BLOCK * budget,
+                    block_table=list(table), lease_deadline=0.0, received=np.zeros((1, 1), bool),
+                    arrival=0, tokens=list(range(budget * BLOCK + 1)))
+    for evicted in (1, 2):
+        before = pool.cache.clone()
+        policy.bound(seq)
+        assert seq.num_evicted == evicted * BLOCK and len(seq.block_table) == budget - 1
+        values, scale = kv_quant.quantize(model.rotate_keys(first, evicted * BLOCK),
+                                          kv_cache_dtype)
+        want = kv_quant.dequantize(values, scale)
+        assert torch.equal(pool.read_keys(sink), want)
+        assert not torch.allclose(want, first, atol=0.1)  # really rotated
+        changed = (pool.cache != before).nonzero()
+        assert changed[:, 1].unique().tolist() == [0] and changed[:, 2].unique().tolist() == [
+            table[0]]  # keys of the sink block only
+        seq.block_table.append(pool.allocator.alloc(1)[0])
+        seq.tokens += [0] * BLOCK

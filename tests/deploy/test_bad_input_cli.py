@@ -116,7 +116,7 @@ PROCESS_CASES = [
      ["kv_window_tokens"]),
     ("colocated-worker --model {missing} --kv-eviction streaming --speculative-method ngram",
      ["kv_eviction"]),
-    ("serve --model {missing} --kv-eviction streaming --kv-cache-dtype int8", ["kv_eviction"]),
+    ("serve --model {missing} --kv-eviction streaming --decode-stage-mib 64", ["kv_eviction"]),
     ("decode-worker --model {missing} --kv-eviction h2o --kv-recent-tokens 0",
      ["kv_recent_tokens"]),
     ("demo --model {missing} --kv-eviction h2o --kv-heavy-tokens -16", ["kv_heavy_tokens"]),

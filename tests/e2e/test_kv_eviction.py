@@ -59,13 +59,13 @@ def test_streaming_eviction_serves_far_past_its_budget(qwen3_deployment: Deploym
 
 
 def _streaming_in_process(checkpoint: Path, prompt: list[int], max_tokens: int,
-                          num_blocks: int = 64) -> list[int]:
+                          num_blocks: int = 64, kv_cache_dtype: str = "auto") -> list[int]:
     """Greedy tokens of the in-process engine under POLICIES["streaming"], on a float32 pool
-    of `num_blocks` blocks."""
+    of `num_blocks` blocks (pages of `kv_cache_dtype`)."""
     model = Transformer(load_model_config(checkpoint), get_attention_backend("torch"),
                         torch.float32, torch.device("cpu"))
     eviction = KvEvictionConfig("streaming", sink_tokens=4, window_tokens=60)
-    engine = cpu_engine(model, BLOCK_SIZE, num_blocks, eviction=eviction)
+    engine = cpu_engine(model, BLOCK_SIZE, num_blocks, kv_cache_dtype, eviction=eviction)
     return serve_local(engine, prompt, max_tokens)[0]
 
 
@@ -112,6 +112,29 @@ def test_eviction_over_nixl_is_token_exact(qwen3_checkpoint: Path,
         assert got.finished is not None and got.token_ids == want
         evicted = sum(value(scrape(p.metrics_port), "kvferry_kv_evicted_blocks_total")
                       for p in deployment.processes if p.name in names)
+        assert evicted >= -(-(len(prompt) + 299) // BLOCK_SIZE) - BUDGET_BLOCKS
+        assert_pools_clean(deployment)
+
+
+def test_eviction_on_int8_pages_over_grpc_is_token_exact(qwen3_checkpoint: Path,
+                                                         qwen3_deployment: Deployment) -> None:
+    """The prefill and decode workers restarted with int8 pages and streaming eviction:
+    40 prompt tokens and 300 more (the sinks' keys re-rotated and quantized again at each
+    of ~17 evictions) are the in-process engine's with the same pages and policy, and every
+    pool is clean."""
+    deployment = qwen3_deployment
+    names = ["prefill-0", "decode-0"]
+    flags = ["--kv-cache-dtype", "int8", *POLICIES["streaming"]]
+    prompt = [23 + i % 250 for i in range(40)]
+    want = _streaming_in_process(qwen3_checkpoint, prompt, 300, kv_cache_dtype="int8")
+    request = client.make_request(prompt, temperature=0.0, max_tokens=300, ignore_eos=True)
+    request.cache_salt = "eviction-int8"
+    with (reconfigured(deployment, names, flags),
+          routed(deployment, "router-evicting-int8", POLICIES["streaming"]) as view):
+        got = asyncio.run(client.generate(view.router_address, request, 300))
+        assert got.finished is not None and got.token_ids == want
+        evicted = sum(value(scrape(p.metrics_port), "kvferry_kv_evicted_blocks_total")
+                      for p in deployment.processes if p.name == "decode-0")
         assert evicted >= -(-(len(prompt) + 299) // BLOCK_SIZE) - BUDGET_BLOCKS
         assert_pools_clean(deployment)
 
