@@ -63,7 +63,7 @@ def stage_bytes(settings: WorkerSettings, pool: KvPool, backend_name: str) -> in
     """The decode stage's budget (decode_worker/kv_stage.py): --decode-stage-mib, or by default
     as much K/V as the pool holds where attention would otherwise gather pages every step."""
     if (backend_name != "torch" or settings.speculative.is_on  # speculation reads the pages
-            or settings.kv_eviction.is_on  # eviction moves pages under the stage's mirror
+            or settings.kv_eviction.policy == "h2o"  # the stage reports no attention mass
             or settings.tensor_parallel_size > 1):  # the stage is not mirrored on the ranks
         return 0
     if settings.decode_stage_mib is not None:

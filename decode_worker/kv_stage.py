@@ -64,7 +64,10 @@ class KvStage:
                 and cpu_attention.wanted()):
             self.kernel = cpu_attention.load(KERNEL_CACHE_DIR)
         self._seqs: list[PagedSeq] = []  # row i holds _seqs[i]
-        self._valid: list[int] = []  # positions [0, valid) of row i hold its K/V
+        self._valid: list[int] = []  # cache indices [0, valid) of row i hold its K/V
+        # Row i's rotary shift as staged (rope position - cache index): K/V eviction changes it
+        # as it drops a block and re-rotates the sinks, a re-base as it re-rotates every key.
+        self._shifts: list[int] = []
         self._k: torch.Tensor | None = None  # [layers, rows, kv_heads, length, D]
         self._v: torch.Tensor | None = None
         self._rows_now = torch.arange(0)  # this step's rows, 0..B-1
@@ -84,14 +87,14 @@ class KvStage:
                 * p.dtype.itemsize)
 
     def clear(self) -> None:
-        self._seqs, self._valid = [], []
+        self._seqs, self._valid, self._shifts = [], [], []
         self._k = self._v = None
         self._parked_at = self._oversized_since = None
 
     def park(self) -> None:
         """The batch is empty: its rows hold nobody now, and the memory is kept for the next
         batch until `idle_left_s` runs out (then the caller clears)."""
-        self._seqs, self._valid = [], []
+        self._seqs, self._valid, self._shifts = [], [], []
         if self._k is not None and self._parked_at is None:
             self._parked_at = self._clock()
 
@@ -119,7 +122,7 @@ class KvStage:
         # Room for every slot the block tables hold: the steps until the next arrange stay
         # inside them (the engine comes back to grow a table).
         need_rows = len(batch)
-        need_length = max(max(len(s.block_table) * self.pool.block_size, s.next_position + 1)
+        need_length = max(max(len(s.block_table) * self.pool.block_size, s.cache_position + 1)
                           for s in batch)
         if self.nbytes(need_rows, need_length) > self.budget_bytes:
             self.clear()
@@ -135,6 +138,7 @@ class KvStage:
                 self._move(last, i)
             self._seqs.pop()
             self._valid.pop()
+            self._shifts.pop()
         rows, length = self.capacity
         if need_rows > rows or need_length > length:
             self._grow(need_rows, need_length)
@@ -146,8 +150,10 @@ class KvStage:
             if id(seq) not in staged:
                 self._seqs.append(seq)
                 self._valid.append(0)
+                self._shifts.append(0)
         for row, seq in enumerate(self._seqs):
-            if self._valid[row] != seq.next_position:  # joined (or out of step): copy in
+            if (self._valid[row] != seq.cache_position  # joined, out of step, or evicted
+                    or self._shifts[row] != _shift(seq)):  # or re-based: copy in
                 self._gather(row, seq)
         return list(self._seqs)
 
@@ -200,6 +206,7 @@ class KvStage:
         self._v[:, dst, :, :n] = self._v[:, src, :, :n]
         self._clear_tail(dst, n)
         self._seqs[dst], self._valid[dst] = self._seqs[src], n
+        self._shifts[dst] = self._shifts[src]
 
     def _clear_tail(self, row: int, n: int) -> None:
         """Zero `row` past position `n`: attention gives those positions probability 0, which
@@ -212,9 +219,9 @@ class KvStage:
         self._v[:, row, :, n:] = 0
 
     def _gather(self, row: int, seq: PagedSeq) -> None:
-        """Copy positions [0, next_position) of `seq` from its pages into `row`."""
+        """Copy cache indices [0, cache_position) of `seq` from its pages into `row`."""
         assert self._k is not None and self._v is not None  # noqa: S101 - sized by arrange
-        n = seq.next_position
+        n = seq.cache_position
         p = self.pool
         blocks = -(-n // p.block_size)
         ids = torch.tensor(seq.block_table[:blocks], device=p.cache.device)
@@ -224,11 +231,13 @@ class KvStage:
         self._v[:, row, :, :n] = pages[:, 1]
         self._clear_tail(row, n)
         self._valid[row] = n
+        self._shifts[row] = _shift(seq)
         self.num_gathered_tokens += n
 
     # ---- one step ----------------------------------------------------------------------------
     def begin_step(self, positions: torch.Tensor) -> None:
-        """The batch (rows 0..B-1, as `arrange` ordered it) feeds tokens at `positions`."""
+        """The batch (rows 0..B-1, as `arrange` ordered it) feeds tokens whose K/V goes to
+        cache indices `positions` (their text positions, unless a sequence evicted)."""
         if len(positions) and int(positions.max()) >= self.capacity[1]:  # a caller that
             self._grow(len(positions), int(positions.max()) + 1)  # grew a table meanwhile
         self._rows_now = torch.arange(len(positions), device=positions.device)
@@ -306,3 +315,8 @@ def _length_groups(lengths: list[int]) -> list[tuple[tuple[int, int], int]]:
     if start < len(lengths):
         groups.append(((start, len(lengths)), max(lengths[start:])))
     return groups
+
+
+def _shift(seq: PagedSeq) -> int:
+    """How far `seq`'s rotary positions run ahead of its cache indices (0 unless it evicted)."""
+    return seq.rope_position - seq.cache_position

@@ -108,9 +108,14 @@ class StepLoop:
             self.plugins.append(self.drafting)
         self.eviction = make_eviction(eviction, model, pool)  # kvferry/model/eviction.py
         if self.eviction is not None:
-            if self.stage is not None or self.drafting is not None:
-                raise ValueError("kv_eviction: not with speculative decoding or a dense K/V "
-                                 "stage")
+            if self.stage is not None and self.eviction.wants_mass:
+                raise ValueError("kv_eviction: h2o reads every step's attention mass, which "
+                                 "the dense K/V stage does not report")
+            if self.drafting is not None:
+                if self.eviction.wants_mass or draft is not None:
+                    raise ValueError("kv_eviction: speculation only with streaming eviction "
+                                     "and n-gram drafts")
+                self.drafting.eviction = self.eviction
             self.plugins.append(EvictionStep(self.eviction))
         self.joining = DEFAULT_JOINING  # a batch starting from idle waits for its wave
         self._wake = asyncio.Event()

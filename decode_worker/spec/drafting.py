@@ -22,6 +22,7 @@ from decode_worker.step_rows import StepRows
 from kvferry.cache.block_table import truncate
 from kvferry.cache.budget import blocks_for_tokens
 from kvferry.cache.pool import KvPool
+from kvferry.model.eviction import StreamingEviction
 from kvferry.settings import SpeculativeConfig
 
 
@@ -47,6 +48,7 @@ class Drafting(StepPlugin):
     num_draft_tokens: int = 0  # drafts verified, over the worker's life
     num_accepted_tokens: int = 0  # of those, accepted
     draft: DraftModel | None = None  # drafts from a model for the whole batch (not proposers)
+    eviction: StreamingEviction | None = None  # drafts never straddle its next eviction
 
     def __post_init__(self) -> None:
         self._proposers: dict[tuple[str, int], Proposer] = {}
@@ -106,8 +108,13 @@ class Drafting(StepPlugin):
 
     def lookahead(self, seq: DecodeSeq) -> int:
         """Drafts `seq` may verify next step: k, but never more tokens than it may still
-        produce (a step yields up to drafts + 1)."""
-        return max(0, min(self.config.num_tokens, seq.tokens_left - 1))
+        produce (a step yields up to drafts + 1), nor past its next eviction: the drafts a
+        step verifies see the keys decoding them one at a time would (eviction moves the
+        window only when a token needs a block past the budget, so within it nothing moves)."""
+        k = min(self.config.num_tokens, seq.tokens_left - 1)
+        if self.eviction is not None and self.eviction.applies(seq):
+            k = min(k, self.eviction.room(seq))
+        return max(0, k)
 
     def num_drafts(self, seq: DecodeSeq, block_size: int, batch_rows: int = 1) -> int:
         """Drafts `seq`'s next step in a batch of `batch_rows` sequences may verify: as many

@@ -121,24 +121,29 @@ class KvPool:
         index = torch.tensor(src, dtype=torch.int64, device=self.cache.device)
         self.cache[:, :, dst] = self.cache.index_select(2, index)
 
-    def read_keys(self, ids: torch.Tensor) -> torch.Tensor:
-        """Every layer's keys of blocks `ids` as float32 values: [layers, blocks, block_size,
-        kv_heads, D] (dequantized from quantized pages; a copy)."""
-        return self.dense(self.cache[:, 0, ids]).float()
-
-    def write_keys(self, ids: torch.Tensor, keys: torch.Tensor) -> None:
-        """Every layer's keys of blocks `ids` (as `read_keys` returns them) into the pool:
-        quantized pages get new codes and scales (one scale per token and K/V head, as the
-        forward writes them)."""
+    def read_keys(self, block_ids: list[int]) -> torch.Tensor:
+        """Every layer's keys of `block_ids`, every K/V head's, as float32 values: [layers,
+        blocks, block_size, kv_heads, D] (dequantized from quantized pages; a copy). Through
+        `read_pages`, so a tensor-parallel pool gathers the heads from its ranks."""
+        keys = self.read_pages(block_ids)[:, 0]
         if not self.is_quantized:
-            self.cache[:, 0, ids] = keys.to(self.cache.dtype)
-            return
-        values, scale = kv_quant.quantize(keys, self.kv_cache_dtype)
-        pages = self.cache[:, 0, ids]  # a copy: filled, then written back whole
-        quant = self._split(pages)
-        quant.data.copy_(values)
-        quant.scale.copy_(scale)
-        self.cache[:, 0, ids] = pages
+            return keys.float()
+        return kv_quant.dequantize_pages(self._split(keys, self.whole_kv_heads))
+
+    def write_keys(self, block_ids: list[int], keys: torch.Tensor) -> None:
+        """Every layer's keys of `block_ids` (as `read_keys` returns them) into the pool, the
+        values left as they are: quantized pages get new codes and scales (one scale per
+        token and K/V head, as the forward writes them). Through `write_pages`, so each rank
+        of a tensor-parallel pool keeps its own heads."""
+        pages = self.read_pages(block_ids)
+        if self.is_quantized:
+            values, scale = kv_quant.quantize(keys, self.kv_cache_dtype)
+            quant = self._split(pages[:, 0], self.whole_kv_heads)
+            quant.data.copy_(values)
+            quant.scale.copy_(scale)
+        else:
+            pages[:, 0] = keys.to(pages.dtype)
+        self.write_pages(block_ids, pages)
 
     @property
     def tensor_parallel_size(self) -> int:

@@ -116,6 +116,16 @@ class StreamingEviction:
         if self._past_context(seq):
             self._rebase(seq)
 
+    def room(self, seq: EvictingSeq) -> int:
+        """Positions past `seq`'s next token that it may write before its next eviction or
+        re-base. A step verifying drafts writes no further: decoding the same tokens one at
+        a time would evict (or re-base) between them, so they would attend over other keys
+        (decode_worker/spec/drafting.py)."""
+        room = self.budget_blocks * self.pool.block_size - 1 - seq.cache_position
+        if not self.text_positions:
+            room = min(room, self.max_position - 1 - seq.rope_position)
+        return max(0, room)
+
     def _over_budget(self, seq: EvictingSeq) -> bool:
         """Its next token would need a block past the budget."""
         return blocks_for_tokens(seq.cache_position + 1, self.pool.block_size) > self.budget_blocks
@@ -136,7 +146,7 @@ class StreamingEviction:
         if not self.text_positions and not self._own(seq, range(self.sink_blocks)):
             return False  # rewritten below: its own first (samples share an evicted prompt's)
         if seq.key not in self._sinks and not self.text_positions:  # its first eviction here
-            ids = self._ids(seq.block_table[:self.sink_blocks])
+            ids = seq.block_table[:self.sink_blocks]
             # as first written: rotated back by what it evicted before this policy knew it
             # (a sample forked after its prompt evicted; 0, exactly the keys, otherwise)
             self._sinks[seq.key] = self.model.rotate_keys(
@@ -156,7 +166,7 @@ class StreamingEviction:
         re-base: right before the window, as positions within the cache put them."""
         if not self.sink_blocks or self.text_positions:
             return
-        ids = self._ids(seq.block_table[:self.sink_blocks])
+        ids = seq.block_table[:self.sink_blocks]
         shift = seq.num_evicted - seq.num_rebased
         self.pool.write_keys(ids, self.model.rotate_keys(self._sinks[seq.key], shift))
 
@@ -165,7 +175,7 @@ class StreamingEviction:
         if not self._own(seq, range(len(seq.block_table))):  # the sinks rewritten too
             return
         shift = seq.num_evicted - seq.num_rebased
-        ids = self._ids(seq.block_table[self.sink_blocks:])
+        ids = seq.block_table[self.sink_blocks:]
         self.pool.write_keys(ids, self.model.rotate_keys(self.pool.read_keys(ids), -shift))
         seq.num_rebased = seq.num_evicted
         if seq.key in self._sinks:
@@ -186,9 +196,6 @@ class StreamingEviction:
             self.pool.copy_blocks([old], [seq.block_table[i]])
             allocator.free([old])
         return True
-
-    def _ids(self, blocks: list[int]) -> torch.Tensor:
-        return torch.tensor(blocks, dtype=torch.int64, device=self.pool.cache.device)
 
 
 class HeavyHitterEviction(StreamingEviction):

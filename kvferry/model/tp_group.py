@@ -388,6 +388,11 @@ class TensorParallelModel:
     def device(self) -> torch.device:
         return self.model.device
 
+    def rotate_keys(self, keys: torch.Tensor, shift: int) -> torch.Tensor:
+        """`Transformer.rotate_keys` on rank 0 (keys of every head, as the pool's `read_keys`
+        gathers them: every head rotates alike)."""
+        return self.model.rotate_keys(keys, shift)
+
     @property
     def dtype(self) -> torch.dtype:
         return self.model.dtype

@@ -403,8 +403,8 @@ class Transformer:
                 self.sm_scale, **runs,
             )
 
-        if stage is not None:
-            stage.begin_step(positions)
+        if stage is not None:  # the rows are indexed by cache index, as the tables
+            stage.begin_step((seq_lens - 1).long())
         logits = self._forward(token_ids, positions, slot_mapping, pool, attend, None)
         if stage is not None:
             stage.end_step()

@@ -269,13 +269,21 @@ class KvEvictionConfig:
 
 
 def _check_eviction(settings: WorkerSettings) -> None:
-    """What streaming eviction does not combine with yet (each refusal names the flag)."""
-    if settings.speculative.is_on:
-        raise ValueError("kv_eviction: speculative decoding rolls back K/V that eviction may "
-                         "have moved; use --speculative-method off with --kv-eviction")
-    if settings.decode_stage_mib:
-        raise ValueError("kv_eviction: the dense K/V stage mirrors whole sequences; give "
-                         "--decode-stage-mib 0 or leave it unset")
+    """What eviction does not combine with (each refusal names both flags;
+    docs/combinations.md says why)."""
+    speculative = settings.speculative
+    if speculative.method == "draft":
+        raise ValueError("kv_eviction: the draft model's own pages are not evicted with the "
+                         "model's; use --speculative-method ngram or off with --kv-eviction")
+    if speculative.is_on and settings.kv_eviction.policy == "h2o":
+        raise ValueError("kv_eviction: h2o with --speculative-method: a verification's "
+                         "attention mass would count its rejected drafts, so h2o would evict "
+                         "other blocks than decoding without drafts; use --kv-eviction "
+                         "streaming or --speculative-method off")
+    if settings.decode_stage_mib and settings.kv_eviction.policy == "h2o":
+        raise ValueError("kv_eviction: h2o reads every step's attention mass, which the "
+                         "dense K/V stage (--decode-stage-mib) does not report; give "
+                         "--decode-stage-mib 0, leave it unset, or use --kv-eviction streaming")
 
 
 def _check_tensor_parallel(settings: WorkerSettings) -> None:
@@ -289,7 +297,8 @@ def _check_tensor_parallel(settings: WorkerSettings) -> None:
         raise ValueError(f"tensor_parallel_size: must be >= 1, got {size}")
     refused = [
         ("compile", settings.compile in BUCKET_COMPILE_MODES, "--compile dynamic or off"),
-        ("kv_eviction", settings.kv_eviction.is_on, "no --kv-eviction"),
+        # H2O's attention mass would be each rank's heads' alone (not summed over the group)
+        ("kv_eviction", settings.kv_eviction.policy == "h2o", "--kv-eviction streaming"),
         ("kv_host_cache_size", settings.tiers.host_cache_size is not None,
          "no K/V tiers"),
         ("decode_stage_mib", bool(settings.decode_stage_mib), "--decode-stage-mib 0"),

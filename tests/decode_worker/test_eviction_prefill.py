@@ -23,7 +23,7 @@ from kvferry.model.config import load_model_config
 from kvferry.model.eviction import make_eviction
 from kvferry.model.sampling import SamplingParams
 from kvferry.model.transformer import Transformer
-from kvferry.settings import KvEvictionConfig
+from kvferry.settings import KvEvictionConfig, SpeculativeConfig
 from kvferry_kernels import kv_quant
 from kvferry_kernels.dispatch import get_attention_backend
 from tests.decode_worker.engines import cpu_engine, run_to_idle, serve_local
@@ -218,3 +218,50 @@ def test_quantized_sinks_are_rotated_from_their_first_values(
             table[0]]  # keys of the sink block only
         seq.block_table.append(pool.allocator.alloc(1)[0])
         seq.tokens += [0] * BLOCK
+
+
+def test_ngram_speculation_under_streaming_eviction_decodes_what_decoding_alone_does(
+        model: Transformer) -> None:
+    """N-gram drafts verified while the window moves: a step's drafts never reach past the
+    sequence's next eviction (there decoding them one at a time would evict between them), so
+    the greedy tokens are those of the same policy without speculation, many drafts are
+    accepted, every table stays within the budget and every block comes back."""
+    prompt = [7 + (i * 5) % 9 for i in range(37)]  # repeats: the n-gram proposer finds drafts
+    alone = serve_local(_engine(model, STREAMING), prompt, 120)[0]
+    speculative = SpeculativeConfig("ngram", 3, 1, 2, is_adaptive=False)
+    engine = cpu_engine(model, BLOCK, 64, eviction=STREAMING, chunk_size=16, token_budget=64,
+                        speculative=speculative)
+    got, steps = serve_local(engine, prompt, 120)
+    assert got == alone
+    drafting = engine.steps.drafting
+    assert drafting is not None and drafting.num_accepted_tokens >= 30, drafting
+    assert len(steps) < 120 - 30  # steps that kept several tokens each
+    assert max(len(table) for table, _, _ in steps) <= STREAMING.budget_blocks(BLOCK)
+    assert engine.steps.eviction is not None
+    assert engine.steps.eviction.num_evicted_blocks >= (37 + 120) // BLOCK - 5
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_the_dense_stage_follows_the_moving_window(model: Transformer,
+                                                   kv_cache_dtype: str) -> None:
+    """Streaming eviction with the dense K/V stage (the CPU default for quantized pages): the
+    stage's rows are indexed by cache index, as the tables are, and a row is copied in again
+    once its sequence evicted (a block gone, the sinks re-rotated). Every decode step reads
+    the stage, and the tokens are the stepwise reference's, which reads the pages."""
+    engine = cpu_engine(model, BLOCK, 64, kv_cache_dtype, eviction=STREAMING, chunk_size=16,
+                        token_budget=64, stage_bytes=64 << 20)
+    staged: list[bool] = []
+    original = engine.steps._step
+
+    def recording(batch: list, is_staged: bool = False) -> list[list[int]]:
+        staged.append(is_staged)
+        return original(batch, is_staged)
+
+    engine.steps._step = recording  # type: ignore[method-assign]
+    got = serve_local(engine, PROMPT, 40)[0]
+    assert got == _stepwise(model, STREAMING, PROMPT, 40, kv_cache_dtype)
+    assert staged and all(staged)
+    stage = engine.steps.stage
+    assert stage is not None and engine.steps.eviction is not None
+    # copied in at the first step, then again after each of the ~10 evictions while decoding
+    assert stage.num_gathered_tokens >= 10 * (STREAMING.budget_blocks(BLOCK) - 1) * BLOCK

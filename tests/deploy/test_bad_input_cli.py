@@ -114,9 +114,9 @@ PROCESS_CASES = [
     ("prefill-worker --model {missing} --speculative-draft-kv ship", ["speculative_draft_kv"]),
     ("decode-worker --model {missing} --kv-eviction streaming --kv-window-tokens 0",
      ["kv_window_tokens"]),
-    ("colocated-worker --model {missing} --kv-eviction streaming --speculative-method ngram",
-     ["kv_eviction"]),
-    ("serve --model {missing} --kv-eviction streaming --decode-stage-mib 64", ["kv_eviction"]),
+    ("colocated-worker --model {missing} --kv-eviction streaming --speculative-method draft "
+     "--speculative-model {missing}", ["kv_eviction"]),
+    ("serve --model {missing} --kv-eviction h2o --speculative-method ngram", ["kv_eviction"]),
     ("decode-worker --model {missing} --kv-eviction h2o --kv-recent-tokens 0",
      ["kv_recent_tokens"]),
     ("demo --model {missing} --kv-eviction h2o --kv-heavy-tokens -16", ["kv_heavy_tokens"]),

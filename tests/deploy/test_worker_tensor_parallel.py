@@ -32,15 +32,19 @@ def test_what_a_split_worker_does_not_do_yet_is_refused_by_name(field: str, valu
     WorkerSettings(role="decode", model="m", **{field: value})  # alone: fine
 
 
-def test_eviction_and_tiers_are_refused_with_a_split_worker() -> None:
+def _eviction(policy: str) -> object:
+    return worker_settings(build_parser().parse_args(
+        ["decode-worker", "--model", "m", "--kv-eviction", policy])).kv_eviction
+
+
+def test_h2o_and_tiers_are_refused_with_a_split_worker_and_streaming_is_not() -> None:
     args = build_parser().parse_args(["decode-worker", "--model", "m",
                                       "--tensor-parallel-size", "2"])
     settings = worker_settings(args)
     assert settings.tensor_parallel_size == 2
+    assert dataclasses.replace(settings, kv_eviction=_eviction("streaming")).kv_eviction.is_on
     for changed, named in [
-        ({"kv_eviction": worker_settings(build_parser().parse_args(
-            ["decode-worker", "--model", "m", "--kv-eviction", "streaming"])).kv_eviction},
-         "kv_eviction"),
+        ({"kv_eviction": _eviction("h2o")}, "kv_eviction"),
         ({"tiers": dataclasses.replace(settings.tiers, host_cache_size="64MiB")},
          "kv_host_cache_size"),
     ]:

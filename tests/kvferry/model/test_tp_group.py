@@ -19,6 +19,8 @@ import pytest
 import torch
 
 from deploy import zygote
+from decode_worker.engine import DecodeEngine
+from kvferry.cache.layout import KvLayout
 from kvferry.cache.pool import KvPool
 from kvferry.model import tp_group, tp_wire
 from kvferry.model.config import load_model_config
@@ -31,6 +33,8 @@ from kvferry.model.tp_group import (
 )
 from kvferry.model.tp_rendezvous import Rendezvous
 from kvferry.model.transformer import Transformer
+from kvferry.settings import KvEvictionConfig
+from tests.decode_worker.engines import cpu_engine, serve_local
 from kvferry_kernels.dispatch import get_attention_backend
 from tests.kvferry.model.greedy_split import decode_part, greedy, pool_of, prefill_part
 from tests.listening import listeners, strangers
@@ -236,3 +240,29 @@ def test_quantized_pages_move_whole_between_sizes(qwen3_checkpoint: Path,
     finally:
         if isinstance(decode, TensorParallelModel):
             decode.close()
+
+
+def test_streaming_eviction_on_a_split_pool_decodes_as_the_whole_model(
+        qwen3_checkpoint: Path) -> None:
+    """Eviction's page operations on a group's pool go through the group: the sinks' keys
+    read whole (every head, gathered from the ranks), re-rotated on rank 0 and written back
+    split, a shared sink block copied on every rank, blocks dropped from the tables every
+    rank is handed. A prompt past the budget, prefilled evicting as it goes, then 60
+    tokens: the whole model's tokens under the same policy, within the budget throughout."""
+    config = load_model_config(qwen3_checkpoint)
+    whole = Transformer(config, get_attention_backend("torch"))
+    policy = KvEvictionConfig("streaming", sink_tokens=16, window_tokens=48)
+    options = {"eviction": policy, "chunk_size": 32, "token_budget": 64}
+    prompt = [5 + (i * 7) % 60 for i in range(90)]
+    want = serve_local(cpu_engine(whole, 16, 64, **options), prompt, 60)[0]
+    group = TensorParallelModel(_spec(qwen3_checkpoint), 2, zygote.start_rank)
+    try:
+        engine = DecodeEngine(group, group.pool,  # type: ignore[arg-type]
+                              KvLayout.of_pool(group.pool, config.fingerprint), **options)
+        got, steps = serve_local(engine, prompt, 60)
+    finally:
+        group.close()
+    assert got == want
+    assert max(len(table) for table, _, _ in steps) <= policy.budget_blocks(16)
+    assert engine.steps.eviction is not None
+    assert engine.steps.eviction.num_evicted_blocks >= (90 + 60) // 16 - 4
