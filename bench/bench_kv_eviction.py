@@ -50,6 +50,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script too
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "kernels"))
+from decode_worker.receipt import KvReceipt  # noqa: E402
 from decode_worker.sequence import DecodeSeq, step_inputs  # noqa: E402
 from deploy.default_model import bench_model  # noqa: E402
 from kvferry.cache.budget import blocks_for_tokens  # noqa: E402
@@ -125,7 +126,8 @@ def _teacher_forced(streams: list[Stream], model: Transformer, block_size: int,
     for i, (name, toks, config, text_positions) in enumerate(streams):
         seqs.append(DecodeSeq(request_id=f"{name}-{i}", num_prompt_tokens=0,
                               max_tokens=len(toks), block_table=[], lease_deadline=0.0,
-                              received=np.zeros((1, 1), bool), arrival=i, tokens=[toks[0]]))
+                              receipt=KvReceipt(np.zeros((1, 1), bool)), arrival=i,
+                              tokens=[toks[0]]))
         evictions.append(StreamingEviction(config, model, pool, text_positions=True)
                          if config is not None and text_positions
                          else make_eviction(config, model, pool))

@@ -24,6 +24,7 @@ from typing import NamedTuple
 from decode_worker.kv_receiver import DraftPages, KvReceiver
 from decode_worker.leases import LeaseKeeper
 from decode_worker.prefix_cache import DecodePrefixCache
+from decode_worker.receipt import KvReceipt
 from decode_worker.sequence import (
     DecodeEvent,
     DecodeSeq,
@@ -173,11 +174,11 @@ class DecodeEngine:
         seq = DecodeSeq(
             request_id=request_id, num_prompt_tokens=num_prompt_tokens, max_tokens=max_tokens,
             block_table=blocks, lease_deadline=time.monotonic() + lease_s, lease_s=lease_s,
-            received=wire.coverage(self.layout, num_prompt_tokens),
+            receipt=KvReceipt(wire.coverage(self.layout, num_prompt_tokens)),
             arrival=next(self._arrivals), prompt_token_ids=prompt, cache_seed=hit.seed,
             num_cached_blocks=num_cached, cached_by_tier=hit.by_tier,
             num_samples=num_samples, spare_blocks=spares)
-        seq.reset_received()
+        seq.receipt.reset(num_cached)
         self._seqs[request_id] = seq
         return Reservation(len(blocks) + len(spares), num_cached)
 
@@ -203,7 +204,7 @@ class DecodeEngine:
         step loop, from the end of its cached prefix (the first token of each of its
         samples drawn from the last logits)."""
         seq = self._get(request_id)
-        if seq.is_kv_complete or request_id in self._prefill_jobs:
+        if seq.receipt.is_complete or request_id in self._prefill_jobs:
             raise InvalidArgument(f"K/V for {request_id!r} is already complete", "request_id")
         if len(prompt) != seq.num_prompt_tokens:
             raise InvalidArgument("prompt length differs from the reservation", "prompt_token_ids")
@@ -225,9 +226,8 @@ class DecodeEngine:
         finally:
             self._prefill_jobs.pop(request_id, None)
             await self.batcher.release(job)
-        seq.received[:] = True
         seq.num_evicted, seq.num_rebased = job.num_evicted, job.num_rebased  # while prefilling
-        seq.is_kv_complete = True
+        seq.receipt.complete()
         if not seq.prompt_token_ids:
             seq.prompt_token_ids = list(prompt)
         self._kv_complete(seq)
@@ -310,7 +310,7 @@ class DecodeEngine:
         if job is not None:
             asyncio.get_running_loop().create_task(self.batcher.release(job))
         self.steps.discard(seq)
-        if seq.is_kv_complete and not isinstance(event, ErrorEvent):
+        if seq.receipt.is_complete and not isinstance(event, ErrorEvent):
             # Prompt and generated tokens' full blocks stay for the next turn to reuse.
             self.prefix_cache.index(seq, seq.next_position if seq.phase is Phase.RUNNING
                                     else seq.num_prompt_tokens)

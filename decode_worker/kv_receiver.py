@@ -65,11 +65,9 @@ class KvReceiver:
         again), whose pages are forgotten and whose later chunks are refused. Returns the
         push's epoch, which its chunks carry."""
         seq = self._check_incomplete(lookup(self.seqs, request_id))
-        seq.push_epoch += 1
-        seq.reset_received()
-        seq.pushed_eviction = None
+        epoch = seq.receipt.begin_push(seq.num_cached_blocks)
         seq.renew_lease()  # a prefill worker is at work on it
-        return seq.push_epoch
+        return epoch
 
     def _check_incomplete(self, seq: DecodeSeq) -> DecodeSeq:
         """A push may still fill this reservation. A complete one not yet decoding answers
@@ -78,13 +76,13 @@ class KvReceiver:
         if seq.phase is not Phase.RESERVED:
             raise InvalidArgument(f"request {seq.request_id!r} is already decoding",
                                   "request_id")
-        if seq.is_kv_complete:
+        if seq.receipt.is_complete:
             raise AlreadyExists(f"K/V for {seq.request_id!r} is already complete",
                                 "request_id")
         return seq
 
     def _check_epoch(self, seq: DecodeSeq, epoch: int | None) -> None:
-        if epoch is not None and epoch != seq.push_epoch:
+        if epoch is not None and epoch != seq.receipt.epoch:
             raise Aborted(f"push for {seq.request_id!r} superseded by a newer one")
 
     def check_writable(self, seq: DecodeSeq, epoch: int | None) -> None:
@@ -94,19 +92,18 @@ class KvReceiver:
 
     def target(self, request_id: str) -> PushTarget:
         seq = lookup(self.seqs, request_id)
-        return PushTarget(seq.num_prompt_tokens, list(seq.block_table), seq.received)
+        return PushTarget(seq.num_prompt_tokens, list(seq.block_table), seq.receipt.received)
 
     def writable(self, request_id: str, epoch: int | None) -> PushTarget:
         seq = lookup(self.seqs, request_id)
         self.check_writable(seq, epoch)
-        return PushTarget(seq.num_prompt_tokens, list(seq.block_table), seq.received)
+        return PushTarget(seq.num_prompt_tokens, list(seq.block_table), seq.receipt.received)
 
     def mark_received(self, request_id: str, epoch: int, span: wire.ChunkSpan,
                       nbytes: int) -> None:
         seq = lookup(self.seqs, request_id)
         self.check_writable(seq, epoch)
-        seq.received[span.layer_start: span.layer_end,
-                     span.block_start: span.block_start + span.num_blocks] = True
+        seq.receipt.mark(span)
         seq.renew_lease()
         self.kv_bytes_received += nbytes
 
@@ -148,10 +145,10 @@ class KvReceiver:
 
     def _check_eviction(self, seq: DecodeSeq, evicted: tuple[int, int]) -> None:
         """The first chunk's eviction state is the push's; every later one must carry it."""
-        if seq.pushed_eviction is not None:
-            if evicted != seq.pushed_eviction:
+        if seq.receipt.eviction is not None:
+            if evicted != seq.receipt.eviction:
                 raise InvalidArgument(f"num_evicted, num_rebased {evicted} differ from the "
-                                      f"push's first chunk's {seq.pushed_eviction}",
+                                      f"push's first chunk's {seq.receipt.eviction}",
                                       "num_evicted")
             return
         num_evicted, num_rebased = evicted
@@ -169,51 +166,54 @@ class KvReceiver:
                                       "shares cached blocks", "num_evicted")
         elif num_rebased:
             raise InvalidArgument("num_rebased without num_evicted", "num_rebased")
-        seq.pushed_eviction = evicted
+        seq.receipt.eviction = evicted
 
     def _destination(self, seq: DecodeSeq, is_draft: bool) -> tuple[KvLayout, KvPool, np.ndarray]:
         """The layout, pool and delivered-pages map a chunk goes to. The draft's map starts
         with its first chunk; a draft page of a block from the prefix cache is refused (other
         sequences read it: its draft K/V is recomputed instead)."""
+        receipt = seq.receipt
         if not is_draft:
-            return self.layout, self.pool, seq.received
+            return self.layout, self.pool, receipt.received
         if self.draft is None:
             raise InvalidArgument("draft pages pushed to a decode worker without a draft model "
                                   "(--speculative-method draft)", "is_draft")
         if seq.num_cached_blocks:
             raise InvalidArgument("draft pages pushed for a prompt whose first blocks came "
                                   "from this worker's prefix cache", "is_draft")
-        if seq.draft_received is None:
-            seq.draft_received = wire.coverage(self.draft.layout, seq.num_prompt_tokens)
-        return self.draft.layout, self.draft.pool, seq.draft_received
+        if receipt.draft_received is None:
+            receipt.draft_received = wire.coverage(self.draft.layout, seq.num_prompt_tokens)
+        return self.draft.layout, self.draft.pool, receipt.draft_received
 
     def finish_push(self, request_id: str, epoch: int | None = None) -> None:
         seq = lookup(self.seqs, request_id)
         self._check_epoch(seq, epoch)
-        num_evicted, num_rebased = seq.pushed_eviction or (0, 0)
+        receipt = seq.receipt
+        num_evicted, num_rebased = receipt.eviction or (0, 0)
         kept = blocks_for_tokens(seq.num_prompt_tokens - num_evicted, self.pool.block_size)
-        missing = int((~seq.received[:, :kept]).sum())
+        missing = receipt.num_missing(kept)
         if missing:
             raise InvalidArgument(f"push ended with {missing} pages missing", "data")
-        if seq.draft_received is not None:
-            missing = int((~seq.draft_received).sum())
+        if receipt.draft_received is not None:
+            missing = receipt.num_draft_missing()
             if missing:
                 raise InvalidArgument(f"push ended with {missing} draft pages missing",
                                       "is_draft")
             seq.draft_kv_tokens = seq.num_prompt_tokens
         if num_evicted:  # the kept pages lead the table; what the reservation held past
-            seq.received[:] = True  # them (and the first token's slot) goes back
+            # them (and the first token's slot) goes back
             seq.num_evicted, seq.num_rebased = num_evicted, num_rebased
             keep = blocks_for_tokens(seq.num_prompt_tokens - num_evicted + 1,
                                      self.pool.block_size)
             self.pool.allocator.free(seq.block_table[keep:])
             del seq.block_table[keep:]
-        seq.is_kv_complete = True
+        receipt.complete()
         self._on_complete(seq)
 
     def fail_push(self, request_id: str, epoch: int | None = None) -> None:
         """A push broke off: forget partial pages so the prompt can be pushed again (unless
         a newer push has taken over the reservation)."""
         seq = self.seqs.get(request_id)
-        if seq is not None and not seq.is_kv_complete and epoch in (None, seq.push_epoch):
-            seq.reset_received()
+        if (seq is not None and not seq.receipt.is_complete
+                and epoch in (None, seq.receipt.epoch)):
+            seq.receipt.reset(seq.num_cached_blocks)

@@ -36,7 +36,7 @@ def fork_samples(pool: KvPool, seq: DecodeSeq) -> list[DecodeSeq]:
     for index, first in enumerate(seq.sample_first_tokens, start=1):
         group.append(dataclasses.replace(
             seq, block_table=fork(pool, seq.block_table, cached),
-            received=seq.received.copy(), params=seq.params.for_sample(index),
+            receipt=seq.receipt.copy(), params=seq.params.for_sample(index),
             tokens=[first], phase=Phase.RUNNING, sample_index=index, sample_first_tokens=[],
             num_draft_tokens=0, num_accepted_tokens=0, swapped_kv=None,
             # the shared full blocks keep sample 0's shipped draft pages; the copy does not

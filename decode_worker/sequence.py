@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple, Protocol
 
-import numpy as np
 import torch
 
+from decode_worker.receipt import KvReceipt
 from kvferry.cache.budget import KvBudget
 from kvferry.cache.pool import KvPool
 from kvferry.cache.prefix import NO_TIER_TOKENS, TierTokens
@@ -57,10 +57,8 @@ class DecodeSeq:
     max_tokens: int  # first token included
     block_table: list[int]
     lease_deadline: float  # monotonic; restarted by renew_lease while the request is alive
-    received: np.ndarray  # [layers, prompt blocks] pages delivered so far
+    receipt: KvReceipt  # what it has received of its prompt's K/V (decode_worker/receipt.py)
     arrival: int  # admission order: preemption takes the newest first
-    is_kv_complete: bool = False
-    push_epoch: int = 0  # the push now filling `received` (a newer one supersedes it)
     params: SamplingParams | None = None
     max_new_tokens: int = 0
     stop_token_ids: frozenset[int] = frozenset()
@@ -82,19 +80,15 @@ class DecodeSeq:
     # Speculative decoding: drafts verified for it, and of those, accepted.
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
-    # A draft model's pages pushed with the prompt's (--speculative-draft-kv ship): those
-    # delivered by the push now filling `received` (None: none yet), then, once the push
-    # ended with all of them, the leading positions whose draft K/V is in place (the draft
-    # model takes it over at its first step: decode_worker/spec/draft_model.py).
-    draft_received: np.ndarray | None = None
+    # A draft model's pages shipped with the prompt's (--speculative-draft-kv ship): once the
+    # push ended with all of them, the leading positions whose draft K/V is in place (the
+    # draft model takes it over at its first step: decode_worker/spec/draft_model.py).
     draft_kv_tokens: int = 0
     # K/V eviction (docs/kv-eviction-design.md): tokens whose K/V left the cache (the table
     # holds the rest, in order), and of those, the ones its rotary positions no longer count
     # (re-based). 0 and 0 without eviction: cache index, rotary and text positions coincide.
     num_evicted: int = 0
     num_rebased: int = 0
-    # The push filling it: (num_evicted, num_rebased) from its first chunk (None: none yet).
-    pushed_eviction: tuple[int, int] | None = None
     # Parallel sampling (decode_worker/samples.py). Reserved with num_samples > 1, the request
     # is sample 0 and holds `spare_blocks` for the others; attached, it knows their first
     # tokens; admitted, the others are forked from it and `group` lists all of them, sample 0
@@ -114,12 +108,6 @@ class DecodeSeq:
     def members(self) -> list[DecodeSeq]:
         """The samples of its request (itself alone when it has one)."""
         return self.group if self.group is not None else [self]
-
-    def reset_received(self) -> None:
-        """Nothing pushed yet: only the pages shared from the prefix cache are in place."""
-        self.received[:] = False
-        self.received[:, :self.num_cached_blocks] = True
-        self.draft_received = None
 
     def renew_lease(self, lease_s: float | None = None) -> None:
         """Restart the lease (for `lease_s` seconds from now; default: its last length)."""

@@ -150,7 +150,7 @@ class StepLoop:
                 self._finish(seq, FinishedEvent(seq.request_id, FinishReason.ABORT,
                                                 seq.first_step_s, sample_index=seq.sample_index))
         for seq in self._seqs.values():
-            if (seq.phase is Phase.RESERVED and seq.is_kv_complete and seq.events is not None
+            if (seq.phase is Phase.RESERVED and seq.receipt.is_complete and seq.events is not None
                     and not seq.is_aborted):
                 seq.phase = Phase.RUNNING
                 self.running += fork_samples(self.pool, seq) if seq.num_samples > 1 else [seq]

@@ -206,8 +206,12 @@ def follow(rank: int, size: int, rendezvous: Rendezvous, spec: RankSpec) -> None
                 return
             if method in _POOL_OPS:
                 _POOL_OPS[method](pool, model.shard, **kwargs)
-            else:
-                getattr(model, method)(**kwargs)
+                continue
+            mass = _mass_buffers(kwargs.get("mass"))
+            for buffer in mass:  # this rank adds its heads' part only
+                buffer.zero_()
+            getattr(model, method)(**kwargs)
+            _sum_mass(mass)
     except tp_wire.ProtocolError as exc:
         log.error("tensor-parallel rank %d: call refused (%s); stopping", rank, exc)
         raise SystemExit(EXIT_PROTOCOL_ERROR) from exc
@@ -216,6 +220,23 @@ def follow(rank: int, size: int, rendezvous: Rendezvous, spec: RankSpec) -> None
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _mass_buffers(mass: torch.Tensor | list[torch.Tensor | None] | None
+                  ) -> list[torch.Tensor]:
+    """A forward's attention-mass buffers (H2O): decode's one, prefill's one per chunk."""
+    if mass is None:
+        return []
+    if isinstance(mass, torch.Tensor):
+        return [mass]
+    return [buffer for buffer in mass if buffer is not None]
+
+
+def _sum_mass(mass: list[torch.Tensor]) -> None:
+    """Every rank's attention mass summed into rank 0's buffers: each rank's attention covers
+    its own query heads, and H2O's mass is the sum over all of them."""
+    for buffer in mass:
+        dist.reduce(buffer, dst=0)
 
 
 # ---- the pool's data outside a forward: every rank does its part --------------------------
@@ -414,11 +435,14 @@ class TensorParallelModel:
 
     def _run(self, method: str, *args: Any, **kwargs: Any) -> torch.Tensor:
         wire = self._wire(method, args, kwargs)
+        mass = _mass_buffers(tp_wire.bind(method, args, kwargs).get("mass"))
         with self._lock:
             if self._closed:
                 raise RankLost("tensor-parallel group closed")
             self._call(_send, wire, self._control)
-            return self._call(getattr(self.model, method), *args, **kwargs)
+            out = self._call(getattr(self.model, method), *args, **kwargs)
+            self._call(_sum_mass, mass)
+            return out
 
     def prefill(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """`Transformer.prefill` on every rank (the pool given must be this model's)."""

@@ -297,10 +297,6 @@ def _check_tensor_parallel(settings: WorkerSettings) -> None:
         raise ValueError(f"tensor_parallel_size: must be >= 1, got {size}")
     refused = [
         ("compile", settings.compile in BUCKET_COMPILE_MODES, "--compile dynamic or off"),
-        # H2O's attention mass would be each rank's heads' alone (not summed over the group)
-        ("kv_eviction", settings.kv_eviction.policy == "h2o", "--kv-eviction streaming"),
-        ("kv_host_cache_size", settings.tiers.host_cache_size is not None,
-         "no K/V tiers"),
         ("decode_stage_mib", bool(settings.decode_stage_mib), "--decode-stage-mib 0"),
         ("core_lending", settings.core_lending is not None, "no --core-lending"),
     ]

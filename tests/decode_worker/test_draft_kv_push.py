@@ -199,7 +199,7 @@ def test_hostile_draft_pages_are_refused(model: Transformer, draft: Transformer)
         with pytest.raises(InvalidArgument) as refused:  # the draft's pages, not all
             receiver.finish_push("A", epoch)
         assert refused.value.field == "is_draft" and len(good) > 1
-        assert not e._seqs["A"].is_kv_complete
+        assert not e._seqs["A"].receipt.is_complete
         receiver.fail_push("A", epoch)
         _push(e, side, with_draft=True)  # again, whole: the draft starts after the prompt
         assert e._seqs["A"].draft_kv_tokens == len(PROMPT)

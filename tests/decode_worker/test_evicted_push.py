@@ -73,7 +73,7 @@ def test_the_kept_pages_lead_the_table_and_the_rest_go_back(engine: DecodeEngine
         engine.receiver.receive_chunk("A", engine.layout, PROMPT, part, payload,
                                       wire.crc32(payload), epoch, evicted=(EVICTED, 4))
     engine.receiver.finish_push("A", epoch)
-    assert seq.is_kv_complete and (seq.num_evicted, seq.num_rebased) == (EVICTED, 4)
+    assert seq.receipt.is_complete and (seq.num_evicted, seq.num_rebased) == (EVICTED, 4)
     # The kept 17 tokens and the first token's slot: blocks_for_tokens(18) = 5.
     assert len(seq.block_table) == 5
     assert engine.pool.allocator.num_free == free + 5

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from decode_worker.engine import DecodeEngine
+from decode_worker.receipt import KvReceipt
 from decode_worker.sequence import DecodeSeq, step_inputs
 from kvferry.cache.pool import KvPool
 from kvferry.model.config import load_model_config
@@ -51,7 +52,7 @@ def _stepwise(model: Transformer, config: KvEvictionConfig, prompt: list[int], c
     policy = make_eviction(config, model, pool)
     assert policy is not None
     seq = DecodeSeq(request_id="ref", num_prompt_tokens=0, max_tokens=len(prompt) + count,
-                    block_table=[], lease_deadline=0.0, received=np.zeros((1, 1), bool),
+                    block_table=[], lease_deadline=0.0, receipt=KvReceipt(np.zeros((1, 1), bool)),
                     arrival=0, tokens=[prompt[0]])
     out: list[int] = []
     for t in range(len(prompt) + count - 1):
@@ -202,8 +203,9 @@ def test_quantized_sinks_are_rotated_from_their_first_values(
     sink = torch.tensor(table[:1])
     first = pool.read_keys(sink)
     seq = DecodeSeq(request_id="q", num_prompt_tokens=0, max_tokens=4 * BLOCK * budget,
-                    block_table=list(table), lease_deadline=0.0, received=np.zeros((1, 1), bool),
-                    arrival=0, tokens=list(range(budget * BLOCK + 1)))
+                    block_table=list(table), lease_deadline=0.0,
+                    receipt=KvReceipt(np.zeros((1, 1), bool)), arrival=0,
+                    tokens=list(range(budget * BLOCK + 1)))
     for evicted in (1, 2):
         before = pool.cache.clone()
         policy.bound(seq)

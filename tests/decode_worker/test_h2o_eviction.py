@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from decode_worker.receipt import KvReceipt
 from decode_worker.sequence import DecodeSeq
 from kvferry.cache.pool import KvPool
 from kvferry.model.config import load_model_config
@@ -35,8 +36,8 @@ def model(qwen3_checkpoint: Path) -> Transformer:
 
 def _seq(table: list[int], tokens: int) -> DecodeSeq:
     return DecodeSeq(request_id="r", num_prompt_tokens=tokens, max_tokens=100,
-                     block_table=table, lease_deadline=0.0, received=np.zeros((1, 1), bool),
-                     arrival=0, tokens=[1])
+                     block_table=table, lease_deadline=0.0,
+                     receipt=KvReceipt(np.zeros((1, 1), bool)), arrival=0, tokens=[1])
 
 
 def test_the_lightest_older_block_leaves(model: Transformer) -> None:

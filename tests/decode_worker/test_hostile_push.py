@@ -267,7 +267,8 @@ def test_push_switching_to_another_request_is_refused(engine: DecodeEngine) -> N
     assert exc.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert "request_id" in str(exc.value)
     assert torch.equal(_victim_pages(engine), b_before)
-    assert not engine._seqs["B"].received.any() and not engine._seqs["A"].received.any()
+    assert not engine._seqs["B"].receipt.received.any()
+    assert not engine._seqs["A"].receipt.received.any()
     engine.receiver.receive_chunk("A", engine.layout, PROMPT, *attacker.chunk(attacker.whole()))
     engine.receiver.finish_push("A")
 

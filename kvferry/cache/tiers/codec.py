@@ -48,7 +48,7 @@ class Header(NamedTuple):
 def layout_hash(pool: KvPool) -> bytes:
     """8 bytes naming how a block's bytes are laid out in `pool` and how they were computed
     (`prefix.KV_FORMAT_VERSION`; not which model: the keys name that)."""
-    parts = (tuple(pool.cache.shape[:2]), tuple(pool.cache.shape[3:]), str(pool.cache.dtype),
+    parts = (tuple(pool.cache.shape[:2]), tuple(pool.page_shape), str(pool.cache.dtype),
              str(pool.dtype), pool.kv_cache_dtype, pool.block_size, prefix.KV_FORMAT_VERSION)
     return hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
 

@@ -12,6 +12,7 @@ under a running copy.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -38,7 +39,8 @@ class HostTier:
         if num_slots < 1:
             raise ValueError(f"kv_host_cache_size: holds no block (a block is "
                              f"{block_nbytes(pool)} bytes)")
-        block_shape = (pool.cache.shape[0], 2, *pool.cache.shape[3:])
+        # whole pages (every K/V head, as a tensor-parallel pool's read_pages gathers them)
+        block_shape = (pool.num_layers, 2, *pool.page_shape)
         # [num_slots, layers, 2, *page]: one block of every layer per slot
         is_cuda = pool.cache.is_cuda
         self.data = torch.empty((num_slots, *block_shape), dtype=pool.cache.dtype,
@@ -162,13 +164,18 @@ class HostTier:
 
 
 def block_nbytes(pool: KvPool) -> int:
-    """Bytes of one block of every layer's K and V (a slot)."""
-    return 2 * pool.num_layers * pool.page_nbytes
+    """Bytes of one block of every layer's K and V, every K/V head's (a slot)."""
+    return 2 * pool.num_layers * math.prod(pool.page_shape) * pool.cache.element_size()
 
 
 def copy_out(pool: KvPool, block_ids: Sequence[int], host: HostTier,
              slots: Sequence[int]) -> None:
-    """Pool blocks -> host slots (a tier thread; the blocks are final and referenced)."""
+    """Pool blocks -> host slots (a tier thread; the blocks are final and referenced). A
+    tensor-parallel pool's blocks are read whole through its group (`read_pages`)."""
+    if pool.tensor_parallel_size > 1:
+        pages = pool.read_pages(list(block_ids)).movedim(2, 0).to(host.data.device)
+        host.data.index_copy_(0, torch.tensor(slots, dtype=torch.int64), pages)
+        return
     if host.stream is None:
         ids = torch.tensor(block_ids, dtype=torch.int64)
         # [layers, 2, n, *page] -> [n, layers, 2, *page]
@@ -187,7 +194,12 @@ def copy_out(pool: KvPool, block_ids: Sequence[int], host: HostTier,
 
 def copy_in(host: HostTier, slots: Sequence[int], pool: KvPool,
             block_ids: Sequence[int]) -> None:
-    """Host slots -> pool blocks no request reads yet (a tier thread; the slots are pinned)."""
+    """Host slots -> pool blocks no request reads yet (a tier thread; the slots are pinned).
+    A tensor-parallel pool's ranks each keep their heads (`write_pages`, through its group)."""
+    if pool.tensor_parallel_size > 1:
+        pages = host.data.index_select(0, torch.tensor(slots, dtype=torch.int64))
+        pool.write_pages(list(block_ids), pages.movedim(0, 2))
+        return
     if host.stream is None:
         pages = host.data.index_select(0, torch.tensor(slots, dtype=torch.int64))
         pool.cache.index_copy_(2, torch.tensor(block_ids, dtype=torch.int64),

@@ -165,7 +165,7 @@ def num_written(seq: DecodeSeq, block_size: int) -> int:
     """Positions whose K/V the sequence's pages (or swapped copy) hold."""
     if seq.phase in (Phase.RUNNING, Phase.SWAPPED):
         return seq.next_position
-    if seq.is_kv_complete:
+    if seq.receipt.is_complete:
         return seq.num_prompt_tokens
     return seq.num_cached_blocks * block_size
 
@@ -498,7 +498,7 @@ class PoolMachine(RuleBasedStateMachine):
         leg.may_end = True
         phase = seq.phase
         written = num_written(seq, self.block_size)
-        is_checked = seq.is_kv_complete and not engine.blocks.num_waiting
+        is_checked = seq.receipt.is_complete and not engine.blocks.num_waiting
         engine.abort(leg.request_id)
         if phase is Phase.RUNNING:
             assert seq.is_aborted and leg.request_id in self._seqs(leg.worker)

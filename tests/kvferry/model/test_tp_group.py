@@ -18,10 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from deploy import zygote
 from decode_worker.engine import DecodeEngine
+from deploy import zygote
 from kvferry.cache.layout import KvLayout
 from kvferry.cache.pool import KvPool
+from kvferry.cache.tiers.host import HostTier
+from kvferry.cache.tiers.tiered import TieredCache
 from kvferry.model import tp_group, tp_wire
 from kvferry.model.config import load_model_config
 from kvferry.model.tp_group import (
@@ -34,8 +36,8 @@ from kvferry.model.tp_group import (
 from kvferry.model.tp_rendezvous import Rendezvous
 from kvferry.model.transformer import Transformer
 from kvferry.settings import KvEvictionConfig
-from tests.decode_worker.engines import cpu_engine, serve_local
 from kvferry_kernels.dispatch import get_attention_backend
+from tests.decode_worker.engines import cpu_engine, serve_local
 from tests.kvferry.model.greedy_split import decode_part, greedy, pool_of, prefill_part
 from tests.listening import listeners, strangers
 
@@ -242,16 +244,19 @@ def test_quantized_pages_move_whole_between_sizes(qwen3_checkpoint: Path,
             decode.close()
 
 
-def test_streaming_eviction_on_a_split_pool_decodes_as_the_whole_model(
-        qwen3_checkpoint: Path) -> None:
+@pytest.mark.parametrize("policy", [
+    KvEvictionConfig("streaming", sink_tokens=16, window_tokens=48),
+    KvEvictionConfig("h2o", heavy_tokens=32, recent_tokens=32)], ids=["streaming", "h2o"])
+def test_eviction_on_a_split_pool_decodes_as_the_whole_model(
+        qwen3_checkpoint: Path, policy: KvEvictionConfig) -> None:
     """Eviction's page operations on a group's pool go through the group: the sinks' keys
     read whole (every head, gathered from the ranks), re-rotated on rank 0 and written back
     split, a shared sink block copied on every rank, blocks dropped from the tables every
-    rank is handed. A prompt past the budget, prefilled evicting as it goes, then 60
-    tokens: the whole model's tokens under the same policy, within the budget throughout."""
+    rank is handed; H2O's attention mass summed over the ranks (each attends with its own
+    heads). A prompt past the budget, prefilled evicting as it goes, then 60 tokens: the
+    whole model's tokens under the same policy, within the budget throughout."""
     config = load_model_config(qwen3_checkpoint)
     whole = Transformer(config, get_attention_backend("torch"))
-    policy = KvEvictionConfig("streaming", sink_tokens=16, window_tokens=48)
     options = {"eviction": policy, "chunk_size": 32, "token_budget": 64}
     prompt = [5 + (i * 7) % 60 for i in range(90)]
     want = serve_local(cpu_engine(whole, 16, 64, **options), prompt, 60)[0]
@@ -266,3 +271,31 @@ def test_streaming_eviction_on_a_split_pool_decodes_as_the_whole_model(
     assert max(len(table) for table, _, _ in steps) <= policy.budget_blocks(16)
     assert engine.steps.eviction is not None
     assert engine.steps.eviction.num_evicted_blocks >= (90 + 60) // 16 - 4
+
+
+def test_a_prefix_pushed_out_of_a_split_pool_comes_back_from_host_memory(
+        qwen3_checkpoint: Path) -> None:
+    """The host tier under a group's pool holds whole blocks (every K/V head, read through
+    the group) and writes them back split: a prompt whose blocks other requests pushed out
+    of the pool is served from host memory, with the whole model's tokens."""
+    config = load_model_config(qwen3_checkpoint)
+    whole = Transformer(config, get_attention_backend("torch"))
+    prompt = [3 + (i * 11) % 200 for i in range(100)]  # 6 full blocks of 16
+    others = [[7 + (i * 13 + seed) % 200 for i in range(300)] for seed in range(1, 5)]
+    want = serve_local(cpu_engine(whole, 16, 64), prompt, 20)[0]
+    group = TensorParallelModel(_spec(qwen3_checkpoint), 2, zygote.start_rank)
+    try:
+        pool = group.pool
+        cache = TieredCache(pool, HostTier(pool, 48, pool.allocator.events))
+        engine = DecodeEngine(group, pool,  # type: ignore[arg-type]
+                              KvLayout.of_pool(pool, config.fingerprint), cache=cache)
+        assert cache.host is not None and cache.host.data.shape[-2] == group.num_kv_heads
+        first = serve_local(engine, prompt, 20)[0]
+        for other in others:  # 20 blocks each: the prompt's leave the pool of 64
+            serve_local(engine, other, 20)
+        again = serve_local(engine, prompt, 20)[0]
+        (host,) = cache.stats()
+    finally:
+        group.close()
+    assert first == again == want
+    assert host.num_promotions >= 1 and host.hit_tokens >= 6 * 16

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from decode_worker.kv_receiver import KvReceiver
+from decode_worker.receipt import KvReceipt
 from decode_worker.sequence import DecodeSeq
 from kvferry.cache.budget import blocks_for_tokens
 from kvferry.cache.layout import KvLayout
@@ -74,7 +75,7 @@ class Pair:
     def reserve(self, request_id: str) -> DecodeSeq:
         blocks = self.dst.allocator.alloc(blocks_for_tokens(NUM_TOKENS + 1, 16))
         seq = DecodeSeq(request_id, NUM_TOKENS, 4, blocks, time.monotonic() + 60,
-                        wire.coverage(self.layout, NUM_TOKENS), arrival=0, lease_s=60)
+                        KvReceipt(wire.coverage(self.layout, NUM_TOKENS)), arrival=0, lease_s=60)
         self.seqs[request_id] = seq
         return seq
 
@@ -129,7 +130,7 @@ def test_groups_are_read_into_the_reservation(pair: Pair) -> None:
     whole = wire.ChunkSpan(0, 4, 0, 3)
     assert torch.equal(pair.dst_pages(whole), pair.src_pages(whole))
     assert written == pair.layout.bytes_per_layer_block * 4 * 3
-    assert pair.completed == ["r1"] and pair.seq.is_kv_complete
+    assert pair.completed == ["r1"] and pair.seq.receipt.is_complete
     assert pair.puller.num_fenced_blocks == 0
     assert pair.dst.allocator.check_integrity().ok
 
@@ -144,7 +145,7 @@ def test_a_checksum_mismatch_is_refused(pair: Pair) -> None:
     with pytest.raises(InvalidArgument) as exc:
         asyncio.run(run())
     assert exc.value.field == "crc32"
-    assert not pair.seq.received.any()  # nothing counts as delivered: the push is resent
+    assert not pair.seq.receipt.received.any()  # nothing counts as delivered: the push is resent
     assert pair.puller.num_fenced_blocks == 0
 
 

@@ -17,6 +17,7 @@ import torch
 
 import kvferry.transfer
 from decode_worker.kv_receiver import KvReceiver
+from decode_worker.receipt import KvReceipt
 from decode_worker.sequence import DecodeSeq
 from kvferry.cache.budget import blocks_for_tokens
 from kvferry.cache.layout import KvLayout
@@ -57,7 +58,7 @@ async def _serve(name: str) -> tuple[grpc.aio.Server, str, KvPool, KvReceiver, l
     sink = KvReceiver(layout, pool, seqs, lambda seq: completed.append(seq.request_id))
     blocks = pool.allocator.alloc(blocks_for_tokens(NUM_TOKENS + 1, pool.block_size))
     seqs["r1"] = DecodeSeq("r1", NUM_TOKENS, 4, blocks, time.monotonic() + 60,
-                           wire.coverage(layout, NUM_TOKENS), arrival=0, lease_s=60)
+                           KvReceipt(wire.coverage(layout, NUM_TOKENS)), arrival=0, lease_s=60)
     server = grpc_util.make_server()
     transport.add_receivers(server, sink, name, Faults())
     port = server.add_insecure_port("127.0.0.1:0")
