@@ -60,6 +60,7 @@ def stats_to_proto(role: str, stats: PoolStats, layout: worker_pb2.KvLayout
         prefix_cache_hits=stats.prefix_cache_hits, cached_blocks=stats.cached_blocks,
         prefill_s_per_token=stats.prefill_s_per_token,
         tensor_parallel_size=stats.tensor_parallel_size,
+        kv_evicted_blocks=stats.kv_evicted_blocks,
         tiers=[worker_pb2.TierStats(**{**dataclasses.asdict(t), "tier": int(t.tier),
                                         "state": int(t.state)})
                for t in stats.tiers],
@@ -111,6 +112,7 @@ def stats_from_proto(msg: worker_pb2.WorkerStats) -> PoolStats:
         tiers=tuple(_tier_from_proto(t) for t in msg.tiers),
         prefill_s_per_token=msg.prefill_s_per_token,
         tensor_parallel_size=msg.tensor_parallel_size or 1,  # 0: a worker from before
+        kv_evicted_blocks=msg.kv_evicted_blocks,
         cache_events=EventsSince(
             msg.cache_event_seq,
             [CacheEvent(0, list(e.stored), list(e.removed), Tier(e.tier))

@@ -324,7 +324,7 @@ class CacheEvent(_message.Message):
     def __init__(self, stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ..., tier: _Optional[_Union[KvTier, str]] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("role", "total_blocks", "free_blocks", "reserved_blocks", "num_running", "num_waiting", "layout", "integrity_ok", "integrity_error", "num_preemptions", "num_pending_prefill_tokens", "num_decode_steps", "max_abort_delay_steps", "projected_blocks", "num_corrupt_pushes", "num_parked", "num_parked_evictions", "num_compiles", "cache_event_seq", "cache_events", "cache_snapshot", "prefix_cache_queries", "prefix_cache_hits", "cached_blocks", "tiers", "prefill_s_per_token", "tensor_parallel_size")
+    __slots__ = ("role", "total_blocks", "free_blocks", "reserved_blocks", "num_running", "num_waiting", "layout", "integrity_ok", "integrity_error", "num_preemptions", "num_pending_prefill_tokens", "num_decode_steps", "max_abort_delay_steps", "projected_blocks", "num_corrupt_pushes", "num_parked", "num_parked_evictions", "num_compiles", "cache_event_seq", "cache_events", "cache_snapshot", "prefix_cache_queries", "prefix_cache_hits", "cached_blocks", "tiers", "prefill_s_per_token", "tensor_parallel_size", "kv_evicted_blocks")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -352,6 +352,7 @@ class WorkerStats(_message.Message):
     TIERS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     role: str
     total_blocks: int
     free_blocks: int
@@ -379,7 +380,8 @@ class WorkerStats(_message.Message):
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     prefill_s_per_token: float
     tensor_parallel_size: int
-    def __init__(self, role: _Optional[str] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., reserved_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., integrity_ok: _Optional[bool] = ..., integrity_error: _Optional[str] = ..., num_preemptions: _Optional[int] = ..., num_pending_prefill_tokens: _Optional[int] = ..., num_decode_steps: _Optional[int] = ..., max_abort_delay_steps: _Optional[int] = ..., projected_blocks: _Optional[int] = ..., num_corrupt_pushes: _Optional[int] = ..., num_parked: _Optional[int] = ..., num_parked_evictions: _Optional[int] = ..., num_compiles: _Optional[int] = ..., cache_event_seq: _Optional[int] = ..., cache_events: _Optional[_Iterable[_Union[CacheEvent, _Mapping]]] = ..., cache_snapshot: _Optional[bool] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., prefill_s_per_token: _Optional[float] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
+    kv_evicted_blocks: int
+    def __init__(self, role: _Optional[str] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., reserved_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., integrity_ok: _Optional[bool] = ..., integrity_error: _Optional[str] = ..., num_preemptions: _Optional[int] = ..., num_pending_prefill_tokens: _Optional[int] = ..., num_decode_steps: _Optional[int] = ..., max_abort_delay_steps: _Optional[int] = ..., projected_blocks: _Optional[int] = ..., num_corrupt_pushes: _Optional[int] = ..., num_parked: _Optional[int] = ..., num_parked_evictions: _Optional[int] = ..., num_compiles: _Optional[int] = ..., cache_event_seq: _Optional[int] = ..., cache_events: _Optional[_Iterable[_Union[CacheEvent, _Mapping]]] = ..., cache_snapshot: _Optional[bool] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., prefill_s_per_token: _Optional[float] = ..., tensor_parallel_size: _Optional[int] = ..., kv_evicted_blocks: _Optional[int] = ...) -> None: ...
 
 class TierStats(_message.Message):
     __slots__ = ("tier", "capacity_blocks", "used_blocks", "hit_tokens", "bytes_in", "bytes_out", "evictions", "dropped_writes", "corrupt_blocks", "num_promotions", "promotion_s", "state")

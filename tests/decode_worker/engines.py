@@ -40,7 +40,8 @@ def run_to_idle(engine: DecodeEngine, body: Callable[[], Awaitable[T]]) -> T:
         engine.start()
         try:
             result = await body()
-            await until(lambda: engine.is_idle, "every request gone")
+            await until(lambda: engine.is_idle and engine.cache.is_idle,
+                        "every request gone, every tier copy done")
             stats = engine.stats(check_integrity=True)
             assert stats.integrity_ok, stats.integrity_error
             assert stats.free_blocks == engine.pool.num_usable_blocks, stats
@@ -71,13 +72,18 @@ def serve_local(engine: DecodeEngine, prompt: list[int], max_tokens: int,
 
     engine.steps._step = recording  # type: ignore[method-assign]
 
-    async def run() -> list[int]:
-        await engine.reserve("A", len(prompt), max_tokens, 60.0, prompt)
-        first, *_ = await engine.prefill_local("A", prompt, params)
-        queue = engine.attach("A", first, params, max_tokens - 1, [])
-        return await collect_tokens(queue, "A", [first])
+    return run_to_idle(engine, lambda: generate_local(engine, "A", prompt, max_tokens,
+                                                      params)), steps
 
-    return run_to_idle(engine, run), steps
+
+async def generate_local(engine: DecodeEngine, request_id: str, prompt: list[int],
+                         max_tokens: int, params: SamplingParams = GREEDY) -> list[int]:
+    """One request prefilled here (colocated) on the started engine and decoded to the end:
+    its tokens."""
+    await engine.reserve(request_id, len(prompt), max_tokens, 60.0, prompt)
+    first, *_ = await engine.prefill_local(request_id, prompt, params)
+    queue = engine.attach(request_id, first, params, max_tokens - 1, [])
+    return await collect_tokens(queue, request_id, [first])
 
 
 def push_random_prompt(engine: DecodeEngine, request_id: str, num_tokens: int, seed: int

@@ -30,7 +30,7 @@ from kvferry.settings import KvEvictionConfig
 from kvferry_kernels.dispatch import get_attention_backend
 from router import admission
 from router.request import GenerateInput
-from tests.conftest import assert_alive, assert_pools_clean
+from tests.conftest import ORACLE_DTYPE, assert_alive, assert_pools_clean, worker_stats
 from tests.decode_worker.engines import cpu_engine, serve_local
 from tests.deployments import kill_decode_mid_stream, reconfigured, respawn, routed
 from tests.e2e.test_metrics import scrape, value
@@ -276,3 +276,34 @@ def test_a_long_prompt_is_prefilled_evicting_as_it_goes(
         written = -(-(len(prompt) + 49) // BLOCK_SIZE)
         assert evicted == written - BUDGET_BLOCKS - (prompt_evicted if len(names) > 1 else 0)
         assert_pools_clean(deployment)
+
+
+@pytest.mark.ray
+def test_eviction_over_ray_is_token_exact(qwen3_checkpoint: Path, ray_session: None) -> None:
+    """Workers as Ray actors under streaming eviction, behind a router told the policy: as
+    over NIXL, the prefill worker prefills the prompt whole (40 tokens, inside the 5-block
+    budget) and its pages go through Ray's object store; the decode worker evicts as the
+    300 tokens generated pass the budget. The tokens are the in-process engine's with the
+    same policy (which are not those without it), the decode worker gave up the blocks the
+    budget did not hold, and every pool is clean."""
+    from deploy.ray_launcher import RayDeployment
+
+    prompt = [29 + (i * 7) % 230 for i in range(40)]
+    want = _streaming_in_process(qwen3_checkpoint, prompt, 300)
+    model = Transformer(load_model_config(qwen3_checkpoint), get_attention_backend("torch"),
+                        torch.float32, torch.device("cpu"))
+    assert want != serve_local(cpu_engine(model, BLOCK_SIZE, 64), prompt, 300)[0]
+    deployment = RayDeployment(
+        model=str(qwen3_checkpoint), worker_args=[*ORACLE_DTYPE, *POLICIES["streaming"]],
+        router_args=POLICIES["streaming"]).start()
+    try:
+        request = client.make_request(prompt, temperature=0.0, max_tokens=300,
+                                      ignore_eos=True)
+        got = asyncio.run(client.generate(deployment.router_address, request, 300))
+        assert got.finished is not None and got.token_ids == want
+        (decode,) = [s for s in worker_stats(deployment) if s.role == "decode"]
+        assert decode.kv_evicted_blocks >= (
+            -(-(len(prompt) + 299) // BLOCK_SIZE) - BUDGET_BLOCKS)
+        assert_pools_clean(deployment)
+    finally:
+        deployment.stop()

@@ -60,7 +60,8 @@ def test_stats_round_trip_through_the_proto() -> None:
                       num_preemptions=5, num_pending_prefill_tokens=6, num_decode_steps=7,
                       max_abort_delay_steps=8, projected_blocks=9, num_corrupt_pushes=11,
                       num_parked=12, num_evictions=13, num_compiles=14,
-                      prefix_cache_queries=15, prefix_cache_hits=16, cached_blocks=17)
+                      prefix_cache_queries=15, prefix_cache_hits=16, cached_blocks=17,
+                      kv_evicted_blocks=18)
     msg = convert.stats_to_proto("decode", stats, convert.layout_to_proto(_layout(16)))
     events = EventsSince(20, [CacheEvent(19, [b"a" * 16], []), CacheEvent(20, [], [b"a" * 16])],
                          False)

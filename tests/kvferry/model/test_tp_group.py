@@ -37,7 +37,7 @@ from kvferry.model.tp_rendezvous import Rendezvous
 from kvferry.model.transformer import Transformer
 from kvferry.settings import KvEvictionConfig
 from kvferry_kernels.dispatch import get_attention_backend
-from tests.decode_worker.engines import cpu_engine, serve_local
+from tests.decode_worker.engines import cpu_engine, generate_local, run_to_idle, serve_local
 from tests.kvferry.model.greedy_split import decode_part, greedy, pool_of, prefill_part
 from tests.listening import listeners, strangers
 
@@ -286,14 +286,19 @@ def test_a_prefix_pushed_out_of_a_split_pool_comes_back_from_host_memory(
     group = TensorParallelModel(_spec(qwen3_checkpoint), 2, zygote.start_rank)
     try:
         pool = group.pool
-        cache = TieredCache(pool, HostTier(pool, 48, pool.allocator.events))
+        # room for every block the five requests cache: the prompt's stay in host memory
+        cache = TieredCache(pool, HostTier(pool, 96, pool.allocator.events))
         engine = DecodeEngine(group, pool,  # type: ignore[arg-type]
                               KvLayout.of_pool(pool, config.fingerprint), cache=cache)
         assert cache.host is not None and cache.host.data.shape[-2] == group.num_kv_heads
-        first = serve_local(engine, prompt, 20)[0]
-        for other in others:  # 20 blocks each: the prompt's leave the pool of 64
-            serve_local(engine, other, 20)
-        again = serve_local(engine, prompt, 20)[0]
+
+        async def serve_all() -> tuple[list[int], list[int]]:
+            first = await generate_local(engine, "first", prompt, 20)
+            for n, other in enumerate(others):  # 20 blocks each: the prompt's leave the pool
+                await generate_local(engine, f"other-{n}", other, 20)
+            return first, await generate_local(engine, "again", prompt, 20)
+
+        first, again = run_to_idle(engine, serve_all)
         (host,) = cache.stats()
     finally:
         group.close()
