@@ -46,6 +46,7 @@ from kvferry.cache.prefix import TierTokens
 from kvferry.cache.stats import PoolStats
 from kvferry.cache.tiers.tiered import TieredCache
 from kvferry.errors import Aborted, InvalidArgument, NotFound, Unavailable
+from kvferry.model.logprobs import TokenLogprob
 from kvferry.model.prefill_batch import PrefillJob
 from kvferry.model.sampling import FinishReason, SamplingParams
 from kvferry.model.transformer import Transformer
@@ -63,6 +64,8 @@ class LocalPrefill(NamedTuple):
     num_cached_tokens: int  # prompt tokens the prefix cache held
     cached_by_tier: TierTokens  # of those, the ones from each lower tier
     sample_token_ids: list[int]  # the first tokens of samples 1..n-1
+    logprobs: list[TokenLogprob]  # SamplingParams.logprobs: the first tokens'
+    prompt_logprobs: list[TokenLogprob]  # SamplingParams.prompt_logprobs: prompt[1:]'s
 
 
 class DecodeEngine:
@@ -232,7 +235,8 @@ class DecodeEngine:
             seq.prompt_token_ids = list(prompt)
         self._kv_complete(seq)
         return LocalPrefill(token, time.perf_counter() - job.started_at, num_cached,
-                            seq.cached_by_tier, job.sample_token_ids)
+                            seq.cached_by_tier, job.sample_token_ids, job.first_logprobs,
+                            job.prompt_logprobs)
 
     # ---- decoding ----------------------------------------------------------------------------
     def attach(self, request_id: str, first_token_id: int, params: SamplingParams,

@@ -17,6 +17,7 @@ from kvferry.cache.budget import KvBudget
 from kvferry.cache.pool import KvPool
 from kvferry.cache.prefix import NO_TIER_TOKENS, TierTokens
 from kvferry.errors import InvalidArgument, NotFound, ResourceExhausted
+from kvferry.model.logprobs import TokenLogprob
 from kvferry.model.sampling import FinishReason, SamplingParams
 
 
@@ -31,6 +32,7 @@ class TokensEvent(NamedTuple):
     request_id: str
     token_ids: list[int]
     sample_index: int = 0
+    logprobs: tuple[TokenLogprob, ...] = ()  # SamplingParams.logprobs: one per token
 
 
 class FinishedEvent(NamedTuple):

@@ -30,6 +30,7 @@ def _merge(events: list[DecodeEvent]) -> list[worker_pb2.DecodeUpdate]:
             request_id=event.request_id, sample_index=index))
         if isinstance(event, TokensEvent):
             update.token_ids.extend(event.token_ids)
+            update.logprobs.extend(convert.logprobs_to_proto(event.logprobs))
         elif isinstance(event, FinishedEvent):
             update.finished.reason = event.reason.value
             update.finished.first_decode_step_s = event.first_step_s

@@ -16,15 +16,25 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from decode_worker.kv_stage import KvStage
 from decode_worker.sequence import DecodeSeq, PagedRow, StepInputs, step_inputs
 from kvferry.cache.pool import KvPool
+from kvferry.model.logprobs import TokenLogprob, logprobs_of
 from kvferry.model.rejection import verify
 from kvferry.model.sampling import SamplingParams, sample_tokens
 from kvferry.model.transformer import Transformer
+
+
+class Kept(NamedTuple):
+    """What a step's sequences keep, per sequence in batch order: its tokens, and where its
+    request asked (SamplingParams.logprobs) their log probabilities ([] where it did not)."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[TokenLogprob]]
 
 
 @dataclass(eq=False)
@@ -65,14 +75,29 @@ class StepRows:
                             stage if self.is_staged and not self.is_verifying else None,
                             seq_lens=inputs.seq_lens.to(device), mass=self.mass)
 
-    def keep(self, logits: torch.Tensor) -> list[list[int]]:
+    def keep(self, logits: torch.Tensor) -> Kept:
         """Per sequence, the tokens it keeps: one sampled, or its accepted drafts and one
-        more (`accept`)."""
+        more (`accept`); with their log probabilities where asked."""
         if self.is_verifying:
-            return accept(logits, self.batch, self.drafts)
-        params = [s.params or SamplingParams() for s in self.batch]  # attached: never None
-        indices = [s.output_offset + len(s.tokens) for s in self.batch]
-        return [[token] for token in sample_tokens(logits, params, indices)]
+            tokens = accept(logits, self.batch, self.drafts)
+        else:
+            params = [s.params or SamplingParams() for s in self.batch]  # attached: never None
+            indices = [s.output_offset + len(s.tokens) for s in self.batch]
+            tokens = [[token] for token in sample_tokens(logits, params, indices)]
+        return Kept(tokens, self._logprobs(logits, tokens))
+
+    def _logprobs(self, logits: torch.Tensor, tokens: list[list[int]]
+                  ) -> list[list[TokenLogprob]]:
+        """Each kept token's log probability, from the row that predicted it (a sequence's
+        rows are its last token's and its drafts', in order), where its request asks."""
+        out: list[list[TokenLogprob]] = []
+        row = 0
+        for i, (seq, kept) in enumerate(zip(self.batch, tokens)):
+            num_top = seq.params.logprobs if seq.params is not None else None
+            out.append([] if num_top is None
+                       else logprobs_of(logits[row: row + len(kept)], kept, num_top))
+            row += 1 + (len(self.drafts[i]) if self.is_verifying else 0)
+        return out
 
 
 def row_inputs(batch: Sequence[DecodeSeq], drafts: Sequence[list[int]], block_size: int

@@ -41,7 +41,7 @@ from decode_worker.spec.draft_model import DraftModel
 from decode_worker.spec.drafting import Drafting, ngram_proposer
 from decode_worker.step_faults import InjectedFault, StepFaults
 from decode_worker.step_plugin import StepPlugin
-from decode_worker.step_rows import StepRows
+from decode_worker.step_rows import Kept, StepRows
 from kvferry import trace
 from kvferry.cache.block_queue import BlockQueue
 from kvferry.cache.pool import KvPool
@@ -49,6 +49,7 @@ from kvferry.errors import Internal
 from kvferry.faults import Faults
 from kvferry.model.eviction import make_eviction
 from kvferry.model.executor import run_to_completion
+from kvferry.model.logprobs import TokenLogprob
 from kvferry.model.prefill_batch import Gathering, PrefillBatcher
 from kvferry.model.sampling import FinishReason
 from kvferry.model.transformer import Transformer
@@ -299,7 +300,7 @@ class StepLoop:
         while True:
             start = time.perf_counter()
             clock = trace.StepClock.now() if tracer else None
-            tokens = self._step(batch, arranged is not None)
+            tokens, logprobs = self._step(batch, arranged is not None)
             self.num_steps += 1
             elapsed = time.perf_counter() - start
             if clock is not None:
@@ -311,36 +312,38 @@ class StepLoop:
                 seq.tokens.extend(kept)
                 if kept[-1] in seq.stop_token_ids or seq.tokens_left <= 0:
                     finished.append(seq)
-            self._loop.call_soon_threadsafe(self._deliver, batch, tokens, finished,
+            self._loop.call_soon_threadsafe(self._deliver, batch, tokens, logprobs, finished,
                                             self.num_steps)
             if (finished or self._needs_loop.is_set() or any(s.is_aborted for s in batch)
                     or any(len(s.block_table) * block_size <= s.cache_position for s in batch)
                     or any(plugin.needs_loop(batch) for plugin in self.plugins)):
                 return
 
-    def _step(self, batch: list[DecodeSeq], is_staged: bool = False) -> list[list[int]]:
+    def _step(self, batch: list[DecodeSeq], is_staged: bool = False) -> Kept:
         """One forward for the whole ragged batch (executor thread): the rows planned (by
         the plug-ins too), the forward run, the tokens each sequence keeps (one, or with
-        speculation its accepted drafts and one more); `is_staged`: the stage holds the
-        batch's K/V, rows in batch order."""
+        speculation its accepted drafts and one more) and their log probabilities where
+        asked; `is_staged`: the stage holds the batch's K/V, rows in batch order."""
         rows = StepRows(batch, self.pool.block_size, is_staged)
         for plugin in self.plugins:
             plugin.plan(rows)
         kept = rows.keep(rows.forward(self.model, self.pool, self.stage))
         for plugin in self.plugins:
-            plugin.done(rows, kept)
+            plugin.done(rows, kept.tokens)
         return kept
 
     def _deliver(self, batch: list[DecodeSeq], tokens: list[list[int]],
-                 finished: list[DecodeSeq], step: int = 0) -> None:
+                 logprobs: list[list[TokenLogprob]], finished: list[DecodeSeq],
+                 step: int = 0) -> None:
         """Event loop: stream one step's tokens (per sequence, in order); release the
         sequences it finished."""
         if tracer := trace.get():
             tracer.event("deliver", t=time.monotonic(), s=step)
-        for seq, kept in zip(batch, tokens):
+        for seq, kept, kept_logprobs in zip(batch, tokens, logprobs):
             if seq.phase is not Phase.RUNNING or seq.is_aborted or seq.events is None:
                 continue
-            seq.events.put_nowait(TokensEvent(seq.request_id, list(kept), seq.sample_index))
+            seq.events.put_nowait(TokensEvent(seq.request_id, list(kept), seq.sample_index,
+                                              tuple(kept_logprobs)))
         for seq in finished:
             if seq.phase is not Phase.RUNNING or seq.is_aborted:
                 continue

@@ -21,6 +21,9 @@ class Completion:
     finished: generation_pb2.Finished | None = None
     ttft_s: float = 0.0
     token_times_s: list[float] = field(default_factory=list)  # arrival of each chunk
+    # sampling.logprobs / prompt_logprobs: one per token id; one per prompt token after the first
+    logprobs: list[generation_pb2.TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[generation_pb2.TokenLogprob] = field(default_factory=list)
 
     @property
     def mean_itl_s(self) -> float:
@@ -86,6 +89,8 @@ def add_response(completion: Completion, msg: generation_pb2.GenerateResponse, n
             completion.token_times_s.append(now)
         completion.token_ids.extend(msg.chunk.token_ids)
         completion.text += msg.chunk.text
+        completion.logprobs.extend(msg.chunk.logprobs)
+        completion.prompt_logprobs.extend(msg.chunk.prompt_logprobs)
     else:
         completion.finished = msg.finished
 

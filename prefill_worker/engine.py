@@ -37,6 +37,7 @@ from kvferry.cache.stats import PoolStats
 from kvferry.cache.tiers.tiered import TieredCache, TierHit
 from kvferry.errors import Aborted, InvalidArgument, NotFound, Unavailable
 from kvferry.model.eviction import make_eviction
+from kvferry.model.logprobs import TokenLogprob
 from kvferry.model.prefill_batch import PrefillBatcher, PrefillJob
 from kvferry.model.sampling import SamplingParams, validate_prompt
 from kvferry.model.transformer import Transformer
@@ -58,6 +59,8 @@ class FirstTokenEvent(NamedTuple):
     num_cached_tokens: int = 0  # leading prompt tokens the prefix cache held
     cached_by_tier: TierTokens = TierTokens()  # of those, promoted from each lower tier
     sample_token_ids: tuple[int, ...] = ()  # parallel sampling: samples 1..n-1
+    logprobs: tuple[TokenLogprob, ...] = ()  # SamplingParams.logprobs: the first tokens'
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # and prompt_logprobs: prompt[1:]'s
 
 
 class PushedEvent(NamedTuple):
@@ -180,7 +183,8 @@ class PrefillEngine:
         self.cache.close()
         await self.sender.close()
 
-    def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+    def _validate(self, request_id: str, prompt: list[int], params: SamplingParams,
+                  num_samples: int) -> None:
         if self.is_draining:
             raise Unavailable("draining: this worker is shutting down")
         if not request_id:
@@ -191,6 +195,8 @@ class PrefillEngine:
         validate_prompt(prompt, self.model.config.vocab_size,
                         self.model.config.max_position_embeddings)
         params.validate(self.model.config.vocab_size)
+        if num_samples < 1:
+            raise InvalidArgument("num_samples must be >= 1", "num_samples")
 
     async def prefill(
         self, request_id: str, prompt: list[int], params: SamplingParams,
@@ -206,12 +212,12 @@ class PrefillEngine:
         token meanwhile, so its TTFT does not wait for decode memory)."""
         if defer_push and decode_address:
             raise InvalidArgument("defer_push needs an empty decode_address", "defer_push")
-        self._validate(request_id, prompt, params)
-        if num_samples < 1:
-            raise InvalidArgument("num_samples must be >= 1", "num_samples")
+        self._validate(request_id, prompt, params, num_samples)
         check_skip_blocks(skip_blocks, len(prompt), self.pool.block_size)
         keys = self._block_keys(prompt, cache_salt)
-        hit = await self._acquire(request_id, prompt, keys, defer_push)
+        # (prompt logprobs need every position's logits: no cached prefix serves them)
+        hit = await self._acquire(request_id, prompt, [] if params.prompt_logprobs is not None
+                                  else keys, defer_push)
         blocks, num_cached = hit.block_ids, hit.num_cached * self.pool.block_size
         job = PrefillJob(request_id, prompt, params, blocks,
                          asyncio.get_running_loop().create_future(), output_index,
@@ -237,7 +243,8 @@ class PrefillEngine:
                 self._parked[request_id] = parked
                 self._evict_parked()  # a prefill with a reservation may wait for blocks
             yield FirstTokenEvent(token, time.perf_counter() - job.started_at, num_cached,
-                                  hit.by_tier, tuple(job.sample_token_ids))
+                                  hit.by_tier, tuple(job.sample_token_ids),
+                                  tuple(job.first_logprobs), tuple(job.prompt_logprobs))
             if parked is not None:
                 address, skip = await parked.ship
                 push = self._push(address, job, timeout_s, first_block=skip,

@@ -32,8 +32,7 @@ class PrefillServicer(PrefillStreamServicer[PrefillEngine],
         async with aclosing(events):
             async for event in events:
                 if isinstance(event, FirstTokenEvent):
-                    yield first_token(event.token_id, event.prefill_s, event.num_cached_tokens,
-                                      event.cached_by_tier, event.sample_token_ids)
+                    yield first_token(*event)
                 else:
                     yield worker_pb2.PrefillResponse(done=worker_pb2.PrefillDone(
                         kv_transfer_s=event.kv_transfer_s, kv_bytes=event.kv_bytes))

@@ -80,7 +80,8 @@ class Downstream:
                                                                 job.keeps_all_kv))
         if state.is_push_deferred or (remaining <= 1 and self.workers.has_prefill_workers()):
             return 0.0
-        return await self.reserve(state, context, remaining, job.deadline, job.keeps_all_kv)
+        return await self.reserve(state, context, remaining, job.deadline, job.keeps_all_kv,
+                                  job.shares_cache)
 
     def key_prompt(self, state: RouterRequest, prompt: list[int]) -> None:
         """Compute the keys of the prompt's shareable blocks, as the workers' caches key them
@@ -148,10 +149,12 @@ class Downstream:
                 if w.layout is not None and w.total_blocks > 0]
 
     async def reserve(self, state: RouterRequest, prompt: list[int], max_tokens: int,
-                      deadline: float | None, keeps_all: bool = False) -> float:
+                      deadline: float | None, keeps_all: bool = False,
+                      shares_cache: bool = True) -> float:
         """Reserve on the best decode worker; returns seconds spent waiting for headroom
-        (`keeps_all`: the request opted out of K/V eviction). Nothing is reserved when the
-        request was aborted before its turn."""
+        (`keeps_all`: the request opted out of K/V eviction; not `shares_cache`: its prompt
+        is computed whole, no cached prefix shared). Nothing is reserved when the request was
+        aborted before its turn."""
         need = self.need(len(prompt), max_tokens, self.workers.block_size(), state.num_samples,
                          keeps_all)
         candidates, waited = await self._admit(state, need, deadline)
@@ -166,7 +169,7 @@ class Downstream:
             try:
                 state.decode_cached_blocks = await worker.decode.reserve(
                     state.request_id, prompt, max_tokens, self.lease_s, remaining_s(deadline),
-                    state.cache_salt, state.num_samples)
+                    state.cache_salt, state.num_samples, shares_cache)
             except KvferryError as exc:
                 if not isinstance(exc, _UNANSWERED):
                     state.unanswered_reserve = None  # the worker refused it: nothing held
@@ -232,7 +235,7 @@ class Downstream:
                 if ids:
                     generated.extend(ids)
                     step = detok.add(ids)
-                    yield ChunkEvent(ids, step.text)
+                    yield ChunkEvent(ids, step.text, logprobs=update.logprobs)
                     if step.is_stopped:
                         ending.reason, ending.is_stopped = FinishReason.STOP, True
                         break  # the decode worker still holds it: released in `release`

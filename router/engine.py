@@ -32,6 +32,7 @@ from router.events import ChunkEvent, DoneEvent, Ending, Timing
 from router.identity import ANONYMOUS, Caller
 from router.policies.routing import HeadroomPolicy, LocalPrefill, Policy
 from router.prefill_leg import PrefillLeg
+from router.records import FirstToken
 from router.request import Admitted, GenerateInput, OpenRequests, RouterRequest
 from router.sample_group import SampleGroup
 from router.workers.decode_client import StreamBroken
@@ -141,18 +142,15 @@ class Router:
                                                          timing)
             if first_msg is None:
                 break
-            first = first_msg.token_id
-            generated.append(first)
-            step = detok.add([first])
-            is_stop = step.is_stopped or first in job.stop_ids
-            if is_stop or remaining == 1:
-                ending = Ending(FinishReason.STOP if is_stop else FinishReason.LENGTH, [first],
-                                step.text, step.is_stopped)
+            generated.append(first_msg.token_id)
+            first = _first_chunk(first_msg, job, detok, remaining)
+            if isinstance(first, Ending):
+                ending = first
                 break
-            yield ChunkEvent([first], step.text)
+            yield first
             if state.is_push_deferred:
                 waited = await self.downstream.reserve(state, context, remaining, deadline,
-                                                       job.keeps_all_kv)
+                                                       job.keeps_all_kv, job.shares_cache)
                 timing = timing._replace(admission_wait_s=timing.admission_wait_s + waited)
                 if state.is_aborted:
                     break
@@ -175,7 +173,8 @@ class Router:
                 self.downstream.lose_decode(state, exc, timing.num_migrations)
         text = ending.text + ("" if ending.is_stopped or detok is None else detok.finish())
         if ending.token_ids or text or ending.always_chunk:
-            yield ChunkEvent(ending.token_ids, text)
+            yield ChunkEvent(ending.token_ids, text, logprobs=ending.logprobs,
+                             prompt_logprobs=ending.prompt_logprobs)
         yield ending.done(len(prompt), len(generated), timing)
 
     def abort(self, request_id: str, caller: Caller = ANONYMOUS
@@ -194,3 +193,18 @@ class Router:
             elif state.prefill_call is not None:
                 state.prefill_call.cancel()
         return None
+
+
+def _first_chunk(first: FirstToken, job: Admitted, detok: IncrementalDetokenizer,
+                 remaining: int) -> ChunkEvent | Ending:
+    """A leg's first token as its chunk (with its log probability and the prompt's, where
+    asked), or as the request's ending: a stop, or the last token it asked for."""
+    step = detok.add([first.token_id])
+    is_stop = step.is_stopped or first.token_id in job.stop_ids
+    logprobs, prompt_logprobs = first.logprobs[:1], first.prompt_logprobs
+    if is_stop or remaining == 1:
+        return Ending(FinishReason.STOP if is_stop else FinishReason.LENGTH, [first.token_id],
+                      step.text, step.is_stopped, logprobs=logprobs,
+                      prompt_logprobs=prompt_logprobs)
+    return ChunkEvent([first.token_id], step.text, logprobs=logprobs,
+                      prompt_logprobs=prompt_logprobs)

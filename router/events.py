@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from kvferry.cache.prefix import TierTokens
+from kvferry.model.logprobs import TokenLogprob
 from kvferry.model.sampling import FinishReason
 
 
@@ -15,6 +16,8 @@ class ChunkEvent(NamedTuple):
     token_ids: list[int]
     text: str
     sample_index: int = 0  # parallel sampling: the sample these tokens belong to
+    logprobs: tuple[TokenLogprob, ...] = ()  # sampling.logprobs: one per token id
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # sampling.prompt_logprobs: first chunk
 
 
 class Timing(NamedTuple):
@@ -52,6 +55,8 @@ class Ending:
     text: str = ""
     is_stopped: bool = False  # a stop string ended it: the held-back text is not sent
     always_chunk: bool = True  # send the last chunk even when it is empty
+    logprobs: tuple[TokenLogprob, ...] = ()  # the last chunk's tokens' (sampling.logprobs)
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # the prompt's, ending at its first token
     first_decode_step_s: float = 0.0  # what the decode worker reported, when it decoded
     num_draft_tokens: int = 0  # speculation: drafts verified by the decode worker it ended on
     num_accepted_tokens: int = 0  # of those, accepted

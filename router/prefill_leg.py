@@ -12,6 +12,7 @@ engine to migrate).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -112,6 +113,8 @@ class PrefillLeg:
         else:
             worker = self._next_prefill(state, len(prompt))
         is_push = decode is not None and not is_local
+        if num_generated and params.prompt_logprobs is not None:  # streamed on the first leg
+            params = dataclasses.replace(params, prompt_logprobs=None)
         start = PrefillStart(
             request_id=state.request_id, prompt_token_ids=prompt, sampling=params,
             decode_address=decode.address if is_push and decode is not None else "",

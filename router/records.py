@@ -8,6 +8,7 @@ from typing import NamedTuple
 from kvferry.cache.layout import KvLayout
 from kvferry.cache.prefix import TierTokens
 from kvferry.cache.stats import PoolStats
+from kvferry.model.logprobs import TokenLogprob
 from kvferry.model.sampling import FinishReason, SamplingParams
 
 
@@ -26,6 +27,8 @@ class FirstToken(NamedTuple):
     num_cached_tokens: int = 0  # prompt tokens its prefix cache held
     cached_by_tier: TierTokens = TierTokens()  # of those, from each tier below its pool
     sample_token_ids: tuple[int, ...] = ()  # parallel sampling: samples 1..n-1's first tokens
+    logprobs: tuple[TokenLogprob, ...] = ()  # sampling.logprobs: token_id's, then samples'
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # sampling.prompt_logprobs: prompt[1:]'s
 
 
 class PrefillDone(NamedTuple):
@@ -80,3 +83,4 @@ class DecodeUpdate(NamedTuple):
     error_message: str = ""
     received_s: float = 0.0  # time.monotonic() when read off the decode stream
     sample_index: int = 0  # the sample these tokens (and this finish) belong to
+    logprobs: tuple[TokenLogprob, ...] = ()  # sampling.logprobs: one per token id

@@ -56,6 +56,12 @@ class Admitted:
         """It opted out of the deployment's K/V eviction (kv_eviction "none")."""
         return self.params.kv_eviction == "none"
 
+    @property
+    def shares_cache(self) -> bool:
+        """A cached prefix may serve its prompt: not when it asks for prompt logprobs (every
+        position's logits are computed)."""
+        return self.params.prompt_logprobs is None
+
     def sample(self, index: int) -> Admitted:
         """Sample `index` of a request of several, going on as a request of its own (seed
         + index, one sample)."""

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from kvferry.errors import Unavailable
+from kvferry.model.logprobs import TokenLogprob
 from kvferry.model.sampling import FinishReason
 from router.detok import IncrementalDetokenizer
 from router.downstream import Downstream
@@ -82,7 +83,8 @@ class SampleGroup:
         text = ending.text + ("" if ending.is_stopped else sample.detok.finish())
         events: list[Event] = []
         if ending.token_ids or text:
-            events.append(ChunkEvent(ending.token_ids, text, sample.index))
+            events.append(ChunkEvent(ending.token_ids, text, sample.index, ending.logprobs,
+                                     ending.prompt_logprobs))
         done = ending.done(len(self.prompt), len(sample.generated), self.timing)
         events.append(done._replace(sample_index=sample.index))
         return events
@@ -103,8 +105,9 @@ class SampleGroup:
         if len(firsts) != params.n:
             raise Unavailable(f"the prefill worker drew {len(firsts)} first tokens for "
                               f"{params.n} samples")
-        for sample, token in zip(self.samples, firsts):
-            for event in self._first(sample, token):
+        logprobs = first_msg.logprobs or (None,) * len(firsts)
+        for sample, token, logprob in zip(self.samples, firsts, logprobs):
+            for event in self._first(sample, token, logprob, first_msg.prompt_logprobs):
                 yield event
         if all(s.is_done for s in self.samples):
             return
@@ -116,16 +119,20 @@ class SampleGroup:
         async for event in self._decode(firsts):
             yield event
 
-    def _first(self, sample: _Sample, token: int) -> list[Event]:
+    def _first(self, sample: _Sample, token: int, logprob: TokenLogprob | None,
+               prompt_logprobs: tuple[TokenLogprob, ...]) -> list[Event]:
+        """Its first token (with its log probability and the prompt's, where asked)."""
         sample.generated.append(token)
         step = sample.detok.add([token])
+        logprobs = () if logprob is None else (logprob,)
         if step.is_stopped or token in self.stop_ids or self.params.max_tokens == 1:
             reason = FinishReason.LENGTH
             if step.is_stopped or token in self.stop_ids:
                 reason = FinishReason.STOP
             return self._end(sample, Ending(reason, token_ids=[token], text=step.text,
-                                                  is_stopped=step.is_stopped))
-        return [ChunkEvent([token], step.text, sample.index)]
+                                            is_stopped=step.is_stopped, logprobs=logprobs,
+                                            prompt_logprobs=prompt_logprobs))
+        return [ChunkEvent([token], step.text, sample.index, logprobs, prompt_logprobs)]
 
     async def _decode(self, firsts: list[int]) -> AsyncIterator[Event]:
         """One Decode start for every sample; each sample's updates to its own stream."""
@@ -146,19 +153,20 @@ class SampleGroup:
                 sample = self.samples[update.sample_index]
                 state.last_token_s = update.received_s
                 if not sample.is_done:
-                    for event in self._update(sample, update.token_ids, update.finished):
+                    for event in self._update(sample, update.token_ids, update.finished,
+                                              update.logprobs):
                         yield event
                     if sample.is_done and update.finished is None:  # a stop string ended it
                         call.abort_sample(sample.index)
             state.holds_decode = False  # every sample finished there or was told to stop
 
-    def _update(self, sample: _Sample, ids: list[int], finished: DecodeFinished | None
-                ) -> list[Event]:
+    def _update(self, sample: _Sample, ids: list[int], finished: DecodeFinished | None,
+                logprobs: tuple[TokenLogprob, ...] = ()) -> list[Event]:
         events: list[Event] = []
         if ids:
             sample.generated.extend(ids)
             step = sample.detok.add(ids)
-            events.append(ChunkEvent(ids, step.text, sample.index))
+            events.append(ChunkEvent(ids, step.text, sample.index, logprobs))
             if step.is_stopped:
                 return events + self._end(sample, Ending(
                     FinishReason.STOP, is_stopped=True, always_chunk=False))

@@ -161,8 +161,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                         clock.chunk(len(event.token_ids))
                         yield generation_pb2.GenerateResponse(
                             request_id=request_id,
-                            chunk=generation_pb2.TokenChunk(token_ids=event.token_ids,
-                                                            text=event.text),
+                            chunk=generation_pb2.TokenChunk(
+                                token_ids=event.token_ids, text=event.text,
+                                logprobs=convert.logprobs_to_proto(event.logprobs),
+                                prompt_logprobs=convert.logprobs_to_proto(
+                                    event.prompt_logprobs)),
                             sample_index=event.sample_index,
                         )
                     else:

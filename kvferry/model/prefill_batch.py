@@ -33,6 +33,7 @@ from kvferry import trace
 from kvferry.cache.pool import KvPool
 from kvferry.faults import Faults
 from kvferry.model.executor import run_to_completion
+from kvferry.model.logprobs import TokenLogprob, logprobs_of
 from kvferry.model.sampling import SamplingParams, sample_tokens
 from kvferry.model.transformer import Transformer
 from kvferry.settings import (
@@ -110,6 +111,14 @@ class PrefillJob:
     num_evicted: int = 0
     num_rebased: int = 0
     submitted_at: float = 0.0  # perf_counter when queued (PrefillBatcher.submit)
+    # SamplingParams.logprobs: the first tokens' (one per sample, set with them);
+    # prompt_logprobs: those of prompt[1:] (each chunk's as its forward ends).
+    first_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None
 
     @property
     def key(self) -> Hashable:
@@ -269,6 +278,7 @@ class PrefillBatcher:
         if self.eviction is not None and self.eviction.wants_mass:
             mass = [torch.zeros(len(it.job.block_table) * self.pool.block_size,
                                 device=self.model.device) for it in items]
+        rows, firsts = logit_rows(items)
         logits = self.model.prefill(
             ids.to(self.model.device), [it.end - it.start for it in items], slots, self.pool,
             context_lens=[it.start - it.evicted for it in items],
@@ -276,10 +286,22 @@ class PrefillBatcher:
             on_layer_done=layer_done if finishing else None,
             rope_offsets=[it.evicted - it.rebased for it in items],
             mass=mass,  # type: ignore[arg-type]
+            logit_rows=rows,
         )
         if mass is not None and self.eviction is not None:
             for it, chunk_mass in zip(items, mass):
                 self.eviction.observe([it.job], chunk_mass[None])
+        for it, first in zip(items, firsts):
+            if it.job.wants_prompt_logprobs:
+                add_prompt_logprobs(it, logits[first:])
+        last = [first + (it.end - it.start - 1 if it.job.wants_prompt_logprobs else 0)
+                for it, first in zip(items, firsts)]
+        return self._first_tokens(items, logits[last])
+
+    @staticmethod
+    def _first_tokens(items: list[BatchItem], logits: torch.Tensor) -> list[list[int] | None]:
+        """The first tokens (one per sample) of the jobs whose prompt `items` completed, from
+        each chunk's last logits (and with SamplingParams.logprobs, theirs)."""
         done = [i for i, it in enumerate(items) if it.end == len(it.job.prompt)]
         # one row per sample of each finished prompt: sample s draws with its own seed
         rows = [(i, s) for i in done for s in range(items[i].job.num_samples)]
@@ -289,6 +311,12 @@ class PrefillBatcher:
         result: list[list[int] | None] = [None] * len(items)
         for (i, _), token in zip(rows, tokens):
             result[i] = [*(result[i] or []), token]
+        for i in done:
+            job = items[i].job
+            if job.params.logprobs is not None:
+                first = result[i] or []
+                job.first_logprobs = logprobs_of(logits[[i] * len(first)], first,
+                                                 job.params.logprobs)
         return result
 
     def gather_left_s(self, now: float) -> float:
@@ -394,3 +422,31 @@ class PrefillBatcher:
             wake.clear()
             while await self.run_once():
                 await asyncio.sleep(0)  # let pushes and new arrivals run between batches
+
+
+def logit_rows(items: list[BatchItem]) -> tuple[list[int], list[int]]:
+    """The packed rows of a forward over `items` whose logits it returns: each chunk's last,
+    or every row of a chunk whose prompt asks for prompt logprobs; with the index among them
+    of each chunk's first."""
+    rows: list[int] = []
+    firsts: list[int] = []
+    start = 0
+    for it in items:
+        n = it.end - it.start
+        firsts.append(len(rows))
+        rows.extend(range(start, start + n) if it.job.wants_prompt_logprobs
+                    else [start + n - 1])
+        start += n
+    return rows, firsts
+
+
+def add_prompt_logprobs(item: BatchItem, logits: torch.Tensor) -> None:
+    """The chunk's rows of logits (from its first on) predict the prompt's tokens after
+    each of its positions: theirs, to the job's prompt logprobs (the prompt's last position
+    predicts the first generated token instead)."""
+    job = item.job
+    num = min(item.end, len(job.prompt) - 1) - item.start
+    if num > 0 and job.params.prompt_logprobs is not None:
+        job.prompt_logprobs += logprobs_of(
+            logits[:num], job.prompt[item.start + 1: item.start + 1 + num],
+            job.params.prompt_logprobs)

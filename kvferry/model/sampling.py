@@ -16,6 +16,7 @@ from enum import Enum
 import torch
 
 from kvferry.errors import InvalidArgument
+from kvferry.model.logprobs import MAX_LOGPROBS
 from kvferry.settings.sampling import DEFAULT_TEMPERATURE
 
 DEFAULT_MAX_TOKENS = 256
@@ -46,6 +47,11 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1  # samples of the prompt (parallel sampling); workers get a count of their own
     kv_eviction: str = ""  # "": the deployment's K/V eviction; "none": this request keeps all
+    # Log probabilities (kvferry/model/logprobs.py): None, none reported; k, each generated
+    # token's and the k most likely at its position; `prompt_logprobs` the same for the
+    # prompt's tokens (the first has none).
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -89,6 +95,11 @@ class SamplingParams:
             raise InvalidArgument(
                 f"sampling.kv_eviction: empty (the deployment's) or 'none' (keep every token), "
                 f"got {self.kv_eviction!r}", "sampling.kv_eviction")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise InvalidArgument(f"sampling.{name} must be in [0, {MAX_LOGPROBS}], got "
+                                      f"{value}", f"sampling.{name}")
         if self.seed is not None and self.seed + self.n > MAX_SEED:
             raise InvalidArgument(
                 f"sampling.seed: sample i uses seed + i, so seed + n must be at most 2^63 "

@@ -83,6 +83,7 @@ METHODS: dict[str, tuple[Param, ...]] = {
         _p("on_layer_done", _K.NONE),  # rank 0's callback: never sent
         _p("rope_offsets", _K.NONE, _K.INTS),
         _p("mass", _K.NONE, _K.OPT_TENSORS),
+        _p("logit_rows", _K.NONE, _K.INTS),
     ),
     "decode": (
         _p("token_ids", _K.TENSOR, is_required=True),

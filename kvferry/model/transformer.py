@@ -280,8 +280,10 @@ class Transformer:
         on_layer_done: LayerDoneFn | None = None,  # after each layer's K/V write
         rope_offsets: list[int] | None = None,  # rotary position - cache index, per chunk
         mass: list[torch.Tensor | None] | None = None,  # per chunk: fp32 [>= context + n]
-    ) -> torch.Tensor:  # [num_chunks, vocab] logits of each chunk's last token
-        """Run prompt chunks (varlen, no padding), write their K/V, return last logits.
+        logit_rows: list[int] | None = None,  # rows of the T tokens whose logits to return
+    ) -> torch.Tensor:  # [num_chunks, vocab] logits of each chunk's last token (or logit_rows)
+        """Run prompt chunks (varlen, no padding), write their K/V, return last logits (or
+        those of `logit_rows`: prompt logprobs need every position's).
 
         A chunk with context attends over its prompt's cached K/V too (chunked prefill).
         `context_lens` index the cache; where a prompt evicted K/V while prefilling
@@ -319,8 +321,9 @@ class Transformer:
                 outs.append(o[0].transpose(0, 1))  # [n, Hq, D]
             return torch.cat(outs, dim=0)
 
-        last_rows = torch.tensor(bounds[1:], dtype=torch.int64) - 1
-        return self._forward(token_ids, positions, slot_mapping, pool, attend, last_rows,
+        rows = (torch.tensor(bounds[1:], dtype=torch.int64) - 1 if logit_rows is None
+                else torch.tensor(logit_rows, dtype=torch.int64))
+        return self._forward(token_ids, positions, slot_mapping, pool, attend, rows,
                              on_layer_done)
 
     def _add_mass(self, qs: torch.Tensor, ks: torch.Tensor, mask: torch.Tensor | None,

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 
 from kvferry.cache.layout import KvLayout
 from kvferry.cache.prefix import CacheEvent, EventsSince, Tier
 from kvferry.cache.stats import PoolStats, TierState, TierStats
+from kvferry.model.logprobs import TokenLogprob
 from kvferry.model.sampling import DEFAULT_MAX_TOKENS, SamplingParams
 from kvferry.settings.sampling import KVFERRY_DEFAULTS, SamplingDefaults
 from kvferry.v1 import generation_pb2, worker_pb2
@@ -28,6 +30,8 @@ def sampling_from_proto(msg: generation_pb2.SamplingParams,
         ignore_eos=msg.ignore_eos,
         n=msg.n if msg.HasField("n") and msg.n != 0 else 1,
         kv_eviction=msg.kv_eviction,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
     )
 
 
@@ -40,7 +44,24 @@ def sampling_to_proto(params: SamplingParams) -> generation_pb2.SamplingParams:
     )
     if params.seed is not None:
         msg.seed = params.seed
+    if params.logprobs is not None:
+        msg.logprobs = params.logprobs
+    if params.prompt_logprobs is not None:
+        msg.prompt_logprobs = params.prompt_logprobs
     return msg
+
+
+def logprobs_to_proto(logprobs: Iterable[TokenLogprob]) -> list[generation_pb2.TokenLogprob]:
+    return [generation_pb2.TokenLogprob(logprob=lp.logprob,
+                                        top_token_ids=[i for i, _ in lp.top],
+                                        top_logprobs=[v for _, v in lp.top])
+            for lp in logprobs]
+
+
+def logprobs_from_proto(msgs: Iterable[generation_pb2.TokenLogprob]
+                        ) -> tuple[TokenLogprob, ...]:
+    return tuple(TokenLogprob(m.logprob, tuple(zip(m.top_token_ids, m.top_logprobs)))
+                 for m in msgs)
 
 
 def stats_to_proto(role: str, stats: PoolStats, layout: worker_pb2.KvLayout

@@ -15,6 +15,7 @@ from kvferry.cache.layout import KvLayout
 from kvferry.cache.prefix import NO_TIER_TOKENS, TierTokens
 from kvferry.cache.stats import PoolStats
 from kvferry.cache.tiers.tiered import TieredCache
+from kvferry.model.logprobs import TokenLogprob
 from kvferry.rpc import convert, grpc_util
 from kvferry.v1 import generation_pb2, worker_pb2
 
@@ -84,9 +85,12 @@ class PrefillStreamServicer(WorkerServicer[EngineT]):
 
 
 def first_token(token_id: int, prefill_s: float, num_cached_tokens: int = 0,
-                by_tier: TierTokens = NO_TIER_TOKENS, sample_token_ids: Sequence[int] = ()
-                ) -> worker_pb2.PrefillResponse:
+                by_tier: TierTokens = NO_TIER_TOKENS, sample_token_ids: Sequence[int] = (),
+                logprobs: Sequence[TokenLogprob] = (),
+                prompt_logprobs: Sequence[TokenLogprob] = ()) -> worker_pb2.PrefillResponse:
     return worker_pb2.PrefillResponse(first_token=worker_pb2.FirstToken(
         token_id=token_id, prefill_s=prefill_s, num_cached_tokens=num_cached_tokens,
         num_cached_host_tokens=by_tier.host, num_cached_disk_tokens=by_tier.disk,
-        num_cached_store_tokens=by_tier.store, sample_token_ids=sample_token_ids))
+        num_cached_store_tokens=by_tier.store, sample_token_ids=sample_token_ids,
+        logprobs=convert.logprobs_to_proto(logprobs),
+        prompt_logprobs=convert.logprobs_to_proto(prompt_logprobs)))

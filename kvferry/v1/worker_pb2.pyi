@@ -74,7 +74,7 @@ class ShipResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class FirstToken(_message.Message):
-    __slots__ = ("token_id", "prefill_s", "num_cached_tokens", "num_cached_host_tokens", "num_cached_disk_tokens", "num_cached_store_tokens", "sample_token_ids")
+    __slots__ = ("token_id", "prefill_s", "num_cached_tokens", "num_cached_host_tokens", "num_cached_disk_tokens", "num_cached_store_tokens", "sample_token_ids", "logprobs", "prompt_logprobs")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +82,8 @@ class FirstToken(_message.Message):
     NUM_CACHED_DISK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_STORE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     prefill_s: float
     num_cached_tokens: int
@@ -89,7 +91,9 @@ class FirstToken(_message.Message):
     num_cached_disk_tokens: int
     num_cached_store_tokens: int
     sample_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, token_id: _Optional[int] = ..., prefill_s: _Optional[float] = ..., num_cached_tokens: _Optional[int] = ..., num_cached_host_tokens: _Optional[int] = ..., num_cached_disk_tokens: _Optional[int] = ..., num_cached_store_tokens: _Optional[int] = ..., sample_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
+    def __init__(self, token_id: _Optional[int] = ..., prefill_s: _Optional[float] = ..., num_cached_tokens: _Optional[int] = ..., num_cached_host_tokens: _Optional[int] = ..., num_cached_disk_tokens: _Optional[int] = ..., num_cached_store_tokens: _Optional[int] = ..., sample_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class PrefillDone(_message.Message):
     __slots__ = ("kv_transfer_s", "kv_bytes")
@@ -196,20 +200,22 @@ class AbortSample(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., sample_index: _Optional[int] = ...) -> None: ...
 
 class DecodeUpdate(_message.Message):
-    __slots__ = ("request_id", "token_ids", "finished", "error_code", "error_message", "sample_index")
+    __slots__ = ("request_id", "token_ids", "finished", "error_code", "error_message", "sample_index", "logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finished: DecodeFinished
     error_code: int
     error_message: str
     sample_index: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[_Union[DecodeFinished, _Mapping]] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ..., sample_index: _Optional[int] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[_Union[DecodeFinished, _Mapping]] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ..., sample_index: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class DecodeBatch(_message.Message):
     __slots__ = ("updates",)

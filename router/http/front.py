@@ -46,7 +46,7 @@ from router.engine import Router
 from router.http.body import BodyParser, BodyRefusal
 from router.http.conn import ConnectionLimits, bounded_protocol, fd_bounded_connections
 from router.http.errors import ApiError, api_error, failure
-from router.http.reply import Reply, model_list_json
+from router.http.reply import Reply, TokenNames, model_list_json
 from router.http.schema import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -64,6 +64,7 @@ from router.http.stream import (
     until_disconnect,
 )
 from router.identity import ApiKeys, Caller
+from router.request import Admitted
 from router.stream_clock import StreamClock
 
 log = logging.getLogger("kvferry.router")
@@ -116,6 +117,7 @@ class HttpFront:
         self._model_names = {self.model, model}  # the name, or the --model given
         self.metrics = metrics
         self.keys = keys or ApiKeys()
+        self._names: TokenNames | None = None  # tokens as logprobs name them (made once)
         self.is_serving = False
         limits = router.limits
         # A request needs at most a value per token of context (token-id prompts, stop ids)
@@ -240,8 +242,7 @@ class HttpFront:
             inp = body.to_input(request_id, self.router.config.sampling_defaults)
             job = await until_disconnect(request, self.router.admission.admit(inp, None, caller))
             events = self.router.relay(job, caller)
-            reply = Reply(request_id, self.model, isinstance(body, ChatCompletionRequest),
-                          body.include_usage, body.return_token_ids)
+            reply = self._reply(request_id, body, job)
             if not body.stream:
                 return Response(await until_disconnect(
                     request, collect(events, reply, clock, body.n)), media_type="application/json")
@@ -256,6 +257,17 @@ class HttpFront:
         finally:
             if not is_streaming:
                 await self._close(events, clock)
+
+    def _reply(self, request_id: str, body: OpenAIRequest, job: Admitted) -> Reply:
+        """How the answer to `body` (admitted as `job`) is written."""
+        echo = (body.echo_of(job.prompt, self.router.tokenizer)
+                if isinstance(body, CompletionRequest) and body.echo else None)
+        has_logprobs = job.params.logprobs is not None
+        if has_logprobs and self._names is None:
+            self._names = TokenNames(self.router.tokenizer)
+        return Reply(request_id, self.model, isinstance(body, ChatCompletionRequest),
+                     body.include_usage, body.return_token_ids,
+                     self._names if has_logprobs else None, echo)
 
     def _failed(self, clock: StreamClock, answer: ApiError) -> Response:
         clock.failed(answer.code_name)

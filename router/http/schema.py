@@ -23,11 +23,12 @@ from pydantic import BaseModel, ConfigDict
 from kvferry.errors import InvalidArgument
 from kvferry.model.sampling import SamplingParams
 from kvferry.settings.sampling import KVFERRY_DEFAULTS, SamplingDefaults
+from router.http.reply import Echo
 from router.request import ChatMessage, GenerateInput
 
 # Parameters refused unless neutral (absent, null, false, 0, empty, or the value listed).
 UNSERVED: dict[str, object] = {
-    "logprobs": None, "top_logprobs": None, "echo": None, "suffix": None, "best_of": 1,
+    "echo": None, "top_logprobs": None, "suffix": None, "best_of": 1,
     "presence_penalty": None, "frequency_penalty": None, "repetition_penalty": 1,
     "logit_bias": None, "min_tokens": None, "tools": None, "functions": None,
     "response_format": {"type": "text"},
@@ -101,9 +102,14 @@ class OpenAIRequest(BaseModel):
             if value not in (None, False, 0, "", [], {}, neutral):
                 raise InvalidArgument(f"{name}: not supported by kvferry", name)
 
+    def _logprobs(self) -> tuple[int | None, int | None]:
+        """SamplingParams' (logprobs, prompt_logprobs) as this endpoint's parameters ask."""
+        return None, None
+
     def _sampling(self, defaults: SamplingDefaults) -> tuple[SamplingParams, bool]:
         """The sampling parameters (unset: the model's `defaults`), and whether max_tokens
         was given."""
+        logprobs, prompt_logprobs = self._logprobs()
         max_tokens = self.requested_max_tokens()
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         params = SamplingParams(
@@ -112,6 +118,7 @@ class OpenAIRequest(BaseModel):
             top_k=defaults.top_k if self.top_k is None else 0 if self.top_k == -1 else self.top_k,
             seed=self.seed, stop=stop, stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos, n=self.n, kv_eviction=self.kv_eviction,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             **({} if max_tokens is None else {"max_tokens": max_tokens}),
         )
         return params, max_tokens is not None
@@ -156,6 +163,13 @@ class ChatCompletionRequest(OpenAIRequest):
 
     messages: list[Message]
     max_completion_tokens: int | None = None  # the newer name; wins over max_tokens
+    logprobs: bool = False  # each token's log probability (choices[].logprobs.content)
+    top_logprobs: int | None = None  # and this many most likely tokens at it (needs logprobs)
+
+    def _logprobs(self) -> tuple[int | None, int | None]:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidArgument("top_logprobs: needs logprobs set to true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None, None
 
     @property
     def max_tokens_param(self) -> str:
@@ -171,6 +185,8 @@ class ChatCompletionRequest(OpenAIRequest):
             return "messages" + field.removeprefix("input.messages")
         if field.startswith("input"):  # the prompt as a whole
             return "messages"
+        if field == "sampling.logprobs":
+            return "top_logprobs"
         return super().param(field)
 
     def to_input(self, request_id: str,
@@ -183,20 +199,43 @@ class CompletionRequest(OpenAIRequest):
     """POST /v1/completions. `prompt` is text or token ids; one prompt per request."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
+    # each token's log probability and this many most likely tokens at it (the legacy
+    # choices[].logprobs); with `echo`, the prompt's tokens' too
+    logprobs: int | None = None
+    echo: bool = False  # the prompt repeated before each choice's text
+
+    def _logprobs(self) -> tuple[int | None, int | None]:
+        return self.logprobs, self.logprobs if self.echo else None
+
+    def echo_of(self, prompt_ids: list[int], tokenizer: object) -> Echo | None:
+        """What `echo` repeats: the prompt's text (decoded, for token ids) and tokens."""
+        if not self.echo:
+            return None
+        prompt = self.one_prompt()
+        text = (prompt if isinstance(prompt, str)
+                else tokenizer.decode(prompt_ids))  # type: ignore[attr-defined]
+        return Echo(text, prompt_ids)
 
     def param(self, field: str) -> str:
         if field.startswith("input"):  # input, input.text, input.token_ids
             return "prompt"
+        if field == "sampling.prompt_logprobs":
+            return "logprobs"
         return super().param(field)
 
-    def to_input(self, request_id: str,
-                 defaults: SamplingDefaults = KVFERRY_DEFAULTS) -> GenerateInput:
+    def one_prompt(self) -> str | list[int]:
+        """The prompt, text or token ids (a batch of one is that one)."""
         prompt = self.prompt
         if prompt and not isinstance(prompt, str) and not isinstance(prompt[0], int):
             if len(prompt) > 1:
                 raise InvalidArgument(f"prompt: one prompt per request, got a batch of "
                                       f"{len(prompt)}; send one request each", "prompt")
-            prompt = prompt[0]
+            return prompt[0]  # type: ignore[return-value]
+        return prompt  # type: ignore[return-value]
+
+    def to_input(self, request_id: str,
+                 defaults: SamplingDefaults = KVFERRY_DEFAULTS) -> GenerateInput:
+        prompt = self.one_prompt()
         if isinstance(prompt, str):
             return self._input(request_id, defaults, text=prompt)
         return self._input(request_id, defaults, token_ids=list(prompt))

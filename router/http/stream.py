@@ -17,7 +17,7 @@ from starlette.types import Receive, Scope, Send
 from kvferry.errors import Internal
 from router.events import ChunkEvent, DoneEvent
 from router.http.errors import failure
-from router.http.reply import SSE_DONE, Reply
+from router.http.reply import SSE_DONE, ChoiceSoFar, Reply
 from router.http.schema import OpenAIRequest
 from router.stream_clock import StreamClock
 
@@ -78,20 +78,18 @@ async def collect(events: AsyncIterator[str | Event], reply: Reply, clock: Strea
                   num_samples: int = 1) -> str:
     """A whole answer (every sample's choice) as one JSON body."""
     await anext(events)
-    texts = [""] * num_samples
-    token_ids: list[list[int]] = [[] for _ in range(num_samples)]
+    choices = [ChoiceSoFar() for _ in range(num_samples)]
     dones: list[DoneEvent] = []
     async for event in events:
         if isinstance(event, ChunkEvent):
             clock.chunk(len(event.token_ids))
-            texts[event.sample_index] += event.text
-            token_ids[event.sample_index] += event.token_ids
+            choices[event.sample_index].add(event)
         elif isinstance(event, DoneEvent):
             clock.done(event)
             _log_done(reply.request_id, event)
             dones.append(event)
             if len(dones) == num_samples:
-                return reply.body(texts, token_ids, dones)
+                return reply.body(choices, dones)
     raise Internal("the request ended without finishing")
 
 
@@ -109,12 +107,11 @@ async def sse(events: AsyncIterator[str | Event], first: Event, reply: Reply,
             if isinstance(event, ChunkEvent):
                 clock.chunk(len(event.token_ids))
                 if event.text or event.token_ids:  # a step whose text is held back: ""
-                    yield reply.chunk_event(event.text, event.token_ids,
-                                            index=event.sample_index)
+                    yield reply.chunk_event(event)
             else:  # one DoneEvent per sample (Router.generate)
                 clock.done(event)
                 _log_done(reply.request_id, event)
-                yield reply.chunk_event("", [], event.reason, event.sample_index)
+                yield reply.chunk_event(None, event.reason, event.sample_index)
                 dones.append(event)
                 if len(dones) == body.n:
                     break

@@ -44,7 +44,7 @@ def _update_from_proto(msg: worker_pb2.DecodeUpdate) -> DecodeUpdate:
                                   msg.finished.num_accepted_tokens)
     return DecodeUpdate(msg.request_id, list(msg.token_ids), finished,
                         msg.error_code or None, msg.error_message, time.monotonic(),
-                        msg.sample_index)
+                        msg.sample_index, convert.logprobs_from_proto(msg.logprobs))
 
 
 class DecodeCall:
@@ -100,12 +100,14 @@ class DecodeClient(WorkerClient):
     # ---- unary calls ---------------------------------------------------------------------
     async def reserve(self, request_id: str, prompt_token_ids: list[int], max_tokens: int,
                       lease_s: float, timeout_s: float | None, cache_salt: str = "",
-                      num_samples: int = 1) -> int:
+                      num_samples: int = 1, shares_cache: bool = True) -> int:
         """Reserve blocks for the prompt (and its samples); returns how many leading prompt
-        blocks the worker's prefix cache shared into the reservation."""
+        blocks the worker's prefix cache shared into the reservation (none unless
+        `shares_cache`: the prompt's ids are not sent then)."""
         request = worker_pb2.ReserveRequest(
             request_id=request_id, num_prompt_tokens=len(prompt_token_ids),
-            max_tokens=max_tokens, lease_s=lease_s, prompt_token_ids=prompt_token_ids,
+            max_tokens=max_tokens, lease_s=lease_s,
+            prompt_token_ids=prompt_token_ids if shares_cache else [],
             cache_salt=cache_salt, num_samples=num_samples)
         with grpc_util.translated():
             response = await self._stub.Reserve(request, timeout=timeout_s)

@@ -35,7 +35,9 @@ class PrefillCall:
         return FirstToken(first.token_id, first.prefill_s, first.num_cached_tokens,
                           TierTokens(first.num_cached_host_tokens, first.num_cached_disk_tokens,
                                      first.num_cached_store_tokens),
-                          tuple(first.sample_token_ids))
+                          tuple(first.sample_token_ids),
+                          convert.logprobs_from_proto(first.logprobs),
+                          convert.logprobs_from_proto(first.prompt_logprobs))
 
     def cancel(self) -> bool:
         return self._call.cancel()

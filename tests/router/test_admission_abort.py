@@ -24,7 +24,7 @@ class _DecodeClient:
 
     async def reserve(self, request_id: str, prompt_token_ids: list[int], max_tokens: int,
                       lease_s: float, timeout_s: float | None, cache_salt: str = "",
-                      num_samples: int = 1) -> int:
+                      num_samples: int = 1, shares_cache: bool = True) -> int:
         self.reserved.append(request_id)
         return 0
 

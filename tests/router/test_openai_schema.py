@@ -70,8 +70,7 @@ def test_n_is_the_samples_asked_for() -> None:
 
 @pytest.mark.parametrize("body,param", [
     ({"prompt": ["a", "b"]}, "prompt"),
-    ({"prompt": "a", "logprobs": 1}, "logprobs"),
-    ({"prompt": "a", "echo": True}, "echo"),
+    ({"prompt": "a", "top_logprobs": 1}, "top_logprobs"),
     ({"prompt": "a", "best_of": 2}, "best_of"),
     ({"prompt": "a", "min_tokens": 4}, "min_tokens"),
     ({"prompt": "a", "presence_penalty": 0.5}, "presence_penalty"),
@@ -164,3 +163,21 @@ def test_a_converted_gguf_is_served_under_its_own_name_not_its_cache_key(
     lookalike = tmp_path / f"mine-{key}"
     lookalike.mkdir()
     assert served_model_name(str(lookalike)) == lookalike.name
+
+
+def test_logprobs_parameters_become_sampling_fields() -> None:
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    params = ChatCompletionRequest.model_validate({**chat, "logprobs": True, "top_logprobs": 2}
+                                                  ).to_input("x").params
+    assert (params.logprobs, params.prompt_logprobs) == (2, None)
+    assert ChatCompletionRequest.model_validate({**chat, "logprobs": True}
+                                                ).to_input("x").params.logprobs == 0
+    assert ChatCompletionRequest.model_validate(chat).to_input("x").params.logprobs is None
+    with pytest.raises(InvalidArgument) as exc:  # echo is the text completion's
+        ChatCompletionRequest.model_validate({**chat, "echo": True}).to_input("x")
+    assert exc.value.field == "echo"
+    echoed = CompletionRequest.model_validate({"prompt": "a", "logprobs": 1, "echo": True})
+    params = echoed.to_input("c").params
+    assert (params.logprobs, params.prompt_logprobs) == (1, 1)
+    plain = CompletionRequest.model_validate({"prompt": "a", "echo": True}).to_input("c")
+    assert (plain.params.logprobs, plain.params.prompt_logprobs) == (None, None)

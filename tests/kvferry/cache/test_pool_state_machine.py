@@ -454,7 +454,8 @@ class PoolMachine(RuleBasedStateMachine):
                 finished.append(seq)
                 leg.may_end = True
         had_waiters = engine.blocks.num_waiting > 0
-        steps._deliver(batch, [[t] for t in tokens], finished, steps.num_steps)
+        steps._deliver(batch, [[t] for t in tokens], [[] for _ in tokens], finished,
+                       steps.num_steps)
         for seq in finished:
             if not had_waiters:
                 self._check_indexed(self.legs[seq.request_id], seq.next_position)
