@@ -150,11 +150,13 @@ class DecodeEngine:
     # ---- reservations ----------------------------------------------------------------------
     async def reserve(self, request_id: str, num_prompt_tokens: int, max_tokens: int,
                       lease_s: float, prompt_token_ids: list[int] | None = None,
-                      cache_salt: str = "", num_samples: int = 1) -> Reservation:
+                      cache_salt: str = "", num_samples: int = 1,
+                      shares_cache: bool = True) -> Reservation:
         """Allocate the prompt's blocks (and the first decode slot), waiting in a bounded FIFO
         queue while the pool is full. Given the prompt's tokens, its leading full blocks
         found in the prefix cache are shared instead (no push carries them). With several
-        samples, one spare block more for each further sample (decode_worker/samples.py)."""
+        samples, one spare block more for each further sample (decode_worker/samples.py).
+        Not `shares_cache`: nothing is looked up (its prompt is computed whole)."""
         if self.is_draining:
             raise Unavailable("draining: this worker is shutting down")
         check_reservation(request_id, num_prompt_tokens, max_tokens, lease_s, self._seqs,
@@ -165,7 +167,8 @@ class DecodeEngine:
         # worker that pushes its kept pages): its blocks are not the cached prefix's.
         evicts = budget is not None and num_prompt_tokens + 1 > budget * self.pool.block_size
         hit = await self.prefix_cache.acquire(
-            [] if evicts else prompt, num_prompt_tokens, cache_salt, self.blocks,
+            [] if evicts or not shares_cache else prompt, num_prompt_tokens, cache_salt,
+            self.blocks,
             blocks_for_tokens(num_prompt_tokens + 1, self.pool.block_size) + num_samples - 1)
         blocks, num_cached = hit.block_ids, hit.num_cached_blocks
         spares = blocks[len(blocks) - (num_samples - 1):] if num_samples > 1 else []
@@ -269,6 +272,9 @@ class DecodeEngine:
                 "max_new_tokens",
             )
         params.validate(vocab)
+        if params.has_penalties and len(seq.prompt_token_ids) != seq.num_prompt_tokens:
+            raise InvalidArgument("sampling: penalties read the prompt, which the reservation "
+                                  "was not given", "prompt_token_ids")
         seq.params = params
         seq.max_new_tokens = max_new_tokens
         seq.stop_token_ids = frozenset(stop_token_ids)

@@ -18,6 +18,7 @@ from kvferry.cache.pool import KvPool
 from kvferry.cache.prefix import NO_TIER_TOKENS, TierTokens
 from kvferry.errors import InvalidArgument, NotFound, ResourceExhausted
 from kvferry.model.logprobs import TokenLogprob
+from kvferry.model.penalties import History
 from kvferry.model.sampling import FinishReason, SamplingParams
 
 
@@ -116,6 +117,13 @@ class DecodeSeq:
         if lease_s is not None:
             self.lease_s = lease_s
         self.lease_deadline = time.monotonic() + self.lease_s
+
+    def history(self) -> History:
+        """What its penalties read: the request's prompt, and every token it produced (after
+        a migration, the context's tail holds the earlier legs' outputs)."""
+        start = self.num_prompt_tokens - self.output_offset
+        return History(self.prompt_token_ids[:start],
+                       self.prompt_token_ids[start:] + self.tokens)
 
     @property
     def next_position(self) -> int:

@@ -67,7 +67,7 @@ class DecodeServicer(WorkerServicer[DecodeEngine], worker_pb2_grpc.DecodeService
             granted = await self.engine.reserve(
                 request.request_id, request.num_prompt_tokens, request.max_tokens,
                 request.lease_s, list(request.prompt_token_ids), request.cache_salt,
-                max(request.num_samples, 1),
+                max(request.num_samples, 1), not request.computes_whole_prompt,
             )
         except Exception as exc:
             await grpc_util.abort_with(context, exc, request.request_id)

@@ -83,7 +83,9 @@ class StepRows:
         else:
             params = [s.params or SamplingParams() for s in self.batch]  # attached: never None
             indices = [s.output_offset + len(s.tokens) for s in self.batch]
-            tokens = [[token] for token in sample_tokens(logits, params, indices)]
+            histories = [s.history() if p.has_penalties else None
+                         for s, p in zip(self.batch, params)]
+            tokens = [[token] for token in sample_tokens(logits, params, indices, histories)]
         return Kept(tokens, self._logprobs(logits, tokens))
 
     def _logprobs(self, logits: torch.Tensor, tokens: list[list[int]]
@@ -124,7 +126,8 @@ def accept(logits: torch.Tensor, batch: Sequence[DecodeSeq], drafts: Sequence[li
         rows = logits[row: row + len(seq_drafts) + 1]
         row += len(seq_drafts) + 1
         params = seq.params or SamplingParams()  # attached: never None
-        tokens = verify(rows, seq_drafts, params, seq.output_offset + len(seq.tokens)).token_ids
+        tokens = verify(rows, seq_drafts, params, seq.output_offset + len(seq.tokens),
+                        seq.history() if params.has_penalties else None).token_ids
         tokens = tokens[:max(1, seq.tokens_left)]
         for i, token in enumerate(tokens):
             if token in seq.stop_token_ids:

@@ -244,7 +244,8 @@ def chat_prompt_ids(messages: tuple[ChatMessage, ...], tokenizer: object) -> lis
                               "token_ids", "input.messages")
     from jinja2 import TemplateError
 
-    conversation = [{"role": m.role, "content": m.content} for m in messages]
+    conversation = [{"role": "system" if m.role == "developer" else m.role,
+                     "content": m.content} for m in messages]
     try:
         ids = tokenizer.apply_chat_template(  # type: ignore[attr-defined]
             conversation, add_generation_prompt=True, tokenize=True, return_dict=False)

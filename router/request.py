@@ -14,7 +14,8 @@ from kvferry.model.sampling import SamplingParams
 from router.workers.prefill_client import PrefillCall
 from router.workers.worker import Worker
 
-CHAT_ROLES = ("system", "user", "assistant")
+# "developer": newer OpenAI clients' name for the system's instructions, rendered as "system"
+CHAT_ROLES = ("system", "developer", "user", "assistant")
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from kvferry.cache.pool import KvPool
 from kvferry.faults import Faults
 from kvferry.model.executor import run_to_completion
 from kvferry.model.logprobs import TokenLogprob, logprobs_of
+from kvferry.model.penalties import History
 from kvferry.model.sampling import SamplingParams, sample_tokens
 from kvferry.model.transformer import Transformer
 from kvferry.settings import (
@@ -115,6 +116,12 @@ class PrefillJob:
     # prompt_logprobs: those of prompt[1:] (each chunk's as its forward ends).
     first_logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    def history(self) -> History:
+        """What its first token's penalties read: the request's prompt, and (after a
+        migration) the outputs at the prompt's tail."""
+        start = len(self.prompt) - self.output_index
+        return History(self.prompt[:start], self.prompt[start:])
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -307,7 +314,9 @@ class PrefillBatcher:
         rows = [(i, s) for i in done for s in range(items[i].job.num_samples)]
         tokens = sample_tokens(logits[[i for i, _ in rows]],
                                [items[i].job.params.for_sample(s) for i, s in rows],
-                               [items[i].job.output_index for i, _ in rows])
+                               [items[i].job.output_index for i, _ in rows],
+                               [items[i].job.history() if items[i].job.params.has_penalties
+                                else None for i, _ in rows])
         result: list[list[int] | None] = [None] * len(items)
         for (i, _), token in zip(rows, tokens):
             result[i] = [*(result[i] or []), token]

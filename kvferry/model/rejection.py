@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import torch
 
+from kvferry.model.penalties import History
 from kvferry.model.sampling import SamplingParams, draw, target_probs
 
 
@@ -27,20 +28,30 @@ class Verdict(NamedTuple):
 
 
 def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams,
-           output_index: int) -> Verdict:
+           output_index: int, history: History | None = None) -> Verdict:
     """`logits` [k + 1, V]: row j is the target's prediction after the context and the first
     j drafts (row 0 after the context alone). `output_index`: how many tokens the request
     produced before row 0's. The caller cuts the tokens at a stop token or max_tokens, and
-    rolls back the K/V of positions past the last token kept."""
+    rolls back the K/V of positions past the last token kept. `history`: what the
+    request's penalties read before row 0 (row j's adds the first j drafts)."""
     if logits.shape[0] != len(drafts) + 1:
         raise ValueError(f"{logits.shape[0]} rows of logits for {len(drafts)} drafts")
-    greedy = logits.argmax(dim=-1).tolist() if params.is_greedy else None
+    greedy = (logits.argmax(dim=-1).tolist()
+              if params.is_greedy and not params.has_penalties else None)
     tokens: list[int] = []
     for j in range(len(drafts) + 1):
+        row = logits[j]
+        if params.has_penalties and history is not None:
+            history_j = History(history.prompt, history.output + drafts[:j])
+            row = params.penalized(row, history_j)
+        elif params.has_penalties:
+            row = params.penalized(row, None)  # raises: penalties read a history
         if greedy is not None:
             token = greedy[j]
+        elif params.is_greedy:
+            token = int(row.argmax().item())
         else:
-            token = draw(target_probs(logits[j], params), params, output_index + j)
+            token = draw(target_probs(row, params), params, output_index + j)
         tokens.append(token)
         if j == len(drafts) or token != drafts[j]:
             break

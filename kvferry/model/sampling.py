@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -17,6 +18,7 @@ import torch
 
 from kvferry.errors import InvalidArgument
 from kvferry.model.logprobs import MAX_LOGPROBS
+from kvferry.model.penalties import MAX_BIAS, MAX_PENALTY, History, penalize
 from kvferry.settings.sampling import DEFAULT_TEMPERATURE
 
 DEFAULT_MAX_TOKENS = 256
@@ -52,6 +54,26 @@ class SamplingParams:
     # prompt's tokens (the first has none).
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # Penalties and biases on the logits sampled from (kvferry/model/penalties.py)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
+                    or self.repetition_penalty != 1.0)
+
+    def penalized(self, logits: torch.Tensor, history: History | None) -> torch.Tensor:
+        """Row `logits` [V] as this request's penalties and biases leave it (`history`: what
+        they read; needed when it has any)."""
+        if not self.has_penalties:
+            return logits
+        if history is None:
+            raise ValueError("penalties need the row's history")
+        return penalize(logits, history, self.presence_penalty, self.frequency_penalty,
+                        self.repetition_penalty, self.logit_bias)
 
     @property
     def is_greedy(self) -> bool:
@@ -100,6 +122,7 @@ class SamplingParams:
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
                 raise InvalidArgument(f"sampling.{name} must be in [0, {MAX_LOGPROBS}], got "
                                       f"{value}", f"sampling.{name}")
+        self._validate_penalties(vocab_size)
         if self.seed is not None and self.seed + self.n > MAX_SEED:
             raise InvalidArgument(
                 f"sampling.seed: sample i uses seed + i, so seed + n must be at most 2^63 "
@@ -116,6 +139,25 @@ class SamplingParams:
                 )
         if any(s == "" for s in self.stop):
             raise InvalidArgument("sampling.stop: stop strings must be non-empty", "sampling.stop")
+
+
+    def _validate_penalties(self, vocab_size: int) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and -MAX_PENALTY <= value <= MAX_PENALTY):
+                raise InvalidArgument(f"sampling.{name} must be in [-{MAX_PENALTY:g}, "
+                                      f"{MAX_PENALTY:g}], got {value}", f"sampling.{name}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise InvalidArgument(f"sampling.repetition_penalty must be finite and > 0, got "
+                                  f"{self.repetition_penalty}", "sampling.repetition_penalty")
+        for token_id, bias in self.logit_bias:
+            if not 0 <= token_id < vocab_size:
+                raise InvalidArgument(f"sampling.logit_bias: token {token_id} is outside "
+                                      f"[0, {vocab_size})", "sampling.logit_bias")
+            if not (math.isfinite(bias) and -MAX_BIAS <= bias <= MAX_BIAS):
+                raise InvalidArgument(f"sampling.logit_bias: the bias of token {token_id} "
+                                      f"must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got {bias}",
+                                      "sampling.logit_bias")
 
 
 def _generator_for(seed: int | None, output_index: int) -> torch.Generator:
@@ -163,13 +205,21 @@ def sample_tokens(
     logits: torch.Tensor,  # [B, V]
     params: list[SamplingParams],
     output_indices: list[int],
+    histories: Sequence[History | None] | None = None,
 ) -> list[int]:
-    """One token per row; `output_indices[i]` is how many tokens row i's request produced."""
+    """One token per row; `output_indices[i]` is how many tokens row i's request produced;
+    `histories[i]`, what its penalties read (where its request has any)."""
     greedy = logits.argmax(dim=-1).tolist()
-    return [
-        greedy[i] if p.is_greedy else _sample_row(logits[i], p, output_indices[i])
-        for i, p in enumerate(params)
-    ]
+    tokens = []
+    for i, p in enumerate(params):
+        if p.has_penalties:
+            row = p.penalized(logits[i], histories[i] if histories is not None else None)
+            tokens.append(int(row.argmax().item()) if p.is_greedy
+                          else _sample_row(row, p, output_indices[i]))
+        else:
+            tokens.append(greedy[i] if p.is_greedy
+                          else _sample_row(logits[i], p, output_indices[i]))
+    return tokens
 
 
 def validate_prompt(prompt: list[int], vocab_size: int, context: int) -> None:

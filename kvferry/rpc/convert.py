@@ -32,6 +32,10 @@ def sampling_from_proto(msg: generation_pb2.SamplingParams,
         kv_eviction=msg.kv_eviction,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
+        presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=(msg.repetition_penalty if msg.HasField("repetition_penalty")
+                            else 1.0),
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
     )
 
 
@@ -40,8 +44,11 @@ def sampling_to_proto(params: SamplingParams) -> generation_pb2.SamplingParams:
         temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
         max_tokens=params.max_tokens, stop=list(params.stop),
         stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
-        kv_eviction=params.kv_eviction,
+        kv_eviction=params.kv_eviction, presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty, logit_bias=dict(params.logit_bias),
     )
+    if params.repetition_penalty != 1.0:
+        msg.repetition_penalty = params.repetition_penalty
     if params.seed is not None:
         msg.seed = params.seed
     if params.logprobs is not None:

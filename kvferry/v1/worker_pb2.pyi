@@ -112,7 +112,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., done: _Optional[_Union[PrefillDone, _Mapping]] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "num_prompt_tokens", "max_tokens", "lease_s", "prompt_token_ids", "cache_salt", "num_samples")
+    __slots__ = ("request_id", "num_prompt_tokens", "max_tokens", "lease_s", "prompt_token_ids", "cache_salt", "num_samples", "computes_whole_prompt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -120,6 +120,7 @@ class ReserveRequest(_message.Message):
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    COMPUTES_WHOLE_PROMPT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_prompt_tokens: int
     max_tokens: int
@@ -127,7 +128,8 @@ class ReserveRequest(_message.Message):
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     cache_salt: str
     num_samples: int
-    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., lease_s: _Optional[float] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., num_samples: _Optional[int] = ...) -> None: ...
+    computes_whole_prompt: bool
+    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., lease_s: _Optional[float] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., num_samples: _Optional[int] = ..., computes_whole_prompt: _Optional[bool] = ...) -> None: ...
 
 class RenewLeasesRequest(_message.Message):
     __slots__ = ("request_ids", "lease_s")

@@ -29,8 +29,7 @@ from router.request import ChatMessage, GenerateInput
 # Parameters refused unless neutral (absent, null, false, 0, empty, or the value listed).
 UNSERVED: dict[str, object] = {
     "echo": None, "top_logprobs": None, "suffix": None, "best_of": 1,
-    "presence_penalty": None, "frequency_penalty": None, "repetition_penalty": 1,
-    "logit_bias": None, "min_tokens": None, "tools": None, "functions": None,
+    "min_tokens": None, "tools": None, "functions": None,
     "response_format": {"type": "text"},
 }
 
@@ -76,6 +75,10 @@ class OpenAIRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     cache_salt: str | None = None  # prefix-cache namespace (kvferry/cache/prefix.py)
     return_token_ids: bool = False  # each choice also carries its `token_ids`
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's extra
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> added to its logit
     kv_eviction: str = ""  # "none": every token of this request kept (sampling.kv_eviction)
 
     @property
@@ -106,6 +109,17 @@ class OpenAIRequest(BaseModel):
         """SamplingParams' (logprobs, prompt_logprobs) as this endpoint's parameters ask."""
         return None, None
 
+    def _logit_bias(self) -> tuple[tuple[int, float], ...]:
+        """`logit_bias` with its keys as token ids (JSON keys are strings)."""
+        bias = []
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                bias.append((int(key), float(value)))
+            except ValueError:
+                raise InvalidArgument(f"logit_bias: keys are token ids, got {key!r}",
+                                      "logit_bias") from None
+        return tuple(sorted(bias))
+
     def _sampling(self, defaults: SamplingDefaults) -> tuple[SamplingParams, bool]:
         """The sampling parameters (unset: the model's `defaults`), and whether max_tokens
         was given."""
@@ -119,6 +133,11 @@ class OpenAIRequest(BaseModel):
             seed=self.seed, stop=stop, stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos, n=self.n, kv_eviction=self.kv_eviction,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=(1.0 if self.repetition_penalty is None
+                                else self.repetition_penalty),
+            logit_bias=self._logit_bias(),
             **({} if max_tokens is None else {"max_tokens": max_tokens}),
         )
         return params, max_tokens is not None

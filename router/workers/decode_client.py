@@ -103,12 +103,12 @@ class DecodeClient(WorkerClient):
                       num_samples: int = 1, shares_cache: bool = True) -> int:
         """Reserve blocks for the prompt (and its samples); returns how many leading prompt
         blocks the worker's prefix cache shared into the reservation (none unless
-        `shares_cache`: the prompt's ids are not sent then)."""
+        `shares_cache`)."""
         request = worker_pb2.ReserveRequest(
             request_id=request_id, num_prompt_tokens=len(prompt_token_ids),
-            max_tokens=max_tokens, lease_s=lease_s,
-            prompt_token_ids=prompt_token_ids if shares_cache else [],
-            cache_salt=cache_salt, num_samples=num_samples)
+            max_tokens=max_tokens, lease_s=lease_s, prompt_token_ids=prompt_token_ids,
+            cache_salt=cache_salt, num_samples=num_samples,
+            computes_whole_prompt=not shares_cache)
         with grpc_util.translated():
             response = await self._stub.Reserve(request, timeout=timeout_s)
         return response.num_cached_blocks

@@ -73,7 +73,7 @@ def test_n_is_the_samples_asked_for() -> None:
     ({"prompt": "a", "top_logprobs": 1}, "top_logprobs"),
     ({"prompt": "a", "best_of": 2}, "best_of"),
     ({"prompt": "a", "min_tokens": 4}, "min_tokens"),
-    ({"prompt": "a", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "a", "suffix": "b"}, "suffix"),
 ])
 def test_what_is_not_served_is_refused_by_name(body: dict, param: str) -> None:
     with pytest.raises(InvalidArgument) as exc:
@@ -119,10 +119,11 @@ def _status_and_error(exc: BaseException, body=None) -> tuple[int, dict]:
 def test_failures_become_openai_error_objects() -> None:
     body = ChatCompletionRequest.model_validate({"messages": USER})
     status, error = _status_and_error(InvalidArgument(
-        "input.messages[1].role: 'x' is not one of system, user, assistant",
+        "input.messages[1].role: 'x' is not one of system, developer, user, assistant",
         "input.messages[1].role"), body)
     assert status == 400
-    assert error == {"message": "messages[1].role: 'x' is not one of system, user, assistant",
+    assert error == {"message": "messages[1].role: 'x' is not one of system, developer, user, "
+                                "assistant",
                      "type": "invalid_request_error", "param": "messages[1].role",
                      "code": "invalid_argument"}
     status, error = _status_and_error(NotFound("model: 'x' is not served", "model"), body)
@@ -181,3 +182,14 @@ def test_logprobs_parameters_become_sampling_fields() -> None:
     assert (params.logprobs, params.prompt_logprobs) == (1, 1)
     plain = CompletionRequest.model_validate({"prompt": "a", "echo": True}).to_input("c")
     assert (plain.params.logprobs, plain.params.prompt_logprobs) == (None, None)
+
+
+def test_penalties_and_biases_become_sampling_fields() -> None:
+    params = CompletionRequest.model_validate({
+        "prompt": "a", "presence_penalty": 0.5, "frequency_penalty": -0.25,
+        "repetition_penalty": 1.2, "logit_bias": {"7": 5, "3": -100}}).to_input("c").params
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty,
+            params.logit_bias) == (0.5, -0.25, 1.2, ((3, -100.0), (7, 5.0)))
+    with pytest.raises(InvalidArgument) as exc:
+        CompletionRequest.model_validate({"prompt": "a", "logit_bias": {"x": 1}}).to_input("c")
+    assert exc.value.field == "logit_bias"

@@ -61,7 +61,7 @@ def test_unexpected_exceptions_say_nothing_of_themselves() -> None:
 
 
 @pytest.mark.parametrize("message", [
-    "input.messages[1].role: 'narrator' is not one of system, user, assistant",
+    "input.messages[1].role: 'narrator' is not one of system, developer, user, assistant",
     "sampling.stop[12]: too long", "prompt 12 + max_tokens 5 exceeds the context of 4096",
 ])
 def test_field_names_and_numbers_survive(message: str) -> None:
