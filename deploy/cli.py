@@ -131,16 +131,39 @@ def _serve(args: argparse.Namespace) -> int:
         return _serve_with(args, store_url)
 
 
-def _starting_line(deployment) -> str:
-    """What serve says at once, so that the model loading that follows is not silence."""
+def _generate(args: argparse.Namespace) -> int:
+    """`kvferry generate`: one completion streamed from a running deployment."""
+    if args.prompt in (None, "-") and args.chat is None:
+        args.prompt = _piped_prompt()  # `echo hi | kvferry generate`, or PROMPT "-"
+    if (args.prompt is None) == (args.chat is None):
+        print("generate: give exactly one of PROMPT and --chat", file=sys.stderr)
+        return 2
+    if "://" in args.address:
+        print(f"kvferry: generate: --address takes the router's gRPC HOST:PORT (e.g. "
+              f"127.0.0.1:50051), not a URL: {args.address}", file=sys.stderr)
+        return 2
+    return asyncio.run(_print_stream(args.address, args.prompt, _sampling_kwargs(args),
+                                     public_client_credentials(args), chat=args.chat))
+
+
+def _piped_prompt() -> str | None:
+    """The prompt from stdin when it is a pipe or a file (None: a terminal, or nothing)."""
+    try:
+        return None if sys.stdin.isatty() else (sys.stdin.read() or None)
+    except (OSError, ValueError):  # no readable stdin (closed, or captured)
+        return None
+
+
+def _starting_line(deployment, served_name: str | None = None) -> str:
+    """What serve says at once, so that the model loading that follows is not silence: the
+    model under the name the API serves it as (--served-model-name)."""
     from router.http.schema import served_model_name
 
     workers = (f"{deployment.num_decode} colocated worker(s)" if deployment.is_colocated else
                f"{deployment.num_prefill} prefill + {deployment.num_decode} decode worker(s)")
-    return (f"kvferry: starting {workers} and a router for "
-            f"{served_model_name(deployment.model or ensure_default_model())}; each loads "
-            "the model first (Ctrl-C "
-            "stops)")
+    name = served_model_name(deployment.model or ensure_default_model(), served_name)
+    return (f"kvferry: starting {workers} and a router for {name}; each loads the model "
+            "first (Ctrl-C stops)")
 
 
 def _serve_planner(args: argparse.Namespace):
@@ -167,7 +190,7 @@ def _serve_with(args: argparse.Namespace, store_url: str | None) -> int:
         print(f"kvferry: serve: {exc}", file=sys.stderr)
         return 2
     deployment = _deployment(args, store_url)
-    print(_starting_line(deployment), file=sys.stderr, flush=True)
+    print(_starting_line(deployment, args.served_model_name), file=sys.stderr, flush=True)
     deployment.start()
     print(f"kvferry serving on {deployment.router_address} (Ctrl-C to stop)", flush=True)
     print(_http_line(deployment, args), flush=True)
@@ -310,11 +333,7 @@ def _main(argv: list[str] | None) -> int:
     if args.command == "serve":
         return _serve(args)
     if args.command == "generate":
-        if (args.prompt is None) == (args.chat is None):
-            print("generate: give exactly one of PROMPT and --chat", file=sys.stderr)
-            return 2
-        return asyncio.run(_print_stream(args.address, args.prompt, _sampling_kwargs(args),
-                                         public_client_credentials(args), chat=args.chat))
+        return _generate(args)
     if args.command == "chat":
         from deploy.chat import run_chat
 

@@ -35,7 +35,8 @@ def _client_args(p: argparse.ArgumentParser) -> None:
 def add_client_commands(sub: argparse._SubParsersAction) -> None:
     """`generate` and `chat`."""
     p = sub.add_parser("generate", help="stream one completion from a running deployment")
-    p.add_argument("prompt", nargs="?", default=None, help="prompt text (or give --chat)")
+    p.add_argument("prompt", nargs="?", default=None,
+                   help="prompt text (or give --chat); '-' or none with a pipe: read stdin")
     p.add_argument("--chat", default=None, metavar="MESSAGE",
                    help="send MESSAGE as one user chat message (the model's chat template "
                         "applies) instead of a prompt")

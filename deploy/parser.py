@@ -45,8 +45,9 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
+        is_switch = isinstance(action, argparse._StoreConstAction)  # store_true/false
         if (action.option_strings and not _has_no_default(action.default)
-                and "default" not in text):
+                and not is_switch and "default" not in text):
             text += (" " if text else "") + "(default: %(default)s)"
         return text
 

@@ -57,7 +57,8 @@ class CorePlan(NamedTuple):
         if not self.is_pinned:
             return f"placement: not pinned ({self.num_workers} workers, {self.num_cores} cores)"
         parts = [f"{name} on {cpu_list(cores)}" for name, cores in self.cores.items()]
-        return "placement: " + ", ".join(parts) + " (--pin-cores off: let the kernel place)"
+        return ("placement: " + ", ".join(parts)
+                + " (pinned; --pin-cores off lets the kernel place them)")
 
 
 def plan_cores(workers: Sequence[str], cpus: Sequence[int]) -> CorePlan:

@@ -8,6 +8,8 @@ clients no more than the status of a worker's failure."""
 
 from __future__ import annotations
 
+import re
+
 
 class KvferryError(Exception):
     """Base class. `field` names the offending input field when there is one."""
@@ -77,3 +79,14 @@ class Remote(KvferryError):
         super().__init__(message)
         self.code = code
         self.remote_code = code
+
+
+def missing_model(path: object) -> str:
+    """Why a --model path that does not exist is refused: said plainly, and for what looks
+    like a Hugging Face id (`org/name`), that nothing is downloaded."""
+    text = str(path)
+    message = f"model: {text} does not exist"
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", text) and not text.startswith((".", "/")):
+        message += (" (it looks like a Hugging Face id: kvferry downloads nothing; give a "
+                    "local checkpoint directory or GGUF file, or no --model for the default)")
+    return message

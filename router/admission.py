@@ -26,6 +26,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -33,7 +34,7 @@ from kvferry.cache.budget import KvBudget
 from kvferry.cache.prefix import MAX_CACHE_SALT_BYTES
 from kvferry.errors import InvalidArgument
 from kvferry.model.config import ModelConfig
-from kvferry.model.sampling import DEFAULT_MAX_TOKENS, SamplingParams
+from kvferry.model.sampling import SamplingParams
 from kvferry.settings.limits import PublicLimits
 from router.identity import Caller, tenant_salt
 from router.request import CHAT_ROLES, Admitted, ChatMessage, GenerateInput
@@ -46,9 +47,12 @@ NORMALIZE_SHRINK = 4  # input bytes per normalized byte, at most
 
 class Admission:
     def __init__(self, config: ModelConfig, tokenizer: object, limits: PublicLimits,
-                 kv_budget: KvBudget) -> None:
+                 kv_budget: KvBudget, max_model_len: Callable[[], int] | None = None) -> None:
         self.config, self.tokenizer, self.limits = config, tokenizer, limits
         self.kv_budget = kv_budget
+        # the longest prompt + completion now (the context, or less: the largest decode
+        # pool), which an unset max_tokens is clamped to
+        self.max_model_len = max_model_len or (lambda: config.max_position_embeddings)
         self.prompt_bounds = PromptBounds.of(tokenizer)  # sizes refused before tokenizing
         # Tokenization and chat templates run here, one at a time, off the event loop.
         self._tokenize = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
@@ -73,7 +77,7 @@ class Admission:
                     self._tokenize, prompt_ids, inp, config, self.tokenizer)
         stops = tuple(stop_ids(inp.params, config))
         params = resolve_sampling(inp, config, len(prompt), self.limits,
-                                  self.kv_budget.is_bounded)
+                                  self.kv_budget.is_bounded, self.max_model_len())
         return Admitted(inp.request_id, prompt, params, stops, received, deadline,
                         tenant_salt(caller.tenant, inp.cache_salt))
 
@@ -257,11 +261,14 @@ def chat_prompt_ids(messages: tuple[ChatMessage, ...], tokenizer: object) -> lis
 
 # ---- 3. sampling and stop ids ---------------------------------------------------------------
 def resolve_sampling(inp: GenerateInput, config: ModelConfig, num_prompt: int,
-                     limits: PublicLimits | None = None, is_generation_bounded: bool = False
-                     ) -> SamplingParams:
-    """Validated sampling parameters; an unset max_tokens becomes min(256, context left).
-    `is_generation_bounded` (the decode workers evict K/V): max_tokens may pass the context
-    (unset, 256)."""
+                     limits: PublicLimits | None = None, is_generation_bounded: bool = False,
+                     max_model_len: int | None = None) -> SamplingParams:
+    """Validated sampling parameters; an unset max_tokens becomes min(the front's default,
+    context left): the default is `params.max_tokens` (256, or 16 on /v1/completions, as
+    OpenAI's). `is_generation_bounded` (the decode workers evict K/V): max_tokens may pass
+    the context (unset, the default). `max_model_len`: the limit in force when less than
+    the context (the largest decode pool), which clamps an unset max_tokens too, as vLLM
+    clamps to its max_model_len."""
     params = inp.params
     if params.kv_eviction == "none":  # this request keeps every token: the context bounds it
         is_generation_bounded = False
@@ -272,8 +279,10 @@ def resolve_sampling(inp: GenerateInput, config: ModelConfig, num_prompt: int,
             f"{config.max_position_embeddings}", "input",
         )
     if not inp.is_max_tokens_set:
+        left = min(room, (max_model_len or room + num_prompt) - num_prompt)
         params = dataclasses.replace(params, max_tokens=(
-            DEFAULT_MAX_TOKENS if is_generation_bounded else min(DEFAULT_MAX_TOKENS, room)))
+            params.max_tokens if is_generation_bounded else min(params.max_tokens,
+                                                                left if left > 0 else room)))
     params.validate(config.vocab_size)
     most = (limits or PublicLimits()).max_samples
     if params.n > most:

@@ -142,6 +142,11 @@ class Downstream:
                 raise  # no worker answered: its last report stands
             self.check_fits(num_prompt, max_tokens, num_samples, keeps_all)
 
+    def pool_capacity(self) -> int | None:
+        """Tokens the largest healthy decode pool holds whole (None: none reported yet)."""
+        pools = self._pools()
+        return max(blocks * size for blocks, size in pools) if pools else None
+
     def _pools(self) -> list[tuple[int, int]]:
         """(blocks, block size) of every healthy decode pool that reported its size."""
         return [(w.total_blocks, w.layout.block_size)

@@ -61,7 +61,8 @@ class Router:
         self.kv_budget = kv_budget or KvBudget()
         self.tokenizer = tokenizer
         self.limits = limits or PublicLimits()
-        self.admission = Admission(config, tokenizer, self.limits, self.kv_budget)
+        self.admission = Admission(config, tokenizer, self.limits, self.kv_budget,
+                                   self.max_model_len)
         self.is_prompt_tokens_details = is_prompt_tokens_details
         self.instance_id = uuid.uuid4().hex[:12]
         self.open = OpenRequests(self.limits.max_streams)
@@ -71,6 +72,16 @@ class Router:
         self.downstream = Downstream(workers, policy, lease_s, admission_timeout_s,
                                      self.kv_budget, local_prefill, max_migrations)
         self.prefill = PrefillLeg(workers, policy, local_prefill)
+
+    def max_model_len(self) -> int:
+        """The longest prompt + completion a request may have now: the model's context, or
+        less where the largest decode worker's K/V pool holds less (without K/V eviction):
+        what /v1/models and GetModelInfo report, and an unset max_tokens is clamped to."""
+        context = self.config.max_position_embeddings
+        if self.kv_budget.is_bounded:
+            return context
+        capacity = self.downstream.pool_capacity()
+        return context if capacity is None else min(context, capacity)
 
     # ---- the request ---------------------------------------------------------------------
     async def generate(self, inp: GenerateInput, timeout_s: float | None,
@@ -102,7 +113,8 @@ class Router:
                     event = event._replace(cached_prompt_tokens=state.num_cached_tokens,
                                            cached_by_tier=state.cached_by_tier,
                                            kv_bytes_not_shipped=state.kv_bytes_not_shipped,
-                                           kv_bytes_shipped=state.kv_bytes_shipped)
+                                           kv_bytes_shipped=state.kv_bytes_shipped,
+                                           details=True)
                 yield event
                 if (tracer := trace.get()) and isinstance(event, ChunkEvent) and event.token_ids:
                     tracer.event("relay", id=request_id, down=state.request_id,

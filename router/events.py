@@ -42,6 +42,9 @@ class DoneEvent(NamedTuple):
     num_draft_tokens: int = 0  # speculation: drafts verified (on the decode worker it ended on)
     num_accepted_tokens: int = 0  # of those, accepted
     sample_index: int = 0  # parallel sampling: the sample that ended (one DoneEvent each)
+    # the cache and transfer figures above are reported (--enable-prompt-tokens-details):
+    # else they are unknown, and the APIs leave them out
+    details: bool = False
 
 
 @dataclass(slots=True)

@@ -51,6 +51,16 @@ def _input(request: generation_pb2.GenerateRequest,
     )
 
 
+def _cache_details(event: DoneEvent) -> dict[str, int]:
+    """Usage's cache and transfer figures where they are reported (else left unset: unknown,
+    not 0)."""
+    if not event.details:
+        return {}
+    return {"cached_prompt_tokens": event.cached_prompt_tokens,
+            "kv_bytes_not_shipped": event.kv_bytes_not_shipped,
+            "kv_bytes_shipped": event.kv_bytes_shipped}
+
+
 def _done_to_proto(request_id: str, event: DoneEvent) -> generation_pb2.GenerateResponse:
     t = event.timing
     return generation_pb2.GenerateResponse(
@@ -59,9 +69,7 @@ def _done_to_proto(request_id: str, event: DoneEvent) -> generation_pb2.Generate
             reason=event.reason.value,
             usage=generation_pb2.Usage(prompt_tokens=event.prompt_tokens,
                                        completion_tokens=event.completion_tokens,
-                                       cached_prompt_tokens=event.cached_prompt_tokens,
-                                       kv_bytes_not_shipped=event.kv_bytes_not_shipped,
-                                       kv_bytes_shipped=event.kv_bytes_shipped,
+                                       **_cache_details(event),
                                        cached_host_tokens=event.cached_by_tier.host,
                                        cached_disk_tokens=event.cached_by_tier.disk,
                                        cached_store_tokens=event.cached_by_tier.store,
@@ -204,7 +212,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         layout = next((w.layout for w in self.router.workers.workers if w.layout), None)
         return generation_pb2.ModelInfo(
             architecture=cfg.architecture, vocab_size=cfg.vocab_size,
-            max_context_tokens=cfg.max_position_embeddings,
+            max_context_tokens=self.router.max_model_len(),
             eos_token_ids=list(cfg.eos_token_ids), model_fingerprint=cfg.fingerprint,
             block_size=layout.block_size if layout else 0,
             kv_dtype=layout.dtype if layout else "", model_name=self.model_name,

@@ -41,7 +41,8 @@ from deploy.loadgen.runner import (
 )
 from deploy.loadgen.targets import Endpoint, Target, open_target, parse_target
 from deploy.loadgen.workload import BenchRequest, Conversation, ConversationWorkload, Workload
-from kvferry.rpc import grpc_util
+from kvferry.rpc import security
+from kvferry.rpc.security import PLAINTEXT, Credentials
 
 if TYPE_CHECKING:
     from tqdm import tqdm
@@ -67,6 +68,7 @@ class BenchConfig:
     extra_body: dict[str, Any] = field(default_factory=dict)  # OpenAI: more body fields
     reuse_prompts: bool = False  # every rate sends the same prompts (default: fresh per rate,
     # seeded seed + rate index, so a later rate does not hit what an earlier one cached)
+    credentials: Credentials = PLAINTEXT  # gRPC targets: TLS and the router's API key
 
     def __post_init__(self) -> None:
         if self.num_requests < 1:
@@ -100,18 +102,19 @@ class BenchmarkResult:
         return list(dict.fromkeys(run.model for run in self.runs if run.model))
 
 
-async def _model_info(address: str) -> tuple[int, str]:
-    """The gRPC front's vocabulary and model name: its first call, so an unreachable one is
-    said here, in one line (Unreachable)."""
+async def _model_info(address: str, creds: Credentials) -> tuple[int, str]:
+    """The gRPC front's vocabulary and model name: its first call, so an unreachable one (or
+    one that wants a key) is said here, in one line (Unreachable)."""
     import grpc
 
     from deploy.client_errors import Unreachable, rpc_error_line
 
-    async with grpc_util.channel(address) as chan:
+    async with security.channel(address, creds) as chan:
         try:
             info = await client.model_info(chan)
         except grpc.aio.AioRpcError as exc:
-            raise Unreachable(rpc_error_line("bench", exc, address, False)) from None
+            raise Unreachable(rpc_error_line("bench", exc, address,
+                                             creds.ca is not None)) from None
     if info.vocab_size < 1:
         raise ValueError(f"{address}: GetModelInfo reports vocab_size {info.vocab_size}")
     return info.vocab_size, info.model_name or info.architecture
@@ -157,7 +160,7 @@ async def _run_rate(stub: Sender, items: Sequence[BenchRequest] | Sequence[Conve
 async def _open_sender(target: Target, endpoint: Endpoint, config: BenchConfig,
                        codec: Codec | None) -> AsyncIterator[Sender]:
     if target.backend == "grpc":
-        async with grpc_util.channel(str(endpoint.grpc_address)) as chan:
+        async with security.channel(str(endpoint.grpc_address), config.credentials) as chan:
             yield GrpcSender(client.public_stub(chan))
         return
     async with open_sender(str(endpoint.base_url), target.backend, config.served_model_name,
@@ -216,7 +219,7 @@ def _target_vocab(target: Target, endpoint: Endpoint, config: BenchConfig,
     front's GetModelInfo, else (an OpenAI server, which does not say) the tokenizer's, else
     the one of the targets before it; and the model's name where the gRPC front says it."""
     if endpoint.grpc_address is not None:
-        vocab, model = asyncio.run(_model_info(endpoint.grpc_address))
+        vocab, model = asyncio.run(_model_info(endpoint.grpc_address, config.credentials))
         return config.vocab_size or vocab, model
     if config.vocab_size:
         return config.vocab_size, ""

@@ -29,6 +29,7 @@ from deploy.loadgen.workload import (
     TokenCounter,
     Workload,
 )
+from deploy.security_args import client_tls_args, public_client_credentials
 from deploy.serve_args import placement_args
 from kvferry import trace
 from kvferry.settings import (
@@ -56,6 +57,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="OpenAI backends: the server's API root, e.g. http://HOST:PORT/v1")
     t.add_argument("--served-model-name", default=None,
                    help="OpenAI backends: the model requests name (default: GET /v1/models)")
+    t.add_argument("--api-key", default=None, metavar="KEY",
+                   help="grpc: the router's API key, sent as `authorization: Bearer KEY` "
+                        "(default: $KVFERRY_API_KEY; OpenAI backends send $OPENAI_API_KEY)")
+    client_tls_args(t)
     t.add_argument("--extra-body", default=None, metavar="JSON",
                    help="OpenAI backends: a JSON object merged into every request's body, "
                         "e.g. '{\"return_token_ids\": true}'")
@@ -181,6 +186,7 @@ def make_config(args: argparse.Namespace) -> BenchConfig:
         vocab_size=args.vocab_size, show_progress=not args.disable_tqdm,
         tokenizer=args.tokenizer, served_model_name=args.served_model_name,
         extra_body=_extra_body(args.extra_body), reuse_prompts=args.reuse_prompts,
+        credentials=public_client_credentials(args),
     )
 
 

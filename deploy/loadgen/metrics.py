@@ -45,6 +45,7 @@ class RequestRecord:
     cached_prompt_tokens: int = 0  # usage: prompt tokens the prefill worker had cached
     kv_bytes_shipped: int = 0  # usage: K/V bytes pushed to decode workers for it
     kv_bytes_not_shipped: int = 0  # usage: K/V bytes the decode worker already held
+    cache_reported: bool = False  # the server reported those three (else unknown, not 0)
     template_tokens: int = 0  # prompt tokens the server added (a chat template), not in
     # prompt_len: the --input-len a chat request asked for stays what it reports
 
@@ -133,6 +134,7 @@ class BenchmarkMetrics:
     prefix_cache_hit_rate: float  # cached / prompt tokens; 0 when no prompt token completed
     mean_kv_bytes_shipped: float
     mean_kv_bytes_not_shipped: float
+    cache_reported: bool  # some request's usage reported the cache figures: else unknown
     ttft: Stats
     tpot: Stats
     itl: Stats
@@ -203,6 +205,7 @@ def calculate_metrics(records: Sequence[RequestRecord], duration_s: float, slo: 
                                if total_input + total_template else 0.0),
         mean_kv_bytes_shipped=_mean([r.kv_bytes_shipped for r in done]),
         mean_kv_bytes_not_shipped=_mean([r.kv_bytes_not_shipped for r in done]),
+        cache_reported=any(r.cache_reported for r in done),
         ttft=Stats.of([r.ttft_s for r in done], percentiles),
         tpot=Stats.of([r.tpot_s for r in done if r.output_len > 1], percentiles),
         itl=Stats.of([gap for r in done for gap in r.itls_s], percentiles),

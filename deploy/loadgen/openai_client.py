@@ -174,7 +174,8 @@ class OpenAISender:
             output_len=int(usage.get("completion_tokens") or len(ids) or stream.num_chunks),
             start_s=start - origin_s, ttft_s=stream.ttft, itls_s=tuple(stream.itls),
             latency_s=stream.last - start, status=status, error=error, tag=request.tag,
-            cached_prompt_tokens=int(details.get("cached_tokens") or 0))
+            cached_prompt_tokens=int(details.get("cached_tokens") or 0),
+            cache_reported="cached_tokens" in details)
 
     async def _post(self, body: dict[str, Any], request_id: str, stream: StreamState,
                     clock: Clock) -> tuple[str, str]:
@@ -197,9 +198,12 @@ async def served_model(session: aiohttp.ClientSession, root: str) -> str:
 
     try:
         async with session.get(root + "/models") as response:
+            if response.status == 401:
+                raise ValueError(f"{root}/models: 401 Unauthorized: the server wants an API "
+                                 "key; set $OPENAI_API_KEY to it")
             response.raise_for_status()
             return str(json.loads(await response.read())["data"][0]["id"])
-    except (aiohttp.ClientError, ValueError, KeyError, IndexError, TypeError) as exc:
+    except (aiohttp.ClientError, KeyError, IndexError, TypeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{root}/models: cannot read the served model ({exc}); give "
                          "--served-model-name") from exc
 

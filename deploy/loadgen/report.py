@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from deploy.loadgen.bench import BenchmarkResult, RunResult
-from deploy.loadgen.metrics import METRIC_NAMES
+from deploy.loadgen.metrics import METRIC_NAMES, BenchmarkMetrics
 
 _LABELS = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2el": "E2EL"}
 
@@ -54,6 +54,7 @@ def run_to_dict(run: RunResult) -> dict[str, Any]:
         "prefix_cache_hit_rate": m.prefix_cache_hit_rate,
         "mean_kv_bytes_shipped": m.mean_kv_bytes_shipped,
         "mean_kv_bytes_not_shipped": m.mean_kv_bytes_not_shipped,
+        "cache_reported": m.cache_reported,
     }
     for name in METRIC_NAMES:
         stats = m.stats(name)
@@ -127,8 +128,8 @@ def format_run(run: RunResult) -> str:
     lines += [_row("Output token throughput (tok/s):", m.output_throughput),
               _row("Total token throughput (tok/s):", m.total_token_throughput),
               " Prefix cache ".center(50, "-"),
-              _row("Cached prompt tokens:", m.total_cached_prompt_tokens),
-              _row("Prefix cache hit rate (%):", 100 * m.prefix_cache_hit_rate),
+              _row("Cached prompt tokens:", _cached(m, m.total_cached_prompt_tokens)),
+              _row("Prefix cache hit rate (%):", _cached(m, 100 * m.prefix_cache_hit_rate)),
               _row("K/V bytes shipped per request:", _known(run, m.mean_kv_bytes_shipped)),
               _row("K/V bytes not shipped per request:",
                    _known(run, m.mean_kv_bytes_not_shipped))]
@@ -160,15 +161,23 @@ def format_comparison(result: BenchmarkResult) -> str:
             stats = m.stats(name)
             cells += [f"{stats.median_ms:.1f}", f"{stats.percentile_ms(p):.1f}"]
         shipped = _known(run, m.mean_kv_bytes_shipped / 1024)
-        cells += [f"{100 * m.prefix_cache_hit_rate:.1f}%",
+        hits = _cached(m, 100 * m.prefix_cache_hit_rate)
+        cells += [hits if isinstance(hits, str) else f"{hits:.1f}%",
                   shipped if isinstance(shipped, str) else f"{shipped:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
+def _cached(m: BenchmarkMetrics, value: float) -> float | str:
+    """A cache figure, where the server reported it (kvferry with
+    --enable-prompt-tokens-details, vLLM with its own): elsewhere it is unknown, not 0."""
+    return value if m.cache_reported else "unknown"
+
+
 def _known(run: RunResult, value: float) -> float | str:
-    """K/V bytes are reported by kvferry's gRPC front only: elsewhere they are unknown."""
-    return value if run.backend == "grpc" else "unknown"
+    """K/V bytes are reported by kvferry's gRPC front only, with its cache details:
+    elsewhere they are unknown."""
+    return value if run.backend == "grpc" and run.metrics.cache_reported else "unknown"
 
 
 def describe(result: BenchmarkResult) -> str:

@@ -127,7 +127,8 @@ async def send_one(stub: GenerateStub, request: BenchRequest, proto: generation_
         ttft_s=ttft, itls_s=tuple(itls), latency_s=last - start, status=status, error=error,
         tag=request.tag, cached_prompt_tokens=usage.cached_prompt_tokens,
         kv_bytes_shipped=usage.kv_bytes_shipped,
-        kv_bytes_not_shipped=usage.kv_bytes_not_shipped)
+        kv_bytes_not_shipped=usage.kv_bytes_not_shipped,
+        cache_reported=usage.HasField("cached_prompt_tokens"))
 
 
 @dataclass(frozen=True)

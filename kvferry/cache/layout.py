@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from kvferry.errors import missing_model
+
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
@@ -136,7 +138,7 @@ def read_hf_config(path: str | Path) -> PretrainedConfig:
 def _config_source(path: Path) -> tuple[str, dict[str, str]]:
     """What AutoConfig is given for `path`: a directory or a file, and `gguf_file` for GGUF."""
     if not path.exists():
-        raise FileNotFoundError(f"model: no such file or directory: {path}")
+        raise FileNotFoundError(f"{missing_model(path)}: no such file or directory")
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ValueError(f"model: no config.json in {path}")

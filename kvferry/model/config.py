@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvferry.errors import missing_model
 from kvferry.model.identity import checkpoint_fingerprint
 from kvferry.settings import LOAD_FORMATS, check_load_format
 from kvferry.settings.sampling import SamplingDefaults
@@ -76,6 +77,8 @@ def load_model_config(path: str | Path, override_generation_config: str | None =
     from kvferry.model.gguf import ensure_converted, is_gguf
 
     checkpoint = ensure_converted(path) if is_gguf(path) else Path(path)
+    if not checkpoint.exists():
+        raise ValueError(missing_model(path))
     if not (checkpoint / "config.json").exists():
         raise ValueError(f"model: no config.json in {checkpoint}")
     hf = AutoConfig.from_pretrained(checkpoint, local_files_only=True)

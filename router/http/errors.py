@@ -31,7 +31,8 @@ class ApiError(NamedTuple):
 
 def api_error(status: int, message: str, param: str | None, code: str | None,
               code_name: str) -> ApiError:
-    kind = ERROR_TYPES.get(status, "server_error")
+    kind = ERROR_TYPES.get(status, "invalid_request_error" if 400 <= status < 500
+                           else "server_error")
     return ApiError(status, error_json(message, kind, param, code), code_name)
 
 

@@ -43,6 +43,7 @@ from kvferry.rpc.grpc_util import PUBLIC_MAX_RECEIVE_BYTES
 from kvferry.rpc.metrics import RouterMetrics
 from kvferry.settings import SecuritySettings
 from router.engine import Router
+from router.http.batch import relay_all
 from router.http.body import BodyParser, BodyRefusal
 from router.http.conn import ConnectionLimits, bounded_protocol, fd_bounded_connections
 from router.http.errors import ApiError, api_error, failure
@@ -208,7 +209,7 @@ class HttpFront:
                                        "INVALID_ARGUMENT"))
 
     async def _models(self) -> Response:
-        return Response(model_list_json(self.model, self.router.config.max_position_embeddings),
+        return Response(model_list_json(self.model, self.router.max_model_len()),
                         media_type="application/json")
 
     async def _health(self) -> Response:
@@ -219,7 +220,11 @@ class HttpFront:
         return _response(api_error(400, message, param, "invalid_argument", "INVALID_ARGUMENT"))
 
     async def _http_error(self, request: Request, exc: HTTPException) -> Response:
-        return _response(api_error(exc.status_code, str(exc.detail), None, None, ""))
+        allowed = (exc.headers or {}).get("Allow")
+        message = f"{request.method} {request.url.path}: {exc.detail}" + (
+            f" (this path takes {allowed})" if allowed else "")
+        code = str(exc.detail).lower().replace(" ", "_")
+        return _response(api_error(exc.status_code, message, None, code, ""))
 
     # ---- one request -------------------------------------------------------------------
     async def _generate(self, request: Request, body: OpenAIRequest, prefix: str) -> Response:
@@ -234,50 +239,58 @@ class HttpFront:
         # without keys, ids are made up here: no other client knows one
         caller = Caller(tenant, "http" if tenant is None else tenant.scope)
         events: AsyncIterator[str | Event] | None = None
-        is_streaming = False
+        is_streaming, opened = False, 1
         try:
             if body.model is not None and body.model not in self._model_names:
                 raise NotFound(f"model: {body.model!r} is not served here; this server serves "
                                f"{self.model!r} (GET /v1/models)", "model")
-            inp = body.to_input(request_id, self.router.config.sampling_defaults)
-            job = await until_disconnect(request, self.router.admission.admit(inp, None, caller))
-            events = self.router.relay(job, caller)
-            reply = self._reply(request_id, body, job)
+            inputs = body.to_inputs(request_id, self.router.config.sampling_defaults)
+            for _ in inputs[1:]:  # each prompt of a batch counts against --max-streams
+                self.router.open.open_stream()
+                opened += 1
+            jobs = [await until_disconnect(request, self.router.admission.admit(inp, None,
+                                                                                caller))
+                    for inp in inputs]
+            events = (self.router.relay(jobs[0], caller) if len(jobs) == 1
+                      else relay_all(self.router, jobs, caller, request_id, body.n))
+            reply, num_choices = self._reply(request_id, body, jobs), len(jobs) * body.n
             if not body.stream:
-                return Response(await until_disconnect(
-                    request, collect(events, reply, clock, body.n)), media_type="application/json")
+                return Response(await until_disconnect(request, collect(
+                    events, reply, clock, num_choices)), media_type="application/json")
             first = await until_disconnect(request, first_event(events))
             is_streaming = True
-            return EventStream(sse(events, first, reply, clock, body),
-                               lambda: self._close(events, clock))
+            return EventStream(sse(events, first, reply, clock, body, num_choices),
+                               lambda: self._close(events, clock, opened))
         except ClientGone:  # counted as cancelled by _close
             return Response(status_code=499)  # nobody reads it
         except Exception as exc:
             return self._failed(clock, failure(exc, request_id, body))
         finally:
             if not is_streaming:
-                await self._close(events, clock)
+                await self._close(events, clock, opened)
 
-    def _reply(self, request_id: str, body: OpenAIRequest, job: Admitted) -> Reply:
-        """How the answer to `body` (admitted as `job`) is written."""
-        echo = (body.echo_of(job.prompt, self.router.tokenizer)
+    def _reply(self, request_id: str, body: OpenAIRequest, jobs: list[Admitted]) -> Reply:
+        """How the answer to `body` (admitted as `jobs`, one per prompt) is written."""
+        echo = (body.echo_of([job.prompt for job in jobs], self.router.tokenizer)
                 if isinstance(body, CompletionRequest) and body.echo else None)
-        has_logprobs = job.params.logprobs is not None
+        has_logprobs = jobs[0].params.logprobs is not None
         if has_logprobs and self._names is None:
             self._names = TokenNames(self.router.tokenizer)
         return Reply(request_id, self.model, isinstance(body, ChatCompletionRequest),
                      body.include_usage, body.return_token_ids,
-                     self._names if has_logprobs else None, echo)
+                     self._names if has_logprobs else None, echo, body.n)
 
     def _failed(self, clock: StreamClock, answer: ApiError) -> Response:
         clock.failed(answer.code_name)
         return _response(answer)
 
     async def _close(self, events: AsyncIterator[str | Event] | None,
-                     clock: StreamClock) -> None:
+                     clock: StreamClock, opened: int = 1) -> None:
         """The request is over for this front: its generator closed (which releases it on
-        the workers if it was still running), its slot freed, a cut-off stream counted."""
-        self.router.open.close_stream()
+        the workers if it was still running), its `opened` slots freed, a cut-off stream
+        counted."""
+        for _ in range(opened):
+            self.router.open.close_stream()
         clock.failed(grpc.StatusCode.CANCELLED.name)  # no-op once done or failed was recorded
         if events is not None:
             await events.aclose()  # type: ignore[attr-defined]

@@ -36,14 +36,18 @@ def model_list_json(model: str, max_model_len: int) -> str:
     return _json({"object": "list", "data": [card]})
 
 
-def usage(dones: list[DoneEvent]) -> dict[str, object]:
-    """A request's usage from its samples' DoneEvents: the prompt once, every sample's
-    completion tokens."""
-    first = dones[0]
+def usage(dones: list[DoneEvent], n: int = 1) -> dict[str, object]:
+    """A request's usage from its samples' DoneEvents (choice i * n + j: prompt i's sample
+    j): each prompt once, every sample's completion tokens."""
+    firsts = [d for d in dones if d.sample_index % n == 0]
+    prompt = sum(d.prompt_tokens for d in firsts)
     completion = sum(d.completion_tokens for d in dones)
-    return {"prompt_tokens": first.prompt_tokens, "completion_tokens": completion,
-            "total_tokens": first.prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": first.cached_prompt_tokens}}
+    counts: dict[str, object] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                                 "total_tokens": prompt + completion}
+    if dones[0].details:  # else unknown: left out, as vLLM leaves it
+        counts["prompt_tokens_details"] = {"cached_tokens": sum(d.cached_prompt_tokens
+                                                                for d in firsts)}
+    return counts
 
 
 class TokenNames:
@@ -66,7 +70,7 @@ class TokenNames:
 @dataclass(frozen=True)
 class Echo:
     """A text completion's prompt, repeated before its completion (`echo`): its text, and
-    its tokens with their log probabilities when the client asked for those."""
+    its tokens (named with their log probabilities when the client asked for those)."""
 
     text: str
     token_ids: list[int]
@@ -91,18 +95,20 @@ class ChoiceSoFar:
 class Reply:
     """How one request's answer is written, chat or text completion, streamed or whole;
     with `names` (the client asked for logprobs) each choice's log probabilities; with
-    `echo` a text completion's prompt before it."""
+    `echoes` (one per prompt) a text completion's prompt before it. Choice i * n + j is
+    prompt i's sample j."""
 
     def __init__(self, request_id: str, model: str, is_chat: bool, include_usage: bool,
                  return_token_ids: bool, names: TokenNames | None = None,
-                 echo: Echo | None = None) -> None:
+                 echoes: list[Echo] | None = None, n: int = 1) -> None:
         self.request_id = request_id
         self.model = model
         self.is_chat = is_chat
         self.include_usage = include_usage  # streams: chunks carry "usage": null, then one
         self.return_token_ids = return_token_ids
         self.names = names
-        self.echo = echo
+        self.echoes = echoes or []
+        self.n = n
         self.created = int(time.time())
         self._echoed: set[int] = set()  # streamed choices whose prompt went out already
         self._offsets: dict[int, int] = {}  # each choice's text offset past its last token
@@ -141,22 +147,28 @@ class Reply:
                                 for t, lp in zip(so_far.token_ids, so_far.logprobs)]}
         ids: list[int] = list(so_far.token_ids)
         lps: list[TokenLogprob | None] = list(so_far.logprobs)
+        echo = self._echo(index)
         if index not in self._offsets:  # its first tokens: after the echoed prompt, if any
-            self._offsets[index] = 0 if self.echo is None else len(self.echo.text)
-        if self.echo is not None and so_far.prompt_logprobs:  # the prompt's first has none
-            ids = [*self.echo.token_ids, *ids]
+            self._offsets[index] = 0 if echo is None else len(echo.text)
+        if echo is not None and so_far.prompt_logprobs:  # the prompt's first has none
+            ids = [*echo.token_ids, *ids]
             lps = [None, *so_far.prompt_logprobs, *lps]
             self._offsets[index] = 0
         logprobs = _completion_logprobs(names, ids, lps, self._offsets[index])
         self._offsets[index] += sum(len(t) for t in logprobs["tokens"])  # type: ignore[attr-defined]
         return logprobs
 
+    def _echo(self, index: int) -> Echo | None:
+        """What choice `index` echoes (its prompt's), if anything."""
+        return self.echoes[index // self.n] if self.echoes else None
+
     def _echoing(self, so_far: ChoiceSoFar, index: int) -> ChoiceSoFar:
         """`so_far` with the prompt's text before it, the first time a choice is written."""
-        if self.echo is None or index in self._echoed:
+        echo = self._echo(index)
+        if echo is None or index in self._echoed:
             return so_far
         self._echoed.add(index)
-        return dataclasses.replace(so_far, text=self.echo.text + so_far.text)
+        return dataclasses.replace(so_far, text=echo.text + so_far.text)
 
     # ---- a stream -----------------------------------------------------------------------
     def _event(self, choices: list[dict[str, object]], **more: object) -> str:
@@ -182,7 +194,7 @@ class Reply:
 
     def usage_event(self, dones: list[DoneEvent]) -> str:
         """The last event before [DONE] when the client asked for usage: no choices."""
-        return self._event([], usage=usage(dones))
+        return self._event([], usage=usage(dones, self.n))
 
     # ---- one body -----------------------------------------------------------------------
     def body(self, choices: list[ChoiceSoFar], dones: list[DoneEvent]) -> str:
@@ -192,7 +204,7 @@ class Reply:
         written = [self._choice(self._echoing(choices[d.sample_index], d.sample_index),
                                 d.reason, key, d.sample_index)
                    for d in sorted(dones, key=lambda d: d.sample_index)]
-        return _json(self._envelope(kind, written, usage=usage(dones)))
+        return _json(self._envelope(kind, written, usage=usage(dones, self.n)))
 
 
 def _chat_logprob(names: TokenNames, token_id: int, lp: TokenLogprob) -> dict[str, object]:

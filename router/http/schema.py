@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
@@ -38,16 +38,23 @@ def served_model_name(model: str, given: str | None = None) -> str:
     """The model id the API reports and expects: `given` (--served-model-name), else the
     checkpoint's own name: a directory's name, a GGUF file's name without `.gguf`, and for a
     GGUF file kvferry converted (KVFERRY_HOME/models/NAME-<32 hex of its hash>), NAME, so
-    that the id stays what the user installed, not a cache key."""
+    that the id stays what the user installed, not a cache key; a GGUF name loses its
+    quantization tag."""
     if given:
         return given
     path = Path(model)
     if path.suffix.lower() == ".gguf":
-        return path.stem
+        return _without_quant_tag(path.stem)
     converted = re.fullmatch(r"(.+)-[0-9a-f]{32}", path.name)
     if converted and (path / "manifest.json").is_file():
-        return converted.group(1)
+        return _without_quant_tag(converted.group(1))
     return path.name
+
+
+def _without_quant_tag(name: str) -> str:
+    """A GGUF file's name without its quantization tag (`.Q4_1`, `-Q4_K_M`, `.f16`): kvferry
+    serves the weights dequantized (float32 on CPU), so the tag would misname them."""
+    return re.sub(r"[.-](I?Q\d(_[A-Z0-9]+)*|F16|F32|BF16)$", "", name, flags=re.IGNORECASE)
 
 
 class StreamOptions(BaseModel):
@@ -80,6 +87,19 @@ class OpenAIRequest(BaseModel):
     repetition_penalty: float | None = None  # vLLM's extra
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> added to its logit
     kv_eviction: str = ""  # "none": every token of this request kept (sampling.kv_eviction)
+    # max_tokens when the body sets none (None: the router's, 256), before the context's cap
+    default_max_tokens: ClassVar[int | None] = None
+
+    def to_inputs(self, request_id: str, defaults: SamplingDefaults = KVFERRY_DEFAULTS
+                  ) -> list[GenerateInput]:
+        """The router engine's input for each prompt of the body."""
+        raise NotImplementedError
+
+    def to_input(self, request_id: str, defaults: SamplingDefaults = KVFERRY_DEFAULTS
+                 ) -> GenerateInput:
+        """The input of a body of one prompt."""
+        (one,) = self.to_inputs(request_id, defaults)
+        return one
 
     @property
     def include_usage(self) -> bool:
@@ -138,7 +158,9 @@ class OpenAIRequest(BaseModel):
             repetition_penalty=(1.0 if self.repetition_penalty is None
                                 else self.repetition_penalty),
             logit_bias=self._logit_bias(),
-            **({} if max_tokens is None else {"max_tokens": max_tokens}),
+            **({} if max_tokens is None and self.default_max_tokens is None
+               else {"max_tokens": self.default_max_tokens if max_tokens is None
+                     else max_tokens}),
         )
         return params, max_tokens is not None
 
@@ -208,56 +230,58 @@ class ChatCompletionRequest(OpenAIRequest):
             return "top_logprobs"
         return super().param(field)
 
-    def to_input(self, request_id: str,
-                 defaults: SamplingDefaults = KVFERRY_DEFAULTS) -> GenerateInput:
+    def to_inputs(self, request_id: str, defaults: SamplingDefaults = KVFERRY_DEFAULTS
+                  ) -> list[GenerateInput]:
         messages = tuple(ChatMessage(m.role, m.text(i)) for i, m in enumerate(self.messages))
-        return self._input(request_id, defaults, messages=messages)
+        return [self._input(request_id, defaults, messages=messages)]
 
 
 class CompletionRequest(OpenAIRequest):
-    """POST /v1/completions. `prompt` is text or token ids; one prompt per request."""
+    """POST /v1/completions. `prompt` is text or token ids, or a list of prompts (a batch:
+    one choice per prompt and sample, router/http/batch.py)."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
     # each token's log probability and this many most likely tokens at it (the legacy
     # choices[].logprobs); with `echo`, the prompt's tokens' too
     logprobs: int | None = None
     echo: bool = False  # the prompt repeated before each choice's text
+    default_max_tokens: ClassVar[int | None] = 16  # OpenAI's and vLLM's
 
     def _logprobs(self) -> tuple[int | None, int | None]:
         return self.logprobs, self.logprobs if self.echo else None
 
-    def echo_of(self, prompt_ids: list[int], tokenizer: object) -> Echo | None:
-        """What `echo` repeats: the prompt's text (decoded, for token ids) and tokens."""
+    def echo_of(self, prompt_ids: list[list[int]], tokenizer: object) -> list[Echo]:
+        """What `echo` repeats of each prompt: its text (decoded, for token ids) and tokens."""
         if not self.echo:
-            return None
-        prompt = self.one_prompt()
-        text = (prompt if isinstance(prompt, str)
-                else tokenizer.decode(prompt_ids))  # type: ignore[attr-defined]
-        return Echo(text, prompt_ids)
+            return []
+        return [Echo(prompt if isinstance(prompt, str)
+                     else tokenizer.decode(ids), ids)  # type: ignore[attr-defined]
+                for prompt, ids in zip(self.prompts(), prompt_ids)]
 
     def param(self, field: str) -> str:
         if field.startswith("input"):  # input, input.text, input.token_ids
-            return "prompt"
+            return "prompt"  # (in a batch, the prompt named in the message)
         if field == "sampling.prompt_logprobs":
             return "logprobs"
         return super().param(field)
 
-    def one_prompt(self) -> str | list[int]:
-        """The prompt, text or token ids (a batch of one is that one)."""
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each text or token ids: one, or a batch (a list of either)."""
         prompt = self.prompt
         if prompt and not isinstance(prompt, str) and not isinstance(prompt[0], int):
-            if len(prompt) > 1:
-                raise InvalidArgument(f"prompt: one prompt per request, got a batch of "
-                                      f"{len(prompt)}; send one request each", "prompt")
-            return prompt[0]  # type: ignore[return-value]
-        return prompt  # type: ignore[return-value]
+            return list(prompt)  # type: ignore[arg-type]
+        return [prompt]  # type: ignore[list-item]
 
-    def to_input(self, request_id: str,
-                 defaults: SamplingDefaults = KVFERRY_DEFAULTS) -> GenerateInput:
-        prompt = self.one_prompt()
-        if isinstance(prompt, str):
-            return self._input(request_id, defaults, text=prompt)
-        return self._input(request_id, defaults, token_ids=list(prompt))
+    def to_inputs(self, request_id: str, defaults: SamplingDefaults = KVFERRY_DEFAULTS
+                  ) -> list[GenerateInput]:
+        """One input per prompt (request ids `<id>-<i>` for a batch of several)."""
+        prompts = self.prompts()
+        inputs = []
+        for i, prompt in enumerate(prompts):
+            one = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+            inputs.append(self._input(one, defaults, text=prompt) if isinstance(prompt, str)
+                          else self._input(one, defaults, token_ids=list(prompt)))
+        return inputs
 
 
 def _is_union_tag(part: str) -> bool:

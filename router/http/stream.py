@@ -94,12 +94,12 @@ async def collect(events: AsyncIterator[str | Event], reply: Reply, clock: Strea
 
 
 async def sse(events: AsyncIterator[str | Event], first: Event, reply: Reply,
-              clock: StreamClock, body: OpenAIRequest) -> AsyncIterator[str]:
+              clock: StreamClock, body: OpenAIRequest, num_choices: int) -> AsyncIterator[str]:
     """A whole answer as server-sent events, from its first event on: each choice's role
-    (chat), then the samples' chunks as they come, each choice closing with its
+    (chat), then the choices' chunks as they come, each choice closing with its
     finish_reason, the usage once at the end."""
     if reply.is_chat:
-        for index in range(body.n):
+        for index in range(num_choices):
             yield reply.role_event(index)
     event, dones = first, []
     try:
@@ -113,7 +113,7 @@ async def sse(events: AsyncIterator[str | Event], first: Event, reply: Reply,
                 _log_done(reply.request_id, event)
                 yield reply.chunk_event(None, event.reason, event.sample_index)
                 dones.append(event)
-                if len(dones) == body.n:
+                if len(dones) == num_choices:
                     break
             event = await anext(events)
     except Exception as exc:

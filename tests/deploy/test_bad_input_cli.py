@@ -65,7 +65,7 @@ def _assert_one_line(result: subprocess.CompletedProcess, *names: str) -> None:
 
 # (command line with {placeholders} for the bad inputs, words one of which the line must name)
 PLAN_CASES = [
-    ("plan --model {missing}", ["no such file"]),
+    ("plan --model {missing}", ["does not exist"]),
     ("plan --model {empty}", ["no config.json"]),
     ("plan --model {garbage_gguf}", ["garbage.gguf"]),
     ("plan --model {binary}/config.json", ["not a valid JSON"]),
@@ -78,6 +78,8 @@ PLAN_CASES = [
 ]
 SERVE_CASES = [
     ("serve --model {missing}", ["missing"]),
+    # a Hugging Face id: said not to be downloaded, not "no config.json"
+    ("serve --model HuggingFaceTB/SmolLM2-135M-Instruct", ["downloads nothing"]),
     ("serve --model {gpt2}", ["architecture"]),
     ("serve --model {missing} --kv-pool-size -1", ["kv_pool_size"]),
     ("serve --model {missing} --block-size 3", ["block_size"]),
@@ -146,6 +148,7 @@ TOKEN_CASES = [
 ]
 OTHER_CASES = [
     ("generate hello --tls-cert {missing} --tls-key {missing}", ["no such file"]),
+    ("generate hello --address http://127.0.0.1:8000", ["not a URL"]),
     ("make-model --out {weights}/model", ["weights.bin"]),
     ("make-certs --out {weights}/certs", ["weights.bin", "cryptography"]),
     ("bench --dataset-name jsonl --dataset-path {missing}", ["missing"]),

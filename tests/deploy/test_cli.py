@@ -59,6 +59,12 @@ def test_serve_generate_and_sigterm(qwen3_checkpoint: Path, tmp_path: Path) -> N
         assert out.returncode == 0, out.stderr
         assert "[6 tokens, finish length]" in out.stdout
         assert "TTFT" in out.stdout and "mean ITL" in out.stdout
+        piped = subprocess.run(  # the prompt from a pipe, as `echo hello | kvferry generate`
+            [sys.executable, "-m", "deploy.cli", "generate", "--address", address,
+             "--max-tokens", "6", "--temperature", "0", "--ignore-eos"], input="hello",
+            capture_output=True, text=True, timeout=120)
+        assert piped.returncode == 0, piped.stderr
+        assert piped.stdout.split("\n[")[0] == out.stdout.split("\n[")[0]  # the same text
     finally:
         serve.send_signal(signal.SIGTERM)
         code = serve.wait(timeout=60)

@@ -85,6 +85,9 @@ def test_every_option_has_help_and_shows_its_default(command: str) -> None:
             continue
         if isinstance(action, argparse._VersionAction):
             continue
+        if isinstance(action, argparse._StoreConstAction):  # a switch: `(default: True)` on
+            assert f"(default: {default})" not in text, flag  # --no-x would read as its value
+            continue
         # argparse prints the default where the help does not already name it
         assert f"(default: {default})" in text or "default" in action.help, \
             f"kvferry {command} {flag}: default {default!r} not shown"
@@ -108,3 +111,12 @@ def test_make_model_needs_out_and_says_its_weights_are_random(tmp_path: Path) ->
     assert result.returncode == 0, result.stderr
     assert "seeded random weights" in result.stdout and "noise" in result.stdout
     assert (tmp_path / "tiny" / "config.json").is_file()
+
+
+def test_serve_says_at_once_the_name_the_model_is_served_as() -> None:
+    from deploy.cli import _starting_line
+    from deploy.launcher import Deployment
+
+    deployment = Deployment(model="/models/SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert "a router for SmolLM2-135M-Instruct;" in _starting_line(deployment)
+    assert "a router for my-model;" in _starting_line(deployment, "my-model")

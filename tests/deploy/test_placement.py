@@ -106,7 +106,7 @@ def test_the_launcher_logs_the_plan_of_a_sixteen_core_mask(
     assert plan is not None and plan.cores["decode-0"] == tuple(range(7, 15))
     assert [r.getMessage() for r in caplog.records] == [
         "placement: prefill-0 on 0-6, decode-0 on 7-14, router on 15 "
-        "(--pin-cores off: let the kernel place)"]
+        "(pinned; --pin-cores off lets the kernel place them)"]
     caplog.clear()
     monkeypatch.setattr("deploy.launcher.os.sched_getaffinity", lambda pid: {0})
     with caplog.at_level(logging.INFO, logger="kvferry"):

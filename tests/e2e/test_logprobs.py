@@ -11,6 +11,7 @@ and streamed; bad values are 400s naming the parameter."""
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import httpx
@@ -141,3 +142,33 @@ def test_a_bad_logprobs_value_is_a_bad_request_naming_it(
                         timeout=60)
     assert answer.status_code == 400, answer.text
     assert answer.json()["error"]["param"] == param
+
+
+def test_a_batch_of_prompts_answers_each_as_alone(chat_deployment: Deployment) -> None:
+    """Two token-id prompts and n = 2, with echo and logprobs (lm-evaluation-harness's
+    batched loglikelihood request), whole and streamed: choice i * 2 + j is prompt i's sample
+    j, each what the prompt asked alone gets; usage counts both prompts once."""
+    prompts = [PROMPT, PROMPT[::-1][:25]]
+    common = {"echo": True, "logprobs": 1, "max_tokens": 3, "temperature": 0, "n": 2,
+              "return_token_ids": True, "ignore_eos": True}
+    url = f"{_url(chat_deployment)}/completions"
+    alone = [httpx.post(url, json={**common, "prompt": p}, timeout=120).json() for p in prompts]
+    batch = httpx.post(url, json={**common, "prompt": prompts}, timeout=120).json()
+    assert [c["index"] for c in batch["choices"]] == [0, 1, 2, 3]
+    for i, answer in enumerate(alone):
+        for j, choice in enumerate(answer["choices"]):
+            got = batch["choices"][i * 2 + j]
+            assert (got["text"], got["token_ids"]) == (choice["text"], choice["token_ids"])
+            assert got["logprobs"]["token_logprobs"][1:] == pytest.approx(
+                choice["logprobs"]["token_logprobs"][1:], abs=1e-5)
+    assert batch["usage"]["prompt_tokens"] == sum(len(p) for p in prompts)
+    assert batch["usage"]["completion_tokens"] == 4 * 3
+    texts = [""] * 4
+    with httpx.stream("POST", url, json={**common, "prompt": prompts, "stream": True},
+                      timeout=120) as streamed:
+        for line in streamed.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    texts[choice["index"]] += choice["text"]
+    assert texts == [c["text"] for c in batch["choices"]]
+    assert_pools_clean(chat_deployment)

@@ -161,7 +161,9 @@ CHAT_ERRORS = [
     ({"n": 17}, "n"),  # past --max-samples
     ({"n": 0}, "n"),
     ({"stop": [""]}, "stop"),
-    ({"logprobs": True}, "logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"logit_bias": {"0": 101}}, "logit_bias"),
     ({"extra_body": {"top_k": -5}}, "top_k"),
     ({"extra_body": {"top_k": 2**31}}, "top_k"),  # past the vocabulary (and int32)
     ({"seed": -1}, "seed"),
@@ -283,3 +285,41 @@ def test_curl_streams_as_the_api_page_documents_it(deployment: Deployment) -> No
     assert text == expected.text
     assert chunks[-1]["choices"] == []
     assert chunks[-1]["usage"]["completion_tokens"] == len(expected.token_ids)
+
+
+def test_the_limit_in_force_is_reported_and_clamps_an_unset_max_tokens(
+        qwen3_checkpoint: Path, qwen3_deployment: Deployment) -> None:
+    """A decode pool of 12 blocks (192 tokens) behind a router of its own: /v1/models and
+    GetModelInfo report 192, not the model's context, and a prompt of 150 tokens without
+    max_tokens (256 by default) gets the 42 left rather than a refusal about a max_tokens it
+    never sent."""
+    from kvferry.cache.layout import KvShape
+    from kvferry.model.config import load_model_config
+    from tests.deployments import reconfigured, routed
+
+    config = load_model_config(qwen3_checkpoint)
+    per_block = KvShape(config.num_layers, config.num_kv_heads, config.head_dim,
+                        "float32").bytes_per_block(16)
+    with (reconfigured(qwen3_deployment, ["decode-0"], ["--kv-pool-size", str(12 * per_block)]),
+          routed(qwen3_deployment, "router-small-pool", [], is_http=True) as view):
+        api = _sync(view)
+
+        def reported() -> int:
+            card = api.models.list().data[0]
+            return (card.model_extra or {})["max_model_len"]
+
+        until_sync(lambda: reported() == 12 * 16, "the router knows the decode pool")
+        info = asyncio.run(_model_info(view.router_address))
+        assert info.max_context_tokens == 12 * 16 < config.max_position_embeddings
+        request = client.make_request([5 + i % 100 for i in range(150)], temperature=0.0,
+                                      ignore_eos=True)  # no max_tokens: 256 by default
+        got = asyncio.run(client.generate(view.router_address, request, 120))
+        assert got.finished is not None and len(got.token_ids) == 12 * 16 - 150
+        assert_pools_clean(qwen3_deployment)
+
+
+async def _model_info(address: str) -> object:
+    from kvferry.rpc import grpc_util
+
+    async with grpc_util.channel(address) as chan:
+        return await client.model_info(chan)

@@ -51,6 +51,9 @@ class FakeRouter:
         self.open = OpenRequests(max_streams)  # the real cap
         self.admission = self  # admits every input as it is: the record is the input
 
+    def max_model_len(self) -> int:
+        return self.config.max_position_embeddings
+
     async def admit(self, inp: GenerateInput, timeout_s: float | None,
                     caller: Caller = ANONYMOUS) -> GenerateInput:
         self.inputs.append(inp)
@@ -70,7 +73,7 @@ class FakeRouter:
             if self.fail:
                 raise Unavailable("decode failed 3 times")
             yield DoneEvent(FinishReason.LENGTH, 3, self.num_tokens, Timing(0, 0, 0, 0, 0),
-                            cached_prompt_tokens=2)
+                            cached_prompt_tokens=2, details=True)
         finally:
             self.closed.set()
 
@@ -215,3 +218,28 @@ def test_tls_applies_to_the_http_port(tmp_path: Path, client_auth: bool) -> None
                 await client.get(url.replace("https", "http"))
 
     _serve(FakeRouter(), test, security, client_auth)
+
+
+def test_usage_leaves_cached_tokens_out_when_unreported() -> None:
+    """A router that does not report cache details (no --enable-prompt-tokens-details)
+    leaves `prompt_tokens_details` out, as vLLM does, rather than reading 0."""
+    from router.http.reply import usage
+
+    done = DoneEvent(FinishReason.LENGTH, 3, 2, Timing(0, 0, 0, 0, 0))
+    assert usage([done]) == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    reported = done._replace(cached_prompt_tokens=2, details=True)
+    assert usage([reported])["prompt_tokens_details"] == {"cached_tokens": 2}
+
+
+def test_a_wrong_method_is_a_client_error_naming_the_method_to_use() -> None:
+    """GET on a POST endpoint: 405, typed as the client's error (not server_error), saying
+    which method the path takes."""
+    async def test(front: HttpFront) -> None:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{front.port}") as client:
+            response = await client.get("/v1/chat/completions")
+        assert response.status_code == 405
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error"
+        assert error["code"] == "method_not_allowed" and "takes POST" in error["message"]
+
+    _serve(FakeRouter(), test)

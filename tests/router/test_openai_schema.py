@@ -69,7 +69,6 @@ def test_n_is_the_samples_asked_for() -> None:
 
 
 @pytest.mark.parametrize("body,param", [
-    ({"prompt": ["a", "b"]}, "prompt"),
     ({"prompt": "a", "top_logprobs": 1}, "top_logprobs"),
     ({"prompt": "a", "best_of": 2}, "best_of"),
     ({"prompt": "a", "min_tokens": 4}, "min_tokens"),
@@ -148,7 +147,10 @@ def test_a_body_of_the_wrong_shape_names_the_parameter() -> None:
 
 def test_the_served_model_name_is_the_checkpoint_directorys(tmp_path: Path) -> None:
     assert served_model_name("/models/qwen3-tiny/") == "qwen3-tiny"
-    assert served_model_name("/m/SmolLM2-135M-Instruct.Q4_1.gguf") == "SmolLM2-135M-Instruct.Q4_1"
+    # the weights are served dequantized: a GGUF name's quantization tag would misname them
+    assert served_model_name("/m/SmolLM2-135M-Instruct.Q4_1.gguf") == "SmolLM2-135M-Instruct"
+    assert served_model_name("/m/Llama-3.2-1B-Instruct-Q4_K_M.gguf") == "Llama-3.2-1B-Instruct"
+    assert served_model_name("/m/tiny.f16.gguf") == "tiny"
     assert served_model_name("/models/qwen3-tiny", "my-model") == "my-model"  # the flag's
 
 
@@ -160,7 +162,7 @@ def test_a_converted_gguf_is_served_under_its_own_name_not_its_cache_key(
     converted = tmp_path / f"SmolLM2-135M-Instruct.Q4_1-{key}"
     converted.mkdir()
     (converted / "manifest.json").write_text("{}")
-    assert served_model_name(str(converted)) == "SmolLM2-135M-Instruct.Q4_1"
+    assert served_model_name(str(converted)) == "SmolLM2-135M-Instruct"
     lookalike = tmp_path / f"mine-{key}"
     lookalike.mkdir()
     assert served_model_name(str(lookalike)) == lookalike.name
@@ -193,3 +195,52 @@ def test_penalties_and_biases_become_sampling_fields() -> None:
     with pytest.raises(InvalidArgument) as exc:
         CompletionRequest.model_validate({"prompt": "a", "logit_bias": {"x": 1}}).to_input("c")
     assert exc.value.field == "logit_bias"
+
+
+def test_a_batch_of_prompts_is_one_input_each() -> None:
+    body = CompletionRequest.model_validate({"prompt": [[1, 2], [3]], "n": 2})
+    inputs = body.to_inputs("cmpl-1")
+    assert [(i.request_id, i.token_ids, i.params.n) for i in inputs] == [
+        ("cmpl-1-0", [1, 2], 2), ("cmpl-1-1", [3], 2)]
+    texts = CompletionRequest.model_validate({"prompt": ["a", "b"]}).to_inputs("c")
+    assert [i.text for i in texts] == ["a", "b"]
+    assert CompletionRequest.model_validate({"prompt": [5, 6]}).to_inputs("c")[0].token_ids == [
+        5, 6]
+
+
+def test_an_unset_max_tokens_is_16_on_completions_and_256_on_chat() -> None:
+    from kvferry.model.sampling import DEFAULT_MAX_TOKENS
+
+    text = CompletionRequest.model_validate({"prompt": "a"}).to_input("c")
+    assert (text.params.max_tokens, text.is_max_tokens_set) == (16, False)
+    chat = ChatCompletionRequest.model_validate({"messages": USER}).to_input("x")
+    assert (chat.params.max_tokens, chat.is_max_tokens_set) == (DEFAULT_MAX_TOKENS, False)
+    zero = CompletionRequest.model_validate({"prompt": "a", "max_tokens": 0}).to_input("c")
+    assert (zero.params.max_tokens, zero.is_max_tokens_set) == (0, True)
+
+
+def test_an_unset_max_tokens_is_capped_by_the_context_left(qwen3_checkpoint: Path) -> None:
+    from kvferry.model.config import load_model_config
+    from router import admission
+
+    config = load_model_config(qwen3_checkpoint)
+    text = CompletionRequest.model_validate({"prompt": "a"}).to_input("c")
+    context = config.max_position_embeddings
+    assert admission.resolve_sampling(text, config, 10).max_tokens == 16
+    assert admission.resolve_sampling(text, config, context - 5).max_tokens == 5
+
+
+def test_an_unset_max_tokens_is_clamped_to_the_limit_in_force(qwen3_checkpoint: Path) -> None:
+    """A decode pool smaller than the context sets the limit (the router's max_model_len):
+    an unset max_tokens takes what is left of it, as vLLM's does of its max_model_len; a
+    prompt past it keeps the context's default, for the pool check to refuse by name."""
+    from kvferry.model.config import load_model_config
+    from router import admission
+
+    config = load_model_config(qwen3_checkpoint)
+    chat = ChatCompletionRequest.model_validate({"messages": USER}).to_input("x")
+    assert admission.resolve_sampling(chat, config, 100, max_model_len=150).max_tokens == 50
+    assert admission.resolve_sampling(chat, config, 200, max_model_len=150).max_tokens == 256
+    given = ChatCompletionRequest.model_validate({"messages": USER, "max_tokens": 90}
+                                                 ).to_input("x")
+    assert admission.resolve_sampling(given, config, 100, max_model_len=150).max_tokens == 90

@@ -92,10 +92,12 @@ class ScriptedServicer(generation_pb2_grpc.GenerationServiceServicer):
         self.script = script
         self.clock = clock
         self.requests: list[generation_pb2.GenerateRequest] = []
+        self.keys: list[str | None] = []  # each call's `authorization` metadata
 
     def Generate(self, request: generation_pb2.GenerateRequest,  # noqa: N802
                  context: grpc.ServicerContext) -> Iterator[generation_pb2.GenerateResponse]:
         self.requests.append(request)
+        self.keys.append(dict(context.invocation_metadata()).get("authorization"))
         if request.token_ids.ids and request.token_ids.ids[0] == FAIL_TOKEN:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "scripted refusal")
         for delay_s, msg in responses(request, self.script):
@@ -107,6 +109,7 @@ class ScriptedServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     def GetModelInfo(self, request: generation_pb2.GetModelInfoRequest,  # noqa: N802
                      context: grpc.ServicerContext) -> generation_pb2.ModelInfo:
+        self.keys.append(dict(context.invocation_metadata()).get("authorization"))
         return generation_pb2.ModelInfo(architecture="Scripted", vocab_size=VOCAB_SIZE,
                                         max_context_tokens=4096, model_name="scripted-model")
 

@@ -189,3 +189,17 @@ def test_launch_targets_serve_the_model_asked_and_log_to_a_folder(
     log_dir = seen["launch"].log_dir
     assert log_dir.parent == tmp_path / "logs" and log_dir.name.startswith("bench-")
     assert f"launched deployments log to {log_dir}" in capsys.readouterr().err
+
+
+def test_a_keyed_router_is_benchmarked_with_its_key(fake_server: FakeServer, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--api-key` (or $KVFERRY_API_KEY) goes with every call, GetModelInfo included, as
+    `generate` and `chat` send it."""
+    common = ["bench", "--address", fake_server.address, "--num-prompts", "2",
+              "--input-len", "4", "--output-len", "5", "--disable-tqdm"]
+    assert main([*common, "--api-key", "k1"]) == 0
+    assert fake_server.servicer.keys == ["Bearer k1"] * 3
+    fake_server.servicer.keys.clear()
+    monkeypatch.setenv("KVFERRY_API_KEY", "k2")
+    assert main(common) == 0
+    assert fake_server.servicer.keys == ["Bearer k2"] * 3

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from types import SimpleNamespace
+
 import pytest
 
 from deploy.loadgen.metrics import RequestRecord, Slo, calculate_metrics
@@ -135,3 +138,24 @@ def test_no_completed_request_has_no_hits() -> None:
     m = calculate_metrics([RequestRecord(3, 0, 0.0, status="UNAVAILABLE")], 1.0)
     assert (m.prefix_cache_hit_rate, m.mean_kv_bytes_shipped) == (0.0, 0.0)
     assert m.mean_kv_bytes_not_shipped == 0.0
+
+
+def test_cache_figures_are_unknown_unless_a_server_reported_them() -> None:
+    """A kvferry router without --enable-prompt-tokens-details (or a server that leaves
+    `prompt_tokens_details` out) reports no cache figures: the report says unknown, not 0."""
+    from deploy.loadgen.report import format_run
+
+    unreported = calculate_metrics([RequestRecord(100, 4, 0.0), RequestRecord(60, 4, 0.1)],
+                                   1.0)
+    assert not unreported.cache_reported
+    reported = calculate_metrics([RequestRecord(100, 4, 0.0, cached_prompt_tokens=0,
+                                                cache_reported=True)], 1.0)
+    assert reported.cache_reported
+    run = SimpleNamespace(target="t", backend="grpc", model="m", placement="",
+                          request_rate=1.0, metrics=unreported)
+    text = format_run(run)  # type: ignore[arg-type]
+    assert re.search(r"Prefix cache hit rate \(%\): +unknown", text)
+    assert re.search(r"K/V bytes shipped per request: +unknown", text)
+    run.metrics = reported
+    assert re.search(r"Prefix cache hit rate \(%\): +0\.00",
+                     format_run(run))  # type: ignore[arg-type]
