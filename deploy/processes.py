@@ -254,8 +254,9 @@ async def _router_workers(settings: RouterSettings, fingerprint: str,
 
 
 def _router_metrics(settings: RouterSettings, router: Router) -> tuple[object, int]:
-    """The router's Prometheus metrics and their port, with --metrics-port (else None, 0)."""
-    if settings.metrics_port is None:
+    """The router's Prometheus metrics, and their port with --metrics-port (else 0). With
+    an HTTP front they are kept anyway: its /metrics serves them, as vLLM's API port does."""
+    if settings.metrics_port is None and settings.http_port is None:
         return None, 0
     from kvferry.rpc import metrics
 
@@ -263,6 +264,8 @@ def _router_metrics(settings: RouterSettings, router: Router) -> tuple[object, i
     router_metrics = metrics.RouterMetrics(registry)
     registry.register(metrics.RouterWorkersCollector(lambda: router.workers.workers))
     router.prefill.on_retry = router_metrics.prefill_retries.inc
+    if settings.metrics_port is None:
+        return router_metrics, 0
     return router_metrics, metrics.serve(settings.metrics_port, settings.host, registry)
 
 

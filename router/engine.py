@@ -32,7 +32,6 @@ from router.events import ChunkEvent, DoneEvent, Ending, Timing
 from router.identity import ANONYMOUS, Caller
 from router.policies.routing import HeadroomPolicy, LocalPrefill, Policy
 from router.prefill_leg import PrefillLeg
-from router.records import FirstToken
 from router.request import Admitted, GenerateInput, OpenRequests, RouterRequest
 from router.sample_group import SampleGroup
 from router.workers.decode_client import StreamBroken
@@ -142,33 +141,36 @@ class Router:
         timing = Timing(0.0, 0.0, 0.0, 0.0, 0.0)  # num_migrations counts the legs after the first
         ending = Ending()  # aborted, unless the loop finds otherwise
         while True:
-            context = prompt + generated
+            ctx = prompt + generated
             remaining = params.max_tokens - len(generated)
-            waited = await self.downstream.reserve_leg(state, job, context, remaining,
-                                                       not generated)
+            waited = await self.downstream.reserve_leg(state, job, ctx, remaining, not generated)
             detok = detok or IncrementalDetokenizer(self.tokenizer, params.stop)
             if state.is_aborted:
                 break
             timing = timing._replace(admission_wait_s=timing.admission_wait_s + waited)
-            first_msg, timing = await self.prefill.first(state, job, context, len(generated),
-                                                         timing)
+            first_msg, timing = await self.prefill.first(state, job, ctx, len(generated), timing)
             if first_msg is None:
                 break
-            generated.append(first_msg.token_id)
-            first = _first_chunk(first_msg, job, detok, remaining)
-            if isinstance(first, Ending):
-                ending = first
+            first = first_msg.token_id
+            generated.append(first)
+            step = detok.add([first])
+            is_stop = step.is_stopped or first in job.stop_ids
+            logprobs, prompt_logprobs = first_msg.logprobs[:1], first_msg.prompt_logprobs
+            if is_stop or remaining == 1:  # a stop, or the last token asked for
+                ending = Ending(FinishReason.STOP if is_stop else FinishReason.LENGTH, [first],
+                                step.text, step.is_stopped, logprobs=logprobs,
+                                prompt_logprobs=prompt_logprobs)
                 break
-            yield first
+            yield ChunkEvent([first], step.text, 0, logprobs, prompt_logprobs)
             if state.is_push_deferred:
-                waited = await self.downstream.reserve(state, context, remaining, deadline,
+                waited = await self.downstream.reserve(state, ctx, remaining, deadline,
                                                        job.keeps_all_kv, job.shares_cache)
                 timing = timing._replace(admission_wait_s=timing.admission_wait_s + waited)
                 if state.is_aborted:
                     break
                 await self.prefill.ship(state, deadline)
             try:  # a decode worker lost during the push or the decode: migrate
-                done_msg = await self.prefill.prefill_done(state, context, params, deadline,
+                done_msg = await self.prefill.prefill_done(state, ctx, params, deadline,
                                                            len(generated) - 1)
                 if done_msg is None:
                     break
@@ -185,8 +187,7 @@ class Router:
                 self.downstream.lose_decode(state, exc, timing.num_migrations)
         text = ending.text + ("" if ending.is_stopped or detok is None else detok.finish())
         if ending.token_ids or text or ending.always_chunk:
-            yield ChunkEvent(ending.token_ids, text, logprobs=ending.logprobs,
-                             prompt_logprobs=ending.prompt_logprobs)
+            yield ChunkEvent(ending.token_ids, text, 0, ending.logprobs, ending.prompt_logprobs)
         yield ending.done(len(prompt), len(generated), timing)
 
     def abort(self, request_id: str, caller: Caller = ANONYMOUS
@@ -206,17 +207,3 @@ class Router:
                 state.prefill_call.cancel()
         return None
 
-
-def _first_chunk(first: FirstToken, job: Admitted, detok: IncrementalDetokenizer,
-                 remaining: int) -> ChunkEvent | Ending:
-    """A leg's first token as its chunk (with its log probability and the prompt's, where
-    asked), or as the request's ending: a stop, or the last token it asked for."""
-    step = detok.add([first.token_id])
-    is_stop = step.is_stopped or first.token_id in job.stop_ids
-    logprobs, prompt_logprobs = first.logprobs[:1], first.prompt_logprobs
-    if is_stop or remaining == 1:
-        return Ending(FinishReason.STOP if is_stop else FinishReason.LENGTH, [first.token_id],
-                      step.text, step.is_stopped, logprobs=logprobs,
-                      prompt_logprobs=prompt_logprobs)
-    return ChunkEvent([first.token_id], step.text, logprobs=logprobs,
-                      prompt_logprobs=prompt_logprobs)

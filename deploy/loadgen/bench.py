@@ -102,7 +102,7 @@ class BenchmarkResult:
         return list(dict.fromkeys(run.model for run in self.runs if run.model))
 
 
-async def _model_info(address: str, creds: Credentials) -> tuple[int, str]:
+async def _model_info(address: str, creds: Credentials = PLAINTEXT) -> tuple[int, str]:
     """The gRPC front's vocabulary and model name: its first call, so an unreachable one (or
     one that wants a key) is said here, in one line (Unreachable)."""
     import grpc

@@ -37,6 +37,7 @@ class RouterMetrics:
     """What the router records per request; one instance per router process."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry  # what /metrics serves (its own port, and the HTTP front's)
         r = registry
         self.ttft = _histogram("kvferry_time_to_first_token_seconds",
                                "Generate call to its first token, at the router.", r)

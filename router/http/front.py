@@ -155,6 +155,7 @@ class HttpFront:
         app.add_api_route("/v1/completions", self._completions, methods=["POST"])
         app.add_api_route("/v1/models", self._models, methods=["GET"])
         app.add_api_route("/health", self._health, methods=["GET"])
+        app.add_api_route("/metrics", self._metrics, methods=["GET"])
         app.add_exception_handler(RequestValidationError, self._invalid_body)  # type: ignore[arg-type]
         app.add_exception_handler(HTTPException, self._http_error)  # type: ignore[arg-type]
         return KeyCheck(app, self.keys)
@@ -211,6 +212,15 @@ class HttpFront:
     async def _models(self) -> Response:
         return Response(model_list_json(self.model, self.router.max_model_len()),
                         media_type="application/json")
+
+    async def _metrics(self) -> Response:
+        """The router's Prometheus metrics, on the API port as vLLM serves them."""
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        if self.metrics is None:
+            return _response(api_error(404, "GET /metrics: this router keeps no metrics",
+                                       None, "not_found", "NOT_FOUND"))
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def _health(self) -> Response:
         return Response(status_code=200 if self.is_serving else 503)

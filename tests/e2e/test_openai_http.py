@@ -323,3 +323,15 @@ async def _model_info(address: str) -> object:
 
     async with grpc_util.channel(address) as chan:
         return await client.model_info(chan)
+
+
+def test_metrics_are_served_on_the_api_port(deployment: Deployment) -> None:
+    """GET /metrics on the HTTP port (as vLLM's API port serves them): the router's own
+    series, the same as its --metrics-port, a request counted."""
+    _sync(deployment).completions.create(model="tiny-chat", prompt=PROMPT, **HTTP_GREEDY)
+    answer = httpx.get(f"http://{deployment.http_address}/metrics", timeout=30)
+    assert answer.status_code == 200 and answer.headers["content-type"].startswith("text/plain")
+    assert "kvferry_time_to_first_token_seconds_bucket" in answer.text
+    router = next(p for p in deployment.processes if p.name == "router")
+    assert value(scrape(router.metrics_port), "kvferry_generation_tokens_total") > 0
+    assert "kvferry_generation_tokens_total" in answer.text
