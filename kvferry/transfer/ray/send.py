@@ -80,11 +80,11 @@ class RayKvSender:
             for entry in ray.util.list_named_actors(all_namespaces=True):
                 if entry["namespace"] != NAMESPACE:
                     continue
-                handle = ray.get_actor(entry["name"], namespace=NAMESPACE)
-                try:
+                try:  # an actor listed may be gone by now (a planner moved its worker)
+                    handle = ray.get_actor(entry["name"], namespace=NAMESPACE)
                     self._actors[await handle.address.remote()] = handle
-                except ray.exceptions.RayActorError:
-                    continue  # gone since it was listed
+                except (ValueError, ray.exceptions.RayActorError):
+                    continue  # gone since it was listed: not the one asked for
         if address not in self._actors:
             raise Remote(f"no kvferry Ray actor serves {address}",
                          grpc.StatusCode.UNAVAILABLE.value[0])
