@@ -41,11 +41,9 @@ def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams,
     tokens: list[int] = []
     for j in range(len(drafts) + 1):
         row = logits[j]
-        if params.has_penalties and history is not None:
-            history_j = History(history.prompt, history.output + drafts[:j])
-            row = params.penalized(row, history_j)
-        elif params.has_penalties:
-            row = params.penalized(row, None)  # raises: penalties read a history
+        if params.has_penalties:  # row j's history holds the drafts before it
+            row = params.penalized(row, None if history is None else
+                                   History(history.prompt, history.output + drafts[:j]))
         if greedy is not None:
             token = greedy[j]
         elif params.is_greedy:
