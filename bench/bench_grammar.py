@@ -87,7 +87,9 @@ def outlines_engine(tokenizer: object, vocab_size: int) -> Engine:
     from outlines_core import Guide, Index, Vocabulary
     from outlines_core.json_schema import build_regex_from_schema
 
-    vocabulary = Vocabulary.from_pretrained(tokenizer.name_or_path)  # type: ignore[attr-defined]
+    # Vocabulary.from_pretrained would fetch the tokenizer from the Hub: built from the local
+    # one instead, each byte-level token as its bytes (the special tokens left out).
+    vocabulary = Vocabulary(tokenizer.eos_token_id, _token_bytes(tokenizer))  # type: ignore[attr-defined]
 
     def compile_schema(schema: str) -> Callable[[], Matcher]:
         index = Index(build_regex_from_schema(schema), vocabulary)
@@ -99,6 +101,19 @@ def outlines_engine(tokenizer: object, vocab_size: int) -> Engine:
                     lambda t: guide.advance(t) is not None, guide.is_finished)
         return matcher
     return compile_schema
+
+
+def _token_bytes(tokenizer: object) -> dict[bytes, list[int]]:
+    """The byte-level BPE vocabulary as bytes -> token ids, without special tokens."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    decoder = {c: b for b, c in bytes_to_unicode().items()}
+    special = set(tokenizer.all_special_ids)  # type: ignore[attr-defined]
+    out: dict[bytes, list[int]] = {}
+    for token, token_id in tokenizer.get_vocab().items():  # type: ignore[attr-defined]
+        if token_id not in special and all(c in decoder for c in token):
+            out.setdefault(bytes(decoder[c] for c in token), []).append(token_id)
+    return out
 
 
 ENGINES = {"xgrammar": xgrammar_engine, "llguidance": llguidance_engine,

@@ -46,6 +46,7 @@ from kvferry.cache.prefix import TierTokens
 from kvferry.cache.stats import PoolStats
 from kvferry.cache.tiers.tiered import TieredCache
 from kvferry.errors import Aborted, InvalidArgument, NotFound, Unavailable
+from kvferry.model.grammar import guide_for
 from kvferry.model.logprobs import TokenLogprob
 from kvferry.model.prefill_batch import PrefillJob
 from kvferry.model.sampling import FinishReason, SamplingParams
@@ -220,7 +221,9 @@ class DecodeEngine:
         num_cached = seq.num_cached_blocks * self.pool.block_size
         job = PrefillJob(request_id, prompt, params, seq.block_table,
                          asyncio.get_running_loop().create_future(), output_index,
-                         num_computed=num_cached, num_samples=seq.num_samples)
+                         num_computed=num_cached, num_samples=seq.num_samples,
+                         guide=guide_for(self.model.config, params.constraint,
+                                         prompt[len(prompt) - output_index:]))
         self._prefill_jobs[request_id] = job
         self.batcher.submit(job)
         try:
@@ -272,9 +275,12 @@ class DecodeEngine:
                 "max_new_tokens",
             )
         params.validate(vocab)
-        if params.has_penalties and len(seq.prompt_token_ids) != seq.num_prompt_tokens:
-            raise InvalidArgument("sampling: penalties read the prompt, which the reservation "
-                                  "was not given", "prompt_token_ids")
+        if params.shapes_logits and len(seq.prompt_token_ids) != seq.num_prompt_tokens:
+            raise InvalidArgument("sampling: penalties and constraints read the prompt (and "
+                                  "earlier legs' outputs), which the reservation was not "
+                                  "given", "prompt_token_ids")
+        earlier = seq.prompt_token_ids[seq.num_prompt_tokens - num_generated:]
+        seq.guide = guide_for(self.model.config, params.constraint, [*earlier, first_token_id])
         seq.params = params
         seq.max_new_tokens = max_new_tokens
         seq.stop_token_ids = frozenset(stop_token_ids)

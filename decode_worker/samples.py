@@ -37,6 +37,7 @@ def fork_samples(pool: KvPool, seq: DecodeSeq) -> list[DecodeSeq]:
         group.append(dataclasses.replace(
             seq, block_table=fork(pool, seq.block_table, cached),
             receipt=seq.receipt.copy(), params=seq.params.for_sample(index),
+            guide=None if seq.guide is None else seq.guide.fresh(),
             tokens=[first], phase=Phase.RUNNING, sample_index=index, sample_first_tokens=[],
             num_draft_tokens=0, num_accepted_tokens=0, swapped_kv=None,
             # the shared full blocks keep sample 0's shipped draft pages; the copy does not

@@ -17,6 +17,7 @@ from kvferry.cache.budget import KvBudget
 from kvferry.cache.pool import KvPool
 from kvferry.cache.prefix import NO_TIER_TOKENS, TierTokens
 from kvferry.errors import InvalidArgument, NotFound, ResourceExhausted
+from kvferry.model.grammar import Guide
 from kvferry.model.logprobs import TokenLogprob
 from kvferry.model.penalties import History
 from kvferry.model.sampling import FinishReason, SamplingParams
@@ -63,6 +64,7 @@ class DecodeSeq:
     receipt: KvReceipt  # what it has received of its prompt's K/V (decode_worker/receipt.py)
     arrival: int  # admission order: preemption takes the newest first
     params: SamplingParams | None = None
+    guide: Guide | None = None  # its matcher, where params has a constraint (set with params)
     max_new_tokens: int = 0
     stop_token_ids: frozenset[int] = frozenset()
     tokens: list[int] = field(default_factory=list)  # first token (from prefill) + generated
@@ -119,11 +121,11 @@ class DecodeSeq:
         self.lease_deadline = time.monotonic() + self.lease_s
 
     def history(self) -> History:
-        """What its penalties read: the request's prompt, and every token it produced (after
-        a migration, the context's tail holds the earlier legs' outputs)."""
+        """What its penalties and constraint read: the request's prompt, and every token it
+        produced (after a migration, the context's tail holds the earlier legs' outputs)."""
         start = self.num_prompt_tokens - self.output_offset
         return History(self.prompt_token_ids[:start],
-                       self.prompt_token_ids[start:] + self.tokens)
+                       self.prompt_token_ids[start:] + self.tokens, self.guide)
 
     @property
     def next_position(self) -> int:

@@ -83,7 +83,7 @@ class StepRows:
         else:
             params = [s.params or SamplingParams() for s in self.batch]  # attached: never None
             indices = [s.output_offset + len(s.tokens) for s in self.batch]
-            histories = [s.history() if p.has_penalties else None
+            histories = [s.history() if p.shapes_logits else None
                          for s, p in zip(self.batch, params)]
             tokens = [[token] for token in sample_tokens(logits, params, indices, histories)]
         return Kept(tokens, self._logprobs(logits, tokens))
@@ -127,7 +127,7 @@ def accept(logits: torch.Tensor, batch: Sequence[DecodeSeq], drafts: Sequence[li
         row += len(seq_drafts) + 1
         params = seq.params or SamplingParams()  # attached: never None
         tokens = verify(rows, seq_drafts, params, seq.output_offset + len(seq.tokens),
-                        seq.history() if params.has_penalties else None).token_ids
+                        seq.history() if params.shapes_logits else None).token_ids
         tokens = tokens[:max(1, seq.tokens_left)]
         for i, token in enumerate(tokens):
             if token in seq.stop_token_ids:

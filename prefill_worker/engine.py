@@ -37,6 +37,7 @@ from kvferry.cache.stats import PoolStats
 from kvferry.cache.tiers.tiered import TieredCache, TierHit
 from kvferry.errors import Aborted, InvalidArgument, NotFound, Unavailable
 from kvferry.model.eviction import make_eviction
+from kvferry.model.grammar import guide_for
 from kvferry.model.logprobs import TokenLogprob
 from kvferry.model.prefill_batch import PrefillBatcher, PrefillJob
 from kvferry.model.sampling import SamplingParams, validate_prompt
@@ -213,6 +214,8 @@ class PrefillEngine:
         if defer_push and decode_address:
             raise InvalidArgument("defer_push needs an empty decode_address", "defer_push")
         self._validate(request_id, prompt, params, num_samples)
+        guide = guide_for(self.model.config, params.constraint,
+                          prompt[len(prompt) - output_index:])
         check_skip_blocks(skip_blocks, len(prompt), self.pool.block_size)
         keys = self._block_keys(prompt, cache_salt)
         # (prompt logprobs need every position's logits: no cached prefix serves them)
@@ -221,7 +224,7 @@ class PrefillEngine:
         blocks, num_cached = hit.block_ids, hit.num_cached * self.pool.block_size
         job = PrefillJob(request_id, prompt, params, blocks,
                          asyncio.get_running_loop().create_future(), output_index,
-                         num_computed=num_cached, num_samples=num_samples)
+                         num_computed=num_cached, num_samples=num_samples, guide=guide)
         push: asyncio.Future[PushResult] | None = None
         parked: Parked | None = None
         draft = _DraftRun(self.draft)

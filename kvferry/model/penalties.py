@@ -13,16 +13,20 @@ from typing import NamedTuple
 
 import torch
 
+from kvferry.model.grammar import Guide
+
 MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| (the OpenAI API's bound)
 MAX_BIAS = 100.0  # |logit_bias| values (the OpenAI API's bound)
 
 
 class History(NamedTuple):
-    """What a row's penalties read: the prompt's tokens and those the request produced
-    before the row's (every earlier output, across legs and drafts)."""
+    """What a row's penalties and constraint read: the prompt's tokens and those the request
+    produced before the row's (every earlier output, across legs and drafts); `guide`, the
+    sequence's matcher where its request is constrained (kvferry/model/grammar.py)."""
 
     prompt: list[int]
     output: list[int]
+    guide: Guide | None = None
 
 
 def penalize(logits: torch.Tensor, history: History, presence: float, frequency: float,

@@ -33,6 +33,7 @@ from kvferry import trace
 from kvferry.cache.pool import KvPool
 from kvferry.faults import Faults
 from kvferry.model.executor import run_to_completion
+from kvferry.model.grammar import Guide
 from kvferry.model.logprobs import TokenLogprob, logprobs_of
 from kvferry.model.penalties import History
 from kvferry.model.sampling import SamplingParams, sample_tokens
@@ -116,12 +117,13 @@ class PrefillJob:
     # prompt_logprobs: those of prompt[1:] (each chunk's as its forward ends).
     first_logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    guide: Guide | None = None  # the first token's matcher, where params has a constraint
 
     def history(self) -> History:
-        """What its first token's penalties read: the request's prompt, and (after a
-        migration) the outputs at the prompt's tail."""
+        """What its first token's penalties and constraint read: the request's prompt, and
+        (after a migration) the outputs at the prompt's tail."""
         start = len(self.prompt) - self.output_index
-        return History(self.prompt[:start], self.prompt[start:])
+        return History(self.prompt[:start], self.prompt[start:], self.guide)
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -315,7 +317,7 @@ class PrefillBatcher:
         tokens = sample_tokens(logits[[i for i, _ in rows]],
                                [items[i].job.params.for_sample(s) for i, s in rows],
                                [items[i].job.output_index for i, _ in rows],
-                               [items[i].job.history() if items[i].job.params.has_penalties
+                               [items[i].job.history() if items[i].job.params.shapes_logits
                                 else None for i, _ in rows])
         result: list[list[int] | None] = [None] * len(items)
         for (i, _), token in zip(rows, tokens):

@@ -33,17 +33,19 @@ def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams,
     j drafts (row 0 after the context alone). `output_index`: how many tokens the request
     produced before row 0's. The caller cuts the tokens at a stop token or max_tokens, and
     rolls back the K/V of positions past the last token kept. `history`: what the
-    request's penalties read before row 0 (row j's adds the first j drafts)."""
+    request's penalties and constraint read before row 0 (row j's adds the first j drafts;
+    a draft the constraint forbids is never sampled, so it is rejected)."""
     if logits.shape[0] != len(drafts) + 1:
         raise ValueError(f"{logits.shape[0]} rows of logits for {len(drafts)} drafts")
     greedy = (logits.argmax(dim=-1).tolist()
-              if params.is_greedy and not params.has_penalties else None)
+              if params.is_greedy and not params.shapes_logits else None)
     tokens: list[int] = []
     for j in range(len(drafts) + 1):
         row = logits[j]
-        if params.has_penalties:  # row j's history holds the drafts before it
-            row = params.penalized(row, None if history is None else
-                                   History(history.prompt, history.output + drafts[:j]))
+        if params.shapes_logits:  # row j's history holds the drafts before it
+            row = params.shaped(row, None if history is None else
+                                History(history.prompt, history.output + drafts[:j],
+                                        history.guide))
         if greedy is not None:
             token = greedy[j]
         elif params.is_greedy:

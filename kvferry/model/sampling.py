@@ -17,6 +17,7 @@ from enum import Enum
 import torch
 
 from kvferry.errors import InvalidArgument
+from kvferry.model.grammar import Constraint
 from kvferry.model.logprobs import MAX_LOGPROBS
 from kvferry.model.penalties import MAX_BIAS, MAX_PENALTY, History, penalize
 from kvferry.settings.sampling import DEFAULT_TEMPERATURE
@@ -59,21 +60,35 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    # Structured output: what the output must match (kvferry/model/grammar.py)
+    constraint: Constraint | None = None
 
     @property
     def has_penalties(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
                     or self.repetition_penalty != 1.0)
 
-    def penalized(self, logits: torch.Tensor, history: History | None) -> torch.Tensor:
-        """Row `logits` [V] as this request's penalties and biases leave it (`history`: what
-        they read; needed when it has any)."""
-        if not self.has_penalties:
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether rows are sampled from other than the model's logits (penalties, biases,
+        a constraint's mask): then each row needs its History."""
+        return self.has_penalties or self.constraint is not None
+
+    def shaped(self, logits: torch.Tensor, history: History | None) -> torch.Tensor:
+        """Row `logits` [V] as this request's penalties and biases leave it, then masked to
+        what its constraint allows (`history`: what they read; its guide for a constraint)."""
+        if not self.shapes_logits:
             return logits
         if history is None:
-            raise ValueError("penalties need the row's history")
-        return penalize(logits, history, self.presence_penalty, self.frequency_penalty,
-                        self.repetition_penalty, self.logit_bias)
+            raise ValueError("penalties and constraints need the row's history")
+        if self.has_penalties:
+            logits = penalize(logits, history, self.presence_penalty, self.frequency_penalty,
+                              self.repetition_penalty, self.logit_bias)
+        if self.constraint is not None:
+            if history.guide is None:
+                raise ValueError("a constrained row needs its sequence's guide")
+            logits = history.guide.shaped(logits, history.output)
+        return logits
 
     @property
     def is_greedy(self) -> bool:
@@ -139,6 +154,12 @@ class SamplingParams:
                 )
         if any(s == "" for s in self.stop):
             raise InvalidArgument("sampling.stop: stop strings must be non-empty", "sampling.stop")
+        if self.constraint is not None:
+            self.constraint.validate()
+            if self.ignore_eos:
+                raise InvalidArgument("sampling.ignore_eos: a constrained answer ends where its "
+                                      "constraint does; it cannot ignore the end-of-sequence "
+                                      "token (sampling.constraint)", "sampling.ignore_eos")
 
 
     def _validate_penalties(self, vocab_size: int) -> None:
@@ -208,12 +229,12 @@ def sample_tokens(
     histories: Sequence[History | None] | None = None,
 ) -> list[int]:
     """One token per row; `output_indices[i]` is how many tokens row i's request produced;
-    `histories[i]`, what its penalties read (where its request has any)."""
+    `histories[i]`, what its penalties and constraint read (where its request has any)."""
     greedy = logits.argmax(dim=-1).tolist()
     tokens = []
     for i, p in enumerate(params):
-        if p.has_penalties:
-            row = p.penalized(logits[i], histories[i] if histories is not None else None)
+        if p.shapes_logits:
+            row = p.shaped(logits[i], histories[i] if histories is not None else None)
             tokens.append(int(row.argmax().item()) if p.is_greedy
                           else _sample_row(row, p, output_indices[i]))
         else:

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from kvferry.cache.layout import KvLayout
 from kvferry.cache.prefix import CacheEvent, EventsSince, Tier
 from kvferry.cache.stats import PoolStats, TierState, TierStats
+from kvferry.model.grammar import Constraint
 from kvferry.model.logprobs import TokenLogprob
 from kvferry.model.sampling import DEFAULT_MAX_TOKENS, SamplingParams
 from kvferry.settings.sampling import KVFERRY_DEFAULTS, SamplingDefaults
@@ -36,7 +37,27 @@ def sampling_from_proto(msg: generation_pb2.SamplingParams,
         repetition_penalty=(msg.repetition_penalty if msg.HasField("repetition_penalty")
                             else 1.0),
         logit_bias=tuple(sorted(msg.logit_bias.items())),
+        constraint=constraint_from_proto(msg.constraint) if msg.HasField("constraint") else None,
     )
+
+
+def constraint_from_proto(msg: generation_pb2.Constraint) -> Constraint | None:
+    """None for a Constraint with no kind set, or json_object false."""
+    kind = msg.WhichOneof("kind")
+    if kind is None or (kind == "json_object" and not msg.json_object):
+        return None
+    if kind == "choice":
+        return Constraint("choice", choices=tuple(msg.choice.values))
+    return Constraint(kind, "" if kind == "json_object" else getattr(msg, kind))
+
+
+def constraint_to_proto(constraint: Constraint) -> generation_pb2.Constraint:
+    if constraint.kind == "choice":
+        return generation_pb2.Constraint(
+            choice=generation_pb2.Choices(values=list(constraint.choices)))
+    if constraint.kind == "json_object":
+        return generation_pb2.Constraint(json_object=True)
+    return generation_pb2.Constraint(**{constraint.kind: constraint.spec})
 
 
 def sampling_to_proto(params: SamplingParams) -> generation_pb2.SamplingParams:
@@ -55,6 +76,8 @@ def sampling_to_proto(params: SamplingParams) -> generation_pb2.SamplingParams:
         msg.logprobs = params.logprobs
     if params.prompt_logprobs is not None:
         msg.prompt_logprobs = params.prompt_logprobs
+    if params.constraint is not None:
+        msg.constraint.CopyFrom(constraint_to_proto(params.constraint))
     return msg
 
 

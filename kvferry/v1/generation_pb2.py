@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkvferry/v1/generation.proto\x12\nkvferry.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.kvferry.v1.ChatMessage\"\xd3\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x0e\n\x01n\x18\t \x01(\x05H\x05\x88\x01\x01\x12\x13\n\x0bkv_eviction\x18\n \x01(\t\x12\x15\n\x08logprobs\x18\x0b \x01(\x05H\x06\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0c \x01(\x05H\x07\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\r \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0e \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0f \x01(\x02H\x08\x88\x01\x01\x12=\n\nlogit_bias\x18\x10 \x03(\x0b\x32).kvferry.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x04\n\x02_nB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x15\n\x13_repetition_penalty\"L\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\xd9\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.kvferry.v1.TokenIdsH\x00\x12,\n\x08messages\x18\x05 \x01(\x0b\x32\x18.kvferry.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.kvferry.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\tB\x07\n\x05input\"\x8c\x01\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.kvferry.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x18.kvferry.v1.TokenLogprob\"\xf1\x02\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12!\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12!\n\x14kv_bytes_not_shipped\x18\x04 \x01(\x03H\x01\x88\x01\x01\x12\x1d\n\x10kv_bytes_shipped\x18\x05 \x01(\x03H\x02\x88\x01\x01\x12\x1a\n\x12\x63\x61\x63hed_host_tokens\x18\x06 \x01(\x05\x12\x1a\n\x12\x63\x61\x63hed_disk_tokens\x18\x07 \x01(\x05\x12\x1b\n\x13\x63\x61\x63hed_store_tokens\x18\x08 \x01(\x05\x12\x18\n\x10num_draft_tokens\x18\t \x01(\x05\x12\x1b\n\x13num_accepted_tokens\x18\n \x01(\x05\x42\x17\n\x15_cached_prompt_tokensB\x17\n\x15_kv_bytes_not_shippedB\x13\n\x11_kv_bytes_shipped\"\xb1\x01\n\x06Timing\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x15\n\rkv_transfer_s\x18\x03 \x01(\x01\x12\x1b\n\x13\x66irst_decode_step_s\x18\x04 \x01(\x01\x12\x1d\n\x15time_to_first_token_s\x18\x05 \x01(\x01\x12\x18\n\x10\x61\x64mission_wait_s\x18\x06 \x01(\x01\x12\x16\n\x0enum_migrations\x18\x07 \x01(\x05\"z\n\x08\x46inished\x12(\n\x06reason\x18\x01 \x01(\x0e\x32\x18.kvferry.v1.FinishReason\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.kvferry.v1.Usage\x12\"\n\x06timing\x18\x03 \x01(\x0b\x32\x12.kvferry.v1.Timing\"\x97\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x16.kvferry.v1.TokenChunkH\x00\x12(\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x14.kvferry.v1.FinishedH\x00\x12\x14\n\x0csample_index\x18\x04 \x01(\x05\x42\x06\n\x04kind\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x15\n\x13GetModelInfoRequest\"\xbd\x01\n\tModelInfo\x12\x14\n\x0c\x61rchitecture\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x1a\n\x12max_context_tokens\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x19\n\x11model_fingerprint\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x10\n\x08kv_dtype\x18\x07 \x01(\t\x12\x12\n\nmodel_name\x18\x08 \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xe2\x01\n\x11GenerationService\x12G\n\x08Generate\x12\x1b.kvferry.v1.GenerateRequest\x1a\x1c.kvferry.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.kvferry.v1.AbortRequest\x1a\x19.kvferry.v1.AbortResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.kvferry.v1.GetModelInfoRequest\x1a\x15.kvferry.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkvferry/v1/generation.proto\x12\nkvferry.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.kvferry.v1.ChatMessage\"\xff\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x0e\n\x01n\x18\t \x01(\x05H\x05\x88\x01\x01\x12\x13\n\x0bkv_eviction\x18\n \x01(\t\x12\x15\n\x08logprobs\x18\x0b \x01(\x05H\x06\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0c \x01(\x05H\x07\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\r \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0e \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0f \x01(\x02H\x08\x88\x01\x01\x12=\n\nlogit_bias\x18\x10 \x03(\x0b\x32).kvferry.v1.SamplingParams.LogitBiasEntry\x12*\n\nconstraint\x18\x11 \x01(\x0b\x32\x16.kvferry.v1.Constraint\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x04\n\x02_nB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x15\n\x13_repetition_penalty\"\x8d\x01\n\nConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x13.kvferry.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x19\n\x07\x43hoices\x12\x0e\n\x06values\x18\x01 \x03(\t\"L\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\xd9\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.kvferry.v1.TokenIdsH\x00\x12,\n\x08messages\x18\x05 \x01(\x0b\x32\x18.kvferry.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.kvferry.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\tB\x07\n\x05input\"\x8c\x01\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.kvferry.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x18.kvferry.v1.TokenLogprob\"\xf1\x02\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12!\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12!\n\x14kv_bytes_not_shipped\x18\x04 \x01(\x03H\x01\x88\x01\x01\x12\x1d\n\x10kv_bytes_shipped\x18\x05 \x01(\x03H\x02\x88\x01\x01\x12\x1a\n\x12\x63\x61\x63hed_host_tokens\x18\x06 \x01(\x05\x12\x1a\n\x12\x63\x61\x63hed_disk_tokens\x18\x07 \x01(\x05\x12\x1b\n\x13\x63\x61\x63hed_store_tokens\x18\x08 \x01(\x05\x12\x18\n\x10num_draft_tokens\x18\t \x01(\x05\x12\x1b\n\x13num_accepted_tokens\x18\n \x01(\x05\x42\x17\n\x15_cached_prompt_tokensB\x17\n\x15_kv_bytes_not_shippedB\x13\n\x11_kv_bytes_shipped\"\xb1\x01\n\x06Timing\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x15\n\rkv_transfer_s\x18\x03 \x01(\x01\x12\x1b\n\x13\x66irst_decode_step_s\x18\x04 \x01(\x01\x12\x1d\n\x15time_to_first_token_s\x18\x05 \x01(\x01\x12\x18\n\x10\x61\x64mission_wait_s\x18\x06 \x01(\x01\x12\x16\n\x0enum_migrations\x18\x07 \x01(\x05\"z\n\x08\x46inished\x12(\n\x06reason\x18\x01 \x01(\x0e\x32\x18.kvferry.v1.FinishReason\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.kvferry.v1.Usage\x12\"\n\x06timing\x18\x03 \x01(\x0b\x32\x12.kvferry.v1.Timing\"\x97\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x16.kvferry.v1.TokenChunkH\x00\x12(\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x14.kvferry.v1.FinishedH\x00\x12\x14\n\x0csample_index\x18\x04 \x01(\x05\x42\x06\n\x04kind\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x15\n\x13GetModelInfoRequest\"\xbd\x01\n\tModelInfo\x12\x14\n\x0c\x61rchitecture\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x1a\n\x12max_context_tokens\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x19\n\x11model_fingerprint\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x10\n\x08kv_dtype\x18\x07 \x01(\t\x12\x12\n\nmodel_name\x18\x08 \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xe2\x01\n\x11GenerationService\x12G\n\x08Generate\x12\x1b.kvferry.v1.GenerateRequest\x1a\x1c.kvferry.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.kvferry.v1.AbortRequest\x1a\x19.kvferry.v1.AbortResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.kvferry.v1.GetModelInfoRequest\x1a\x15.kvferry.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2310
-  _globals['_FINISHREASON']._serialized_end=2430
+  _globals['_FINISHREASON']._serialized_start=2525
+  _globals['_FINISHREASON']._serialized_end=2645
   _globals['_TOKENIDS']._serialized_start=43
   _globals['_TOKENIDS']._serialized_end=66
   _globals['_CHATMESSAGE']._serialized_start=68
@@ -42,31 +42,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGES']._serialized_start=114
   _globals['_CHATMESSAGES']._serialized_end=171
   _globals['_SAMPLINGPARAMS']._serialized_start=174
-  _globals['_SAMPLINGPARAMS']._serialized_end=769
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=599
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=647
-  _globals['_TOKENLOGPROB']._serialized_start=771
-  _globals['_TOKENLOGPROB']._serialized_end=847
-  _globals['_GENERATEREQUEST']._serialized_start=850
-  _globals['_GENERATEREQUEST']._serialized_end=1067
-  _globals['_TOKENCHUNK']._serialized_start=1070
-  _globals['_TOKENCHUNK']._serialized_end=1210
-  _globals['_USAGE']._serialized_start=1213
-  _globals['_USAGE']._serialized_end=1582
-  _globals['_TIMING']._serialized_start=1585
-  _globals['_TIMING']._serialized_end=1762
-  _globals['_FINISHED']._serialized_start=1764
-  _globals['_FINISHED']._serialized_end=1886
-  _globals['_GENERATERESPONSE']._serialized_start=1889
-  _globals['_GENERATERESPONSE']._serialized_end=2040
-  _globals['_ABORTREQUEST']._serialized_start=2042
-  _globals['_ABORTREQUEST']._serialized_end=2076
-  _globals['_ABORTRESPONSE']._serialized_start=2078
-  _globals['_ABORTRESPONSE']._serialized_end=2093
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2095
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2116
-  _globals['_MODELINFO']._serialized_start=2119
-  _globals['_MODELINFO']._serialized_end=2308
-  _globals['_GENERATIONSERVICE']._serialized_start=2433
-  _globals['_GENERATIONSERVICE']._serialized_end=2659
+  _globals['_SAMPLINGPARAMS']._serialized_end=813
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=643
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=691
+  _globals['_CONSTRAINT']._serialized_start=816
+  _globals['_CONSTRAINT']._serialized_end=957
+  _globals['_CHOICES']._serialized_start=959
+  _globals['_CHOICES']._serialized_end=984
+  _globals['_TOKENLOGPROB']._serialized_start=986
+  _globals['_TOKENLOGPROB']._serialized_end=1062
+  _globals['_GENERATEREQUEST']._serialized_start=1065
+  _globals['_GENERATEREQUEST']._serialized_end=1282
+  _globals['_TOKENCHUNK']._serialized_start=1285
+  _globals['_TOKENCHUNK']._serialized_end=1425
+  _globals['_USAGE']._serialized_start=1428
+  _globals['_USAGE']._serialized_end=1797
+  _globals['_TIMING']._serialized_start=1800
+  _globals['_TIMING']._serialized_end=1977
+  _globals['_FINISHED']._serialized_start=1979
+  _globals['_FINISHED']._serialized_end=2101
+  _globals['_GENERATERESPONSE']._serialized_start=2104
+  _globals['_GENERATERESPONSE']._serialized_end=2255
+  _globals['_ABORTREQUEST']._serialized_start=2257
+  _globals['_ABORTREQUEST']._serialized_end=2291
+  _globals['_ABORTRESPONSE']._serialized_start=2293
+  _globals['_ABORTRESPONSE']._serialized_end=2308
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2310
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2331
+  _globals['_MODELINFO']._serialized_start=2334
+  _globals['_MODELINFO']._serialized_end=2523
+  _globals['_GENERATIONSERVICE']._serialized_start=2648
+  _globals['_GENERATIONSERVICE']._serialized_end=2874
 # @@protoc_insertion_point(module_scope)
