@@ -34,6 +34,7 @@ from kvferry.cache.budget import KvBudget
 from kvferry.cache.prefix import MAX_CACHE_SALT_BYTES
 from kvferry.errors import InvalidArgument
 from kvferry.model.config import ModelConfig
+from kvferry.model.grammar import check_constraint
 from kvferry.model.sampling import SamplingParams
 from kvferry.settings.limits import PublicLimits
 from router.identity import Caller, tenant_salt
@@ -78,6 +79,10 @@ class Admission:
         stops = tuple(stop_ids(inp.params, config))
         params = resolve_sampling(inp, config, len(prompt), self.limits,
                                   self.kv_budget.is_bounded, self.max_model_len())
+        if params.constraint is not None:  # a bad schema refused before any worker's time
+            async with self._tokenize_slots:
+                await asyncio.get_running_loop().run_in_executor(
+                    self._tokenize, check_constraint, config, params.constraint)
         return Admitted(inp.request_id, prompt, params, stops, received, deadline,
                         tenant_salt(caller.tenant, inp.cache_salt))
 

@@ -177,6 +177,14 @@ def grammars_for(checkpoint: str, vocab_size: int, stop_token_ids: tuple[int, ..
     return Grammars(AutoTokenizer.from_pretrained(checkpoint), vocab_size, stop_token_ids)
 
 
+def check_constraint(config: ModelConfig, constraint: Constraint) -> None:
+    """InvalidArgument, naming the field, for a constraint the engine refuses for `config`'s
+    model (compiled into the process's cache, which the workers' compiles share nothing
+    with: each process compiles its own)."""
+    grammars_for(str(config.path), config.vocab_size,
+                 tuple(config.eos_token_ids)).compile(constraint)
+
+
 def guide_for(config: ModelConfig, constraint: Constraint | None,
               output: Sequence[int] = ()) -> Guide | None:
     """A matcher of `constraint` for a sequence of `config`'s model, past its `output` so far
