@@ -37,7 +37,7 @@ from kvferry.cache.stats import PoolStats
 from kvferry.cache.tiers.tiered import TieredCache, TierHit
 from kvferry.errors import Aborted, InvalidArgument, NotFound, Unavailable
 from kvferry.model.eviction import make_eviction
-from kvferry.model.grammar import guide_for
+from kvferry.model.grammar import Guide, guide_for
 from kvferry.model.logprobs import TokenLogprob
 from kvferry.model.prefill_batch import PrefillBatcher, PrefillJob
 from kvferry.model.sampling import SamplingParams, validate_prompt
@@ -185,7 +185,9 @@ class PrefillEngine:
         await self.sender.close()
 
     def _validate(self, request_id: str, prompt: list[int], params: SamplingParams,
-                  num_samples: int) -> None:
+                  num_samples: int, output_index: int) -> Guide | None:
+        """Refuse bad input naming its field; the first token's matcher where the request
+        is constrained (past the earlier legs' outputs at the prompt's tail)."""
         if self.is_draining:
             raise Unavailable("draining: this worker is shutting down")
         if not request_id:
@@ -198,6 +200,8 @@ class PrefillEngine:
         params.validate(self.model.config.vocab_size)
         if num_samples < 1:
             raise InvalidArgument("num_samples must be >= 1", "num_samples")
+        return guide_for(self.model.config, params.constraint,
+                         prompt[len(prompt) - output_index:])
 
     async def prefill(
         self, request_id: str, prompt: list[int], params: SamplingParams,
@@ -213,9 +217,7 @@ class PrefillEngine:
         token meanwhile, so its TTFT does not wait for decode memory)."""
         if defer_push and decode_address:
             raise InvalidArgument("defer_push needs an empty decode_address", "defer_push")
-        self._validate(request_id, prompt, params, num_samples)
-        guide = guide_for(self.model.config, params.constraint,
-                          prompt[len(prompt) - output_index:])
+        guide = self._validate(request_id, prompt, params, num_samples, output_index)
         check_skip_blocks(skip_blocks, len(prompt), self.pool.block_size)
         keys = self._block_keys(prompt, cache_salt)
         # (prompt logprobs need every position's logits: no cached prefix serves them)

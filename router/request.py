@@ -15,7 +15,7 @@ from router.workers.prefill_client import PrefillCall
 from router.workers.worker import Worker
 
 # "developer": newer OpenAI clients' name for the system's instructions, rendered as "system"
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 @dataclass(frozen=True)

@@ -288,7 +288,8 @@ class HttpFront:
             self._names = TokenNames(self.router.tokenizer)
         return Reply(request_id, self.model, isinstance(body, ChatCompletionRequest),
                      body.include_usage, body.return_token_ids,
-                     self._names if has_logprobs else None, echo, body.n)
+                     self._names if has_logprobs else None, echo, body.n,
+                     body.tool_use() if isinstance(body, ChatCompletionRequest) else None)
 
     def _failed(self, clock: StreamClock, answer: ApiError) -> Response:
         clock.failed(answer.code_name)

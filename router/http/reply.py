@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from kvferry.model.logprobs import TokenLogprob
 from kvferry.model.sampling import FinishReason
 from router.events import ChunkEvent, DoneEvent
+from router.http.structured import ToolUse
 
 SSE_DONE = "data: [DONE]\n\n"
 FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length",
@@ -100,7 +101,8 @@ class Reply:
 
     def __init__(self, request_id: str, model: str, is_chat: bool, include_usage: bool,
                  return_token_ids: bool, names: TokenNames | None = None,
-                 echoes: list[Echo] | None = None, n: int = 1) -> None:
+                 echoes: list[Echo] | None = None, n: int = 1,
+                 tools: ToolUse | None = None) -> None:
         self.request_id = request_id
         self.model = model
         self.is_chat = is_chat
@@ -109,6 +111,7 @@ class Reply:
         self.names = names
         self.echoes = echoes or []
         self.n = n
+        self.tools = tools  # chat with tools in play: answers read for tool calls
         self.created = int(time.time())
         self._echoed: set[int] = set()  # streamed choices whose prompt went out already
         self._offsets: dict[int, int] = {}  # each choice's text offset past its last token
@@ -124,19 +127,47 @@ class Reply:
         ("message" or "delta"); `index`: the sample's. `so_far`: its tokens (of this chunk,
         streaming)."""
         choice: dict[str, object] = {"index": index}
-        text = so_far.text
+        text, finish_reason = so_far.text, None
         if content_key is None:
             choice["text"] = text
+        elif content_key == "message" and self.tools is not None:
+            choice["message"], finish_reason = self._tool_message(text, finish)
         elif content_key == "message":
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["delta"] = ({"content": text} if text or so_far.token_ids or finish is None
                                else {})
         choice["logprobs"] = self._logprobs(so_far, index)
-        choice["finish_reason"] = None if finish is None else FINISH_REASONS[finish]
+        choice["finish_reason"] = (finish_reason if finish_reason is not None
+                                   else None if finish is None else FINISH_REASONS[finish])
         if self.return_token_ids:
             choice["token_ids"] = so_far.token_ids
         return choice
+
+    def _tool_message(self, text: str, finish: FinishReason | None
+                      ) -> tuple[dict[str, object], str | None]:
+        """A chat answer read for tool calls (`self.tools`): the message with its content
+        and `tool_calls`, and "tool_calls" as the finish reason when it made any."""
+        assert self.tools is not None  # noqa: S101 - the caller checked
+        content, calls = self.tools.parse(text)
+        message: dict[str, object] = {"role": "assistant", "content": content}
+        if not calls:
+            return message, None
+        message["tool_calls"] = [call.as_json() for call in calls]
+        return message, "tool_calls" if finish is FinishReason.STOP else None
+
+    def tool_event(self, so_far: ChoiceSoFar, finish: FinishReason, index: int) -> str:
+        """A chat stream's answer for a choice with tools in play, whole as it ends (its text
+        is held back until it can be read for calls): content and `tool_calls` in one
+        delta, with the finish reason."""
+        message, reason = self._tool_message(so_far.text, finish)
+        delta = {k: v for k, v in message.items() if k != "role" and v is not None}
+        if "tool_calls" in delta:
+            delta["tool_calls"] = [{"index": i, **call} for i, call in  # type: ignore[dict-item]
+                                   enumerate(delta["tool_calls"])]  # type: ignore[arg-type]
+        return self._event([{"index": index, "delta": delta,
+                             "logprobs": self._logprobs(so_far, index),
+                             "finish_reason": reason or FINISH_REASONS[finish]}])
 
     def _logprobs(self, so_far: ChoiceSoFar, index: int) -> dict[str, object] | None:
         names = self.names

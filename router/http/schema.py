@@ -13,6 +13,7 @@ result (`UNSERVED`), and unknown ones are ignored, as vLLM does.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,17 +22,31 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict
 
 from kvferry.errors import InvalidArgument
+from kvferry.model.grammar import Constraint
 from kvferry.model.sampling import SamplingParams
 from kvferry.settings.sampling import KVFERRY_DEFAULTS, SamplingDefaults
 from router.http.reply import Echo
+from router.http.structured import (
+    NamedToolChoice,
+    ResponseFormat,
+    StructuredOutputs,
+    Tool,
+    ToolUse,
+    guided_constraint,
+    response_format_constraint,
+    structured_constraint,
+    tool_constraint,
+    tools_prompt,
+)
 from router.request import ChatMessage, GenerateInput
 
 # Parameters refused unless neutral (absent, null, false, 0, empty, or the value listed).
 UNSERVED: dict[str, object] = {
     "echo": None, "top_logprobs": None, "suffix": None, "best_of": 1,
-    "min_tokens": None, "tools": None, "functions": None,
-    "response_format": {"type": "text"},
+    "min_tokens": None, "functions": None,
 }
+GUIDED = (("guided_json", "json_schema"), ("guided_regex", "regex"),
+          ("guided_choice", "choice"), ("guided_grammar", "grammar"))
 
 
 def served_model_name(model: str, given: str | None = None) -> str:
@@ -87,6 +102,13 @@ class OpenAIRequest(BaseModel):
     repetition_penalty: float | None = None  # vLLM's extra
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> added to its logit
     kv_eviction: str = ""  # "none": every token of this request kept (sampling.kv_eviction)
+    # Structured output (router/http/structured.py): at most one of these
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM's
+    guided_json: dict[str, Any] | str | None = None  # vLLM's older extras
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # max_tokens when the body sets none (None: the router's, 256), before the context's cap
     default_max_tokens: ClassVar[int | None] = None
 
@@ -114,6 +136,9 @@ class OpenAIRequest(BaseModel):
 
     def param(self, field: str) -> str:
         """The API parameter a kvferry field name stands for (itself when it is one)."""
+        if field.startswith("sampling.constraint"):
+            given = [name for name, _ in self._constraints()]
+            return given[0] if given else "response_format"
         if field.startswith("sampling."):
             name = field.removeprefix("sampling.")
             return self.max_tokens_param if name == "max_tokens" else name
@@ -128,6 +153,28 @@ class OpenAIRequest(BaseModel):
     def _logprobs(self) -> tuple[int | None, int | None]:
         """SamplingParams' (logprobs, prompt_logprobs) as this endpoint's parameters ask."""
         return None, None
+
+    def _constraints(self) -> list[tuple[str, Constraint | None]]:
+        """Each parameter given that may constrain the output, and its constraint."""
+        given: list[tuple[str, Constraint | None]] = []
+        if self.response_format is not None:
+            given.append(("response_format", response_format_constraint(self.response_format)))
+        if self.structured_outputs is not None:
+            given.append(("structured_outputs", structured_constraint(
+                self.structured_outputs, "structured_outputs")))
+        for name, kind in GUIDED:
+            value = getattr(self, name)
+            if value is not None:
+                given.append((name, guided_constraint(kind, value)))
+        return given
+
+    def _constraint(self) -> Constraint | None:
+        """The one constraint the body asks for (None: none)."""
+        given = [(name, c) for name, c in self._constraints() if c is not None]
+        if len(given) > 1:
+            raise InvalidArgument(f"{given[1][0]}: the output is constrained by {given[0][0]} "
+                                  "already; give one", given[1][0])
+        return given[0][1] if given else None
 
     def _logit_bias(self) -> tuple[tuple[int, float], ...]:
         """`logit_bias` with its keys as token ids (JSON keys are strings)."""
@@ -157,7 +204,7 @@ class OpenAIRequest(BaseModel):
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=(1.0 if self.repetition_penalty is None
                                 else self.repetition_penalty),
-            logit_bias=self._logit_bias(),
+            logit_bias=self._logit_bias(), constraint=self._constraint(),
             **({} if max_tokens is None and self.default_max_tokens is None
                else {"max_tokens": self.default_max_tokens if max_tokens is None
                      else max_tokens}),
@@ -186,11 +233,28 @@ class Message(BaseModel):
 
     role: str  # checked by the router's validation, as gRPC's are
     content: str | list[ContentPart] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+
+    def _calls(self) -> str:
+        """An assistant's earlier tool calls, written back as the model was asked to write
+        them (router/http/structured.py)."""
+        out = ""
+        for call in self.tool_calls or []:
+            function = call.get("function") or {}
+            arguments = function.get("arguments") or "{}"
+            try:
+                arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+            except ValueError:
+                pass  # kept as the text it is
+            out += ("\n<tool_call>\n" + json.dumps({"name": function.get("name"),
+                                                    "arguments": arguments})
+                    + "\n</tool_call>")
+        return out
 
     def text(self, index: int) -> str:
         """The content as one string: text parts joined by newlines (as vLLM joins them)."""
         if self.content is None or isinstance(self.content, str):
-            return self.content or ""
+            return (self.content or "") + self._calls()
         for j, part in enumerate(self.content):
             if part.type != "text" or part.text is None:
                 field = f"messages[{index}].content[{j}]"
@@ -206,6 +270,18 @@ class ChatCompletionRequest(OpenAIRequest):
     max_completion_tokens: int | None = None  # the newer name; wins over max_tokens
     logprobs: bool = False  # each token's log probability (choices[].logprobs.content)
     top_logprobs: int | None = None  # and this many most likely tokens at it (needs logprobs)
+    tools: list[Tool] | None = None
+    tool_choice: str | NamedToolChoice | None = None  # default: auto with tools, else none
+    parallel_tool_calls: bool = True  # false: one call at most
+
+    def _constraints(self) -> list[tuple[str, Constraint | None]]:
+        constraint, _ = tool_constraint(self.tools or [], self.tool_choice,
+                                        self.parallel_tool_calls)
+        return [*super()._constraints(), *([("tools", constraint)] if constraint else [])]
+
+    def tool_use(self) -> ToolUse | None:
+        """How the answer is read for tool calls (None: it is not)."""
+        return tool_constraint(self.tools or [], self.tool_choice)[1]
 
     def _logprobs(self) -> tuple[int | None, int | None]:
         if self.top_logprobs is not None and not self.logprobs:
@@ -233,6 +309,13 @@ class ChatCompletionRequest(OpenAIRequest):
     def to_inputs(self, request_id: str, defaults: SamplingDefaults = KVFERRY_DEFAULTS
                   ) -> list[GenerateInput]:
         messages = tuple(ChatMessage(m.role, m.text(i)) for i, m in enumerate(self.messages))
+        if self.tools and self.tool_use() is not None:  # offered in a system message
+            offer = tools_prompt(self.tools)
+            if messages and messages[0].role in ("system", "developer"):
+                messages = (ChatMessage("system", f"{messages[0].content}\n\n{offer}"),
+                            *messages[1:])
+            else:
+                messages = (ChatMessage("system", offer), *messages)
         return [self._input(request_id, defaults, messages=messages)]
 
 

@@ -102,16 +102,22 @@ async def sse(events: AsyncIterator[str | Event], first: Event, reply: Reply,
         for index in range(num_choices):
             yield reply.role_event(index)
     event, dones = first, []
+    held = [ChoiceSoFar() for _ in range(num_choices)]  # with tools: read at the end
     try:
         while True:
             if isinstance(event, ChunkEvent):
                 clock.chunk(len(event.token_ids))
-                if event.text or event.token_ids:  # a step whose text is held back: ""
+                if reply.tools is not None:
+                    held[event.sample_index].add(event)
+                elif event.text or event.token_ids:  # a step whose text is held back: ""
                     yield reply.chunk_event(event)
             else:  # one DoneEvent per sample (Router.generate)
                 clock.done(event)
                 _log_done(reply.request_id, event)
-                yield reply.chunk_event(None, event.reason, event.sample_index)
+                yield (reply.chunk_event(None, event.reason, event.sample_index)
+                       if reply.tools is None else
+                       reply.tool_event(held[event.sample_index], event.reason,
+                                        event.sample_index))
                 dones.append(event)
                 if len(dones) == num_choices:
                     break
