@@ -3,7 +3,8 @@ measured side by side on this machine, on the real default model's tokenizer.
 
 For each engine and JSON schema: the time to compile the schema against the vocabulary, and
 per generated token the time to fill the next token's mask and to advance past the token,
-walking a valid document of the schema (compact JSON, tokenized as the model would write
+walking a valid document of the schema (JSON with ", " and ": " between items, as kvferry
+constrains it, tokenized as the model would write
 it). Each engine must accept every token of the document and end accepting. Repeated
 `--repeats` times in one invocation; median [min-max] of each repetition's median.
 
@@ -116,8 +117,31 @@ def _token_bytes(tokenizer: object) -> dict[bytes, list[int]]:
     return out
 
 
+def kvferry_engine(tokenizer: object, vocab_size: int) -> Engine:
+    """What kvferry runs per sampled row (kvferry/model/grammar.py, on xgrammar): a Guide
+    following the output, filling the mask and applying it to a row of logits."""
+    import torch
+
+    from kvferry.model.grammar import Constraint, Grammars
+
+    grammars = Grammars(tokenizer, vocab_size, [tokenizer.eos_token_id])  # type: ignore[attr-defined]
+    logits = torch.randn(vocab_size)  # [V]
+
+    def compile_schema(schema: str) -> Callable[[], Matcher]:
+        compiled = grammars.compile(Constraint("json_schema", schema))
+
+        def matcher() -> Matcher:
+            from kvferry.model.grammar import Guide
+
+            guide, output = Guide(compiled, vocab_size), []
+            return (lambda: guide.shaped(logits, output),
+                    lambda t: output.append(t) is None, lambda: True)
+        return matcher
+    return compile_schema
+
+
 ENGINES = {"xgrammar": xgrammar_engine, "llguidance": llguidance_engine,
-           "outlines-core": outlines_engine}
+           "outlines-core": outlines_engine, "kvferry-guide": kvferry_engine}
 
 
 def walk(matcher: Matcher, tokens: list[int]) -> list[float]:
@@ -138,7 +162,7 @@ def walk(matcher: Matcher, tokens: list[int]) -> list[float]:
 def measure(name: str, engine: Engine, tokenizer: object, repeats: int) -> dict:
     out: dict[str, dict] = {}
     for schema_name, (schema, doc) in SCHEMAS.items():
-        tokens = tokenizer.encode(json.dumps(doc, separators=(",", ":")),  # type: ignore[attr-defined]
+        tokens = tokenizer.encode(json.dumps(doc),  # type: ignore[attr-defined]
                                   add_special_tokens=False)
         compiles, per_token = [], []
         for _ in range(repeats):
