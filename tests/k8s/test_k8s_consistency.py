@@ -133,6 +133,11 @@ def test_drain_fits_the_grace_period_and_liveness_waits_it_out(parsed) -> None:
             assert liveness["periodSeconds"] * liveness["failureThreshold"] > grace_s
 
 
+# ConfigMaps that the cluster's monitoring reads, not kvferry (components/monitoring)
+READ_OUTSIDE = {"kvferry-grafana-dashboards": "Grafana's dashboard sidecar",
+                "kvferry-prometheus-rules": "Prometheus's rule_files"}
+
+
 def test_env_vars_are_consumed(rendered) -> None:
     """A KVFERRY_* variable set on a container, or a key of the shared ConfigMap, is expanded
     into some container's args or read by the code: no setting is silently ignored."""
@@ -151,7 +156,7 @@ def test_env_vars_are_consumed(rendered) -> None:
         mounted = {v["configMap"]["name"] for r in resources for _, t in pod_templates(r)
                    for v in t["spec"].get("volumes", []) if "configMap" in v}
         for name, data in config_maps(resources).items():
-            if name in mounted:  # its keys are files a container reads
+            if name in mounted or name in READ_OUTSIDE:  # files a container or a peer reads
                 continue
             unused = [k for k in data if k not in used and f'"{k}"' not in source]
             assert unused == [], f"{tree}: ConfigMap keys nobody uses: {unused}"
