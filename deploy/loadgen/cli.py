@@ -265,11 +265,15 @@ def run(args: argparse.Namespace) -> int:
     launches = any(t.launch is not None for t in targets)
     is_openai = any(t.backend != "grpc" for t in targets)
     # the checkpoint, resolved (converted, verified) once and only where it is needed
-    model = bench_model(args.model) if launches or (
-        is_openai and args.model != "default") else None
-    if is_openai and config.tokenizer is None and model is not None:
-        # as vLLM's bench: the tokenizer defaults to the model's (a launched one, or --model)
+    model = bench_model(args.model) if launches or is_openai else None
+    if (is_openai and config.tokenizer is None and model is not None
+            and (launches or all(t.backend != "grpc" for t in targets))):
+        # as vLLM's bench: the tokenizer defaults to the model's (a launched one, or --model,
+        # the default model included: what `kvferry serve` serves without --model); beside a
+        # running gRPC target, that target's GetModelInfo gives the vocabulary instead
         config = dataclasses.replace(config, tokenizer=Path(model))
+        print(f"bench: counting tokens with {args.model}'s tokenizer ({model}); --tokenizer "
+              "for another", file=sys.stderr)
     log_dir = args.launch_log_dir
     if launches and log_dir is None:  # the servers' logs in a file, not on the terminal
         log_dir = KVFERRY_HOME / "logs" / time.strftime("bench-%Y%m%d-%H%M%S")

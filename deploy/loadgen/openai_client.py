@@ -95,10 +95,13 @@ def check_workload(backend: str, items: Sequence[BenchRequest] | Sequence[Conver
         return
     if isinstance(items[0], Conversation):
         raise ValueError(f"{backend}: multi-turn needs --tokenizer (each answer's text is "
-                         "tokenized into the next turn's prompt)")
+                         "tokenized into the next turn's prompt): the served model's "
+                         "directory, the --model given to `kvferry serve`")
     if backend == "openai-chat" and any(not isinstance(r.prompt, str) for r in items):
         raise ValueError("openai-chat sends text: token-id prompts need --tokenizer to be "
-                         "decoded (or use --backend openai-completions, which sends the ids)")
+                         "decoded (the served model's directory, the --model given to "
+                         "`kvferry serve`), or use --backend openai-completions, which sends "
+                         "the ids")
 
 
 def aiohttp_post(session: aiohttp.ClientSession) -> Post:

@@ -101,18 +101,24 @@ def test_bad_openai_arguments_exit_2(openai_server: FakeOpenAI,
     assert "needs --base-url" in capsys.readouterr().err
     assert main([*BENCH, "--base-url", openai_server.base_url]) == 2
     assert "--base-url needs --backend" in capsys.readouterr().err
-    # Token-id prompts cannot be chat messages without a tokenizer: said before sending.
-    assert main([*BENCH, "--backend", "openai-chat", "--base-url", openai_server.base_url,
-                 "--vocab-size", "100"]) == 2
-    assert "openai-chat sends text" in capsys.readouterr().err
-    # An OpenAI server alone does not say its vocabulary.
-    assert main([*BENCH, "--backend", "openai-completions", "--base-url",
-                 openai_server.base_url]) == 2
-    assert "--vocab-size or --tokenizer" in capsys.readouterr().err
     assert main([*BENCH, "--backend", "openai-completions", "--base-url",
                  openai_server.base_url, "--extra-body", "[1]"]) == 2
     assert "--extra-body: expected a JSON object" in capsys.readouterr().err
     assert openai_server.bodies == []
+
+
+def test_an_openai_target_counts_with_the_models_tokenizer_unless_told(
+        openai_server: FakeOpenAI, capsys: pytest.CaptureFixture[str]) -> None:
+    """As vLLM's bench: no --tokenizer needed; --model's (the default model, what `kvferry
+    serve` serves without --model) decodes token-id prompts into chat text and gives the
+    vocabulary, and the run says so."""
+    assert main([*BENCH, "--backend", "openai-chat", "--base-url", openai_server.base_url,
+                 "--vocab-size", "100"]) == 0
+    err = capsys.readouterr().err
+    assert "counting tokens with default's tokenizer" in err and "--tokenizer for another" in err
+    assert all(isinstance(b["messages"][0]["content"], str) for b in openai_server.bodies)
+    assert main([*BENCH, "--backend", "openai-completions", "--base-url",
+                 openai_server.base_url]) == 0  # the vocabulary: the tokenizer's
 
 
 def test_target_strings_with_backends() -> None:
