@@ -81,3 +81,26 @@ def test_a_schema_the_engine_refuses_is_invalid_argument_naming_the_field(
             [5, 6, 7], max_tokens=4, ignore_eos=True, constraint=ignoring), 60))
     assert "sampling.ignore_eos" in (refused.value.details() or "")
     assert_pools_clean(qwen3_deployment)
+
+
+def test_forked_samples_each_follow_their_own_output(qwen3_deployment: Deployment,
+                                                     qwen3_checkpoint: Path) -> None:
+    """n samples of one constrained prompt (first tokens drawn by the prefill worker from one
+    masked row, then forked on the decode worker, each with a matcher of its own): each is
+    valid, and sample i equals a request of its own with seed + i."""
+    schema = json.dumps(SCHEMA)
+    constraint = generation_pb2.Constraint(json_schema=schema)
+    prompt = _prompt(qwen3_checkpoint)
+    sampling = dict(temperature=1.0, max_tokens=MAX_TOKENS, constraint=constraint)
+    samples = asyncio.run(client.generate_samples(qwen3_deployment.router_address,
+                                                  client.make_request(prompt, n=3, seed=11,
+                                                                      **sampling), 120))
+    alone = [asyncio.run(client.generate(qwen3_deployment.router_address, client.make_request(
+        prompt, seed=11 + i, **sampling), 120)) for i in range(3)]
+    tokenizer = AutoTokenizer.from_pretrained(qwen3_checkpoint)
+    for sample, single in zip(samples, alone):
+        assert sample.token_ids == single.token_ids
+        answer = json.loads(tokenizer.decode(sample.token_ids, skip_special_tokens=True))
+        assert set(answer) == {"name", "age", "ok"}
+    assert len({tuple(s.token_ids) for s in samples}) > 1  # sampled, not one answer thrice
+    assert_pools_clean(qwen3_deployment)

@@ -5,6 +5,7 @@ with exactly the undisturbed tokens; the surviving workers' pools return to all 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -16,25 +17,36 @@ from deploy.launcher import Deployment, Process
 from kvferry.faults import tag
 from kvferry.rpc import grpc_util
 from kvferry.settings import DEFAULT_BLOCK_SIZE
-from kvferry.v1 import generation_pb2_grpc
+from kvferry.v1 import generation_pb2, generation_pb2_grpc
 from tests.conftest import assert_pools_clean, busy_process
 from tests.deployments import kill_decode_mid_stream, respawn
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize(("seed", "fixture"), [
-    (None, "qwen3_2p2d_deployment"), (11, "qwen3_2p2d_deployment"),
-    (None, "qwen3_nixl_deployment")], ids=["grpc-greedy", "grpc-seeded", "nixl-greedy"])
+# A constraint that outlasts 300 tokens: the migrated leg's workers replay the first leg's
+# tokens into their matchers (kvferry/model/grammar.py) before masking
+LONG_JSON = generation_pb2.Constraint(json_schema=json.dumps({
+    "type": "array", "items": {"type": "boolean"}, "minItems": 200, "maxItems": 200}))
+
+
+@pytest.mark.parametrize(("seed", "fixture", "constraint"), [
+    (None, "qwen3_2p2d_deployment", None), (11, "qwen3_2p2d_deployment", None),
+    (None, "qwen3_nixl_deployment", None), (11, "qwen3_2p2d_deployment", LONG_JSON)],
+    ids=["grpc-greedy", "grpc-seeded", "nixl-greedy", "grpc-seeded-constrained"])
 def test_decode_worker_killed_mid_stream(seed: int | None, fixture: str,
+                                         constraint: generation_pb2.Constraint | None,
                                          qwen3_deployment: Deployment,
                                          request: pytest.FixtureRequest) -> None:
     """On a shared deployment with two decode workers (the killed one is started again)."""
     deployment: Deployment = request.getfixturevalue(fixture)
     prompt = list(range(60, 140))
-    sampling = {"temperature": 0.0} if seed is None else {"temperature": 1.0, "seed": seed}
-    generate = client.make_request(prompt, max_tokens=300, ignore_eos=True, **sampling)
-    generate.cache_salt = f"test_migration-{fixture}-{seed}"  # nothing cached by other tests
+    sampling: dict[str, object] = ({"temperature": 0.0} if seed is None
+                                   else {"temperature": 1.0, "seed": seed})
+    sampling.update({"constraint": constraint} if constraint is not None
+                    else {"ignore_eos": True})
+    generate = client.make_request(prompt, max_tokens=300, **sampling)
+    generate.cache_salt = f"test_migration-{fixture}-{seed}-{constraint is not None}"
     undisturbed = asyncio.run(client.generate(qwen3_deployment.router_address, generate, 120))
     router_log = deployment.log_dir / "router.log"
     log_start = router_log.stat().st_size
@@ -45,7 +57,8 @@ def test_decode_worker_killed_mid_stream(seed: int | None, fixture: str,
     assert warm.token_ids == undisturbed.token_ids
     # Paced (10 ms a step, a per-request fault): the 280 steps after the kill point outlast the
     # stats poll that finds the victim, on any machine.
-    generate.request_id = f"migrate-{fixture}-{seed}" + tag(decode_step_delay_s=0.01)
+    generate.request_id = (f"migrate-{fixture}-{seed}-{constraint is not None}"
+                           + tag(decode_step_delay_s=0.01))
 
     got, victim = kill_decode_mid_stream(deployment, generate, 20)
     respawn(victim.name, deployment)
