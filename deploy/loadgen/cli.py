@@ -126,7 +126,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests in flight at most (default: no limit, open loop)")
     g.add_argument("--num-warmups", type=int, default=0,
                    help="requests sent and not measured before the run")
-    g.add_argument("--seed", type=int, default=0, help="seeds the prompts and the arrivals")
+    g.add_argument("--seed", type=int, default=None,
+                   help="seeds the prompts and the arrivals (default: 0)")
     g.add_argument("--temperature", type=float, default=0.0, help="every request's (0: greedy)")
     g.add_argument("--timeout-s", type=float, default=None, help="per request deadline")
 
@@ -225,8 +226,16 @@ def _write_outputs(result: BenchmarkResult, args: argparse.Namespace) -> None:
     from deploy.loadgen.report import format_result, write_json
 
     print(format_result(result))
-    if args.result_file is not None:
-        print(f"results: {write_json(result, args.result_file)}", file=sys.stderr)
+    # the results are always kept: in KVFERRY_HOME/bench/ unless --result-file says where
+    result_file = args.result_file or KVFERRY_HOME / "bench" / time.strftime(
+        "bench-%Y%m%d-%H%M%S.json")
+    print(f"results: {write_json(result, result_file)}"
+          + ("" if args.plot_dir is not None else " (--plot-dir DIR for plots)"),
+          file=sys.stderr)
+    if args.is_default_seed:
+        print(f"bench: prompts from --seed {args.seed} (the default): a rerun sends the same "
+              "prompts, which the server's prefix cache may still hold; --seed N for fresh "
+              "ones", file=sys.stderr)
     if args.plot_dir is not None:
         from deploy.loadgen.plots import write_plots
 
@@ -257,6 +266,8 @@ def load_format_argv(args: argparse.Namespace) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     """Run `kvferry bench`; exit code 1 when any request failed, 2 on bad arguments."""
+    args.is_default_seed = args.seed is None
+    args.seed = 0 if args.seed is None else args.seed
     try:
         workload, config, targets = make_workload(args), make_config(args), make_targets(args)
     except ValueError as exc:

@@ -130,9 +130,9 @@ def format_run(run: RunResult) -> str:
               " Prefix cache ".center(50, "-"),
               _row("Cached prompt tokens:", _cached(m, m.total_cached_prompt_tokens)),
               _row("Prefix cache hit rate (%):", _cached(m, 100 * m.prefix_cache_hit_rate)),
-              _row("K/V bytes shipped per request:", _known(run, m.mean_kv_bytes_shipped)),
+              _row("K/V bytes shipped per request:", _bytes(_known(run, m.mean_kv_bytes_shipped))),
               _row("K/V bytes not shipped per request:",
-                   _known(run, m.mean_kv_bytes_not_shipped))]
+                   _bytes(_known(run, m.mean_kv_bytes_not_shipped)))]
     for name in METRIC_NAMES:
         stats, label = m.stats(name), _LABELS[name]
         lines.append(f" {label} ".center(50, "-"))
@@ -148,15 +148,19 @@ def format_comparison(result: BenchmarkResult) -> str:
     """One row per target and rate: the figures a comparison looks at."""
     p = max(result.config.percentiles)
     word = percentile_word(p)
-    header = (f"| target | backend | rate | done | failed | req/s | goodput | p50 TTFT "
-              f"| p{word} TTFT | p50 ITL | p{word} ITL | p50 TPOT | p{word} TPOT | cache hits "
-              "| K/V KiB/req |")
-    lines = [header, "|---|---" + "|---:" * 13 + "|"]
+    has_goodput = any(run.metrics.request_goodput is not None for run in result.runs)
+    columns = ["target", "backend", "rate (req/s)", "done", "failed", "achieved (req/s)",
+               *(["goodput (req/s)"] if has_goodput else []),
+               *(f"{q} {name} (ms)" for name in ("TTFT", "ITL", "TPOT")
+                 for q in ("p50", f"p{word}")),
+               "cache hits", "K/V KiB/req"]
+    lines = ["| " + " | ".join(columns) + " |", "|---|---" + "|---:" * (len(columns) - 2) + "|"]
     for run in result.runs:
         m = run.metrics
-        goodput = "-" if m.request_goodput is None else f"{m.request_goodput:.2f}"
         cells = [run.target, run.backend, f"{run.request_rate:g}", str(m.completed),
-                 str(m.failed), f"{m.request_throughput:.2f}", goodput]
+                 str(m.failed), f"{m.request_throughput:.2f}"]
+        if has_goodput:
+            cells.append("-" if m.request_goodput is None else f"{m.request_goodput:.2f}")
         for name in ("ttft", "itl", "tpot"):
             stats = m.stats(name)
             cells += [f"{stats.median_ms:.1f}", f"{stats.percentile_ms(p):.1f}"]
@@ -166,6 +170,11 @@ def format_comparison(result: BenchmarkResult) -> str:
                   shipped if isinstance(shipped, str) else f"{shipped:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _bytes(value: float | str) -> int | str:
+    """A byte count as a whole number (a mean of bytes has no useful decimals)."""
+    return value if isinstance(value, str) else round(value)
 
 
 def _cached(m: BenchmarkMetrics, value: float) -> float | str:

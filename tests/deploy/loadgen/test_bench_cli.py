@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -55,8 +56,9 @@ def test_cli_single_target(fake_server: FakeServer, tmp_path: Path,
 
 def test_plots_are_titled_from_zero_and_tell_rates_apart(fake_server: FakeServer,
                                                         tmp_path: Path) -> None:
-    """The model and workload in each title, axes from 0, and in the
-    TTFT-vs-ITL scatter a marker per rate (a legend entry per target and rate)."""
+    """The model and workload in words in each title, axes from 0, the achieved rate on the
+    x axes, a throughput plot, and in the TTFT-vs-ITL scatter a marker per rate (a legend
+    entry per target and rate)."""
     from deploy.loadgen import plots
 
     config = BenchConfig(num_requests=3, request_rates=(40.0, 80.0), seed=2)
@@ -70,12 +72,21 @@ def test_plots_are_titled_from_zero_and_tell_rates_apart(fake_server: FakeServer
         plots.write_plots(result, tmp_path / "plots")
     finally:
         plt.close = real_close
-    rate_fig, scatter_fig = figures
-    assert rate_fig._suptitle.get_text().startswith("scripted-model; RandomWorkload(")
-    for ax in rate_fig.axes + scatter_fig.axes:
+    rate_fig, throughput_fig, scatter_fig = figures
+    words = "scripted-model - random workload: input_len 4, output_len 4"
+    for fig in (rate_fig, throughput_fig):
+        assert fig._suptitle.get_text().startswith(words)
+    for ax in rate_fig.axes + throughput_fig.axes + scatter_fig.axes:
         assert ax.get_ylim()[0] == 0 and ax.get_xlim()[0] == 0
+    achieved = sorted(run.metrics.request_throughput for run in result.runs)
+    assert sorted(rate_fig.axes[0].lines[0].get_xdata()) == achieved  # not 40 and 80
+    assert rate_fig.axes[2].get_xlabel() == "achieved request rate (req/s)"
+    assert throughput_fig.axes[0].get_ylabel() == "tokens/s"
+    assert list(throughput_fig.axes[0].lines[0].get_ydata()) == [
+        run.metrics.output_throughput for run in sorted(
+            result.runs, key=lambda r: r.metrics.request_throughput)]
     scatter = scatter_fig.axes[0]
-    assert scatter.get_title().startswith("scripted-model; RandomWorkload(")
+    assert scatter.get_title().startswith(words)
     labels = [t.get_text() for t in scatter.get_legend().get_texts()]
     assert labels == [f"{fake_server.address} @ 40 req/s", f"{fake_server.address} @ 80 req/s"]
     markers = {c.get_paths()[0].vertices.tobytes() for c in scatter.collections}
@@ -203,3 +214,27 @@ def test_a_keyed_router_is_benchmarked_with_its_key(fake_server: FakeServer, tmp
     monkeypatch.setenv("KVFERRY_API_KEY", "k2")
     assert main(common) == 0
     assert fake_server.servicer.keys == ["Bearer k2"] * 3
+
+
+def test_a_sweep_table_has_units_and_the_results_are_kept_with_a_seed_hint(
+        fake_server: FakeServer, capsys: pytest.CaptureFixture[str]) -> None:
+    """Without --goodput no empty goodput column; every figure's unit in its header; the
+    JSON written without --result-file (its path said); the default seed's rerun hint."""
+    code = main(["bench", "--address", fake_server.address, "--num-prompts", "3",
+                 "--input-len", "4", "--output-len", "4", "--request-rate", "40", "80",
+                 "--disable-tqdm"])
+    assert code == 0
+    captured = capsys.readouterr()
+    header = next(line for line in captured.out.splitlines() if line.startswith("| target"))
+    assert "rate (req/s)" in header and "p50 TTFT (ms)" in header and "p99 ITL (ms)" in header
+    assert "goodput" not in header
+    kept = Path(re.search(r"results: (\S+\.json)", captured.err).group(1))  # type: ignore[union-attr]
+    assert json.loads(kept.read_text())["config"]["request_rates"] == [40.0, 80.0]
+    kept.unlink()
+    assert "prompts from --seed 0 (the default)" in captured.err
+    assert main(["bench", "--address", fake_server.address, "--num-prompts", "2",
+                 "--input-len", "4", "--output-len", "4", "--request-rate", "40", "80",
+                 "--disable-tqdm", "--seed", "5", "--goodput", "ttft:1000",
+                 "--result-file", "/dev/null"]) == 0
+    captured = capsys.readouterr()
+    assert "goodput (req/s)" in captured.out and "--seed" not in captured.err
