@@ -157,13 +157,20 @@ def _piped_prompt() -> str | None:
 def _starting_line(deployment, served_name: str | None = None) -> str:
     """What serve says at once, so that the model loading that follows is not silence: the
     model under the name the API serves it as (--served-model-name)."""
-    from router.http.schema import served_model_name
+    from kvferry.model.identity import served_model_name
 
     workers = (f"{deployment.num_decode} colocated worker(s)" if deployment.is_colocated else
                f"{deployment.num_prefill} prefill + {deployment.num_decode} decode worker(s)")
     name = served_model_name(deployment.model or ensure_default_model(), served_name)
     return (f"kvferry: starting {workers} and a router for {name}; each loads the model "
             "first (Ctrl-C stops)")
+
+
+def _served_name(deployment, args: argparse.Namespace) -> str:
+    from kvferry.model.identity import served_model_name
+
+    return served_model_name(deployment.model or ensure_default_model(),
+                             args.served_model_name)
 
 
 def _serve_planner(args: argparse.Namespace):
@@ -192,7 +199,8 @@ def _serve_with(args: argparse.Namespace, store_url: str | None) -> int:
     deployment = _deployment(args, store_url)
     print(_starting_line(deployment, args.served_model_name), file=sys.stderr, flush=True)
     deployment.start()
-    print(f"kvferry serving on {deployment.router_address} (Ctrl-C to stop)", flush=True)
+    print(f"kvferry serving on {deployment.router_address} ({_served_name(deployment, args)}; "
+          "Ctrl-C to stop)", flush=True)
     print(_http_line(deployment, args), flush=True)
     stop = threading.Event()
 

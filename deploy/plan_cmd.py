@@ -168,7 +168,9 @@ def _auto_pool_bytes(args: argparse.Namespace, device: str) -> int:
     pool = auto_pool_bytes_for(settings, config, dev, dtype) // per_block * per_block
     how = (f"a decode worker's {share:.4g} of {device} memory less weights and activations"
            if share is not None else "on CPU without --memory-utilization, a fixed size")
-    print(f"pool: auto, {how}: {pool} bytes ({pool // per_block} blocks)")
+    blocks = pool // per_block
+    print(f"pool: auto, {how}: {pool} bytes ({blocks} blocks): K/V for "
+          f"{blocks * args.block_size:,} tokens ({pool / 2**20:.1f} MiB)")
     return pool
 
 

@@ -149,9 +149,13 @@ def build_worker(settings: WorkerSettings) -> tuple[Built, object]:
     # Internal server: a CA means client certificates are required (mTLS).
     port = security.add_port(server, f"{settings.host}:{settings.port}", creds,
                              require_client_auth=settings.security.tls_ca is not None)
-    log.info("%s worker on %s:%d: %d blocks of %d tokens, %s, %s, backend %s, %s K/V transport",
-             settings.role, settings.host, port, pool.num_blocks, pool.block_size, model.dtype,
-             model.device, backend_name, settings.kv_transport)
+    from kvferry.model.identity import served_model_name
+
+    log.info("%s worker on %s:%d ready: %s, K/V for %s tokens (%d blocks of %d), %s, %s, "
+             "backend %s, %s K/V transport", settings.role, settings.host, port,
+             served_model_name(str(model.config.path)), f"{pool.num_blocks * pool.block_size:,}",
+             pool.num_blocks, pool.block_size, model.dtype, model.device, backend_name,
+             settings.kv_transport)
     return Built(server, health, names, port, on_stop, settings.drain_timeout_s,
                  engine, _worker_metrics(settings, engine, pool.cache.nbytes),
                  _health_server(health, settings.host, settings.security)), engine
@@ -179,9 +183,9 @@ async def run_worker(settings: WorkerSettings) -> None:
 async def build_router(settings: RouterSettings) -> Built:
     from transformers import AutoTokenizer
 
+    from kvferry.model.identity import served_model_name
     from router import server as router_server
     from router.engine import Router
-    from router.http.schema import served_model_name
     from router.identity import ApiKeys
     from router.policies import make_policy
     from router.workers.leases import renew_loop

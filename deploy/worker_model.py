@@ -185,8 +185,10 @@ def build_pool(settings: WorkerSettings, config, device: torch.device,
     how = (settings.kv_pool_size if settings.kv_pool_size != AUTO else
            f"auto, {share:g} of {device.type} memory less weights and activations" if share
            else "auto: on CPU without --memory-utilization, a fixed size")
-    log.info("%s worker's K/V pool: %d bytes, %d blocks (--kv-pool-size %s)", settings.role,
-             num_blocks * per_block, num_blocks, how)
+    log.info("%s worker's K/V pool: %d bytes (%.1f MiB), %d blocks of %d tokens: K/V for %s "
+             "tokens (--kv-pool-size %s)", settings.role, num_blocks * per_block,
+             num_blocks * per_block / 2**20, num_blocks, settings.block_size,
+             f"{num_blocks * settings.block_size:,}", how)
     return KvPool(config.num_layers, config.num_kv_heads, config.head_dim, settings.block_size,
                   num_blocks, dtype, device, prefix_caching=settings.prefix_caching,
                   kv_cache_dtype=settings.kv_cache_dtype)

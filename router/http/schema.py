@@ -14,15 +14,14 @@ result (`UNSERVED`), and unknown ones are ignored, as vLLM does.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
 from kvferry.errors import InvalidArgument
 from kvferry.model.grammar import Constraint
+from kvferry.model.identity import served_model_name  # noqa: F401 - the API's model id
 from kvferry.model.sampling import SamplingParams
 from kvferry.settings.sampling import KVFERRY_DEFAULTS, SamplingDefaults
 from router.http.reply import Echo
@@ -47,29 +46,6 @@ UNSERVED: dict[str, object] = {
 }
 GUIDED = (("guided_json", "json_schema"), ("guided_regex", "regex"),
           ("guided_choice", "choice"), ("guided_grammar", "grammar"))
-
-
-def served_model_name(model: str, given: str | None = None) -> str:
-    """The model id the API reports and expects: `given` (--served-model-name), else the
-    checkpoint's own name: a directory's name, a GGUF file's name without `.gguf`, and for a
-    GGUF file kvferry converted (KVFERRY_HOME/models/NAME-<32 hex of its hash>), NAME, so
-    that the id stays what the user installed, not a cache key; a GGUF name loses its
-    quantization tag."""
-    if given:
-        return given
-    path = Path(model)
-    if path.suffix.lower() == ".gguf":
-        return _without_quant_tag(path.stem)
-    converted = re.fullmatch(r"(.+)-[0-9a-f]{32}", path.name)
-    if converted and (path / "manifest.json").is_file():
-        return _without_quant_tag(converted.group(1))
-    return path.name
-
-
-def _without_quant_tag(name: str) -> str:
-    """A GGUF file's name without its quantization tag (`.Q4_1`, `-Q4_K_M`, `.f16`): kvferry
-    serves the weights dequantized (float32 on CPU), so the tag would misname them."""
-    return re.sub(r"[.-](I?Q\d(_[A-Z0-9]+)*|F16|F32|BF16)$", "", name, flags=re.IGNORECASE)
 
 
 class StreamOptions(BaseModel):

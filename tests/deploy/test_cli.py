@@ -98,9 +98,14 @@ def _check_placement(model: str) -> CorePlan:
 
 def _pool_line(log: str, role: str) -> tuple[int, int]:
     """(bytes, blocks) of a worker's pool, as it logged them."""
-    match = re.search(rf"{role} worker's K/V pool: (\d+) bytes, (\d+) blocks", log)
+    match = re.search(rf"{role} worker's K/V pool: (\d+) bytes \([\d.]+ MiB\), (\d+) blocks", log)
     assert match, log[-3000:]
-    return int(match.group(1)), int(match.group(2))
+    blocks = int(match.group(2))
+    # the capacity in tokens, in the pool's line and the worker's ready line (with the model)
+    tokens = f"K/V for {blocks * 16:,} tokens"
+    assert f"{blocks} blocks of 16 tokens: {tokens}" in log
+    assert re.search(rf"{role} worker on \S+ ready: [\w.-]+, {tokens} \({blocks} blocks", log)
+    return int(match.group(1)), blocks
 
 
 def _planned_pool(model: Path, utilization: str, workers: str) -> tuple[int, int]:

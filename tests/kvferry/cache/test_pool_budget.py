@@ -94,8 +94,10 @@ def test_the_built_pool_holds_whole_blocks_of_that_and_says_so(
     with caplog.at_level(logging.INFO, logger="kvferry.worker"):
         pool = build_pool(settings, config, CPU, torch.float32)
     assert pool.num_blocks == want // per_block and pool.cache.nbytes == pool.num_blocks * per_block
-    assert (f"prefill worker's K/V pool: {pool.cache.nbytes} bytes, {pool.num_blocks} blocks "
-            "(--kv-pool-size auto, 0.01 of cpu memory") in caplog.text
+    assert (f"prefill worker's K/V pool: {pool.cache.nbytes} bytes "
+            f"({pool.cache.nbytes / 2**20:.1f} MiB), {pool.num_blocks} blocks of 16 tokens: K/V "
+            f"for {pool.num_blocks * 16:,} tokens (--kv-pool-size auto, 0.01 of cpu memory"
+            ) in caplog.text
 
 
 def test_nothing_left_for_the_pool_names_the_flags(qwen3_checkpoint: Path) -> None:
