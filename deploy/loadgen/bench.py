@@ -88,6 +88,7 @@ class RunResult:
     backend: str = "grpc"
     model: str = ""  # what the target serves: GetModelInfo's name, the OpenAI `model`
     placement: dict[str, str] = field(default_factory=dict)  # Endpoint.placement
+    is_interrupted: bool = False  # cut short (Ctrl-C): figures of the requests that finished
 
 
 @dataclass(frozen=True)
@@ -209,7 +210,9 @@ async def run_endpoint(target: Target, endpoint: Endpoint,
             metrics = calculate_metrics(outcome.records, outcome.duration_s, config.slo,
                                         config.percentiles)
             results.append(RunResult(name, rate, metrics, outcome.records, target.backend,
-                                     model, endpoint.placement or {}))
+                                     model, endpoint.placement or {}, outcome.is_interrupted))
+            if outcome.is_interrupted:  # Ctrl-C: no further rate
+                break
     return results
 
 
@@ -263,6 +266,8 @@ def run_benchmark(targets: Sequence[Target | str], workload: Workload | Conversa
                                 for seed in seeds]
             runs += asyncio.run(run_endpoint(target, endpoint, built[vocab][0], config, codec,
                                              built[vocab], model))
+        if runs and runs[-1].is_interrupted:  # Ctrl-C: no further target
+            break
     params = dataclasses.asdict(workload) if dataclasses.is_dataclass(workload) else {}
     return BenchmarkResult(config, repr(workload), tuple(runs),
                            {"kind": type(workload).__name__, **params})

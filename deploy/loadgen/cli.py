@@ -264,6 +264,9 @@ def load_format_argv(args: argparse.Namespace) -> list[str]:
     return [] if args.load_format == "auto" else ["--load-format", args.load_format]
 
 
+EXIT_INTERRUPTED = 130  # as a shell reports a command ended by SIGINT
+
+
 def run(args: argparse.Namespace) -> int:
     """Run `kvferry bench`; exit code 1 when any request failed, 2 on bad arguments."""
     args.is_default_seed = args.seed is None
@@ -317,4 +320,10 @@ def run(args: argparse.Namespace) -> int:
     _write_outputs(result, args)
     if args.trace is not None:
         _print_attribution(args.trace)
+    if result.runs and result.runs[-1].is_interrupted:
+        last = result.runs[-1]
+        print(f"bench: interrupted (Ctrl-C) during {last.target} @ {last.request_rate:g} "
+              f"req/s: its figures count the {len(last.records)} requests that had finished",
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
     return 1 if any(run.metrics.failed for run in result.runs) else 0

@@ -39,7 +39,7 @@ def run_to_dict(run: RunResult) -> dict[str, Any]:
     m, records = run.metrics, run.records
     out: dict[str, Any] = {
         "target": run.target, "backend": run.backend, "model": run.model,
-        "placement": run.placement,
+        "placement": run.placement, "interrupted": run.is_interrupted,
         "request_rate": _finite(run.request_rate),
         "duration": m.duration_s, "completed": m.completed, "failed": m.failed,
         "failures_by_status": m.failures_by_status,
@@ -114,7 +114,8 @@ def _row(label: str, value: object) -> str:
 def format_run(run: RunResult) -> str:
     """vLLM's result block for one run."""
     m = run.metrics
-    lines = [f" {run.target} @ {run.request_rate:g} req/s ".center(50, "="),
+    cut = " (interrupted)" if run.is_interrupted else ""
+    lines = [f" {run.target} @ {run.request_rate:g} req/s{cut} ".center(50, "="),
              _row("Successful requests:", m.completed), _row("Failed requests:", m.failed)]
     lines += [_row(f"  {status}:", count) for status, count in m.failures_by_status.items()]
     lines += [_row("Benchmark duration (s):", m.duration_s),

@@ -66,6 +66,16 @@ class RunOutcome:
 
     records: tuple[RequestRecord, ...]
     duration_s: float
+    is_interrupted: bool = False  # cut short (Ctrl-C): the records of what had finished
+
+
+class Interrupted(Exception):
+    """A run cut short (its task cancelled: Ctrl-C); `results` holds the requests (or
+    conversations) that had finished, in request order, and `duration_s` the time so far."""
+
+    def __init__(self, results: list, duration_s: float) -> None:
+        super().__init__("interrupted")
+        self.results, self.duration_s = results, duration_s
 
 
 def to_proto(request: BenchRequest, request_id: str, options: SendOptions,
@@ -161,15 +171,25 @@ def _check_load(num_items: int, offsets_s: Sequence[float], max_concurrency: int
 
 async def _on_schedule(offsets_s: Sequence[float], start: Callable[[int, float], Awaitable[T]],
                        clock: Clock, sleep: Sleep) -> tuple[list[T], float]:
-    """Call start(i, origin) at offsets_s[i] after origin; every result, and the duration."""
+    """Call start(i, origin) at offsets_s[i] after origin; every result, and the duration.
+    Cancelled (Ctrl-C), it cancels what is still running and raises Interrupted with the
+    results of what had finished."""
     origin = clock()
-    tasks = []
-    for index, offset in enumerate(offsets_s):
-        delay = origin + offset - clock()
-        if delay > 0:
-            await sleep(delay)
-        tasks.append(asyncio.create_task(start(index, origin)))
-    results = await asyncio.gather(*tasks)
+    tasks: list[asyncio.Task[T]] = []
+    try:
+        for index, offset in enumerate(offsets_s):
+            delay = origin + offset - clock()
+            if delay > 0:
+                await sleep(delay)
+            tasks.append(asyncio.create_task(start(index, origin)))
+        results = await asyncio.gather(*tasks)
+    except asyncio.CancelledError:
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
+        finished = [t.result() for t in tasks if not t.cancelled() and t.exception() is None]
+        raise Interrupted(finished, clock() - origin) from None
     return list(results), clock() - origin
 
 
@@ -190,7 +210,10 @@ async def run_requests(client: GenerateStub | Sender, requests: Sequence[BenchRe
             on_done(record)
         return record
 
-    records, duration_s = await _on_schedule(offsets_s, limited, clock, sleep)
+    try:
+        records, duration_s = await _on_schedule(offsets_s, limited, clock, sleep)
+    except Interrupted as cut:
+        return RunOutcome(tuple(cut.results), cut.duration_s, is_interrupted=True)
     return RunOutcome(tuple(records), duration_s)
 
 
@@ -240,5 +263,9 @@ async def run_conversations(client: GenerateStub | Sender, conversations: Sequen
             records.append(record)
         return records
 
-    per_conversation, duration_s = await _on_schedule(offsets_s, converse, clock, sleep)
+    try:
+        per_conversation, duration_s = await _on_schedule(offsets_s, converse, clock, sleep)
+    except Interrupted as cut:  # the conversations that had finished
+        return RunOutcome(tuple(r for records in cut.results for r in records), cut.duration_s,
+                          is_interrupted=True)
     return RunOutcome(tuple(r for records in per_conversation for r in records), duration_s)

@@ -238,3 +238,28 @@ def test_a_sweep_table_has_units_and_the_results_are_kept_with_a_seed_hint(
                  "--result-file", "/dev/null"]) == 0
     captured = capsys.readouterr()
     assert "goodput (req/s)" in captured.out and "--seed" not in captured.err
+
+
+def test_ctrl_c_reports_the_requests_already_finished(fake_server: FakeServer,
+                                                      tmp_path: Path) -> None:
+    """SIGINT mid-run: the table and the JSON count what had finished, the run says it was
+    interrupted, and the exit code is 130."""
+    import signal
+    import subprocess
+    import sys
+
+    from tests.waiting import until_sync
+
+    result_file = tmp_path / "cut.json"
+    bench = subprocess.Popen(
+        [sys.executable, "-m", "deploy.cli", "bench", "--address", fake_server.address,
+         "--num-prompts", "200", "--input-len", "4", "--output-len", "4", "--request-rate",
+         "4", "--disable-tqdm", "--result-file", str(result_file)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    until_sync(lambda: len(fake_server.servicer.requests) >= 4, "a few requests sent")
+    bench.send_signal(signal.SIGINT)
+    out, err = bench.communicate(timeout=60)
+    assert bench.returncode == 130, err[-2000:]
+    assert "(interrupted)" in out and "interrupted (Ctrl-C)" in err
+    data = json.loads(result_file.read_text())
+    assert data["interrupted"] and 1 <= data["completed"] < 200

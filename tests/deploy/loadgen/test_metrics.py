@@ -151,7 +151,7 @@ def test_cache_figures_are_unknown_unless_a_server_reported_them() -> None:
     reported = calculate_metrics([RequestRecord(100, 4, 0.0, cached_prompt_tokens=0,
                                                 cache_reported=True)], 1.0)
     assert reported.cache_reported
-    run = SimpleNamespace(target="t", backend="grpc", model="m", placement="",
+    run = SimpleNamespace(target="t", backend="grpc", model="m", placement="", is_interrupted=False,
                           request_rate=1.0, metrics=unreported)
     text = format_run(run)  # type: ignore[arg-type]
     assert re.search(r"Prefix cache hit rate \(%\): +unknown", text)

@@ -169,3 +169,24 @@ def test_conversations_need_one_offset_each() -> None:
     with pytest.raises(ValueError, match="offsets_s"):
         asyncio.run(run_conversations(FakeStub(VirtualClock()),
                                       [Conversation(((1,),), 1)], [0.0, 1.0]))
+
+
+def test_a_cancelled_run_keeps_the_records_of_what_had_finished() -> None:
+    """Ctrl-C cancels the run's task: what had finished is kept, flagged interrupted."""
+    clock, done = VirtualClock(), []
+
+    async def stalled(delay_s: float) -> None:  # the third request's send slot never comes
+        await asyncio.Event().wait()
+
+    async def body():  # type: ignore[no-untyped-def]
+        task = asyncio.create_task(run_requests(
+            FakeStub(clock), REQUESTS, [0.0, 0.0, 5.0], clock=clock, sleep=stalled,
+            on_done=done.append))
+        while len(done) < 2:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        return await task
+
+    outcome = asyncio.run(body())
+    assert outcome.is_interrupted and len(outcome.records) == 2
+    assert {r.prompt_len for r in outcome.records} == {3, 2}
