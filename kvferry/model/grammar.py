@@ -184,12 +184,16 @@ def grammars_for(checkpoint: str, vocab_size: int, stop_token_ids: tuple[int, ..
     return Grammars(AutoTokenizer.from_pretrained(checkpoint), vocab_size, stop_token_ids)
 
 
+def _grammars(config: ModelConfig) -> Grammars:
+    """The process's compiler for `config`'s model (its end-of-sequence ids stop a match)."""
+    return grammars_for(str(config.path), config.vocab_size, tuple(config.eos_token_ids))
+
+
 def check_constraint(config: ModelConfig, constraint: Constraint) -> None:
     """InvalidArgument, naming the field, for a constraint the engine refuses for `config`'s
     model (compiled into the process's cache, which the workers' compiles share nothing
     with: each process compiles its own)."""
-    grammars_for(str(config.path), config.vocab_size,
-                 tuple(config.eos_token_ids)).compile(constraint)
+    _grammars(config).compile(constraint)
 
 
 def guide_for(config: ModelConfig, constraint: Constraint | None,
@@ -199,7 +203,6 @@ def guide_for(config: ModelConfig, constraint: Constraint | None,
     for a constraint the engine refuses, or an output it does not match."""
     if constraint is None:
         return None
-    guide = grammars_for(str(config.path), config.vocab_size,
-                         tuple(config.eos_token_ids)).guide(constraint)
+    guide = _grammars(config).guide(constraint)
     guide.follow(output)
     return guide

@@ -44,8 +44,7 @@ def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams,
         row = logits[j]
         if params.shapes_logits:  # row j's history holds the drafts before it
             row = params.shaped(row, None if history is None else
-                                History(history.prompt, history.output + drafts[:j],
-                                        history.guide))
+                                history._replace(output=history.output + drafts[:j]))
         if greedy is not None:
             token = greedy[j]
         elif params.is_greedy:

@@ -106,12 +106,7 @@ def structured_constraint(so: StructuredOutputs, param: str) -> Constraint | Non
                               "json_object", param)
     if not given:
         return None
-    kind, value = given[0]
-    if kind == "choice":
-        return Constraint("choice", choices=tuple(value))  # type: ignore[arg-type]
-    if kind == "json_schema":
-        return Constraint(kind, _schema_text(value))  # type: ignore[arg-type]
-    return Constraint(kind, "" if kind == "json_object" else value)  # type: ignore[arg-type]
+    return guided_constraint(*given[0])
 
 
 @dataclass(frozen=True)
@@ -198,12 +193,15 @@ def tool_constraint(tools: list[Tool], choice: str | NamedToolChoice | None,
 
 
 def guided_constraint(kind: str, value: object) -> Constraint:
-    """vLLM's older extras: guided_json (a schema, object or text), guided_regex,
-    guided_choice, guided_grammar."""
+    """A constraint of `kind` from the value a parameter gave it: vLLM's older extras
+    (guided_json: a schema, object or text; guided_regex, guided_choice, guided_grammar) and
+    the fields of its `structured_outputs`."""
     if kind == "choice":
         return Constraint("choice", choices=tuple(value))  # type: ignore[arg-type]
     if kind == "json_schema":
         return Constraint(kind, _schema_text(value))  # type: ignore[arg-type]
+    if kind == "json_object":
+        return Constraint(kind)
     return Constraint(kind, str(value))
 
 
